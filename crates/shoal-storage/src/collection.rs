@@ -1,0 +1,233 @@
+//! A collection: named documents spread over the store's virtual partitions.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::watch;
+
+use crate::changes::{Change, FeedPosition, PartitionSubscription, Rollback, StreamPosition};
+use crate::error::{ChangesError, ReadError, WriteError};
+use crate::partition::{Document, MutationOutcome, Partition, WriteOp, WriteRequest};
+use crate::syncer::Syncer;
+use crate::{partition_of, Cas, PartitionId, SeqNo};
+
+/// Size of a collection, for listings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CollectionInfo {
+    pub name: String,
+    pub docs: u64,
+    pub bytes: u64,
+    pub max_ttl: u32,
+}
+
+/// The keyspaces of one collection in one data path.
+pub(crate) struct Keyspaces {
+    pub db: fjall::Database,
+    pub docs: fjall::Keyspace,
+    pub seq: fjall::Keyspace,
+    pub exp: fjall::Keyspace,
+    pub syncer: Arc<Syncer>,
+}
+
+pub struct Collection {
+    pub(crate) name: String,
+    pub(crate) id: u32,
+    pub(crate) max_ttl: u32,
+    pub(crate) partitions: Vec<Arc<Partition>>,
+    pub(crate) keyspaces: Vec<Keyspaces>,
+    pub(crate) changed: Arc<watch::Sender<u64>>,
+    pub(crate) dropped: Arc<AtomicBool>,
+}
+
+/// Durability still to wait for after a write: one fsync ticket per data path touched.
+#[must_use = "a persist write is durable only once this is awaited"]
+#[derive(Default)]
+pub struct DurableWait {
+    waits: Vec<(Arc<Syncer>, u64)>,
+}
+
+impl DurableWait {
+    fn add(&mut self, syncer: &Arc<Syncer>, ticket: u64) {
+        if ticket == 0 {
+            return;
+        }
+        match self.waits.iter_mut().find(|(s, _)| Arc::ptr_eq(s, syncer)) {
+            Some((_, t)) => *t = (*t).max(ticket),
+            None => self.waits.push((Arc::clone(syncer), ticket)),
+        }
+    }
+
+    /// Resolves once every write behind this receipt is fsynced.
+    pub async fn wait(self) -> Result<(), WriteError> {
+        for (syncer, ticket) in self.waits {
+            syncer.wait_durable(ticket).await?;
+        }
+        Ok(())
+    }
+}
+
+impl Collection {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn partition_count(&self) -> u16 {
+        self.partitions.len() as u16
+    }
+
+    pub fn info(&self) -> CollectionInfo {
+        let (docs, bytes) = self.partitions.iter().fold((0i64, 0i64), |(d, b), p| {
+            (d + p.docs_count.load(Ordering::Relaxed), b + p.docs_bytes.load(Ordering::Relaxed))
+        });
+        CollectionInfo { name: self.name.clone(), docs: docs.max(0) as u64, bytes: bytes.max(0) as u64, max_ttl: self.max_ttl }
+    }
+
+    /// The high seqno of every partition, in partition order.
+    pub fn high_seqnos(&self) -> Vec<SeqNo> {
+        self.partitions.iter().map(|p| p.high_seqno()).collect()
+    }
+
+    pub fn partition_uuids(&self) -> Vec<u64> {
+        self.partitions.iter().map(|p| p.uuid()).collect()
+    }
+
+    fn partition_for(&self, key: &[u8]) -> &Arc<Partition> {
+        let p = partition_of(key, self.partition_count());
+        &self.partitions[usize::from(p)]
+    }
+
+    fn syncer_of(&self, p: PartitionId) -> &Arc<Syncer> {
+        &self.keyspaces[usize::from(p) % self.keyspaces.len()].syncer
+    }
+
+    pub fn get(&self, key: &str) -> Result<Document, ReadError> {
+        self.partition_for(key.as_bytes()).get(key.as_bytes())
+    }
+
+    pub fn get_and_lock(&self, key: &str, lock_secs: u32) -> Result<Document, ReadError> {
+        self.partition_for(key.as_bytes()).get_and_lock(key.as_bytes(), lock_secs)
+    }
+
+    pub fn unlock(&self, key: &str, cas: Cas) -> Result<(), WriteError> {
+        self.partition_for(key.as_bytes()).unlock(key.as_bytes(), cas)
+    }
+
+    /// Caps an expiry at the collection's maximum TTL (Couchbase's rule: documents without
+    /// an expiry get the maximum too).
+    fn capped(&self, mut req: WriteRequest) -> WriteRequest {
+        if self.max_ttl > 0 && matches!(req.op, WriteOp::Upsert | WriteOp::Insert | WriteOp::Replace | WriteOp::Touch) {
+            let cap = crate::absolute_expiry(u64::from(self.max_ttl), crate::unix_now_secs()).unwrap_or(u32::MAX);
+            if req.expiry == 0 || req.expiry > cap {
+                req.expiry = cap;
+            }
+        }
+        req
+    }
+
+    /// Applies one mutation. Readers see it on return; await the [`DurableWait`] for
+    /// `persist` durability.
+    pub fn write(&self, req: WriteRequest) -> Result<(MutationOutcome, DurableWait), WriteError> {
+        let req = self.capped(req);
+        let partition = self.partition_for(&req.key);
+        let (outcome, ticket) = partition.write(&req)?;
+        let mut wait = DurableWait::default();
+        wait.add(self.syncer_of(partition.id()), ticket);
+        Ok((outcome, wait))
+    }
+
+    /// Applies many mutations, grouped by partition into few journal batches. Results come
+    /// back in request order; a failing request fails alone. May block on I/O for a while:
+    /// call from a blocking context.
+    pub fn write_many(&self, reqs: Vec<WriteRequest>) -> (Vec<Result<MutationOutcome, WriteError>>, DurableWait) {
+        let reqs: Vec<WriteRequest> = reqs.into_iter().map(|r| self.capped(r)).collect();
+        let mut by_partition: Vec<Vec<usize>> = vec![Vec::new(); self.partitions.len()];
+        for (i, req) in reqs.iter().enumerate() {
+            by_partition[usize::from(partition_of(&req.key, self.partition_count()))].push(i);
+        }
+        let mut results: Vec<Option<Result<MutationOutcome, WriteError>>> = (0..reqs.len()).map(|_| None).collect();
+        let mut wait = DurableWait::default();
+        for (p, indexes) in by_partition.iter().enumerate() {
+            if indexes.is_empty() {
+                continue;
+            }
+            let group: Vec<&WriteRequest> = indexes.iter().map(|&i| &reqs[i]).collect();
+            let (outcomes, ticket) = self.partitions[p].write_many(&group);
+            wait.add(self.syncer_of(p as PartitionId), ticket);
+            for (&i, outcome) in indexes.iter().zip(outcomes) {
+                results[i] = Some(outcome);
+            }
+        }
+        let results = results.into_iter().map(|r| r.unwrap_or(Err(WriteError::Corrupt))).collect();
+        (results, wait)
+    }
+
+    /// Subscribes to one partition's changes after `from`. When the partition's history
+    /// diverged from `from`, the subscription starts at the rollback point, which is returned.
+    pub fn subscribe(&self, partition: PartitionId, from: StreamPosition) -> Result<(PartitionSubscription, Option<SeqNo>), ChangesError> {
+        let p = self.partitions.get(usize::from(partition)).ok_or(ChangesError::InvalidToken("no such partition"))?;
+        let rollback = rollback_point(p, from);
+        let since = rollback.unwrap_or(from.seqno);
+        Ok((PartitionSubscription::new(Arc::clone(p), since), rollback))
+    }
+
+    /// Parses a feed token (none = from the beginning) and applies rollbacks where a
+    /// partition's history diverged from it.
+    pub fn feed_position(&self, token: Option<&str>) -> Result<(FeedPosition, Vec<Rollback>), ChangesError> {
+        let mut pos = match token {
+            None => FeedPosition::start(self.partition_count()),
+            Some(t) => FeedPosition::from_token(t, self.partition_count())?,
+        };
+        let mut rollbacks = Vec::new();
+        for (partition, slot) in self.partitions.iter().zip(pos.partitions.iter_mut()) {
+            if let Some(seqno) = rollback_point(partition, *slot) {
+                rollbacks.push(Rollback { partition: partition.id(), seqno });
+                slot.seqno = seqno;
+            }
+            slot.uuid = partition.uuid();
+        }
+        Ok((pos, rollbacks))
+    }
+
+    /// Up to `max` changes after `pos`, partition by partition, advancing `pos`.
+    pub fn read_feed(&self, pos: &mut FeedPosition, max: usize, include_docs: bool) -> Result<Vec<Change>, ChangesError> {
+        let mut out = Vec::new();
+        for (partition, slot) in self.partitions.iter().zip(pos.partitions.iter_mut()) {
+            if out.len() >= max {
+                break;
+            }
+            let (changes, next) = partition
+                .read_changes(slot.seqno, max - out.len(), include_docs)
+                .map_err(|e| match e {
+                    ReadError::CollectionDropped => ChangesError::CollectionDropped,
+                    ReadError::Engine(e) => ChangesError::Engine(e),
+                    _ => ChangesError::Corrupt,
+                })?;
+            slot.seqno = next;
+            out.extend(changes);
+        }
+        Ok(out)
+    }
+
+    /// Changes whenever any partition of the collection commits a change.
+    pub fn changed(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    pub fn is_dropped(&self) -> bool {
+        self.dropped.load(Ordering::Acquire)
+    }
+}
+
+/// Where a reader at `from` must restart: on a diverged history (see
+/// `Partition::rollback_point`), or before the purge horizon, where deletions it has not
+/// seen may have been purged (then from 0, as Couchbase does).
+fn rollback_point(p: &Partition, from: StreamPosition) -> Option<SeqNo> {
+    if from.seqno == 0 {
+        return None;
+    }
+    if let Some(r) = p.rollback_point(from.uuid, from.seqno) {
+        return Some(r);
+    }
+    let purged = p.purge_seqno.load(Ordering::Acquire);
+    (from.seqno < purged).then_some(0)
+}

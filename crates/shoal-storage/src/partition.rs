@@ -1,0 +1,636 @@
+//! One virtual partition of one collection: its sequencer, reads, writes and the in-memory
+//! tail of its change stream.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+use tokio::sync::watch;
+
+use crate::changes::Change;
+use crate::clock::CasClock;
+use crate::codec::{self, DocMeta};
+use crate::error::{ReadError, WriteError};
+use crate::syncer::Syncer;
+use crate::{Cas, PartitionId, SeqNo, CHANGE_TAIL_MAX_BYTES, CHANGE_TAIL_MAX_ITEMS};
+use crate::{DOC_MAX_BYTES, KEY_MAX_BYTES, LOCK_MAX_SECS};
+
+/// CAS reported for a document locked by someone else (Couchbase reports all ones too).
+pub const LOCKED_CAS: Cas = u64::MAX;
+
+/// A stored document as a reader sees it.
+#[derive(Clone, Debug)]
+pub struct Document {
+    pub cas: Cas,
+    pub seqno: SeqNo,
+    /// Absolute Unix seconds; 0 = never.
+    pub expiry: u32,
+    pub value: Bytes,
+}
+
+/// What a write does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteOp {
+    Upsert,
+    Insert,
+    Replace,
+    Remove,
+    /// Change the expiry only.
+    Touch,
+}
+
+/// One mutation of one document.
+#[derive(Clone, Debug)]
+pub struct WriteRequest {
+    pub key: Bytes,
+    pub op: WriteOp,
+    /// The new body, for upsert, insert and replace.
+    pub value: Option<Bytes>,
+    /// Apply only if the document's current CAS (or its lock's CAS) is this.
+    pub cas: Option<Cas>,
+    /// Absolute Unix seconds, 0 = never; see [`crate::absolute_expiry`].
+    pub expiry: u32,
+}
+
+/// What a successful mutation answers: enough for a client to wait for it in the change
+/// stream or an index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MutationOutcome {
+    pub cas: Cas,
+    pub partition: PartitionId,
+    pub seqno: SeqNo,
+    pub uuid: u64,
+}
+
+/// An epoch of a partition's history: `uuid` was current from `seqno` (exclusive) on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FailoverEntry {
+    pub uuid: u64,
+    pub seqno: SeqNo,
+}
+
+struct DocLock {
+    cas: Cas,
+    until: Instant,
+}
+
+/// Everything that changes under the partition's sequencer lock.
+struct Sequencer {
+    high: SeqNo,
+    /// Changes `tail[0].seqno ..= high`, contiguous, newest last.
+    tail: VecDeque<Change>,
+    tail_bytes: usize,
+    locks: HashMap<Bytes, DocLock>,
+}
+
+pub(crate) struct PartitionParts {
+    pub id: PartitionId,
+    pub db: fjall::Database,
+    pub docs: fjall::Keyspace,
+    pub seq: fjall::Keyspace,
+    pub exp: fjall::Keyspace,
+    pub syncer: Arc<Syncer>,
+    pub clock: Arc<CasClock>,
+    pub failover: Vec<FailoverEntry>,
+    pub purge_seqno: SeqNo,
+    pub collection_changed: Arc<watch::Sender<u64>>,
+    pub dropped: Arc<AtomicBool>,
+}
+
+pub struct Partition {
+    pub(crate) id: PartitionId,
+    pub(crate) db: fjall::Database,
+    pub(crate) docs: fjall::Keyspace,
+    pub(crate) seq: fjall::Keyspace,
+    pub(crate) exp: fjall::Keyspace,
+    syncer: Arc<Syncer>,
+    clock: Arc<CasClock>,
+    failover: Vec<FailoverEntry>,
+    state: Mutex<Sequencer>,
+    high_tx: watch::Sender<SeqNo>,
+    collection_changed: Arc<watch::Sender<u64>>,
+    dropped: Arc<AtomicBool>,
+    /// Locks currently held; lets reads skip the sequencer lock when there are none.
+    locked_docs: AtomicUsize,
+    pub(crate) purge_seqno: AtomicU64,
+    pub(crate) docs_count: AtomicI64,
+    pub(crate) docs_bytes: AtomicI64,
+}
+
+/// The current record of a key, as the sequencer sees it before a write.
+struct Current {
+    meta: DocMeta,
+    body: Bytes,
+}
+
+impl Partition {
+    pub(crate) fn open(parts: PartitionParts) -> Result<Partition, fjall::Error> {
+        let (high, max_cas) = match parts
+            .seq
+            .range(codec::seq_key(parts.id, 0)..=codec::seq_key(parts.id, SeqNo::MAX))
+            .next_back()
+        {
+            Some(guard) => {
+                let (k, v) = guard.into_inner()?;
+                let seqno = codec::decode_seq_key(&k).map(|(_, s)| s).unwrap_or(0);
+                let cas = codec::decode_seq_value(&v).map(|(c, _, _)| c).unwrap_or(0);
+                (seqno, cas)
+            }
+            None => (0, 0),
+        };
+        parts.clock.observe(max_cas);
+        let high = high.max(parts.purge_seqno);
+        let (mut count, mut bytes) = (0i64, 0i64);
+        for guard in parts.docs.prefix(parts.id.to_be_bytes()) {
+            let v = guard.value()?;
+            if let Some((meta, body)) = codec::decode_doc_value(&v) {
+                if !meta.deleted {
+                    count += 1;
+                    bytes += body.len() as i64;
+                }
+            }
+        }
+        Ok(Partition {
+            id: parts.id,
+            db: parts.db,
+            docs: parts.docs,
+            seq: parts.seq,
+            exp: parts.exp,
+            syncer: parts.syncer,
+            clock: parts.clock,
+            failover: parts.failover,
+            state: Mutex::new(Sequencer {
+                high,
+                tail: VecDeque::new(),
+                tail_bytes: 0,
+                locks: HashMap::new(),
+            }),
+            high_tx: watch::channel(high).0,
+            collection_changed: parts.collection_changed,
+            dropped: parts.dropped,
+            locked_docs: AtomicUsize::new(0),
+            purge_seqno: AtomicU64::new(parts.purge_seqno),
+            docs_count: AtomicI64::new(count),
+            docs_bytes: AtomicI64::new(bytes),
+        })
+    }
+
+    pub fn id(&self) -> PartitionId {
+        self.id
+    }
+
+    /// The partition's current history UUID.
+    pub fn uuid(&self) -> u64 {
+        self.failover.last().map(|e| e.uuid).unwrap_or(0)
+    }
+
+    /// Starts a new history epoch (after an unclean shutdown, or for a new partition).
+    pub(crate) fn push_failover(&mut self, entry: FailoverEntry) {
+        self.failover.push(entry);
+    }
+
+    pub fn failover_log(&self) -> &[FailoverEntry] {
+        &self.failover
+    }
+
+    pub fn high_seqno(&self) -> SeqNo {
+        *self.high_tx.borrow()
+    }
+
+    pub(crate) fn high_watch(&self) -> watch::Receiver<SeqNo> {
+        self.high_tx.subscribe()
+    }
+
+    pub(crate) fn is_dropped(&self) -> bool {
+        self.dropped.load(Ordering::Acquire)
+    }
+
+    /// Where a reader holding `(uuid, seqno)` must roll back to, if this partition's history
+    /// diverged from the reader's since that point. `None` when the reader is on our history.
+    pub fn rollback_point(&self, uuid: u64, seqno: SeqNo) -> Option<SeqNo> {
+        if uuid == self.uuid() {
+            return None;
+        }
+        let known = self.failover.iter().position(|e| e.uuid == uuid);
+        match known.and_then(|i| self.failover.get(i + 1)) {
+            // History is shared up to where the next epoch began.
+            Some(next) => Some(seqno.min(next.seqno)),
+            None => Some(0),
+        }
+    }
+
+    fn read_current(&self, dk: &[u8]) -> Result<Option<Current>, fjall::Error> {
+        let Some(raw) = self.docs.get(dk)? else { return Ok(None) };
+        let raw = Bytes::from(raw);
+        match codec::decode_doc_value(&raw) {
+            Some((meta, body)) => Ok(Some(Current { meta, body: raw.slice(body) })),
+            None => {
+                tracing::error!(partition = self.id, "corrupt document record");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Reads a live document. A document locked by someone else is returned with
+    /// [`LOCKED_CAS`].
+    pub fn get(&self, key: &[u8]) -> Result<Document, ReadError> {
+        validate_key(key).map_err(ReadError::InvalidKey)?;
+        if self.is_dropped() {
+            return Err(ReadError::CollectionDropped);
+        }
+        let now = crate::unix_now_secs();
+        let current = self.read_current(&codec::doc_key(self.id, key))?;
+        let Some(current) = current.filter(|c| is_live(&c.meta, now)) else {
+            return Err(ReadError::NotFound);
+        };
+        let mut cas = current.meta.cas;
+        if self.locked_docs.load(Ordering::Acquire) > 0 {
+            let state = self.state.lock();
+            if state.locks.get(key).is_some_and(|l| l.until > Instant::now()) {
+                cas = LOCKED_CAS;
+            }
+        }
+        Ok(Document { cas, seqno: current.meta.seqno, expiry: current.meta.expiry, value: current.body })
+    }
+
+    /// Get-and-lock: the returned CAS unlocks the document, or mutates it (which unlocks).
+    pub fn get_and_lock(&self, key: &[u8], lock_secs: u32) -> Result<Document, ReadError> {
+        validate_key(key).map_err(ReadError::InvalidKey)?;
+        if lock_secs == 0 || lock_secs > LOCK_MAX_SECS {
+            return Err(ReadError::InvalidLockTime);
+        }
+        let mut state = self.state.lock();
+        if self.is_dropped() {
+            return Err(ReadError::CollectionDropped);
+        }
+        let now = crate::unix_now_secs();
+        let current = self.read_current(&codec::doc_key(self.id, key))?;
+        let Some(current) = current.filter(|c| is_live(&c.meta, now)) else {
+            return Err(ReadError::NotFound);
+        };
+        if state.locks.get(key).is_some_and(|l| l.until > Instant::now()) {
+            return Err(ReadError::Locked);
+        }
+        let cas = self.clock.next();
+        let lock = DocLock { cas, until: Instant::now() + Duration::from_secs(u64::from(lock_secs)) };
+        if state.locks.insert(Bytes::copy_from_slice(key), lock).is_none() {
+            self.locked_docs.fetch_add(1, Ordering::AcqRel);
+        }
+        Ok(Document { cas, seqno: current.meta.seqno, expiry: current.meta.expiry, value: current.body })
+    }
+
+    /// Releases a lock taken by [`Partition::get_and_lock`].
+    pub fn unlock(&self, key: &[u8], cas: Cas) -> Result<(), WriteError> {
+        validate_key(key).map_err(WriteError::InvalidKey)?;
+        let mut state = self.state.lock();
+        let now = crate::unix_now_secs();
+        let current = self.read_current(&codec::doc_key(self.id, key))?;
+        if !current.is_some_and(|c| is_live(&c.meta, now)) {
+            return Err(WriteError::NotFound);
+        }
+        match state.locks.get(key) {
+            Some(l) if l.until > Instant::now() => {
+                if l.cas != cas {
+                    return Err(WriteError::CasMismatch);
+                }
+                state.locks.remove(key);
+                self.locked_docs.fetch_sub(1, Ordering::AcqRel);
+                Ok(())
+            }
+            _ => Err(WriteError::NotLocked),
+        }
+    }
+
+    /// Applies one mutation; answers once it is in the journal buffer (readers see it).
+    /// The returned ticket names the journal batch, for [`Partition::wait_durable`].
+    pub fn write(&self, req: &WriteRequest) -> Result<(MutationOutcome, u64), WriteError> {
+        let mut state = self.state.lock();
+        let mut batch = self.db.batch();
+        let mut changes = Vec::with_capacity(1);
+        let outcome = self.plan(&mut state, &mut batch, &mut changes, req)?;
+        let ticket = self.commit(&mut state, batch, changes)?;
+        Ok((outcome, ticket))
+    }
+
+    /// Applies many mutations in order, committing them in as few journal batches as
+    /// possible (group commit). A failing request fails alone.
+    pub fn write_many(&self, reqs: &[&WriteRequest]) -> (Vec<Result<MutationOutcome, WriteError>>, u64) {
+        let mut results = Vec::with_capacity(reqs.len());
+        let mut state = self.state.lock();
+        let mut batch = self.db.batch();
+        let mut changes = Vec::new();
+        let mut in_batch: HashSet<&[u8]> = HashSet::new();
+        let mut ticket = 0;
+        let mut pending_from = 0;
+        for req in reqs {
+            // A key already in the uncommitted batch must see that write: commit first.
+            if !in_batch.insert(&req.key[..]) {
+                match self.commit(&mut state, std::mem::replace(&mut batch, self.db.batch()), std::mem::take(&mut changes)) {
+                    Ok(t) => ticket = t,
+                    Err(e) => fail_pending(&mut results[pending_from..], &e),
+                }
+                pending_from = results.len();
+                in_batch.clear();
+                in_batch.insert(&req.key[..]);
+            }
+            results.push(self.plan(&mut state, &mut batch, &mut changes, req));
+        }
+        match self.commit(&mut state, batch, changes) {
+            Ok(t) => ticket = ticket.max(t),
+            Err(e) => fail_pending(&mut results[pending_from..], &e),
+        }
+        (results, ticket)
+    }
+
+    /// Checks one request against the current state and the uncommitted batch, and adds its
+    /// effects to `batch` and `changes`. Assigns the seqno; `state.high` moves on commit.
+    fn plan(
+        &self,
+        state: &mut Sequencer,
+        batch: &mut fjall::OwnedWriteBatch,
+        changes: &mut Vec<Change>,
+        req: &WriteRequest,
+    ) -> Result<MutationOutcome, WriteError> {
+        validate_key(&req.key).map_err(WriteError::InvalidKey)?;
+        if self.is_dropped() {
+            return Err(WriteError::CollectionDropped);
+        }
+        let value = match req.op {
+            WriteOp::Upsert | WriteOp::Insert | WriteOp::Replace => {
+                let v = req.value.as_ref().ok_or(WriteError::MissingValue)?;
+                if v.len() > DOC_MAX_BYTES {
+                    return Err(WriteError::TooLarge);
+                }
+                Some(v.clone())
+            }
+            WriteOp::Remove | WriteOp::Touch => None,
+        };
+        let now = crate::unix_now_secs();
+        let dk = codec::doc_key(self.id, &req.key);
+        let current = self.read_current(&dk)?;
+        let live = current.as_ref().filter(|c| is_live(&c.meta, now));
+
+        let mut unlocks = false;
+        if let Some(lock) = state.locks.get(&req.key[..]) {
+            if lock.until > Instant::now() {
+                if req.cas != Some(lock.cas) {
+                    return Err(WriteError::Locked);
+                }
+                unlocks = true;
+            } else {
+                state.locks.remove(&req.key[..]);
+                self.locked_docs.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        match (req.op, live) {
+            (WriteOp::Insert, Some(_)) => return Err(WriteError::Exists),
+            (WriteOp::Replace | WriteOp::Remove | WriteOp::Touch, None) => return Err(WriteError::NotFound),
+            _ => {}
+        }
+        if let (Some(cas), false) = (req.cas, unlocks) {
+            match live {
+                None => return Err(WriteError::NotFound),
+                Some(c) if c.meta.cas != cas => return Err(WriteError::CasMismatch),
+                Some(_) => {}
+            }
+        }
+
+        let seqno = state.high + changes.len() as u64 + 1;
+        let cas = self.clock.next();
+        let (body, expiry, deleted) = match req.op {
+            WriteOp::Remove => (Bytes::new(), 0, true),
+            WriteOp::Touch => (live.map(|c| c.body.clone()).unwrap_or_default(), req.expiry, false),
+            _ => (value.unwrap_or_default(), req.expiry, false),
+        };
+        if unlocks {
+            state.locks.remove(&req.key[..]);
+            self.locked_docs.fetch_sub(1, Ordering::AcqRel);
+        }
+        self.stage(batch, &req.key, current.as_ref().map(|c| (&c.meta, c.body.len())), DocMeta { cas, seqno, expiry, deleted }, &body);
+        changes.push(Change {
+            partition: self.id,
+            seqno,
+            key: req.key.clone(),
+            cas,
+            deleted,
+            expiry,
+            value: (!deleted).then_some(body),
+        });
+        Ok(MutationOutcome { cas, partition: self.id, seqno, uuid: self.uuid() })
+    }
+
+    /// Adds the writes that replace `old` with `new` in all three keyspaces.
+    fn stage(&self, batch: &mut fjall::OwnedWriteBatch, key: &[u8], old: Option<(&DocMeta, usize)>, new: DocMeta, body: &[u8]) {
+        let p = self.id;
+        batch.insert(&self.docs, codec::doc_key(p, key), codec::doc_value(&new, body));
+        batch.insert(&self.seq, codec::seq_key(p, new.seqno), codec::seq_value(new.cas, new.deleted, key));
+        if new.expiry != 0 && !new.deleted {
+            batch.insert(&self.exp, codec::exp_key(new.expiry, p, key), Vec::new());
+        }
+        let (mut count_delta, mut bytes_delta) = (0i64, 0i64);
+        if let Some((old, old_len)) = old {
+            batch.remove(&self.seq, codec::seq_key(p, old.seqno));
+            if old.expiry != 0 && !old.deleted && (old.expiry != new.expiry || new.deleted) {
+                batch.remove(&self.exp, codec::exp_key(old.expiry, p, key));
+            }
+            if !old.deleted {
+                count_delta -= 1;
+                bytes_delta -= old_len as i64;
+            }
+        }
+        if !new.deleted {
+            count_delta += 1;
+            bytes_delta += body.len() as i64;
+        }
+        // Counted before commit: a failed commit poisons the database anyway.
+        self.docs_count.fetch_add(count_delta, Ordering::Relaxed);
+        self.docs_bytes.fetch_add(bytes_delta, Ordering::Relaxed);
+    }
+
+    fn commit(&self, state: &mut Sequencer, batch: fjall::OwnedWriteBatch, changes: Vec<Change>) -> Result<u64, WriteError> {
+        if changes.is_empty() {
+            return Ok(0);
+        }
+        batch.commit()?;
+        let ticket = self.syncer.ticket();
+        for change in changes {
+            debug_assert_eq!(change.seqno, state.high + 1);
+            state.high = change.seqno;
+            push_tail(state, change);
+        }
+        let high = state.high;
+        self.high_tx.send_replace(high);
+        self.collection_changed.send_modify(|n| *n = n.wrapping_add(1));
+        Ok(ticket)
+    }
+
+    /// Deletes `key` if it is still the document that expired at `expiry`; called by the
+    /// expiry pager. Stale index entries are removed either way.
+    pub(crate) fn expire(&self, key: &[u8], expiry: u32, now: u64) -> Result<bool, WriteError> {
+        let mut state = self.state.lock();
+        if self.is_dropped() {
+            return Ok(false);
+        }
+        let current = self.read_current(&codec::doc_key(self.id, key))?;
+        let Some(current) = current.filter(|c| !c.meta.deleted && c.meta.expiry == expiry && u64::from(expiry) <= now) else {
+            self.exp.remove(codec::exp_key(expiry, self.id, key))?;
+            return Ok(false);
+        };
+        if state.locks.remove(key).is_some() {
+            self.locked_docs.fetch_sub(1, Ordering::AcqRel);
+        }
+        let seqno = state.high + 1;
+        let cas = self.clock.next();
+        let mut batch = self.db.batch();
+        self.stage(&mut batch, key, Some((&current.meta, current.body.len())), DocMeta { cas, seqno, expiry: 0, deleted: true }, &[]);
+        let key = Bytes::copy_from_slice(key);
+        let change = Change { partition: self.id, seqno, key, cas, deleted: true, expiry: 0, value: None };
+        self.commit(&mut state, batch, vec![change])?;
+        Ok(true)
+    }
+
+    /// Removes tombstones whose deletion (their CAS, in nanoseconds) is older than
+    /// `cutoff_cas`. Returns how many were purged.
+    pub(crate) fn purge_tombstones(&self, cutoff_cas: Cas) -> Result<(SeqNo, usize), fjall::Error> {
+        let p = self.id;
+        let mut victims = Vec::new();
+        // CAS grows with seqno inside a partition, so the scan stops at the first young entry.
+        for guard in self.seq.range(codec::seq_key(p, 0)..=codec::seq_key(p, SeqNo::MAX)) {
+            let (k, v) = guard.into_inner()?;
+            let (Some((_, seqno)), Some((cas, deleted, key))) = (codec::decode_seq_key(&k), codec::decode_seq_value(&v)) else {
+                continue;
+            };
+            if cas >= cutoff_cas {
+                break;
+            }
+            if deleted {
+                victims.push((seqno, Bytes::copy_from_slice(key)));
+            }
+        }
+        let mut purged = 0;
+        let mut purge_seqno = self.purge_seqno.load(Ordering::Acquire);
+        for (seqno, key) in victims {
+            let _state = self.state.lock();
+            let dk = codec::doc_key(p, &key);
+            let still_tombstone = self.read_current(&dk)?.is_some_and(|c| c.meta.deleted && c.meta.seqno == seqno);
+            if still_tombstone {
+                let mut batch = self.db.batch();
+                batch.remove(&self.docs, dk);
+                batch.remove(&self.seq, codec::seq_key(p, seqno));
+                batch.commit()?;
+                purge_seqno = purge_seqno.max(seqno);
+                purged += 1;
+            }
+        }
+        self.purge_seqno.store(purge_seqno, Ordering::Release);
+        Ok((purge_seqno, purged))
+    }
+
+    /// Changes after `since`, at most `max`, in seqno order, and the position to read on
+    /// from. Recent changes come from memory; older ones from the by-sequence index, where
+    /// only the latest change of each key is kept.
+    pub(crate) fn read_changes(&self, since: SeqNo, max: usize, include_docs: bool) -> Result<(Vec<Change>, SeqNo), ReadError> {
+        let state = self.state.lock();
+        if self.is_dropped() {
+            return Err(ReadError::CollectionDropped);
+        }
+        if since >= state.high || max == 0 {
+            return Ok((Vec::new(), since));
+        }
+        if let Some(first) = state.tail.front() {
+            if first.seqno <= since + 1 {
+                let skip = (since + 1 - first.seqno) as usize;
+                let out: Vec<Change> = state
+                    .tail
+                    .iter()
+                    .skip(skip)
+                    .take(max)
+                    .map(|c| if include_docs { c.clone() } else { Change { value: None, ..c.clone() } })
+                    .collect();
+                let next = out.last().map(|c| c.seqno).unwrap_or(since);
+                return Ok((out, next));
+            }
+        }
+        // Snapshot and high seqno taken together under the lock: the snapshot holds exactly
+        // the latest change of every key up to `high`.
+        let snapshot = self.db.snapshot();
+        let high = state.high;
+        drop(state);
+        use fjall::Readable;
+        let p = self.id;
+        let mut out = Vec::new();
+        for guard in snapshot.range(&self.seq, codec::seq_key(p, since + 1)..=codec::seq_key(p, high)) {
+            let (k, v) = guard.into_inner()?;
+            let (Some((_, seqno)), Some((cas, deleted, key))) = (codec::decode_seq_key(&k), codec::decode_seq_value(&v)) else {
+                return Err(ReadError::Corrupt);
+            };
+            let mut change = Change {
+                partition: p,
+                seqno,
+                key: Bytes::copy_from_slice(key),
+                cas,
+                deleted,
+                expiry: 0,
+                value: None,
+            };
+            if !deleted {
+                if let Some(raw) = snapshot.get(&self.docs, codec::doc_key(p, key))? {
+                    let raw = Bytes::from(raw);
+                    if let Some((meta, body)) = codec::decode_doc_value(&raw) {
+                        change.expiry = meta.expiry;
+                        if include_docs {
+                            change.value = Some(raw.slice(body));
+                        }
+                    }
+                }
+            }
+            out.push(change);
+            if out.len() >= max {
+                return Ok((out, seqno));
+            }
+        }
+        Ok((out, high))
+    }
+}
+
+fn push_tail(state: &mut Sequencer, change: Change) {
+    let size = change.value.as_ref().map_or(0, |v| v.len()) + change.key.len();
+    if size > CHANGE_TAIL_MAX_BYTES {
+        // Too large to keep: the tail restarts after it, readers of it go to disk.
+        state.tail.clear();
+        state.tail_bytes = 0;
+        return;
+    }
+    state.tail_bytes += size;
+    state.tail.push_back(change);
+    while state.tail.len() > CHANGE_TAIL_MAX_ITEMS || state.tail_bytes > CHANGE_TAIL_MAX_BYTES {
+        match state.tail.pop_front() {
+            Some(old) => state.tail_bytes -= old.value.as_ref().map_or(0, |v| v.len()) + old.key.len(),
+            None => break,
+        }
+    }
+}
+
+fn fail_pending(results: &mut [Result<MutationOutcome, WriteError>], err: &WriteError) {
+    for r in results.iter_mut().filter(|r| r.is_ok()) {
+        *r = Err(WriteError::CommitFailed(err.to_string()));
+    }
+}
+
+fn is_live(meta: &DocMeta, now_secs: u64) -> bool {
+    !meta.deleted && (meta.expiry == 0 || u64::from(meta.expiry) > now_secs)
+}
+
+/// Keys are 1 to 250 bytes; UTF-8 is checked by the caller's type (`&str`) at the API edge.
+pub fn validate_key(key: &[u8]) -> Result<(), &'static str> {
+    if key.is_empty() {
+        return Err("key is empty");
+    }
+    if key.len() > KEY_MAX_BYTES {
+        return Err("key is longer than 250 bytes");
+    }
+    Ok(())
+}

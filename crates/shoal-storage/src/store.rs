@@ -1,0 +1,532 @@
+//! The store: data paths, collections, recovery after a crash, and background work
+//! (expiry pager, tombstone purger).
+
+use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Mutex, RwLock};
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use crate::clock::CasClock;
+use crate::codec;
+use crate::collection::{Collection, CollectionInfo, Keyspaces};
+use crate::error::{CollectionError, OpenError};
+use crate::partition::{FailoverEntry, Partition, PartitionParts};
+use crate::syncer::Syncer;
+use crate::{PartitionId, SeqNo, PARTITIONS_DEFAULT, PARTITIONS_MAX};
+
+const PATH_FILE: &str = "shoal-path.json";
+const CLEAN_SHUTDOWN_FILE: &str = "clean-shutdown";
+const DB_DIR: &str = "db";
+const META_KEYSPACE: &str = "meta";
+const PATH_FORMAT: u32 = 1;
+/// Expired documents deleted per collection per pager round, so a round stays short.
+const EXPIRY_PAGER_BATCH_MAX: usize = 10_000;
+/// How often the expiry pager runs.
+const EXPIRY_PAGER_INTERVAL: Duration = Duration::from_secs(1);
+/// Longest collection name, in characters.
+pub const COLLECTION_NAME_MAX_CHARS: usize = 251;
+
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    /// Partitions are spread over these, partition `p` on path `p mod n`.
+    pub data_paths: Vec<PathBuf>,
+    /// `None`: what the data directory was created with, or the default for a new one.
+    pub partitions: Option<u16>,
+    /// Block cache, split evenly over the data paths.
+    pub cache_bytes: u64,
+    /// Tombstones older than this are purged.
+    pub purge_horizon: Duration,
+    /// How often the purger looks for old tombstones.
+    pub purge_interval: Duration,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            data_paths: vec![PathBuf::from("shoal-data")],
+            partitions: None,
+            cache_bytes: 256 * 1024 * 1024,
+            purge_horizon: Duration::from_secs(24 * 3600),
+            purge_interval: Duration::from_secs(60),
+        }
+    }
+}
+
+/// What every data path records about the node it belongs to.
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
+struct PathRecord {
+    format: u32,
+    partitions: u16,
+    path_index: usize,
+    path_count: usize,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct CollectionRecord {
+    id: u32,
+    max_ttl: u32,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct PartitionRecord {
+    failover: Vec<FailoverEntry>,
+    purge_seqno: SeqNo,
+}
+
+struct DataPath {
+    db: fjall::Database,
+    syncer: Arc<Syncer>,
+}
+
+pub struct Store {
+    config: StoreConfig,
+    partitions: u16,
+    paths: Vec<DataPath>,
+    meta: fjall::Keyspace,
+    clock: Arc<CasClock>,
+    collections: RwLock<BTreeMap<String, Arc<Collection>>>,
+    /// Serialises collection creation and drop.
+    ddl: Mutex<()>,
+    recovered_unclean: bool,
+    stop: Arc<AtomicBool>,
+    background: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> OpenError + '_ {
+    move |source| OpenError::Io { path: path.display().to_string(), source }
+}
+
+impl Store {
+    /// Opens (or creates) the store and starts its background work.
+    pub fn open(config: StoreConfig) -> Result<Arc<Store>, OpenError> {
+        if config.data_paths.is_empty() {
+            return Err(OpenError::Config("at least one data path is needed".into()));
+        }
+        let (partitions, existed) = check_paths(&config)?;
+        let first = &config.data_paths[0];
+        let clean_marker = first.join(CLEAN_SHUTDOWN_FILE);
+        let recovered_unclean = existed && !clean_marker.exists();
+        let cache_per_path = (config.cache_bytes / config.data_paths.len() as u64).max(1024 * 1024);
+        let mut paths = Vec::new();
+        for path in &config.data_paths {
+            let db = fjall::Database::builder(path.join(DB_DIR))
+                .cache_size(cache_per_path)
+                .open()?;
+            let syncer = Syncer::start(db.clone()).map_err(io_err(path))?;
+            paths.push(DataPath { db, syncer });
+        }
+        let meta = paths[0].db.keyspace(META_KEYSPACE, fjall::KeyspaceCreateOptions::default)?;
+        let store = Store {
+            config: config.clone(),
+            partitions,
+            paths,
+            meta,
+            clock: Arc::new(CasClock::default()),
+            collections: RwLock::new(BTreeMap::new()),
+            ddl: Mutex::new(()),
+            recovered_unclean,
+            stop: Arc::new(AtomicBool::new(false)),
+            background: Mutex::new(None),
+        };
+        if recovered_unclean {
+            tracing::warn!("the last shutdown was not clean: partitions get new history UUIDs");
+        }
+        store.load_collections()?;
+        // From here on a crash is unclean again.
+        if clean_marker.exists() {
+            std::fs::remove_file(&clean_marker).map_err(io_err(first))?;
+            sync_dir(first).map_err(io_err(first))?;
+        }
+        let store = Arc::new(store);
+        let handle = {
+            let weak = Arc::downgrade(&store);
+            let stop = Arc::clone(&store.stop);
+            std::thread::Builder::new()
+                .name("shoal-background".into())
+                .spawn(move || background_loop(weak, stop))
+                .map_err(io_err(first))?
+        };
+        *store.background.lock() = Some(handle);
+        Ok(store)
+    }
+
+    pub fn partitions(&self) -> u16 {
+        self.partitions
+    }
+
+    pub fn data_paths(&self) -> &[PathBuf] {
+        &self.config.data_paths
+    }
+
+    /// Whether this start followed a crash (history UUIDs were renewed).
+    pub fn recovered_unclean(&self) -> bool {
+        self.recovered_unclean
+    }
+
+    /// fsyncs done so far over all data paths.
+    pub fn fsync_count(&self) -> u64 {
+        self.paths.iter().map(|p| p.syncer.fsyncs.load(Ordering::Relaxed)).sum()
+    }
+
+    /// Bytes the storage engine holds on disk.
+    pub fn disk_bytes(&self) -> u64 {
+        self.paths.iter().map(|p| p.db.disk_space().unwrap_or(0)).sum()
+    }
+
+    pub fn collection(&self, name: &str) -> Option<Arc<Collection>> {
+        self.collections.read().get(name).cloned()
+    }
+
+    pub fn list_collections(&self) -> Vec<CollectionInfo> {
+        self.collections.read().values().map(|c| c.info()).collect()
+    }
+
+    pub fn create_collection(&self, name: &str, max_ttl: u32) -> Result<Arc<Collection>, CollectionError> {
+        validate_collection_name(name)?;
+        let _ddl = self.ddl.lock();
+        if self.collections.read().contains_key(name) {
+            return Err(CollectionError::Exists(name.to_string()));
+        }
+        let id = match self.meta.get("next_collection_id")? {
+            Some(v) => v.get(..4).and_then(|b| b.try_into().ok()).map(u32::from_be_bytes).ok_or_else(|| CollectionError::Corrupt("next_collection_id".into()))?,
+            None => 1,
+        };
+        let record = CollectionRecord { id, max_ttl };
+        let collection = self.open_collection(name, &record, true)?;
+        let mut batch = self.paths[0].db.batch();
+        batch.insert(&self.meta, "next_collection_id", (id + 1).to_be_bytes().to_vec());
+        batch.insert(&self.meta, collection_key(name), json_bytes(&record));
+        for p in &collection.partitions {
+            let rec = PartitionRecord { failover: p.failover_log().to_vec(), purge_seqno: 0 };
+            batch.insert(&self.meta, partition_key(id, p.id()), json_bytes(&rec));
+        }
+        batch.commit()?;
+        self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
+        self.collections.write().insert(name.to_string(), Arc::clone(&collection));
+        tracing::info!(collection = name, id, "collection created");
+        Ok(collection)
+    }
+
+    pub fn drop_collection(&self, name: &str) -> Result<(), CollectionError> {
+        let _ddl = self.ddl.lock();
+        let collection = self.collections.write().remove(name).ok_or_else(|| CollectionError::NotFound(name.to_string()))?;
+        collection.dropped.store(true, Ordering::Release);
+        collection.changed.send_modify(|n| *n = n.wrapping_add(1));
+        let mut batch = self.paths[0].db.batch();
+        batch.remove(&self.meta, collection_key(name));
+        for p in 0..self.partitions {
+            batch.remove(&self.meta, partition_key(collection.id, p));
+        }
+        batch.commit()?;
+        self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
+        for ks in &collection.keyspaces {
+            for handle in [&ks.docs, &ks.seq, &ks.exp] {
+                ks.db.delete_keyspace(handle.clone())?;
+            }
+        }
+        tracing::info!(collection = name, "collection dropped");
+        Ok(())
+    }
+
+    /// Flushes everything to disk and marks the shutdown clean. Call once, at the end.
+    pub fn close(&self) -> Result<(), OpenError> {
+        self.stop_background();
+        for path in &self.paths {
+            path.db.persist(fjall::PersistMode::SyncAll)?;
+        }
+        let first = &self.config.data_paths[0];
+        let marker = first.join(CLEAN_SHUTDOWN_FILE);
+        let mut file = std::fs::File::create(&marker).map_err(io_err(first))?;
+        file.write_all(b"clean\n").map_err(io_err(first))?;
+        file.sync_all().map_err(io_err(first))?;
+        sync_dir(first).map_err(io_err(first))?;
+        tracing::info!("store closed cleanly");
+        Ok(())
+    }
+
+    fn stop_background(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(handle) = self.background.lock().take() {
+            handle.thread().unpark();
+            let _ = handle.join();
+        }
+    }
+
+    fn load_collections(&self) -> Result<(), OpenError> {
+        let mut records = Vec::new();
+        for guard in self.meta.prefix("coll/") {
+            let (k, v) = guard.into_inner()?;
+            let name = std::str::from_utf8(&k[5..]).map_err(|_| OpenError::Corrupt("collection name".into()))?.to_string();
+            let record: CollectionRecord = serde_json::from_slice(&v).map_err(|e| OpenError::Corrupt(format!("collection {name}: {e}")))?;
+            records.push((name, record));
+        }
+        for (name, record) in records {
+            let collection = self.open_collection(&name, &record, false).map_err(|e| OpenError::Corrupt(format!("collection {name}: {e}")))?;
+            self.collections.write().insert(name, collection);
+        }
+        Ok(())
+    }
+
+    fn open_collection(&self, name: &str, record: &CollectionRecord, new: bool) -> Result<Arc<Collection>, CollectionError> {
+        let mut keyspaces = Vec::new();
+        for path in &self.paths {
+            let ks = |kind: &str| path.db.keyspace(&format!("c{}_{kind}", record.id), fjall::KeyspaceCreateOptions::default);
+            keyspaces.push(Keyspaces {
+                db: path.db.clone(),
+                docs: path.db.keyspace(&format!("c{}_docs", record.id), || {
+                    fjall::KeyspaceCreateOptions::default().with_kv_separation(Some(fjall::KvSeparationOptions::default()))
+                })?,
+                seq: ks("seq")?,
+                exp: ks("exp")?,
+                syncer: Arc::clone(&path.syncer),
+            });
+        }
+        let changed = Arc::new(watch::channel(0u64).0);
+        let dropped = Arc::new(AtomicBool::new(false));
+        let mut partitions = Vec::with_capacity(usize::from(self.partitions));
+        let mut renewed = Vec::new();
+        for p in 0..self.partitions {
+            let ks = &keyspaces[usize::from(p) % keyspaces.len()];
+            let (mut failover, purge_seqno) = if new {
+                (Vec::new(), 0)
+            } else {
+                match self.meta.get(partition_key(record.id, p))? {
+                    Some(v) => {
+                        let rec: PartitionRecord = serde_json::from_slice(&v).map_err(|e| CollectionError::Corrupt(format!("partition {p}: {e}")))?;
+                        (rec.failover, rec.purge_seqno)
+                    }
+                    None => (Vec::new(), 0),
+                }
+            };
+            let needs_new_uuid = failover.is_empty() || self.recovered_unclean;
+            let parts = PartitionParts {
+                id: p,
+                db: ks.db.clone(),
+                docs: ks.docs.clone(),
+                seq: ks.seq.clone(),
+                exp: ks.exp.clone(),
+                syncer: Arc::clone(&ks.syncer),
+                clock: Arc::clone(&self.clock),
+                failover: failover.clone(),
+                purge_seqno,
+                collection_changed: Arc::clone(&changed),
+                dropped: Arc::clone(&dropped),
+            };
+            let mut partition = Partition::open(parts)?;
+            if needs_new_uuid {
+                let entry = FailoverEntry { uuid: new_uuid(), seqno: partition.high_seqno() };
+                partition.push_failover(entry);
+                failover.push(entry);
+                renewed.push((p, PartitionRecord { failover, purge_seqno }));
+            }
+            partitions.push(Arc::new(partition));
+        }
+        if !new && !renewed.is_empty() {
+            let mut batch = self.paths[0].db.batch();
+            for (p, rec) in &renewed {
+                batch.insert(&self.meta, partition_key(record.id, *p), json_bytes(rec));
+            }
+            batch.commit()?;
+            self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
+        }
+        Ok(Arc::new(Collection {
+            name: name.to_string(),
+            id: record.id,
+            max_ttl: record.max_ttl,
+            partitions,
+            keyspaces,
+            changed,
+            dropped,
+        }))
+    }
+
+    /// Deletes documents whose expiry has passed (each becomes a deletion in the change
+    /// stream). Returns how many were deleted.
+    pub fn run_expiry_pager(&self) -> usize {
+        let now = crate::unix_now_secs();
+        let collections: Vec<_> = self.collections.read().values().cloned().collect();
+        let mut expired = 0;
+        for collection in collections {
+            for ks in &collection.keyspaces {
+                let mut due = Vec::new();
+                for guard in ks.exp.iter() {
+                    let Ok(k) = guard.key() else { break };
+                    match codec::decode_exp_key(&k) {
+                        Some((expiry, _, _)) if u64::from(expiry) > now => break,
+                        Some((expiry, p, key)) => due.push((expiry, p, bytes::Bytes::copy_from_slice(key))),
+                        None => continue,
+                    }
+                    if due.len() >= EXPIRY_PAGER_BATCH_MAX {
+                        break;
+                    }
+                }
+                for (expiry, p, key) in due {
+                    let Some(partition) = collection.partitions.get(usize::from(p)) else { continue };
+                    match partition.expire(&key, expiry, now) {
+                        Ok(true) => expired += 1,
+                        Ok(false) => {}
+                        Err(err) => tracing::warn!(%err, "expiry pager"),
+                    }
+                }
+            }
+        }
+        expired
+    }
+
+    /// Purges tombstones older than the purge horizon. Returns how many were purged.
+    pub fn run_purger(&self) -> usize {
+        let horizon_nanos = u64::try_from(self.config.purge_horizon.as_nanos()).unwrap_or(u64::MAX);
+        let cutoff = crate::clock::now_nanos().saturating_sub(horizon_nanos);
+        let collections: Vec<_> = self.collections.read().values().cloned().collect();
+        let mut total = 0;
+        for collection in collections {
+            for partition in &collection.partitions {
+                let before = partition.purge_seqno.load(Ordering::Acquire);
+                match partition.purge_tombstones(cutoff) {
+                    Ok((purge_seqno, n)) => {
+                        total += n;
+                        if purge_seqno != before {
+                            let rec = PartitionRecord { failover: partition.failover_log().to_vec(), purge_seqno };
+                            if let Err(err) = self.meta.insert(partition_key(collection.id, partition.id()), json_bytes(&rec)) {
+                                tracing::warn!(%err, "purger could not record the purge seqno");
+                            }
+                        }
+                    }
+                    Err(err) => tracing::warn!(%err, "purger"),
+                }
+            }
+        }
+        total
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        self.stop_background();
+        for path in &self.paths {
+            path.syncer.shutdown();
+        }
+    }
+}
+
+fn background_loop(store: std::sync::Weak<Store>, stop: Arc<AtomicBool>) {
+    let mut since_purge = Duration::ZERO;
+    while !stop.load(Ordering::SeqCst) {
+        std::thread::park_timeout(EXPIRY_PAGER_INTERVAL);
+        let Some(store) = store.upgrade() else { return };
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let n = store.run_expiry_pager();
+        if n > 0 {
+            tracing::debug!(expired = n, "expiry pager");
+        }
+        since_purge += EXPIRY_PAGER_INTERVAL;
+        if since_purge >= store.config.purge_interval {
+            since_purge = Duration::ZERO;
+            let n = store.run_purger();
+            if n > 0 {
+                tracing::debug!(purged = n, "tombstone purger");
+            }
+        }
+    }
+}
+
+/// Checks (or writes, for a new node) every data path's record. Returns the partition
+/// count and whether the node existed before.
+fn check_paths(config: &StoreConfig) -> Result<(u16, bool), OpenError> {
+    let mut found: Option<PathRecord> = None;
+    let mut missing = Vec::new();
+    for (i, path) in config.data_paths.iter().enumerate() {
+        std::fs::create_dir_all(path).map_err(io_err(path))?;
+        let file = path.join(PATH_FILE);
+        if !file.exists() {
+            missing.push(i);
+            continue;
+        }
+        let text = std::fs::read(&file).map_err(io_err(path))?;
+        let rec: PathRecord = serde_json::from_slice(&text).map_err(|e| OpenError::Corrupt(format!("{}: {e}", file.display())))?;
+        if rec.path_index != i || rec.path_count != config.data_paths.len() {
+            return Err(OpenError::Config(format!(
+                "{} is data path {} of {} of an existing node; give the same --data-path list in the same order",
+                path.display(),
+                rec.path_index + 1,
+                rec.path_count
+            )));
+        }
+        if let Some(prev) = &found {
+            if prev.partitions != rec.partitions {
+                return Err(OpenError::Corrupt("data paths disagree on the partition count".into()));
+            }
+        }
+        found = Some(rec);
+    }
+    let partitions = match (&found, config.partitions) {
+        (Some(rec), Some(asked)) if asked != rec.partitions => {
+            return Err(OpenError::Config(format!(
+                "the data directory was created with {} partitions; --partitions {asked} cannot change that (omit the flag, or use a new data path)",
+                rec.partitions
+            )))
+        }
+        (Some(rec), _) => rec.partitions,
+        (None, asked) => asked.unwrap_or(PARTITIONS_DEFAULT),
+    };
+    if partitions == 0 || partitions > PARTITIONS_MAX {
+        return Err(OpenError::Config(format!("partitions must be 1 to {PARTITIONS_MAX}")));
+    }
+    if found.is_some() && !missing.is_empty() {
+        return Err(OpenError::Config("some data paths belong to an existing node and some are empty; give the node's original --data-path list".into()));
+    }
+    for i in missing {
+        let path = &config.data_paths[i];
+        let rec = PathRecord { format: PATH_FORMAT, partitions, path_index: i, path_count: config.data_paths.len() };
+        let file = path.join(PATH_FILE);
+        let mut f = std::fs::File::create(&file).map_err(io_err(path))?;
+        f.write_all(&json_bytes(&rec)).map_err(io_err(path))?;
+        f.sync_all().map_err(io_err(path))?;
+        sync_dir(path).map_err(io_err(path))?;
+    }
+    Ok((partitions, found.is_some()))
+}
+
+fn validate_collection_name(name: &str) -> Result<(), CollectionError> {
+    let bad = |why: &str| Err(CollectionError::InvalidName(why.to_string()));
+    if name.is_empty() || name.chars().count() > COLLECTION_NAME_MAX_CHARS {
+        return bad("a name has 1 to 251 characters");
+    }
+    if name.starts_with(['_', '%']) {
+        return bad("a name may not start with _ or %");
+    }
+    if !name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '%')) {
+        return bad("a name has only the characters A-Z a-z 0-9 _ - %");
+    }
+    Ok(())
+}
+
+fn collection_key(name: &str) -> Vec<u8> {
+    format!("coll/{name}").into_bytes()
+}
+
+fn partition_key(collection: u32, p: PartitionId) -> Vec<u8> {
+    format!("part/{collection:08x}/{p:04x}").into_bytes()
+}
+
+fn json_bytes<T: Serialize>(value: &T) -> Vec<u8> {
+    // Serialising these plain records cannot fail.
+    serde_json::to_vec(value).unwrap_or_default()
+}
+
+fn new_uuid() -> u64 {
+    let id = uuid::Uuid::new_v4().as_u64_pair().0;
+    id.max(1)
+}
+
+fn sync_dir(path: &Path) -> std::io::Result<()> {
+    std::fs::File::open(path)?.sync_all()
+}
