@@ -1,1 +1,151 @@
-fn main() {}
+//! `shoal`: the server and the command-line tool. Only this crate knows the terminal.
+
+mod bench;
+mod cli;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Parser)]
+#[command(name = "shoal", version, about = "Shoal: an elastic, distributed JSON document database")]
+struct Args {
+    /// Server to talk to (all commands but `serve`).
+    #[arg(long, global = true, env = "SHOAL_URL", default_value = "http://127.0.0.1:7070")]
+    url: String,
+    /// How to print answers.
+    #[arg(long, global = true, value_enum, default_value_t = Output::Table)]
+    output: Output,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    Json,
+    Table,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start a single node.
+    Serve(ServeArgs),
+    /// Create, list and drop collections.
+    #[command(subcommand)]
+    Collection(cli::CollectionCmd),
+    /// Read and write documents.
+    #[command(subcommand)]
+    Doc(cli::DocCmd),
+    /// Read a collection's change stream.
+    Changes(cli::ChangesArgs),
+    /// Bulk-load an NDJSON file of documents.
+    Load(cli::LoadArgs),
+    /// Load generators and the seed experiments.
+    #[command(subcommand)]
+    Bench(bench::BenchCmd),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Address to listen on (port 0 picks a free port).
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    listen: String,
+    /// Data directory; repeat to spread partitions over several disks.
+    #[arg(long = "data-path", default_value = "shoal-data")]
+    data_paths: Vec<PathBuf>,
+    /// Virtual partitions, fixed when the data directory is created (default 128).
+    #[arg(long)]
+    partitions: Option<u16>,
+    /// Block cache in MiB.
+    #[arg(long, default_value_t = 256)]
+    cache_mb: u64,
+    /// Tombstones older than this many seconds are purged.
+    #[arg(long, default_value_t = 24 * 3600)]
+    purge_horizon_secs: u64,
+    /// Worker threads for requests (default: one per core).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SHOAL_LOG").unwrap_or_else(|_| "info".into());
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let threads = match &args.command {
+        Command::Serve(s) => s.threads,
+        _ => None,
+    };
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    rt.enable_all();
+    if let Some(n) = threads {
+        rt.worker_threads(n.max(1));
+    }
+    let rt = match rt.build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = rt.block_on(run(args));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<(), cli::CliError> {
+    match args.command {
+        Command::Serve(s) => serve(s).await,
+        Command::Collection(c) => cli::collection(&args.url, args.output, c).await,
+        Command::Doc(d) => cli::doc(&args.url, args.output, d).await,
+        Command::Changes(c) => cli::changes(&args.url, args.output, c).await,
+        Command::Load(l) => cli::load(&args.url, l).await,
+        Command::Bench(b) => bench::run(&args.url, b).await,
+    }
+}
+
+async fn serve(args: ServeArgs) -> Result<(), cli::CliError> {
+    let config = shoal_server::ServerConfig {
+        listen: args.listen,
+        store: shoal_storage::StoreConfig {
+            data_paths: args.data_paths,
+            partitions: args.partitions,
+            cache_bytes: args.cache_mb.saturating_mul(1024 * 1024),
+            purge_horizon: std::time::Duration::from_secs(args.purge_horizon_secs),
+            ..shoal_storage::StoreConfig::default()
+        },
+    };
+    let server = shoal_server::Server::bind(config).await?;
+    let addr = server.local_addr()?;
+    println!("shoal listening on http://{addr}");
+    server.run(shutdown_signal()).await?;
+    println!("shoal stopped cleanly");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}

@@ -1,1 +1,68 @@
+//! JSON for Shoal: validation of document bodies today; paths, one-pass multi-path lookup
+//! and sub-document mutation as the sub-document API arrives.
+//!
+//! This crate knows nothing of storage or HTTP.
 
+use thiserror::Error;
+
+/// Deepest nesting of arrays and objects accepted in a document (serde_json's own limit).
+pub const DOC_DEPTH_MAX: usize = 128;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum JsonError {
+    #[error("empty body: a document must be a JSON value")]
+    Empty,
+    #[error("invalid JSON at line {line}, column {column}: {message}")]
+    Invalid { line: usize, column: usize, message: String },
+}
+
+/// Checks that `bytes` hold exactly one JSON value (surrounding white space allowed),
+/// without building it.
+pub fn validate(bytes: &[u8]) -> Result<(), JsonError> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Err(JsonError::Empty);
+    }
+    serde_json::from_slice::<serde::de::IgnoredAny>(bytes)
+        .map(|_| ())
+        .map_err(|e| JsonError::Invalid { line: e.line(), column: e.column(), message: strip_position(&e) })
+}
+
+fn strip_position(e: &serde_json::Error) -> String {
+    let text = e.to_string();
+    match text.find(" at line ") {
+        Some(i) => text[..i].to_string(),
+        None => text,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation_table() {
+        let cases: &[(&[u8], bool)] = &[
+            (b"{}", true),
+            (b" [1, 2.5, \"x\", null, true] \n", true),
+            (b"\"just a string\"", true),
+            (b"", false),
+            (b"   ", false),
+            (b"{", false),
+            (b"{\"a\":1}{}", false),
+            (b"{'a':1}", false),
+            (b"\xff\xfe", false),
+            (b"[1,]", false),
+        ];
+        for (input, ok) in cases {
+            assert_eq!(validate(input).is_ok(), *ok, "{:?}", String::from_utf8_lossy(input));
+        }
+    }
+
+    #[test]
+    fn depth_is_limited() {
+        let deep = format!("{}{}", "[".repeat(DOC_DEPTH_MAX + 10), "]".repeat(DOC_DEPTH_MAX + 10));
+        assert!(validate(deep.as_bytes()).is_err());
+        let fine = format!("{}{}", "[".repeat(100), "]".repeat(100));
+        assert!(validate(fine.as_bytes()).is_ok());
+    }
+}

@@ -1,0 +1,336 @@
+//! Documents: get (with lock or touch), upsert / insert / replace, remove, touch, unlock,
+//! multi-get and NDJSON bulk.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{RawQuery, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use serde::Deserialize;
+use shoal_storage::{Collection, MutationOutcome, WriteOp, WriteRequest, DOC_MAX_BYTES};
+
+use crate::error::ApiError;
+use crate::extract::{self, Durability, Precondition};
+use crate::AppState;
+
+/// Most keys in one `_get`.
+pub const MULTI_GET_KEYS_MAX: usize = 10_000;
+/// Largest `_get` request body.
+pub const MULTI_GET_BODY_MAX_BYTES: usize = 4 * 1024 * 1024;
+/// Largest `_bulk` request body; clients send larger loads in several requests.
+pub const BULK_BODY_MAX_BYTES: usize = 256 * 1024 * 1024;
+
+pub fn collection(state: &AppState, uri: &Uri) -> Result<Arc<Collection>, ApiError> {
+    let name = extract::collection_name(uri)?;
+    state.store.collection(&name).ok_or_else(|| ApiError::collection_not_found(&name))
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GetParams {
+    lock: Option<u32>,
+    touch: Option<i64>,
+}
+
+pub async fn get(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery) -> Result<Response, ApiError> {
+    let params: GetParams = extract::query(q.as_deref())?;
+    let coll = collection(&state, &uri)?;
+    let key = extract::doc_key(&uri)?;
+    let doc = match (params.lock, params.touch) {
+        (Some(_), Some(_)) => return Err(ApiError::bad_request("lock and touch cannot be combined")),
+        (Some(secs), None) => coll.get_and_lock(&key, secs)?,
+        (None, Some(secs)) => {
+            let req = WriteRequest { key: Bytes::from(key.clone()), op: WriteOp::Touch, value: None, cas: None, expiry: extract::expiry(Some(secs))? };
+            coll.write(req)?.1.wait().await?;
+            coll.get(&key)?
+        }
+        (None, None) => coll.get(&key)?,
+    };
+    let mut response = Response::new(Body::from(doc.value));
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert(header::ETAG, etag(doc.cas));
+    if doc.expiry != 0 {
+        headers.insert("x-shoal-expiry", HeaderValue::from(doc.expiry));
+    }
+    Ok(response)
+}
+
+fn etag(cas: u64) -> HeaderValue {
+    // Digits and quotes are always a valid header value.
+    HeaderValue::from_str(&format!("\"{cas}\"")).unwrap_or(HeaderValue::from_static("\"0\""))
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PutParams {
+    expiry: Option<i64>,
+    #[serde(default)]
+    durability: Durability,
+}
+
+pub async fn put(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let params: PutParams = extract::query(q.as_deref())?;
+    let coll = collection(&state, &uri)?;
+    let key = extract::doc_key(&uri)?;
+    let precondition = extract::precondition(&headers)?;
+    let expiry = extract::expiry(params.expiry)?;
+    let value = extract::body(body, DOC_MAX_BYTES).await?;
+    shoal_json::validate(&value).map_err(|e| ApiError::invalid_json(e.to_string()))?;
+    let (op, cas) = match precondition {
+        Precondition::None => (WriteOp::Upsert, None),
+        Precondition::MustNotExist => (WriteOp::Insert, None),
+        Precondition::MustExist => (WriteOp::Replace, None),
+        Precondition::Cas(cas) => (WriteOp::Replace, Some(cas)),
+    };
+    let req = WriteRequest { key: Bytes::from(key), op, value: Some(value), cas, expiry };
+    let outcome = apply(&coll, req, params.durability).await?;
+    let status = if op == WriteOp::Insert { StatusCode::CREATED } else { StatusCode::OK };
+    Ok(mutation_response(status, &outcome))
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RemoveParams {
+    #[serde(default)]
+    durability: Durability,
+}
+
+pub async fn remove(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, headers: HeaderMap) -> Result<Response, ApiError> {
+    let params: RemoveParams = extract::query(q.as_deref())?;
+    let coll = collection(&state, &uri)?;
+    let key = extract::doc_key(&uri)?;
+    let cas = match extract::precondition(&headers)? {
+        Precondition::None | Precondition::MustExist => None,
+        Precondition::Cas(cas) => Some(cas),
+        Precondition::MustNotExist => return Err(ApiError::bad_request("If-None-Match makes no sense on a remove")),
+    };
+    let req = WriteRequest { key: Bytes::from(key), op: WriteOp::Remove, value: None, cas, expiry: 0 };
+    let outcome = apply(&coll, req, params.durability).await?;
+    Ok(mutation_response(StatusCode::OK, &outcome))
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TouchParams {
+    expiry: Option<i64>,
+    #[serde(default)]
+    durability: Durability,
+}
+
+pub async fn touch(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, headers: HeaderMap) -> Result<Response, ApiError> {
+    let params: TouchParams = extract::query(q.as_deref())?;
+    let coll = collection(&state, &uri)?;
+    let key = extract::doc_key(&uri)?;
+    let Some(secs) = params.expiry else {
+        return Err(ApiError::bad_request("touch needs ?expiry=S (0 removes the expiry)"));
+    };
+    let cas = match extract::precondition(&headers)? {
+        Precondition::Cas(cas) => Some(cas),
+        _ => None,
+    };
+    let req = WriteRequest { key: Bytes::from(key), op: WriteOp::Touch, value: None, cas, expiry: extract::expiry(Some(secs))? };
+    let outcome = apply(&coll, req, params.durability).await?;
+    Ok(mutation_response(StatusCode::OK, &outcome))
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NoParams {}
+
+pub async fn unlock(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, headers: HeaderMap) -> Result<Response, ApiError> {
+    let _: NoParams = extract::query(q.as_deref())?;
+    let coll = collection(&state, &uri)?;
+    let key = extract::doc_key(&uri)?;
+    let Precondition::Cas(cas) = extract::precondition(&headers)? else {
+        return Err(ApiError::bad_request("unlock needs If-Match: \"<cas>\" from the locking get"));
+    };
+    coll.unlock(&key, cas)?;
+    Ok(json_response(StatusCode::OK, b"{}".to_vec()))
+}
+
+async fn apply(coll: &Collection, req: WriteRequest, durability: Durability) -> Result<MutationOutcome, ApiError> {
+    let (outcome, wait) = coll.write(req)?;
+    if durability == Durability::Persist {
+        wait.wait().await?;
+    }
+    Ok(outcome)
+}
+
+fn mutation_json(outcome: &MutationOutcome) -> serde_json::Value {
+    serde_json::json!({
+        "cas": outcome.cas.to_string(),
+        "token": {"partition": outcome.partition, "seqno": outcome.seqno, "uuid": format!("{:016x}", outcome.uuid)},
+    })
+}
+
+fn mutation_response(status: StatusCode, outcome: &MutationOutcome) -> Response {
+    let mut response = json_response(status, serde_json::to_vec(&mutation_json(outcome)).unwrap_or_default());
+    response.headers_mut().insert(header::ETAG, etag(outcome.cas));
+    response
+}
+
+pub fn json_response(status: StatusCode, body: Vec<u8>) -> Response {
+    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MultiGet {
+    keys: Vec<serde_json::Value>,
+}
+
+pub async fn multi_get(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
+    let _: NoParams = extract::query(q.as_deref())?;
+    let coll = collection(&state, &uri)?;
+    let body = extract::body(body, MULTI_GET_BODY_MAX_BYTES).await?;
+    let request: MultiGet = extract::json_body(&body)?;
+    if request.keys.len() > MULTI_GET_KEYS_MAX {
+        return Err(ApiError::too_large(format!("at most {MULTI_GET_KEYS_MAX} keys per _get")));
+    }
+    let mut out = Vec::with_capacity(64 * request.keys.len() + 16);
+    out.extend_from_slice(b"{\"docs\":[");
+    for (i, key) in request.keys.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        let serde_json::Value::String(key) = key else {
+            push_error(&mut out, key, &ApiError::invalid_key("a key is a string"));
+            continue;
+        };
+        match coll.get(key) {
+            Ok(doc) => {
+                out.extend_from_slice(b"{\"key\":");
+                serde_json::to_writer(&mut out, key).map_err(|e| ApiError::internal(e.to_string()))?;
+                out.extend_from_slice(format!(",\"cas\":\"{}\",\"value\":", doc.cas).as_bytes());
+                out.extend_from_slice(&doc.value);
+                out.push(b'}');
+            }
+            Err(e) => push_error(&mut out, &serde_json::Value::String(key.clone()), &ApiError::from(e)),
+        }
+    }
+    out.extend_from_slice(b"]}");
+    Ok(json_response(StatusCode::OK, out))
+}
+
+fn push_error(out: &mut Vec<u8>, key: &serde_json::Value, err: &ApiError) {
+    let line = serde_json::json!({"key": key, "error": err.code, "reason": err.reason});
+    out.extend_from_slice(line.to_string().as_bytes());
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BulkLine<'a> {
+    op: BulkOp,
+    key: String,
+    #[serde(borrow)]
+    value: Option<&'a serde_json::value::RawValue>,
+    cas: Option<CasField>,
+    expiry: Option<i64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum BulkOp {
+    Upsert,
+    Insert,
+    Replace,
+    Remove,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum CasField {
+    Text(String),
+    Number(u64),
+}
+
+pub async fn bulk(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
+    let params: RemoveParams = extract::query(q.as_deref())?;
+    let coll = collection(&state, &uri)?;
+    let body = extract::body(body, BULK_BODY_MAX_BYTES).await?;
+    // Parse every line first; only the valid ones reach the store, in order.
+    let mut slots: Vec<Result<usize, ApiError>> = Vec::new();
+    let mut requests = Vec::new();
+    let mut keys: Vec<Option<String>> = Vec::new();
+    for line in body.split(|&b| b == b'\n') {
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        match parse_bulk_line(&body, line) {
+            Ok((key, req)) => {
+                slots.push(Ok(requests.len()));
+                requests.push(req);
+                keys.push(Some(key));
+            }
+            Err((key, e)) => {
+                slots.push(Err(e));
+                keys.push(key);
+            }
+        }
+    }
+    let writer = Arc::clone(&coll);
+    let (outcomes, wait) = tokio::task::spawn_blocking(move || writer.write_many(requests))
+        .await
+        .map_err(|e| ApiError::internal(format!("bulk writer failed: {e}")))?;
+    let durable = if params.durability == Durability::Persist { wait.wait().await.map_err(ApiError::from) } else { Ok(()) };
+    let mut out = Vec::with_capacity(slots.len() * 96);
+    for (slot, key) in slots.into_iter().zip(keys) {
+        let mut line = match slot {
+            Ok(i) => match (&outcomes[i], &durable) {
+                (Ok(outcome), Ok(())) => mutation_json(outcome),
+                (Ok(_), Err(e)) => e.to_json(),
+                (Err(e), _) => ApiError::from(e).to_json(),
+            },
+            Err(e) => e.to_json(),
+        };
+        if let (Some(key), Some(obj)) = (key, line.as_object_mut()) {
+            obj.insert("key".into(), serde_json::Value::String(key));
+        }
+        out.extend_from_slice(line.to_string().as_bytes());
+        out.push(b'\n');
+    }
+    Ok((StatusCode::OK, [(header::CONTENT_TYPE, "application/x-ndjson")], out).into_response())
+}
+
+type BulkLineError = (Option<String>, ApiError);
+
+fn parse_bulk_line(body: &Bytes, line: &[u8]) -> Result<(String, WriteRequest), BulkLineError> {
+    let parsed: BulkLine = serde_json::from_slice(line).map_err(|e| (None, ApiError::invalid_json(format!("bad NDJSON line: {e}"))))?;
+    let key = parsed.key.clone();
+    let fail = |e: ApiError| (Some(key.clone()), e);
+    if key.is_empty() || key.len() > shoal_storage::KEY_MAX_BYTES {
+        return Err(fail(ApiError::invalid_key("a key has 1 to 250 bytes")));
+    }
+    let op = match parsed.op {
+        BulkOp::Upsert => WriteOp::Upsert,
+        BulkOp::Insert => WriteOp::Insert,
+        BulkOp::Replace => WriteOp::Replace,
+        BulkOp::Remove => WriteOp::Remove,
+    };
+    let value = match (op, parsed.value) {
+        (WriteOp::Remove, Some(_)) => return Err(fail(ApiError::bad_request("a remove takes no value"))),
+        (WriteOp::Remove, None) => None,
+        (_, None) => return Err(fail(ApiError::bad_request("this op needs a value"))),
+        (_, Some(raw)) => {
+            let text = raw.get().as_bytes();
+            if text.len() > DOC_MAX_BYTES {
+                return Err(fail(ApiError::too_large("document larger than 20 MiB")));
+            }
+            // Zero-copy: the value is a slice of the request body.
+            let start = text.as_ptr() as usize - body.as_ptr() as usize;
+            Some(body.slice(start..start + text.len()))
+        }
+    };
+    let cas = match parsed.cas {
+        None => None,
+        Some(CasField::Number(n)) if n > 0 => Some(n),
+        Some(CasField::Number(_)) => return Err(fail(ApiError::bad_request("cas must be positive"))),
+        Some(CasField::Text(t)) => Some(extract::parse_cas(&t).map_err(fail)?),
+    };
+    let expiry = extract::expiry(parsed.expiry).map_err(fail)?;
+    Ok((key.clone(), WriteRequest { key: Bytes::from(key), op, value, cas, expiry }))
+}
+

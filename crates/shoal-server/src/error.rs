@@ -1,0 +1,114 @@
+//! API errors: the one place where storage errors become API.md codes and HTTP statuses.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use shoal_storage::{ChangesError, CollectionError, ReadError, WriteError};
+
+/// An error as clients see it: `{"error": CODE, "reason": "..."}` with an HTTP status.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub reason: String,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, reason: impl Into<String>) -> Self {
+        ApiError { status, code, reason: reason.into() }
+    }
+    pub fn bad_request(reason: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "bad_request", reason)
+    }
+    pub fn invalid_key(reason: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_key", reason)
+    }
+    pub fn invalid_json(reason: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_json", reason)
+    }
+    pub fn too_large(reason: impl Into<String>) -> Self {
+        Self::new(StatusCode::PAYLOAD_TOO_LARGE, "too_large", reason)
+    }
+    pub fn collection_not_found(name: &str) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "collection_not_found", format!("collection {name:?} does not exist"))
+    }
+    pub fn internal(reason: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", reason)
+    }
+
+    /// The error as a JSON object, for answers that carry errors inline (`_get`, `_bulk`).
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({"error": self.code, "reason": self.reason})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if self.status.is_server_error() {
+            tracing::error!(code = self.code, reason = %self.reason, "request failed");
+        }
+        let body = serde_json::to_vec(&self.to_json()).unwrap_or_default();
+        (self.status, [(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response()
+    }
+}
+
+impl From<ReadError> for ApiError {
+    fn from(e: ReadError) -> Self {
+        let reason = e.to_string();
+        match e {
+            ReadError::NotFound => ApiError::new(StatusCode::NOT_FOUND, "doc_not_found", reason),
+            ReadError::Locked => ApiError::new(StatusCode::LOCKED, "locked", reason),
+            ReadError::InvalidKey(_) => ApiError::invalid_key(reason),
+            ReadError::InvalidLockTime => ApiError::bad_request(reason),
+            ReadError::CollectionDropped => ApiError::new(StatusCode::NOT_FOUND, "collection_not_found", reason),
+            ReadError::Engine(_) | ReadError::Corrupt => ApiError::internal(reason),
+        }
+    }
+}
+
+impl From<WriteError> for ApiError {
+    fn from(e: WriteError) -> Self {
+        ApiError::from(&e)
+    }
+}
+
+impl From<&WriteError> for ApiError {
+    fn from(e: &WriteError) -> Self {
+        let reason = e.to_string();
+        match e {
+            WriteError::NotFound => ApiError::new(StatusCode::NOT_FOUND, "doc_not_found", reason),
+            WriteError::Exists => ApiError::new(StatusCode::CONFLICT, "doc_exists", reason),
+            WriteError::CasMismatch => ApiError::new(StatusCode::CONFLICT, "cas_mismatch", reason),
+            WriteError::Locked => ApiError::new(StatusCode::LOCKED, "locked", reason),
+            WriteError::NotLocked => ApiError::bad_request(reason),
+            WriteError::InvalidKey(_) => ApiError::invalid_key(reason),
+            WriteError::TooLarge => ApiError::too_large(reason),
+            WriteError::MissingValue => ApiError::bad_request(reason),
+            WriteError::CollectionDropped => ApiError::new(StatusCode::NOT_FOUND, "collection_not_found", reason),
+            WriteError::NotDurable | WriteError::CommitFailed(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", reason),
+            WriteError::Engine(_) | WriteError::Corrupt => ApiError::internal(reason),
+        }
+    }
+}
+
+impl From<CollectionError> for ApiError {
+    fn from(e: CollectionError) -> Self {
+        let reason = e.to_string();
+        match e {
+            CollectionError::Exists(_) => ApiError::new(StatusCode::CONFLICT, "collection_exists", reason),
+            CollectionError::NotFound(_) => ApiError::new(StatusCode::NOT_FOUND, "collection_not_found", reason),
+            CollectionError::InvalidName(_) => ApiError::bad_request(reason),
+            CollectionError::Engine(_) | CollectionError::Corrupt(_) => ApiError::internal(reason),
+        }
+    }
+}
+
+impl From<ChangesError> for ApiError {
+    fn from(e: ChangesError) -> Self {
+        let reason = e.to_string();
+        match e {
+            ChangesError::InvalidToken(_) => ApiError::bad_request(reason),
+            ChangesError::CollectionDropped => ApiError::new(StatusCode::NOT_FOUND, "collection_not_found", reason),
+            ChangesError::Engine(_) | ChangesError::Corrupt => ApiError::internal(reason),
+        }
+    }
+}

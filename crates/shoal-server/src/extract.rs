@@ -1,0 +1,160 @@
+//! Pulling typed, validated input out of requests, with API errors for anything malformed.
+//! Handlers parse their own path, query, headers and body so that every rejection carries
+//! an API.md error code (axum's own rejections would not).
+
+use axum::body::Body;
+use axum::http::{HeaderMap, Uri};
+use http_body_util::BodyExt;
+use serde::de::DeserializeOwned;
+use shoal_storage::Cas;
+
+use crate::error::ApiError;
+
+/// The `index`-th segment of the request path (0 = `v1`), percent-decoded.
+/// `what` names the segment in errors; keys get `invalid_key`, others `bad_request`.
+pub fn path_segment(uri: &Uri, index: usize, what: &str) -> Result<String, ApiError> {
+    let raw = uri.path().trim_start_matches('/').split('/').nth(index).unwrap_or("");
+    let bytes: Vec<u8> = percent_encoding::percent_decode_str(raw).collect();
+    String::from_utf8(bytes).map_err(|_| {
+        let reason = format!("the {what} is not valid UTF-8");
+        if what == "key" {
+            ApiError::invalid_key(reason)
+        } else {
+            ApiError::bad_request(reason)
+        }
+    })
+}
+
+pub fn collection_name(uri: &Uri) -> Result<String, ApiError> {
+    path_segment(uri, 2, "collection name")
+}
+
+pub fn doc_key(uri: &Uri) -> Result<String, ApiError> {
+    let key = path_segment(uri, 4, "key")?;
+    if key.is_empty() {
+        return Err(ApiError::invalid_key("key is empty"));
+    }
+    if key.len() > shoal_storage::KEY_MAX_BYTES {
+        return Err(ApiError::invalid_key(format!("key is {} bytes; at most {} are allowed", key.len(), shoal_storage::KEY_MAX_BYTES)));
+    }
+    Ok(key)
+}
+
+/// Parses the query string into `T`, whose fields are the parameters the endpoint knows;
+/// `T` denies unknown fields, so an unknown parameter is a `bad_request`.
+pub fn query<T: DeserializeOwned + Default>(raw: Option<&str>) -> Result<T, ApiError> {
+    match raw {
+        None | Some("") => serde_urlencoded::from_str("").map_err(|e| ApiError::bad_request(format!("query: {e}"))),
+        Some(q) => serde_urlencoded::from_str(q).map_err(|e| ApiError::bad_request(format!("query parameters: {e}"))),
+    }
+}
+
+/// Reads the whole body, refusing more than `limit` bytes with `too_large`.
+pub async fn body(body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {
+    match http_body_util::Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+            Err(ApiError::too_large(format!("the body is larger than {limit} bytes")))
+        }
+        Err(e) => Err(ApiError::bad_request(format!("could not read the body: {e}"))),
+    }
+}
+
+/// What an `If-Match` / `If-None-Match` pair asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precondition {
+    None,
+    /// `If-None-Match: *`
+    MustNotExist,
+    /// `If-Match: *`
+    MustExist,
+    /// `If-Match: "<cas>"`
+    Cas(Cas),
+}
+
+pub fn precondition(headers: &HeaderMap) -> Result<Precondition, ApiError> {
+    let if_match = header_str(headers, "if-match")?;
+    let if_none_match = header_str(headers, "if-none-match")?;
+    match (if_match, if_none_match) {
+        (Some(_), Some(_)) => Err(ApiError::bad_request("give If-Match or If-None-Match, not both")),
+        (None, Some("*")) => Ok(Precondition::MustNotExist),
+        (None, Some(other)) => Err(ApiError::bad_request(format!("If-None-Match supports only *, not {other:?}"))),
+        (Some("*"), None) => Ok(Precondition::MustExist),
+        (Some(tag), None) => Ok(Precondition::Cas(parse_etag(tag)?)),
+        (None, None) => Ok(Precondition::None),
+    }
+}
+
+fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Result<Option<&'a str>, ApiError> {
+    match headers.get(name) {
+        None => Ok(None),
+        Some(v) => v.to_str().map(|s| Some(s.trim())).map_err(|_| ApiError::bad_request(format!("the {name} header is not ASCII"))),
+    }
+}
+
+/// `"<cas>"` (quotes optional, as some clients drop them) → CAS.
+pub fn parse_etag(tag: &str) -> Result<Cas, ApiError> {
+    let inner = tag.strip_prefix("W/").unwrap_or(tag);
+    let inner = inner.strip_prefix('"').and_then(|t| t.strip_suffix('"')).unwrap_or(inner);
+    parse_cas(inner).map_err(|_| ApiError::bad_request(format!("malformed If-Match {tag:?}: expected \"<cas>\" as given in ETag")))
+}
+
+pub fn parse_cas(text: &str) -> Result<Cas, ApiError> {
+    match text.parse::<u64>() {
+        Ok(0) | Err(_) => Err(ApiError::bad_request(format!("malformed CAS {text:?}: a positive 64-bit decimal number"))),
+        Ok(cas) => Ok(cas),
+    }
+}
+
+/// A query or body expiry in seconds → absolute Unix seconds (Couchbase's rule).
+pub fn expiry(secs: Option<i64>) -> Result<u32, ApiError> {
+    let Some(secs) = secs else { return Ok(0) };
+    let absurd = || ApiError::bad_request(format!("expiry {secs} is out of range: 0 (never), up to 2592000 seconds (relative), or a future Unix time before 2106"));
+    let secs = u64::try_from(secs).map_err(|_| absurd())?;
+    shoal_storage::absolute_expiry(secs, shoal_storage::unix_now_secs()).ok_or_else(absurd)
+}
+
+/// `?durability=none|persist`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Durability {
+    #[default]
+    None,
+    Persist,
+}
+
+/// Parses a JSON body into `T`, mapping errors to `invalid_json`.
+pub fn json_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    shoal_json::validate(bytes).map_err(|e| ApiError::invalid_json(e.to_string()))?;
+    serde_json::from_slice(bytes).map_err(|e| ApiError::bad_request(format!("unexpected body: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn etags() {
+        assert_eq!(parse_etag("\"42\"").unwrap(), 42);
+        assert_eq!(parse_etag("42").unwrap(), 42);
+        for bad in ["\"\"", "\"-1\"", "\"abc\"", "\"18446744073709551616\"", "\"0\""] {
+            assert!(parse_etag(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn expiries() {
+        assert_eq!(expiry(None).unwrap(), 0);
+        assert!(expiry(Some(-1)).is_err());
+        assert!(expiry(Some(i64::MAX)).is_err());
+        assert!(expiry(Some(10)).unwrap() > 10);
+    }
+
+    #[test]
+    fn segments_decode() {
+        let uri: Uri = "/v1/collections/c/docs/a%20b".parse().unwrap();
+        assert_eq!(doc_key(&uri).unwrap(), "a b");
+        let uri: Uri = "/v1/collections/c/docs/%FF".parse().unwrap();
+        assert_eq!(doc_key(&uri).unwrap_err().code, "invalid_key");
+    }
+}

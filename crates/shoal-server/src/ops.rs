@@ -1,0 +1,124 @@
+//! Operations: health, node description, Prometheus metrics, and per-request telemetry.
+
+use std::time::Instant;
+
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::docs::json_response;
+use crate::AppState;
+
+/// Latency buckets in seconds: 50 µs to 10 s.
+const LATENCY_BUCKETS_SECS: &[f64] =
+    &[0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
+
+/// Installs the process-wide Prometheus recorder once; later calls get the same handle.
+pub fn prometheus() -> PrometheusHandle {
+    static HANDLE: std::sync::OnceLock<PrometheusHandle> = std::sync::OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Full("shoal_request_duration_seconds".into()), LATENCY_BUCKETS_SECS)
+                .map(|b| b.build_recorder())
+                .unwrap_or_else(|_| PrometheusBuilder::new().build_recorder());
+            let handle = recorder.handle();
+            if metrics::set_global_recorder(recorder).is_err() {
+                tracing::warn!("a metrics recorder was already installed; /metrics shows only storage gauges");
+            }
+            handle
+        })
+        .clone()
+}
+
+/// Counts requests and times them per operation (method and route).
+pub async fn telemetry(matched: Option<MatchedPath>, req: Request, next: Next) -> Response {
+    let op = operation_name(req.method().as_str(), matched.as_ref().map(|m| m.as_str()));
+    let start = Instant::now();
+    let response = next.run(req).await;
+    let status = status_class(response.status());
+    metrics::histogram!("shoal_request_duration_seconds", "op" => op).record(start.elapsed().as_secs_f64());
+    metrics::counter!("shoal_requests_total", "op" => op, "status" => status).increment(1);
+    response
+}
+
+fn status_class(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        200..=299 => "2xx",
+        400..=499 => "4xx",
+        500..=599 => "5xx",
+        _ => "other",
+    }
+}
+
+/// A short, fixed name per endpoint (static strings keep the label set small).
+fn operation_name(method: &str, route: Option<&str>) -> &'static str {
+    let route = route.unwrap_or("");
+    match (method, route) {
+        ("GET", "/v1/collections/{c}/docs/{key}") => "doc_get",
+        ("PUT", "/v1/collections/{c}/docs/{key}") => "doc_put",
+        ("DELETE", "/v1/collections/{c}/docs/{key}") => "doc_remove",
+        ("POST", "/v1/collections/{c}/docs/{key}/touch") => "doc_touch",
+        ("POST", "/v1/collections/{c}/docs/{key}/unlock") => "doc_unlock",
+        ("POST", "/v1/collections/{c}/_get") => "multi_get",
+        ("POST", "/v1/collections/{c}/_bulk") => "bulk",
+        ("GET", "/v1/collections/{c}/changes") => "changes",
+        ("PUT", "/v1/collections/{c}") => "collection_create",
+        ("DELETE", "/v1/collections/{c}") => "collection_drop",
+        ("GET", "/v1/collections") => "collection_list",
+        ("GET", "/v1/health") => "health",
+        ("GET", "/v1/node") => "node",
+        ("GET", "/metrics") => "metrics",
+        _ => "other",
+    }
+}
+
+pub async fn health() -> Response {
+    json_response(StatusCode::OK, br#"{"status":"ok"}"#.to_vec())
+}
+
+pub async fn node(State(state): State<AppState>) -> Response {
+    let store = &state.store;
+    let body = serde_json::json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "partitions": store.partitions(),
+        "data_paths": store.data_paths().iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+        "uptime_secs": state.started.elapsed().as_secs(),
+        "recovered_unclean": store.recovered_unclean(),
+        "collections": store.list_collections().len(),
+        "memory": memory(),
+    });
+    json_response(StatusCode::OK, body.to_string().into_bytes())
+}
+
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    let store = &state.store;
+    for c in store.list_collections() {
+        metrics::gauge!("shoal_documents", "collection" => c.name.clone()).set(c.docs as f64);
+        metrics::gauge!("shoal_document_bytes", "collection" => c.name.clone()).set(c.bytes as f64);
+        if let Some(coll) = store.collection(&c.name) {
+            let high: u64 = coll.high_seqnos().iter().sum();
+            metrics::gauge!("shoal_high_seqno_sum", "collection" => c.name.clone()).set(high as f64);
+        }
+    }
+    metrics::gauge!("shoal_disk_bytes").set(store.disk_bytes() as f64);
+    metrics::gauge!("shoal_fsyncs").set(store.fsync_count() as f64);
+    metrics::gauge!("shoal_uptime_seconds").set(state.started.elapsed().as_secs_f64());
+    (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
+}
+
+/// The process's resident and peak resident memory, from /proc (Linux); nulls elsewhere.
+fn memory() -> serde_json::Value {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+    };
+    serde_json::json!({"rss_bytes": field("VmRSS:"), "peak_rss_bytes": field("VmHWM:")})
+}

@@ -1,0 +1,280 @@
+//! Load generators: `shoal bench kv` (seed 001's baseline: blocking gets of one small
+//! document from many connections) and `shoal bench load` (bulk load through `_bulk`).
+//!
+//! The kv generator drives raw hyper HTTP/1.1 connections, one per worker, so that the
+//! client's own cost stays small next to the server's on a shared machine.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::{Args, Subcommand};
+use futures::StreamExt;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use shoal_client::{Client, PutOptions};
+
+use crate::cli::CliError;
+
+#[derive(Subcommand)]
+pub enum BenchCmd {
+    /// Many connections doing blocking gets and upserts of one small document.
+    Kv(KvArgs),
+    /// Bulk-load generated documents through `_bulk`.
+    Load(LoadArgs),
+}
+
+#[derive(Args)]
+pub struct KvArgs {
+    /// Concurrent connections, each doing one request at a time.
+    #[arg(long, default_value_t = 200)]
+    parallel: usize,
+    /// Requests per connection.
+    #[arg(long, default_value_t = 1000)]
+    repeat: usize,
+    /// get, upsert, or both (one after the other).
+    #[arg(long, default_value = "both")]
+    op: String,
+    /// Sub-keys in the document (5 gives seed 001's 195-byte document).
+    #[arg(long, default_value_t = 5)]
+    keys: usize,
+    /// Ask for a key that does not exist (seed 001's `--search-non-existent`).
+    #[arg(long)]
+    search_non_existent: bool,
+    #[arg(long, default_value = "bench")]
+    collection: String,
+    /// Print one JSON object per run instead of the report line.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct LoadArgs {
+    #[arg(long, default_value_t = 1_000_000)]
+    docs: usize,
+    /// Lines per `_bulk` request.
+    #[arg(long, default_value_t = 5000)]
+    batch: usize,
+    /// Requests in flight.
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+    #[arg(long, default_value = "load")]
+    collection: String,
+    #[arg(long)]
+    persist: bool,
+}
+
+pub async fn run(url: &str, cmd: BenchCmd) -> Result<(), CliError> {
+    match cmd {
+        BenchCmd::Kv(args) => kv(url, args).await,
+        BenchCmd::Load(args) => load(url, args).await,
+    }
+}
+
+/// Seed 001's sample document: `{"key": ..., "data": {"subkey-000000": "value-000000", ...}}`.
+pub fn seed_document(key: &str, subkeys: usize) -> String {
+    let mut data = serde_json::Map::new();
+    for i in 0..subkeys {
+        data.insert(format!("subkey-{i:06}"), serde_json::Value::String(format!("value-{i:06}")));
+    }
+    serde_json::json!({"key": key, "data": data}).to_string()
+}
+
+async fn ensure_collection(client: &Client, name: &str) -> Result<(), CliError> {
+    match client.create_collection(name, None).await {
+        Ok(()) => Ok(()),
+        Err(e) if e.code() == Some("collection_exists") => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+struct RunReport {
+    successes: u64,
+    errors: u64,
+    duration: Duration,
+    latencies_us: Vec<u32>,
+}
+
+async fn kv(url: &str, args: KvArgs) -> Result<(), CliError> {
+    let client = Client::new(url)?;
+    ensure_collection(&client, &args.collection).await?;
+    let key = "test-regular";
+    let doc = seed_document(key, args.keys);
+    client.put(&args.collection, key, doc.clone(), &PutOptions::default()).await?;
+    let authority = url.trim_start_matches("http://").trim_end_matches('/').to_string();
+    let target_key = if args.search_non_existent { "not-exists" } else { key };
+    let path = format!("/v1/collections/{}/docs/{}", args.collection, target_key);
+    if !args.json {
+        println!(
+            "benchmark params: keys={}, not-existent={}, repeats={}, parallel={}",
+            args.keys, args.search_non_existent, args.repeat, args.parallel
+        );
+        println!("Generated doc with subkeys: {}, byte size is: {}", args.keys, doc.len());
+    }
+    let ops: Vec<&str> = match args.op.as_str() {
+        "both" => vec!["get", "upsert"],
+        "get" => vec!["get"],
+        "upsert" => vec!["upsert"],
+        other => return Err(CliError::Usage(format!("--op is get, upsert or both, not {other}"))),
+    };
+    for op in ops {
+        let method = if op == "get" { hyper::Method::GET } else { hyper::Method::PUT };
+        let body = if op == "get" { Bytes::new() } else { Bytes::from(doc.clone()) };
+        let report = drive(&authority, &path, method, body, args.parallel, args.repeat).await?;
+        print_report(op, &report, args.json);
+    }
+    Ok(())
+}
+
+/// Runs `parallel` connections, each sending `repeat` requests one after the other.
+async fn drive(authority: &str, path: &str, method: hyper::Method, body: Bytes, parallel: usize, repeat: usize) -> Result<RunReport, CliError> {
+    let mut conns = Vec::with_capacity(parallel);
+    for _ in 0..parallel {
+        let tcp = tokio::net::TcpStream::connect(authority).await?;
+        tcp.set_nodelay(true)?;
+        let (sender, conn) = hyper::client::conn::http1::handshake::<_, Full<Bytes>>(TokioIo::new(tcp))
+            .await
+            .map_err(|e| CliError::Usage(format!("handshake: {e}")))?;
+        tokio::spawn(conn);
+        conns.push(sender);
+    }
+    let start = Instant::now();
+    let mut tasks = Vec::with_capacity(parallel);
+    for mut sender in conns {
+        let (method, body, path, authority) = (method.clone(), body.clone(), path.to_string(), authority.to_string());
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::with_capacity(repeat);
+            let (mut ok, mut err) = (0u64, 0u64);
+            for _ in 0..repeat {
+                let req = hyper::Request::builder()
+                    .method(method.clone())
+                    .uri(path.as_str())
+                    .header("host", authority.as_str())
+                    .header("content-type", "application/json")
+                    .body(Full::new(body.clone()));
+                let Ok(req) = req else { err += 1; continue };
+                let t = Instant::now();
+                match sender.send_request(req).await {
+                    Ok(resp) => {
+                        let success = resp.status().is_success();
+                        let drained = resp.into_body().collect().await.is_ok();
+                        if success && drained { ok += 1 } else { err += 1 }
+                    }
+                    Err(_) => {
+                        err += 1;
+                        break;
+                    }
+                }
+                lat.push(t.elapsed().as_micros().min(u128::from(u32::MAX)) as u32);
+            }
+            (ok, err, lat)
+        }));
+    }
+    let mut report = RunReport { successes: 0, errors: 0, duration: Duration::ZERO, latencies_us: Vec::with_capacity(parallel * repeat) };
+    for task in tasks {
+        let (ok, err, lat) = task.await.map_err(|e| CliError::Usage(format!("worker failed: {e}")))?;
+        report.successes += ok;
+        report.errors += err;
+        report.latencies_us.extend(lat);
+    }
+    report.duration = start.elapsed();
+    report.latencies_us.sort_unstable();
+    Ok(report)
+}
+
+fn percentile(sorted: &[u32], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    f64::from(sorted[i.min(sorted.len() - 1)]) / 1000.0
+}
+
+fn print_report(op: &str, r: &RunReport, json: bool) {
+    let secs = r.duration.as_secs_f64().max(1e-9);
+    let total = (r.successes + r.errors) as f64;
+    let (p50, p99, p999) = (percentile(&r.latencies_us, 0.50), percentile(&r.latencies_us, 0.99), percentile(&r.latencies_us, 0.999));
+    if json {
+        let out = serde_json::json!({
+            "op": op, "successes": r.successes, "errors": r.errors, "duration_s": secs,
+            "rps": total / secs, "success_rps": r.successes as f64 / secs,
+            "p50_ms": p50, "p99_ms": p99, "p999_ms": p999,
+        });
+        println!("{out}");
+    } else {
+        println!(
+            "{op} report: successes: {}, errors: {}, duration: {secs:.3}s, rps: {:.1}, success rps: {:.1}, p50: {p50:.3} ms, p99: {p99:.3} ms, p999: {p999:.3} ms",
+            r.successes,
+            r.errors,
+            total / secs,
+            r.successes as f64 / secs
+        );
+    }
+}
+
+/// A generated document of about 200 bytes.
+fn load_document(i: usize) -> String {
+    format!(
+        r#"{{"id":{i},"name":"user-{i:08}","email":"user{i}@example.com","group":{},"active":{},"score":{}.5,"tags":["alpha","beta"],"note":"generated for the shoal load benchmark"}}"#,
+        i % 100,
+        i % 2 == 0,
+        i % 1000
+    )
+}
+
+async fn load(url: &str, args: LoadArgs) -> Result<(), CliError> {
+    if args.batch == 0 || args.concurrency == 0 {
+        return Err(CliError::Usage("--batch and --concurrency must be at least 1".into()));
+    }
+    let client = Client::new(url)?;
+    ensure_collection(&client, &args.collection).await?;
+    let batches = args.docs.div_ceil(args.batch);
+    let peak = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let sampler = {
+        let (client, peak) = (client.clone(), peak.clone());
+        tokio::spawn(async move {
+            loop {
+                if let Ok(node) = client.node().await {
+                    let rss = node["memory"]["rss_bytes"].as_u64().unwrap_or(0);
+                    peak.fetch_max(rss, std::sync::atomic::Ordering::Relaxed);
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+    };
+    let start = Instant::now();
+    let mut stream = futures::stream::iter((0..batches).map(|b| {
+        let client = client.clone();
+        let collection = args.collection.clone();
+        let (from, to) = (b * args.batch, ((b + 1) * args.batch).min(args.docs));
+        let persist = args.persist;
+        async move {
+            let mut chunk = String::with_capacity((to - from) * 260);
+            for i in from..to {
+                chunk.push_str(&format!(r#"{{"op":"upsert","key":"doc-{i:08}","value":{}}}"#, load_document(i)));
+                chunk.push('\n');
+            }
+            let answer = client.bulk(&collection, chunk, persist).await?;
+            let failed = answer.split(|&b| b == b'\n').filter(|l| l.windows(8).any(|w| w == b"\"error\":")).count();
+            Ok::<_, CliError>(((to - from) as u64, failed as u64))
+        }
+    }))
+    .buffer_unordered(args.concurrency);
+    let (mut sent, mut failed) = (0u64, 0u64);
+    while let Some(r) = stream.next().await {
+        let (n, f) = r?;
+        sent += n;
+        failed += f;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    sampler.abort();
+    let node = client.node().await?;
+    let peak_hwm = node["memory"]["peak_rss_bytes"].as_u64().unwrap_or(0);
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    println!(
+        "load report: docs: {sent}, failed: {failed}, duration: {secs:.2}s, docs/s: {:.0}, server peak RSS sampled: {:.1} MiB, server VmHWM: {:.1} MiB",
+        sent as f64 / secs,
+        mib(peak.load(std::sync::atomic::Ordering::Relaxed)),
+        mib(peak_hwm)
+    );
+    Ok(())
+}

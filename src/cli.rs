@@ -1,0 +1,372 @@
+//! The client commands: collections, documents, changes and bulk load, over HTTP.
+
+use std::io::{BufRead, Read};
+use std::time::Instant;
+
+use clap::{Args, Subcommand};
+use futures::StreamExt;
+use shoal_client::{ChangesOptions, Client, ClientError, PutMode, PutOptions};
+use thiserror::Error;
+
+use crate::Output;
+
+#[derive(Debug, Error)]
+pub enum CliError {
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    #[error(transparent)]
+    Server(#[from] shoal_server::ServerError),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Usage(String),
+}
+
+#[derive(Subcommand)]
+pub enum CollectionCmd {
+    /// Create a collection.
+    Create {
+        name: String,
+        /// Longest expiry of any document, in seconds.
+        #[arg(long)]
+        max_ttl: Option<u32>,
+    },
+    /// List collections with their sizes.
+    List,
+    /// Drop a collection with its documents.
+    Drop { name: String },
+}
+
+#[derive(Args)]
+pub struct WriteArgs {
+    collection: String,
+    key: String,
+    /// The document; `-` or nothing reads it from standard input.
+    value: Option<String>,
+    /// Expiry in seconds (up to 30 days relative, else a Unix time).
+    #[arg(long)]
+    expiry: Option<u64>,
+    /// Only if the document still has this CAS.
+    #[arg(long)]
+    cas: Option<String>,
+    /// Answer only once the write is fsynced.
+    #[arg(long)]
+    persist: bool,
+}
+
+#[derive(Subcommand)]
+pub enum DocCmd {
+    /// Print a document.
+    Get {
+        collection: String,
+        key: String,
+        /// Get and lock for this many seconds.
+        #[arg(long)]
+        lock: Option<u32>,
+        /// Get and set the expiry to this many seconds.
+        #[arg(long)]
+        touch: Option<u64>,
+    },
+    /// Upsert a document.
+    Put(WriteArgs),
+    /// Insert a document that must not exist.
+    Insert(WriteArgs),
+    /// Replace a document that must exist.
+    Replace(WriteArgs),
+    /// Remove a document.
+    Rm {
+        collection: String,
+        key: String,
+        #[arg(long)]
+        cas: Option<String>,
+        #[arg(long)]
+        persist: bool,
+    },
+    /// Change a document's expiry.
+    Touch {
+        collection: String,
+        key: String,
+        #[arg(long)]
+        expiry: u64,
+    },
+    /// Release a lock taken by `doc get --lock`.
+    Unlock { collection: String, key: String, cas: String },
+}
+
+#[derive(Args)]
+pub struct ChangesArgs {
+    collection: String,
+    /// Resume after this token (from a previous `last` line).
+    #[arg(long)]
+    since: Option<String>,
+    /// normal, longpoll or continuous.
+    #[arg(long, default_value = "normal")]
+    feed: String,
+    #[arg(long)]
+    limit: Option<usize>,
+    #[arg(long)]
+    include_docs: bool,
+    /// Milliseconds a longpoll or continuous feed stays open.
+    #[arg(long)]
+    timeout: Option<u64>,
+}
+
+#[derive(Args)]
+pub struct LoadArgs {
+    pub collection: String,
+    /// NDJSON: lines of `{"op","key","value"...}` as `_bulk` takes, or `{"key","value"}`.
+    pub file: std::path::PathBuf,
+    /// Lines per `_bulk` request.
+    #[arg(long, default_value_t = 5000)]
+    pub batch: usize,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 4)]
+    pub concurrency: usize,
+    #[arg(long)]
+    pub persist: bool,
+}
+
+pub async fn collection(url: &str, output: Output, cmd: CollectionCmd) -> Result<(), CliError> {
+    let client = Client::new(url)?;
+    match cmd {
+        CollectionCmd::Create { name, max_ttl } => {
+            client.create_collection(&name, max_ttl).await?;
+            println!("created collection {name}");
+        }
+        CollectionCmd::List => {
+            let list = client.list_collections().await?;
+            match output {
+                Output::Json => println!("{}", serde_json::to_string_pretty(&list).unwrap_or_default()),
+                Output::Table => {
+                    let rows = list.iter().map(|c| vec![c.name.clone(), c.docs.to_string(), c.bytes.to_string(), c.max_ttl.to_string()]).collect();
+                    print_table(&["name", "docs", "bytes", "max_ttl"], rows);
+                }
+            }
+        }
+        CollectionCmd::Drop { name } => {
+            client.drop_collection(&name).await?;
+            println!("dropped collection {name}");
+        }
+    }
+    Ok(())
+}
+
+pub async fn doc(url: &str, output: Output, cmd: DocCmd) -> Result<(), CliError> {
+    let client = Client::new(url)?;
+    let mutation = match cmd {
+        DocCmd::Get { collection, key, lock, touch } => {
+            let doc = client.get(&collection, &key, lock, touch).await?;
+            let value = String::from_utf8_lossy(&doc.value);
+            match output {
+                Output::Json => println!("{value}"),
+                Output::Table => print_table(&["key", "cas", "value"], vec![vec![key, doc.cas, value.into_owned()]]),
+            }
+            return Ok(());
+        }
+        DocCmd::Put(w) => write(&client, w, PutMode::Upsert).await?,
+        DocCmd::Insert(w) => write(&client, w, PutMode::Insert).await?,
+        DocCmd::Replace(w) => write(&client, w, PutMode::Replace).await?,
+        DocCmd::Rm { collection, key, cas, persist } => client.remove(&collection, &key, cas.as_deref(), persist).await?,
+        DocCmd::Touch { collection, key, expiry } => client.touch(&collection, &key, expiry).await?,
+        DocCmd::Unlock { collection, key, cas } => {
+            client.unlock(&collection, &key, &cas).await?;
+            println!("unlocked {key}");
+            return Ok(());
+        }
+    };
+    match output {
+        Output::Json => println!("{}", serde_json::to_string(&mutation).unwrap_or_default()),
+        Output::Table => print_table(
+            &["cas", "partition", "seqno", "uuid"],
+            vec![vec![mutation.cas, mutation.token.partition.to_string(), mutation.token.seqno.to_string(), mutation.token.uuid]],
+        ),
+    }
+    Ok(())
+}
+
+async fn write(client: &Client, w: WriteArgs, mode: PutMode) -> Result<shoal_client::Mutation, CliError> {
+    let value = match w.value.as_deref() {
+        None | Some("-") => {
+            let mut buf = Vec::new();
+            std::io::stdin().read_to_end(&mut buf)?;
+            buf
+        }
+        Some(v) => v.as_bytes().to_vec(),
+    };
+    let options = PutOptions { mode, cas: w.cas, expiry: w.expiry, persist: w.persist };
+    Ok(client.put(&w.collection, &w.key, value, &options).await?)
+}
+
+pub async fn changes(url: &str, output: Output, args: ChangesArgs) -> Result<(), CliError> {
+    let client = Client::with_options(url, shoal_client::ClientOptions { timeout: std::time::Duration::from_secs(24 * 3600), ..Default::default() })?;
+    let options = ChangesOptions {
+        since: args.since,
+        feed: Some(args.feed),
+        limit: args.limit,
+        include_docs: args.include_docs,
+        timeout_ms: args.timeout,
+    };
+    let resp = client.changes(&args.collection, &options).await?;
+    let mut stream = resp.bytes_stream();
+    let mut pending = Vec::new();
+    if output == Output::Table {
+        println!("{:<40} {:>9} {:>10} {:>7}  doc", "key", "partition", "seqno", "deleted");
+    }
+    while let Some(chunk) = stream.next().await {
+        pending.extend_from_slice(&chunk.map_err(ClientError::from)?);
+        while let Some(end) = pending.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = pending.drain(..=end).collect();
+            print_change_line(output, &line[..line.len() - 1]);
+        }
+    }
+    Ok(())
+}
+
+fn print_change_line(output: Output, line: &[u8]) {
+    if output == Output::Json {
+        println!("{}", String::from_utf8_lossy(line));
+        return;
+    }
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(line) else { return };
+    if let Some(last) = v.get("last") {
+        println!("last: {}", last.as_str().unwrap_or(""));
+    } else if let Some(r) = v.get("rollback") {
+        println!("rollback: partition {} to seqno {}", r["partition"], r["seqno"]);
+    } else {
+        let doc = v.get("doc").map(|d| d.to_string()).unwrap_or_default();
+        println!("{:<40} {:>9} {:>10} {:>7}  {}", v["key"].as_str().unwrap_or(""), v["partition"], v["seqno"], v["deleted"], doc);
+    }
+}
+
+/// Turns a load-file line into a `_bulk` line: lines with an `op` pass as they are;
+/// `{"key", "value"}` lines become upserts.
+fn bulk_line(line: &str) -> String {
+    if line.contains("\"op\"") {
+        return line.to_string();
+    }
+    match serde_json::from_str::<serde_json::Value>(line) {
+        Ok(serde_json::Value::Object(mut obj)) if obj.contains_key("key") => {
+            obj.insert("op".into(), "upsert".into());
+            serde_json::Value::Object(obj).to_string()
+        }
+        _ => line.to_string(),
+    }
+}
+
+pub async fn load(url: &str, args: LoadArgs) -> Result<(), CliError> {
+    if args.batch == 0 || args.concurrency == 0 {
+        return Err(CliError::Usage("--batch and --concurrency must be at least 1".into()));
+    }
+    let client = Client::new(url)?;
+    let file = std::fs::File::open(&args.file)?;
+    let total_bytes = file.metadata()?.len();
+    let bar = indicatif::ProgressBar::new(total_bytes);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {msg} ({eta})")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let reader = std::io::BufReader::new(file);
+    let started = Instant::now();
+    let mut batches = Vec::new();
+    let mut chunk = String::new();
+    let mut lines_in_chunk = 0;
+    for line in reader.lines() {
+        let line = line?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        chunk.push_str(&bulk_line(&line));
+        chunk.push('\n');
+        lines_in_chunk += 1;
+        if lines_in_chunk == args.batch {
+            batches.push(std::mem::take(&mut chunk));
+            lines_in_chunk = 0;
+        }
+    }
+    if !chunk.is_empty() {
+        batches.push(chunk);
+    }
+    let (ok, failed) = send_bulk(&client, &args.collection, batches, args.concurrency, args.persist, Some(&bar)).await?;
+    bar.finish_and_clear();
+    let secs = started.elapsed().as_secs_f64();
+    println!("loaded {ok} documents ({failed} failed) in {secs:.2} s: {:.0} docs/s", ok as f64 / secs.max(1e-9));
+    if failed > 0 {
+        return Err(CliError::Usage(format!("{failed} lines failed; see the server's reasons with --output json")));
+    }
+    Ok(())
+}
+
+/// Sends NDJSON batches with `concurrency` requests in flight; counts good and failed lines.
+pub async fn send_bulk(
+    client: &Client,
+    collection: &str,
+    batches: Vec<String>,
+    concurrency: usize,
+    persist: bool,
+    bar: Option<&indicatif::ProgressBar>,
+) -> Result<(u64, u64), CliError> {
+    let mut results = futures::stream::iter(batches.into_iter().map(|b| {
+        let client = client.clone();
+        let collection = collection.to_string();
+        async move {
+            let len = b.len() as u64;
+            let answer = client.bulk(&collection, b, persist).await?;
+            Ok::<_, ClientError>((len, answer))
+        }
+    }))
+    .buffer_unordered(concurrency);
+    let (mut ok, mut failed) = (0u64, 0u64);
+    let mut first_error = None;
+    while let Some(result) = results.next().await {
+        let (len, answer) = result?;
+        for line in answer.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
+            if line.windows(8).any(|w| w == b"\"error\":") {
+                failed += 1;
+                if first_error.is_none() {
+                    first_error = Some(String::from_utf8_lossy(line).into_owned());
+                }
+            } else {
+                ok += 1;
+            }
+        }
+        if let Some(bar) = bar {
+            bar.inc(len);
+            bar.set_message(format!("{ok} docs"));
+        }
+    }
+    if let Some(e) = first_error {
+        eprintln!("first failure: {e}");
+    }
+    Ok((ok, failed))
+}
+
+/// Prints rows under a header, columns aligned.
+pub fn print_table(header: &[&str], rows: Vec<Vec<String>>) {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let parts: Vec<String> = cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        println!("{}", parts.join("  ").trim_end());
+    };
+    line(header.iter().map(|h| h.to_string()).collect());
+    for row in rows {
+        line(row);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn load_lines_become_upserts() {
+        assert_eq!(bulk_line(r#"{"op":"remove","key":"a"}"#), r#"{"op":"remove","key":"a"}"#);
+        let v: serde_json::Value = serde_json::from_str(&bulk_line(r#"{"key":"a","value":{"x":1}}"#)).unwrap();
+        assert_eq!(v["op"], "upsert");
+        assert_eq!(bulk_line("not json"), "not json");
+    }
+}
