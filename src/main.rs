@@ -120,32 +120,29 @@ async fn serve(args: ServeArgs) -> Result<(), cli::CliError> {
             ..shoal_storage::StoreConfig::default()
         },
     };
+    let signal = shutdown_signal()?;
     let server = shoal_server::Server::bind(config).await?;
     let addr = server.local_addr()?;
     println!("shoal listening on http://{addr}");
-    server.run(shutdown_signal()).await?;
+    server.run(signal).await?;
     println!("shoal stopped cleanly");
     Ok(())
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
+/// Installs the SIGTERM / Ctrl-C handlers now (so a signal right after start-up is not
+/// lost), and resolves when either arrives.
+fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>, std::io::Error> {
     #[cfg(unix)]
-    {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = ctrl_c => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = ctrl_c.await;
-            }
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    #[cfg(unix)]
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+    Ok(async move {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
         }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
-    }
+        #[cfg(not(unix))]
+        let _ = tokio::signal::ctrl_c().await;
+    })
 }

@@ -22,9 +22,43 @@ pub fn validate(bytes: &[u8]) -> Result<(), JsonError> {
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Err(JsonError::Empty);
     }
+    // serde_json skips over strings without checking their UTF-8, and ignores depth when
+    // it builds nothing: check both here.
+    if let Err(e) = std::str::from_utf8(bytes) {
+        return Err(JsonError::Invalid { line: 0, column: e.valid_up_to(), message: "invalid UTF-8".into() });
+    }
+    check_depth(bytes)?;
     serde_json::from_slice::<serde::de::IgnoredAny>(bytes)
         .map(|_| ())
         .map_err(|e| JsonError::Invalid { line: e.line(), column: e.column(), message: strip_position(&e) })
+}
+
+/// Refuses nesting deeper than [`DOC_DEPTH_MAX`], scanning brackets outside strings.
+fn check_depth(bytes: &[u8]) -> Result<(), JsonError> {
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    for (i, &b) in bytes.iter().enumerate() {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > DOC_DEPTH_MAX {
+                    return Err(JsonError::Invalid { line: 0, column: i, message: format!("nested deeper than {DOC_DEPTH_MAX} levels") });
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 fn strip_position(e: &serde_json::Error) -> String {
@@ -52,6 +86,8 @@ mod tests {
             (b"{'a':1}", false),
             (b"\xff\xfe", false),
             (b"[1,]", false),
+            (b"\"\xff\"", false),
+            (b"{\"a\\\"[[[[\": 1}", true),
         ];
         for (input, ok) in cases {
             assert_eq!(validate(input).is_ok(), *ok, "{:?}", String::from_utf8_lossy(input));

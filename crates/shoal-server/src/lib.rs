@@ -59,6 +59,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/collections", get(collections::list))
         .route("/v1/collections/{c}", put(collections::create).delete(collections::drop))
         .route("/v1/collections/{c}/docs/{key}", get(docs::get).put(docs::put).delete(docs::remove))
+        .route("/v1/collections/{c}/docs/", get(empty_key).put(empty_key).delete(empty_key))
         .route("/v1/collections/{c}/docs/{key}/touch", post(docs::touch))
         .route("/v1/collections/{c}/docs/{key}/unlock", post(docs::unlock))
         .route("/v1/collections/{c}/_get", post(docs::multi_get))
@@ -68,6 +69,10 @@ pub fn router(state: AppState) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn(ops::telemetry))
         .with_state(state)
+}
+
+async fn empty_key() -> ApiError {
+    ApiError::invalid_key("key is empty")
 }
 
 async fn fallback() -> ApiError {

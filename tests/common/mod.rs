@@ -1,0 +1,118 @@
+//! Starts the real `shoal` binary on a loopback port with a real data directory.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+pub struct Node {
+    child: Option<Child>,
+    pub url: String,
+    pub dir: PathBuf,
+    args: Vec<String>,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+impl Node {
+    /// A fresh node with its own data directory.
+    pub fn start(extra: &[&str]) -> Node {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let dir = tmp.path().join("data");
+        let mut node = Node { child: None, url: String::new(), dir, args: extra.iter().map(|s| s.to_string()).collect(), _tmp: Some(tmp) };
+        node.spawn();
+        node
+    }
+
+    fn spawn(&mut self) {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_shoal"))
+            .arg("serve")
+            .arg("--listen")
+            .arg("127.0.0.1:0")
+            .arg("--data-path")
+            .arg(&self.dir)
+            .arg("--cache-mb")
+            .arg("32")
+            .args(&self.args)
+            .env("SHOAL_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn shoal");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let first = lines.next().expect("server printed nothing").expect("read stdout");
+        let url = first.strip_prefix("shoal listening on ").unwrap_or_else(|| panic!("unexpected first line {first:?}")).to_string();
+        // Keep draining stdout so the server never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        self.url = url;
+        self.child = Some(child);
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// `kill -9`: no chance to flush anything.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM and wait: a clean shutdown. Returns whether the process exited successfully.
+    pub fn stop(&mut self) -> bool {
+        let Some(mut child) = self.child.take() else { return false };
+        unsafe {
+            libc::kill(child.id() as i32, libc::SIGTERM);
+        }
+        child.wait().map(|s| s.success()).unwrap_or(false)
+    }
+
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "stop or kill the node first");
+        self.spawn();
+    }
+
+    /// Runs the CLI against this node; returns (success, stdout, stderr).
+    pub fn cli(&self, args: &[&str]) -> (bool, String, String) {
+        cli(&self.url, args, None)
+    }
+
+    pub fn client(&self) -> reqwest::Client {
+        reqwest::Client::builder().timeout(Duration::from_secs(60)).build().expect("client")
+    }
+
+    pub fn u(&self, path: &str) -> String {
+        format!("{}{}", self.url, path)
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+pub fn cli(url: &str, args: &[&str], stdin: Option<&str>) -> (bool, String, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_shoal"));
+    cmd.arg("--url").arg(url).args(args).env("SHOAL_LOG", "warn");
+    cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() }).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("spawn cli");
+    if let Some(input) = stdin {
+        use std::io::Write;
+        child.stdin.take().expect("stdin").write_all(input.as_bytes()).expect("write stdin");
+    }
+    let out = child.wait_with_output().expect("cli output");
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// Parses an NDJSON body into values.
+pub fn ndjson(body: &str) -> Vec<serde_json::Value> {
+    body.lines().filter(|l| !l.trim().is_empty()).map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad line {l:?}: {e}"))).collect()
+}
+
+pub fn exists(path: &Path) -> bool {
+    path.exists()
+}
