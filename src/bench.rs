@@ -126,7 +126,14 @@ async fn kv(url: &str, args: KvArgs) -> Result<(), CliError> {
 }
 
 /// Runs `parallel` connections, each sending `repeat` requests one after the other.
-async fn drive(authority: &str, path: &str, method: hyper::Method, body: Bytes, parallel: usize, repeat: usize) -> Result<RunReport, CliError> {
+async fn drive(
+    authority: &str,
+    path: &str,
+    method: hyper::Method,
+    body: Bytes,
+    parallel: usize,
+    repeat: usize,
+) -> Result<RunReport, CliError> {
     let mut conns = Vec::with_capacity(parallel);
     for _ in 0..parallel {
         let tcp = tokio::net::TcpStream::connect(authority).await?;
@@ -151,13 +158,20 @@ async fn drive(authority: &str, path: &str, method: hyper::Method, body: Bytes, 
                     .header("host", authority.as_str())
                     .header("content-type", "application/json")
                     .body(Full::new(body.clone()));
-                let Ok(req) = req else { err += 1; continue };
+                let Ok(req) = req else {
+                    err += 1;
+                    continue;
+                };
                 let t = Instant::now();
                 match sender.send_request(req).await {
                     Ok(resp) => {
                         let success = resp.status().is_success();
                         let drained = resp.into_body().collect().await.is_ok();
-                        if success && drained { ok += 1 } else { err += 1 }
+                        if success && drained {
+                            ok += 1
+                        } else {
+                            err += 1
+                        }
                     }
                     Err(_) => {
                         err += 1;
@@ -216,7 +230,7 @@ fn load_document(i: usize) -> String {
     format!(
         r#"{{"id":{i},"name":"user-{i:08}","email":"user{i}@example.com","group":{},"active":{},"score":{}.5,"tags":["alpha","beta"],"note":"generated for the shoal load benchmark"}}"#,
         i % 100,
-        i % 2 == 0,
+        i.is_multiple_of(2),
         i % 1000
     )
 }

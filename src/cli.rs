@@ -138,7 +138,8 @@ pub async fn collection(url: &str, output: Output, cmd: CollectionCmd) -> Result
             match output {
                 Output::Json => println!("{}", serde_json::to_string_pretty(&list).unwrap_or_default()),
                 Output::Table => {
-                    let rows = list.iter().map(|c| vec![c.name.clone(), c.docs.to_string(), c.bytes.to_string(), c.max_ttl.to_string()]).collect();
+                    let rows =
+                        list.iter().map(|c| vec![c.name.clone(), c.docs.to_string(), c.bytes.to_string(), c.max_ttl.to_string()]).collect();
                     print_table(&["name", "docs", "bytes", "max_ttl"], rows);
                 }
             }
@@ -198,7 +199,10 @@ async fn write(client: &Client, w: WriteArgs, mode: PutMode) -> Result<shoal_cli
 }
 
 pub async fn changes(url: &str, output: Output, args: ChangesArgs) -> Result<(), CliError> {
-    let client = Client::with_options(url, shoal_client::ClientOptions { timeout: std::time::Duration::from_secs(24 * 3600), ..Default::default() })?;
+    let client = Client::with_options(
+        url,
+        shoal_client::ClientOptions { timeout: std::time::Duration::from_secs(24 * 3600), ..Default::default() },
+    )?;
     let options = ChangesOptions {
         since: args.since,
         feed: Some(args.feed),

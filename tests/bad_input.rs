@@ -80,7 +80,11 @@ async fn every_bad_request_gets_its_code_and_loses_nothing() {
         case("lock and touch", Method::GET, &format!("{doc}?lock=5&touch=5"), "", 400, "bad_request"),
         case("locking a locked document", Method::GET, "/v1/collections/c/docs/k0?lock=5", "", 423, "locked"),
         case("writing a locked document", Method::PUT, "/v1/collections/c/docs/k0", "{}", 423, "locked"),
-        with(case("unlocking with a wrong CAS", Method::POST, "/v1/collections/c/docs/k0/unlock", "", 409, "cas_mismatch"), "if-match", "\"1\""),
+        with(
+            case("unlocking with a wrong CAS", Method::POST, "/v1/collections/c/docs/k0/unlock", "", 409, "cas_mismatch"),
+            "if-match",
+            "\"1\"",
+        ),
         case("unlock without CAS", Method::POST, "/v1/collections/c/docs/k0/unlock", "", 400, "bad_request"),
         with(case("unlocking an unlocked document", Method::POST, doc, "", 405, "bad_request"), "if-match", "\"1\""),
         with(case("unlock unlocked", Method::POST, "/v1/collections/c/docs/k1/unlock", "", 400, "bad_request"), "if-match", "\"1\""),

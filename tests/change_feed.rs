@@ -26,7 +26,11 @@ async fn tokens_resume_exactly_after_the_last_line() {
     let mut keys = Vec::new();
     let mut seen = Vec::new();
     loop {
-        let url = if token.is_empty() { node.u("/v1/collections/f/changes?limit=7") } else { node.u(&format!("/v1/collections/f/changes?limit=7&since={token}")) };
+        let url = if token.is_empty() {
+            node.u("/v1/collections/f/changes?limit=7")
+        } else {
+            node.u(&format!("/v1/collections/f/changes?limit=7&since={token}"))
+        };
         let lines = ndjson(&c.get(url).send().await.unwrap().text().await.unwrap());
         let changes: Vec<_> = lines.iter().filter(|l| l.get("key").is_some()).collect();
         assert!(changes.len() <= 7);
@@ -73,7 +77,15 @@ async fn longpoll_waits_for_a_change_and_continuous_streams() {
     assert_eq!(lines[0]["doc"]["hello"], 1);
 
     // A longpoll with nothing to say ends at its timeout with the same position.
-    let lines = ndjson(&c.get(node.u(&format!("/v1/collections/f/changes?feed=longpoll&timeout=200&since={}", last_token(&lines)))).send().await.unwrap().text().await.unwrap());
+    let lines = ndjson(
+        &c.get(node.u(&format!("/v1/collections/f/changes?feed=longpoll&timeout=200&since={}", last_token(&lines))))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap(),
+    );
     assert_eq!(lines.len(), 1);
 
     let resp = c.get(node.u("/v1/collections/f/changes?feed=continuous&timeout=5000")).send().await.unwrap();
@@ -116,6 +128,7 @@ async fn rollback_line_after_unclean_restart() {
     let token = last_token(&lines);
     assert!(node.stop());
     node.restart();
-    let lines = ndjson(&node.client().get(node.u(&format!("/v1/collections/f/changes?since={token}"))).send().await.unwrap().text().await.unwrap());
+    let lines =
+        ndjson(&node.client().get(node.u(&format!("/v1/collections/f/changes?since={token}"))).send().await.unwrap().text().await.unwrap());
     assert_eq!(lines.len(), 1, "{lines:?}");
 }

@@ -11,13 +11,16 @@ use common::{ndjson, Node};
 use rand::Rng;
 use serde_json::Value;
 
+/// key -> (value counter, seqno, partition) of the last acknowledged write
+type Acked = HashMap<String, (u64, u64, u64)>;
+
 #[tokio::test]
 async fn acknowledged_persist_writes_survive_kill_9() {
     let mut node = Node::start(&["--partitions", "16"]);
     let c = node.client();
     c.put(node.u("/v1/collections/d")).send().await.unwrap();
     // key -> (value, seqno, partition) of the last acknowledged write
-    let acked: Arc<Mutex<HashMap<String, (u64, u64, u64)>>> = Arc::default();
+    let acked: Arc<Mutex<Acked>> = Arc::default();
     let mut writers = Vec::new();
     for w in 0..8u64 {
         let (c, url, acked) = (c.clone(), node.url.clone(), Arc::clone(&acked));

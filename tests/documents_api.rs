@@ -29,9 +29,21 @@ async fn collections_and_documents_round_trip() {
     let r = c.get(node.u("/v1/collections/users/docs/alice")).send().await.unwrap();
     assert_eq!(r.headers()["etag"].to_str().unwrap(), format!("\"{cas1}\""));
     assert_eq!(r.json::<Value>().await.unwrap(), json!({"name":"Alice"}));
-    let r = c.put(node.u("/v1/collections/users/docs/alice")).header("if-match", format!("\"{cas1}\"")).body(r#"{"v":2}"#).send().await.unwrap();
+    let r = c
+        .put(node.u("/v1/collections/users/docs/alice"))
+        .header("if-match", format!("\"{cas1}\""))
+        .body(r#"{"v":2}"#)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), StatusCode::OK);
-    let r = c.put(node.u("/v1/collections/users/docs/alice")).header("if-match", format!("\"{cas1}\"")).body(r#"{"v":3}"#).send().await.unwrap();
+    let r = c
+        .put(node.u("/v1/collections/users/docs/alice"))
+        .header("if-match", format!("\"{cas1}\""))
+        .body(r#"{"v":3}"#)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), StatusCode::CONFLICT);
     assert_eq!(r.json::<Value>().await.unwrap()["error"], "cas_mismatch");
 
@@ -51,7 +63,8 @@ async fn collections_and_documents_round_trip() {
     assert_eq!(r.json::<Value>().await.unwrap()["error"], "doc_not_found");
 
     // Multi-get.
-    let r: Value = c.post(node.u("/v1/collections/users/_get")).body(r#"{"keys":["alice","bob"]}"#).send().await.unwrap().json().await.unwrap();
+    let r: Value =
+        c.post(node.u("/v1/collections/users/_get")).body(r#"{"keys":["alice","bob"]}"#).send().await.unwrap().json().await.unwrap();
     assert_eq!(r["docs"][0]["value"], json!({"v":2}));
     assert_eq!(r["docs"][1]["error"], "doc_not_found");
 
@@ -165,7 +178,13 @@ async fn operations_endpoints() {
     put(&c, node.u("/v1/collections/m/docs/x"), "{}").await;
     c.get(node.u("/v1/collections/m/docs/x")).send().await.unwrap();
     let text = c.get(node.u("/metrics")).send().await.unwrap().text().await.unwrap();
-    for needle in ["shoal_requests_total", "shoal_request_duration_seconds_bucket", "op=\"doc_get\"", "shoal_documents{collection=\"m\"} 1", "shoal_high_seqno_sum"] {
+    for needle in [
+        "shoal_requests_total",
+        "shoal_request_duration_seconds_bucket",
+        "op=\"doc_get\"",
+        "shoal_documents{collection=\"m\"} 1",
+        "shoal_high_seqno_sum",
+    ] {
         assert!(text.contains(needle), "metrics lack {needle}:\n{text}");
     }
 }

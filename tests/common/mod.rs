@@ -110,7 +110,10 @@ pub fn cli(url: &str, args: &[&str], stdin: Option<&str>) -> (bool, String, Stri
 
 /// Parses an NDJSON body into values.
 pub fn ndjson(body: &str) -> Vec<serde_json::Value> {
-    body.lines().filter(|l| !l.trim().is_empty()).map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad line {l:?}: {e}"))).collect()
+    body.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad line {l:?}: {e}")))
+        .collect()
 }
 
 pub fn exists(path: &Path) -> bool {

@@ -129,11 +129,8 @@ impl Client {
         if !base.starts_with("http://") {
             return Err(ClientError::Url(url.to_string()));
         }
-        let mut builder = reqwest::Client::builder()
-            .timeout(options.timeout)
-            .pool_max_idle_per_host(options.pool_max_idle)
-            .tcp_nodelay(true)
-            .no_proxy();
+        let mut builder =
+            reqwest::Client::builder().timeout(options.timeout).pool_max_idle_per_host(options.pool_max_idle).tcp_nodelay(true).no_proxy();
         if options.http2 {
             builder = builder.http2_prior_knowledge();
         } else {
@@ -188,12 +185,7 @@ impl Client {
             req = req.query(&[("touch", s.to_string())]);
         }
         let resp = ok(req.send().await?).await?;
-        let cas = resp
-            .headers()
-            .get("etag")
-            .and_then(|v| v.to_str().ok())
-            .map(|s| s.trim_matches('"').to_string())
-            .unwrap_or_default();
+        let cas = resp.headers().get("etag").and_then(|v| v.to_str().ok()).map(|s| s.trim_matches('"').to_string()).unwrap_or_default();
         Ok(Doc { cas, value: resp.bytes().await? })
     }
 

@@ -28,9 +28,11 @@ pub fn validate(bytes: &[u8]) -> Result<(), JsonError> {
         return Err(JsonError::Invalid { line: 0, column: e.valid_up_to(), message: "invalid UTF-8".into() });
     }
     check_depth(bytes)?;
-    serde_json::from_slice::<serde::de::IgnoredAny>(bytes)
-        .map(|_| ())
-        .map_err(|e| JsonError::Invalid { line: e.line(), column: e.column(), message: strip_position(&e) })
+    serde_json::from_slice::<serde::de::IgnoredAny>(bytes).map(|_| ()).map_err(|e| JsonError::Invalid {
+        line: e.line(),
+        column: e.column(),
+        message: strip_position(&e),
+    })
 }
 
 /// Refuses nesting deeper than [`DOC_DEPTH_MAX`], scanning brackets outside strings.

@@ -162,7 +162,8 @@ fn write_change(out: &mut Vec<u8>, change: &Change) {
     let key = String::from_utf8_lossy(&change.key);
     let _ = serde_json::to_writer(&mut *out, &key);
     out.extend_from_slice(
-        format!(",\"partition\":{},\"seqno\":{},\"cas\":\"{}\",\"deleted\":{}", change.partition, change.seqno, change.cas, change.deleted).as_bytes(),
+        format!(",\"partition\":{},\"seqno\":{},\"cas\":\"{}\",\"deleted\":{}", change.partition, change.seqno, change.cas, change.deleted)
+            .as_bytes(),
     );
     if let Some(doc) = &change.value {
         out.extend_from_slice(b",\"doc\":");

@@ -42,7 +42,13 @@ pub async fn get(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery)
         (Some(_), Some(_)) => return Err(ApiError::bad_request("lock and touch cannot be combined")),
         (Some(secs), None) => coll.get_and_lock(&key, secs)?,
         (None, Some(secs)) => {
-            let req = WriteRequest { key: Bytes::from(key.clone()), op: WriteOp::Touch, value: None, cas: None, expiry: extract::expiry(Some(secs))? };
+            let req = WriteRequest {
+                key: Bytes::from(key.clone()),
+                op: WriteOp::Touch,
+                value: None,
+                cas: None,
+                expiry: extract::expiry(Some(secs))?,
+            };
             coll.write(req)?.1.wait().await?;
             coll.get(&key)?
         }
@@ -71,7 +77,13 @@ struct PutParams {
     durability: Durability,
 }
 
-pub async fn put(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+pub async fn put(
+    State(state): State<AppState>,
+    uri: Uri,
+    RawQuery(q): RawQuery,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
     let params: PutParams = extract::query(q.as_deref())?;
     let coll = collection(&state, &uri)?;
     let key = extract::doc_key(&uri)?;
@@ -333,4 +345,3 @@ fn parse_bulk_line(body: &Bytes, line: &[u8]) -> Result<(String, WriteRequest), 
     let expiry = extract::expiry(parsed.expiry).map_err(fail)?;
     Ok((key.clone(), WriteRequest { key: Bytes::from(key), op, value, cas, expiry }))
 }
-

@@ -109,7 +109,11 @@ pub fn parse_cas(text: &str) -> Result<Cas, ApiError> {
 /// A query or body expiry in seconds → absolute Unix seconds (Couchbase's rule).
 pub fn expiry(secs: Option<i64>) -> Result<u32, ApiError> {
     let Some(secs) = secs else { return Ok(0) };
-    let absurd = || ApiError::bad_request(format!("expiry {secs} is out of range: 0 (never), up to 2592000 seconds (relative), or a future Unix time before 2106"));
+    let absurd = || {
+        ApiError::bad_request(format!(
+            "expiry {secs} is out of range: 0 (never), up to 2592000 seconds (relative), or a future Unix time before 2106"
+        ))
+    };
     let secs = u64::try_from(secs).map_err(|_| absurd())?;
     shoal_storage::absolute_expiry(secs, shoal_storage::unix_now_secs()).ok_or_else(absurd)
 }

@@ -71,10 +71,7 @@ pub fn decode_seq_key(raw: &[u8]) -> Option<(PartitionId, SeqNo)> {
     if raw.len() != 10 {
         return None;
     }
-    Some((
-        u16::from_be_bytes(raw[..2].try_into().ok()?),
-        u64::from_be_bytes(raw[2..].try_into().ok()?),
-    ))
+    Some((u16::from_be_bytes(raw[..2].try_into().ok()?), u64::from_be_bytes(raw[2..].try_into().ok()?)))
 }
 
 pub fn seq_value(cas: Cas, deleted: bool, key: &[u8]) -> Vec<u8> {

@@ -76,9 +76,10 @@ impl Collection {
     }
 
     pub fn info(&self) -> CollectionInfo {
-        let (docs, bytes) = self.partitions.iter().fold((0i64, 0i64), |(d, b), p| {
-            (d + p.docs_count.load(Ordering::Relaxed), b + p.docs_bytes.load(Ordering::Relaxed))
-        });
+        let (docs, bytes) = self
+            .partitions
+            .iter()
+            .fold((0i64, 0i64), |(d, b), p| (d + p.docs_count.load(Ordering::Relaxed), b + p.docs_bytes.load(Ordering::Relaxed)));
         CollectionInfo { name: self.name.clone(), docs: docs.max(0) as u64, bytes: bytes.max(0) as u64, max_ttl: self.max_ttl }
     }
 
@@ -195,13 +196,11 @@ impl Collection {
             if out.len() >= max {
                 break;
             }
-            let (changes, next) = partition
-                .read_changes(slot.seqno, max - out.len(), include_docs)
-                .map_err(|e| match e {
-                    ReadError::CollectionDropped => ChangesError::CollectionDropped,
-                    ReadError::Engine(e) => ChangesError::Engine(e),
-                    _ => ChangesError::Corrupt,
-                })?;
+            let (changes, next) = partition.read_changes(slot.seqno, max - out.len(), include_docs).map_err(|e| match e {
+                ReadError::CollectionDropped => ChangesError::CollectionDropped,
+                ReadError::Engine(e) => ChangesError::Engine(e),
+                _ => ChangesError::Corrupt,
+            })?;
             slot.seqno = next;
             out.extend(changes);
         }

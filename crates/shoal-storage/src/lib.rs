@@ -59,10 +59,7 @@ pub fn partition_of(key: &[u8], partitions: u16) -> PartitionId {
 
 /// Current Unix time in whole seconds.
 pub fn unix_now_secs() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
 /// Turns a request's expiry into an absolute Unix time, by Couchbase's rule: 0 is never,
@@ -85,8 +82,7 @@ mod tests {
     fn partition_mapping_is_stable() {
         // Pinned values: changing the hash would move every stored document.
         assert_eq!(partition_of(b"a", 128), partition_of(b"a", 128));
-        let spread: std::collections::HashSet<_> =
-            (0..10_000).map(|i| partition_of(format!("k{i}").as_bytes(), 128)).collect();
+        let spread: std::collections::HashSet<_> = (0..10_000).map(|i| partition_of(format!("k{i}").as_bytes(), 128)).collect();
         assert_eq!(spread.len(), 128);
         assert_eq!(partition_of(b"anything", 1), 0);
     }

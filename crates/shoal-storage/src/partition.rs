@@ -128,11 +128,7 @@ struct Current {
 
 impl Partition {
     pub(crate) fn open(parts: PartitionParts) -> Result<Partition, fjall::Error> {
-        let (high, max_cas) = match parts
-            .seq
-            .range(codec::seq_key(parts.id, 0)..=codec::seq_key(parts.id, SeqNo::MAX))
-            .next_back()
-        {
+        let (high, max_cas) = match parts.seq.range(codec::seq_key(parts.id, 0)..=codec::seq_key(parts.id, SeqNo::MAX)).next_back() {
             Some(guard) => {
                 let (k, v) = guard.into_inner()?;
                 let seqno = codec::decode_seq_key(&k).map(|(_, s)| s).unwrap_or(0);
@@ -162,12 +158,7 @@ impl Partition {
             syncer: parts.syncer,
             clock: parts.clock,
             failover: parts.failover,
-            state: Mutex::new(Sequencer {
-                high,
-                tail: VecDeque::new(),
-                tail_bytes: 0,
-                locks: HashMap::new(),
-            }),
+            state: Mutex::new(Sequencer { high, tail: VecDeque::new(), tail_bytes: 0, locks: HashMap::new() }),
             high_tx: watch::channel(high).0,
             collection_changed: parts.collection_changed,
             dropped: parts.dropped,
@@ -410,15 +401,7 @@ impl Partition {
             self.locked_docs.fetch_sub(1, Ordering::AcqRel);
         }
         self.stage(batch, &req.key, current.as_ref().map(|c| (&c.meta, c.body.len())), DocMeta { cas, seqno, expiry, deleted }, &body);
-        changes.push(Change {
-            partition: self.id,
-            seqno,
-            key: req.key.clone(),
-            cas,
-            deleted,
-            expiry,
-            value: (!deleted).then_some(body),
-        });
+        changes.push(Change { partition: self.id, seqno, key: req.key.clone(), cas, deleted, expiry, value: (!deleted).then_some(body) });
         Ok(MutationOutcome { cas, partition: self.id, seqno, uuid: self.uuid() })
     }
 
@@ -567,15 +550,7 @@ impl Partition {
             let (Some((_, seqno)), Some((cas, deleted, key))) = (codec::decode_seq_key(&k), codec::decode_seq_value(&v)) else {
                 return Err(ReadError::Corrupt);
             };
-            let mut change = Change {
-                partition: p,
-                seqno,
-                key: Bytes::copy_from_slice(key),
-                cas,
-                deleted,
-                expiry: 0,
-                value: None,
-            };
+            let mut change = Change { partition: p, seqno, key: Bytes::copy_from_slice(key), cas, deleted, expiry: 0, value: None };
             if !deleted {
                 if let Some(raw) = snapshot.get(&self.docs, codec::doc_key(p, key))? {
                     let raw = Bytes::from(raw);

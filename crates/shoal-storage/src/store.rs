@@ -115,9 +115,7 @@ impl Store {
         let cache_per_path = (config.cache_bytes / config.data_paths.len() as u64).max(1024 * 1024);
         let mut paths = Vec::new();
         for path in &config.data_paths {
-            let db = fjall::Database::builder(path.join(DB_DIR))
-                .cache_size(cache_per_path)
-                .open()?;
+            let db = fjall::Database::builder(path.join(DB_DIR)).cache_size(cache_per_path).open()?;
             let syncer = Syncer::start(db.clone()).map_err(io_err(path))?;
             paths.push(DataPath { db, syncer });
         }
@@ -147,10 +145,7 @@ impl Store {
         let handle = {
             let weak = Arc::downgrade(&store);
             let stop = Arc::clone(&store.stop);
-            std::thread::Builder::new()
-                .name("shoal-background".into())
-                .spawn(move || background_loop(weak, stop))
-                .map_err(io_err(first))?
+            std::thread::Builder::new().name("shoal-background".into()).spawn(move || background_loop(weak, stop)).map_err(io_err(first))?
         };
         *store.background.lock() = Some(handle);
         Ok(store)
@@ -194,7 +189,11 @@ impl Store {
             return Err(CollectionError::Exists(name.to_string()));
         }
         let id = match self.meta.get("next_collection_id")? {
-            Some(v) => v.get(..4).and_then(|b| b.try_into().ok()).map(u32::from_be_bytes).ok_or_else(|| CollectionError::Corrupt("next_collection_id".into()))?,
+            Some(v) => v
+                .get(..4)
+                .and_then(|b| b.try_into().ok())
+                .map(u32::from_be_bytes)
+                .ok_or_else(|| CollectionError::Corrupt("next_collection_id".into()))?,
             None => 1,
         };
         let record = CollectionRecord { id, max_ttl };
@@ -267,7 +266,8 @@ impl Store {
             records.push((name, record));
         }
         for (name, record) in records {
-            let collection = self.open_collection(&name, &record, false).map_err(|e| OpenError::Corrupt(format!("collection {name}: {e}")))?;
+            let collection =
+                self.open_collection(&name, &record, false).map_err(|e| OpenError::Corrupt(format!("collection {name}: {e}")))?;
             self.collections.write().insert(name, collection);
         }
         Ok(())
@@ -298,7 +298,8 @@ impl Store {
             } else {
                 match self.meta.get(partition_key(record.id, p))? {
                     Some(v) => {
-                        let rec: PartitionRecord = serde_json::from_slice(&v).map_err(|e| CollectionError::Corrupt(format!("partition {p}: {e}")))?;
+                        let rec: PartitionRecord =
+                            serde_json::from_slice(&v).map_err(|e| CollectionError::Corrupt(format!("partition {p}: {e}")))?;
                         (rec.failover, rec.purge_seqno)
                     }
                     None => (Vec::new(), 0),
@@ -335,15 +336,7 @@ impl Store {
             batch.commit()?;
             self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
         }
-        Ok(Arc::new(Collection {
-            name: name.to_string(),
-            id: record.id,
-            max_ttl: record.max_ttl,
-            partitions,
-            keyspaces,
-            changed,
-            dropped,
-        }))
+        Ok(Arc::new(Collection { name: name.to_string(), id: record.id, max_ttl: record.max_ttl, partitions, keyspaces, changed, dropped }))
     }
 
     /// Deletes documents whose expiry has passed (each becomes a deletion in the change
@@ -481,7 +474,9 @@ fn check_paths(config: &StoreConfig) -> Result<(u16, bool), OpenError> {
         return Err(OpenError::Config(format!("partitions must be 1 to {PARTITIONS_MAX}")));
     }
     if found.is_some() && !missing.is_empty() {
-        return Err(OpenError::Config("some data paths belong to an existing node and some are empty; give the node's original --data-path list".into()));
+        return Err(OpenError::Config(
+            "some data paths belong to an existing node and some are empty; give the node's original --data-path list".into(),
+        ));
     }
     for i in missing {
         let path = &config.data_paths[i];
