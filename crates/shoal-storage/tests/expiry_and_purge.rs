@@ -49,7 +49,7 @@ fn expiry_pager_and_tombstone_purger() {
     let live: Vec<_> = live.into_iter().filter(|(_, l)| *l).map(|(k, _)| k).collect();
     assert_eq!(live, vec![Bytes::from_static(b"keep")]);
     store.close().unwrap();
-    drop(coll);
+    drop((coll, sub));
     drop(store);
     // The purge seqno survives a restart, and new seqnos continue above it.
     let store = Store::open(config).unwrap();
