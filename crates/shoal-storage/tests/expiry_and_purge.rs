@@ -32,8 +32,8 @@ fn expiry_pager_and_tombstone_purger() {
     assert_eq!(store.run_expiry_pager(), 1);
     assert_eq!(store.run_expiry_pager(), 0, "expired once");
     assert!(coll.get("keep").is_ok());
-    let (mut sub, _) = coll.subscribe(0, StreamPosition::default()).unwrap();
-    let changes = sub.try_next(100, false).unwrap();
+    let (mut first, _) = coll.subscribe(0, StreamPosition::default()).unwrap();
+    let changes = first.try_next(100, false).unwrap();
     assert!(changes.iter().any(|c| &c.key[..] == b"old" && c.deleted));
 
     let uuid = coll.partition_uuids()[0];
@@ -49,7 +49,7 @@ fn expiry_pager_and_tombstone_purger() {
     let live: Vec<_> = live.into_iter().filter(|(_, l)| *l).map(|(k, _)| k).collect();
     assert_eq!(live, vec![Bytes::from_static(b"keep")]);
     store.close().unwrap();
-    drop((coll, sub));
+    drop((coll, sub, first));
     drop(store);
     // The purge seqno survives a restart, and new seqnos continue above it.
     let store = Store::open(config).unwrap();
