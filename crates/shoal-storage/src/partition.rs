@@ -401,7 +401,10 @@ impl Partition {
             self.locked_docs.fetch_sub(1, Ordering::AcqRel);
         }
         self.stage(batch, &req.key, current.as_ref().map(|c| (&c.meta, c.body.len())), DocMeta { cas, seqno, expiry, deleted }, &body);
-        changes.push(Change { partition: self.id, seqno, key: req.key.clone(), cas, deleted, expiry, value: (!deleted).then_some(body) });
+        // The tail gets a copy: the body may be a slice of a large request buffer (a `_bulk`
+        // body) that the tail must not keep alive.
+        let value = (!deleted).then(|| Bytes::copy_from_slice(&body));
+        changes.push(Change { partition: self.id, seqno, key: req.key.clone(), cas, deleted, expiry, value });
         Ok(MutationOutcome { cas, partition: self.id, seqno, uuid: self.uuid() })
     }
 

@@ -29,6 +29,11 @@ const PATH_FORMAT: u32 = 1;
 const EXPIRY_PAGER_BATCH_MAX: usize = 10_000;
 /// How often the expiry pager runs.
 const EXPIRY_PAGER_INTERVAL: Duration = Duration::from_secs(1);
+/// Memtable of a collection's documents in one data path, before it is flushed to disk.
+/// Small enough that memory stays near the block cache size (fjall's default is 64 MiB).
+const DOCS_MEMTABLE_MAX_BYTES: u64 = 16 * 1024 * 1024;
+/// Memtable of the by-sequence and expiry keyspaces.
+const INDEX_MEMTABLE_MAX_BYTES: u64 = 8 * 1024 * 1024;
 /// Longest collection name, in characters.
 pub const COLLECTION_NAME_MAX_CHARS: usize = 251;
 
@@ -276,11 +281,17 @@ impl Store {
     fn open_collection(&self, name: &str, record: &CollectionRecord, new: bool) -> Result<Arc<Collection>, CollectionError> {
         let mut keyspaces = Vec::new();
         for path in &self.paths {
-            let ks = |kind: &str| path.db.keyspace(&format!("c{}_{kind}", record.id), fjall::KeyspaceCreateOptions::default);
+            let ks = |kind: &str| {
+                path.db.keyspace(&format!("c{}_{kind}", record.id), || {
+                    fjall::KeyspaceCreateOptions::default().max_memtable_size(INDEX_MEMTABLE_MAX_BYTES)
+                })
+            };
             keyspaces.push(Keyspaces {
                 db: path.db.clone(),
                 docs: path.db.keyspace(&format!("c{}_docs", record.id), || {
-                    fjall::KeyspaceCreateOptions::default().with_kv_separation(Some(fjall::KvSeparationOptions::default()))
+                    fjall::KeyspaceCreateOptions::default()
+                        .max_memtable_size(DOCS_MEMTABLE_MAX_BYTES)
+                        .with_kv_separation(Some(fjall::KvSeparationOptions::default()))
                 })?,
                 seq: ks("seq")?,
                 exp: ks("exp")?,
