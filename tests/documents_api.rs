@@ -258,3 +258,20 @@ fn cli_speaks_to_the_server() {
     let (ok, _, err) = node.cli(&["collection", "drop", "nope"]);
     assert!(!ok && err.contains("collection_not_found"), "{err}");
 }
+
+#[tokio::test]
+async fn h2c_multiplexes_requests_on_one_connection() {
+    let node = Node::start(&[]);
+    let h2 = reqwest::Client::builder().http2_prior_knowledge().build().unwrap();
+    let r = h2.put(node.u("/v1/collections/h")).send().await.unwrap();
+    assert_eq!(r.version(), reqwest::Version::HTTP_2);
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let puts = (0..64).map(|i| {
+        let (h2, url) = (h2.clone(), node.u(&format!("/v1/collections/h/docs/k{i}")));
+        async move { h2.put(url).body(format!("{{\"i\":{i}}}")).send().await.unwrap().status() }
+    });
+    let statuses = futures::future::join_all(puts).await;
+    assert!(statuses.iter().all(|s| *s == StatusCode::OK));
+    let v: Value = h2.get(node.u("/v1/collections/h/docs/k63")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v, json!({"i": 63}));
+}
