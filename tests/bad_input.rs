@@ -126,11 +126,11 @@ async fn every_bad_request_gets_its_code_and_loses_nothing() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 
     // Bulk with broken lines: each bad line fails alone.
-    let body = "{\"op\":\"upsert\",\"key\":\"fresh\",\"value\":1}\n{\"op\":\"upsert\",\"key\":\"k2\"\n{\"op\":\"upsert\",\"key\":\"k3\",\"value\":{}}x\n[]\n{\"op\":\"upsert\",\"key\":\"k4\",\"value\":1,\"bogus\":1}\n";
+    let body = "{\"op\":\"upsert\",\"key\":\"fresh\",\"value\":1}\n{\"op\":\"upsert\",\"key\":\"k2\"\n{\"op\":\"upsert\",\"key\":\"k3\",\"value\":{}}x\n[]\n{\"op\":\"upsert\",\"key\":\"k4\",\"value\":1,\"bogus\":1}\n{\"op\":\"upsert\",\"key\":\"k5\",\"value\":1e999}\n";
     let r = c.post(node.u("/v1/collections/c/_bulk")).body(body).send().await.unwrap();
     assert_eq!(r.status(), StatusCode::OK);
     let lines = common::ndjson(&r.text().await.unwrap());
-    assert_eq!(lines.len(), 5);
+    assert_eq!(lines.len(), 6);
     assert!(lines[0]["cas"].is_string());
     assert!(lines[1..].iter().all(|l| l["error"] == "invalid_json"), "{lines:?}");
     let r = c.post(node.u("/v1/collections/c/_bulk?flavour=x")).body("").send().await.unwrap();

@@ -28,11 +28,58 @@ pub fn validate(bytes: &[u8]) -> Result<(), JsonError> {
         return Err(JsonError::Invalid { line: 0, column: e.valid_up_to(), message: "invalid UTF-8".into() });
     }
     check_depth(bytes)?;
-    serde_json::from_slice::<serde::de::IgnoredAny>(bytes).map(|_| ()).map_err(|e| JsonError::Invalid {
+    serde_json::from_slice::<Validated>(bytes).map(|_| ()).map_err(|e| JsonError::Invalid {
         line: e.line(),
         column: e.column(),
         message: strip_position(&e),
     })
+}
+
+/// Walks a document without building it, so that every number is parsed (one out of
+/// `f64` range, like `1e999`, is refused as later readers could not use it) and every string
+/// is unescaped. `IgnoredAny` would skip both.
+struct Validated;
+
+impl<'de> serde::Deserialize<'de> for Validated {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(ValidatedVisitor)
+    }
+}
+
+struct ValidatedVisitor;
+
+impl<'de> serde::de::Visitor<'de> for ValidatedVisitor {
+    type Value = Validated;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Validated, E> {
+        Ok(Validated)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Validated, E> {
+        Ok(Validated)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Validated, E> {
+        Ok(Validated)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Validated, E> {
+        Ok(Validated)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Validated, E> {
+        Ok(Validated)
+    }
+    fn visit_unit<E>(self) -> Result<Validated, E> {
+        Ok(Validated)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Validated, A::Error> {
+        while seq.next_element::<Validated>()?.is_some() {}
+        Ok(Validated)
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Validated, A::Error> {
+        while map.next_entry::<Validated, Validated>()?.is_some() {}
+        Ok(Validated)
+    }
 }
 
 /// Refuses nesting deeper than [`DOC_DEPTH_MAX`], scanning brackets outside strings.
@@ -88,6 +135,8 @@ mod tests {
             (b"{'a':1}", false),
             (b"\xff\xfe", false),
             (b"[1,]", false),
+            (b"6E6161", false),
+            (b"[1e308, -2.5e-300, 18446744073709551615, -9223372036854775808]", true),
             (b"\"\xff\"", false),
             (b"{\"a\\\"[[[[\": 1}", true),
         ];

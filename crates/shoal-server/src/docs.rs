@@ -49,7 +49,8 @@ pub async fn get(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery)
                 cas: None,
                 expiry: extract::expiry(Some(secs))?,
             };
-            coll.write(req)?.1.wait().await?;
+            // Get-and-touch answers like a get: it does not wait for an fsync.
+            let (_, _not_awaited) = coll.write(req)?;
             coll.get(&key)?
         }
         (None, None) => coll.get(&key)?,
@@ -331,6 +332,8 @@ fn parse_bulk_line(body: &Bytes, line: &[u8]) -> Result<(String, WriteRequest), 
             if text.len() > DOC_MAX_BYTES {
                 return Err(fail(ApiError::too_large("document larger than 20 MiB")));
             }
+            // The same rules as a single put (number range, depth), which RawValue skips.
+            shoal_json::validate(text).map_err(|e| fail(ApiError::invalid_json(e.to_string())))?;
             // Zero-copy: the value is a slice of the request body.
             let start = text.as_ptr() as usize - body.as_ptr() as usize;
             Some(body.slice(start..start + text.len()))

@@ -151,7 +151,8 @@ impl FeedPosition {
             let uuid_bytes: [u8; 8] = rest.get(..8).and_then(|b| b.try_into().ok()).ok_or(bad("truncated token"))?;
             rest = &rest[8..];
             let slot = usize::try_from(p).ok().and_then(|p| pos.partitions.get_mut(p)).ok_or(bad("partition out of range"))?;
-            *slot = StreamPosition { seqno, uuid: u64::from_be_bytes(uuid_bytes) };
+            // A position at 0 names no history, so its uuid means nothing.
+            *slot = if seqno == 0 { StreamPosition::default() } else { StreamPosition { seqno, uuid: u64::from_be_bytes(uuid_bytes) } };
         }
         Ok(pos)
     }
