@@ -106,6 +106,32 @@ async fn every_bad_request_gets_its_code_and_loses_nothing() {
         case("changes zero limit", Method::GET, "/v1/collections/c/changes?limit=0", "", 400, "bad_request"),
         case("changes long timeout", Method::GET, "/v1/collections/c/changes?feed=longpoll&timeout=999999999", "", 400, "bad_request"),
         case("unknown endpoint", Method::GET, "/v1/nothing", "", 404, "bad_request"),
+        case(
+            "_get body over 4 MiB",
+            Method::POST,
+            "/v1/collections/c/_get",
+            format!("{{\"keys\":[\"{}\"]}}", "k".repeat(5 << 20)),
+            413,
+            "too_large",
+        ),
+        case(
+            "_get too many keys",
+            Method::POST,
+            "/v1/collections/c/_get",
+            format!("{{\"keys\":[{}\"k\"]}}", "\"k\",".repeat(10_000)),
+            413,
+            "too_large",
+        ),
+        case(
+            "collection body over 64 KiB",
+            Method::PUT,
+            "/v1/collections/big",
+            format!("{{\"max_ttl\":{}1}}", " ".repeat(70_000)),
+            413,
+            "too_large",
+        ),
+        case("_bulk unknown collection", Method::POST, "/v1/collections/nope/_bulk", "", 404, "collection_not_found"),
+        case("changes unknown collection", Method::GET, "/v1/collections/nope/changes", "", 404, "collection_not_found"),
     ];
     let mut failures = Vec::new();
     for case in cases {
