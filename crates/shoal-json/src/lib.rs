@@ -3,6 +3,9 @@
 //!
 //! This crate knows nothing of storage or HTTP.
 
+pub mod path;
+pub mod subdoc;
+
 use thiserror::Error;
 
 /// Deepest nesting of arrays and objects accepted in a document (serde_json's own limit).
