@@ -9,7 +9,7 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use serde::Deserialize;
-use shoal_storage::{Collection, MutationOutcome, WriteOp, WriteRequest, DOC_MAX_BYTES};
+use shoal_storage::{Collection, MutationOutcome, WriteError, WriteOp, WriteRequest, DOC_MAX_BYTES};
 
 use crate::error::ApiError;
 use crate::extract::{self, Durability, Precondition};
@@ -165,6 +165,11 @@ pub async fn unlock(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
 }
 
 async fn apply(coll: &Collection, req: WriteRequest, durability: Durability) -> Result<MutationOutcome, ApiError> {
+    Ok(write_durably(coll, req, durability).await?)
+}
+
+/// Writes, then waits for the fsync if `persist` was asked for.
+pub(crate) async fn write_durably(coll: &Collection, req: WriteRequest, durability: Durability) -> Result<MutationOutcome, WriteError> {
     let (outcome, wait) = coll.write(req)?;
     if durability == Durability::Persist {
         wait.wait().await?;
@@ -172,7 +177,7 @@ async fn apply(coll: &Collection, req: WriteRequest, durability: Durability) -> 
     Ok(outcome)
 }
 
-fn mutation_json(outcome: &MutationOutcome) -> serde_json::Value {
+pub(crate) fn mutation_json(outcome: &MutationOutcome) -> serde_json::Value {
     serde_json::json!({
         "cas": outcome.cas.to_string(),
         "token": {"partition": outcome.partition, "seqno": outcome.seqno, "uuid": format!("{:016x}", outcome.uuid)},

@@ -10,11 +10,13 @@ pub struct ApiError {
     pub status: StatusCode,
     pub code: &'static str,
     pub reason: String,
+    /// Further members of the error object (`index` and `status` of a `path_failure`).
+    pub details: Vec<(&'static str, serde_json::Value)>,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, code: &'static str, reason: impl Into<String>) -> Self {
-        ApiError { status, code, reason: reason.into() }
+        ApiError { status, code, reason: reason.into(), details: Vec::new() }
     }
     pub fn bad_request(reason: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "bad_request", reason)
@@ -37,7 +39,11 @@ impl ApiError {
 
     /// The error as a JSON object, for answers that carry errors inline (`_get`, `_bulk`).
     pub fn to_json(&self) -> serde_json::Value {
-        serde_json::json!({"error": self.code, "reason": self.reason})
+        let mut out = serde_json::json!({"error": self.code, "reason": self.reason});
+        for (k, v) in &self.details {
+            out[*k] = v.clone();
+        }
+        out
     }
 }
 

@@ -9,6 +9,7 @@ mod docs;
 mod error;
 mod extract;
 mod ops;
+mod subdoc;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -47,6 +48,8 @@ pub struct AppState {
     pub store: Arc<Store>,
     pub started: Instant,
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
+    /// Parsed trees of hot large documents, for sub-document requests.
+    pub parsed: Arc<subdoc::ParsedDocs>,
     /// Becomes `true` when the server shuts down; long feeds end then.
     pub shutdown: watch::Receiver<bool>,
 }
@@ -62,6 +65,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/collections/{c}/docs/", get(empty_key).put(empty_key).delete(empty_key))
         .route("/v1/collections/{c}/docs/{key}/touch", post(docs::touch))
         .route("/v1/collections/{c}/docs/{key}/unlock", post(docs::unlock))
+        .route("/v1/collections/{c}/docs/{key}/lookup", post(subdoc::lookup))
+        .route("/v1/collections/{c}/docs/{key}/mutate", post(subdoc::mutate))
         .route("/v1/collections/{c}/_get", post(docs::multi_get))
         .route("/v1/collections/{c}/_bulk", post(docs::bulk))
         .route("/v1/collections/{c}/changes", get(changes::changes))
@@ -101,7 +106,7 @@ impl Server {
             .await
             .map_err(|source| ServerError::Bind { addr: config.listen.clone(), source })?;
         let (shutdown_tx, shutdown) = watch::channel(false);
-        let state = AppState { store, started: Instant::now(), metrics: ops::prometheus(), shutdown };
+        let state = AppState { store, started: Instant::now(), metrics: ops::prometheus(), parsed: Arc::default(), shutdown };
         Ok(Server { listener, state, shutdown_tx })
     }
 

@@ -62,6 +62,8 @@ fn operation_name(method: &str, route: Option<&str>) -> &'static str {
         ("DELETE", "/v1/collections/{c}/docs/{key}") => "doc_remove",
         ("POST", "/v1/collections/{c}/docs/{key}/touch") => "doc_touch",
         ("POST", "/v1/collections/{c}/docs/{key}/unlock") => "doc_unlock",
+        ("POST", "/v1/collections/{c}/docs/{key}/lookup") => "subdoc_lookup",
+        ("POST", "/v1/collections/{c}/docs/{key}/mutate") => "subdoc_mutate",
         ("POST", "/v1/collections/{c}/_get") => "multi_get",
         ("POST", "/v1/collections/{c}/_bulk") => "bulk",
         ("GET", "/v1/collections/{c}/changes") => "changes",

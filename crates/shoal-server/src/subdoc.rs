@@ -1,0 +1,240 @@
+//! Sub-document lookups and mutations over HTTP.
+//!
+//! A request's document is parsed once and every spec answered from that tree; the
+//! parsed tree of a large document is kept in [`ParsedDocs`] (keyed by its CAS, so a
+//! change makes the entry stale) so that hot large documents are not parsed per request.
+//! Parsing and answering a large document runs on a CPU pool, never on the threads that
+//! do network I/O for every connection.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{RawQuery, State};
+use axum::http::{StatusCode, Uri};
+use axum::response::Response;
+use bytes::Bytes;
+use serde::Deserialize;
+use serde_json::Value;
+use shoal_json::subdoc::{self, LookupSpec, MutateSpec, SUBDOC_SPECS_MAX};
+use shoal_storage::{Cas, Document, ReadError, WriteError, WriteOp, WriteRequest, DOC_MAX_BYTES};
+
+use crate::docs::{collection, json_response, mutation_json, write_durably};
+use crate::error::ApiError;
+use crate::extract::{self, Durability};
+use crate::AppState;
+
+/// Largest body of a lookup or mutate request.
+const SUBDOC_BODY_MAX_BYTES: usize = 21 * 1024 * 1024;
+/// Documents at least this large are parsed on the CPU pool and their trees cached.
+const PARSED_CACHE_MIN_DOC_BYTES: usize = 16 * 1024;
+/// Memory the parsed-tree cache may use (estimated as 8× the document's bytes).
+const PARSED_CACHE_MAX_BYTES: u64 = 256 * 1024 * 1024;
+const PARSED_BYTES_PER_DOC_BYTE: u64 = 8;
+/// Times a mutate retries when the document changed between its read and its write.
+const MUTATE_RETRIES_MAX: usize = 32;
+
+type CacheKey = (String, String);
+
+#[derive(Clone)]
+struct Weigh;
+
+impl quick_cache::Weighter<CacheKey, (Cas, Arc<Value>, u64)> for Weigh {
+    fn weight(&self, _: &CacheKey, v: &(Cas, Arc<Value>, u64)) -> u64 {
+        v.2.max(1)
+    }
+}
+
+/// Parsed trees of recently used large documents.
+pub struct ParsedDocs {
+    cache: quick_cache::sync::Cache<CacheKey, (Cas, Arc<Value>, u64), Weigh>,
+}
+
+impl Default for ParsedDocs {
+    fn default() -> Self {
+        let estimated_items = (PARSED_CACHE_MAX_BYTES / (PARSED_CACHE_MIN_DOC_BYTES as u64 * PARSED_BYTES_PER_DOC_BYTE)) as usize;
+        ParsedDocs { cache: quick_cache::sync::Cache::with_weighter(estimated_items.max(16), PARSED_CACHE_MAX_BYTES, Weigh) }
+    }
+}
+
+impl ParsedDocs {
+    fn get(&self, coll: &str, key: &str, cas: Cas) -> Option<Arc<Value>> {
+        let hit = self.cache.get(&(coll.to_string(), key.to_string()))?;
+        (hit.0 == cas).then_some(hit.1)
+    }
+
+    fn put(&self, coll: &str, key: &str, cas: Cas, tree: Arc<Value>, doc_bytes: usize) {
+        let weight = doc_bytes as u64 * PARSED_BYTES_PER_DOC_BYTE;
+        self.cache.insert((coll.to_string(), key.to_string()), (cas, tree, weight));
+    }
+}
+
+/// Runs CPU-heavy work on the rayon pool and waits for it without blocking an I/O thread.
+async fn on_cpu_pool<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    rayon::spawn(move || {
+        let _ = tx.send(work());
+    });
+    rx.await.map_err(|_| ApiError::internal("sub-document worker failed"))
+}
+
+fn parse_doc(bytes: &[u8]) -> Result<Value, ApiError> {
+    // Stored documents were validated on the way in; a failure here is a stored non-JSON body.
+    serde_json::from_slice(bytes).map_err(|e| path_failure(0, subdoc::Status::DocNotJson, &e.to_string()))
+}
+
+/// The parsed tree of `doc`: from the cache, or parsed (on the CPU pool if large).
+async fn tree(state: &AppState, coll: &str, key: &str, doc: &Document) -> Result<Arc<Value>, ApiError> {
+    if doc.value.len() < PARSED_CACHE_MIN_DOC_BYTES {
+        return Ok(Arc::new(parse_doc(&doc.value)?));
+    }
+    if let Some(tree) = state.parsed.get(coll, key, doc.cas) {
+        metrics::counter!("shoal_subdoc_parsed_cache_total", "result" => "hit").increment(1);
+        return Ok(tree);
+    }
+    metrics::counter!("shoal_subdoc_parsed_cache_total", "result" => "miss").increment(1);
+    let bytes = doc.value.clone();
+    let tree = Arc::new(on_cpu_pool(move || parse_doc(&bytes)).await??);
+    state.parsed.put(coll, key, doc.cas, Arc::clone(&tree), doc.value.len());
+    Ok(tree)
+}
+
+fn path_failure(index: usize, status: subdoc::Status, reason: &str) -> ApiError {
+    let mut e = ApiError::new(StatusCode::BAD_REQUEST, "path_failure", format!("spec {index}: {} {reason}", status.as_str()));
+    e.details = vec![("index", Value::from(index)), ("status", Value::from(status.as_str()))];
+    e
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LookupBody {
+    specs: Vec<LookupSpec>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NoParams {}
+
+fn check_specs<T>(specs: &[T]) -> Result<(), ApiError> {
+    if specs.is_empty() {
+        return Err(ApiError::bad_request("give at least one spec"));
+    }
+    if specs.len() > SUBDOC_SPECS_MAX {
+        return Err(ApiError::too_large(format!("at most {SUBDOC_SPECS_MAX} specs per request")));
+    }
+    Ok(())
+}
+
+pub async fn lookup(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
+    let _: NoParams = extract::query(q.as_deref())?;
+    let coll = collection(&state, &uri)?;
+    let key = extract::doc_key(&uri)?;
+    let body = extract::body(body, SUBDOC_BODY_MAX_BYTES).await?;
+    let request: LookupBody = extract::json_body(&body)?;
+    check_specs(&request.specs)?;
+    let doc = coll.get(&key)?;
+    let tree = tree(&state, coll.name(), &key, &doc).await?;
+    let answer = move || {
+        let results: Vec<Value> = subdoc::lookup(&tree, &request.specs)
+            .into_iter()
+            .map(|r| match r {
+                Ok(Value::Null) => serde_json::json!({"status": "ok"}),
+                Ok(v) => serde_json::json!({"status": "ok", "value": v}),
+                Err(s) => serde_json::json!({"status": s.as_str()}),
+            })
+            .collect();
+        serde_json::json!({"cas": doc.cas.to_string(), "results": results}).to_string().into_bytes()
+    };
+    let large = tree_is_large(&doc);
+    let out = if large { on_cpu_pool(answer).await? } else { answer() };
+    Ok(json_response(StatusCode::OK, out))
+}
+
+fn tree_is_large(doc: &Document) -> bool {
+    doc.value.len() >= PARSED_CACHE_MIN_DOC_BYTES
+}
+
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+enum Store {
+    #[default]
+    Replace,
+    Upsert,
+    Insert,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MutateBody {
+    specs: Vec<MutateSpec>,
+    #[serde(default)]
+    store: Store,
+    cas: Option<String>,
+    expiry: Option<i64>,
+    #[serde(default)]
+    durability: Durability,
+}
+
+pub async fn mutate(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
+    let _: NoParams = extract::query(q.as_deref())?;
+    let coll = collection(&state, &uri)?;
+    let key = extract::doc_key(&uri)?;
+    let body = extract::body(body, SUBDOC_BODY_MAX_BYTES).await?;
+    let request: MutateBody = extract::json_body(&body)?;
+    check_specs(&request.specs)?;
+    let want_cas = request.cas.as_deref().map(extract::parse_cas).transpose()?;
+    let expiry = request.expiry.map(|e| extract::expiry(Some(e))).transpose()?;
+    let specs = Arc::new(request.specs);
+    for _ in 0..MUTATE_RETRIES_MAX {
+        let current = match coll.get(&key) {
+            Ok(doc) => Some(doc),
+            Err(ReadError::NotFound) => None,
+            Err(e) => return Err(e.into()),
+        };
+        match (&current, request.store) {
+            (None, Store::Replace) => return Err(ReadError::NotFound.into()),
+            (Some(_), Store::Insert) => return Err(WriteError::Exists.into()),
+            (None, _) if want_cas.is_some() => return Err(ReadError::NotFound.into()),
+            _ => {}
+        }
+        let base = match &current {
+            Some(doc) => tree(&state, coll.name(), &key, doc).await?,
+            None => Arc::new(Value::Object(serde_json::Map::new())),
+        };
+        let specs2 = Arc::clone(&specs);
+        let apply = move || -> Result<(Vec<Option<Value>>, Vec<u8>), ApiError> {
+            let mut doc = Arc::unwrap_or_clone(base);
+            let results = subdoc::mutate(&mut doc, &specs2).map_err(|(i, s)| path_failure(i, s, ""))?;
+            let bytes = serde_json::to_vec(&doc).map_err(|e| ApiError::internal(e.to_string()))?;
+            Ok((results, bytes))
+        };
+        let large = current.as_ref().is_some_and(tree_is_large);
+        let (results, bytes) = if large { on_cpu_pool(apply).await?? } else { apply()? };
+        if bytes.len() > DOC_MAX_BYTES {
+            return Err(ApiError::too_large("the mutated document would be larger than 20 MiB"));
+        }
+        let (op, cas) = match &current {
+            Some(doc) => (WriteOp::Replace, Some(want_cas.unwrap_or(doc.cas))),
+            None => (WriteOp::Insert, None),
+        };
+        let expiry = expiry.unwrap_or_else(|| current.as_ref().map_or(0, |d| d.expiry));
+        let req = WriteRequest { key: Bytes::from(key.clone()), op, value: Some(Bytes::from(bytes)), cas, expiry };
+        match write_durably(&coll, req, request.durability).await {
+            Ok(outcome) => {
+                let results: Vec<Value> = results
+                    .into_iter()
+                    .map(|r| match r {
+                        Some(v) => serde_json::json!({"status": "ok", "value": v}),
+                        None => serde_json::json!({"status": "ok"}),
+                    })
+                    .collect();
+                let mut out = mutation_json(&outcome);
+                out["results"] = Value::Array(results);
+                return Ok(json_response(StatusCode::OK, out.to_string().into_bytes()));
+            }
+            // Someone wrote in between: read again, unless the client pinned a CAS.
+            Err(WriteError::CasMismatch | WriteError::Exists) if want_cas.is_none() => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "the document kept changing; try again"))
+}
