@@ -21,6 +21,35 @@ pub enum BenchCmd {
     Kv(KvArgs),
     /// Bulk-load generated documents through `_bulk`.
     Load(LoadArgs),
+    /// Seed 001's experiment: multi-path lookups in one document from many connections.
+    Subdoc(SubdocArgs),
+}
+
+#[derive(Args)]
+pub struct SubdocArgs {
+    /// `subdoc` (multi-path lookup) or `regular` (whole-document get).
+    #[arg(long, default_value = "subdoc")]
+    mode: String,
+    #[arg(long, default_value_t = 200)]
+    parallel: usize,
+    #[arg(long, default_value_t = 50)]
+    repeat: usize,
+    /// Sub-keys in the document: 5 gives ~195 bytes, 10,000 gives ~310 KB.
+    #[arg(long, default_value_t = 10_000)]
+    keys: usize,
+    /// Paths per lookup.
+    #[arg(long, default_value_t = 10)]
+    search_keys: usize,
+    /// Where the paths are: easy (start), medium (middle), hard (end).
+    #[arg(long, default_value = "hard")]
+    difficulty: String,
+    /// Look up a document that does not exist.
+    #[arg(long)]
+    search_non_existent: bool,
+    #[arg(long, default_value = "bench")]
+    collection: String,
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -67,6 +96,7 @@ pub async fn run(url: &str, cmd: BenchCmd) -> Result<(), CliError> {
     match cmd {
         BenchCmd::Kv(args) => kv(url, args).await,
         BenchCmd::Load(args) => load(url, args).await,
+        BenchCmd::Subdoc(args) => subdoc(url, args).await,
     }
 }
 
@@ -290,5 +320,56 @@ async fn load(url: &str, args: LoadArgs) -> Result<(), CliError> {
         mib(peak.load(std::sync::atomic::Ordering::Relaxed)),
         mib(peak_hwm)
     );
+    Ok(())
+}
+
+/// The sub-keys a lookup asks for: the first ones (easy), the middle (medium) or the last,
+/// newest first (hard), as seed 001's tool does.
+pub fn search_paths(keys: usize, search: usize, difficulty: &str) -> Result<Vec<String>, CliError> {
+    let search = search.min(keys);
+    let indexes: Vec<usize> = match difficulty {
+        "easy" => (0..search).collect(),
+        "medium" => (keys / 2..keys / 2 + search).collect(),
+        "hard" => (keys - search..keys).rev().collect(),
+        other => return Err(CliError::Usage(format!("--difficulty is easy, medium or hard, not {other}"))),
+    };
+    Ok(indexes.into_iter().map(|i| format!("data.subkey-{i:06}")).collect())
+}
+
+async fn subdoc(url: &str, args: SubdocArgs) -> Result<(), CliError> {
+    let client = Client::new(url)?;
+    ensure_collection(&client, &args.collection).await?;
+    let regular = match args.mode.as_str() {
+        "regular" => true,
+        "subdoc" => false,
+        other => return Err(CliError::Usage(format!("--mode is subdoc or regular, not {other}"))),
+    };
+    let key = if regular { "test-regular" } else { "test-subdoc" };
+    let doc = seed_document(key, args.keys);
+    client.put(&args.collection, key, doc.clone(), &PutOptions::default()).await?;
+    let target = if args.search_non_existent { "not-exists" } else { key };
+    let paths = search_paths(args.keys, args.search_keys, &args.difficulty)?;
+    let authority = url.trim_start_matches("http://").trim_end_matches('/').to_string();
+    let base = format!("/v1/collections/{}/docs/{target}", args.collection);
+    if !args.json {
+        println!(
+            "benchmark params: keys={}, level={}, search-keys={}, repeats={}, parallel={}",
+            args.keys, args.difficulty, args.search_keys, args.repeat, args.parallel
+        );
+        println!("Generated doc with subkeys: {}, byte size is: {}", args.keys, doc.len());
+        if regular {
+            println!("search for key: {target}");
+        } else {
+            println!("search for subkeys [level={}]: {paths:?}", args.difficulty);
+        }
+    }
+    let report = if regular {
+        drive(&authority, &base, hyper::Method::GET, Bytes::new(), args.parallel, args.repeat).await?
+    } else {
+        let specs: Vec<serde_json::Value> = paths.iter().map(|p| serde_json::json!({"op": "get", "path": p})).collect();
+        let body = Bytes::from(serde_json::json!({ "specs": specs }).to_string());
+        drive(&authority, &format!("{base}/lookup"), hyper::Method::POST, body, args.parallel, args.repeat).await?
+    };
+    print_report(if regular { "regular" } else { "subdoc" }, &report, args.json);
     Ok(())
 }

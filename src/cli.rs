@@ -93,6 +93,32 @@ pub enum DocCmd {
     Unlock { collection: String, key: String, cas: String },
 }
 
+#[derive(Subcommand)]
+pub enum SubdocCmd {
+    /// Values at paths (`""` is the whole document).
+    Get { collection: String, key: String, paths: Vec<String> },
+    /// Whether paths exist.
+    Exists { collection: String, key: String, paths: Vec<String> },
+    /// Number of elements or members at paths.
+    Count { collection: String, key: String, paths: Vec<String> },
+    /// Apply mutation specs atomically, e.g. `--spec '{"op":"upsert","path":"a.b","value":1}'`.
+    Mutate {
+        collection: String,
+        key: String,
+        #[arg(long = "spec", required = true)]
+        specs: Vec<String>,
+        /// replace (the document must exist), upsert or insert.
+        #[arg(long, default_value = "replace")]
+        store: String,
+        #[arg(long)]
+        cas: Option<String>,
+        #[arg(long)]
+        expiry: Option<u64>,
+        #[arg(long)]
+        persist: bool,
+    },
+}
+
 #[derive(Args)]
 pub struct ChangesArgs {
     collection: String,
@@ -196,6 +222,57 @@ async fn write(client: &Client, w: WriteArgs, mode: PutMode) -> Result<shoal_cli
     };
     let options = PutOptions { mode, cas: w.cas, expiry: w.expiry, persist: w.persist };
     Ok(client.put(&w.collection, &w.key, value, &options).await?)
+}
+
+pub async fn subdoc(url: &str, output: Output, cmd: SubdocCmd) -> Result<(), CliError> {
+    let client = Client::new(url)?;
+    let (answer, paths) = match cmd {
+        SubdocCmd::Get { collection, key, paths } => (lookup(&client, &collection, &key, "get", &paths).await?, paths),
+        SubdocCmd::Exists { collection, key, paths } => (lookup(&client, &collection, &key, "exists", &paths).await?, paths),
+        SubdocCmd::Count { collection, key, paths } => (lookup(&client, &collection, &key, "count", &paths).await?, paths),
+        SubdocCmd::Mutate { collection, key, specs, store, cas, expiry, persist } => {
+            let specs: Vec<serde_json::Value> = specs
+                .iter()
+                .map(|s| serde_json::from_str(s).map_err(|e| CliError::Usage(format!("--spec {s}: {e}"))))
+                .collect::<Result<_, _>>()?;
+            let paths = specs.iter().map(|s| s["path"].as_str().unwrap_or("").to_string()).collect();
+            let mut body = serde_json::json!({"specs": specs, "store": store});
+            if let Some(cas) = cas {
+                body["cas"] = cas.into();
+            }
+            if let Some(e) = expiry {
+                body["expiry"] = e.into();
+            }
+            if persist {
+                body["durability"] = "persist".into();
+            }
+            (client.mutate(&collection, &key, &body).await?, paths)
+        }
+    };
+    match output {
+        Output::Json => println!("{answer}"),
+        Output::Table => {
+            let results = answer["results"].as_array().cloned().unwrap_or_default();
+            let rows = paths
+                .into_iter()
+                .zip(results)
+                .map(|(p, r)| {
+                    vec![p, r["status"].as_str().unwrap_or("").to_string(), r.get("value").map(|v| v.to_string()).unwrap_or_default()]
+                })
+                .collect();
+            print_table(&["path", "status", "value"], rows);
+            println!("cas: {}", answer["cas"].as_str().unwrap_or(""));
+        }
+    }
+    Ok(())
+}
+
+async fn lookup(client: &Client, collection: &str, key: &str, op: &str, paths: &[String]) -> Result<serde_json::Value, CliError> {
+    if paths.is_empty() {
+        return Err(CliError::Usage("give at least one path (\"\" is the whole document)".into()));
+    }
+    let specs: Vec<serde_json::Value> = paths.iter().map(|p| serde_json::json!({"op": op, "path": p})).collect();
+    Ok(client.lookup(collection, key, &serde_json::Value::Array(specs)).await?)
 }
 
 pub async fn changes(url: &str, output: Output, args: ChangesArgs) -> Result<(), CliError> {

@@ -37,6 +37,9 @@ enum Command {
     /// Read and write documents.
     #[command(subcommand)]
     Doc(cli::DocCmd),
+    /// Sub-document lookups and mutations.
+    #[command(subcommand)]
+    Subdoc(cli::SubdocCmd),
     /// Read a collection's change stream.
     Changes(cli::ChangesArgs),
     /// Bulk-load an NDJSON file of documents.
@@ -103,6 +106,7 @@ async fn run(args: Args) -> Result<(), cli::CliError> {
         Command::Serve(s) => serve(s).await,
         Command::Collection(c) => cli::collection(&args.url, args.output, c).await,
         Command::Doc(d) => cli::doc(&args.url, args.output, d).await,
+        Command::Subdoc(c) => cli::subdoc(&args.url, args.output, c).await,
         Command::Changes(c) => cli::changes(&args.url, args.output, c).await,
         Command::Load(l) => cli::load(&args.url, l).await,
         Command::Bench(b) => bench::run(&args.url, b).await,

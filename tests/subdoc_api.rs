@@ -168,3 +168,33 @@ async fn bad_subdoc_requests() {
     let stored: Value = c.get(node.u("/v1/collections/s/docs/d")).send().await.unwrap().json().await.unwrap();
     assert_eq!(stored, json!({"a": 1}));
 }
+
+#[test]
+fn subdoc_cli() {
+    let node = Node::start(&[]);
+    assert!(node.cli(&["collection", "create", "s"]).0);
+    assert!(node.cli(&["doc", "put", "s", "d", r#"{"a":{"b":[1,2,3]}}"#]).0);
+    let (ok, out, err) = node.cli(&["--output", "json", "subdoc", "get", "s", "d", "a.b[-1]", "nope"]);
+    assert!(ok, "{err}");
+    let v: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["results"][0]["value"], 3);
+    assert_eq!(v["results"][1]["status"], "path_not_found");
+    let (ok, out, _) = node.cli(&["subdoc", "count", "s", "d", "a.b"]);
+    assert!(ok && out.contains("a.b") && out.contains('3'), "{out}");
+    let (ok, _, err) = node.cli(&[
+        "subdoc",
+        "mutate",
+        "s",
+        "d",
+        "--spec",
+        r#"{"op":"increment","path":"n","delta":2}"#,
+        "--spec",
+        r#"{"op":"array_append","path":"a.b","values":[4]}"#,
+    ]);
+    assert!(ok, "{err}");
+    let (ok, out, _) = node.cli(&["--output", "json", "doc", "get", "s", "d"]);
+    assert!(ok);
+    assert_eq!(serde_json::from_str::<Value>(out.trim()).unwrap(), json!({"a":{"b":[1,2,3,4]},"n":2}));
+    let (ok, _, err) = node.cli(&["subdoc", "mutate", "s", "d", "--spec", r#"{"op":"insert","path":"n","value":1}"#]);
+    assert!(!ok && err.contains("path_failure"), "{err}");
+}

@@ -232,6 +232,18 @@ impl Client {
         json(req.send().await?).await
     }
 
+    /// Sub-document lookup: `specs` as API.md gives them; answers `{"cas", "results"}`.
+    pub async fn lookup(&self, collection: &str, key: &str, specs: &serde_json::Value) -> Result<serde_json::Value, ClientError> {
+        let req = self.http.post(format!("{}/lookup", self.doc_url(collection, key))).json(&serde_json::json!({ "specs": specs }));
+        json(req.send().await?).await
+    }
+
+    /// Sub-document mutate: `body` is the whole request object (`specs`, `store`, `cas`, ...).
+    pub async fn mutate(&self, collection: &str, key: &str, body: &serde_json::Value) -> Result<serde_json::Value, ClientError> {
+        let req = self.http.post(format!("{}/mutate", self.doc_url(collection, key))).json(body);
+        json(req.send().await?).await
+    }
+
     /// Sends NDJSON operation lines; answers the NDJSON result lines, one per operation.
     pub async fn bulk(&self, collection: &str, ndjson: impl Into<Bytes>, persist: bool) -> Result<Bytes, ClientError> {
         let mut req = self

@@ -128,9 +128,16 @@ pub enum Durability {
 }
 
 /// Parses a JSON body into `T`, mapping errors to `invalid_json`.
+/// One pass: serde_json's own errors tell malformed JSON (`invalid_json`) from JSON of the
+/// wrong shape (`bad_request`).
 pub fn json_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    shoal_json::validate(bytes).map_err(|e| ApiError::invalid_json(e.to_string()))?;
-    serde_json::from_slice(bytes).map_err(|e| ApiError::bad_request(format!("unexpected body: {e}")))
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Err(ApiError::invalid_json("empty body: expected a JSON object"));
+    }
+    serde_json::from_slice(bytes).map_err(|e| match e.classify() {
+        serde_json::error::Category::Data => ApiError::bad_request(format!("unexpected body: {e}")),
+        _ => ApiError::invalid_json(e.to_string()),
+    })
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::Value;
 use shoal_json::subdoc::{self, LookupSpec, MutateSpec, SUBDOC_SPECS_MAX};
-use shoal_storage::{Cas, Document, ReadError, WriteError, WriteOp, WriteRequest, DOC_MAX_BYTES};
+use shoal_storage::{Cas, Collection, Document, ReadError, SeqNo, WriteError, WriteOp, WriteRequest, DOC_MAX_BYTES};
 
 use crate::docs::{collection, json_response, mutation_json, write_durably};
 use crate::error::ApiError;
@@ -38,15 +38,26 @@ type CacheKey = (String, String);
 #[derive(Clone)]
 struct Weigh;
 
-impl quick_cache::Weighter<CacheKey, (Cas, Arc<Value>, u64)> for Weigh {
-    fn weight(&self, _: &CacheKey, v: &(Cas, Arc<Value>, u64)) -> u64 {
-        v.2.max(1)
+/// A parsed tree and what it was parsed from.
+#[derive(Clone)]
+struct Parsed {
+    cas: Cas,
+    expiry: u32,
+    /// The partition's high seqno read before the document was.
+    watermark: SeqNo,
+    tree: Arc<Value>,
+    weight: u64,
+}
+
+impl quick_cache::Weighter<CacheKey, Parsed> for Weigh {
+    fn weight(&self, _: &CacheKey, v: &Parsed) -> u64 {
+        v.weight.max(1)
     }
 }
 
 /// Parsed trees of recently used large documents.
 pub struct ParsedDocs {
-    cache: quick_cache::sync::Cache<CacheKey, (Cas, Arc<Value>, u64), Weigh>,
+    cache: quick_cache::sync::Cache<CacheKey, Parsed, Weigh>,
 }
 
 impl Default for ParsedDocs {
@@ -57,14 +68,13 @@ impl Default for ParsedDocs {
 }
 
 impl ParsedDocs {
-    fn get(&self, coll: &str, key: &str, cas: Cas) -> Option<Arc<Value>> {
-        let hit = self.cache.get(&(coll.to_string(), key.to_string()))?;
-        (hit.0 == cas).then_some(hit.1)
-    }
-
-    fn put(&self, coll: &str, key: &str, cas: Cas, tree: Arc<Value>, doc_bytes: usize) {
-        let weight = doc_bytes as u64 * PARSED_BYTES_PER_DOC_BYTE;
-        self.cache.insert((coll.to_string(), key.to_string()), (cas, tree, weight));
+    /// The cached tree and CAS of `key` if nothing in its partition changed since it was
+    /// parsed: then the document need not even be read.
+    fn get_unchanged(&self, coll: &Collection, key: &str) -> Option<(Cas, Arc<Value>)> {
+        let hit = self.cache.get(&(coll.name().to_string(), key.to_string()))?;
+        let (watermark, locks) = coll.change_watermark(key);
+        let live = hit.expiry == 0 || u64::from(hit.expiry) > shoal_storage::unix_now_secs();
+        (watermark == hit.watermark && !locks && live).then_some((hit.cas, hit.tree))
     }
 }
 
@@ -83,18 +93,37 @@ fn parse_doc(bytes: &[u8]) -> Result<Value, ApiError> {
 }
 
 /// The parsed tree of `doc`: from the cache, or parsed (on the CPU pool if large).
-async fn tree(state: &AppState, coll: &str, key: &str, doc: &Document) -> Result<Arc<Value>, ApiError> {
+/// `watermark` is the partition's high seqno read before `doc` was.
+async fn tree(state: &AppState, coll: &str, key: &str, doc: &Document, watermark: SeqNo) -> Result<Arc<Value>, ApiError> {
     if doc.value.len() < PARSED_CACHE_MIN_DOC_BYTES {
         return Ok(Arc::new(parse_doc(&doc.value)?));
     }
-    if let Some(tree) = state.parsed.get(coll, key, doc.cas) {
-        metrics::counter!("shoal_subdoc_parsed_cache_total", "result" => "hit").increment(1);
-        return Ok(tree);
-    }
+    let cache_key = (coll.to_string(), key.to_string());
+    // Single flight: when many requests miss at once, one parses and the others wait for it.
+    let guard = match state.parsed.cache.get_value_or_guard_async(&cache_key).await {
+        Ok(hit) if hit.cas == doc.cas => {
+            metrics::counter!("shoal_subdoc_parsed_cache_total", "result" => "hit").increment(1);
+            return Ok(hit.tree);
+        }
+        Ok(_) => None,
+        Err(guard) => Some(guard),
+    };
     metrics::counter!("shoal_subdoc_parsed_cache_total", "result" => "miss").increment(1);
     let bytes = doc.value.clone();
     let tree = Arc::new(on_cpu_pool(move || parse_doc(&bytes)).await??);
-    state.parsed.put(coll, key, doc.cas, Arc::clone(&tree), doc.value.len());
+    let entry = Parsed {
+        cas: doc.cas,
+        expiry: doc.expiry,
+        watermark,
+        tree: Arc::clone(&tree),
+        weight: doc.value.len() as u64 * PARSED_BYTES_PER_DOC_BYTE,
+    };
+    match guard {
+        Some(guard) => {
+            let _ = guard.insert(entry);
+        }
+        None => state.parsed.cache.insert(cache_key, entry),
+    }
     Ok(tree)
 }
 
@@ -131,8 +160,18 @@ pub async fn lookup(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
     let body = extract::body(body, SUBDOC_BODY_MAX_BYTES).await?;
     let request: LookupBody = extract::json_body(&body)?;
     check_specs(&request.specs)?;
-    let doc = coll.get(&key)?;
-    let tree = tree(&state, coll.name(), &key, &doc).await?;
+    let (cas, tree, large) = match state.parsed.get_unchanged(&coll, &key) {
+        Some((cas, tree)) => {
+            metrics::counter!("shoal_subdoc_parsed_cache_total", "result" => "unchanged").increment(1);
+            (cas, tree, false)
+        }
+        None => {
+            let (watermark, _) = coll.change_watermark(&key);
+            let doc = coll.get(&key)?;
+            let tree = tree(&state, coll.name(), &key, &doc, watermark).await?;
+            (doc.cas, tree, tree_is_large(&doc))
+        }
+    };
     let answer = move || {
         let results: Vec<Value> = subdoc::lookup(&tree, &request.specs)
             .into_iter()
@@ -142,9 +181,8 @@ pub async fn lookup(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
                 Err(s) => serde_json::json!({"status": s.as_str()}),
             })
             .collect();
-        serde_json::json!({"cas": doc.cas.to_string(), "results": results}).to_string().into_bytes()
+        serde_json::json!({"cas": cas.to_string(), "results": results}).to_string().into_bytes()
     };
-    let large = tree_is_large(&doc);
     let out = if large { on_cpu_pool(answer).await? } else { answer() };
     Ok(json_response(StatusCode::OK, out))
 }
@@ -185,6 +223,7 @@ pub async fn mutate(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
     let expiry = request.expiry.map(|e| extract::expiry(Some(e))).transpose()?;
     let specs = Arc::new(request.specs);
     for _ in 0..MUTATE_RETRIES_MAX {
+        let (watermark, _) = coll.change_watermark(&key);
         let current = match coll.get(&key) {
             Ok(doc) => Some(doc),
             Err(ReadError::NotFound) => None,
@@ -197,7 +236,7 @@ pub async fn mutate(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
             _ => {}
         }
         let base = match &current {
-            Some(doc) => tree(&state, coll.name(), &key, doc).await?,
+            Some(doc) => tree(&state, coll.name(), &key, doc, watermark).await?,
             None => Arc::new(Value::Object(serde_json::Map::new())),
         };
         let specs2 = Arc::clone(&specs);

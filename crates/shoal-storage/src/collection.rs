@@ -105,6 +105,15 @@ impl Collection {
         self.partition_for(key.as_bytes()).get(key.as_bytes())
     }
 
+    /// The high seqno of `key`'s partition, and whether that partition holds any lock.
+    /// While the high seqno stays the same, no document of the partition changed: callers
+    /// that cache something derived from a document can validate it without reading it.
+    /// Read it *before* reading the document whose derivative is cached.
+    pub fn change_watermark(&self, key: &str) -> (SeqNo, bool) {
+        let p = self.partition_for(key.as_bytes());
+        (p.high_seqno(), p.has_locks())
+    }
+
     pub fn get_and_lock(&self, key: &str, lock_secs: u32) -> Result<Document, ReadError> {
         self.partition_for(key.as_bytes()).get_and_lock(key.as_bytes(), lock_secs)
     }

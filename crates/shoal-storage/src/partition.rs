@@ -191,6 +191,10 @@ impl Partition {
         *self.high_tx.borrow()
     }
 
+    pub(crate) fn has_locks(&self) -> bool {
+        self.locked_docs.load(Ordering::Acquire) > 0
+    }
+
     pub(crate) fn high_watch(&self) -> watch::Receiver<SeqNo> {
         self.high_tx.subscribe()
     }
