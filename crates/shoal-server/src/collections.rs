@@ -16,17 +16,13 @@ const COLLECTION_BODY_MAX_BYTES: usize = 64 * 1024;
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct NoParams {}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct CreateBody {
     #[serde(default)]
     max_ttl: u32,
 }
 
 pub async fn create(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
-    let _: NoParams = extract::query(q.as_deref())?;
+    extract::no_params(q.as_deref())?;
     let name = extract::collection_name(&uri)?;
     let body = extract::body(body, COLLECTION_BODY_MAX_BYTES).await?;
     let spec: CreateBody = if body.iter().all(u8::is_ascii_whitespace) { CreateBody::default() } else { extract::json_body(&body)? };
@@ -39,7 +35,7 @@ pub async fn create(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
 }
 
 pub async fn list(State(state): State<AppState>, RawQuery(q): RawQuery) -> Result<Response, ApiError> {
-    let _: NoParams = extract::query(q.as_deref())?;
+    extract::no_params(q.as_deref())?;
     let list: Vec<_> = state
         .store
         .list_collections()
@@ -50,7 +46,7 @@ pub async fn list(State(state): State<AppState>, RawQuery(q): RawQuery) -> Resul
 }
 
 pub async fn drop(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery) -> Result<Response, ApiError> {
-    let _: NoParams = extract::query(q.as_deref())?;
+    extract::no_params(q.as_deref())?;
     let name = extract::collection_name(&uri)?;
     let store = state.store.clone();
     tokio::task::spawn_blocking(move || store.drop_collection(&name)).await.map_err(|e| ApiError::internal(e.to_string()))??;

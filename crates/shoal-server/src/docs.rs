@@ -149,12 +149,8 @@ pub async fn touch(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuer
     Ok(mutation_response(StatusCode::OK, &outcome))
 }
 
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct NoParams {}
-
 pub async fn unlock(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, headers: HeaderMap) -> Result<Response, ApiError> {
-    let _: NoParams = extract::query(q.as_deref())?;
+    extract::no_params(q.as_deref())?;
     let coll = collection(&state, &uri)?;
     let key = extract::doc_key(&uri)?;
     let Precondition::Cas(cas) = extract::precondition(&headers)? else {
@@ -201,7 +197,7 @@ struct MultiGet {
 }
 
 pub async fn multi_get(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
-    let _: NoParams = extract::query(q.as_deref())?;
+    extract::no_params(q.as_deref())?;
     let coll = collection(&state, &uri)?;
     let body = extract::body(body, MULTI_GET_BODY_MAX_BYTES).await?;
     let request: MultiGet = extract::json_body(&body)?;

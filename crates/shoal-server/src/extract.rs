@@ -49,6 +49,14 @@ pub fn query<T: DeserializeOwned + Default>(raw: Option<&str>) -> Result<T, ApiE
     }
 }
 
+/// For endpoints that take no query parameters: any parameter is a `bad_request`.
+pub fn no_params(raw: Option<&str>) -> Result<(), ApiError> {
+    #[derive(Debug, Default, serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct NoParams {}
+    query::<NoParams>(raw).map(|_| ())
+}
+
 /// Reads the whole body, refusing more than `limit` bytes with `too_large`.
 pub async fn body(body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {
     match http_body_util::Limited::new(body, limit).collect().await {

@@ -139,10 +139,6 @@ struct LookupBody {
     specs: Vec<LookupSpec>,
 }
 
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct NoParams {}
-
 fn check_specs<T>(specs: &[T]) -> Result<(), ApiError> {
     if specs.is_empty() {
         return Err(ApiError::bad_request("give at least one spec"));
@@ -154,7 +150,7 @@ fn check_specs<T>(specs: &[T]) -> Result<(), ApiError> {
 }
 
 pub async fn lookup(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
-    let _: NoParams = extract::query(q.as_deref())?;
+    extract::no_params(q.as_deref())?;
     let coll = collection(&state, &uri)?;
     let key = extract::doc_key(&uri)?;
     let body = extract::body(body, SUBDOC_BODY_MAX_BYTES).await?;
@@ -213,7 +209,7 @@ struct MutateBody {
 }
 
 pub async fn mutate(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
-    let _: NoParams = extract::query(q.as_deref())?;
+    extract::no_params(q.as_deref())?;
     let coll = collection(&state, &uri)?;
     let key = extract::doc_key(&uri)?;
     let body = extract::body(body, SUBDOC_BODY_MAX_BYTES).await?;
