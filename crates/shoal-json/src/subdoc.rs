@@ -58,21 +58,28 @@ pub struct LookupSpec {
     pub path: String,
 }
 
-/// Answers every spec from one parsed document: the value for `get` and `count`,
-/// `Value::Null` for a successful `exists`.
-pub fn lookup(doc: &Value, specs: &[LookupSpec]) -> Vec<Result<Value, Status>> {
+/// What a lookup spec found, borrowed from the document.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Found<'a> {
+    Value(&'a Value),
+    Count(usize),
+    Exists,
+}
+
+/// Answers every spec from one parsed document, without copying what it finds.
+pub fn lookup<'a>(doc: &'a Value, specs: &[LookupSpec]) -> Vec<Result<Found<'a>, Status>> {
     specs.iter().map(|spec| lookup_one(doc, spec)).collect()
 }
 
-fn lookup_one(doc: &Value, spec: &LookupSpec) -> Result<Value, Status> {
+fn lookup_one<'a>(doc: &'a Value, spec: &LookupSpec) -> Result<Found<'a>, Status> {
     let path = path::parse(&spec.path).map_err(|_| Status::PathInvalid)?;
     let found = navigate(doc, path.segments())?;
     match spec.op {
-        LookupOp::Get => Ok(found.clone()),
-        LookupOp::Exists => Ok(Value::Null),
+        LookupOp::Get => Ok(Found::Value(found)),
+        LookupOp::Exists => Ok(Found::Exists),
         LookupOp::Count => match found {
-            Value::Array(a) => Ok(Value::from(a.len())),
-            Value::Object(o) => Ok(Value::from(o.len())),
+            Value::Array(a) => Ok(Found::Count(a.len())),
+            Value::Object(o) => Ok(Found::Count(o.len())),
             _ => Err(Status::PathMismatch),
         },
     }
@@ -310,10 +317,10 @@ mod tests {
         ]))
         .unwrap();
         let r = lookup(&doc, &specs);
-        assert_eq!(r[0], Ok(json!("x")));
+        assert_eq!(r[0], Ok(Found::Value(&json!("x"))));
         assert_eq!(r[1], Err(Status::PathNotFound));
-        assert_eq!(r[2], Ok(json!(3)));
-        assert_eq!(r[3], Ok(doc.clone()));
+        assert_eq!(r[2], Ok(Found::Count(3)));
+        assert_eq!(r[3], Ok(Found::Value(&doc)));
         assert_eq!(r[4], Err(Status::PathMismatch));
         assert_eq!(r[5], Err(Status::PathInvalid));
         assert_eq!(r[6], Err(Status::PathMismatch));

@@ -168,16 +168,29 @@ pub async fn lookup(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
             (doc.cas, tree, tree_is_large(&doc))
         }
     };
+    // Written straight into the response bytes: found values are serialised from the tree,
+    // never copied into intermediate values.
     let answer = move || {
-        let results: Vec<Value> = subdoc::lookup(&tree, &request.specs)
-            .into_iter()
-            .map(|r| match r {
-                Ok(Value::Null) => serde_json::json!({"status": "ok"}),
-                Ok(v) => serde_json::json!({"status": "ok", "value": v}),
-                Err(s) => serde_json::json!({"status": s.as_str()}),
-            })
-            .collect();
-        serde_json::json!({"cas": cas.to_string(), "results": results}).to_string().into_bytes()
+        let mut out = Vec::with_capacity(64 + 48 * request.specs.len());
+        out.extend_from_slice(format!("{{\"cas\":\"{cas}\",\"results\":[").as_bytes());
+        for (i, result) in subdoc::lookup(&tree, &request.specs).into_iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            match result {
+                Ok(subdoc::Found::Value(v)) => {
+                    out.extend_from_slice(b"{\"status\":\"ok\",\"value\":");
+                    // Serialising a tree that came from valid JSON cannot fail.
+                    let _ = serde_json::to_writer(&mut out, v);
+                    out.push(b'}');
+                }
+                Ok(subdoc::Found::Count(n)) => out.extend_from_slice(format!("{{\"status\":\"ok\",\"value\":{n}}}").as_bytes()),
+                Ok(subdoc::Found::Exists) => out.extend_from_slice(b"{\"status\":\"ok\"}"),
+                Err(s) => out.extend_from_slice(format!("{{\"status\":\"{}\"}}", s.as_str()).as_bytes()),
+            }
+        }
+        out.extend_from_slice(b"]}");
+        out
     };
     let out = if large { on_cpu_pool(answer).await? } else { answer() };
     Ok(json_response(StatusCode::OK, out))
