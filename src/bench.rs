@@ -50,6 +50,13 @@ pub struct SubdocArgs {
     collection: String,
     #[arg(long)]
     json: bool,
+    /// Reproduce seed 001's scenarios A (document size) and B (paths per lookup) as a table
+    /// and PNG charts in `--out-dir`, with `--repeat` requests per connection per point.
+    #[arg(long)]
+    sweep: bool,
+    /// Where `--sweep` writes its table and charts.
+    #[arg(long, default_value = "bench/results")]
+    out_dir: std::path::PathBuf,
 }
 
 #[derive(Args)]
@@ -339,6 +346,9 @@ pub fn search_paths(keys: usize, search: usize, difficulty: &str) -> Result<Vec<
 async fn subdoc(url: &str, args: SubdocArgs) -> Result<(), CliError> {
     let client = Client::new(url)?;
     ensure_collection(&client, &args.collection).await?;
+    if args.sweep {
+        return sweep(&client, url, &args).await;
+    }
     let regular = match args.mode.as_str() {
         "regular" => true,
         "subdoc" => false,
@@ -372,4 +382,129 @@ async fn subdoc(url: &str, args: SubdocArgs) -> Result<(), CliError> {
     };
     print_report(if regular { "regular" } else { "subdoc" }, &report, args.json);
     Ok(())
+}
+
+/// Requests/s of one sweep point: a lookup of `search` paths at `difficulty` in a document
+/// of `keys` sub-keys (or a whole-document get when `difficulty` is "regular").
+async fn sweep_point(client: &Client, url: &str, args: &SubdocArgs, keys: usize, search: usize, difficulty: &str) -> Result<f64, CliError> {
+    let key = format!("sweep-{keys}");
+    if client.get(&args.collection, &key, None, None).await.is_err() {
+        client.put(&args.collection, &key, seed_document(&key, keys), &PutOptions::default()).await?;
+    }
+    let authority = url.trim_start_matches("http://").trim_end_matches('/').to_string();
+    let base = format!("/v1/collections/{}/docs/{key}", args.collection);
+    let report = if difficulty == "regular" {
+        drive(&authority, &base, hyper::Method::GET, Bytes::new(), args.parallel, args.repeat).await?
+    } else {
+        let specs: Vec<serde_json::Value> =
+            search_paths(keys, search, difficulty)?.iter().map(|p| serde_json::json!({"op": "get", "path": p})).collect();
+        let body = Bytes::from(serde_json::json!({ "specs": specs }).to_string());
+        drive(&authority, &format!("{base}/lookup"), hyper::Method::POST, body, args.parallel, args.repeat).await?
+    };
+    if report.errors > 0 {
+        return Err(CliError::Usage(format!("{} errors at keys={keys} search={search} {difficulty}", report.errors)));
+    }
+    Ok(report.successes as f64 / report.duration.as_secs_f64().max(1e-9))
+}
+
+const SWEEP_SIZES: &[usize] = &[5, 100, 1000, 5000, 10_000];
+const SWEEP_SEARCHED: &[usize] = &[1, 2, 4, 8, 16];
+const SWEEP_LEVELS: &[&str] = &["easy", "medium", "hard"];
+
+async fn sweep(client: &Client, url: &str, args: &SubdocArgs) -> Result<(), CliError> {
+    let mut table = String::new();
+    table.push_str(&format!("# seed 001 sweep: `shoal bench subdoc --sweep --parallel {} --repeat {}`\n\n", args.parallel, args.repeat));
+    table.push_str(&format!("date: {}, machine: {} cores\n\n", date_utc(), std::thread::available_parallelism().map_or(0, |n| n.get())));
+    // Scenario A: document size, 10 paths (or all of a smaller document).
+    table.push_str("## Scenario A: document size (sub-keys), 10 paths per lookup, requests/s\n\n| sub-keys | bytes | regular | easy | medium | hard |\n|---|---|---|---|---|---|\n");
+    let mut a_series: Vec<crate::chart::Series> =
+        ["regular", "easy", "medium", "hard"].iter().map(|n| crate::chart::Series { name: n.to_string(), points: Vec::new() }).collect();
+    for &keys in SWEEP_SIZES {
+        let mut row = vec![keys.to_string(), seed_document("sweep", keys).len().to_string()];
+        for (i, level) in ["regular", "easy", "medium", "hard"].iter().enumerate() {
+            let rps = sweep_point(client, url, args, keys, 10, level).await?;
+            a_series[i].points.push((keys as f64, rps));
+            row.push(format!("{rps:.0}"));
+            println!("A keys={keys} {level}: {rps:.0} req/s");
+        }
+        table.push_str(&format!("| {} |\n", row.join(" | ")));
+    }
+    // Scenario B: paths per lookup in the 10,000-key document.
+    table.push_str(
+        "\n## Scenario B: paths per lookup, 10,000 sub-keys (~310 KB), requests/s\n\n| paths | easy | medium | hard |\n|---|---|---|---|\n",
+    );
+    let mut b_series: Vec<crate::chart::Series> =
+        SWEEP_LEVELS.iter().map(|n| crate::chart::Series { name: n.to_string(), points: Vec::new() }).collect();
+    for &search in SWEEP_SEARCHED {
+        let mut row = vec![search.to_string()];
+        for (i, level) in SWEEP_LEVELS.iter().enumerate() {
+            let rps = sweep_point(client, url, args, 10_000, search, level).await?;
+            b_series[i].points.push((search as f64, rps));
+            row.push(format!("{rps:.0}"));
+            println!("B paths={search} {level}: {rps:.0} req/s");
+        }
+        table.push_str(&format!("| {} |\n", row.join(" | ")));
+    }
+    std::fs::create_dir_all(&args.out_dir)?;
+    let a_png = args.out_dir.join("subdoc-sweep-a-size.png");
+    let b_png = args.out_dir.join("subdoc-sweep-b-paths.png");
+    for (path, title, x, series, log) in [
+        (&a_png, "Shoal, seed 001 scenario A: document size vs requests/s (10 paths)", "sub-keys in the document (log)", &a_series, true),
+        (&b_png, "Shoal, seed 001 scenario B: paths per lookup vs requests/s (310 KB doc)", "paths per lookup", &b_series, false),
+    ] {
+        match crate::chart::line_chart(path, title, x, "requests/s", series, log) {
+            Ok(()) => table
+                .push_str(&format!("\n![{title}]({})\n", path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default())),
+            Err(e) => eprintln!("chart {}: {e}", path.display()),
+        }
+    }
+    let md = args.out_dir.join("subdoc-sweep.md");
+    std::fs::write(&md, &table)?;
+    println!("{table}");
+    println!("wrote {}", md.display());
+    Ok(())
+}
+
+fn date_utc() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let days = secs / 86_400;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seed_document_sizes_match_the_seed() {
+        // The seed's tool printed 310,043 bytes for this document (its JSON had a few more spaces).
+        let len = seed_document("test-subdoc", 10_000).len();
+        assert!((309_000..=311_000).contains(&len), "{len}");
+        let doc: serde_json::Value = serde_json::from_str(&seed_document("k", 3)).unwrap();
+        assert_eq!(doc["data"]["subkey-000002"], "value-000002");
+    }
+
+    #[test]
+    fn search_paths_by_difficulty() {
+        assert_eq!(search_paths(10_000, 2, "hard").unwrap(), ["data.subkey-009999", "data.subkey-009998"]);
+        assert_eq!(search_paths(10_000, 2, "easy").unwrap(), ["data.subkey-000000", "data.subkey-000001"]);
+        assert_eq!(search_paths(10, 2, "medium").unwrap(), ["data.subkey-000005", "data.subkey-000006"]);
+        assert_eq!(search_paths(5, 10, "hard").unwrap().len(), 5);
+        assert!(search_paths(5, 1, "impossible").is_err());
+    }
+
+    #[test]
+    fn civil_date() {
+        assert_eq!(date_utc().len(), 10);
+    }
 }
