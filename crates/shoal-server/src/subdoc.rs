@@ -101,14 +101,24 @@ async fn tree(state: &AppState, coll: &str, key: &str, doc: &Document, watermark
     }
     let cache_key = (coll.to_string(), key.to_string());
     // Single flight: when many requests miss at once, one parses and the others wait for it.
-    let guard = match state.parsed.cache.get_value_or_guard_async(&cache_key).await {
-        Ok(hit) if hit.cas == doc.cas => {
-            metrics::counter!("shoal_subdoc_parsed_cache_total", "result" => "hit").increment(1);
-            return Ok(hit.tree);
+    // A stale entry (older CAS) is removed first, so that a changed document is parsed
+    // once too, not by every waiting request.
+    let mut guard = None;
+    for _ in 0..3 {
+        match state.parsed.cache.get_value_or_guard_async(&cache_key).await {
+            Ok(hit) if hit.cas == doc.cas => {
+                metrics::counter!("shoal_subdoc_parsed_cache_total", "result" => "hit").increment(1);
+                return Ok(hit.tree);
+            }
+            Ok(stale) => {
+                state.parsed.cache.remove_if(&cache_key, |v| v.cas == stale.cas);
+            }
+            Err(g) => {
+                guard = Some(g);
+                break;
+            }
         }
-        Ok(_) => None,
-        Err(guard) => Some(guard),
-    };
+    }
     metrics::counter!("shoal_subdoc_parsed_cache_total", "result" => "miss").increment(1);
     let bytes = doc.value.clone();
     let tree = Arc::new(on_cpu_pool(move || parse_doc(&bytes)).await??);
