@@ -54,6 +54,13 @@ pub struct SubdocArgs {
     /// and PNG charts in `--out-dir`, with `--repeat` requests per connection per point.
     #[arg(long)]
     sweep: bool,
+    /// Seed 001's noisy neighbour: p99 of `--neighbours` connections doing small gets, alone
+    /// and while `--parallel` connections flood lookups of the large document.
+    #[arg(long)]
+    noisy_neighbour: bool,
+    /// Connections doing small gets in `--noisy-neighbour`.
+    #[arg(long, default_value_t = 20)]
+    neighbours: usize,
     /// Where `--sweep` writes its table and charts.
     #[arg(long, default_value = "bench/results")]
     out_dir: std::path::PathBuf,
@@ -171,6 +178,19 @@ async fn drive(
     parallel: usize,
     repeat: usize,
 ) -> Result<RunReport, CliError> {
+    drive_until(authority, path, method, body, parallel, repeat, None).await
+}
+
+/// Like [`drive`], but every connection also stops early once `stop` is set.
+async fn drive_until(
+    authority: &str,
+    path: &str,
+    method: hyper::Method,
+    body: Bytes,
+    parallel: usize,
+    repeat: usize,
+    stop: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+) -> Result<RunReport, CliError> {
     let mut conns = Vec::with_capacity(parallel);
     for _ in 0..parallel {
         let tcp = tokio::net::TcpStream::connect(authority).await?;
@@ -185,10 +205,14 @@ async fn drive(
     let mut tasks = Vec::with_capacity(parallel);
     for mut sender in conns {
         let (method, body, path, authority) = (method.clone(), body.clone(), path.to_string(), authority.to_string());
+        let stop = stop.clone();
         tasks.push(tokio::spawn(async move {
-            let mut lat = Vec::with_capacity(repeat);
+            let mut lat = Vec::with_capacity(repeat.min(1 << 16));
             let (mut ok, mut err) = (0u64, 0u64);
             for _ in 0..repeat {
+                if stop.as_ref().is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed)) {
+                    break;
+                }
                 let req = hyper::Request::builder()
                     .method(method.clone())
                     .uri(path.as_str())
@@ -220,7 +244,12 @@ async fn drive(
             (ok, err, lat)
         }));
     }
-    let mut report = RunReport { successes: 0, errors: 0, duration: Duration::ZERO, latencies_us: Vec::with_capacity(parallel * repeat) };
+    let mut report = RunReport {
+        successes: 0,
+        errors: 0,
+        duration: Duration::ZERO,
+        latencies_us: Vec::with_capacity(parallel.saturating_mul(repeat).min(1 << 24)),
+    };
     for task in tasks {
         let (ok, err, lat) = task.await.map_err(|e| CliError::Usage(format!("worker failed: {e}")))?;
         report.successes += ok;
@@ -349,6 +378,9 @@ async fn subdoc(url: &str, args: SubdocArgs) -> Result<(), CliError> {
     if args.sweep {
         return sweep(&client, url, &args).await;
     }
+    if args.noisy_neighbour {
+        return noisy_neighbour(&client, url, &args).await;
+    }
     let regular = match args.mode.as_str() {
         "regular" => true,
         "subdoc" => false,
@@ -405,6 +437,39 @@ async fn sweep_point(client: &Client, url: &str, args: &SubdocArgs, keys: usize,
         return Err(CliError::Usage(format!("{} errors at keys={keys} search={search} {difficulty}", report.errors)));
     }
     Ok(report.successes as f64 / report.duration.as_secs_f64().max(1e-9))
+}
+
+/// Small gets alone, then the same small gets while a lookup flood runs; prints both p99s
+/// and their ratio (issue 3's target: at most 3×).
+async fn noisy_neighbour(client: &Client, url: &str, args: &SubdocArgs) -> Result<(), CliError> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let authority = url.trim_start_matches("http://").trim_end_matches('/').to_string();
+    client.put(&args.collection, "neighbour-small", seed_document("neighbour-small", 5), &PutOptions::default()).await?;
+    client.put(&args.collection, "neighbour-large", seed_document("neighbour-large", args.keys), &PutOptions::default()).await?;
+    let small = format!("/v1/collections/{}/docs/neighbour-small", args.collection);
+    let large = format!("/v1/collections/{}/docs/neighbour-large/lookup", args.collection);
+    let specs: Vec<serde_json::Value> =
+        search_paths(args.keys, args.search_keys, &args.difficulty)?.iter().map(|p| serde_json::json!({"op": "get", "path": p})).collect();
+    let flood_body = Bytes::from(serde_json::json!({ "specs": specs }).to_string());
+    // Warm the large document's parsed tree, then measure the neighbours alone.
+    drive(&authority, &large, hyper::Method::POST, flood_body.clone(), 4, 10).await?;
+    let alone = drive(&authority, &small, hyper::Method::GET, Bytes::new(), args.neighbours, args.repeat).await?;
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let flood = {
+        let (authority, large, body, stop) = (authority.clone(), large.clone(), flood_body.clone(), stop.clone());
+        let parallel = args.parallel;
+        tokio::spawn(async move { drive_until(&authority, &large, hyper::Method::POST, body, parallel, usize::MAX, Some(stop)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let crowded = drive(&authority, &small, hyper::Method::GET, Bytes::new(), args.neighbours, args.repeat).await?;
+    stop.store(true, Ordering::Relaxed);
+    let flood = flood.await.map_err(|e| CliError::Usage(format!("flood failed: {e}")))??;
+    print_report("neighbours alone", &alone, args.json);
+    print_report("neighbours during flood", &crowded, args.json);
+    print_report("flood", &flood, args.json);
+    let (p_alone, p_crowded) = (percentile(&alone.latencies_us, 0.99), percentile(&crowded.latencies_us, 0.99));
+    println!("noisy neighbour: p99 {p_alone:.3} ms alone, {p_crowded:.3} ms during the flood: {:.2}x", p_crowded / p_alone.max(1e-9));
+    Ok(())
 }
 
 const SWEEP_SIZES: &[usize] = &[5, 100, 1000, 5000, 10_000];
