@@ -160,12 +160,22 @@ fn check_specs<T>(specs: &[T]) -> Result<(), ApiError> {
     Ok(())
 }
 
-pub async fn lookup(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
-    extract::no_params(q.as_deref())?;
-    let coll = collection(&state, &uri)?;
-    let key = extract::doc_key(&uri)?;
+/// The collection, key and parsed body of a sub-document request.
+async fn read_request<T: serde::de::DeserializeOwned>(
+    state: &AppState,
+    uri: &Uri,
+    query: Option<&str>,
+    body: Body,
+) -> Result<(Arc<Collection>, String, T), ApiError> {
+    extract::no_params(query)?;
+    let coll = collection(state, uri)?;
+    let key = extract::doc_key(uri)?;
     let body = extract::body(body, SUBDOC_BODY_MAX_BYTES).await?;
-    let request: LookupBody = extract::json_body(&body)?;
+    Ok((coll, key, extract::json_body(&body)?))
+}
+
+pub async fn lookup(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
+    let (coll, key, request): (_, _, LookupBody) = read_request(&state, &uri, q.as_deref(), body).await?;
     check_specs(&request.specs)?;
     let (cas, tree, large) = match state.parsed.get_unchanged(&coll, &key) {
         Some((cas, tree)) => {
@@ -233,11 +243,7 @@ struct MutateBody {
 }
 
 pub async fn mutate(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
-    extract::no_params(q.as_deref())?;
-    let coll = collection(&state, &uri)?;
-    let key = extract::doc_key(&uri)?;
-    let body = extract::body(body, SUBDOC_BODY_MAX_BYTES).await?;
-    let request: MutateBody = extract::json_body(&body)?;
+    let (coll, key, request): (_, _, MutateBody) = read_request(&state, &uri, q.as_deref(), body).await?;
     check_specs(&request.specs)?;
     let want_cas = request.cas.as_deref().map(extract::parse_cas).transpose()?;
     let expiry = request.expiry.map(|e| extract::expiry(Some(e))).transpose()?;
