@@ -5,15 +5,9 @@
 # (apt-get install redis-server redis-tools). Usage: bench/kv_vs_redis.sh [runs]
 set -euo pipefail
 runs=${1:-3}
-shoal=${SHOAL_BIN:-${CARGO_TARGET_DIR:-target}/release/shoal}
-work=$(mktemp -d)
-trap 'kill $(cat "$work/shoal.pid") 2>/dev/null || true; redis-cli -p 6399 shutdown nosave >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
-echo "date: $(date -u +%FT%TZ)"
-echo "machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(uname -sr)"
-echo "shoal: $($shoal --version)"
-"$shoal" serve --listen 127.0.0.1:7070 --data-path "$work/data" --cache-mb 256 >"$work/out" 2>"$work/err" &
-echo $! >"$work/shoal.pid"
-sleep 1
+. "$(dirname "$0")/lib.sh"
+bench_cleanups+=("redis-cli -p 6399 shutdown nosave >/dev/null 2>&1 || true")
+bench_start_shoal --cache-mb 256
 redis-server --port 6399 --save '' --appendonly no --daemonize yes >/dev/null
 sleep 0.5
 redis-cli -p 6399 set key:__rand_int__ "$(head -c 195 /dev/zero | tr '\0' x)" >/dev/null

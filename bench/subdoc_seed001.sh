@@ -4,14 +4,8 @@
 # Needs a release build. Usage: bench/subdoc_seed001.sh [runs]
 set -euo pipefail
 runs=${1:-3}
-shoal=${SHOAL_BIN:-${CARGO_TARGET_DIR:-target}/release/shoal}
-work=$(mktemp -d)
-trap 'kill $(cat "$work/pid") 2>/dev/null || true; sleep 1; rm -rf "$work"' EXIT
-echo "date: $(date -u +%FT%TZ)"
-echo "machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(uname -sr)"
-"$shoal" serve --listen 127.0.0.1:7070 --data-path "$work/data" >"$work/out" 2>"$work/err" &
-echo $! >"$work/pid"
-sleep 1
+. "$(dirname "$0")/lib.sh"
+bench_start_shoal
 for i in $(seq "$runs"); do
   echo "--- run $i"
   for cmd in "--mode regular --keys 5 --repeat 1000" "--difficulty hard --repeat 500" "--difficulty easy --repeat 500"; do

@@ -80,7 +80,8 @@ impl PartitionSubscription {
     }
 }
 
-fn changes_error(e: ReadError) -> ChangesError {
+/// How a change-stream read's storage error reaches stream readers.
+pub(crate) fn changes_error(e: ReadError) -> ChangesError {
     match e {
         ReadError::CollectionDropped => ChangesError::CollectionDropped,
         ReadError::Engine(e) => ChangesError::Engine(e),

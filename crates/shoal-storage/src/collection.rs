@@ -205,11 +205,8 @@ impl Collection {
             if out.len() >= max {
                 break;
             }
-            let (changes, next) = partition.read_changes(slot.seqno, max - out.len(), include_docs).map_err(|e| match e {
-                ReadError::CollectionDropped => ChangesError::CollectionDropped,
-                ReadError::Engine(e) => ChangesError::Engine(e),
-                _ => ChangesError::Corrupt,
-            })?;
+            let (changes, next) =
+                partition.read_changes(slot.seqno, max - out.len(), include_docs).map_err(crate::changes::changes_error)?;
             slot.seqno = next;
             out.extend(changes);
         }

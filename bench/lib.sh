@@ -1,0 +1,29 @@
+# Shared by the bench scripts: prints what the figures were measured on, and runs one
+# release `shoal serve` in a scratch data directory for the duration of the script.
+# Source it after `set -euo pipefail`; then `bench_start_shoal [serve flags...]`.
+
+shoal=${SHOAL_BIN:-${CARGO_TARGET_DIR:-target}/release/shoal}
+work=$(mktemp -d)
+bench_cleanups=()
+
+bench_cleanup() {
+  local c
+  for c in "${bench_cleanups[@]}"; do eval "$c"; done
+  if [ -f "$work/shoal.pid" ]; then
+    kill "$(cat "$work/shoal.pid")" 2>/dev/null || true
+    # Let the server flush and exit before its data directory goes.
+    while kill -0 "$(cat "$work/shoal.pid")" 2>/dev/null; do sleep 0.1; done
+  fi
+  rm -rf "$work"
+}
+trap bench_cleanup EXIT
+
+echo "date: $(date -u +%FT%TZ)"
+echo "machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(uname -sr)"
+echo "shoal: $("$shoal" --version)"
+
+bench_start_shoal() {
+  "$shoal" serve --listen 127.0.0.1:7070 --data-path "$work/data" "$@" >"$work/out" 2>"$work/err" &
+  echo $! >"$work/shoal.pid"
+  sleep 1
+}
