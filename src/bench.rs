@@ -61,6 +61,11 @@ pub struct SubdocArgs {
     /// Connections doing small gets in `--noisy-neighbour`.
     #[arg(long, default_value_t = 20)]
     neighbours: usize,
+    /// `nice` of the flood's client threads in `--noisy-neighbour` (0..=19). The load
+    /// generators share the server's cores; a flood client at the neighbours' priority
+    /// measures the client's own queueing as much as the server's.
+    #[arg(long, default_value_t = 19)]
+    flood_nice: i32,
     /// Where `--sweep` writes its table and charts.
     #[arg(long, default_value = "bench/results")]
     out_dir: std::path::PathBuf,
@@ -181,7 +186,14 @@ async fn drive(
     drive_until(authority, path, method, body, parallel, repeat, None).await
 }
 
-/// Like [`drive`], but every connection also stops early once `stop` is set.
+/// Lets another task stop a [`drive_until`] run and see how far it got.
+#[derive(Default)]
+struct RunControl {
+    stop: std::sync::atomic::AtomicBool,
+    requests: std::sync::atomic::AtomicU64,
+}
+
+/// Like [`drive`], but every connection also stops early once `control.stop` is set.
 async fn drive_until(
     authority: &str,
     path: &str,
@@ -189,7 +201,7 @@ async fn drive_until(
     body: Bytes,
     parallel: usize,
     repeat: usize,
-    stop: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    control: Option<std::sync::Arc<RunControl>>,
 ) -> Result<RunReport, CliError> {
     let mut conns = Vec::with_capacity(parallel);
     for _ in 0..parallel {
@@ -205,12 +217,12 @@ async fn drive_until(
     let mut tasks = Vec::with_capacity(parallel);
     for mut sender in conns {
         let (method, body, path, authority) = (method.clone(), body.clone(), path.to_string(), authority.to_string());
-        let stop = stop.clone();
+        let control = control.clone();
         tasks.push(tokio::spawn(async move {
             let mut lat = Vec::with_capacity(repeat.min(1 << 16));
             let (mut ok, mut err) = (0u64, 0u64);
             for _ in 0..repeat {
-                if stop.as_ref().is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed)) {
+                if control.as_ref().is_some_and(|c| c.stop.load(std::sync::atomic::Ordering::Relaxed)) {
                     break;
                 }
                 let req = hyper::Request::builder()
@@ -240,6 +252,9 @@ async fn drive_until(
                     }
                 }
                 lat.push(t.elapsed().as_micros().min(u128::from(u32::MAX)) as u32);
+                if let Some(c) = &control {
+                    c.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
             }
             (ok, err, lat)
         }));
@@ -442,7 +457,7 @@ async fn sweep_point(client: &Client, url: &str, args: &SubdocArgs, keys: usize,
 /// Small gets alone, then the same small gets while a lookup flood runs; prints both p99s
 /// and their ratio (issue 3's target: at most 3×).
 async fn noisy_neighbour(client: &Client, url: &str, args: &SubdocArgs) -> Result<(), CliError> {
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::Ordering;
     let authority = url.trim_start_matches("http://").trim_end_matches('/').to_string();
     client.put(&args.collection, "neighbour-small", seed_document("neighbour-small", 5), &PutOptions::default()).await?;
     client.put(&args.collection, "neighbour-large", seed_document("neighbour-large", args.keys), &PutOptions::default()).await?;
@@ -454,16 +469,26 @@ async fn noisy_neighbour(client: &Client, url: &str, args: &SubdocArgs) -> Resul
     // Warm the large document's parsed tree, then measure the neighbours alone.
     drive(&authority, &large, hyper::Method::POST, flood_body.clone(), 4, 10).await?;
     let alone = drive(&authority, &small, hyper::Method::GET, Bytes::new(), args.neighbours, args.repeat).await?;
-    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let control = std::sync::Arc::new(RunControl::default());
+    // The flood runs on its own runtime, like a second client process at `--flood-nice`.
+    let nice = args.flood_nice.clamp(0, 19);
+    let flood_rt =
+        tokio::runtime::Builder::new_multi_thread().enable_all().on_thread_start(move || shoal_server::lower_this_thread(nice)).build()?;
     let flood = {
-        let (authority, large, body, stop) = (authority.clone(), large.clone(), flood_body.clone(), stop.clone());
+        let (authority, large, body, control) = (authority.clone(), large.clone(), flood_body.clone(), control.clone());
         let parallel = args.parallel;
-        tokio::spawn(async move { drive_until(&authority, &large, hyper::Method::POST, body, parallel, usize::MAX, Some(stop)).await })
+        flood_rt.spawn(async move { drive_until(&authority, &large, hyper::Method::POST, body, parallel, usize::MAX, Some(control)).await })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Measure only once every flood connection is busy.
+    let warm = (args.parallel as u64).saturating_mul(10);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while control.requests.load(Ordering::Relaxed) < warm && !flood.is_finished() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let crowded = drive(&authority, &small, hyper::Method::GET, Bytes::new(), args.neighbours, args.repeat).await?;
-    stop.store(true, Ordering::Relaxed);
+    control.stop.store(true, Ordering::Relaxed);
     let flood = flood.await.map_err(|e| CliError::Usage(format!("flood failed: {e}")))??;
+    flood_rt.shutdown_background();
     print_report("neighbours alone", &alone, args.json);
     print_report("neighbours during flood", &crowded, args.json);
     print_report("flood", &flood, args.json);

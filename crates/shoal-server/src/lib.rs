@@ -5,6 +5,7 @@
 
 mod changes;
 mod collections;
+mod cpu;
 mod docs;
 mod error;
 mod extract;
@@ -21,6 +22,7 @@ use shoal_storage::{Store, StoreConfig};
 use thiserror::Error;
 use tokio::sync::watch;
 
+pub use cpu::lower_this_thread;
 pub use error::ApiError;
 
 /// How long a shutdown waits for open requests (long feeds are told to end at once).
@@ -50,6 +52,8 @@ pub struct AppState {
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
     /// Parsed trees of hot large documents, for sub-document requests.
     pub parsed: Arc<subdoc::ParsedDocs>,
+    /// Low-priority threads for CPU-heavy request work.
+    pub cpu: cpu::CpuPool,
     /// Becomes `true` when the server shuts down; long feeds end then.
     pub shutdown: watch::Receiver<bool>,
 }
@@ -106,7 +110,14 @@ impl Server {
             .await
             .map_err(|source| ServerError::Bind { addr: config.listen.clone(), source })?;
         let (shutdown_tx, shutdown) = watch::channel(false);
-        let state = AppState { store, started: Instant::now(), metrics: ops::prometheus(), parsed: Arc::default(), shutdown };
+        let state = AppState {
+            store,
+            started: Instant::now(),
+            metrics: ops::prometheus(),
+            parsed: Arc::default(),
+            cpu: cpu::CpuPool::new()?,
+            shutdown,
+        };
         Ok(Server { listener, state, shutdown_tx })
     }
 

@@ -79,15 +79,6 @@ impl ParsedDocs {
     }
 }
 
-/// Runs CPU-heavy work on the rayon pool and waits for it without blocking an I/O thread.
-async fn on_cpu_pool<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    rayon::spawn(move || {
-        let _ = tx.send(work());
-    });
-    rx.await.map_err(|_| ApiError::internal("sub-document worker failed"))
-}
-
 fn parse_doc(bytes: &[u8]) -> Result<Value, ApiError> {
     // Stored documents were validated on the way in; a failure here is a stored non-JSON body.
     serde_json::from_slice(bytes).map_err(|e| path_failure(0, subdoc::Status::DocNotJson, &e.to_string()))
@@ -121,7 +112,7 @@ async fn tree(state: &AppState, coll: &str, key: &str, doc: &Document, watermark
     }
     metrics::counter!("shoal_subdoc_parsed_cache_total", "result" => "miss").increment(1);
     let bytes = doc.value.clone();
-    let tree = Arc::new(on_cpu_pool(move || parse_doc(&bytes)).await??);
+    let tree = Arc::new(state.cpu.run(move || parse_doc(&bytes)).await??);
     let entry = Parsed {
         cas: doc.cas,
         expiry: doc.expiry,
@@ -213,7 +204,7 @@ pub async fn lookup(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
         out.extend_from_slice(b"]}");
         out
     };
-    let out = if large { on_cpu_pool(answer).await? } else { answer() };
+    let out = if large { state.cpu.run(answer).await? } else { answer() };
     Ok(json_response(StatusCode::OK, out))
 }
 
@@ -273,7 +264,7 @@ pub async fn mutate(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
             Ok((results, bytes))
         };
         let large = current.as_ref().is_some_and(tree_is_large);
-        let (results, bytes) = if large { on_cpu_pool(apply).await?? } else { apply()? };
+        let (results, bytes) = if large { state.cpu.run(apply).await?? } else { apply()? };
         if bytes.len() > DOC_MAX_BYTES {
             return Err(ApiError::too_large("the mutated document would be larger than 20 MiB"));
         }
