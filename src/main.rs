@@ -70,6 +70,9 @@ struct ServeArgs {
     /// Worker threads for requests (default: one per core).
     #[arg(long)]
     threads: Option<usize>,
+    /// Index build and maintenance workers (default: one per core).
+    #[arg(long)]
+    index_workers: Option<usize>,
 }
 
 fn main() -> ExitCode {
@@ -124,6 +127,7 @@ async fn serve(args: ServeArgs) -> Result<(), cli::CliError> {
             purge_horizon: std::time::Duration::from_secs(args.purge_horizon_secs),
             ..shoal_storage::StoreConfig::default()
         },
+        index_workers: args.index_workers,
     };
     let signal = shutdown_signal()?;
     let server = shoal_server::Server::bind(config).await?;

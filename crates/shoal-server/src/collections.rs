@@ -48,7 +48,11 @@ pub async fn list(State(state): State<AppState>, RawQuery(q): RawQuery) -> Resul
 pub async fn drop(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
     let name = extract::collection_name(&uri)?;
+    let id = state.store.collection(&name).map(|c| c.id());
     let store = state.store.clone();
     tokio::task::spawn_blocking(move || store.drop_collection(&name)).await.map_err(|e| ApiError::internal(e.to_string()))??;
+    if let Some(id) = id {
+        state.indexes.drop_collection(id).await?;
+    }
     Ok(json_response(StatusCode::OK, b"{}".to_vec()))
 }

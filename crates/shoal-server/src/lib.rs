@@ -9,6 +9,7 @@ mod cpu;
 mod docs;
 mod error;
 mod extract;
+mod indexes;
 mod ops;
 mod subdoc;
 
@@ -34,6 +35,8 @@ pub enum ServerError {
     Bind { addr: String, source: std::io::Error },
     #[error(transparent)]
     Open(#[from] shoal_storage::OpenError),
+    #[error("indexes: {0}")]
+    Index(#[from] shoal_index::IndexError),
     #[error("server: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -42,6 +45,8 @@ pub enum ServerError {
 pub struct ServerConfig {
     pub listen: String,
     pub store: StoreConfig,
+    /// Index build and maintenance workers (default: one per core).
+    pub index_workers: Option<usize>,
 }
 
 /// Shared by every handler.
@@ -52,6 +57,8 @@ pub struct AppState {
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
     /// Parsed trees of hot large documents, for sub-document requests.
     pub parsed: Arc<subdoc::ParsedDocs>,
+    /// Secondary indexes of every collection.
+    pub indexes: Arc<shoal_index::IndexManager>,
     /// Low-priority threads for CPU-heavy request work.
     pub cpu: cpu::CpuPool,
     /// Becomes `true` when the server shuts down; long feeds end then.
@@ -74,6 +81,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/collections/{c}/_get", post(docs::multi_get))
         .route("/v1/collections/{c}/_bulk", post(docs::bulk))
         .route("/v1/collections/{c}/changes", get(changes::changes))
+        .route("/v1/collections/{c}/indexes", get(indexes::list).post(indexes::create))
+        .route("/v1/collections/{c}/indexes/{name}", axum::routing::delete(indexes::drop))
+        .route("/v1/collections/{c}/indexes/{name}/build", post(indexes::build))
+        .route("/v1/collections/{c}/indexes/{name}/scan", post(indexes::scan))
         .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn(ops::telemetry))
@@ -109,9 +120,12 @@ impl Server {
         let listener = tokio::net::TcpListener::bind(&config.listen)
             .await
             .map_err(|source| ServerError::Bind { addr: config.listen.clone(), source })?;
+        let workers = config.index_workers.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2));
+        let indexes = shoal_index::IndexManager::open(Arc::clone(&store), workers)?;
         let (shutdown_tx, shutdown) = watch::channel(false);
         let state = AppState {
             store,
+            indexes,
             started: Instant::now(),
             metrics: ops::prometheus(),
             parsed: Arc::default(),
@@ -131,6 +145,7 @@ impl Server {
         use axum::serve::ListenerExt;
         let Server { listener, state, shutdown_tx } = self;
         let store = Arc::clone(&state.store);
+        let indexes = Arc::clone(&state.indexes);
         let listener = listener.tap_io(|tcp| {
             let _ = tcp.set_nodelay(true);
         });
@@ -146,6 +161,9 @@ impl Server {
         let _ = stopping_rx.wait_for(|s| *s).await;
         if tokio::time::timeout(SHUTDOWN_GRACE, serve).await.is_err() {
             tracing::warn!("requests still open after the grace period; closing anyway");
+        }
+        if let Err(e) = indexes.close() {
+            tracing::warn!(error = %e, "closing the index database");
         }
         tokio::task::spawn_blocking(move || store.close()).await.map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
         Ok(())

@@ -71,6 +71,11 @@ impl Collection {
         &self.name
     }
 
+    /// Unique for the store's lifetime: a collection dropped and created again gets a new id.
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
     pub fn partition_count(&self) -> u16 {
         self.partitions.len() as u16
     }

@@ -1,0 +1,56 @@
+//! Secondary indexes for Shoal, maintained from the collections' change streams.
+//!
+//! An index is one sorted fjall keyspace on the node, whatever the partition count, so a
+//! scan is one range read. Entries are `composite key ++ document key` (see [`keycode`]); a
+//! second keyspace maps each document key to the composite keys it contributed, so that an
+//! update or a delete removes exactly the old entries. Building and maintenance run on one
+//! worker pool sized to the cores; each round hands every partition with news to the pool,
+//! and all indexes of a collection are fed from one read of each change.
+//!
+//! This crate knows nothing of HTTP.
+
+pub mod def;
+pub mod filter;
+pub mod keycode;
+mod manager;
+
+pub use def::IndexDef;
+pub use filter::FilterError;
+pub use manager::{Consistency, IndexManager, IndexState, IndexStatus, ScanBounds, ScanRequest, ScanRow};
+
+/// Most rows one scan returns.
+pub const SCAN_ROWS_MAX: usize = 100_000;
+/// Changes read from one partition per batch.
+pub const BATCH_CHANGES: usize = 1024;
+/// Changes one partition may apply per round before the others get a turn.
+pub const ROUND_CHANGES_MAX: usize = 32 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum IndexError {
+    #[error("no index {0}")]
+    NotFound(String),
+    #[error("index {0} exists")]
+    Exists(String),
+    #[error("{0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Filter(#[from] FilterError),
+    #[error("index {name} is {state} ({progress:.0}% built)", progress = progress * 100.0)]
+    NotReady { name: String, state: &'static str, progress: f64 },
+    #[error("the index did not catch up within the timeout")]
+    Timeout,
+    #[error("collection dropped")]
+    CollectionDropped,
+    #[error("index storage: {0}")]
+    Engine(#[from] fjall::Error),
+    #[error("index storage is corrupt: {0}")]
+    Corrupt(String),
+    #[error("change stream: {0}")]
+    Changes(#[from] shoal_storage::ChangesError),
+}
+
+impl From<keycode::CorruptKey> for IndexError {
+    fn from(_: keycode::CorruptKey) -> Self {
+        IndexError::Corrupt("undecodable entry".into())
+    }
+}

@@ -1,0 +1,746 @@
+//! The node's indexes: definitions, maintainers (one per collection with indexes, running
+//! rounds on the shared worker pool), and scans.
+
+use std::collections::HashMap;
+use std::ops::Bound;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use shoal_storage::{Change, Collection, PartitionId, SeqNo, Store, StreamPosition};
+use tokio::sync::{watch, Notify};
+
+use crate::def::{Compiled, IndexDef};
+use crate::{keycode, IndexError, BATCH_CHANGES, ROUND_CHANGES_MAX, SCAN_ROWS_MAX};
+
+const INDEX_DIR: &str = "index";
+const META_KEYSPACE: &str = "meta";
+const NEXT_ID_KEY: &[u8] = b"next_index_id";
+/// Memtable of each index keyspace (forward and back), as the storage crate's indexes.
+const INDEX_MEMTABLE_MAX_BYTES: u64 = 16 * 1024 * 1024;
+/// Block cache of the index database.
+const INDEX_CACHE_BYTES: u64 = 64 * 1024 * 1024;
+/// How long an idle maintainer sleeps before looking again without being woken.
+const IDLE_POLL: Duration = Duration::from_secs(1);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IndexState {
+    Deferred,
+    Building,
+    Ready,
+}
+
+impl IndexState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IndexState::Deferred => "deferred",
+            IndexState::Building => "building",
+            IndexState::Ready => "ready",
+        }
+    }
+}
+
+/// What `GET .../indexes` shows of one index.
+#[derive(Clone, Debug)]
+pub struct IndexStatus {
+    pub def: IndexDef,
+    pub state: IndexState,
+    pub progress: f64,
+    pub items: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Consistency {
+    NotBounded,
+    RequestPlus,
+}
+
+#[derive(Clone, Debug)]
+pub enum ScanBounds {
+    All,
+    /// A prefix of the keys, each equal.
+    Eq(Vec<Value>),
+    /// Bounds compare on their own length (a prefix of the keys); `None` is open.
+    Range {
+        low: Option<Vec<Value>>,
+        high: Option<Vec<Value>>,
+        inclusive_low: bool,
+        inclusive_high: bool,
+    },
+}
+
+#[derive(Clone, Debug)]
+pub struct ScanRequest {
+    pub bounds: ScanBounds,
+    pub limit: usize,
+    pub descending: bool,
+    pub consistency: Consistency,
+    /// How long `request_plus` may wait for the index to catch up.
+    pub timeout: Duration,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct ScanRow {
+    pub key: Vec<Value>,
+    pub id: String,
+}
+
+/// A definition as stored in the index database's meta keyspace.
+#[derive(Clone, Serialize, Deserialize)]
+struct Record {
+    id: u32,
+    collection_id: u32,
+    collection: String,
+    def: IndexDef,
+}
+
+struct Index {
+    id: u32,
+    def: IndexDef,
+    compiled: Compiled,
+    fwd: fjall::Keyspace,
+    back: fjall::Keyspace,
+    deferred: AtomicBool,
+    dropped: AtomicBool,
+    /// Per partition: how far the index has applied the change stream.
+    cursors: Mutex<Vec<StreamPosition>>,
+    /// Per partition: entries contributed by the partition's documents.
+    items: Vec<AtomicI64>,
+    /// High seqnos when the build started; `None` once the index is ready.
+    target: Mutex<Option<Vec<SeqNo>>>,
+    /// Bumped whenever cursors move (request_plus waits on it).
+    progress: watch::Sender<u64>,
+}
+
+impl Index {
+    fn state(&self) -> IndexState {
+        if self.deferred.load(Ordering::Acquire) {
+            IndexState::Deferred
+        } else if self.target.lock().is_some() {
+            IndexState::Building
+        } else {
+            IndexState::Ready
+        }
+    }
+
+    fn progress_fraction(&self) -> f64 {
+        let Some(target) = self.target.lock().clone() else {
+            return if self.deferred.load(Ordering::Acquire) { 0.0 } else { 1.0 };
+        };
+        let cursors = self.cursors.lock();
+        let total: u64 = target.iter().sum();
+        if total == 0 {
+            return 1.0;
+        }
+        let done: u64 = target.iter().zip(cursors.iter()).map(|(t, c)| c.seqno.min(*t)).sum();
+        done as f64 / total as f64
+    }
+
+    fn caught_up(&self, highs: &[SeqNo]) -> bool {
+        self.cursors.lock().iter().zip(highs).all(|(c, h)| c.seqno >= *h)
+    }
+
+    fn status(&self) -> IndexStatus {
+        let items = self.items.iter().map(|i| i.load(Ordering::Relaxed)).sum::<i64>().max(0) as u64;
+        IndexStatus { def: self.def.clone(), state: self.state(), progress: self.progress_fraction(), items }
+    }
+}
+
+/// The indexes of one collection and its maintainer's controls.
+struct CollEntry {
+    indexes: Vec<Arc<Index>>,
+    wake: Arc<Notify>,
+    /// Held by a maintainer round; taken by drops before deleting keyspaces.
+    round: Arc<Mutex<()>>,
+}
+
+pub struct IndexManager {
+    store: Arc<Store>,
+    db: fjall::Database,
+    meta: fjall::Keyspace,
+    pool: Arc<rayon::ThreadPool>,
+    colls: Mutex<HashMap<u32, CollEntry>>,
+    /// Serialises create/drop/build (each is rare and touches meta and keyspaces).
+    ddl: tokio::sync::Mutex<()>,
+}
+
+fn def_key(id: u32) -> Vec<u8> {
+    format!("def/{id:08x}").into_bytes()
+}
+
+fn cursor_key(id: u32, p: PartitionId) -> Vec<u8> {
+    format!("cur/{id:08x}/{p:04x}").into_bytes()
+}
+
+fn encode_cursor(pos: StreamPosition, items: i64) -> [u8; 24] {
+    let mut out = [0u8; 24];
+    out[..8].copy_from_slice(&pos.seqno.to_be_bytes());
+    out[8..16].copy_from_slice(&pos.uuid.to_be_bytes());
+    out[16..].copy_from_slice(&items.to_be_bytes());
+    out
+}
+
+fn decode_cursor(v: &[u8]) -> Option<(StreamPosition, i64)> {
+    let seqno = u64::from_be_bytes(v.get(..8)?.try_into().ok()?);
+    let uuid = u64::from_be_bytes(v.get(8..16)?.try_into().ok()?);
+    let items = i64::from_be_bytes(v.get(16..24)?.try_into().ok()?);
+    Some((StreamPosition { seqno, uuid }, items))
+}
+
+/// The back-index value: the composite keys a document contributed, each length-prefixed.
+fn encode_list(entries: &[Vec<u8>]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(entries.iter().map(|e| e.len() + 2).sum());
+    for e in entries {
+        out.extend_from_slice(&(e.len() as u16).to_be_bytes());
+        out.extend_from_slice(e);
+    }
+    out
+}
+
+fn decode_list(mut v: &[u8]) -> Result<Vec<Vec<u8>>, IndexError> {
+    let mut out = Vec::new();
+    while !v.is_empty() {
+        let len =
+            v.get(..2).map(|b| usize::from(u16::from_be_bytes([b[0], b[1]]))).ok_or_else(|| IndexError::Corrupt("back entry".into()))?;
+        let e = v.get(2..2 + len).ok_or_else(|| IndexError::Corrupt("back entry".into()))?;
+        out.push(e.to_vec());
+        v = &v[2 + len..];
+    }
+    Ok(out)
+}
+
+fn entry_key(prefix: &[u8], doc_key: &[u8]) -> Vec<u8> {
+    let mut k = Vec::with_capacity(prefix.len() + doc_key.len());
+    k.extend_from_slice(prefix);
+    k.extend_from_slice(doc_key);
+    k
+}
+
+impl IndexManager {
+    /// Opens (or creates) the index database under the store's first data path, loads the
+    /// definitions and resumes their maintainers. Call from within a tokio runtime.
+    pub fn open(store: Arc<Store>, workers: usize) -> Result<Arc<IndexManager>, IndexError> {
+        let path = store.data_paths().first().cloned().ok_or_else(|| IndexError::Invalid("no data path".into()))?.join(INDEX_DIR);
+        let db = fjall::Database::builder(path).cache_size(INDEX_CACHE_BYTES).open()?;
+        let meta = db.keyspace(META_KEYSPACE, fjall::KeyspaceCreateOptions::default)?;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(workers.max(1))
+            .thread_name(|i| format!("shoal-index-{i}"))
+            .build()
+            .map_err(|e| IndexError::Invalid(format!("index worker pool: {e}")))?;
+        let mgr = Arc::new(IndexManager {
+            store,
+            db,
+            meta,
+            pool: Arc::new(pool),
+            colls: Mutex::new(HashMap::new()),
+            ddl: tokio::sync::Mutex::new(()),
+        });
+        let mut records = Vec::new();
+        for guard in mgr.meta.prefix(b"def/") {
+            let (_, v) = guard.into_inner()?;
+            let r: Record = serde_json::from_slice(&v).map_err(|e| IndexError::Corrupt(format!("index definition: {e}")))?;
+            records.push(r);
+        }
+        for r in records {
+            match mgr.store.collection(&r.collection).filter(|c| c.id() == r.collection_id) {
+                Some(coll) => {
+                    let index = mgr.load(&r, &coll)?;
+                    mgr.attach(&coll, index);
+                }
+                None => {
+                    tracing::info!(index = %r.def.name, collection = %r.collection, "collection gone; dropping its index");
+                    mgr.delete_storage(r.id)?;
+                }
+            }
+        }
+        Ok(mgr)
+    }
+
+    /// Flushes the index database to disk.
+    pub fn close(&self) -> Result<(), IndexError> {
+        self.db.persist(fjall::PersistMode::SyncAll)?;
+        Ok(())
+    }
+
+    fn open_keyspaces(&self, id: u32) -> Result<(fjall::Keyspace, fjall::Keyspace), IndexError> {
+        let opts = || fjall::KeyspaceCreateOptions::default().max_memtable_size(INDEX_MEMTABLE_MAX_BYTES);
+        Ok((self.db.keyspace(&format!("x{id}"), opts)?, self.db.keyspace(&format!("b{id}"), opts)?))
+    }
+
+    fn load(&self, r: &Record, coll: &Collection) -> Result<Arc<Index>, IndexError> {
+        let compiled = r.def.compile()?;
+        let (fwd, back) = self.open_keyspaces(r.id)?;
+        let n = usize::from(coll.partition_count());
+        let mut cursors = vec![StreamPosition::default(); n];
+        let items: Vec<AtomicI64> = (0..n).map(|_| AtomicI64::new(0)).collect();
+        for guard in self.meta.prefix(format!("cur/{:08x}/", r.id).as_bytes()) {
+            let (k, v) = guard.into_inner()?;
+            let p = std::str::from_utf8(&k[k.len().saturating_sub(4)..]).ok().and_then(|h| usize::from_str_radix(h, 16).ok());
+            if let (Some(p), Some((pos, count))) = (p, decode_cursor(&v)) {
+                if p < n {
+                    cursors[p] = pos;
+                    items[p].store(count, Ordering::Relaxed);
+                }
+            }
+        }
+        Ok(Arc::new(Index {
+            id: r.id,
+            def: r.def.clone(),
+            compiled,
+            fwd,
+            back,
+            deferred: AtomicBool::new(r.def.defer_build),
+            dropped: AtomicBool::new(false),
+            cursors: Mutex::new(cursors),
+            items,
+            target: Mutex::new(Some(coll.high_seqnos())),
+            progress: watch::channel(0).0,
+        }))
+    }
+
+    /// Adds `index` to its collection's set, starting the collection's maintainer if needed.
+    fn attach(self: &Arc<Self>, coll: &Arc<Collection>, index: Arc<Index>) {
+        let mut colls = self.colls.lock();
+        match colls.get_mut(&coll.id()) {
+            Some(entry) => {
+                entry.indexes.push(index);
+                entry.wake.notify_one();
+            }
+            None => {
+                let wake = Arc::new(Notify::new());
+                let round = Arc::new(Mutex::new(()));
+                colls.insert(coll.id(), CollEntry { indexes: vec![index], wake: Arc::clone(&wake), round: Arc::clone(&round) });
+                tokio::spawn(maintain(Arc::clone(self), Arc::clone(coll), wake, round));
+            }
+        }
+    }
+
+    fn find(&self, coll: &Collection, name: &str) -> Result<Arc<Index>, IndexError> {
+        self.colls
+            .lock()
+            .get(&coll.id())
+            .and_then(|e| e.indexes.iter().find(|i| i.def.name == name).cloned())
+            .ok_or_else(|| IndexError::NotFound(name.to_string()))
+    }
+
+    pub async fn create(self: &Arc<Self>, coll: &Arc<Collection>, def: IndexDef) -> Result<IndexStatus, IndexError> {
+        def.compile()?;
+        let _ddl = self.ddl.lock().await;
+        if self.find(coll, &def.name).is_ok() {
+            return Err(IndexError::Exists(def.name));
+        }
+        let id = match self.meta.get(NEXT_ID_KEY)? {
+            Some(v) => u32::from_be_bytes(v.as_ref().try_into().map_err(|_| IndexError::Corrupt("next index id".into()))?),
+            None => 1,
+        };
+        let record = Record { id, collection_id: coll.id(), collection: coll.name().to_string(), def };
+        let json = serde_json::to_vec(&record).map_err(|e| IndexError::Corrupt(e.to_string()))?;
+        let mut batch = self.db.batch();
+        batch.insert(&self.meta, NEXT_ID_KEY, (id + 1).to_be_bytes());
+        batch.insert(&self.meta, def_key(id), json);
+        batch.commit()?;
+        self.db.persist(fjall::PersistMode::SyncAll)?;
+        let index = self.load(&record, coll)?;
+        let status = index.status();
+        self.attach(coll, index);
+        Ok(status)
+    }
+
+    pub fn list(&self, coll: &Collection) -> Vec<IndexStatus> {
+        let colls = self.colls.lock();
+        let mut out: Vec<IndexStatus> = colls.get(&coll.id()).map(|e| e.indexes.iter().map(|i| i.status()).collect()).unwrap_or_default();
+        out.sort_by(|a, b| a.def.name.cmp(&b.def.name));
+        out
+    }
+
+    pub fn status(&self, coll: &Collection, name: &str) -> Result<IndexStatus, IndexError> {
+        Ok(self.find(coll, name)?.status())
+    }
+
+    /// Starts building a deferred index (a no-op for one already building or ready).
+    pub async fn build(&self, coll: &Collection, name: &str) -> Result<IndexStatus, IndexError> {
+        let _ddl = self.ddl.lock().await;
+        let index = self.find(coll, name)?;
+        if index.deferred.load(Ordering::Acquire) {
+            let record = Record {
+                id: index.id,
+                collection_id: coll.id(),
+                collection: coll.name().to_string(),
+                def: IndexDef { defer_build: false, ..index.def.clone() },
+            };
+            let json = serde_json::to_vec(&record).map_err(|e| IndexError::Corrupt(e.to_string()))?;
+            self.meta.insert(def_key(index.id), json)?;
+            *index.target.lock() = Some(coll.high_seqnos());
+            index.deferred.store(false, Ordering::Release);
+            if let Some(e) = self.colls.lock().get(&coll.id()) {
+                e.wake.notify_one();
+            }
+        }
+        Ok(index.status())
+    }
+
+    pub async fn drop_index(&self, coll: &Collection, name: &str) -> Result<(), IndexError> {
+        let _ddl = self.ddl.lock().await;
+        let (index, round) = {
+            let mut colls = self.colls.lock();
+            let entry = colls.get_mut(&coll.id()).ok_or_else(|| IndexError::NotFound(name.to_string()))?;
+            let pos = entry.indexes.iter().position(|i| i.def.name == name).ok_or_else(|| IndexError::NotFound(name.to_string()))?;
+            let index = entry.indexes.remove(pos);
+            index.dropped.store(true, Ordering::Release);
+            entry.wake.notify_one();
+            (index, Arc::clone(&entry.round))
+        };
+        self.forget(index, round).await
+    }
+
+    /// Drops every index of a dropped collection.
+    pub async fn drop_collection(&self, collection_id: u32) -> Result<(), IndexError> {
+        let _ddl = self.ddl.lock().await;
+        let Some(entry) = self.colls.lock().remove(&collection_id) else {
+            return Ok(());
+        };
+        entry.wake.notify_one();
+        for index in entry.indexes {
+            index.dropped.store(true, Ordering::Release);
+            self.forget(index, Arc::clone(&entry.round)).await?;
+        }
+        Ok(())
+    }
+
+    /// Deletes a dropped index's storage once no maintainer round uses it.
+    async fn forget(&self, index: Arc<Index>, round: Arc<Mutex<()>>) -> Result<(), IndexError> {
+        let id = index.id;
+        let (db, meta) = (self.db.clone(), self.meta.clone());
+        let (fwd, back) = (index.fwd.clone(), index.back.clone());
+        drop(index);
+        tokio::task::spawn_blocking(move || {
+            let _round = round.lock();
+            delete_index_storage(&db, &meta, id, Some((fwd, back)))
+        })
+        .await
+        .map_err(|e| IndexError::Corrupt(format!("drop task: {e}")))?
+    }
+
+    fn delete_storage(&self, id: u32) -> Result<(), IndexError> {
+        delete_index_storage(&self.db, &self.meta, id, None)
+    }
+
+    /// Rows of `name` within the request's bounds, in index order.
+    pub async fn scan(&self, coll: &Collection, name: &str, req: ScanRequest) -> Result<Vec<ScanRow>, IndexError> {
+        let index = self.find(coll, name)?;
+        let n = index.compiled.key_count();
+        let (lo, hi) = byte_bounds(&req.bounds, n)?;
+        if req.limit > SCAN_ROWS_MAX {
+            return Err(IndexError::Invalid(format!("limit is at most {SCAN_ROWS_MAX}")));
+        }
+        match (index.state(), req.consistency) {
+            (IndexState::Deferred, _) => {
+                return Err(IndexError::NotReady { name: name.to_string(), state: "deferred", progress: 0.0 });
+            }
+            (IndexState::Building, Consistency::NotBounded) => {
+                return Err(IndexError::NotReady { name: name.to_string(), state: "building", progress: index.progress_fraction() });
+            }
+            (_, Consistency::RequestPlus) => {
+                let highs = coll.high_seqnos();
+                let mut progress = index.progress.subscribe();
+                if let Some(e) = self.colls.lock().get(&coll.id()) {
+                    e.wake.notify_one();
+                }
+                let wait = async {
+                    while !(index.caught_up(&highs) && index.state() == IndexState::Ready) {
+                        if index.dropped.load(Ordering::Acquire) || progress.changed().await.is_err() {
+                            return Err(IndexError::NotFound(name.to_string()));
+                        }
+                    }
+                    Ok(())
+                };
+                tokio::time::timeout(req.timeout, wait).await.map_err(|_| IndexError::Timeout)??;
+            }
+            (IndexState::Ready, Consistency::NotBounded) => {}
+        }
+        let (limit, descending) = (req.limit, req.descending);
+        let fwd = index.fwd.clone();
+        tokio::task::spawn_blocking(move || read_range(&fwd, lo, hi, limit, descending, n))
+            .await
+            .map_err(|e| IndexError::Corrupt(format!("scan task: {e}")))?
+    }
+
+    /// Keys of indexes per collection that are not deferred, for the maintainer.
+    fn active(&self, collection_id: u32) -> Option<Vec<Arc<Index>>> {
+        self.colls.lock().get(&collection_id).map(|e| e.indexes.iter().filter(|i| !i.deferred.load(Ordering::Acquire)).cloned().collect())
+    }
+}
+
+fn delete_index_storage(
+    db: &fjall::Database,
+    meta: &fjall::Keyspace,
+    id: u32,
+    open: Option<(fjall::Keyspace, fjall::Keyspace)>,
+) -> Result<(), IndexError> {
+    let mut batch = db.batch();
+    batch.remove(meta, def_key(id));
+    for guard in meta.prefix(format!("cur/{id:08x}/").as_bytes()) {
+        let k = guard.key()?;
+        batch.remove(meta, k);
+    }
+    batch.commit()?;
+    let (fwd, back) = match open {
+        Some(ks) => ks,
+        None => {
+            let opts = fjall::KeyspaceCreateOptions::default;
+            (db.keyspace(&format!("x{id}"), opts)?, db.keyspace(&format!("b{id}"), opts)?)
+        }
+    };
+    db.delete_keyspace(fwd)?;
+    db.delete_keyspace(back)?;
+    db.persist(fjall::PersistMode::SyncAll)?;
+    Ok(())
+}
+
+/// The byte range of `bounds` over entries of an index with `n` keys.
+/// A range of encoded entries: (start, end).
+type ByteRange = (Bound<Vec<u8>>, Bound<Vec<u8>>);
+
+fn byte_bounds(bounds: &ScanBounds, n: usize) -> Result<ByteRange, IndexError> {
+    let encode = |values: &[Value]| -> Result<Vec<u8>, IndexError> {
+        if values.len() > n {
+            return Err(IndexError::Invalid(format!("the index has {n} keys; got {} values", values.len())));
+        }
+        let mut out = Vec::new();
+        for v in values {
+            keycode::encode(Some(v), &mut out);
+        }
+        Ok(out)
+    };
+    let after = |mut b: Vec<u8>| {
+        b.push(keycode::AFTER_PREFIX);
+        b
+    };
+    Ok(match bounds {
+        ScanBounds::All => (Bound::Unbounded, Bound::Unbounded),
+        ScanBounds::Eq(values) => {
+            let p = encode(values)?;
+            (Bound::Included(p.clone()), Bound::Excluded(after(p)))
+        }
+        ScanBounds::Range { low, high, inclusive_low, inclusive_high } => {
+            let lo = match low {
+                None => Bound::Unbounded,
+                Some(v) if *inclusive_low => Bound::Included(encode(v)?),
+                Some(v) => Bound::Excluded(after(encode(v)?)),
+            };
+            let hi = match high {
+                None => Bound::Unbounded,
+                Some(v) if *inclusive_high => Bound::Excluded(after(encode(v)?)),
+                Some(v) => Bound::Excluded(encode(v)?),
+            };
+            (lo, hi)
+        }
+    })
+}
+
+fn read_range(
+    fwd: &fjall::Keyspace,
+    lo: Bound<Vec<u8>>,
+    hi: Bound<Vec<u8>>,
+    limit: usize,
+    descending: bool,
+    n: usize,
+) -> Result<Vec<ScanRow>, IndexError> {
+    if let (Bound::Included(l) | Bound::Excluded(l), Bound::Included(h) | Bound::Excluded(h)) = (&lo, &hi) {
+        if l > h {
+            return Ok(Vec::new());
+        }
+    }
+    let iter = fwd.range::<Vec<u8>, _>((lo, hi));
+    let iter: Box<dyn Iterator<Item = fjall::Guard>> = if descending { Box::new(iter.rev()) } else { Box::new(iter) };
+    let mut rows = Vec::new();
+    for guard in iter.take(limit) {
+        let k = guard.key()?;
+        let (key, id) = keycode::decode_components(&k, n)?;
+        let id = std::str::from_utf8(id).map_err(|_| IndexError::Corrupt("document key".into()))?.to_string();
+        rows.push(ScanRow { key, id });
+    }
+    Ok(rows)
+}
+
+/// One collection's maintainer: rounds on the worker pool while there is news, then waits
+/// for a change, a wake-up (new index, build, scan) or the idle poll.
+async fn maintain(mgr: Arc<IndexManager>, coll: Arc<Collection>, wake: Arc<Notify>, round: Arc<Mutex<()>>) {
+    let mut changed = coll.changed();
+    loop {
+        if coll.is_dropped() {
+            if let Err(e) = mgr.drop_collection(coll.id()).await {
+                tracing::warn!(error = %e, "dropping the indexes of a dropped collection");
+            }
+            return;
+        }
+        let Some(active) = mgr.active(coll.id()) else {
+            return;
+        };
+        changed.borrow_and_update();
+        let mut progressed = false;
+        if !active.is_empty() {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let (c, r) = (Arc::clone(&coll), Arc::clone(&round));
+            let store = Arc::clone(&mgr);
+            mgr.pool.spawn(move || {
+                let _round = r.lock();
+                let _ = tx.send(run_round(&store, &c, &active));
+            });
+            match rx.await {
+                Ok(Ok(p)) => progressed = p,
+                Ok(Err(IndexError::Changes(shoal_storage::ChangesError::CollectionDropped))) => continue,
+                Ok(Err(e)) => {
+                    tracing::warn!(collection = %coll.name(), error = %e, "index maintenance failed; retrying");
+                    tokio::time::sleep(IDLE_POLL).await;
+                }
+                Err(_) => return,
+            }
+        }
+        if !progressed {
+            tokio::select! {
+                _ = changed.changed() => {}
+                _ = wake.notified() => {}
+                _ = tokio::time::sleep(IDLE_POLL) => {}
+            }
+        }
+    }
+}
+
+/// Brings every partition with news up to date (bounded per partition), in parallel on the
+/// pool; then marks indexes that reached their build target ready. True if anything moved.
+fn run_round(mgr: &IndexManager, coll: &Collection, active: &[Arc<Index>]) -> Result<bool, IndexError> {
+    let highs = coll.high_seqnos();
+    let behind: Vec<PartitionId> = (0..coll.partition_count())
+        .filter(|&p| active.iter().any(|i| i.cursors.lock()[usize::from(p)].seqno < highs[usize::from(p)]))
+        .collect();
+    let moved = behind.par_iter().map(|&p| catch_up(mgr, coll, active, p)).try_reduce(|| false, |a, b| Ok(a || b))?;
+    for index in active {
+        let done = index.target.lock().as_ref().is_some_and(|t| index.caught_up(t));
+        if done {
+            *index.target.lock() = None;
+            index.progress.send_modify(|v| *v += 1);
+            tracing::info!(index = %index.def.name, "index ready");
+        }
+    }
+    Ok(moved)
+}
+
+fn catch_up(mgr: &IndexManager, coll: &Collection, active: &[Arc<Index>], p: PartitionId) -> Result<bool, IndexError> {
+    let pi = usize::from(p);
+    let from = active.iter().map(|i| i.cursors.lock()[pi]).min_by_key(|c| c.seqno).unwrap_or_default();
+    let (mut sub, rollback) = coll.subscribe(p, from)?;
+    if rollback.is_some() {
+        // History diverged (unclean restart) or tombstones were purged past us: rebuild
+        // this partition's part of every index from the start.
+        for index in active {
+            reset_partition(mgr, index, p, coll.partition_count())?;
+        }
+        sub = coll.subscribe(p, StreamPosition::default())?.0;
+    }
+    let mut applied = 0;
+    loop {
+        let changes = sub.try_next(BATCH_CHANGES, true)?;
+        let pos = sub.position();
+        let empty = changes.is_empty();
+        if !empty || active.iter().any(|i| i.cursors.lock()[pi].seqno < pos.seqno) {
+            apply(mgr, active, p, &changes, pos)?;
+        }
+        applied += changes.len();
+        if empty || applied >= ROUND_CHANGES_MAX {
+            break;
+        }
+    }
+    Ok(applied > 0)
+}
+
+/// Applies one batch of a partition's changes to every active index, in one atomic write
+/// together with the new cursors.
+fn apply(mgr: &IndexManager, active: &[Arc<Index>], p: PartitionId, changes: &[Change], pos: StreamPosition) -> Result<(), IndexError> {
+    let pi = usize::from(p);
+    // Parse each document once, for all indexes (in parallel within the batch).
+    let computed: Vec<Vec<Vec<Vec<u8>>>> = changes
+        .par_iter()
+        .with_min_len(64)
+        .map(|c| {
+            let doc: Option<Value> = if c.deleted { None } else { c.value.as_ref().and_then(|v| serde_json::from_slice(v).ok()) };
+            active.iter().map(|i| doc.as_ref().map(|d| i.compiled.entries(d)).unwrap_or_default()).collect()
+        })
+        .collect();
+    let mut batch = mgr.db.batch();
+    let mut staged = Vec::with_capacity(active.len());
+    for (k, index) in active.iter().enumerate() {
+        if index.dropped.load(Ordering::Acquire) {
+            continue;
+        }
+        let cursor = index.cursors.lock()[pi].seqno;
+        let mut delta = 0i64;
+        let mut pending: HashMap<&[u8], &Vec<Vec<u8>>> = HashMap::new();
+        for (c, per_index) in changes.iter().zip(&computed) {
+            if c.seqno <= cursor {
+                continue;
+            }
+            let new = &per_index[k];
+            let old: Vec<Vec<u8>> = match pending.get(c.key.as_ref()) {
+                Some(v) => (*v).clone(),
+                None => match index.back.get(&c.key)? {
+                    Some(v) => decode_list(&v)?,
+                    None => Vec::new(),
+                },
+            };
+            if &old == new {
+                continue;
+            }
+            for o in old.iter().filter(|o| new.binary_search(o).is_err()) {
+                batch.remove(&index.fwd, entry_key(o, &c.key));
+                delta -= 1;
+            }
+            for e in new.iter().filter(|e| old.binary_search(e).is_err()) {
+                batch.insert(&index.fwd, entry_key(e, &c.key), []);
+                delta += 1;
+            }
+            if new.is_empty() {
+                batch.remove(&index.back, c.key.as_ref());
+            } else {
+                batch.insert(&index.back, c.key.as_ref(), encode_list(new));
+            }
+            pending.insert(c.key.as_ref(), new);
+        }
+        let items = index.items[pi].load(Ordering::Relaxed) + delta;
+        batch.insert(&mgr.meta, cursor_key(index.id, p), encode_cursor(pos, items));
+        staged.push((index, items));
+    }
+    batch.commit()?;
+    for (index, items) in staged {
+        index.cursors.lock()[pi] = pos;
+        index.items[pi].store(items, Ordering::Relaxed);
+        index.progress.send_modify(|v| *v += 1);
+    }
+    Ok(())
+}
+
+/// Removes every entry that came from partition `p` and puts its cursor back to the start.
+fn reset_partition(mgr: &IndexManager, index: &Index, p: PartitionId, partitions: u16) -> Result<(), IndexError> {
+    let mut batch = mgr.db.batch();
+    for guard in index.back.iter() {
+        let (doc_key, v) = guard.into_inner()?;
+        if shoal_storage::partition_of(&doc_key, partitions) != p {
+            continue;
+        }
+        for e in decode_list(&v)? {
+            batch.remove(&index.fwd, entry_key(&e, &doc_key));
+        }
+        batch.remove(&index.back, doc_key);
+    }
+    batch.insert(&mgr.meta, cursor_key(index.id, p), encode_cursor(StreamPosition::default(), 0));
+    batch.commit()?;
+    index.cursors.lock()[usize::from(p)] = StreamPosition::default();
+    index.items[usize::from(p)].store(0, Ordering::Relaxed);
+    tracing::warn!(index = %index.def.name, partition = p, "partition history changed; re-indexing it");
+    Ok(())
+}

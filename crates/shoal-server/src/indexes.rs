@@ -1,0 +1,175 @@
+//! Secondary index endpoints: define, list, build, drop, scan.
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{RawQuery, State};
+use axum::http::{StatusCode, Uri};
+use axum::response::Response;
+use serde::Deserialize;
+use serde_json::Value;
+use shoal_index::{Consistency, IndexDef, IndexError, IndexStatus, ScanBounds, ScanRequest, SCAN_ROWS_MAX};
+
+use crate::docs::{collection, json_response};
+use crate::error::ApiError;
+use crate::extract;
+use crate::AppState;
+
+/// Largest body of an index call.
+const INDEX_BODY_MAX_BYTES: usize = 64 * 1024;
+/// How long a `request_plus` scan waits by default, and at most.
+const SCAN_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
+const SCAN_TIMEOUT_MAX: Duration = Duration::from_secs(300);
+
+impl From<IndexError> for ApiError {
+    fn from(e: IndexError) -> Self {
+        let reason = e.to_string();
+        match e {
+            IndexError::NotFound(_) => ApiError::new(StatusCode::NOT_FOUND, "index_not_found", reason),
+            IndexError::Exists(_) => ApiError::new(StatusCode::CONFLICT, "index_exists", reason),
+            IndexError::Invalid(_) => ApiError::bad_request(reason),
+            IndexError::Filter(_) => ApiError::new(StatusCode::BAD_REQUEST, "query_error", reason),
+            IndexError::NotReady { .. } => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", reason),
+            IndexError::Timeout => ApiError::new(StatusCode::GATEWAY_TIMEOUT, "timeout", reason),
+            IndexError::CollectionDropped | IndexError::Changes(shoal_storage::ChangesError::CollectionDropped) => {
+                ApiError::new(StatusCode::NOT_FOUND, "collection_not_found", reason)
+            }
+            IndexError::Engine(_) | IndexError::Corrupt(_) | IndexError::Changes(_) => ApiError::internal(reason),
+        }
+    }
+}
+
+fn status_json(s: &IndexStatus) -> Value {
+    serde_json::json!({
+        "name": s.def.name,
+        "keys": s.def.keys,
+        "where": s.def.filter,
+        "state": s.state.as_str(),
+        "progress": s.progress,
+        "items": s.items,
+    })
+}
+
+fn index_name(uri: &Uri) -> Result<String, ApiError> {
+    extract::path_segment(uri, 4, "index name")
+}
+
+pub async fn create(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
+    extract::no_params(q.as_deref())?;
+    let coll = collection(&state, &uri)?;
+    let body = extract::body(body, INDEX_BODY_MAX_BYTES).await?;
+    let def: IndexDef = extract::json_body(&body)?;
+    let status = state.indexes.create(&coll, def).await?;
+    Ok(json_response(StatusCode::CREATED, status_json(&status).to_string().into_bytes()))
+}
+
+pub async fn list(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery) -> Result<Response, ApiError> {
+    extract::no_params(q.as_deref())?;
+    let coll = collection(&state, &uri)?;
+    let list: Vec<Value> = state.indexes.list(&coll).iter().map(status_json).collect();
+    Ok(json_response(StatusCode::OK, Value::Array(list).to_string().into_bytes()))
+}
+
+pub async fn build(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery) -> Result<Response, ApiError> {
+    extract::no_params(q.as_deref())?;
+    let coll = collection(&state, &uri)?;
+    let status = state.indexes.build(&coll, &index_name(&uri)?).await?;
+    Ok(json_response(StatusCode::OK, status_json(&status).to_string().into_bytes()))
+}
+
+pub async fn drop(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery) -> Result<Response, ApiError> {
+    extract::no_params(q.as_deref())?;
+    let coll = collection(&state, &uri)?;
+    state.indexes.drop_index(&coll, &index_name(&uri)?).await?;
+    Ok(json_response(StatusCode::OK, b"{}".to_vec()))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RangeBody {
+    low: Option<Vec<Value>>,
+    high: Option<Vec<Value>>,
+    #[serde(default = "yes")]
+    inclusive_low: bool,
+    #[serde(default = "yes")]
+    inclusive_high: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ScanBody {
+    eq: Option<Vec<Value>>,
+    range: Option<RangeBody>,
+    limit: Option<usize>,
+    #[serde(default)]
+    descending: bool,
+    #[serde(default)]
+    include_docs: bool,
+    consistency: Option<String>,
+    timeout_ms: Option<u64>,
+}
+
+pub async fn scan(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
+    extract::no_params(q.as_deref())?;
+    let coll = collection(&state, &uri)?;
+    let name = index_name(&uri)?;
+    let body = extract::body(body, INDEX_BODY_MAX_BYTES).await?;
+    let req: ScanBody = if body.iter().all(u8::is_ascii_whitespace) {
+        serde_json::from_str("{}").map_err(|e| ApiError::internal(e.to_string()))?
+    } else {
+        extract::json_body(&body)?
+    };
+    let bounds = match (req.eq, req.range) {
+        (Some(_), Some(_)) => return Err(ApiError::bad_request("give `eq` or `range`, not both")),
+        (Some(eq), None) => ScanBounds::Eq(eq),
+        (None, Some(r)) => ScanBounds::Range { low: r.low, high: r.high, inclusive_low: r.inclusive_low, inclusive_high: r.inclusive_high },
+        (None, None) => ScanBounds::All,
+    };
+    let consistency = match req.consistency.as_deref() {
+        None | Some("not_bounded") => Consistency::NotBounded,
+        Some("request_plus") => Consistency::RequestPlus,
+        Some(other) => return Err(ApiError::bad_request(format!("consistency is not_bounded or request_plus, not {other:?}"))),
+    };
+    let timeout = req.timeout_ms.map(Duration::from_millis).unwrap_or(SCAN_TIMEOUT_DEFAULT);
+    if timeout > SCAN_TIMEOUT_MAX {
+        return Err(ApiError::bad_request(format!("timeout_ms is at most {}", SCAN_TIMEOUT_MAX.as_millis())));
+    }
+    let scan = ScanRequest { bounds, limit: req.limit.unwrap_or(SCAN_ROWS_MAX), descending: req.descending, consistency, timeout };
+    let rows = state.indexes.scan(&coll, &name, scan).await?;
+    // Rows are written straight into the answer; documents (already validated JSON) are
+    // copied in as they are stored.
+    let mut out = Vec::with_capacity(64 + rows.len() * 48);
+    out.extend_from_slice(b"{\"rows\":[");
+    let docs = if req.include_docs {
+        let coll = coll.clone();
+        let ids: Vec<String> = rows.iter().map(|r| r.id.clone()).collect();
+        tokio::task::spawn_blocking(move || ids.iter().map(|id| coll.get(id).ok().map(|d| d.value)).collect::<Vec<_>>())
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))?
+    } else {
+        Vec::new()
+    };
+    for (i, row) in rows.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(b"{\"key\":");
+        serde_json::to_writer(&mut out, &row.key).map_err(|e| ApiError::internal(e.to_string()))?;
+        out.extend_from_slice(b",\"id\":");
+        serde_json::to_writer(&mut out, &row.id).map_err(|e| ApiError::internal(e.to_string()))?;
+        if req.include_docs {
+            out.extend_from_slice(b",\"doc\":");
+            match docs.get(i).and_then(|d| d.as_ref()) {
+                Some(d) => out.extend_from_slice(d),
+                None => out.extend_from_slice(b"null"),
+            }
+        }
+        out.push(b'}');
+    }
+    out.extend_from_slice(b"]}");
+    Ok(json_response(StatusCode::OK, out))
+}
