@@ -119,6 +119,176 @@ pub enum SubdocCmd {
     },
 }
 
+#[derive(Subcommand)]
+pub enum IndexCmd {
+    /// Define an index, e.g. `shoal index create orders by_user user_id created_at --where "type = 'order'"`.
+    /// A key `tags[*]` indexes each element of an array. Shows a progress bar until built.
+    Create {
+        collection: String,
+        name: String,
+        #[arg(required = true)]
+        keys: Vec<String>,
+        /// A SQL boolean expression over the document.
+        #[arg(long = "where")]
+        filter: Option<String>,
+        /// Define only; build later with `shoal index build`.
+        #[arg(long)]
+        defer_build: bool,
+        /// Return at once instead of waiting for the build.
+        #[arg(long)]
+        no_wait: bool,
+    },
+    /// Indexes of a collection with state, progress and items.
+    List { collection: String },
+    /// Build a deferred index (with a progress bar).
+    Build {
+        collection: String,
+        name: String,
+        #[arg(long)]
+        no_wait: bool,
+    },
+    /// Drop an index.
+    Drop { collection: String, name: String },
+    /// Scan: `--eq` values or `--low`/`--high` bounds, each a JSON value (repeat for composite keys).
+    Scan {
+        collection: String,
+        name: String,
+        #[arg(long)]
+        eq: Vec<String>,
+        #[arg(long)]
+        low: Vec<String>,
+        #[arg(long)]
+        high: Vec<String>,
+        /// Leave out rows equal to `--low`.
+        #[arg(long)]
+        exclusive_low: bool,
+        /// Leave out rows equal to `--high`.
+        #[arg(long)]
+        exclusive_high: bool,
+        #[arg(long)]
+        limit: Option<usize>,
+        #[arg(long)]
+        descending: bool,
+        #[arg(long)]
+        include_docs: bool,
+        /// Wait until the index has every change made before the scan.
+        #[arg(long)]
+        request_plus: bool,
+    },
+}
+
+fn json_values(flag: &str, values: &[String]) -> Result<Vec<serde_json::Value>, CliError> {
+    values.iter().map(|v| serde_json::from_str(v).map_err(|e| CliError::Usage(format!("--{flag} {v}: not JSON ({e}); quote strings: '\"abc\"'")))).collect()
+}
+
+/// Polls the index until it is ready, with a progress bar on the terminal.
+async fn wait_built(client: &Client, collection: &str, name: &str) -> Result<serde_json::Value, CliError> {
+    let bar = indicatif::ProgressBar::new(1000);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:40} {percent:>3}% {msg} ({elapsed})").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    loop {
+        let list = client.list_indexes(collection).await?;
+        let status = list.into_iter().find(|i| i["name"] == name).ok_or_else(|| CliError::Usage(format!("index {name} disappeared")))?;
+        bar.set_position((status["progress"].as_f64().unwrap_or(0.0) * 1000.0) as u64);
+        bar.set_message(format!("{} items", status["items"]));
+        if status["state"] == "ready" {
+            bar.finish();
+            return Ok(status);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
+fn print_indexes(output: Output, list: &[serde_json::Value]) {
+    match output {
+        Output::Json => println!("{}", serde_json::Value::Array(list.to_vec())),
+        Output::Table => print_table(
+            &["name", "keys", "where", "state", "progress", "items"],
+            list.iter()
+                .map(|i| {
+                    vec![
+                        i["name"].as_str().unwrap_or("").to_string(),
+                        i["keys"].to_string(),
+                        i["where"].as_str().unwrap_or("").to_string(),
+                        i["state"].as_str().unwrap_or("").to_string(),
+                        format!("{:.0}%", i["progress"].as_f64().unwrap_or(0.0) * 100.0),
+                        i["items"].to_string(),
+                    ]
+                })
+                .collect(),
+        ),
+    }
+}
+
+pub async fn index(url: &str, output: Output, cmd: IndexCmd) -> Result<(), CliError> {
+    let client = Client::new(url)?;
+    match cmd {
+        IndexCmd::Create { collection, name, keys, filter, defer_build, no_wait } => {
+            let mut def = serde_json::json!({"name": name, "keys": keys, "defer_build": defer_build});
+            if let Some(f) = filter {
+                def["where"] = f.into();
+            }
+            let mut status = client.create_index(&collection, &def).await?;
+            if !defer_build && !no_wait {
+                status = wait_built(&client, &collection, &name).await?;
+            }
+            print_indexes(output, &[status]);
+        }
+        IndexCmd::List { collection } => print_indexes(output, &client.list_indexes(&collection).await?),
+        IndexCmd::Build { collection, name, no_wait } => {
+            let mut status = client.build_index(&collection, &name).await?;
+            if !no_wait {
+                status = wait_built(&client, &collection, &name).await?;
+            }
+            print_indexes(output, &[status]);
+        }
+        IndexCmd::Drop { collection, name } => client.drop_index(&collection, &name).await?,
+        IndexCmd::Scan { collection, name, eq, low, high, exclusive_low, exclusive_high, limit, descending, include_docs, request_plus } => {
+            let mut req = serde_json::json!({"descending": descending, "include_docs": include_docs});
+            if !eq.is_empty() {
+                req["eq"] = json_values("eq", &eq)?.into();
+            }
+            if !low.is_empty() || !high.is_empty() {
+                let mut range = serde_json::json!({"inclusive_low": !exclusive_low, "inclusive_high": !exclusive_high});
+                if !low.is_empty() {
+                    range["low"] = json_values("low", &low)?.into();
+                }
+                if !high.is_empty() {
+                    range["high"] = json_values("high", &high)?.into();
+                }
+                req["range"] = range;
+            }
+            if let Some(l) = limit {
+                req["limit"] = l.into();
+            }
+            if request_plus {
+                req["consistency"] = "request_plus".into();
+            }
+            let answer = client.scan_index(&collection, &name, &req).await?;
+            let rows = answer["rows"].as_array().cloned().unwrap_or_default();
+            match output {
+                Output::Json => println!("{answer}"),
+                Output::Table => {
+                    let header: &[&str] = if include_docs { &["key", "id", "doc"] } else { &["key", "id"] };
+                    let rows = rows
+                        .iter()
+                        .map(|r| {
+                            let mut row = vec![r["key"].to_string(), r["id"].as_str().unwrap_or("").to_string()];
+                            if include_docs {
+                                row.push(r["doc"].to_string());
+                            }
+                            row
+                        })
+                        .collect();
+                    print_table(header, rows);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 #[derive(Args)]
 pub struct ChangesArgs {
     collection: String,

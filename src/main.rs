@@ -41,6 +41,9 @@ enum Command {
     /// Sub-document lookups and mutations.
     #[command(subcommand)]
     Subdoc(cli::SubdocCmd),
+    /// Secondary indexes: create, list, build, drop, scan.
+    #[command(subcommand)]
+    Index(cli::IndexCmd),
     /// Read a collection's change stream.
     Changes(cli::ChangesArgs),
     /// Bulk-load an NDJSON file of documents.
@@ -111,6 +114,7 @@ async fn run(args: Args) -> Result<(), cli::CliError> {
         Command::Collection(c) => cli::collection(&args.url, args.output, c).await,
         Command::Doc(d) => cli::doc(&args.url, args.output, d).await,
         Command::Subdoc(c) => cli::subdoc(&args.url, args.output, c).await,
+        Command::Index(c) => cli::index(&args.url, args.output, c).await,
         Command::Changes(c) => cli::changes(&args.url, args.output, c).await,
         Command::Load(l) => cli::load(&args.url, l).await,
         Command::Bench(b) => bench::run(&args.url, b).await,

@@ -244,6 +244,34 @@ impl Client {
         json(req.send().await?).await
     }
 
+    fn index_url(&self, collection: &str, name: &str) -> String {
+        format!("{}/indexes/{}", self.collection_url(collection), seg(name))
+    }
+
+    /// Defines an index: `def` is `{"name", "keys", "where"?, "defer_build"?}`; answers its status.
+    pub async fn create_index(&self, collection: &str, def: &serde_json::Value) -> Result<serde_json::Value, ClientError> {
+        let req = self.http.post(format!("{}/indexes", self.collection_url(collection))).json(def);
+        json(req.send().await?).await
+    }
+
+    /// Every index of the collection with state, progress and item count.
+    pub async fn list_indexes(&self, collection: &str) -> Result<Vec<serde_json::Value>, ClientError> {
+        json(self.http.get(format!("{}/indexes", self.collection_url(collection))).send().await?).await
+    }
+
+    pub async fn build_index(&self, collection: &str, name: &str) -> Result<serde_json::Value, ClientError> {
+        json(self.http.post(format!("{}/build", self.index_url(collection, name))).send().await?).await
+    }
+
+    pub async fn drop_index(&self, collection: &str, name: &str) -> Result<(), ClientError> {
+        ok(self.http.delete(self.index_url(collection, name)).send().await?).await.map(|_| ())
+    }
+
+    /// Scans an index: `request` is the scan object of API.md; answers `{"rows": [...]}`.
+    pub async fn scan_index(&self, collection: &str, name: &str, request: &serde_json::Value) -> Result<serde_json::Value, ClientError> {
+        json(self.http.post(format!("{}/scan", self.index_url(collection, name))).json(request).send().await?).await
+    }
+
     /// Sends NDJSON operation lines; answers the NDJSON result lines, one per operation.
     pub async fn bulk(&self, collection: &str, ndjson: impl Into<Bytes>, persist: bool) -> Result<Bytes, ClientError> {
         let mut req = self
