@@ -23,6 +23,9 @@ pub enum BenchCmd {
     Load(LoadArgs),
     /// Seed 001's experiment: multi-path lookups in one document from many connections.
     Subdoc(SubdocArgs),
+    /// Seed 002's experiment: index builds and per-user reads across partition counts
+    /// (starts its own nodes).
+    Index(crate::bench_index::IndexArgs),
 }
 
 #[derive(Args)]
@@ -116,6 +119,7 @@ pub async fn run(url: &str, cmd: BenchCmd) -> Result<(), CliError> {
         BenchCmd::Kv(args) => kv(url, args).await,
         BenchCmd::Load(args) => load(url, args).await,
         BenchCmd::Subdoc(args) => subdoc(url, args).await,
+        BenchCmd::Index(args) => crate::bench_index::run(args).await,
     }
 }
 

@@ -178,14 +178,18 @@ pub enum IndexCmd {
 }
 
 fn json_values(flag: &str, values: &[String]) -> Result<Vec<serde_json::Value>, CliError> {
-    values.iter().map(|v| serde_json::from_str(v).map_err(|e| CliError::Usage(format!("--{flag} {v}: not JSON ({e}); quote strings: '\"abc\"'")))).collect()
+    values
+        .iter()
+        .map(|v| serde_json::from_str(v).map_err(|e| CliError::Usage(format!("--{flag} {v}: not JSON ({e}); quote strings: '\"abc\"'"))))
+        .collect()
 }
 
 /// Polls the index until it is ready, with a progress bar on the terminal.
 async fn wait_built(client: &Client, collection: &str, name: &str) -> Result<serde_json::Value, CliError> {
     let bar = indicatif::ProgressBar::new(1000);
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:40} {percent:>3}% {msg} ({elapsed})").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        indicatif::ProgressStyle::with_template("{bar:40} {percent:>3}% {msg} ({elapsed})")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     loop {
         let list = client.list_indexes(collection).await?;
@@ -244,7 +248,19 @@ pub async fn index(url: &str, output: Output, cmd: IndexCmd) -> Result<(), CliEr
             print_indexes(output, &[status]);
         }
         IndexCmd::Drop { collection, name } => client.drop_index(&collection, &name).await?,
-        IndexCmd::Scan { collection, name, eq, low, high, exclusive_low, exclusive_high, limit, descending, include_docs, request_plus } => {
+        IndexCmd::Scan {
+            collection,
+            name,
+            eq,
+            low,
+            high,
+            exclusive_low,
+            exclusive_high,
+            limit,
+            descending,
+            include_docs,
+            request_plus,
+        } => {
             let mut req = serde_json::json!({"descending": descending, "include_docs": include_docs});
             if !eq.is_empty() {
                 req["eq"] = json_values("eq", &eq)?.into();

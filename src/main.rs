@@ -1,6 +1,7 @@
 //! `shoal`: the server and the command-line tool. Only this crate knows the terminal.
 
 mod bench;
+mod bench_index;
 mod chart;
 mod cli;
 

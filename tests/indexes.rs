@@ -51,7 +51,8 @@ async fn scans_follow_every_change() {
     let (s, r) = post(&c, node.u("/v1/collections/o/indexes"), json!({"name": "by_user", "keys": ["user", "date"]})).await;
     assert_eq!(s, StatusCode::CREATED, "{r}");
     assert_eq!(r["keys"], json!(["user", "date"]));
-    let (s, _) = post(&c, node.u("/v1/collections/o/indexes"), json!({"name": "tags", "keys": ["tags[*]"], "where": "type = 'order'"})).await;
+    let (s, _) =
+        post(&c, node.u("/v1/collections/o/indexes"), json!({"name": "tags", "keys": ["tags[*]"], "where": "type = 'order'"})).await;
     assert_eq!(s, StatusCode::CREATED);
 
     // eq on a prefix, in key order with ties by document key.
@@ -104,7 +105,8 @@ async fn keys_of_every_json_type_sort_in_the_documented_order() {
     let node = Node::start(&["--partitions", "4"]);
     let c = node.client();
     c.put(node.u("/v1/collections/t")).send().await.unwrap();
-    let values = [json!(null), json!(false), json!(true), json!(-5), json!(2.5), json!(10), json!(""), json!("a"), json!([1]), json!({"a": 1})];
+    let values =
+        [json!(null), json!(false), json!(true), json!(-5), json!(2.5), json!(10), json!(""), json!("a"), json!([1]), json!({"a": 1})];
     for (i, v) in values.iter().enumerate().rev() {
         put_doc(&node, &c, "t", &format!("k{i}"), json!({ "v": v })).await;
     }
@@ -209,13 +211,25 @@ async fn bad_index_input() {
         ("POST", create, json!({"name": "_x", "keys": ["a"]}).to_string(), StatusCode::BAD_REQUEST, "bad_request"),
         ("POST", create, json!({"name": "x", "keys": ["a"], "where": "a = "}).to_string(), StatusCode::BAD_REQUEST, "query_error"),
         ("POST", create, json!({"name": "x", "keys": ["a"], "where": "f(a) = 1"}).to_string(), StatusCode::BAD_REQUEST, "query_error"),
-        ("POST", create, json!({"name": "x", "keys": ["a"], "where": "(".repeat(10_000)}).to_string(), StatusCode::BAD_REQUEST, "query_error"),
+        (
+            "POST",
+            create,
+            json!({"name": "x", "keys": ["a"], "where": "(".repeat(10_000)}).to_string(),
+            StatusCode::BAD_REQUEST,
+            "query_error",
+        ),
         ("POST", create, json!({"name": "a", "keys": ["a"]}).to_string(), StatusCode::CONFLICT, "index_exists"),
         ("POST", create, json!({"name": "x", "keys": ["a"], "extra": 1}).to_string(), StatusCode::BAD_REQUEST, "bad_request"),
         ("POST", create, json!({"name": "x", "keys": "a"}).to_string(), StatusCode::BAD_REQUEST, "bad_request"),
         ("POST", create, "{not json".to_string(), StatusCode::BAD_REQUEST, "invalid_json"),
         ("POST", create, "x".repeat(100_000), StatusCode::PAYLOAD_TOO_LARGE, "too_large"),
-        ("POST", "/v1/collections/nope/indexes", json!({"name": "x", "keys": ["a"]}).to_string(), StatusCode::NOT_FOUND, "collection_not_found"),
+        (
+            "POST",
+            "/v1/collections/nope/indexes",
+            json!({"name": "x", "keys": ["a"]}).to_string(),
+            StatusCode::NOT_FOUND,
+            "collection_not_found",
+        ),
         ("GET", "/v1/collections/nope/indexes", String::new(), StatusCode::NOT_FOUND, "collection_not_found"),
         ("POST", scan_a, json!({"eq": 1}).to_string(), StatusCode::BAD_REQUEST, "bad_request"),
         ("POST", scan_a, json!({"eq": [1, 2, 3]}).to_string(), StatusCode::BAD_REQUEST, "bad_request"),

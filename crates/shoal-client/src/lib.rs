@@ -263,6 +263,13 @@ impl Client {
         json(self.http.post(format!("{}/build", self.index_url(collection, name))).send().await?).await
     }
 
+    /// Builds several deferred indexes together (one read of the documents).
+    pub async fn build_indexes(&self, collection: &str, names: &[&str]) -> Result<serde_json::Value, ClientError> {
+        let req =
+            self.http.post(format!("{}/indexes/_build", self.collection_url(collection))).json(&serde_json::json!({ "names": names }));
+        json(req.send().await?).await
+    }
+
     pub async fn drop_index(&self, collection: &str, name: &str) -> Result<(), ClientError> {
         ok(self.http.delete(self.index_url(collection, name)).send().await?).await.map(|_| ())
     }

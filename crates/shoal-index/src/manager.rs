@@ -364,8 +364,40 @@ impl IndexManager {
 
     /// Starts building a deferred index (a no-op for one already building or ready).
     pub async fn build(&self, coll: &Collection, name: &str) -> Result<IndexStatus, IndexError> {
+        Ok(self.build_many(coll, &[name.to_string()]).await?.remove(0))
+    }
+
+    /// Starts building several deferred indexes together: the maintainer's next round
+    /// finds them all at the same position and feeds them from one read of the documents.
+    pub async fn build_many(&self, coll: &Collection, names: &[String]) -> Result<Vec<IndexStatus>, IndexError> {
         let _ddl = self.ddl.lock().await;
-        let index = self.find(coll, name)?;
+        let indexes = names.iter().map(|n| self.find(coll, n)).collect::<Result<Vec<_>, _>>()?;
+        if indexes.is_empty() {
+            return Err(IndexError::Invalid("no index names given".into()));
+        }
+        for index in &indexes {
+            self.persist_built(coll, index)?;
+        }
+        {
+            // Flipped under the lock that `active()` takes: the maintainer's next round
+            // sees all of them or none.
+            let colls = self.colls.lock();
+            let highs = coll.high_seqnos();
+            for index in &indexes {
+                if index.deferred.load(Ordering::Acquire) {
+                    *index.target.lock() = Some(highs.clone());
+                    index.deferred.store(false, Ordering::Release);
+                }
+            }
+            if let Some(e) = colls.get(&coll.id()) {
+                e.wake.notify_one();
+            }
+        }
+        Ok(indexes.iter().map(|i| i.status()).collect())
+    }
+
+    /// Records that a deferred index is to be built (so a restart keeps building it).
+    fn persist_built(&self, coll: &Collection, index: &Index) -> Result<(), IndexError> {
         if index.deferred.load(Ordering::Acquire) {
             let record = Record {
                 id: index.id,
@@ -375,13 +407,8 @@ impl IndexManager {
             };
             let json = serde_json::to_vec(&record).map_err(|e| IndexError::Corrupt(e.to_string()))?;
             self.meta.insert(def_key(index.id), json)?;
-            *index.target.lock() = Some(coll.high_seqnos());
-            index.deferred.store(false, Ordering::Release);
-            if let Some(e) = self.colls.lock().get(&coll.id()) {
-                e.wake.notify_one();
-            }
         }
-        Ok(index.status())
+        Ok(())
     }
 
     pub async fn drop_index(&self, coll: &Collection, name: &str) -> Result<(), IndexError> {

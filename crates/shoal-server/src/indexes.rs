@@ -77,6 +77,22 @@ pub async fn build(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuer
     Ok(json_response(StatusCode::OK, status_json(&status).to_string().into_bytes()))
 }
 
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BuildManyBody {
+    names: Vec<String>,
+}
+
+/// `POST .../indexes/_build {"names": [...]}`: builds several deferred indexes from one read.
+pub async fn build_many(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
+    extract::no_params(q.as_deref())?;
+    let coll = collection(&state, &uri)?;
+    let body = extract::body(body, INDEX_BODY_MAX_BYTES).await?;
+    let req: BuildManyBody = extract::json_body(&body)?;
+    let list: Vec<Value> = state.indexes.build_many(&coll, &req.names).await?.iter().map(status_json).collect();
+    Ok(json_response(StatusCode::OK, Value::Array(list).to_string().into_bytes()))
+}
+
 pub async fn drop(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
     let coll = collection(&state, &uri)?;

@@ -82,6 +82,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/collections/{c}/_bulk", post(docs::bulk))
         .route("/v1/collections/{c}/changes", get(changes::changes))
         .route("/v1/collections/{c}/indexes", get(indexes::list).post(indexes::create))
+        .route("/v1/collections/{c}/indexes/_build", post(indexes::build_many))
         .route("/v1/collections/{c}/indexes/{name}", axum::routing::delete(indexes::drop))
         .route("/v1/collections/{c}/indexes/{name}/build", post(indexes::build))
         .route("/v1/collections/{c}/indexes/{name}/scan", post(indexes::scan))

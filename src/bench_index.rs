@@ -1,0 +1,329 @@
+//! `shoal bench index`: seed 002's experiment. For each partition count a fresh node is
+//! started, 800,000 user records are loaded, two indexes are built together, then 50 and
+//! 100 concurrent "users" read all their documents through the user index.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use futures::StreamExt;
+use serde_json::json;
+use shoal_client::Client;
+
+use crate::cli::CliError;
+
+#[derive(Args)]
+pub struct IndexArgs {
+    /// Documents to load (seed 002: 800,000).
+    #[arg(long, default_value_t = 800_000)]
+    docs: usize,
+    /// Documents per user (seed 002: 2,200).
+    #[arg(long, default_value_t = 2200)]
+    per_user: usize,
+    /// Partition counts, one fresh node each.
+    #[arg(long, value_delimiter = ',', default_value = "16,64,256")]
+    partitions: Vec<u16>,
+    /// Concurrent users in the replication test.
+    #[arg(long, value_delimiter = ',', default_value = "50,100")]
+    users: Vec<usize>,
+    /// Index workers of the started nodes (default: one per core).
+    #[arg(long)]
+    index_workers: Option<usize>,
+    /// Seconds of the index-lag test at `--lag-rate` upserts/s (0: skip), on the last node.
+    #[arg(long, default_value_t = 10)]
+    lag_secs: u64,
+    #[arg(long, default_value_t = 5000)]
+    lag_rate: u64,
+    /// Where the table and chart go (nothing is written when empty).
+    #[arg(long, default_value = "bench/results")]
+    out_dir: PathBuf,
+}
+
+const TYPES: [&str; 5] = ["data_record", "contact", "task", "report", "person"];
+
+/// A record of seed 002's shape: ~300 bytes, belonging to a user.
+fn record(i: usize, per_user: usize) -> String {
+    let user = i / per_user.max(1);
+    let ty = TYPES[(i * 7 + user) % TYPES.len()];
+    let day = i % per_user.max(1);
+    json!({
+        "user_id": format!("user-{user:06}"),
+        "type": ty,
+        "reported_date": format!("2026-{:02}-{:02}T{:02}:{:02}:00Z", 1 + day / 200 % 12, 1 + day % 28, day % 24, i % 60),
+        "form": format!("form-{}", i % 17),
+        "fields": {"patient_id": format!("p-{}", i % 9973), "visited": i % 3 == 0, "score": i % 101, "note": "routine follow-up visit recorded"},
+        "contact": {"_id": format!("c-{}", user), "parent": {"_id": format!("hc-{}", user % 50)}},
+    })
+    .to_string()
+}
+
+struct Node {
+    child: Child,
+    dir: PathBuf,
+    url: String,
+}
+
+impl Node {
+    fn start(partitions: u16, workers: Option<usize>) -> Result<Node, CliError> {
+        use std::io::BufRead;
+        let dir = std::env::temp_dir().join(format!("shoal-bench-index-{}-{partitions}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let exe = std::env::current_exe()?;
+        let mut cmd = Command::new(exe);
+        cmd.args(["serve", "--listen", "127.0.0.1:0", "--partitions", &partitions.to_string(), "--data-path"]).arg(&dir);
+        if let Some(w) = workers {
+            cmd.args(["--index-workers", &w.to_string()]);
+        }
+        let mut child = cmd.env("SHOAL_LOG", "warn").stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn()?;
+        let stdout = child.stdout.take().ok_or_else(|| CliError::Usage("no stdout from shoal serve".into()))?;
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        let first = lines.next().transpose()?.unwrap_or_default();
+        let url = first.strip_prefix("shoal listening on ").ok_or_else(|| CliError::Usage(format!("server said {first:?}")))?.to_string();
+        std::thread::spawn(move || for _ in lines {});
+        Ok(Node { child, dir, url })
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        #[cfg(unix)]
+        // SAFETY: kill takes no pointers; the pid is our own child's.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+struct Row {
+    partitions: u16,
+    load_secs: f64,
+    build_secs: f64,
+    reads: Vec<(usize, f64)>,
+}
+
+pub async fn run(args: IndexArgs) -> Result<(), CliError> {
+    let mut rows = Vec::new();
+    let last = args.partitions.len().saturating_sub(1);
+    let mut lag = None;
+    for (n, &partitions) in args.partitions.iter().enumerate() {
+        let node = Node::start(partitions, args.index_workers)?;
+        let client = Client::new(&node.url)?;
+        client.create_collection("records", None).await?;
+        let load_secs = load(&client, args.docs, args.per_user).await?;
+        println!("partitions {partitions}: loaded {} docs in {load_secs:.2}s ({:.0} docs/s)", args.docs, args.docs as f64 / load_secs);
+        for (name, keys) in [("by_user", ["user_id", "reported_date"]), ("by_type", ["type", "reported_date"])] {
+            client.create_index("records", &json!({"name": name, "keys": keys, "defer_build": true})).await?;
+        }
+        let start = Instant::now();
+        client.build_indexes("records", &["by_user", "by_type"]).await?;
+        loop {
+            let list = client.list_indexes("records").await?;
+            if list.iter().all(|i| i["state"] == "ready") {
+                let items: Vec<u64> = list.iter().map(|i| i["items"].as_u64().unwrap_or(0)).collect();
+                if items.iter().any(|&n| n != args.docs as u64) {
+                    return Err(CliError::Usage(format!("index items {items:?}, expected {}", args.docs)));
+                }
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let build_secs = start.elapsed().as_secs_f64();
+        println!(
+            "partitions {partitions}: built 2 indexes together in {build_secs:.2}s ({:.0} docs/s per index)",
+            args.docs as f64 / build_secs
+        );
+        let mut reads = Vec::new();
+        for &users in &args.users {
+            let secs = replicate(&client, users, args.docs.div_ceil(args.per_user.max(1)), args.per_user).await?;
+            println!("partitions {partitions}: {users} users read all their documents in {secs:.3}s");
+            reads.push((users, secs));
+        }
+        rows.push(Row { partitions, load_secs, build_secs, reads });
+        if n == last && args.lag_secs > 0 {
+            lag = Some(index_lag(&client, args.lag_secs, args.lag_rate).await?);
+        }
+    }
+    report(&args, &rows, lag)
+}
+
+async fn load(client: &Client, docs: usize, per_user: usize) -> Result<f64, CliError> {
+    const BATCH: usize = 2000;
+    let start = Instant::now();
+    let mut stream = futures::stream::iter((0..docs.div_ceil(BATCH)).map(|b| {
+        let client = client.clone();
+        async move {
+            let mut chunk = String::with_capacity(BATCH * 400);
+            for i in b * BATCH..((b + 1) * BATCH).min(docs) {
+                chunk.push_str(&format!(r#"{{"op":"upsert","key":"rec-{i:08}","value":{}}}"#, record(i, per_user)));
+                chunk.push('\n');
+            }
+            let answer = client.bulk("records", chunk, false).await?;
+            if answer.windows(8).any(|w| w == b"\"error\":") {
+                return Err(CliError::Usage("bulk load reported errors".into()));
+            }
+            Ok::<_, CliError>(())
+        }
+    }))
+    .buffer_unordered(4);
+    while let Some(r) = stream.next().await {
+        r?;
+    }
+    Ok(start.elapsed().as_secs_f64())
+}
+
+/// Seed 002's replication test: `users` users at once, each reading all their documents
+/// (with bodies) through the user index. Seconds until the last one finishes.
+async fn replicate(client: &Client, users: usize, user_count: usize, per_user: usize) -> Result<f64, CliError> {
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..users)
+        .map(|u| {
+            let client = client.clone();
+            let user = format!("user-{:06}", (u * 7919) % user_count.max(1));
+            tokio::spawn(async move {
+                let answer =
+                    client.scan_index("records", "by_user", &json!({"eq": [user], "include_docs": true, "limit": per_user.max(1)})).await?;
+                let n = answer["rows"].as_array().map(Vec::len).unwrap_or(0);
+                Ok::<_, CliError>(n)
+            })
+        })
+        .collect();
+    for t in tasks {
+        let n = t.await.map_err(|e| CliError::Usage(format!("reader failed: {e}")))??;
+        if n == 0 {
+            return Err(CliError::Usage("a user read no documents".into()));
+        }
+    }
+    Ok(start.elapsed().as_secs_f64())
+}
+
+/// Index lag under `rate` upserts/s: a probe writes a new key value and polls a
+/// `not_bounded` scan until it shows; returns (p50, p99, max) in ms and the achieved rate.
+async fn index_lag(client: &Client, secs: u64, rate: u64) -> Result<(f64, f64, f64, f64), CliError> {
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let written = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    const WRITERS: u64 = 32;
+    let mut writers = Vec::new();
+    for w in 0..WRITERS {
+        let (client, stop, written) = (client.clone(), stop.clone(), written.clone());
+        let period = Duration::from_secs_f64(WRITERS as f64 / rate.max(1) as f64);
+        writers.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+            let mut i = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                tick.tick().await;
+                let key = format!("rec-{:08}", (w * 100_003 + i * 7) % 800_000);
+                let body = record((w * 1000 + i) as usize, 2200);
+                if client.put("records", &key, body, &Default::default()).await.is_ok() {
+                    written.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                i += 1;
+            }
+        }));
+    }
+    let start = Instant::now();
+    let mut lags = Vec::new();
+    let mut seq = 0u64;
+    while start.elapsed() < Duration::from_secs(secs) {
+        seq += 1;
+        let marker = format!("probe-{seq:08}");
+        let doc = json!({"user_id": "lag-probe", "reported_date": marker, "type": "probe"}).to_string();
+        client.put("records", "lag-probe", doc, &Default::default()).await?;
+        let t = Instant::now();
+        loop {
+            let answer = client.scan_index("records", "by_user", &json!({"eq": ["lag-probe", marker]})).await?;
+            if answer["rows"].as_array().is_some_and(|r| !r.is_empty()) {
+                break;
+            }
+            if t.elapsed() > Duration::from_secs(10) {
+                return Err(CliError::Usage("a write did not reach the index within 10 s".into()));
+            }
+            tokio::time::sleep(Duration::from_micros(500)).await;
+        }
+        lags.push(t.elapsed().as_secs_f64() * 1000.0);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for w in writers {
+        let _ = w.await;
+    }
+    let achieved = written.load(std::sync::atomic::Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64();
+    lags.sort_by(f64::total_cmp);
+    let pct = |p: f64| lags.get(((lags.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0);
+    println!(
+        "index lag under {achieved:.0} upserts/s: {} probes, p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        lags.len(),
+        pct(0.5),
+        pct(0.99),
+        pct(1.0)
+    );
+    Ok((pct(0.5), pct(0.99), pct(1.0), achieved))
+}
+
+fn report(args: &IndexArgs, rows: &[Row], lag: Option<(f64, f64, f64, f64)>) -> Result<(), CliError> {
+    let mut table = String::new();
+    let mut header = "| partitions | load (s) | build 2 indexes (s) | docs/s per index |".to_string();
+    let mut rule = "|---|---|---|---|".to_string();
+    for &u in &args.users {
+        header.push_str(&format!(" read {u} users (s) |"));
+        rule.push_str("---|");
+    }
+    table.push_str(&header);
+    table.push('\n');
+    table.push_str(&rule);
+    table.push('\n');
+    for r in rows {
+        table.push_str(&format!(
+            "| {} | {:.2} | {:.2} | {:.0} |",
+            r.partitions,
+            r.load_secs,
+            r.build_secs,
+            args.docs as f64 / r.build_secs
+        ));
+        for (_, s) in &r.reads {
+            table.push_str(&format!(" {s:.3} |"));
+        }
+        table.push('\n');
+    }
+    let spread = |values: Vec<f64>| {
+        let (lo, hi) = values.iter().fold((f64::MAX, 0f64), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+        if lo > 0.0 && lo < f64::MAX {
+            (hi / lo - 1.0) * 100.0
+        } else {
+            0.0
+        }
+    };
+    table.push_str(&format!("\nspread (max/min − 1): build {:.1} %", spread(rows.iter().map(|r| r.build_secs).collect())));
+    for (i, u) in args.users.iter().enumerate() {
+        table.push_str(&format!(", read {u} users {:.1} %", spread(rows.iter().filter_map(|r| r.reads.get(i).map(|x| x.1)).collect())));
+    }
+    table.push('\n');
+    if let Some((p50, p99, max, rate)) = lag {
+        table.push_str(&format!("index lag under {rate:.0} upserts/s: p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms\n"));
+    }
+    println!("\n{table}");
+    if args.out_dir.as_os_str().is_empty() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(&args.out_dir)?;
+    std::fs::write(args.out_dir.join("index-seed002.md"), &table)?;
+    let mut series = vec![crate::chart::Series {
+        name: "build 2 indexes".into(),
+        points: rows.iter().map(|r| (f64::from(r.partitions), r.build_secs)).collect(),
+    }];
+    for (i, u) in args.users.iter().enumerate() {
+        series.push(crate::chart::Series {
+            name: format!("read, {u} users"),
+            points: rows.iter().filter_map(|r| r.reads.get(i).map(|x| (f64::from(r.partitions), x.1))).collect(),
+        });
+    }
+    let png = args.out_dir.join("index-seed002.png");
+    match crate::chart::line_chart(&png, "Seed 002 on Shoal: partitions vs build and read time", "partitions", "seconds", &series, true) {
+        Ok(()) => println!("wrote {} and {}", args.out_dir.join("index-seed002.md").display(), png.display()),
+        Err(e) => println!("chart not drawn: {e}"),
+    }
+    Ok(())
+}
