@@ -280,3 +280,48 @@ fn cli_creates_builds_and_scans() {
     assert!(!ok && err.contains("not JSON"), "{err}");
     assert!(node.cli(&["index", "drop", "k", "by_u"]).0);
 }
+
+#[tokio::test]
+async fn a_build_racing_updates_ends_with_exactly_the_final_documents() {
+    let node = Node::start(&["--partitions", "4", "--index-workers", "2"]);
+    let c = node.client();
+    c.put(node.u("/v1/collections/race")).send().await.unwrap();
+    let mut lines = String::new();
+    for i in 0..5000 {
+        lines.push_str(&format!("{{\"op\":\"upsert\",\"key\":\"d{i}\",\"value\":{{\"v\":{i}}}}}\n"));
+    }
+    let r = c.post(node.u("/v1/collections/race/_bulk")).body(lines).send().await.unwrap();
+    assert!(r.status().is_success());
+    post(&c, node.u("/v1/collections/race/indexes"), json!({"name": "v", "keys": ["v"]})).await;
+    // While the build runs: move some documents' keys, delete others, re-add a few.
+    for i in (0..5000).step_by(7) {
+        put_doc(&node, &c, "race", &format!("d{i}"), json!({"v": 100_000 + i})).await;
+    }
+    for i in (0..5000).step_by(11) {
+        c.delete(node.u(&format!("/v1/collections/race/docs/d{i}"))).send().await.unwrap();
+    }
+    for i in (0..5000).step_by(22) {
+        put_doc(&node, &c, "race", &format!("d{i}"), json!({"v": -i})).await;
+    }
+    let mut expected: Vec<(i64, String)> = (0..5000i64)
+        .filter_map(|i| {
+            let v = if i % 22 == 0 {
+                -i
+            } else if i % 11 == 0 {
+                return None;
+            } else if i % 7 == 0 {
+                100_000 + i
+            } else {
+                i
+            };
+            Some((v, format!("d{i}")))
+        })
+        .collect();
+    expected.sort();
+    let rows = scan(&node, &c, "race", "v", json!({})).await;
+    let got: Vec<(i64, String)> = rows.iter().map(|(k, id)| (k[0].as_i64().unwrap(), id.clone())).collect();
+    assert_eq!(got.len(), expected.len());
+    assert_eq!(got, expected);
+    let (_, list) = send(&c, reqwest::Method::GET, node.u("/v1/collections/race/indexes"), None).await;
+    assert_eq!(list[0]["items"], json!(expected.len()));
+}

@@ -114,6 +114,11 @@ struct Index {
     target: Mutex<Option<Vec<SeqNo>>>,
     /// Bumped whenever cursors move (request_plus waits on it).
     progress: watch::Sender<u64>,
+    /// While building: per partition that was empty when the build reached it, the hashes
+    /// of the document keys indexed since. A key not in the set has no back entry, so the
+    /// back-index read is skipped (a hash collision only costs that read). Dropped when
+    /// the index is ready.
+    fresh: Mutex<Vec<Option<std::collections::HashSet<u64>>>>,
 }
 
 impl Index {
@@ -300,6 +305,7 @@ impl IndexManager {
             items,
             target: Mutex::new(Some(coll.high_seqnos())),
             progress: watch::channel(0).0,
+            fresh: Mutex::new(vec![None; n]),
         }))
     }
 
@@ -651,6 +657,7 @@ fn run_round(mgr: &IndexManager, coll: &Collection, active: &[Arc<Index>]) -> Re
         let done = index.target.lock().as_ref().is_some_and(|t| index.caught_up(t));
         if done {
             *index.target.lock() = None;
+            index.fresh.lock().iter_mut().for_each(|f| *f = None);
             index.progress.send_modify(|v| *v += 1);
             tracing::info!(index = %index.def.name, "index ready");
         }
@@ -706,6 +713,14 @@ fn apply(mgr: &IndexManager, active: &[Arc<Index>], p: PartitionId, changes: &[C
             continue;
         }
         let cursor = index.cursors.lock()[pi].seqno;
+        let mut fresh = {
+            let building = index.target.lock().is_some();
+            let mut sets = index.fresh.lock();
+            if building && sets[pi].is_none() && index.items[pi].load(Ordering::Relaxed) == 0 {
+                sets[pi] = Some(std::collections::HashSet::new());
+            }
+            sets[pi].take()
+        };
         let mut delta = 0i64;
         let mut pending: HashMap<&[u8], &Vec<Vec<u8>>> = HashMap::new();
         for (c, per_index) in changes.iter().zip(&computed) {
@@ -713,13 +728,20 @@ fn apply(mgr: &IndexManager, active: &[Arc<Index>], p: PartitionId, changes: &[C
                 continue;
             }
             let new = &per_index[k];
+            let hash = fresh.as_ref().map(|_| xxhash_rust::xxh3::xxh3_64(&c.key));
             let old: Vec<Vec<u8>> = match pending.get(c.key.as_ref()) {
                 Some(v) => (*v).clone(),
+                None if fresh.as_ref().zip(hash).is_some_and(|(f, h)| !f.contains(&h)) => Vec::new(),
                 None => match index.back.get(&c.key)? {
                     Some(v) => decode_list(&v)?,
                     None => Vec::new(),
                 },
             };
+            if let (Some(f), Some(h)) = (fresh.as_mut(), hash) {
+                if !new.is_empty() {
+                    f.insert(h);
+                }
+            }
             if &old == new {
                 continue;
             }
@@ -740,10 +762,13 @@ fn apply(mgr: &IndexManager, active: &[Arc<Index>], p: PartitionId, changes: &[C
         }
         let items = index.items[pi].load(Ordering::Relaxed) + delta;
         batch.insert(&mgr.meta, cursor_key(index.id, p), encode_cursor(pos, items));
-        staged.push((index, items));
+        staged.push((index, items, fresh));
     }
     batch.commit()?;
-    for (index, items) in staged {
+    for (index, items, fresh) in staged {
+        if index.target.lock().is_some() {
+            index.fresh.lock()[pi] = fresh;
+        }
         index.cursors.lock()[pi] = pos;
         index.items[pi].store(items, Ordering::Relaxed);
         index.progress.send_modify(|v| *v += 1);
