@@ -55,7 +55,7 @@ fn record(i: usize, per_user: usize) -> String {
         "type": ty,
         "reported_date": format!("2026-{:02}-{:02}T{:02}:{:02}:00Z", 1 + day / 200 % 12, 1 + day % 28, day % 24, i % 60),
         "form": format!("form-{}", i % 17),
-        "fields": {"patient_id": format!("p-{}", i % 9973), "visited": i % 3 == 0, "score": i % 101, "note": "routine follow-up visit recorded"},
+        "fields": {"patient_id": format!("p-{}", i % 9973), "visited": i.is_multiple_of(3), "score": i % 101, "note": "routine follow-up visit recorded"},
         "contact": {"_id": format!("c-{}", user), "parent": {"_id": format!("hc-{}", user % 50)}},
     })
     .to_string()
