@@ -325,3 +325,41 @@ async fn a_build_racing_updates_ends_with_exactly_the_final_documents() {
     let (_, list) = send(&c, reqwest::Method::GET, node.u("/v1/collections/race/indexes"), None).await;
     assert_eq!(list[0]["items"], json!(expected.len()));
 }
+
+#[tokio::test]
+async fn a_build_interrupted_by_a_restart_resumes_where_it_stopped() {
+    const DOCS: usize = 100_000;
+    let mut node = Node::start(&["--partitions", "16", "--index-workers", "1"]);
+    let c = node.client();
+    c.put(node.u("/v1/collections/big")).send().await.unwrap();
+    for chunk in (0..DOCS).collect::<Vec<_>>().chunks(10_000) {
+        let lines: String = chunk
+            .iter()
+            .map(|i| format!("{{\"op\":\"upsert\",\"key\":\"d{i:06}\",\"value\":{{\"v\":{i},\"pad\":\"{}\"}}}}\n", "x".repeat(64)))
+            .collect();
+        let r = c.post(node.u("/v1/collections/big/_bulk")).body(lines).send().await.unwrap();
+        assert!(r.status().is_success());
+    }
+    post(&c, node.u("/v1/collections/big/indexes"), json!({"name": "v", "keys": ["v"]})).await;
+    // Stop the node part-way through the build.
+    let progress_of = |list: &Value| list[0]["progress"].as_f64().unwrap();
+    let before = loop {
+        let (_, list) = send(&c, reqwest::Method::GET, node.u("/v1/collections/big/indexes"), None).await;
+        let p = progress_of(&list);
+        assert!(p < 1.0, "the build finished before it could be interrupted; raise DOCS");
+        if p > 0.1 {
+            break p;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert!(node.stop());
+    node.restart();
+    let c = node.client();
+    let (_, list) = send(&c, reqwest::Method::GET, node.u("/v1/collections/big/indexes"), None).await;
+    let after = progress_of(&list);
+    eprintln!("build progress {before:.3} before the restart, {after:.3} after");
+    assert!(after >= before, "progress went from {before} back to {after}: the build started over");
+    let rows = scan(&node, &c, "big", "v", json!({"range": {"low": [0]}, "limit": 100_000})).await;
+    assert_eq!(rows.len(), DOCS);
+    assert!(rows.windows(2).all(|w| w[0].0[0].as_i64() < w[1].0[0].as_i64()));
+}
