@@ -39,8 +39,6 @@ pub enum IndexError {
     NotReady { name: String, state: &'static str, progress: f64 },
     #[error("the index did not catch up within the timeout")]
     Timeout,
-    #[error("collection dropped")]
-    CollectionDropped,
     #[error("index storage: {0}")]
     Engine(#[from] fjall::Error),
     #[error("index storage is corrupt: {0}")]

@@ -364,10 +364,6 @@ impl IndexManager {
         out
     }
 
-    pub fn status(&self, coll: &Collection, name: &str) -> Result<IndexStatus, IndexError> {
-        Ok(self.find(coll, name)?.status())
-    }
-
     /// Starts building a deferred index (a no-op for one already building or ready).
     pub async fn build(&self, coll: &Collection, name: &str) -> Result<IndexStatus, IndexError> {
         Ok(self.build_many(coll, &[name.to_string()]).await?.remove(0))
@@ -503,7 +499,7 @@ impl IndexManager {
             .map_err(|e| IndexError::Corrupt(format!("scan task: {e}")))?
     }
 
-    /// Keys of indexes per collection that are not deferred, for the maintainer.
+    /// The collection's indexes that are not deferred (`None` once it has no entry).
     fn active(&self, collection_id: u32) -> Option<Vec<Arc<Index>>> {
         self.colls.lock().get(&collection_id).map(|e| e.indexes.iter().filter(|i| !i.deferred.load(Ordering::Acquire)).cloned().collect())
     }
@@ -620,10 +616,10 @@ async fn maintain(mgr: Arc<IndexManager>, coll: Arc<Collection>, wake: Arc<Notif
         if !active.is_empty() {
             let (tx, rx) = tokio::sync::oneshot::channel();
             let (c, r) = (Arc::clone(&coll), Arc::clone(&round));
-            let store = Arc::clone(&mgr);
+            let m = Arc::clone(&mgr);
             mgr.pool.spawn(move || {
                 let _round = r.lock();
-                let _ = tx.send(run_round(&store, &c, &active));
+                let _ = tx.send(run_round(&m, &c, &active));
             });
             match rx.await {
                 Ok(Ok(p)) => progressed = p,

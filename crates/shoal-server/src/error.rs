@@ -1,7 +1,8 @@
-//! API errors: the one place where storage errors become API.md codes and HTTP statuses.
+//! API errors: the one place where storage and index errors become API.md codes and HTTP statuses.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use shoal_index::IndexError;
 use shoal_storage::{ChangesError, CollectionError, ReadError, WriteError};
 
 /// An error as clients see it: `{"error": CODE, "reason": "..."}` with an HTTP status.
@@ -115,6 +116,22 @@ impl From<ChangesError> for ApiError {
             ChangesError::InvalidToken(_) => ApiError::bad_request(reason),
             ChangesError::CollectionDropped => ApiError::new(StatusCode::NOT_FOUND, "collection_not_found", reason),
             ChangesError::Engine(_) | ChangesError::Corrupt => ApiError::internal(reason),
+        }
+    }
+}
+
+impl From<IndexError> for ApiError {
+    fn from(e: IndexError) -> Self {
+        let reason = e.to_string();
+        match e {
+            IndexError::NotFound(_) => ApiError::new(StatusCode::NOT_FOUND, "index_not_found", reason),
+            IndexError::Exists(_) => ApiError::new(StatusCode::CONFLICT, "index_exists", reason),
+            IndexError::Invalid(_) => ApiError::bad_request(reason),
+            IndexError::Filter(_) => ApiError::new(StatusCode::BAD_REQUEST, "query_error", reason),
+            IndexError::NotReady { .. } => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", reason),
+            IndexError::Timeout => ApiError::new(StatusCode::GATEWAY_TIMEOUT, "timeout", reason),
+            IndexError::Changes(ChangesError::CollectionDropped) => ApiError::new(StatusCode::NOT_FOUND, "collection_not_found", reason),
+            IndexError::Engine(_) | IndexError::Corrupt(_) | IndexError::Changes(_) => ApiError::internal(reason),
         }
     }
 }

@@ -8,7 +8,8 @@ use axum::http::{StatusCode, Uri};
 use axum::response::Response;
 use serde::Deserialize;
 use serde_json::Value;
-use shoal_index::{Consistency, IndexDef, IndexError, IndexStatus, ScanBounds, ScanRequest, SCAN_ROWS_MAX};
+use shoal_index::{Consistency, IndexDef, IndexStatus, ScanBounds, ScanRequest, ScanRow, SCAN_ROWS_MAX};
+use shoal_storage::Collection;
 
 use crate::docs::{collection, json_response};
 use crate::error::ApiError;
@@ -20,24 +21,6 @@ const INDEX_BODY_MAX_BYTES: usize = 64 * 1024;
 /// How long a `request_plus` scan waits by default, and at most.
 const SCAN_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
 const SCAN_TIMEOUT_MAX: Duration = Duration::from_secs(300);
-
-impl From<IndexError> for ApiError {
-    fn from(e: IndexError) -> Self {
-        let reason = e.to_string();
-        match e {
-            IndexError::NotFound(_) => ApiError::new(StatusCode::NOT_FOUND, "index_not_found", reason),
-            IndexError::Exists(_) => ApiError::new(StatusCode::CONFLICT, "index_exists", reason),
-            IndexError::Invalid(_) => ApiError::bad_request(reason),
-            IndexError::Filter(_) => ApiError::new(StatusCode::BAD_REQUEST, "query_error", reason),
-            IndexError::NotReady { .. } => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", reason),
-            IndexError::Timeout => ApiError::new(StatusCode::GATEWAY_TIMEOUT, "timeout", reason),
-            IndexError::CollectionDropped | IndexError::Changes(shoal_storage::ChangesError::CollectionDropped) => {
-                ApiError::new(StatusCode::NOT_FOUND, "collection_not_found", reason)
-            }
-            IndexError::Engine(_) | IndexError::Corrupt(_) | IndexError::Changes(_) => ApiError::internal(reason),
-        }
-    }
-}
 
 fn status_json(s: &IndexStatus) -> Value {
     serde_json::json!({
@@ -115,7 +98,7 @@ fn yes() -> bool {
     true
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ScanBody {
     eq: Option<Vec<Value>>,
@@ -134,11 +117,7 @@ pub async fn scan(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery
     let coll = collection(&state, &uri)?;
     let name = index_name(&uri)?;
     let body = extract::body(body, INDEX_BODY_MAX_BYTES).await?;
-    let req: ScanBody = if body.iter().all(u8::is_ascii_whitespace) {
-        serde_json::from_str("{}").map_err(|e| ApiError::internal(e.to_string()))?
-    } else {
-        extract::json_body(&body)?
-    };
+    let req: ScanBody = if body.iter().all(u8::is_ascii_whitespace) { ScanBody::default() } else { extract::json_body(&body)? };
     let bounds = match (req.eq, req.range) {
         (Some(_), Some(_)) => return Err(ApiError::bad_request("give `eq` or `range`, not both")),
         (Some(eq), None) => ScanBounds::Eq(eq),
@@ -156,19 +135,19 @@ pub async fn scan(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery
     }
     let scan = ScanRequest { bounds, limit: req.limit.unwrap_or(SCAN_ROWS_MAX), descending: req.descending, consistency, timeout };
     let rows = state.indexes.scan(&coll, &name, scan).await?;
-    // Rows are written straight into the answer; documents (already validated JSON) are
-    // copied in as they are stored.
+    // Documents are read off the I/O threads: a scan may return up to SCAN_ROWS_MAX of them.
+    let include_docs = req.include_docs;
+    let out = tokio::task::spawn_blocking(move || write_rows(&coll, &rows, include_docs))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))??;
+    Ok(json_response(StatusCode::OK, out))
+}
+
+/// The scan answer, written straight into bytes; documents (validated JSON) are copied in
+/// as stored, `null` for one removed since the scan.
+fn write_rows(coll: &Collection, rows: &[ScanRow], include_docs: bool) -> Result<Vec<u8>, ApiError> {
     let mut out = Vec::with_capacity(64 + rows.len() * 48);
     out.extend_from_slice(b"{\"rows\":[");
-    let docs = if req.include_docs {
-        let coll = coll.clone();
-        let ids: Vec<String> = rows.iter().map(|r| r.id.clone()).collect();
-        tokio::task::spawn_blocking(move || ids.iter().map(|id| coll.get(id).ok().map(|d| d.value)).collect::<Vec<_>>())
-            .await
-            .map_err(|e| ApiError::internal(e.to_string()))?
-    } else {
-        Vec::new()
-    };
     for (i, row) in rows.iter().enumerate() {
         if i > 0 {
             out.push(b',');
@@ -177,15 +156,15 @@ pub async fn scan(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery
         serde_json::to_writer(&mut out, &row.key).map_err(|e| ApiError::internal(e.to_string()))?;
         out.extend_from_slice(b",\"id\":");
         serde_json::to_writer(&mut out, &row.id).map_err(|e| ApiError::internal(e.to_string()))?;
-        if req.include_docs {
+        if include_docs {
             out.extend_from_slice(b",\"doc\":");
-            match docs.get(i).and_then(|d| d.as_ref()) {
-                Some(d) => out.extend_from_slice(d),
-                None => out.extend_from_slice(b"null"),
+            match coll.get(&row.id) {
+                Ok(d) => out.extend_from_slice(&d.value),
+                Err(_) => out.extend_from_slice(b"null"),
             }
         }
         out.push(b'}');
     }
     out.extend_from_slice(b"]}");
-    Ok(json_response(StatusCode::OK, out))
+    Ok(out)
 }
