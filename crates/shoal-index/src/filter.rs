@@ -9,6 +9,9 @@
 //! Logic is SQL's three-valued logic: a comparison with a missing field, or between values
 //! of different JSON types, is unknown; a document is indexed only if the filter is true.
 
+use std::borrow::Cow;
+use std::cmp::Ordering;
+
 use serde_json::Value;
 use shoal_json::path::Segment;
 use sqlparser::ast::{BinaryOperator, Expr, UnaryOperator, Value as SqlValue};
@@ -86,15 +89,15 @@ impl Filter {
             },
             Filter::Not(a) => a.truth(doc).map(|t| !t),
             Filter::IsNull(a, negated) => {
-                let is_null = matches!(a.value(doc), None | Some(Value::Null));
+                let is_null = matches!(a.value(doc).as_deref(), None | Some(Value::Null));
                 Some(is_null != *negated)
             }
-            Filter::Cmp(a, op, b) => compare(a.value(doc).as_ref(), *op, b.value(doc).as_ref()),
+            Filter::Cmp(a, op, b) => compare(a.value(doc).as_deref(), *op, b.value(doc).as_deref()),
             Filter::In(a, list, negated) => {
                 let v = a.value(doc)?;
                 let mut unknown = false;
                 for item in list {
-                    match compare(Some(&v), Cmp::Eq, item.value(doc).as_ref()) {
+                    match compare(Some(&v), Cmp::Eq, item.value(doc).as_deref()) {
                         Some(true) => return Some(!negated),
                         None => unknown = true,
                         Some(false) => {}
@@ -106,47 +109,47 @@ impl Filter {
                     Some(*negated)
                 }
             }
-            Filter::Like(a, pattern, negated) => match (a.value(doc), pattern.value(doc)) {
+            Filter::Like(a, pattern, negated) => match (a.value(doc).as_deref(), pattern.value(doc).as_deref()) {
                 (Some(Value::String(s)), Some(Value::String(p))) => Some(like(s.as_bytes(), p.as_bytes()) != *negated),
                 _ => None,
             },
-            Filter::Field(_) | Filter::Literal(_) | Filter::Neg(_) => match self.value(doc) {
-                Some(Value::Bool(b)) => Some(b),
+            Filter::Field(_) | Filter::Literal(_) | Filter::Neg(_) => match self.value(doc).as_deref() {
+                Some(Value::Bool(b)) => Some(*b),
                 _ => None,
             },
         }
     }
 
-    fn value(&self, doc: &Value) -> Option<Value> {
+    /// The value of an operand: borrowed from the document or the filter where possible.
+    fn value<'a>(&'a self, doc: &'a Value) -> Option<Cow<'a, Value>> {
         match self {
-            Filter::Field(path) => shoal_json::subdoc::navigate(doc, path).ok().cloned(),
-            Filter::Literal(v) => Some(v.clone()),
-            Filter::Neg(a) => match a.value(doc)? {
+            Filter::Field(path) => shoal_json::subdoc::navigate(doc, path).ok().map(Cow::Borrowed),
+            Filter::Literal(v) => Some(Cow::Borrowed(v)),
+            Filter::Neg(a) => match a.value(doc)?.as_ref() {
                 Value::Number(n) => match n.as_i64() {
-                    Some(i) => i.checked_neg().map(Value::from),
-                    None => n.as_f64().and_then(|f| serde_json::Number::from_f64(-f)).map(Value::Number),
+                    Some(i) => i.checked_neg().map(|i| Cow::Owned(Value::from(i))),
+                    None => n.as_f64().and_then(|f| serde_json::Number::from_f64(-f)).map(|n| Cow::Owned(Value::Number(n))),
                 },
                 _ => None,
             },
-            other => other.truth(doc).map(Value::Bool),
+            other => other.truth(doc).map(|b| Cow::Owned(Value::Bool(b))),
         }
     }
 }
 
 fn compare(a: Option<&Value>, op: Cmp, b: Option<&Value>) -> Option<bool> {
     let (a, b) = (a?, b?);
-    let same_type = matches!(
-        (a, b),
-        (Value::Number(_), Value::Number(_))
-            | (Value::String(_), Value::String(_))
-            | (Value::Bool(_), Value::Bool(_))
-            | (Value::Array(_), Value::Array(_))
-            | (Value::Object(_), Value::Object(_))
-    );
-    if !same_type || a.is_null() {
-        return None;
-    }
-    let o = keycode::compare(a, b);
+    // Scalars compare directly (the same order as their index encodings); arrays and
+    // objects by their encodings. Values of different types are not comparable.
+    let o = match (a, b) {
+        (Value::Number(x), Value::Number(y)) => {
+            x.as_f64().unwrap_or(0.0).partial_cmp(&y.as_f64().unwrap_or(0.0)).unwrap_or(Ordering::Equal)
+        }
+        (Value::String(x), Value::String(y)) => x.cmp(y),
+        (Value::Bool(x), Value::Bool(y)) => x.cmp(y),
+        (Value::Array(_), Value::Array(_)) | (Value::Object(_), Value::Object(_)) => keycode::compare(a, b),
+        _ => return None,
+    };
     Some(match op {
         Cmp::Eq => o.is_eq(),
         Cmp::Ne => o.is_ne(),
