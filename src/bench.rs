@@ -280,7 +280,8 @@ async fn drive_until(
     Ok(report)
 }
 
-fn percentile(sorted: &[u32], p: f64) -> f64 {
+/// The `p` quantile of sorted microsecond latencies, in milliseconds.
+pub(crate) fn percentile(sorted: &[u32], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }
@@ -311,6 +312,48 @@ fn print_report(op: &str, r: &RunReport, json: bool) {
 }
 
 /// A generated document of about 200 bytes.
+/// How [`bulk_upsert`] sends: documents per `_bulk` request, requests in flight, durability.
+pub(crate) struct BulkPlan {
+    pub batch: usize,
+    pub concurrency: usize,
+    pub persist: bool,
+}
+
+/// Upserts documents `0..docs` through `_bulk` as `{key_prefix}{i:08}` → `doc(i)`.
+/// Returns (sent, failed).
+pub(crate) async fn bulk_upsert(
+    client: &Client,
+    collection: &str,
+    docs: usize,
+    plan: &BulkPlan,
+    key_prefix: &str,
+    doc: impl Fn(usize) -> String,
+) -> Result<(u64, u64), CliError> {
+    let (doc, batch, persist) = (&doc, plan.batch, plan.persist);
+    let mut stream = futures::stream::iter((0..docs.div_ceil(batch.max(1))).map(|b| {
+        let client = client.clone();
+        let (from, to) = (b * batch, ((b + 1) * batch).min(docs));
+        async move {
+            let mut chunk = String::with_capacity((to - from) * 400);
+            for i in from..to {
+                chunk.push_str(&format!(r#"{{"op":"upsert","key":"{key_prefix}{i:08}","value":{}}}"#, doc(i)));
+                chunk.push('\n');
+            }
+            let answer = client.bulk(collection, chunk, persist).await?;
+            let failed = answer.split(|&b| b == b'\n').filter(|l| l.windows(8).any(|w| w == b"\"error\":")).count();
+            Ok::<_, CliError>(((to - from) as u64, failed as u64))
+        }
+    }))
+    .buffer_unordered(plan.concurrency.max(1));
+    let (mut sent, mut failed) = (0u64, 0u64);
+    while let Some(r) = stream.next().await {
+        let (n, f) = r?;
+        sent += n;
+        failed += f;
+    }
+    Ok((sent, failed))
+}
+
 fn load_document(i: usize) -> String {
     format!(
         r#"{{"id":{i},"name":"user-{i:08}","email":"user{i}@example.com","group":{},"active":{},"score":{}.5,"tags":["alpha","beta"],"note":"generated for the shoal load benchmark"}}"#,
@@ -326,7 +369,6 @@ async fn load(url: &str, args: LoadArgs) -> Result<(), CliError> {
     }
     let client = Client::new(url)?;
     ensure_collection(&client, &args.collection).await?;
-    let batches = args.docs.div_ceil(args.batch);
     let peak = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let sampler = {
         let (client, peak) = (client.clone(), peak.clone());
@@ -341,29 +383,10 @@ async fn load(url: &str, args: LoadArgs) -> Result<(), CliError> {
         })
     };
     let start = Instant::now();
-    let mut stream = futures::stream::iter((0..batches).map(|b| {
-        let client = client.clone();
-        let collection = args.collection.clone();
-        let (from, to) = (b * args.batch, ((b + 1) * args.batch).min(args.docs));
-        let persist = args.persist;
-        async move {
-            let mut chunk = String::with_capacity((to - from) * 260);
-            for i in from..to {
-                chunk.push_str(&format!(r#"{{"op":"upsert","key":"doc-{i:08}","value":{}}}"#, load_document(i)));
-                chunk.push('\n');
-            }
-            let answer = client.bulk(&collection, chunk, persist).await?;
-            let failed = answer.split(|&b| b == b'\n').filter(|l| l.windows(8).any(|w| w == b"\"error\":")).count();
-            Ok::<_, CliError>(((to - from) as u64, failed as u64))
-        }
-    }))
-    .buffer_unordered(args.concurrency);
-    let (mut sent, mut failed) = (0u64, 0u64);
-    while let Some(r) = stream.next().await {
-        let (n, f) = r?;
-        sent += n;
-        failed += f;
-    }
+    let (sent, failed) = {
+        let plan = BulkPlan { batch: args.batch, concurrency: args.concurrency, persist: args.persist };
+        bulk_upsert(&client, &args.collection, args.docs, &plan, "doc-", load_document).await?
+    };
     let secs = start.elapsed().as_secs_f64();
     sampler.abort();
     let node = client.node().await?;

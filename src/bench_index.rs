@@ -7,7 +7,6 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use futures::StreamExt;
 use serde_json::json;
 use shoal_client::Client;
 
@@ -160,26 +159,13 @@ pub async fn run(args: IndexArgs) -> Result<(), CliError> {
 }
 
 async fn load(client: &Client, docs: usize, per_user: usize) -> Result<f64, CliError> {
-    const BATCH: usize = 2000;
     let start = Instant::now();
-    let mut stream = futures::stream::iter((0..docs.div_ceil(BATCH)).map(|b| {
-        let client = client.clone();
-        async move {
-            let mut chunk = String::with_capacity(BATCH * 400);
-            for i in b * BATCH..((b + 1) * BATCH).min(docs) {
-                chunk.push_str(&format!(r#"{{"op":"upsert","key":"rec-{i:08}","value":{}}}"#, record(i, per_user)));
-                chunk.push('\n');
-            }
-            let answer = client.bulk("records", chunk, false).await?;
-            if answer.windows(8).any(|w| w == b"\"error\":") {
-                return Err(CliError::Usage("bulk load reported errors".into()));
-            }
-            Ok::<_, CliError>(())
-        }
-    }))
-    .buffer_unordered(4);
-    while let Some(r) = stream.next().await {
-        r?;
+    let (_, failed) = {
+        let plan = crate::bench::BulkPlan { batch: 2000, concurrency: 4, persist: false };
+        crate::bench::bulk_upsert(client, "records", docs, &plan, "rec-", |i| record(i, per_user)).await?
+    };
+    if failed > 0 {
+        return Err(CliError::Usage(format!("bulk load reported {failed} errors")));
     }
     Ok(start.elapsed().as_secs_f64())
 }
@@ -253,7 +239,7 @@ async fn index_lag(client: &Client, secs: u64, rate: u64) -> Result<(f64, f64, f
             }
             tokio::time::sleep(Duration::from_micros(500)).await;
         }
-        lags.push(t.elapsed().as_secs_f64() * 1000.0);
+        lags.push(t.elapsed().as_micros().min(u128::from(u32::MAX)) as u32);
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -261,8 +247,8 @@ async fn index_lag(client: &Client, secs: u64, rate: u64) -> Result<(f64, f64, f
         let _ = w.await;
     }
     let achieved = written.load(std::sync::atomic::Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64();
-    lags.sort_by(f64::total_cmp);
-    let pct = |p: f64| lags.get(((lags.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0);
+    lags.sort_unstable();
+    let pct = |p: f64| crate::bench::percentile(&lags, p);
     println!(
         "index lag under {achieved:.0} upserts/s: {} probes, p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
         lags.len(),
