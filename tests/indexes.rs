@@ -204,6 +204,7 @@ async fn bad_index_input() {
     post(&c, node.u("/v1/collections/b/indexes"), json!({"name": "def", "keys": ["a"], "defer_build": true})).await;
     let create = "/v1/collections/b/indexes";
     let scan_a = "/v1/collections/b/indexes/a/scan";
+    let build_many = "/v1/collections/b/indexes/_build";
     let cases: Vec<(&str, &str, String, StatusCode, &str)> = vec![
         ("POST", create, json!({"name": "x", "keys": ["a..b"]}).to_string(), StatusCode::BAD_REQUEST, "bad_request"),
         ("POST", create, json!({"name": "x", "keys": []}).to_string(), StatusCode::BAD_REQUEST, "bad_request"),
@@ -245,6 +246,15 @@ async fn bad_index_input() {
         ("POST", "/v1/collections/b/indexes/none/build", String::new(), StatusCode::NOT_FOUND, "index_not_found"),
         ("DELETE", "/v1/collections/b/indexes/none", String::new(), StatusCode::NOT_FOUND, "index_not_found"),
         ("POST", "/v1/collections/b/indexes/a/scan?x=1", "{}".to_string(), StatusCode::BAD_REQUEST, "bad_request"),
+        ("POST", scan_a, "x".repeat(100_000), StatusCode::PAYLOAD_TOO_LARGE, "too_large"),
+        ("POST", scan_a, "{\"eq\": [".to_string(), StatusCode::BAD_REQUEST, "invalid_json"),
+        ("POST", build_many, "{not json".to_string(), StatusCode::BAD_REQUEST, "invalid_json"),
+        ("POST", build_many, json!({"names": "def"}).to_string(), StatusCode::BAD_REQUEST, "bad_request"),
+        ("POST", build_many, json!({"names": []}).to_string(), StatusCode::BAD_REQUEST, "bad_request"),
+        ("POST", build_many, json!({"names": ["def"], "x": 1}).to_string(), StatusCode::BAD_REQUEST, "bad_request"),
+        ("POST", build_many, json!({"names": ["def", "none"]}).to_string(), StatusCode::NOT_FOUND, "index_not_found"),
+        ("POST", build_many, "x".repeat(100_000), StatusCode::PAYLOAD_TOO_LARGE, "too_large"),
+        ("POST", "/v1/collections/nope/indexes/_build", json!({"names": ["a"]}).to_string(), StatusCode::NOT_FOUND, "collection_not_found"),
     ];
     for (method, path, body, status, code) in cases {
         let m = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
@@ -253,8 +263,12 @@ async fn bad_index_input() {
         let v: Value = r.json().await.unwrap_or(Value::Null);
         assert_eq!((got_status, v["error"].as_str()), (status, Some(code)), "{method} {path} {:.80}: {v}", body);
     }
-    // Nothing was lost: the index still answers and the document is intact.
+    // Nothing was lost: the index still answers and the document is intact; the deferred
+    // index (untouched by the failed builds) builds.
     assert_eq!(ids(&scan(&node, &c, "b", "a", json!({"eq": [1]})).await), ["d"]);
+    let (s, r) = post(&c, node.u(build_many), json!({"names": ["def", "a"]})).await;
+    assert_eq!(s, StatusCode::OK, "{r}");
+    assert_eq!(ids(&scan(&node, &c, "b", "def", json!({"eq": [1]})).await), ["d"]);
     let doc: Value = c.get(node.u("/v1/collections/b/docs/d")).send().await.unwrap().json().await.unwrap();
     assert_eq!(doc, json!({"a": 1}));
 }
