@@ -200,6 +200,20 @@ async fn partition_count_is_fixed_and_shutdown_is_clean() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("created with 8 partitions"));
+    // A data path of another layout version is refused, not misread.
+    let record_file = node.dir.join("shoal-path.json");
+    let record = std::fs::read_to_string(&record_file).unwrap();
+    let mut older: Value = serde_json::from_str(&record).unwrap();
+    older["format"] = json!(1);
+    std::fs::write(&record_file, older.to_string()).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-path"])
+        .arg(&node.dir)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("layout version 1"), "{}", String::from_utf8_lossy(&out.stderr));
+    std::fs::write(&record_file, record).unwrap();
     node.restart();
     let n: Value = node.client().get(node.u("/v1/node")).send().await.unwrap().json().await.unwrap();
     assert_eq!(n["partitions"], 8);

@@ -50,8 +50,14 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        if self.status.is_server_error() {
-            tracing::error!(code = self.code, reason = %self.reason, "request failed");
+        // Answers that say "not now" (503, 504) are the server working as designed; only the
+        // others are faults worth an error line.
+        match self.status {
+            StatusCode::SERVICE_UNAVAILABLE | StatusCode::GATEWAY_TIMEOUT => {
+                tracing::warn!(code = self.code, reason = %self.reason, "request refused")
+            }
+            s if s.is_server_error() => tracing::error!(code = self.code, reason = %self.reason, "request failed"),
+            _ => {}
         }
         let body = serde_json::to_vec(&self.to_json()).unwrap_or_default();
         (self.status, [(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response()

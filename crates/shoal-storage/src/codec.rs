@@ -2,9 +2,14 @@
 //!
 //! All integers are big-endian so that byte order equals numeric order in the LSM tree.
 //!
+//! Documents are keyed by their key alone, not by partition: neighbouring keys stay
+//! neighbours in the tree whatever the partition count, so reading a run of related
+//! documents (an index scan with `include_docs`) touches the same blocks at 16 partitions
+//! as at 256. A document's partition is a hash of its key and is kept in the `seq` entry.
+//!
 //! | keyspace | key | value |
 //! |---|---|---|
-//! | `docs` | partition `u16` · document key | [`DocMeta`] header · document bytes |
+//! | `docs` | document key | [`DocMeta`] header · document bytes |
 //! | `seq`  | partition `u16` · seqno `u64`  | flags `u8` · cas `u64` · document key |
 //! | `exp`  | expiry `u32` · partition `u16` · document key | empty |
 
@@ -24,13 +29,6 @@ pub struct DocMeta {
     /// Absolute Unix seconds; 0 = never. For a tombstone: unused (0).
     pub expiry: u32,
     pub deleted: bool,
-}
-
-pub fn doc_key(partition: PartitionId, key: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(2 + key.len());
-    out.extend_from_slice(&partition.to_be_bytes());
-    out.extend_from_slice(key);
-    out
 }
 
 pub fn doc_value(meta: &DocMeta, body: &[u8]) -> Vec<u8> {

@@ -98,6 +98,32 @@ pub(crate) struct PartitionParts {
     pub purge_seqno: SeqNo,
     pub collection_changed: Arc<watch::Sender<u64>>,
     pub dropped: Arc<AtomicBool>,
+    /// Live documents found at open (see [`count_live`]).
+    pub live: LiveCount,
+}
+
+/// Live documents and their body bytes in one partition.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct LiveCount {
+    pub count: i64,
+    pub bytes: i64,
+}
+
+/// Counts the live documents of every partition of one `docs` keyspace in one pass
+/// (documents are keyed by key alone, so a partition's are not adjacent).
+pub(crate) fn count_live(docs: &fjall::Keyspace, partitions: u16) -> Result<Vec<LiveCount>, fjall::Error> {
+    let mut out = vec![LiveCount::default(); usize::from(partitions)];
+    for guard in docs.iter() {
+        let (k, v) = guard.into_inner()?;
+        if let Some((meta, body)) = codec::decode_doc_value(&v) {
+            if !meta.deleted {
+                let slot = &mut out[usize::from(crate::partition_of(&k, partitions))];
+                slot.count += 1;
+                slot.bytes += body.len() as i64;
+            }
+        }
+    }
+    Ok(out)
 }
 
 pub struct Partition {
@@ -139,16 +165,6 @@ impl Partition {
         };
         parts.clock.observe(max_cas);
         let high = high.max(parts.purge_seqno);
-        let (mut count, mut bytes) = (0i64, 0i64);
-        for guard in parts.docs.prefix(parts.id.to_be_bytes()) {
-            let v = guard.value()?;
-            if let Some((meta, body)) = codec::decode_doc_value(&v) {
-                if !meta.deleted {
-                    count += 1;
-                    bytes += body.len() as i64;
-                }
-            }
-        }
         Ok(Partition {
             id: parts.id,
             db: parts.db,
@@ -164,8 +180,8 @@ impl Partition {
             dropped: parts.dropped,
             locked_docs: AtomicUsize::new(0),
             purge_seqno: AtomicU64::new(parts.purge_seqno),
-            docs_count: AtomicI64::new(count),
-            docs_bytes: AtomicI64::new(bytes),
+            docs_count: AtomicI64::new(parts.live.count),
+            docs_bytes: AtomicI64::new(parts.live.bytes),
         })
     }
 
@@ -237,7 +253,7 @@ impl Partition {
             return Err(ReadError::CollectionDropped);
         }
         let now = crate::unix_now_secs();
-        let current = self.read_current(&codec::doc_key(self.id, key))?;
+        let current = self.read_current(key)?;
         let Some(current) = current.filter(|c| is_live(&c.meta, now)) else {
             return Err(ReadError::NotFound);
         };
@@ -262,7 +278,7 @@ impl Partition {
             return Err(ReadError::CollectionDropped);
         }
         let now = crate::unix_now_secs();
-        let current = self.read_current(&codec::doc_key(self.id, key))?;
+        let current = self.read_current(key)?;
         let Some(current) = current.filter(|c| is_live(&c.meta, now)) else {
             return Err(ReadError::NotFound);
         };
@@ -282,7 +298,7 @@ impl Partition {
         validate_key(key).map_err(WriteError::InvalidKey)?;
         let mut state = self.state.lock();
         let now = crate::unix_now_secs();
-        let current = self.read_current(&codec::doc_key(self.id, key))?;
+        let current = self.read_current(key)?;
         if !current.is_some_and(|c| is_live(&c.meta, now)) {
             return Err(WriteError::NotFound);
         }
@@ -364,8 +380,8 @@ impl Partition {
             WriteOp::Remove | WriteOp::Touch => None,
         };
         let now = crate::unix_now_secs();
-        let dk = codec::doc_key(self.id, &req.key);
-        let current = self.read_current(&dk)?;
+        let dk = &req.key[..];
+        let current = self.read_current(dk)?;
         let live = current.as_ref().filter(|c| is_live(&c.meta, now));
 
         let mut unlocks = false;
@@ -415,7 +431,7 @@ impl Partition {
     /// Adds the writes that replace `old` with `new` in all three keyspaces.
     fn stage(&self, batch: &mut fjall::OwnedWriteBatch, key: &[u8], old: Option<(&DocMeta, usize)>, new: DocMeta, body: &[u8]) {
         let p = self.id;
-        batch.insert(&self.docs, codec::doc_key(p, key), codec::doc_value(&new, body));
+        batch.insert(&self.docs, key, codec::doc_value(&new, body));
         batch.insert(&self.seq, codec::seq_key(p, new.seqno), codec::seq_value(new.cas, new.deleted, key));
         if new.expiry != 0 && !new.deleted {
             batch.insert(&self.exp, codec::exp_key(new.expiry, p, key), Vec::new());
@@ -464,7 +480,7 @@ impl Partition {
         if self.is_dropped() {
             return Ok(false);
         }
-        let current = self.read_current(&codec::doc_key(self.id, key))?;
+        let current = self.read_current(key)?;
         let Some(current) = current.filter(|c| !c.meta.deleted && c.meta.expiry == expiry && u64::from(expiry) <= now) else {
             self.exp.remove(codec::exp_key(expiry, self.id, key))?;
             return Ok(false);
@@ -504,11 +520,10 @@ impl Partition {
         let mut purge_seqno = self.purge_seqno.load(Ordering::Acquire);
         for (seqno, key) in victims {
             let _state = self.state.lock();
-            let dk = codec::doc_key(p, &key);
-            let still_tombstone = self.read_current(&dk)?.is_some_and(|c| c.meta.deleted && c.meta.seqno == seqno);
+            let still_tombstone = self.read_current(&key)?.is_some_and(|c| c.meta.deleted && c.meta.seqno == seqno);
             if still_tombstone {
                 let mut batch = self.db.batch();
-                batch.remove(&self.docs, dk);
+                batch.remove(&self.docs, &key[..]);
                 batch.remove(&self.seq, codec::seq_key(p, seqno));
                 batch.commit()?;
                 purge_seqno = purge_seqno.max(seqno);
@@ -559,7 +574,7 @@ impl Partition {
             };
             let mut change = Change { partition: p, seqno, key: Bytes::copy_from_slice(key), cas, deleted, expiry: 0, value: None };
             if !deleted {
-                if let Some(raw) = snapshot.get(&self.docs, codec::doc_key(p, key))? {
+                if let Some(raw) = snapshot.get(&self.docs, key)? {
                     let raw = Bytes::from(raw);
                     if let Some((meta, body)) = codec::decode_doc_value(&raw) {
                         change.expiry = meta.expiry;

@@ -16,7 +16,7 @@ use crate::clock::CasClock;
 use crate::codec;
 use crate::collection::{Collection, CollectionInfo, Keyspaces};
 use crate::error::{CollectionError, OpenError};
-use crate::partition::{FailoverEntry, Partition, PartitionParts};
+use crate::partition::{count_live, FailoverEntry, LiveCount, Partition, PartitionParts};
 use crate::syncer::Syncer;
 use crate::{PartitionId, SeqNo, PARTITIONS_DEFAULT, PARTITIONS_MAX};
 
@@ -24,7 +24,8 @@ const PATH_FILE: &str = "shoal-path.json";
 const CLEAN_SHUTDOWN_FILE: &str = "clean-shutdown";
 const DB_DIR: &str = "db";
 const META_KEYSPACE: &str = "meta";
-const PATH_FORMAT: u32 = 1;
+/// Layout version of a data path; 2 keys documents by key alone (1 led with the partition).
+const PATH_FORMAT: u32 = 2;
 /// Expired documents deleted per collection per pager round, so a round stays short.
 const EXPIRY_PAGER_BATCH_MAX: usize = 10_000;
 /// How often the expiry pager runs.
@@ -302,8 +303,13 @@ impl Store {
         let dropped = Arc::new(AtomicBool::new(false));
         let mut partitions = Vec::with_capacity(usize::from(self.partitions));
         let mut renewed = Vec::new();
+        let mut live = Vec::with_capacity(keyspaces.len());
+        for ks in &keyspaces {
+            live.push(if new { vec![LiveCount::default(); usize::from(self.partitions)] } else { count_live(&ks.docs, self.partitions)? });
+        }
         for p in 0..self.partitions {
-            let ks = &keyspaces[usize::from(p) % keyspaces.len()];
+            let path = usize::from(p) % keyspaces.len();
+            let ks = &keyspaces[path];
             let (mut failover, purge_seqno) = if new {
                 (Vec::new(), 0)
             } else {
@@ -329,6 +335,7 @@ impl Store {
                 purge_seqno,
                 collection_changed: Arc::clone(&changed),
                 dropped: Arc::clone(&dropped),
+                live: live[path][usize::from(p)],
             };
             let mut partition = Partition::open(parts)?;
             if needs_new_uuid {
@@ -456,6 +463,13 @@ fn check_paths(config: &StoreConfig) -> Result<(u16, bool), OpenError> {
         }
         let text = std::fs::read(&file).map_err(io_err(path))?;
         let rec: PathRecord = serde_json::from_slice(&text).map_err(|e| OpenError::Corrupt(format!("{}: {e}", file.display())))?;
+        if rec.format != PATH_FORMAT {
+            return Err(OpenError::Config(format!(
+                "{} holds data of layout version {}; this build reads version {PATH_FORMAT} only (use a new data path)",
+                path.display(),
+                rec.format
+            )));
+        }
         if rec.path_index != i || rec.path_count != config.data_paths.len() {
             return Err(OpenError::Config(format!(
                 "{} is data path {} of {} of an existing node; give the same --data-path list in the same order",
