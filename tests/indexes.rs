@@ -297,33 +297,38 @@ fn cli_creates_builds_and_scans() {
 
 #[tokio::test]
 async fn a_build_racing_updates_ends_with_exactly_the_final_documents() {
-    let node = Node::start(&["--partitions", "4", "--index-workers", "2"]);
+    // Two data paths, and enough documents that the build's key-order read takes several
+    // batches while the updates below arrive.
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    let node =
+        Node::start(&["--partitions", "4", "--index-workers", "2", "--data-path", a.to_str().unwrap(), "--data-path", b.to_str().unwrap()]);
     let c = node.client();
     c.put(node.u("/v1/collections/race")).send().await.unwrap();
-    let mut lines = String::new();
-    for i in 0..5000 {
-        lines.push_str(&format!("{{\"op\":\"upsert\",\"key\":\"d{i}\",\"value\":{{\"v\":{i}}}}}\n"));
+    const N: i64 = 40_000;
+    for chunk in (0..N).collect::<Vec<_>>().chunks(10_000) {
+        let lines: String = chunk.iter().map(|i| format!("{{\"op\":\"upsert\",\"key\":\"d{i}\",\"value\":{{\"v\":{i}}}}}\n")).collect();
+        let r = c.post(node.u("/v1/collections/race/_bulk")).body(lines).send().await.unwrap();
+        assert!(r.status().is_success());
     }
-    let r = c.post(node.u("/v1/collections/race/_bulk")).body(lines).send().await.unwrap();
-    assert!(r.status().is_success());
     post(&c, node.u("/v1/collections/race/indexes"), json!({"name": "v", "keys": ["v"]})).await;
     // While the build runs: move some documents' keys, delete others, re-add a few.
-    for i in (0..5000).step_by(7) {
+    for i in (0..N).step_by(56) {
         put_doc(&node, &c, "race", &format!("d{i}"), json!({"v": 100_000 + i})).await;
     }
-    for i in (0..5000).step_by(11) {
+    for i in (0..N).step_by(88) {
         c.delete(node.u(&format!("/v1/collections/race/docs/d{i}"))).send().await.unwrap();
     }
-    for i in (0..5000).step_by(22) {
+    for i in (0..N).step_by(176) {
         put_doc(&node, &c, "race", &format!("d{i}"), json!({"v": -i})).await;
     }
-    let mut expected: Vec<(i64, String)> = (0..5000i64)
+    let mut expected: Vec<(i64, String)> = (0..N)
         .filter_map(|i| {
-            let v = if i % 22 == 0 {
+            let v = if i % 176 == 0 {
                 -i
-            } else if i % 11 == 0 {
+            } else if i % 88 == 0 {
                 return None;
-            } else if i % 7 == 0 {
+            } else if i % 56 == 0 {
                 100_000 + i
             } else {
                 i
@@ -334,6 +339,9 @@ async fn a_build_racing_updates_ends_with_exactly_the_final_documents() {
     expected.sort();
     let rows = scan(&node, &c, "race", "v", json!({})).await;
     let got: Vec<(i64, String)> = rows.iter().map(|(k, id)| (k[0].as_i64().unwrap(), id.clone())).collect();
+    let extra: Vec<_> = got.iter().filter(|g| !expected.contains(g)).collect();
+    let missing: Vec<_> = expected.iter().filter(|g| !got.contains(g)).collect();
+    assert!(extra.is_empty() && missing.is_empty(), "extra {extra:?} missing {missing:?}");
     assert_eq!(got.len(), expected.len());
     assert_eq!(got, expected);
     let (_, list) = send(&c, reqwest::Method::GET, node.u("/v1/collections/race/indexes"), None).await;

@@ -20,8 +20,16 @@ pub use manager::{Consistency, IndexManager, IndexState, IndexStatus, ScanBounds
 
 /// Most rows one scan returns.
 pub const SCAN_ROWS_MAX: usize = 100_000;
-/// Changes read from one partition per batch.
+/// Most changes read from one partition per batch.
 pub const BATCH_CHANGES: usize = 1024;
+/// Documents a build reads per write batch when it scans a collection in key order.
+pub const SCAN_BATCH_DOCS: usize = 8 * 1024;
+/// Documents a build scans per maintainer round before other work gets a turn.
+pub const SCAN_ROUND_DOCS: usize = 64 * 1024;
+/// Changes aimed for in one write batch of a group of partitions.
+pub const GROUP_CHANGES: usize = 8 * 1024;
+/// Fewest changes read from one partition per batch.
+pub const PART_BATCH_MIN: usize = 16;
 /// Changes one partition may apply per round before the others get a turn.
 pub const ROUND_CHANGES_MAX: usize = 32 * 1024;
 
@@ -45,6 +53,8 @@ pub enum IndexError {
     Corrupt(String),
     #[error("change stream: {0}")]
     Changes(#[from] shoal_storage::ChangesError),
+    #[error("reading documents: {0}")]
+    Read(#[from] shoal_storage::ReadError),
 }
 
 impl From<keycode::CorruptKey> for IndexError {

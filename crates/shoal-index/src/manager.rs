@@ -15,7 +15,9 @@ use shoal_storage::{Change, Collection, PartitionId, SeqNo, Store, StreamPositio
 use tokio::sync::{watch, Notify};
 
 use crate::def::{Compiled, IndexDef};
-use crate::{keycode, IndexError, BATCH_CHANGES, ROUND_CHANGES_MAX, SCAN_ROWS_MAX};
+use crate::{
+    keycode, IndexError, BATCH_CHANGES, GROUP_CHANGES, PART_BATCH_MIN, ROUND_CHANGES_MAX, SCAN_BATCH_DOCS, SCAN_ROUND_DOCS, SCAN_ROWS_MAX,
+};
 
 const INDEX_DIR: &str = "index";
 const META_KEYSPACE: &str = "meta";
@@ -114,11 +116,8 @@ struct Index {
     target: Mutex<Option<Vec<SeqNo>>>,
     /// Bumped whenever cursors move (request_plus waits on it).
     progress: watch::Sender<u64>,
-    /// While building: per partition that was empty when the build reached it, the hashes
-    /// of the document keys indexed since. A key not in the set has no back entry, so the
-    /// back-index read is skipped (a hash collision only costs that read). Dropped when
-    /// the index is ready.
-    fresh: Mutex<Vec<Option<std::collections::HashSet<u64>>>>,
+    /// While a build reads the documents in key order (see [`scan_round`]).
+    scan: Mutex<Option<ScanState>>,
 }
 
 impl Index {
@@ -133,6 +132,10 @@ impl Index {
     }
 
     fn progress_fraction(&self) -> f64 {
+        if let Some(scan) = self.scan.lock().as_ref() {
+            // The catch-up after the scan is short; the scan is the build.
+            return (scan.scanned as f64 / scan.total.max(1) as f64).min(0.99);
+        }
         let Some(target) = self.target.lock().clone() else {
             return if self.deferred.load(Ordering::Acquire) { 0.0 } else { 1.0 };
         };
@@ -179,6 +182,54 @@ fn def_key(id: u32) -> Vec<u8> {
 
 fn cursor_key(id: u32, p: PartitionId) -> Vec<u8> {
     format!("cur/{id:08x}/{p:04x}").into_bytes()
+}
+
+fn scan_key(id: u32) -> Vec<u8> {
+    format!("scan/{id:08x}").into_bytes()
+}
+
+/// A build's read of the documents in key order: the change-stream positions taken before
+/// it began (where the index goes on from once it is done), and how far it got.
+#[derive(Clone, Debug)]
+struct ScanState {
+    start: Vec<StreamPosition>,
+    after: Option<bytes::Bytes>,
+    scanned: u64,
+    total: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+struct ScanRecord {
+    start: Vec<(SeqNo, u64)>,
+    after: Option<Vec<u8>>,
+    scanned: u64,
+    total: u64,
+}
+
+impl ScanState {
+    fn encode(&self) -> Vec<u8> {
+        let record = ScanRecord {
+            start: self.start.iter().map(|p| (p.seqno, p.uuid)).collect(),
+            after: self.after.as_ref().map(|a| a.to_vec()),
+            scanned: self.scanned,
+            total: self.total,
+        };
+        // Serialising this plain record cannot fail.
+        serde_json::to_vec(&record).unwrap_or_default()
+    }
+
+    fn decode(v: &[u8], partitions: usize) -> Result<ScanState, IndexError> {
+        let r: ScanRecord = serde_json::from_slice(v).map_err(|e| IndexError::Corrupt(format!("build scan record: {e}")))?;
+        if r.start.len() != partitions {
+            return Err(IndexError::Corrupt("build scan record: partition count".into()));
+        }
+        Ok(ScanState {
+            start: r.start.into_iter().map(|(seqno, uuid)| StreamPosition { seqno, uuid }).collect(),
+            after: r.after.map(bytes::Bytes::from),
+            scanned: r.scanned,
+            total: r.total,
+        })
+    }
 }
 
 fn encode_cursor(pos: StreamPosition, items: i64) -> [u8; 24] {
@@ -293,6 +344,10 @@ impl IndexManager {
                 }
             }
         }
+        let scan = match self.meta.get(scan_key(r.id))? {
+            Some(v) => Some(ScanState::decode(&v, n)?),
+            None => None,
+        };
         Ok(Arc::new(Index {
             id: r.id,
             def: r.def.clone(),
@@ -305,7 +360,7 @@ impl IndexManager {
             items,
             target: Mutex::new(Some(coll.high_seqnos())),
             progress: watch::channel(0).0,
-            fresh: Mutex::new(vec![None; n]),
+            scan: Mutex::new(scan),
         }))
     }
 
@@ -513,6 +568,7 @@ fn delete_index_storage(
 ) -> Result<(), IndexError> {
     let mut batch = db.batch();
     batch.remove(meta, def_key(id));
+    batch.remove(meta, scan_key(id));
     for guard in meta.prefix(format!("cur/{id:08x}/").as_bytes()) {
         let k = guard.key()?;
         batch.remove(meta, k);
@@ -623,7 +679,10 @@ async fn maintain(mgr: Arc<IndexManager>, coll: Arc<Collection>, wake: Arc<Notif
             });
             match rx.await {
                 Ok(Ok(p)) => progressed = p,
-                Ok(Err(IndexError::Changes(shoal_storage::ChangesError::CollectionDropped))) => continue,
+                Ok(Err(
+                    IndexError::Changes(shoal_storage::ChangesError::CollectionDropped)
+                    | IndexError::Read(shoal_storage::ReadError::CollectionDropped),
+                )) => continue,
                 Ok(Err(e)) => {
                     tracing::warn!(collection = %coll.name(), error = %e, "index maintenance failed; retrying");
                     tokio::time::sleep(IDLE_POLL).await;
@@ -643,17 +702,24 @@ async fn maintain(mgr: Arc<IndexManager>, coll: Arc<Collection>, wake: Arc<Notif
 
 /// Brings every partition with news up to date (bounded per partition), in parallel on the
 /// pool; then marks indexes that reached their build target ready. True if anything moved.
+///
+/// Partitions are handled in groups whose batches are applied together (see [`group_size`]).
 fn run_round(mgr: &IndexManager, coll: &Collection, active: &[Arc<Index>]) -> Result<bool, IndexError> {
+    let Plan { scanning, streaming } = plan_scan(mgr, coll, active)?;
     let highs = coll.high_seqnos();
     let behind: Vec<PartitionId> = (0..coll.partition_count())
-        .filter(|&p| active.iter().any(|i| i.cursors.lock()[usize::from(p)].seqno < highs[usize::from(p)]))
+        .filter(|&p| streaming.iter().any(|i| i.cursors.lock()[usize::from(p)].seqno < highs[usize::from(p)]))
         .collect();
-    let moved = behind.par_iter().map(|&p| catch_up(mgr, coll, active, p)).try_reduce(|| false, |a, b| Ok(a || b))?;
+    let size = group_size(behind.len(), mgr.pool.current_num_threads());
+    let (scanned, streamed) = rayon::join(
+        || if scanning.is_empty() { Ok(false) } else { scan_round(mgr, coll, &scanning) },
+        || behind.par_chunks(size).map(|group| catch_up(mgr, coll, &streaming, group)).try_reduce(|| false, |a, b| Ok(a || b)),
+    );
+    let moved = scanned? | streamed?;
     for index in active {
-        let done = index.target.lock().as_ref().is_some_and(|t| index.caught_up(t));
+        let done = index.scan.lock().is_none() && index.target.lock().as_ref().is_some_and(|t| index.caught_up(t));
         if done {
             *index.target.lock() = None;
-            index.fresh.lock().iter_mut().for_each(|f| *f = None);
             index.progress.send_modify(|v| *v += 1);
             tracing::info!(index = %index.def.name, "index ready");
         }
@@ -661,40 +727,214 @@ fn run_round(mgr: &IndexManager, coll: &Collection, active: &[Arc<Index>]) -> Re
     Ok(moved)
 }
 
-fn catch_up(mgr: &IndexManager, coll: &Collection, active: &[Arc<Index>], p: PartitionId) -> Result<bool, IndexError> {
-    let pi = usize::from(p);
-    let from = active.iter().map(|i| i.cursors.lock()[pi]).min_by_key(|c| c.seqno).unwrap_or_default();
-    let (mut sub, rollback) = coll.subscribe(p, from)?;
-    if rollback.is_some() {
-        // History diverged (unclean restart) or tombstones were purged past us: rebuild
-        // this partition's part of every index from the start.
-        for index in active {
-            reset_partition(mgr, index, p, coll.partition_count())?;
+/// Indexes built by a scan, and indexes fed from the change streams.
+struct Plan {
+    scanning: Vec<Arc<Index>>,
+    streaming: Vec<Arc<Index>>,
+}
+
+/// Splits the active indexes into those a key-order scan of the documents builds and those
+/// fed from the change streams; starts a scan for indexes whose build has not begun.
+///
+/// A new build reads the documents once, in key order, for all indexes starting together
+/// (one sequential read whatever the partition count), then follows the change streams from
+/// positions taken before the read. Indexes whose build is asked for while a scan runs wait
+/// for the next one.
+fn plan_scan(mgr: &IndexManager, coll: &Collection, active: &[Arc<Index>]) -> Result<Plan, IndexError> {
+    let live = || active.iter().filter(|i| !i.dropped.load(Ordering::Acquire));
+    let mut scanning: Vec<Arc<Index>> = live().filter(|i| i.scan.lock().is_some()).cloned().collect();
+    let unstarted = |i: &Index| {
+        i.scan.lock().is_none()
+            && i.target.lock().as_ref().is_some_and(|t| t.iter().any(|&h| h > 0))
+            && i.cursors.lock().iter().all(|c| c.seqno == 0)
+            && i.items.iter().all(|n| n.load(Ordering::Relaxed) == 0)
+    };
+    let waiting: Vec<Arc<Index>> = live().filter(|i| unstarted(i)).cloned().collect();
+    if scanning.is_empty() && !waiting.is_empty() {
+        let uuids = coll.partition_uuids();
+        let start: Vec<StreamPosition> =
+            coll.high_seqnos().into_iter().zip(uuids).map(|(seqno, uuid)| StreamPosition { seqno, uuid }).collect();
+        let state = ScanState { start, after: None, scanned: 0, total: coll.info().docs };
+        let mut batch = mgr.db.batch();
+        for index in &waiting {
+            batch.insert(&mgr.meta, scan_key(index.id), state.encode());
         }
-        sub = coll.subscribe(p, StreamPosition::default())?.0;
+        batch.commit()?;
+        for index in &waiting {
+            *index.scan.lock() = Some(state.clone());
+        }
+        tracing::info!(indexes = waiting.len(), docs = state.total, "index build: reading the documents in key order");
+        scanning = waiting.clone();
+    }
+    let streaming = active
+        .iter()
+        .filter(|i| !scanning.iter().any(|s| Arc::ptr_eq(s, i)) && !waiting.iter().any(|w| Arc::ptr_eq(w, i)))
+        .cloned()
+        .collect();
+    Ok(Plan { scanning, streaming })
+}
+
+/// Reads the next documents in key order into every scanning index (up to
+/// [`SCAN_ROUND_DOCS`] per round, so streamed indexes and drops get their turn), one write
+/// batch per [`SCAN_BATCH_DOCS`] together with the scan's position. At the end, the indexes
+/// take the scan's start positions as their cursors.
+fn scan_round(mgr: &IndexManager, coll: &Collection, scanning: &[Arc<Index>]) -> Result<bool, IndexError> {
+    let partitions = coll.partition_count();
+    let mut done = 0;
+    while done < SCAN_ROUND_DOCS {
+        let Some(state) = scanning.iter().find_map(|i| i.scan.lock().clone()) else {
+            return Ok(done > 0);
+        };
+        let docs = coll.scan_docs(state.after.as_deref(), SCAN_BATCH_DOCS)?;
+        let mut batch = mgr.db.batch();
+        let Some(last) = docs.last().map(|d| d.0.clone()) else {
+            for index in scanning {
+                for (p, pos) in state.start.iter().enumerate() {
+                    let items = index.items[p].load(Ordering::Relaxed);
+                    batch.insert(&mgr.meta, cursor_key(index.id, p as PartitionId), encode_cursor(*pos, items));
+                }
+                batch.remove(&mgr.meta, scan_key(index.id));
+            }
+            batch.commit()?;
+            for index in scanning {
+                index.cursors.lock().clone_from_slice(&state.start);
+                *index.scan.lock() = None;
+                index.progress.send_modify(|v| *v += 1);
+            }
+            return Ok(true);
+        };
+        let computed: Vec<Vec<Vec<Vec<u8>>>> = docs
+            .par_iter()
+            .with_min_len(64)
+            .map(|(_, body)| {
+                let doc: Option<Value> = serde_json::from_slice(body).ok();
+                scanning.iter().map(|i| doc.as_ref().map(|d| i.compiled.entries(d)).unwrap_or_default()).collect()
+            })
+            .collect();
+        let next = ScanState { after: Some(last), scanned: state.scanned + docs.len() as u64, ..state };
+        let mut staged = Vec::with_capacity(scanning.len());
+        for (k, index) in scanning.iter().enumerate() {
+            let mut delta: HashMap<PartitionId, i64> = HashMap::new();
+            let mut fwd = Vec::with_capacity(docs.len());
+            for ((key, _), per_index) in docs.iter().zip(&computed) {
+                let entries = &per_index[k];
+                if entries.is_empty() {
+                    continue;
+                }
+                // Each key comes once and nothing was indexed for it before: no back read.
+                for e in entries {
+                    fwd.push(entry_key(e, key));
+                }
+                batch.insert(&index.back, key.as_ref(), encode_list(entries));
+                *delta.entry(shoal_storage::partition_of(key, partitions)).or_default() += entries.len() as i64;
+            }
+            fwd.sort_unstable();
+            for key in fwd {
+                batch.insert(&index.fwd, key, []);
+            }
+            let mut items = Vec::with_capacity(delta.len());
+            for (p, d) in delta {
+                let n = index.items[usize::from(p)].load(Ordering::Relaxed) + d;
+                batch.insert(&mgr.meta, cursor_key(index.id, p), encode_cursor(StreamPosition::default(), n));
+                items.push((usize::from(p), n));
+            }
+            batch.insert(&mgr.meta, scan_key(index.id), next.encode());
+            staged.push(items);
+        }
+        batch.commit()?;
+        for (index, items) in scanning.iter().zip(staged) {
+            for (p, n) in items {
+                index.items[p].store(n, Ordering::Relaxed);
+            }
+            *index.scan.lock() = Some(next.clone());
+            index.progress.send_modify(|v| *v += 1);
+        }
+        done += docs.len();
+    }
+    Ok(true)
+}
+
+/// Partitions per group: the partitions behind, split evenly over the workers.
+///
+/// One partition's changes are spread over the whole key space (more thinly the more
+/// partitions there are). Reading every partition of a group in lock step — a few changes
+/// of each per batch, see [`part_batch`] — and writing them as one sorted batch keeps both
+/// the document reads and the inserts into the index's memtable close together, so the cost
+/// per change does not grow with the partition count.
+fn group_size(behind: usize, workers: usize) -> usize {
+    behind.div_ceil(workers.max(1)).max(1)
+}
+
+/// Changes read from each partition of a group per batch: about [`GROUP_CHANGES`] in all.
+fn part_batch(group: usize) -> usize {
+    (GROUP_CHANGES / group.max(1)).clamp(PART_BATCH_MIN, BATCH_CHANGES)
+}
+
+/// One partition's part of a group's batch.
+struct PartBatch {
+    p: PartitionId,
+    changes: Vec<Change>,
+    pos: StreamPosition,
+}
+
+fn catch_up(mgr: &IndexManager, coll: &Collection, active: &[Arc<Index>], group: &[PartitionId]) -> Result<bool, IndexError> {
+    let mut subs = Vec::with_capacity(group.len());
+    for &p in group {
+        let pi = usize::from(p);
+        let from = active.iter().map(|i| i.cursors.lock()[pi]).min_by_key(|c| c.seqno).unwrap_or_default();
+        let (mut sub, rollback) = coll.subscribe(p, from)?;
+        if rollback.is_some() {
+            // History diverged (unclean restart) or tombstones were purged past us: rebuild
+            // this partition's part of every index from the start.
+            for index in active {
+                reset_partition(mgr, index, p, coll.partition_count())?;
+            }
+            sub = coll.subscribe(p, StreamPosition::default())?.0;
+        }
+        subs.push((p, sub, 0usize));
     }
     let mut applied = 0;
+    let per_part = part_batch(subs.len());
     loop {
-        let changes = sub.try_next(BATCH_CHANGES, true)?;
-        let pos = sub.position();
-        let empty = changes.is_empty();
-        if !empty || active.iter().any(|i| i.cursors.lock()[pi].seqno < pos.seqno) {
-            apply(mgr, active, p, &changes, pos)?;
+        let mut parts = Vec::with_capacity(subs.len());
+        for (p, sub, done) in subs.iter_mut().filter(|(_, _, done)| *done < ROUND_CHANGES_MAX) {
+            let pi = usize::from(*p);
+            let changes = sub.try_next(per_part, true)?;
+            let pos = sub.position();
+            if changes.is_empty() {
+                *done = ROUND_CHANGES_MAX;
+            }
+            *done += changes.len();
+            if !changes.is_empty() || active.iter().any(|i| i.cursors.lock()[pi].seqno < pos.seqno) {
+                parts.push(PartBatch { p: *p, changes, pos });
+            }
         }
-        applied += changes.len();
-        if empty || applied >= ROUND_CHANGES_MAX {
+        if parts.is_empty() {
+            break;
+        }
+        let n: usize = parts.iter().map(|b| b.changes.len()).sum();
+        apply(mgr, active, &parts)?;
+        applied += n;
+        if n == 0 {
             break;
         }
     }
     Ok(applied > 0)
 }
 
-/// Applies one batch of a partition's changes to every active index, in one atomic write
-/// together with the new cursors.
-fn apply(mgr: &IndexManager, active: &[Arc<Index>], p: PartitionId, changes: &[Change], pos: StreamPosition) -> Result<(), IndexError> {
-    let pi = usize::from(p);
+/// What one index stages for one partition of a batch.
+struct Staged {
+    pi: usize,
+    pos: StreamPosition,
+    items: i64,
+}
+
+/// Applies one batch of changes of several partitions to every active index, in one atomic
+/// write together with the new cursors.
+fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[PartBatch]) -> Result<(), IndexError> {
     // Parse each document once, for all indexes (in parallel within the batch).
-    let computed: Vec<Vec<Vec<Vec<u8>>>> = changes
+    let all: Vec<&Change> = parts.iter().flat_map(|b| &b.changes).collect();
+    let computed: Vec<Vec<Vec<Vec<u8>>>> = all
         .par_iter()
         .with_min_len(64)
         .map(|c| {
@@ -703,70 +943,85 @@ fn apply(mgr: &IndexManager, active: &[Arc<Index>], p: PartitionId, changes: &[C
         })
         .collect();
     let mut batch = mgr.db.batch();
-    let mut staged = Vec::with_capacity(active.len());
+    let mut staged: Vec<(&Arc<Index>, Vec<Staged>)> = Vec::with_capacity(active.len());
     for (k, index) in active.iter().enumerate() {
         if index.dropped.load(Ordering::Acquire) {
             continue;
         }
-        let cursor = index.cursors.lock()[pi].seqno;
-        let mut fresh = {
-            let building = index.target.lock().is_some();
-            let mut sets = index.fresh.lock();
-            if building && sets[pi].is_none() && index.items[pi].load(Ordering::Relaxed) == 0 {
-                sets[pi] = Some(std::collections::HashSet::new());
+        let mut fwd: Vec<(Vec<u8>, bool)> = Vec::with_capacity(all.len());
+        let mut per_part = Vec::with_capacity(parts.len());
+        let mut offset = 0;
+        for part in parts {
+            let pi = usize::from(part.p);
+            let computed = &computed[offset..offset + part.changes.len()];
+            offset += part.changes.len();
+            let cursor = index.cursors.lock()[pi].seqno;
+            let mut delta = 0i64;
+            let mut pending: HashMap<&[u8], &Vec<Vec<u8>>> = HashMap::new();
+            for (c, per_index) in part.changes.iter().zip(computed) {
+                if c.seqno <= cursor {
+                    continue;
+                }
+                let new = &per_index[k];
+                let old: Vec<Vec<u8>> = match pending.get(c.key.as_ref()) {
+                    Some(v) => (*v).clone(),
+                    None => match index.back.get(&c.key)? {
+                        Some(v) => decode_list(&v)?,
+                        None => Vec::new(),
+                    },
+                };
+                if &old == new {
+                    continue;
+                }
+                for o in old.iter().filter(|o| new.binary_search(o).is_err()) {
+                    fwd.push((entry_key(o, &c.key), false));
+                    delta -= 1;
+                }
+                for e in new.iter().filter(|e| old.binary_search(e).is_err()) {
+                    fwd.push((entry_key(e, &c.key), true));
+                    delta += 1;
+                }
+                pending.insert(c.key.as_ref(), new);
             }
-            sets[pi].take()
-        };
-        let mut delta = 0i64;
-        let mut pending: HashMap<&[u8], &Vec<Vec<u8>>> = HashMap::new();
-        for (c, per_index) in changes.iter().zip(&computed) {
-            if c.seqno <= cursor {
-                continue;
-            }
-            let new = &per_index[k];
-            let hash = fresh.as_ref().map(|_| xxhash_rust::xxh3::xxh3_64(&c.key));
-            let old: Vec<Vec<u8>> = match pending.get(c.key.as_ref()) {
-                Some(v) => (*v).clone(),
-                None if fresh.as_ref().zip(hash).is_some_and(|(f, h)| !f.contains(&h)) => Vec::new(),
-                None => match index.back.get(&c.key)? {
-                    Some(v) => decode_list(&v)?,
-                    None => Vec::new(),
-                },
-            };
-            if let (Some(f), Some(h)) = (fresh.as_mut(), hash) {
-                if !new.is_empty() {
-                    f.insert(h);
+            // Every write of one batch shares one sequence number, so a key must appear in
+            // it once: the document's last state.
+            let mut back: Vec<(&[u8], &Vec<Vec<u8>>)> = pending.into_iter().collect();
+            back.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            for (key, entries) in back {
+                if entries.is_empty() {
+                    batch.remove(&index.back, key);
+                } else {
+                    batch.insert(&index.back, key, encode_list(entries));
                 }
             }
-            if &old == new {
+            let items = index.items[pi].load(Ordering::Relaxed) + delta;
+            batch.insert(&mgr.meta, cursor_key(index.id, part.p), encode_cursor(part.pos, items));
+            per_part.push(Staged { pi, pos: part.pos, items });
+        }
+        // In key order: sorted inserts walk the memtable's skiplist along the path of the
+        // previous one, which keeps its nodes in cache. The sort is stable and only the last
+        // operation on an entry is written: one batch's writes share a sequence number, so
+        // an entry added by one change and removed by a later one must appear once.
+        fwd.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut ops = fwd.into_iter().peekable();
+        while let Some((key, insert)) = ops.next() {
+            if ops.peek().is_some_and(|(next, _)| *next == key) {
                 continue;
             }
-            for o in old.iter().filter(|o| new.binary_search(o).is_err()) {
-                batch.remove(&index.fwd, entry_key(o, &c.key));
-                delta -= 1;
-            }
-            for e in new.iter().filter(|e| old.binary_search(e).is_err()) {
-                batch.insert(&index.fwd, entry_key(e, &c.key), []);
-                delta += 1;
-            }
-            if new.is_empty() {
-                batch.remove(&index.back, c.key.as_ref());
+            if insert {
+                batch.insert(&index.fwd, key, []);
             } else {
-                batch.insert(&index.back, c.key.as_ref(), encode_list(new));
+                batch.remove(&index.fwd, key);
             }
-            pending.insert(c.key.as_ref(), new);
         }
-        let items = index.items[pi].load(Ordering::Relaxed) + delta;
-        batch.insert(&mgr.meta, cursor_key(index.id, p), encode_cursor(pos, items));
-        staged.push((index, items, fresh));
+        staged.push((index, per_part));
     }
     batch.commit()?;
-    for (index, items, fresh) in staged {
-        if index.target.lock().is_some() {
-            index.fresh.lock()[pi] = fresh;
+    for (index, per_part) in staged {
+        for st in per_part {
+            index.cursors.lock()[st.pi] = st.pos;
+            index.items[st.pi].store(st.items, Ordering::Relaxed);
         }
-        index.cursors.lock()[pi] = pos;
-        index.items[pi].store(items, Ordering::Relaxed);
         index.progress.send_modify(|v| *v += 1);
     }
     Ok(())

@@ -136,8 +136,10 @@ impl From<IndexError> for ApiError {
             IndexError::Filter(_) => ApiError::new(StatusCode::BAD_REQUEST, "query_error", reason),
             IndexError::NotReady { .. } => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", reason),
             IndexError::Timeout => ApiError::new(StatusCode::GATEWAY_TIMEOUT, "timeout", reason),
-            IndexError::Changes(ChangesError::CollectionDropped) => ApiError::new(StatusCode::NOT_FOUND, "collection_not_found", reason),
-            IndexError::Engine(_) | IndexError::Corrupt(_) | IndexError::Changes(_) => ApiError::internal(reason),
+            IndexError::Changes(ChangesError::CollectionDropped) | IndexError::Read(ReadError::CollectionDropped) => {
+                ApiError::new(StatusCode::NOT_FOUND, "collection_not_found", reason)
+            }
+            IndexError::Engine(_) | IndexError::Corrupt(_) | IndexError::Changes(_) | IndexError::Read(_) => ApiError::internal(reason),
         }
     }
 }

@@ -3,9 +3,11 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use bytes::Bytes;
 use tokio::sync::watch;
 
 use crate::changes::{Change, FeedPosition, PartitionSubscription, Rollback, StreamPosition};
+use crate::codec;
 use crate::error::{ChangesError, ReadError, WriteError};
 use crate::partition::{Document, MutationOutcome, Partition, WriteOp, WriteRequest};
 use crate::syncer::Syncer;
@@ -95,6 +97,50 @@ impl Collection {
 
     pub fn partition_uuids(&self) -> Vec<u64> {
         self.partitions.iter().map(|p| p.uuid()).collect()
+    }
+
+    /// Live documents in key order after `after` (from the start when `None`), at most
+    /// `max`, merged over all data paths: `(key, body)`.
+    ///
+    /// Each call reads the store as it is now; a caller that needs every change since some
+    /// point combines this with the change streams from positions taken before the first
+    /// call (the index build does). Documents are keyed by key alone, so this is one
+    /// sequential read whatever the partition count.
+    pub fn scan_docs(&self, after: Option<&[u8]>, max: usize) -> Result<Vec<(Bytes, Bytes)>, ReadError> {
+        use std::ops::Bound;
+        if self.is_dropped() {
+            return Err(ReadError::CollectionDropped);
+        }
+        let now = crate::unix_now_secs();
+        let low = match after {
+            Some(k) => Bound::Excluded(k.to_vec()),
+            None => Bound::Unbounded,
+        };
+        let mut out: Vec<(Bytes, Bytes)> = Vec::with_capacity(max.min(64 * 1024));
+        for ks in &self.keyspaces {
+            let mut taken = 0;
+            for guard in ks.docs.range::<Vec<u8>, _>((low.clone(), Bound::Unbounded)) {
+                if taken >= max {
+                    break;
+                }
+                let (k, v) = guard.into_inner()?;
+                let v = Bytes::from(v);
+                let Some((meta, body)) = codec::decode_doc_value(&v) else {
+                    return Err(ReadError::Corrupt);
+                };
+                if meta.deleted || (meta.expiry != 0 && u64::from(meta.expiry) <= now) {
+                    continue;
+                }
+                out.push((Bytes::from(k), v.slice(body)));
+                taken += 1;
+            }
+        }
+        if self.keyspaces.len() > 1 {
+            // Each path gave its first `max`; the first `max` of the union are exact.
+            out.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+            out.truncate(max);
+        }
+        Ok(out)
     }
 
     fn partition_for(&self, key: &[u8]) -> &Arc<Partition> {

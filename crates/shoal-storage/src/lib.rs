@@ -43,10 +43,16 @@ pub const PARTITIONS_DEFAULT: u16 = 128;
 pub const LOCK_MAX_SECS: u32 = 30;
 /// Expiry values above this many seconds are absolute Unix times (Couchbase's rule).
 pub const EXPIRY_RELATIVE_MAX_SECS: u64 = 30 * 24 * 3600;
-/// Changes of one partition kept in memory for live readers.
-pub const CHANGE_TAIL_MAX_ITEMS: usize = 4096;
-/// Document bytes kept in memory for live readers, per partition.
-pub const CHANGE_TAIL_MAX_BYTES: usize = 512 * 1024;
+/// Changes of one collection kept in memory for live readers, split evenly over its
+/// partitions (within the per-partition floor and cap below), so that the memory a
+/// collection holds does not grow with the partition count.
+pub const CHANGE_TAIL_COLLECTION_ITEMS: usize = 64 * 1024;
+/// Document bytes of one collection kept in memory for live readers, split like the items.
+pub const CHANGE_TAIL_COLLECTION_BYTES: usize = 16 * 1024 * 1024;
+/// Per-partition floor and cap of the tail's items.
+pub const CHANGE_TAIL_PARTITION_ITEMS: std::ops::RangeInclusive<usize> = 256..=8192;
+/// Per-partition floor and cap of the tail's bytes.
+pub const CHANGE_TAIL_PARTITION_BYTES: std::ops::RangeInclusive<usize> = (64 * 1024)..=(2 * 1024 * 1024);
 
 /// Which partition a key belongs to: `xxh3_64(key) mod partitions`.
 ///

@@ -15,7 +15,7 @@ use crate::clock::CasClock;
 use crate::codec::{self, DocMeta};
 use crate::error::{ReadError, WriteError};
 use crate::syncer::Syncer;
-use crate::{Cas, PartitionId, SeqNo, CHANGE_TAIL_MAX_BYTES, CHANGE_TAIL_MAX_ITEMS};
+use crate::{Cas, PartitionId, SeqNo};
 use crate::{DOC_MAX_BYTES, KEY_MAX_BYTES, LOCK_MAX_SECS};
 
 /// CAS reported for a document locked by someone else (Couchbase reports all ones too).
@@ -83,6 +83,7 @@ struct Sequencer {
     /// Changes `tail[0].seqno ..= high`, contiguous, newest last.
     tail: VecDeque<Change>,
     tail_bytes: usize,
+    tail_limit: TailLimit,
     locks: HashMap<Bytes, DocLock>,
 }
 
@@ -100,6 +101,26 @@ pub(crate) struct PartitionParts {
     pub dropped: Arc<AtomicBool>,
     /// Live documents found at open (see [`count_live`]).
     pub live: LiveCount,
+    pub tail_limit: TailLimit,
+}
+
+/// How much of its recent history a partition keeps in memory.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TailLimit {
+    pub items: usize,
+    pub bytes: usize,
+}
+
+impl TailLimit {
+    /// One partition's share of the collection's budget.
+    pub fn share(partitions: u16) -> TailLimit {
+        let n = usize::from(partitions.max(1));
+        let clamp = |total: usize, range: &std::ops::RangeInclusive<usize>| (total / n).clamp(*range.start(), *range.end());
+        TailLimit {
+            items: clamp(crate::CHANGE_TAIL_COLLECTION_ITEMS, &crate::CHANGE_TAIL_PARTITION_ITEMS),
+            bytes: clamp(crate::CHANGE_TAIL_COLLECTION_BYTES, &crate::CHANGE_TAIL_PARTITION_BYTES),
+        }
+    }
 }
 
 /// Live documents and their body bytes in one partition.
@@ -174,7 +195,13 @@ impl Partition {
             syncer: parts.syncer,
             clock: parts.clock,
             failover: parts.failover,
-            state: Mutex::new(Sequencer { high, tail: VecDeque::new(), tail_bytes: 0, locks: HashMap::new() }),
+            state: Mutex::new(Sequencer {
+                high,
+                tail: VecDeque::new(),
+                tail_bytes: 0,
+                tail_limit: parts.tail_limit,
+                locks: HashMap::new(),
+            }),
             high_tx: watch::channel(high).0,
             collection_changed: parts.collection_changed,
             dropped: parts.dropped,
@@ -595,7 +622,8 @@ impl Partition {
 
 fn push_tail(state: &mut Sequencer, change: Change) {
     let size = change.value.as_ref().map_or(0, |v| v.len()) + change.key.len();
-    if size > CHANGE_TAIL_MAX_BYTES {
+    let limit = state.tail_limit;
+    if size > limit.bytes {
         // Too large to keep: the tail restarts after it, readers of it go to disk.
         state.tail.clear();
         state.tail_bytes = 0;
@@ -603,7 +631,7 @@ fn push_tail(state: &mut Sequencer, change: Change) {
     }
     state.tail_bytes += size;
     state.tail.push_back(change);
-    while state.tail.len() > CHANGE_TAIL_MAX_ITEMS || state.tail_bytes > CHANGE_TAIL_MAX_BYTES {
+    while state.tail.len() > limit.items || state.tail_bytes > limit.bytes {
         match state.tail.pop_front() {
             Some(old) => state.tail_bytes -= old.value.as_ref().map_or(0, |v| v.len()) + old.key.len(),
             None => break,

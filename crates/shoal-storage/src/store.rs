@@ -16,7 +16,7 @@ use crate::clock::CasClock;
 use crate::codec;
 use crate::collection::{Collection, CollectionInfo, Keyspaces};
 use crate::error::{CollectionError, OpenError};
-use crate::partition::{count_live, FailoverEntry, LiveCount, Partition, PartitionParts};
+use crate::partition::{count_live, FailoverEntry, LiveCount, Partition, PartitionParts, TailLimit};
 use crate::syncer::Syncer;
 use crate::{PartitionId, SeqNo, PARTITIONS_DEFAULT, PARTITIONS_MAX};
 
@@ -336,6 +336,7 @@ impl Store {
                 collection_changed: Arc::clone(&changed),
                 dropped: Arc::clone(&dropped),
                 live: live[path][usize::from(p)],
+                tail_limit: TailLimit::share(self.partitions),
             };
             let mut partition = Partition::open(parts)?;
             if needs_new_uuid {
