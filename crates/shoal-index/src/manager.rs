@@ -883,7 +883,9 @@ fn catch_up(mgr: &IndexManager, coll: &Collection, active: &[Arc<Index>], group:
         let pi = usize::from(p);
         let from = active.iter().map(|i| i.cursors.lock()[pi]).min_by_key(|c| c.seqno).unwrap_or_default();
         let (mut sub, rollback) = coll.subscribe(p, from)?;
-        if rollback.is_some() {
+        // A new history epoch that began at or after our position (a restart after a crash
+        // that lost nothing we saw) needs no rollback.
+        if rollback.is_some_and(|r| r < from.seqno) {
             // History diverged (unclean restart) or tombstones were purged past us: rebuild
             // this partition's part of every index from the start.
             for index in active {
