@@ -381,6 +381,41 @@ async fn a_build_interrupted_by_a_restart_resumes_where_it_stopped() {
     let after = progress_of(&list);
     eprintln!("build progress {before:.3} before the restart, {after:.3} after");
     assert!(after >= before, "progress went from {before} back to {after}: the build started over");
+    // Again with kill -9, while documents change under the build.
+    let mut killed_at = None;
+    for i in 0..2_000 {
+        let body = json!({"v": DOCS + i, "pad": "moved"}).to_string();
+        let r = c.put(node.u(&format!("/v1/collections/big/docs/d{:06}", i * 37 % DOCS))).body(body).send().await.unwrap();
+        assert!(r.status().is_success());
+        if i % 50 == 0 {
+            let (_, list) = send(&c, reqwest::Method::GET, node.u("/v1/collections/big/indexes"), None).await;
+            let p = progress_of(&list);
+            if p > after + 0.1 || list[0]["state"] == "ready" {
+                killed_at = Some(p);
+                break;
+            }
+        }
+    }
+    node.kill9();
+    node.restart();
+    let c = node.client();
+    let (_, list) = send(&c, reqwest::Method::GET, node.u("/v1/collections/big/indexes"), None).await;
+    let resumed = progress_of(&list);
+    eprintln!("build progress {killed_at:?} at kill -9, {resumed:.3} after");
+    if let Some(k) = killed_at.filter(|&k| k < 1.0) {
+        assert!(resumed >= after, "progress went from {k} back to {resumed} after kill -9");
+    }
+    // Every document once, with its latest value: the moved ones (v >= DOCS) once each.
+    let rows = scan(&node, &c, "big", "v", json!({"range": {"low": [0]}, "limit": 100_000})).await;
+    let mut ids: Vec<&str> = ids(&rows);
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), DOCS, "one entry per document");
+    // Check every moved document and a sample of the others against the store.
+    for (k, id) in rows.iter().enumerate().filter(|(i, (k, _))| i % 97 == 0 || k[0].as_u64() >= Some(DOCS as u64)).map(|(_, r)| r) {
+        let doc: Value = c.get(node.u(&format!("/v1/collections/big/docs/{id}"))).send().await.unwrap().json().await.unwrap();
+        assert_eq!(&doc["v"], &k[0], "entry of {id} holds its latest value");
+    }
     let rows = scan(&node, &c, "big", "v", json!({"range": {"low": [0]}, "limit": 100_000})).await;
     assert_eq!(rows.len(), DOCS);
     assert!(rows.windows(2).all(|w| w[0].0[0].as_i64() < w[1].0[0].as_i64()));
