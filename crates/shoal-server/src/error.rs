@@ -126,6 +126,20 @@ impl From<ChangesError> for ApiError {
     }
 }
 
+impl From<shoal_query::QueryError> for ApiError {
+    fn from(e: shoal_query::QueryError) -> Self {
+        use shoal_query::QueryError;
+        let reason = e.to_string();
+        match e {
+            QueryError::Sql(_) | QueryError::Memory(_) => ApiError::new(StatusCode::BAD_REQUEST, "query_error", reason),
+            QueryError::Invalid(_) => ApiError::bad_request(reason),
+            QueryError::Timeout(_) => ApiError::new(StatusCode::GATEWAY_TIMEOUT, "timeout", reason),
+            QueryError::Unavailable(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", reason),
+            QueryError::Storage(_) | QueryError::Internal(_) => ApiError::internal(reason),
+        }
+    }
+}
+
 impl From<IndexError> for ApiError {
     fn from(e: IndexError) -> Self {
         let reason = e.to_string();

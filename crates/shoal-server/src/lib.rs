@@ -11,6 +11,7 @@ mod error;
 mod extract;
 mod indexes;
 mod ops;
+mod query;
 mod subdoc;
 
 use std::net::SocketAddr;
@@ -59,6 +60,8 @@ pub struct AppState {
     pub parsed: Arc<subdoc::ParsedDocs>,
     /// Secondary indexes of every collection.
     pub indexes: Arc<shoal_index::IndexManager>,
+    /// SQL over collections.
+    pub query: Arc<shoal_query::QueryEngine>,
     /// Low-priority threads for CPU-heavy request work.
     pub cpu: cpu::CpuPool,
     /// Becomes `true` when the server shuts down; long feeds end then.
@@ -86,6 +89,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/collections/{c}/indexes/{name}", axum::routing::delete(indexes::drop))
         .route("/v1/collections/{c}/indexes/{name}/build", post(indexes::build))
         .route("/v1/collections/{c}/indexes/{name}/scan", post(indexes::scan))
+        .route("/v1/query", post(query::query))
         .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn(ops::telemetry))
@@ -124,9 +128,12 @@ impl Server {
         let workers = config.index_workers.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2));
         let indexes = shoal_index::IndexManager::open(Arc::clone(&store), workers)?;
         let (shutdown_tx, shutdown) = watch::channel(false);
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+        let query = Arc::new(shoal_query::QueryEngine::new(Arc::clone(&store), Arc::clone(&indexes), cores));
         let state = AppState {
             store,
             indexes,
+            query,
             started: Instant::now(),
             metrics: ops::prometheus(),
             parsed: Arc::default(),

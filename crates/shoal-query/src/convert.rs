@@ -1,0 +1,175 @@
+//! JSON documents to Arrow record batches, and Arrow values back to JSON.
+//!
+//! Written by hand: `arrow-json`'s decoder fails a whole batch on a value of the wrong
+//! type, and Shoal's rule is that such a value is NULL in that row, never a failed query.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use datafusion::arrow::array::{
+    Array, ArrayRef, BooleanArray, Float64Array, Int64Array, ListArray, NullArray, RecordBatch, StringArray, StructArray,
+};
+use datafusion::arrow::buffer::{NullBuffer, OffsetBuffer};
+use datafusion::arrow::datatypes::{DataType, Field, SchemaRef};
+use datafusion::arrow::error::ArrowError;
+use datafusion::arrow::util::display::{ArrayFormatter, FormatOptions};
+use serde_json::Value;
+
+use crate::schema::{is_mixed, KEY_COLUMN};
+
+/// One batch of `schema`'s columns (or those in `projection`) from `(key, document)` rows.
+pub fn to_batch(schema: &SchemaRef, projection: Option<&[usize]>, rows: &[(String, Value)]) -> Result<RecordBatch, ArrowError> {
+    let indices: Vec<usize> = match projection {
+        Some(p) => p.to_vec(),
+        None => (0..schema.fields().len()).collect(),
+    };
+    let projected = Arc::new(schema.project(&indices)?);
+    let mut columns: Vec<ArrayRef> = Vec::with_capacity(indices.len());
+    for field in projected.fields() {
+        if field.name() == KEY_COLUMN {
+            columns.push(Arc::new(StringArray::from_iter_values(rows.iter().map(|(k, _)| k.as_str()))));
+            continue;
+        }
+        let values: Vec<Option<&Value>> = rows.iter().map(|(_, doc)| doc.get(field.name())).collect();
+        columns.push(build(field, &values)?);
+    }
+    let options = datafusion::arrow::array::RecordBatchOptions::new().with_row_count(Some(rows.len()));
+    RecordBatch::try_new_with_options(projected, columns, &options)
+}
+
+/// The column of `field` from one value (or none) per row; a value of another type is null.
+fn build(field: &Field, values: &[Option<&Value>]) -> Result<ArrayRef, ArrowError> {
+    Ok(match field.data_type() {
+        DataType::Null => Arc::new(NullArray::new(values.len())),
+        DataType::Boolean => Arc::new(values.iter().map(|v| v.and_then(Value::as_bool)).collect::<BooleanArray>()),
+        DataType::Int64 => Arc::new(values.iter().map(|v| v.and_then(Value::as_i64)).collect::<Int64Array>()),
+        DataType::Float64 => Arc::new(values.iter().map(|v| v.and_then(Value::as_f64)).collect::<Float64Array>()),
+        DataType::Utf8 if is_mixed(field) => Arc::new(
+            values
+                .iter()
+                .map(|v| match v {
+                    None | Some(Value::Null) => None,
+                    Some(Value::String(s)) => Some(Cow::Borrowed(s.as_str())),
+                    Some(other) => Some(Cow::Owned(other.to_string())),
+                })
+                .collect::<StringArray>(),
+        ),
+        DataType::Utf8 => Arc::new(values.iter().map(|v| v.and_then(Value::as_str)).collect::<StringArray>()),
+        DataType::Struct(fields) => {
+            let objects: Vec<Option<&serde_json::Map<String, Value>>> = values.iter().map(|v| v.and_then(Value::as_object)).collect();
+            let mut children = Vec::with_capacity(fields.len());
+            for f in fields {
+                let child: Vec<Option<&Value>> = objects.iter().map(|o| o.and_then(|o| o.get(f.name()))).collect();
+                children.push(build(f, &child)?);
+            }
+            let nulls = NullBuffer::from(objects.iter().map(Option::is_some).collect::<Vec<bool>>());
+            Arc::new(StructArray::try_new(fields.clone(), children, Some(nulls))?)
+        }
+        DataType::List(item) => {
+            let mut offsets = Vec::with_capacity(values.len() + 1);
+            let mut flat: Vec<Option<&Value>> = Vec::new();
+            let mut valid = Vec::with_capacity(values.len());
+            offsets.push(0i32);
+            for v in values {
+                match v.and_then(Value::as_array) {
+                    Some(items) => {
+                        flat.extend(items.iter().map(Some));
+                        valid.push(true);
+                    }
+                    None => valid.push(false),
+                }
+                let end = i32::try_from(flat.len()).map_err(|_| ArrowError::ComputeError("list too long".into()))?;
+                offsets.push(end);
+            }
+            let child = build(item, &flat)?;
+            Arc::new(ListArray::try_new(item.clone(), OffsetBuffer::new(offsets.into()), child, Some(NullBuffer::from(valid)))?)
+        }
+        other => return Err(ArrowError::NotYetImplemented(format!("column type {other}"))),
+    })
+}
+
+/// Row `row` of `array` as JSON: numbers, strings, booleans, lists and structs as such;
+/// other Arrow types (dates, decimals, intervals) as their display text.
+pub fn to_json(array: &dyn Array, row: usize) -> Result<Value, ArrowError> {
+    use datafusion::arrow::array::AsArray;
+    use datafusion::arrow::datatypes::*;
+    if array.is_null(row) {
+        return Ok(Value::Null);
+    }
+    Ok(match array.data_type() {
+        DataType::Boolean => Value::Bool(array.as_boolean().value(row)),
+        DataType::Int8 => array.as_primitive::<Int8Type>().value(row).into(),
+        DataType::Int16 => array.as_primitive::<Int16Type>().value(row).into(),
+        DataType::Int32 => array.as_primitive::<Int32Type>().value(row).into(),
+        DataType::Int64 => array.as_primitive::<Int64Type>().value(row).into(),
+        DataType::UInt8 => array.as_primitive::<UInt8Type>().value(row).into(),
+        DataType::UInt16 => array.as_primitive::<UInt16Type>().value(row).into(),
+        DataType::UInt32 => array.as_primitive::<UInt32Type>().value(row).into(),
+        DataType::UInt64 => array.as_primitive::<UInt64Type>().value(row).into(),
+        DataType::Float32 => float(f64::from(array.as_primitive::<Float32Type>().value(row))),
+        DataType::Float64 => float(array.as_primitive::<Float64Type>().value(row)),
+        DataType::Utf8 => Value::String(array.as_string::<i32>().value(row).to_string()),
+        DataType::LargeUtf8 => Value::String(array.as_string::<i64>().value(row).to_string()),
+        DataType::Utf8View => Value::String(array.as_string_view().value(row).to_string()),
+        DataType::List(_) => {
+            let list = array.as_list::<i32>().value(row);
+            Value::Array((0..list.len()).map(|i| to_json(list.as_ref(), i)).collect::<Result<_, _>>()?)
+        }
+        DataType::LargeList(_) => {
+            let list = array.as_list::<i64>().value(row);
+            Value::Array((0..list.len()).map(|i| to_json(list.as_ref(), i)).collect::<Result<_, _>>()?)
+        }
+        DataType::Struct(fields) => {
+            let s = array.as_struct();
+            let mut map = serde_json::Map::new();
+            for (i, f) in fields.iter().enumerate() {
+                map.insert(f.name().clone(), to_json(s.column(i).as_ref(), row)?);
+            }
+            Value::Object(map)
+        }
+        _ => {
+            let formatter = ArrayFormatter::try_new(array, &FormatOptions::default())?;
+            Value::String(formatter.value(row).to_string())
+        }
+    })
+}
+
+/// A float as JSON; NaN and infinities (which JSON lacks) as null.
+fn float(f: f64) -> Value {
+    serde_json::Number::from_f64(f).map(Value::Number).unwrap_or(Value::Null)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schema::Obj;
+    use serde_json::json;
+
+    #[test]
+    fn values_of_another_type_are_null_and_round_trip_otherwise() {
+        let docs = [json!({"n": 1, "s": "a", "o": {"x": 1}, "l": [1, 2], "m": "t"}), json!({"n": 2.5, "m": 7, "l": [], "o": {"x": 2}})];
+        let mut obj = Obj::default();
+        for d in &docs {
+            obj.observe(d.as_object().unwrap(), 0);
+        }
+        let schema = obj.table_schema();
+        // A third document that fits nothing: every column is null, the batch still builds.
+        let odd = json!({"n": "x", "s": 5, "o": [1], "l": {"a": 1}, "m": null});
+        let rows: Vec<(String, Value)> = docs.iter().cloned().chain([odd]).enumerate().map(|(i, d)| (format!("k{i}"), d)).collect();
+        let batch = to_batch(&schema, None, &rows).unwrap();
+        assert_eq!(batch.num_rows(), 3);
+        let col = |name: &str| batch.column(schema.index_of(name).unwrap()).clone();
+        assert_eq!(to_json(col("meta_id").as_ref(), 2).unwrap(), json!("k2"));
+        assert_eq!(to_json(col("n").as_ref(), 0).unwrap(), json!(1.0));
+        assert_eq!(to_json(col("n").as_ref(), 1).unwrap(), json!(2.5));
+        assert_eq!(to_json(col("m").as_ref(), 1).unwrap(), json!(7), "a tie goes to numbers");
+        assert_eq!(to_json(col("m").as_ref(), 0).unwrap(), Value::Null, "the string does not fit");
+        assert_eq!(to_json(col("o").as_ref(), 0).unwrap(), json!({"x": 1}));
+        assert_eq!(to_json(col("l").as_ref(), 0).unwrap(), json!([1, 2]));
+        for name in ["n", "s", "o", "l", "m"] {
+            assert_eq!(to_json(col(name).as_ref(), 2).unwrap(), Value::Null, "{name}");
+        }
+        let projected = to_batch(&schema, Some(&[0, 2]), &rows).unwrap();
+        assert_eq!(projected.num_columns(), 2);
+    }
+}

@@ -1,0 +1,270 @@
+//! SQL over collections (Apache DataFusion).
+//!
+//! A collection is a table: `meta_id` (the document key) and one column per top-level
+//! field, typed from the documents (see [`schema`]); a value that does not fit its column's
+//! type is NULL in that row. Filters on `meta_id` become key lookups and filters on an
+//! index's leading keys become index scans; everything else reads the documents in key
+//! order. DataFusion does the rest (joins, aggregates, windows, subqueries). Knows nothing
+//! of HTTP.
+
+mod convert;
+pub mod schema;
+mod table;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use datafusion::common::{DataFusionError, ScalarValue};
+use datafusion::execution::runtime_env::RuntimeEnvBuilder;
+use datafusion::prelude::{SessionConfig, SessionContext};
+use parking_lot::Mutex;
+use serde_json::Value;
+use shoal_index::{Consistency, IndexManager};
+use shoal_storage::changes::FeedPosition;
+use shoal_storage::{Collection, Store, StreamPosition};
+
+use crate::schema::Obj;
+use crate::table::{Collections, QueryEnv};
+
+/// Documents read to infer a collection's schema the first time it is queried.
+pub const SCHEMA_SAMPLE_DOCS: usize = 1000;
+/// Changes read per query to widen a cached schema with new documents.
+pub const SCHEMA_WIDEN_CHANGES: usize = 10_000;
+/// Rows per record batch a scan produces.
+pub const SCAN_BATCH_ROWS: usize = 8192;
+/// Most keys of a `meta_id IN (...)` turned into point reads.
+pub const KEY_LOOKUPS_MAX: usize = 10_000;
+/// Memory one query may use for sorts, joins and aggregates.
+pub const QUERY_MEMORY_MAX_BYTES: usize = 512 * 1024 * 1024;
+/// Longest SQL text accepted.
+pub const SQL_MAX_BYTES: usize = 64 * 1024;
+/// Most parameters.
+pub const PARAMS_MAX: usize = 1024;
+/// Most rows in one answer.
+pub const RESULT_ROWS_MAX: usize = 100_000;
+/// Default and longest time a query may run.
+pub const QUERY_TIMEOUT_DEFAULT: Duration = Duration::from_secs(75);
+pub const QUERY_TIMEOUT_MAX: Duration = Duration::from_secs(3600);
+
+#[derive(Debug, thiserror::Error)]
+pub enum QueryError {
+    /// The statement does not parse, plan or run: the user's to fix.
+    #[error("{0}")]
+    Sql(String),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("the query ran out of its memory limit: {0}")]
+    Memory(String),
+    #[error("the query did not finish in {0:?}")]
+    Timeout(Duration),
+    #[error("index not ready: {0}")]
+    Unavailable(String),
+    /// A storage fault.
+    #[error("{0}")]
+    Storage(String),
+    /// A fault in the engine (a panic inside DataFusion, say): logged, answered, survived.
+    #[error("query engine fault: {0}")]
+    Internal(String),
+}
+
+impl From<DataFusionError> for QueryError {
+    fn from(e: DataFusionError) -> Self {
+        match e.find_root() {
+            DataFusionError::ResourcesExhausted(m) => QueryError::Memory(m.clone()),
+            DataFusionError::External(inner) => {
+                if let Some(ix) = inner.downcast_ref::<shoal_index::IndexError>() {
+                    return match ix {
+                        shoal_index::IndexError::Timeout => QueryError::Timeout(Duration::ZERO),
+                        shoal_index::IndexError::NotReady { .. } => QueryError::Unavailable(ix.to_string()),
+                        _ => QueryError::Storage(ix.to_string()),
+                    };
+                }
+                if let Some(r) = inner.downcast_ref::<shoal_storage::ReadError>() {
+                    return QueryError::Storage(r.to_string());
+                }
+                QueryError::Sql(inner.to_string())
+            }
+            root => QueryError::Sql(root.to_string()),
+        }
+    }
+}
+
+/// One statement to run.
+#[derive(Clone, Debug)]
+pub struct QueryRequest {
+    pub sql: String,
+    pub params: Vec<Value>,
+    pub consistency: Consistency,
+    pub timeout: Duration,
+}
+
+/// Column names and rows of values, in order.
+#[derive(Clone, Debug, Default)]
+pub struct QueryResult {
+    pub columns: Vec<String>,
+    pub rows: Vec<Vec<Value>>,
+    pub elapsed: Duration,
+}
+
+/// Schemas inferred per collection, widened from the change feed.
+#[derive(Default)]
+pub(crate) struct SchemaCache {
+    by_collection: Mutex<HashMap<u32, Arc<Mutex<Inferred>>>>,
+}
+
+struct Inferred {
+    obj: Obj,
+    feed: FeedPosition,
+}
+
+impl SchemaCache {
+    /// The collection's current schema: sampled on first use, then widened with the
+    /// documents written since (up to [`SCHEMA_WIDEN_CHANGES`] per call).
+    pub(crate) fn schema_of(&self, coll: &Collection) -> Result<datafusion::arrow::datatypes::SchemaRef, QueryError> {
+        let slot = {
+            let mut map = self.by_collection.lock();
+            match map.get(&coll.id()) {
+                Some(s) => Arc::clone(s),
+                None => {
+                    // Positions first, then the sample: every document written after the
+                    // positions is seen again by the widening, none is missed.
+                    let feed = FeedPosition {
+                        partitions: coll
+                            .high_seqnos()
+                            .into_iter()
+                            .zip(coll.partition_uuids())
+                            .map(|(seqno, uuid)| StreamPosition { seqno, uuid })
+                            .collect(),
+                    };
+                    let mut obj = Obj::default();
+                    for (_, body) in coll.scan_docs(None, SCHEMA_SAMPLE_DOCS).map_err(|e| QueryError::Storage(e.to_string()))? {
+                        if let Ok(Value::Object(map)) = serde_json::from_slice::<Value>(&body) {
+                            obj.observe(&map, 0);
+                        }
+                    }
+                    let s = Arc::new(Mutex::new(Inferred { obj, feed }));
+                    map.insert(coll.id(), Arc::clone(&s));
+                    s
+                }
+            }
+        };
+        let mut inferred = slot.lock();
+        let Inferred { obj, feed } = &mut *inferred;
+        let changes = coll.read_feed(feed, SCHEMA_WIDEN_CHANGES, true).map_err(|e| QueryError::Storage(e.to_string()))?;
+        for change in changes {
+            if let Some(body) = change.value {
+                if let Ok(Value::Object(map)) = serde_json::from_slice::<Value>(&body) {
+                    obj.observe(&map, 0);
+                }
+            }
+        }
+        Ok(obj.table_schema())
+    }
+}
+
+/// Runs SQL over the store's collections.
+pub struct QueryEngine {
+    store: Arc<Store>,
+    indexes: Arc<IndexManager>,
+    schemas: Arc<SchemaCache>,
+    threads: usize,
+}
+
+impl QueryEngine {
+    pub fn new(store: Arc<Store>, indexes: Arc<IndexManager>, threads: usize) -> QueryEngine {
+        QueryEngine { store, indexes, schemas: Arc::new(SchemaCache::default()), threads: threads.max(1) }
+    }
+
+    /// Runs one statement (queries and `EXPLAIN`; no DDL, DML or `SET`).
+    pub async fn query(&self, req: QueryRequest) -> Result<QueryResult, QueryError> {
+        let started = Instant::now();
+        if req.sql.len() > SQL_MAX_BYTES {
+            return Err(QueryError::Invalid(format!("the statement is longer than {SQL_MAX_BYTES} bytes")));
+        }
+        if req.params.len() > PARAMS_MAX {
+            return Err(QueryError::Invalid(format!("at most {PARAMS_MAX} parameters")));
+        }
+        if req.timeout > QUERY_TIMEOUT_MAX {
+            return Err(QueryError::Invalid(format!("timeout is at most {} ms", QUERY_TIMEOUT_MAX.as_millis())));
+        }
+        let params = req.params.iter().map(param).collect::<Result<Vec<_>, _>>()?;
+        let ctx = self.session(&req)?;
+        let sql = req.sql.clone();
+        let run = async move {
+            let options =
+                datafusion::execution::context::SQLOptions::new().with_allow_ddl(false).with_allow_dml(false).with_allow_statements(false);
+            let mut df = ctx.sql_with_options(&sql, options).await?;
+            if !params.is_empty() {
+                df = df.with_param_values(params)?;
+            }
+            let columns: Vec<String> = df.schema().fields().iter().map(|f| f.name().clone()).collect();
+            let mut stream = df.execute_stream().await?;
+            let mut rows = Vec::new();
+            while let Some(batch) = futures::StreamExt::next(&mut stream).await {
+                let batch = batch?;
+                if rows.len() + batch.num_rows() > RESULT_ROWS_MAX {
+                    return Err(QueryError::Invalid(format!("the answer has more than {RESULT_ROWS_MAX} rows; add a LIMIT")));
+                }
+                for r in 0..batch.num_rows() {
+                    let row = batch
+                        .columns()
+                        .iter()
+                        .map(|c| convert::to_json(c.as_ref(), r))
+                        .collect::<Result<Vec<_>, _>>()
+                        .map_err(|e| QueryError::Sql(e.to_string()))?;
+                    rows.push(row);
+                }
+            }
+            Ok::<_, QueryError>(QueryResult { columns, rows, elapsed: Duration::ZERO })
+        };
+        // On its own task: a panic inside the engine fails this query, not the connection.
+        let timeout = req.timeout;
+        let task = tokio::spawn(async move { tokio::time::timeout(timeout, run).await });
+        let mut result = match task.await {
+            Ok(Ok(r)) => r?,
+            Ok(Err(_)) => return Err(QueryError::Timeout(timeout)),
+            Err(e) => {
+                tracing::error!(error = %e, sql = %req.sql, "query task failed");
+                return Err(QueryError::Internal(e.to_string()));
+            }
+        };
+        result.elapsed = started.elapsed();
+        Ok(result)
+    }
+
+    fn session(&self, req: &QueryRequest) -> Result<SessionContext, QueryError> {
+        let mut config = SessionConfig::new().with_target_partitions(self.threads).with_information_schema(true);
+        // JSON field names are case-sensitive: `firstName` means firstName, quoted or not.
+        config.options_mut().sql_parser.enable_ident_normalization = false;
+        let runtime = RuntimeEnvBuilder::new()
+            .with_memory_limit(QUERY_MEMORY_MAX_BYTES, 1.0)
+            .build_arc()
+            .map_err(|e| QueryError::Storage(e.to_string()))?;
+        let ctx = SessionContext::new_with_config_rt(config, runtime);
+        let env = Arc::new(QueryEnv {
+            store: Arc::clone(&self.store),
+            indexes: Arc::clone(&self.indexes),
+            schemas: Arc::clone(&self.schemas),
+            consistency: req.consistency,
+            index_timeout: req.timeout,
+        });
+        let catalog = ctx.catalog("datafusion").ok_or_else(|| QueryError::Storage("no default catalog".into()))?;
+        catalog.register_schema("public", Arc::new(Collections(env)))?;
+        Ok(ctx)
+    }
+}
+
+/// A JSON parameter as a SQL value; arrays and objects are refused.
+fn param(v: &Value) -> Result<ScalarValue, QueryError> {
+    Ok(match v {
+        Value::Null => ScalarValue::Null,
+        Value::Bool(b) => ScalarValue::Boolean(Some(*b)),
+        Value::Number(n) => match n.as_i64() {
+            Some(i) => ScalarValue::Int64(Some(i)),
+            None => ScalarValue::Float64(n.as_f64()),
+        },
+        Value::String(s) => ScalarValue::Utf8(Some(s.clone())),
+        _ => return Err(QueryError::Invalid("parameters are null, booleans, numbers or strings".into())),
+    })
+}

@@ -1,0 +1,527 @@
+//! Collections as DataFusion tables: the schema provider, the table provider, and the scan
+//! operator that reads documents by key, through an index, or in key order.
+
+use std::fmt;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use datafusion::arrow::datatypes::{DataType, Field, SchemaRef};
+use datafusion::catalog::{SchemaProvider, Session, TableProvider};
+use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::common::{DataFusionError, ScalarValue};
+use datafusion::datasource::TableType;
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::logical_expr::{Between, BinaryExpr, Expr, Operator, TableProviderFilterPushDown};
+use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
+use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{
+    ChildrenPropertiesMode, DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties, ReplaceChildrenOptions,
+};
+use serde_json::Value;
+use shoal_index::{Consistency, IndexManager, IndexState, ScanBounds, ScanRequest};
+use shoal_storage::{Collection, Store};
+
+use crate::convert::to_batch;
+use crate::schema::{is_mixed, KEY_COLUMN};
+use crate::{SchemaCache, SCAN_BATCH_ROWS};
+
+/// What a query shares with the tables it reads.
+pub(crate) struct QueryEnv {
+    pub store: Arc<Store>,
+    pub indexes: Arc<IndexManager>,
+    pub schemas: Arc<SchemaCache>,
+    pub consistency: Consistency,
+    pub index_timeout: std::time::Duration,
+}
+
+/// Every collection of the store, as tables of the default schema.
+pub(crate) struct Collections(pub Arc<QueryEnv>);
+
+impl fmt::Debug for Collections {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Collections")
+    }
+}
+
+#[async_trait]
+impl SchemaProvider for Collections {
+    fn table_names(&self) -> Vec<String> {
+        self.0.store.list_collections().into_iter().map(|c| c.name).collect()
+    }
+
+    async fn table(&self, name: &str) -> Result<Option<Arc<dyn TableProvider>>, DataFusionError> {
+        let Some(coll) = self.0.store.collection(name) else { return Ok(None) };
+        let env = Arc::clone(&self.0);
+        let c = Arc::clone(&coll);
+        let schema = tokio::task::spawn_blocking(move || env.schemas.schema_of(&c))
+            .await
+            .map_err(|e| DataFusionError::External(Box::new(e)))?
+            .map_err(|e| DataFusionError::External(Box::new(e)))?;
+        Ok(Some(Arc::new(CollectionTable { env: Arc::clone(&self.0), coll, schema })))
+    }
+
+    fn table_exist(&self, name: &str) -> bool {
+        self.0.store.collection(name).is_some()
+    }
+}
+
+pub(crate) struct CollectionTable {
+    env: Arc<QueryEnv>,
+    coll: Arc<Collection>,
+    schema: SchemaRef,
+}
+
+impl fmt::Debug for CollectionTable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "CollectionTable({})", self.coll.name())
+    }
+}
+
+#[async_trait]
+impl TableProvider for CollectionTable {
+    fn schema(&self) -> SchemaRef {
+        Arc::clone(&self.schema)
+    }
+
+    fn table_type(&self) -> TableType {
+        TableType::Base
+    }
+
+    /// Filters are used to choose key lookups and index scans, which return a superset of
+    /// the matching rows; DataFusion applies every filter again.
+    fn supports_filters_pushdown(&self, filters: &[&Expr]) -> Result<Vec<TableProviderFilterPushDown>, DataFusionError> {
+        Ok(vec![TableProviderFilterPushDown::Inexact; filters.len()])
+    }
+
+    async fn scan(
+        &self,
+        _state: &dyn Session,
+        projection: Option<&Vec<usize>>,
+        filters: &[Expr],
+        limit: Option<usize>,
+    ) -> Result<Arc<dyn ExecutionPlan>, DataFusionError> {
+        let access = choose_access(&self.env, &self.coll, &self.schema, filters);
+        let projected = match projection {
+            Some(p) => Arc::new(self.schema.project(p)?),
+            None => Arc::clone(&self.schema),
+        };
+        let properties = Arc::new(PlanProperties::new(
+            EquivalenceProperties::new(Arc::clone(&projected)),
+            Partitioning::UnknownPartitioning(1),
+            EmissionType::Incremental,
+            Boundedness::Bounded,
+        ));
+        Ok(Arc::new(ScanExec {
+            env: Arc::clone(&self.env),
+            coll: Arc::clone(&self.coll),
+            schema: Arc::clone(&self.schema),
+            projection: projection.cloned(),
+            projected,
+            access,
+            limit,
+            properties,
+        }))
+    }
+}
+
+/// How a scan reads the collection.
+#[derive(Clone, Debug)]
+pub(crate) enum Access {
+    /// `meta_id = ...` or `meta_id IN (...)`: point reads.
+    Keys(Vec<String>),
+    /// Filters on an index's leading keys: one index scan, then the documents.
+    Index { name: String, bounds: ScanBounds },
+    /// Every document, in key order.
+    Full,
+}
+
+impl fmt::Display for Access {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Access::Keys(keys) => write!(f, "keys={}", keys.len()),
+            Access::Index { name, bounds } => {
+                let bounds = match bounds {
+                    ScanBounds::All => "all".to_string(),
+                    ScanBounds::Eq(v) => format!("eq {}", Value::Array(v.clone())),
+                    ScanBounds::Range { low, high, inclusive_low, inclusive_high } => format!(
+                        "range {}{} .. {}{}",
+                        if *inclusive_low { "[" } else { "(" },
+                        low.clone().map(Value::Array).unwrap_or(Value::Null),
+                        high.clone().map(Value::Array).unwrap_or(Value::Null),
+                        if *inclusive_high { "]" } else { ")" },
+                    ),
+                };
+                write!(f, "index={name} {bounds}")
+            }
+            Access::Full => f.write_str("full scan"),
+        }
+    }
+}
+
+/// The dotted path an expression reads (`a`, `a.b` via struct field access), if any.
+fn path_of(e: &Expr) -> Option<String> {
+    match e {
+        Expr::Column(c) => Some(c.name.clone()),
+        Expr::ScalarFunction(f) if f.func.name() == "get_field" && f.args.len() == 2 => {
+            let base = path_of(&f.args[0])?;
+            match &f.args[1] {
+                Expr::Literal(ScalarValue::Utf8(Some(name)) | ScalarValue::Utf8View(Some(name)), _) => Some(format!("{base}.{name}")),
+                _ => None,
+            }
+        }
+        _ => None,
+    }
+}
+
+/// A literal as the JSON value an index holds.
+fn json_of(e: &Expr) -> Option<Value> {
+    let Expr::Literal(v, _) = e else { return None };
+    match v {
+        ScalarValue::Utf8(Some(s)) | ScalarValue::LargeUtf8(Some(s)) | ScalarValue::Utf8View(Some(s)) => Some(Value::String(s.clone())),
+        ScalarValue::Boolean(Some(b)) => Some(Value::Bool(*b)),
+        ScalarValue::Int8(Some(n)) => Some((*n).into()),
+        ScalarValue::Int16(Some(n)) => Some((*n).into()),
+        ScalarValue::Int32(Some(n)) => Some((*n).into()),
+        ScalarValue::Int64(Some(n)) => Some((*n).into()),
+        ScalarValue::UInt8(Some(n)) => Some((*n).into()),
+        ScalarValue::UInt16(Some(n)) => Some((*n).into()),
+        ScalarValue::UInt32(Some(n)) => Some((*n).into()),
+        ScalarValue::UInt64(Some(n)) => Some((*n).into()),
+        ScalarValue::Float64(Some(f)) => serde_json::Number::from_f64(*f).map(Value::Number),
+        ScalarValue::Float32(Some(f)) => serde_json::Number::from_f64(f64::from(*f)).map(Value::Number),
+        _ => None,
+    }
+}
+
+/// A simple condition on one path.
+enum Cond {
+    Eq(String, Value),
+    In(String, Vec<Value>),
+    /// (path, bound, inclusive, is_low)
+    Bound(String, Value, bool, bool),
+}
+
+fn conds(filters: &[Expr]) -> Vec<Cond> {
+    let mut out = Vec::new();
+    let mut stack: Vec<&Expr> = filters.iter().collect();
+    while let Some(e) = stack.pop() {
+        match e {
+            Expr::BinaryExpr(BinaryExpr { left, op: Operator::And, right }) => {
+                stack.push(left);
+                stack.push(right);
+            }
+            Expr::BinaryExpr(BinaryExpr { left, op, right }) => {
+                let (path, value, op) = match (path_of(left), json_of(right), path_of(right), json_of(left)) {
+                    (Some(p), Some(v), _, _) => (p, v, *op),
+                    (_, _, Some(p), Some(v)) => match op.swap() {
+                        Some(op) => (p, v, op),
+                        None => continue,
+                    },
+                    _ => continue,
+                };
+                match op {
+                    Operator::Eq => out.push(Cond::Eq(path, value)),
+                    Operator::Gt => out.push(Cond::Bound(path, value, false, true)),
+                    Operator::GtEq => out.push(Cond::Bound(path, value, true, true)),
+                    Operator::Lt => out.push(Cond::Bound(path, value, false, false)),
+                    Operator::LtEq => out.push(Cond::Bound(path, value, true, false)),
+                    _ => {}
+                }
+            }
+            Expr::Between(Between { expr, negated: false, low, high }) => {
+                if let (Some(p), Some(lo), Some(hi)) = (path_of(expr), json_of(low), json_of(high)) {
+                    out.push(Cond::Bound(p.clone(), lo, true, true));
+                    out.push(Cond::Bound(p, hi, true, false));
+                }
+            }
+            Expr::InList(list) if !list.negated => {
+                if let Some(p) = path_of(&list.expr) {
+                    let values: Option<Vec<Value>> = list.list.iter().map(json_of).collect();
+                    if let Some(values) = values {
+                        out.push(Cond::In(p, values));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// The field a dotted path names in the table schema, if every step is a struct field.
+fn field_at<'a>(schema: &'a SchemaRef, path: &str) -> Option<&'a Field> {
+    let mut parts = path.split('.');
+    let mut field: &Field = schema.field_with_name(parts.next()?).ok()?;
+    for part in parts {
+        let DataType::Struct(children) = field.data_type() else { return None };
+        field = children.iter().find(|f| f.name() == part)?.as_ref();
+    }
+    Some(field)
+}
+
+/// Picks key lookups, else the ready index whose leading keys the filters fix the most,
+/// else a full scan.
+fn choose_access(env: &QueryEnv, coll: &Collection, schema: &SchemaRef, filters: &[Expr]) -> Access {
+    let conds = conds(filters);
+    for c in &conds {
+        match c {
+            Cond::Eq(p, Value::String(k)) if p == KEY_COLUMN => return Access::Keys(vec![k.clone()]),
+            Cond::In(p, keys) if p == KEY_COLUMN && keys.len() <= crate::KEY_LOOKUPS_MAX => {
+                let keys: Option<Vec<String>> = keys.iter().map(|k| k.as_str().map(str::to_string)).collect();
+                if let Some(keys) = keys {
+                    return Access::Keys(keys);
+                }
+            }
+            _ => {}
+        }
+    }
+    // An index gives a superset of the matching rows only where the column holds the JSON
+    // values themselves (not text of mixed values) and every document is indexed.
+    let usable = |path: &str| field_at(schema, path).is_some_and(|f| !is_mixed(f));
+    let mut best: Option<(usize, Access)> = None;
+    for status in env.indexes.list(coll) {
+        if status.state != IndexState::Ready || status.def.filter.is_some() {
+            continue;
+        }
+        let keys = &status.def.keys;
+        if keys.iter().any(|k| !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')) {
+            continue;
+        }
+        let mut prefix = Vec::new();
+        for key in keys {
+            let eq = conds.iter().find_map(|c| match c {
+                Cond::Eq(p, v) if p == key && usable(p) => Some(v.clone()),
+                _ => None,
+            });
+            match eq {
+                Some(v) => prefix.push(v),
+                None => break,
+            }
+        }
+        let next = keys.get(prefix.len()).filter(|k| usable(k));
+        let mut low: Option<(Value, bool)> = None;
+        let mut high: Option<(Value, bool)> = None;
+        if let Some(key) = next {
+            for c in &conds {
+                if let Cond::Bound(p, v, inclusive, is_low) = c {
+                    if p == key {
+                        let slot = if *is_low { &mut low } else { &mut high };
+                        slot.get_or_insert((v.clone(), *inclusive));
+                    }
+                }
+            }
+        }
+        let score = prefix.len() * 2 + usize::from(low.is_some() || high.is_some());
+        if score == 0 || best.as_ref().is_some_and(|(s, _)| *s >= score) {
+            continue;
+        }
+        let bounds = if low.is_none() && high.is_none() {
+            ScanBounds::Eq(prefix)
+        } else {
+            let bound = |b: Option<(Value, bool)>| match b {
+                Some((v, inclusive)) => (Some(prefix.iter().cloned().chain([v]).collect::<Vec<_>>()), inclusive),
+                None => ((!prefix.is_empty()).then(|| prefix.clone()), true),
+            };
+            let (low, inclusive_low) = bound(low);
+            let (high, inclusive_high) = bound(high);
+            ScanBounds::Range { low, high, inclusive_low, inclusive_high }
+        };
+        best = Some((score, Access::Index { name: status.def.name.clone(), bounds }));
+    }
+    best.map(|(_, a)| a).unwrap_or(Access::Full)
+}
+
+/// Reads a collection for one query.
+pub(crate) struct ScanExec {
+    env: Arc<QueryEnv>,
+    coll: Arc<Collection>,
+    schema: SchemaRef,
+    projection: Option<Vec<usize>>,
+    projected: SchemaRef,
+    access: Access,
+    limit: Option<usize>,
+    properties: Arc<PlanProperties>,
+}
+
+impl fmt::Debug for ScanExec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ShoalScan({}, {})", self.coll.name(), self.access)
+    }
+}
+
+impl DisplayAs for ScanExec {
+    fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(f, "ShoalScan: collection={}, {}", self.coll.name(), self.access)?;
+        if let Some(l) = self.limit {
+            write!(f, ", limit={l}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Where a scan stream is.
+enum Cursor {
+    Keys(std::vec::IntoIter<String>),
+    Full(Option<Bytes>),
+    Index(Option<std::vec::IntoIter<String>>),
+    Done,
+}
+
+impl ExecutionPlan for ScanExec {
+    fn name(&self) -> &'static str {
+        "ShoalScan"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        &self.properties
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![]
+    }
+
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion, DataFusionError>,
+    ) -> Result<TreeNodeRecursion, DataFusionError> {
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn replace_children(
+        self: Arc<Self>,
+        _children: Vec<Arc<dyn ExecutionPlan>>,
+        _options: ReplaceChildrenOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>, DataFusionError> {
+        Ok(self)
+    }
+
+    fn with_new_children(self: Arc<Self>, children: Vec<Arc<dyn ExecutionPlan>>) -> Result<Arc<dyn ExecutionPlan>, DataFusionError> {
+        self.replace_children(children, ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute))
+    }
+
+    fn execute(&self, _partition: usize, _context: Arc<TaskContext>) -> Result<SendableRecordBatchStream, DataFusionError> {
+        let start = match &self.access {
+            Access::Keys(keys) => Cursor::Keys(keys.clone().into_iter()),
+            Access::Index { .. } => Cursor::Index(None),
+            Access::Full => Cursor::Full(None),
+        };
+        let env = Arc::clone(&self.env);
+        let coll = Arc::clone(&self.coll);
+        let schema = Arc::clone(&self.schema);
+        let projection = self.projection.clone();
+        let access = self.access.clone();
+        // Rows still wanted under the limit.
+        let left = Arc::new(std::sync::atomic::AtomicUsize::new(self.limit.unwrap_or(usize::MAX)));
+        let stream = futures::stream::unfold(start, move |cursor| {
+            let (env, coll, schema, projection, access, left) =
+                (Arc::clone(&env), Arc::clone(&coll), Arc::clone(&schema), projection.clone(), access.clone(), Arc::clone(&left));
+            async move {
+                let take = left.load(std::sync::atomic::Ordering::Relaxed).min(SCAN_BATCH_ROWS);
+                if take == 0 {
+                    return None;
+                }
+                match next_rows(&env, &coll, &access, cursor, take).await {
+                    Ok(None) => None,
+                    Ok(Some((rows, next))) => {
+                        left.fetch_sub(rows.len().min(take), std::sync::atomic::Ordering::Relaxed);
+                        let batch = to_batch(&schema, projection.as_deref(), &rows).map_err(DataFusionError::from);
+                        Some((batch, next))
+                    }
+                    Err(e) => Some((Err(e), Cursor::Done)),
+                }
+            }
+        });
+        Ok(Box::pin(RecordBatchStreamAdapter::new(Arc::clone(&self.projected), stream)))
+    }
+}
+
+fn external<E: std::error::Error + Send + Sync + 'static>(e: E) -> DataFusionError {
+    DataFusionError::External(Box::new(e))
+}
+
+/// Parses stored documents (validated JSON on the way in; a body that no longer parses
+/// becomes an empty object rather than a failed query).
+fn parse(key: String, body: &[u8]) -> (String, Value) {
+    (key, serde_json::from_slice(body).unwrap_or(Value::Object(Default::default())))
+}
+
+/// Reads the next rows of a scan: `None` when it is done.
+async fn next_rows(
+    env: &QueryEnv,
+    coll: &Arc<Collection>,
+    access: &Access,
+    cursor: Cursor,
+    take: usize,
+) -> Result<Option<(Vec<(String, Value)>, Cursor)>, DataFusionError> {
+    match cursor {
+        Cursor::Done => Ok(None),
+        Cursor::Full(after) => {
+            let c = Arc::clone(coll);
+            let page = tokio::task::spawn_blocking(move || {
+                let docs = c.scan_docs(after.as_deref(), take)?;
+                let last = docs.last().map(|d| d.0.clone());
+                let rows: Vec<(String, Value)> = docs.iter().map(|(k, v)| parse(String::from_utf8_lossy(k).into_owned(), v)).collect();
+                Ok::<_, shoal_storage::ReadError>((rows, last))
+            })
+            .await
+            .map_err(external)?
+            .map_err(external)?;
+            match page {
+                (rows, Some(last)) if !rows.is_empty() => Ok(Some((rows, Cursor::Full(Some(last))))),
+                _ => Ok(None),
+            }
+        }
+        Cursor::Keys(mut keys) => {
+            let batch: Vec<String> = keys.by_ref().take(take).collect();
+            if batch.is_empty() {
+                return Ok(None);
+            }
+            let rows = fetch(coll, batch).await?;
+            Ok(Some((rows, Cursor::Keys(keys))))
+        }
+        Cursor::Index(None) => {
+            let Access::Index { name, bounds } = access else { return Ok(None) };
+            let req = ScanRequest {
+                bounds: bounds.clone(),
+                limit: shoal_index::SCAN_ROWS_MAX,
+                descending: false,
+                consistency: env.consistency,
+                timeout: env.index_timeout,
+            };
+            let rows = env.indexes.scan(coll, name, req).await.map_err(external)?;
+            let mut ids: Vec<String> = rows.into_iter().map(|r| r.id).collect();
+            // An array index lists a document once per element; the table has it once.
+            ids.sort_unstable();
+            ids.dedup();
+            Box::pin(next_rows(env, coll, access, Cursor::Index(Some(ids.into_iter())), take)).await
+        }
+        Cursor::Index(Some(mut ids)) => {
+            let batch: Vec<String> = ids.by_ref().take(take).collect();
+            if batch.is_empty() {
+                return Ok(None);
+            }
+            let rows = fetch(coll, batch).await?;
+            Ok(Some((rows, Cursor::Index(Some(ids)))))
+        }
+    }
+}
+
+/// The documents of `keys` that exist, in order.
+async fn fetch(coll: &Arc<Collection>, keys: Vec<String>) -> Result<Vec<(String, Value)>, DataFusionError> {
+    let c = Arc::clone(coll);
+    tokio::task::spawn_blocking(move || {
+        let mut rows = Vec::with_capacity(keys.len());
+        for key in keys {
+            match c.get(&key) {
+                Ok(doc) => rows.push(parse(key, &doc.value)),
+                Err(shoal_storage::ReadError::NotFound | shoal_storage::ReadError::InvalidKey(_)) => {}
+                Err(e) => return Err(external(e)),
+            }
+        }
+        Ok(rows)
+    })
+    .await
+    .map_err(external)?
+}
