@@ -207,7 +207,7 @@ async fn wait_built(client: &Client, collection: &str, name: &str) -> Result<ser
 fn print_indexes(output: Output, list: &[serde_json::Value]) {
     match output {
         Output::Json => println!("{}", serde_json::Value::Array(list.to_vec())),
-        Output::Table => print_table(
+        Output::Table | Output::Csv => print_table(
             &["name", "keys", "where", "state", "progress", "items"],
             list.iter()
                 .map(|i| {
@@ -285,7 +285,7 @@ pub async fn index(url: &str, output: Output, cmd: IndexCmd) -> Result<(), CliEr
             let rows = answer["rows"].as_array().cloned().unwrap_or_default();
             match output {
                 Output::Json => println!("{answer}"),
-                Output::Table => {
+                Output::Table | Output::Csv => {
                     let header: &[&str] = if include_docs { &["key", "id", "doc"] } else { &["key", "id"] };
                     let rows = rows
                         .iter()
@@ -349,7 +349,7 @@ pub async fn collection(url: &str, output: Output, cmd: CollectionCmd) -> Result
             let list = client.list_collections().await?;
             match output {
                 Output::Json => println!("{}", serde_json::to_string_pretty(&list).unwrap_or_default()),
-                Output::Table => {
+                Output::Table | Output::Csv => {
                     let rows =
                         list.iter().map(|c| vec![c.name.clone(), c.docs.to_string(), c.bytes.to_string(), c.max_ttl.to_string()]).collect();
                     print_table(&["name", "docs", "bytes", "max_ttl"], rows);
@@ -372,7 +372,7 @@ pub async fn doc(url: &str, output: Output, cmd: DocCmd) -> Result<(), CliError>
             let value = String::from_utf8_lossy(&doc.value);
             match output {
                 Output::Json => println!("{value}"),
-                Output::Table => print_table(&["key", "cas", "value"], vec![vec![key, doc.cas, value.into_owned()]]),
+                Output::Table | Output::Csv => print_table(&["key", "cas", "value"], vec![vec![key, doc.cas, value.into_owned()]]),
             }
             return Ok(());
         }
@@ -389,7 +389,7 @@ pub async fn doc(url: &str, output: Output, cmd: DocCmd) -> Result<(), CliError>
     };
     match output {
         Output::Json => println!("{}", serde_json::to_string(&mutation).unwrap_or_default()),
-        Output::Table => print_table(
+        Output::Table | Output::Csv => print_table(
             &["cas", "partition", "seqno", "uuid"],
             vec![vec![mutation.cas, mutation.token.partition.to_string(), mutation.token.seqno.to_string(), mutation.token.uuid]],
         ),
@@ -437,7 +437,7 @@ pub async fn subdoc(url: &str, output: Output, cmd: SubdocCmd) -> Result<(), Cli
     };
     match output {
         Output::Json => println!("{answer}"),
-        Output::Table => {
+        Output::Table | Output::Csv => {
             let results = answer["results"].as_array().cloned().unwrap_or_default();
             let rows = paths
                 .into_iter()
@@ -476,7 +476,7 @@ pub async fn changes(url: &str, output: Output, args: ChangesArgs) -> Result<(),
     let resp = client.changes(&args.collection, &options).await?;
     let mut stream = resp.bytes_stream();
     let mut pending = Vec::new();
-    if output == Output::Table {
+    if output != Output::Json {
         println!("{:<40} {:>9} {:>10} {:>7}  doc", "key", "partition", "seqno", "deleted");
     }
     while let Some(chunk) = stream.next().await {

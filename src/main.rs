@@ -4,6 +4,7 @@ mod bench;
 mod bench_index;
 mod chart;
 mod cli;
+mod sql;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -27,6 +28,8 @@ struct Args {
 pub enum Output {
     Json,
     Table,
+    /// Comma-separated values (`shoal sql`); other commands print tables.
+    Csv,
 }
 
 #[derive(Subcommand)]
@@ -45,6 +48,8 @@ enum Command {
     /// Secondary indexes: create, list, build, drop, scan.
     #[command(subcommand)]
     Index(cli::IndexCmd),
+    /// SQL: one statement with `-e`, statements from stdin, or an interactive shell.
+    Sql(sql::SqlArgs),
     /// Read a collection's change stream.
     Changes(cli::ChangesArgs),
     /// Bulk-load an NDJSON file of documents.
@@ -117,6 +122,7 @@ async fn run(args: Args) -> Result<(), cli::CliError> {
         Command::Subdoc(c) => cli::subdoc(&args.url, args.output, c).await,
         Command::Index(c) => cli::index(&args.url, args.output, c).await,
         Command::Changes(c) => cli::changes(&args.url, args.output, c).await,
+        Command::Sql(q) => sql::run(&args.url, args.output, q).await,
         Command::Load(l) => cli::load(&args.url, l).await,
         Command::Bench(b) => bench::run(&args.url, b).await,
     }

@@ -182,3 +182,32 @@ async fn bad_sql_input_gets_clear_errors_and_the_server_keeps_serving() {
     // Nothing was lost and the server still answers.
     assert_eq!(rows(&node, &c, "SELECT count(*) FROM people", json!([])).await, [json!([4])]);
 }
+
+#[tokio::test]
+async fn cli_runs_statements() {
+    let node = Node::start(&["--partitions", "4"]);
+    let c = node.client();
+    people(&node, &c).await;
+    let (ok, out, err) = node.cli(&["sql", "-e", "SELECT name, age FROM people WHERE city = 'Oslo' ORDER BY name"]);
+    assert!(ok, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[..3], ["name  age", "Ann   31", "Cy    27"], "{out}");
+    assert!(lines[3].starts_with("(2 rows"), "{out}");
+    let (ok, out, err) = node.cli(&[
+        "--output",
+        "csv",
+        "sql",
+        "-e",
+        "SELECT name, $1 AS note FROM people WHERE meta_id = 'p1'",
+        "--params",
+        "[\"a,\\\"b\\\"\"]",
+    ]);
+    assert!(ok, "{err}");
+    assert_eq!(out, "name,note\nAnn,\"a,\"\"b\"\"\"\n");
+    let (ok, out, err) = common::cli(&node.url, &["--output", "json", "sql"], Some("SELECT 1 AS one;\nSELECT ';' AS two;"));
+    assert!(ok, "{err}");
+    let answers: Vec<Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(answers.iter().map(|a| a["rows"].clone()).collect::<Vec<_>>(), [json!([[1]]), json!([[";"]])]);
+    let (ok, _, err) = node.cli(&["sql", "-e", "SELEC 1"]);
+    assert!(!ok && err.contains("query_error"), "{err}");
+}

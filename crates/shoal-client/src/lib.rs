@@ -279,6 +279,12 @@ impl Client {
         json(self.http.post(format!("{}/scan", self.index_url(collection, name))).json(request).send().await?).await
     }
 
+    /// Runs one SQL statement: `request` is `{"sql", "params"?, "consistency"?, "timeout_ms"?}`;
+    /// answers `{"columns", "rows", "metrics"}`.
+    pub async fn query(&self, request: &serde_json::Value) -> Result<serde_json::Value, ClientError> {
+        json(self.http.post(format!("{}/v1/query", self.base)).json(request).send().await?).await
+    }
+
     /// Sends NDJSON operation lines; answers the NDJSON result lines, one per operation.
     pub async fn bulk(&self, collection: &str, ndjson: impl Into<Bytes>, persist: bool) -> Result<Bytes, ClientError> {
         let mut req = self
