@@ -26,6 +26,10 @@ pub enum BenchCmd {
     /// Seed 002's experiment: index builds and per-user reads across partition counts
     /// (starts its own nodes).
     Index(crate::bench_index::IndexArgs),
+    /// Seed 004's experiment: TPC-DS query 3 over loaded JSON documents (starts its own node).
+    Analytics(crate::bench_analytics::AnalyticsArgs),
+    /// Write seed 004's TPC-DS-shaped tables as NDJSON files.
+    TpcdsGen(crate::bench_analytics::GenArgs),
 }
 
 #[derive(Args)]
@@ -120,6 +124,8 @@ pub async fn run(url: &str, cmd: BenchCmd) -> Result<(), CliError> {
         BenchCmd::Load(args) => load(url, args).await,
         BenchCmd::Subdoc(args) => subdoc(url, args).await,
         BenchCmd::Index(args) => crate::bench_index::run(args).await,
+        BenchCmd::Analytics(args) => crate::bench_analytics::run(args).await,
+        BenchCmd::TpcdsGen(args) => crate::bench_analytics::generate(args),
     }
 }
 

@@ -64,14 +64,14 @@ fn record(i: usize, per_user: usize) -> String {
     .to_string()
 }
 
-struct Node {
+pub(crate) struct Node {
     child: Child,
     dir: PathBuf,
-    url: String,
+    pub(crate) url: String,
 }
 
 impl Node {
-    fn start(partitions: u16, workers: Option<usize>) -> Result<Node, CliError> {
+    pub(crate) fn start(partitions: u16, workers: Option<usize>) -> Result<Node, CliError> {
         use std::io::BufRead;
         let dir = std::env::temp_dir().join(format!("shoal-bench-index-{}-{partitions}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);

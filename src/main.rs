@@ -1,10 +1,12 @@
 //! `shoal`: the server and the command-line tool. Only this crate knows the terminal.
 
 mod bench;
+mod bench_analytics;
 mod bench_index;
 mod chart;
 mod cli;
 mod sql;
+mod tpcds;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

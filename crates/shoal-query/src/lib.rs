@@ -29,6 +29,8 @@ use crate::table::{Collections, QueryEnv};
 
 /// Documents read to infer a collection's schema the first time it is queried.
 pub const SCHEMA_SAMPLE_DOCS: usize = 1000;
+/// Points of each partition's history the sample reads from.
+pub const SCHEMA_SAMPLE_STRATA: usize = 8;
 /// Changes read per query to widen a cached schema with new documents.
 pub const SCHEMA_WIDEN_CHANGES: usize = 10_000;
 /// Rows per record batch a scan produces.
@@ -52,6 +54,9 @@ pub enum QueryError {
     /// The statement does not parse, plan or run: the user's to fix.
     #[error("{0}")]
     Sql(String),
+    /// The statement names a column no table has (as far as their schemas know).
+    #[error("{0}")]
+    UnknownField(String),
     #[error("{0}")]
     Invalid(String),
     #[error("the query ran out of its memory limit: {0}")]
@@ -72,6 +77,9 @@ impl From<DataFusionError> for QueryError {
     fn from(e: DataFusionError) -> Self {
         match e.find_root() {
             DataFusionError::ResourcesExhausted(m) => QueryError::Memory(m.clone()),
+            root @ DataFusionError::SchemaError(e, _) if matches!(**e, datafusion::common::SchemaError::FieldNotFound { .. }) => {
+                QueryError::UnknownField(root.to_string())
+            }
             DataFusionError::External(inner) => {
                 if let Some(ix) = inner.downcast_ref::<shoal_index::IndexError>() {
                     return match ix {
@@ -116,6 +124,20 @@ pub(crate) struct SchemaCache {
 struct Inferred {
     obj: Obj,
     feed: FeedPosition,
+    /// Built from every document (not a sample).
+    complete: bool,
+}
+
+/// Every partition's position now.
+fn positions_now(coll: &Collection) -> FeedPosition {
+    FeedPosition {
+        partitions: coll
+            .high_seqnos()
+            .into_iter()
+            .zip(coll.partition_uuids())
+            .map(|(seqno, uuid)| StreamPosition { seqno, uuid })
+            .collect(),
+    }
 }
 
 impl SchemaCache {
@@ -129,28 +151,16 @@ impl SchemaCache {
                 None => {
                     // Positions first, then the sample: every document written after the
                     // positions is seen again by the widening, none is missed.
-                    let feed = FeedPosition {
-                        partitions: coll
-                            .high_seqnos()
-                            .into_iter()
-                            .zip(coll.partition_uuids())
-                            .map(|(seqno, uuid)| StreamPosition { seqno, uuid })
-                            .collect(),
-                    };
-                    let mut obj = Obj::default();
-                    for (_, body) in coll.scan_docs(None, SCHEMA_SAMPLE_DOCS).map_err(|e| QueryError::Storage(e.to_string()))? {
-                        if let Ok(Value::Object(map)) = serde_json::from_slice::<Value>(&body) {
-                            obj.observe(&map, 0);
-                        }
-                    }
-                    let s = Arc::new(Mutex::new(Inferred { obj, feed }));
+                    let feed = positions_now(coll);
+                    let obj = sample(coll, &feed)?;
+                    let s = Arc::new(Mutex::new(Inferred { obj, feed, complete: false }));
                     map.insert(coll.id(), Arc::clone(&s));
                     s
                 }
             }
         };
         let mut inferred = slot.lock();
-        let Inferred { obj, feed } = &mut *inferred;
+        let Inferred { obj, feed, .. } = &mut *inferred;
         let changes = coll.read_feed(feed, SCHEMA_WIDEN_CHANGES, true).map_err(|e| QueryError::Storage(e.to_string()))?;
         for change in changes {
             if let Some(body) = change.value {
@@ -161,6 +171,53 @@ impl SchemaCache {
         }
         Ok(obj.table_schema())
     }
+
+    /// Infers the collection's schema from every document (when a query names a field the
+    /// sample did not see: a rare kind of document in a mixed collection). False if it
+    /// already was.
+    pub(crate) fn complete(&self, coll: &Collection) -> Result<bool, QueryError> {
+        if self.by_collection.lock().get(&coll.id()).is_some_and(|s| s.lock().complete) {
+            return Ok(false);
+        }
+        let feed = positions_now(coll);
+        let mut obj = Obj::default();
+        let mut after: Option<bytes::Bytes> = None;
+        loop {
+            let page = coll.scan_docs(after.as_deref(), SCAN_BATCH_ROWS).map_err(|e| QueryError::Storage(e.to_string()))?;
+            let Some(last) = page.last().map(|d| d.0.clone()) else { break };
+            for (_, body) in &page {
+                if let Ok(Value::Object(map)) = serde_json::from_slice::<Value>(body) {
+                    obj.observe(&map, 0);
+                }
+            }
+            after = Some(last);
+        }
+        let inferred = Arc::new(Mutex::new(Inferred { obj, feed, complete: true }));
+        self.by_collection.lock().insert(coll.id(), inferred);
+        Ok(true)
+    }
+}
+
+/// Reads about [`SCHEMA_SAMPLE_DOCS`] documents spread over the whole collection: from
+/// every partition, a few changes at each of [`SCHEMA_SAMPLE_STRATA`] evenly spaced points of
+/// its history (so old and new documents, and every kind a collection mixes, are seen).
+fn sample(coll: &Collection, now: &FeedPosition) -> Result<Obj, QueryError> {
+    let storage = |e: shoal_storage::ChangesError| QueryError::Storage(e.to_string());
+    let partitions = now.partitions.len().max(1);
+    let per = (SCHEMA_SAMPLE_DOCS / (partitions * SCHEMA_SAMPLE_STRATA)).max(1);
+    let mut obj = Obj::default();
+    for (p, pos) in now.partitions.iter().enumerate() {
+        for j in 0..SCHEMA_SAMPLE_STRATA as u64 {
+            let from = StreamPosition { seqno: pos.seqno * j / SCHEMA_SAMPLE_STRATA as u64, uuid: pos.uuid };
+            let (mut sub, _) = coll.subscribe(p as u16, from).map_err(storage)?;
+            for change in sub.try_next(per, true).map_err(storage)? {
+                if let Some(Ok(Value::Object(map))) = change.value.map(|b| serde_json::from_slice::<Value>(&b)) {
+                    obj.observe(&map, 0);
+                }
+            }
+        }
+    }
+    Ok(obj)
 }
 
 /// Runs SQL over the store's collections.
@@ -189,7 +246,39 @@ impl QueryEngine {
             return Err(QueryError::Invalid(format!("timeout is at most {} ms", QUERY_TIMEOUT_MAX.as_millis())));
         }
         let params = req.params.iter().map(param).collect::<Result<Vec<_>, _>>()?;
-        let ctx = self.session(&req)?;
+        let (first, touched) = self.attempt(&req, params.clone()).await;
+        let mut result = match first {
+            // A field the sampled schemas do not know: infer the tables read from every
+            // document, then try once more.
+            Err(QueryError::UnknownField(_)) if !touched.is_empty() => {
+                let schemas = Arc::clone(&self.schemas);
+                let completed = tokio::task::spawn_blocking(move || {
+                    let mut any = false;
+                    for coll in &touched {
+                        any |= schemas.complete(coll)?;
+                    }
+                    Ok::<_, QueryError>(any)
+                })
+                .await
+                .map_err(|e| QueryError::Internal(e.to_string()))??;
+                if completed {
+                    self.attempt(&req, params).await.0?
+                } else {
+                    first?
+                }
+            }
+            other => other?,
+        };
+        result.elapsed = started.elapsed();
+        Ok(result)
+    }
+
+    /// Plans and runs the statement once; also answers which collections it read.
+    async fn attempt(&self, req: &QueryRequest, params: Vec<ScalarValue>) -> (Result<QueryResult, QueryError>, Vec<Arc<Collection>>) {
+        let (ctx, env) = match self.session(req) {
+            Ok(s) => s,
+            Err(e) => return (Err(e), Vec::new()),
+        };
         let sql = req.sql.clone();
         let run = async move {
             let options =
@@ -221,19 +310,19 @@ impl QueryEngine {
         // On its own task: a panic inside the engine fails this query, not the connection.
         let timeout = req.timeout;
         let task = tokio::spawn(async move { tokio::time::timeout(timeout, run).await });
-        let mut result = match task.await {
-            Ok(Ok(r)) => r?,
-            Ok(Err(_)) => return Err(QueryError::Timeout(timeout)),
+        let result = match task.await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(QueryError::Timeout(timeout)),
             Err(e) => {
                 tracing::error!(error = %e, sql = %req.sql, "query task failed");
-                return Err(QueryError::Internal(e.to_string()));
+                Err(QueryError::Internal(e.to_string()))
             }
         };
-        result.elapsed = started.elapsed();
-        Ok(result)
+        let touched = std::mem::take(&mut *env.touched.lock());
+        (result, touched)
     }
 
-    fn session(&self, req: &QueryRequest) -> Result<SessionContext, QueryError> {
+    fn session(&self, req: &QueryRequest) -> Result<(SessionContext, Arc<QueryEnv>), QueryError> {
         let mut config = SessionConfig::new().with_target_partitions(self.threads).with_information_schema(true);
         // JSON field names are case-sensitive: `firstName` means firstName, quoted or not.
         config.options_mut().sql_parser.enable_ident_normalization = false;
@@ -248,10 +337,11 @@ impl QueryEngine {
             schemas: Arc::clone(&self.schemas),
             consistency: req.consistency,
             index_timeout: req.timeout,
+            touched: Mutex::new(Vec::new()),
         });
         let catalog = ctx.catalog("datafusion").ok_or_else(|| QueryError::Storage("no default catalog".into()))?;
-        catalog.register_schema("public", Arc::new(Collections(env)))?;
-        Ok(ctx)
+        catalog.register_schema("public", Arc::new(Collections(Arc::clone(&env))))?;
+        Ok((ctx, env))
     }
 }
 

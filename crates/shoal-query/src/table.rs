@@ -34,6 +34,8 @@ pub(crate) struct QueryEnv {
     pub schemas: Arc<SchemaCache>,
     pub consistency: Consistency,
     pub index_timeout: std::time::Duration,
+    /// Collections the query has opened as tables.
+    pub touched: parking_lot::Mutex<Vec<Arc<Collection>>>,
 }
 
 /// Every collection of the store, as tables of the default schema.
@@ -53,6 +55,7 @@ impl SchemaProvider for Collections {
 
     async fn table(&self, name: &str) -> Result<Option<Arc<dyn TableProvider>>, DataFusionError> {
         let Some(coll) = self.0.store.collection(name) else { return Ok(None) };
+        self.0.touched.lock().push(Arc::clone(&coll));
         let env = Arc::clone(&self.0);
         let c = Arc::clone(&coll);
         let schema = tokio::task::spawn_blocking(move || env.schemas.schema_of(&c))

@@ -131,7 +131,9 @@ impl From<shoal_query::QueryError> for ApiError {
         use shoal_query::QueryError;
         let reason = e.to_string();
         match e {
-            QueryError::Sql(_) | QueryError::Memory(_) => ApiError::new(StatusCode::BAD_REQUEST, "query_error", reason),
+            QueryError::Sql(_) | QueryError::UnknownField(_) | QueryError::Memory(_) => {
+                ApiError::new(StatusCode::BAD_REQUEST, "query_error", reason)
+            }
             QueryError::Invalid(_) => ApiError::bad_request(reason),
             QueryError::Timeout(_) => ApiError::new(StatusCode::GATEWAY_TIMEOUT, "timeout", reason),
             QueryError::Unavailable(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", reason),
