@@ -60,7 +60,13 @@ impl IntoResponse for ApiError {
             _ => {}
         }
         let body = serde_json::to_vec(&self.to_json()).unwrap_or_default();
-        (self.status, [(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response()
+        let mut response = (self.status, [(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response();
+        if self.status == StatusCode::PAYLOAD_TOO_LARGE {
+            // The rest of the body was not read, so the server closes the connection after
+            // this answer; saying so keeps clients from sending their next request on it.
+            response.headers_mut().insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
+        }
+        response
     }
 }
 
