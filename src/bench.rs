@@ -28,6 +28,8 @@ pub enum BenchCmd {
     Index(crate::bench_index::IndexArgs),
     /// Seed 004's experiment: TPC-DS query 3 over loaded JSON documents (starts its own node).
     Analytics(crate::bench_analytics::AnalyticsArgs),
+    /// Issue 5's point query: `/v1/query` through an index, 50 rows, one at a time.
+    QueryPoint(crate::bench_analytics::PointArgs),
     /// Write seed 004's TPC-DS-shaped tables as NDJSON files.
     TpcdsGen(crate::bench_analytics::GenArgs),
 }
@@ -126,6 +128,7 @@ pub async fn run(url: &str, cmd: BenchCmd) -> Result<(), CliError> {
         BenchCmd::Index(args) => crate::bench_index::run(args).await,
         BenchCmd::Analytics(args) => crate::bench_analytics::run(args).await,
         BenchCmd::TpcdsGen(args) => crate::bench_analytics::generate(args),
+        BenchCmd::QueryPoint(args) => crate::bench_analytics::point(args).await,
     }
 }
 

@@ -132,3 +132,89 @@ pub async fn run(args: AnalyticsArgs) -> Result<(), CliError> {
     drop(node);
     Ok(())
 }
+
+#[derive(Args)]
+pub struct PointArgs {
+    /// Documents loaded; every `--per-group` consecutive ones share a `grp` value.
+    #[arg(long, default_value_t = 200_000)]
+    docs: usize,
+    #[arg(long, default_value_t = 50)]
+    per_group: usize,
+    /// Timed queries (one at a time, after 100 untimed ones).
+    #[arg(long, default_value_t = 2000)]
+    queries: usize,
+    /// Where the table goes (nothing is written when empty).
+    #[arg(long, default_value = "bench/results")]
+    out_dir: PathBuf,
+}
+
+/// Issue 5's operational target: `SELECT * FROM events WHERE grp = $1` through an index,
+/// 50 rows per answer, one query at a time; the baseline in the same run is the index scan
+/// endpoint returning the same 50 documents.
+pub async fn point(args: PointArgs) -> Result<(), CliError> {
+    let node = Node::start(128, None)?;
+    let client = Client::new(&node.url)?;
+    client.create_collection("events", None).await?;
+    let per = args.per_group.max(1);
+    let plan = BulkPlan { batch: 2000, concurrency: 4, persist: false };
+    bulk_upsert(&client, "events", args.docs, &plan, "ev-", |i| {
+        let kind = ["click", "view", "buy"][i % 3];
+        json!({"grp": i / per, "n": i, "kind": kind, "payload": "x".repeat(100)}).to_string()
+    })
+    .await?;
+    client.create_index("events", &json!({"name": "by_grp", "keys": ["grp"]})).await?;
+    loop {
+        let list = client.list_indexes("events").await?;
+        if list.iter().all(|i| i["state"] == "ready") {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let groups = args.docs.div_ceil(per);
+    let explain = client.query(&json!({"sql": "EXPLAIN SELECT * FROM events WHERE grp = $1", "params": [1]})).await?;
+    let plan_text = explain["rows"].to_string();
+    if !plan_text.contains("index=by_grp") {
+        return Err(CliError::Usage(format!("the query does not use the index: {plan_text}")));
+    }
+    let mut sql_us = Vec::with_capacity(args.queries);
+    let mut scan_us = Vec::with_capacity(args.queries);
+    for q in 0..args.queries + 100 {
+        let g = (q * 7919) % groups;
+        let t = Instant::now();
+        let answer = client.query(&json!({"sql": "SELECT * FROM events WHERE grp = $1", "params": [g]})).await?;
+        let sql = t.elapsed();
+        let t = Instant::now();
+        let scan = client.scan_index("events", "by_grp", &json!({"eq": [g], "include_docs": true})).await?;
+        let idx = t.elapsed();
+        let (a, b) = (answer["rows"].as_array().map_or(0, Vec::len), scan["rows"].as_array().map_or(0, Vec::len));
+        if a != b || a == 0 {
+            return Err(CliError::Usage(format!("group {g}: {a} rows by SQL, {b} by the index scan")));
+        }
+        if q >= 100 {
+            sql_us.push(sql.as_micros().min(u128::from(u32::MAX)) as u32);
+            scan_us.push(idx.as_micros().min(u128::from(u32::MAX)) as u32);
+        }
+    }
+    sql_us.sort_unstable();
+    scan_us.sort_unstable();
+    let p = |v: &[u32], q: f64| crate::bench::percentile(v, q);
+    let report = format!(
+        "| request ({per} rows, one at a time) | p50 (ms) | p99 (ms) |\n|---|---|---|\n| `/v1/query` `SELECT * FROM events WHERE grp = $1` (index by_grp) | {:.3} | {:.3} |\n| index scan endpoint, `include_docs` (baseline) | {:.3} | {:.3} |\n\n{} documents, {} timed queries; p50 ratio SQL / scan {:.2}\n",
+        p(&sql_us, 0.5),
+        p(&sql_us, 0.99),
+        p(&scan_us, 0.5),
+        p(&scan_us, 0.99),
+        args.docs,
+        args.queries,
+        p(&sql_us, 0.5) / p(&scan_us, 0.5).max(1e-9),
+    );
+    print!("{report}");
+    if !args.out_dir.as_os_str().is_empty() {
+        std::fs::create_dir_all(&args.out_dir)?;
+        let file = args.out_dir.join("query-point.md");
+        std::fs::write(&file, &report)?;
+        println!("wrote {}", file.display());
+    }
+    drop(node);
+    Ok(())
+}

@@ -86,6 +86,18 @@ async fn sql_reads_documents_as_tables() {
     // Parameters are bound, never spliced: a quote in a parameter is just a character.
     assert_eq!(rows(&node, &c, "SELECT name FROM people WHERE age > $1 AND city = $2", json!([30, "Oslo"])).await, [json!(["Ann"])]);
     assert!(rows(&node, &c, "SELECT name FROM people WHERE name = $1", json!(["x' OR '1'='1"])).await.is_empty());
+    // NDJSON: columns, then one line per row, then metrics.
+    let r = c
+        .post(node.u("/v1/query"))
+        .header("accept", "application/x-ndjson")
+        .body(json!({"sql": "SELECT meta_id, age FROM people WHERE age > 30 ORDER BY meta_id"}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["content-type"], "application/x-ndjson");
+    let lines: Vec<Value> = r.text().await.unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines[..3], [json!({"columns": ["meta_id", "age"]}), json!(["p1", 31]), json!(["p2", 45])]);
+    assert_eq!(lines[3]["metrics"]["rows"], 2);
     // New fields widen the schema as documents arrive.
     put(&node, &c, "people", "p5", json!({"name": "Ed", "age": 50.5, "nickname": "E"})).await;
     assert_eq!(

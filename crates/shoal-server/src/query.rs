@@ -1,10 +1,11 @@
-//! SQL endpoints: `POST /v1/query` (operational: key lookups and index scans).
+//! SQL endpoints: `POST /v1/query` (operational: key lookups and index scans), answering
+//! JSON or, with `Accept: application/x-ndjson`, one line per row.
 
 use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{RawQuery, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -29,7 +30,7 @@ struct QueryBody {
     timeout_ms: Option<u64>,
 }
 
-pub async fn query(State(state): State<AppState>, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
+pub async fn query(State(state): State<AppState>, RawQuery(q): RawQuery, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
     let body = extract::body(body, QUERY_BODY_MAX_BYTES).await?;
     let req: QueryBody = extract::json_body(&body)?;
@@ -41,10 +42,28 @@ pub async fn query(State(state): State<AppState>, RawQuery(q): RawQuery, body: B
     let timeout = req.timeout_ms.map(Duration::from_millis).unwrap_or(QUERY_TIMEOUT_DEFAULT);
     let result = state.query.query(QueryRequest { sql: req.sql, params: req.params, consistency, timeout }).await?;
     let rows = result.rows.len();
+    let elapsed_ms = result.elapsed.as_secs_f64() * 1000.0;
+    let ndjson = headers.get(axum::http::header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("application/x-ndjson"));
+    if ndjson {
+        // One line of column names, one line per row, one line of metrics.
+        let mut out = json!({"columns": result.columns}).to_string().into_bytes();
+        out.push(b'\n');
+        for row in &result.rows {
+            serde_json::to_writer(&mut out, row).map_err(|e| ApiError::internal(e.to_string()))?;
+            out.push(b'\n');
+        }
+        out.extend_from_slice(json!({"metrics": {"elapsed_ms": elapsed_ms, "rows": rows}}).to_string().as_bytes());
+        out.push(b'\n');
+        return Response::builder()
+            .status(StatusCode::OK)
+            .header(axum::http::header::CONTENT_TYPE, "application/x-ndjson")
+            .body(Body::from(out))
+            .map_err(|e| ApiError::internal(e.to_string()));
+    }
     let answer = json!({
         "columns": result.columns,
         "rows": result.rows,
-        "metrics": {"elapsed_ms": result.elapsed.as_secs_f64() * 1000.0, "rows": rows},
+        "metrics": {"elapsed_ms": elapsed_ms, "rows": rows},
     });
     Ok(json_response(StatusCode::OK, answer.to_string().into_bytes()))
 }
