@@ -126,6 +126,15 @@ struct Inferred {
     feed: FeedPosition,
     /// Built from every document (not a sample).
     complete: bool,
+    /// Sorted keys of documents seen while inferring: where parallel scans split the
+    /// collection into key ranges.
+    keys: Vec<bytes::Bytes>,
+}
+
+/// A collection's table shape: its schema and the keys its scans may split at.
+pub(crate) struct Shape {
+    pub schema: datafusion::arrow::datatypes::SchemaRef,
+    pub splits: Vec<bytes::Bytes>,
 }
 
 /// Every partition's position now.
@@ -143,7 +152,7 @@ fn positions_now(coll: &Collection) -> FeedPosition {
 impl SchemaCache {
     /// The collection's current schema: sampled on first use, then widened with the
     /// documents written since (up to [`SCHEMA_WIDEN_CHANGES`] per call).
-    pub(crate) fn schema_of(&self, coll: &Collection) -> Result<datafusion::arrow::datatypes::SchemaRef, QueryError> {
+    pub(crate) fn schema_of(&self, coll: &Collection) -> Result<Shape, QueryError> {
         let slot = {
             let mut map = self.by_collection.lock();
             match map.get(&coll.id()) {
@@ -152,15 +161,17 @@ impl SchemaCache {
                     // Positions first, then the sample: every document written after the
                     // positions is seen again by the widening, none is missed.
                     let feed = positions_now(coll);
-                    let obj = sample(coll, &feed)?;
-                    let s = Arc::new(Mutex::new(Inferred { obj, feed, complete: false }));
+                    let (obj, mut keys) = sample(coll, &feed)?;
+                    keys.sort_unstable();
+                    keys.dedup();
+                    let s = Arc::new(Mutex::new(Inferred { obj, feed, complete: false, keys }));
                     map.insert(coll.id(), Arc::clone(&s));
                     s
                 }
             }
         };
         let mut inferred = slot.lock();
-        let Inferred { obj, feed, .. } = &mut *inferred;
+        let Inferred { obj, feed, keys, .. } = &mut *inferred;
         let changes = coll.read_feed(feed, SCHEMA_WIDEN_CHANGES, true).map_err(|e| QueryError::Storage(e.to_string()))?;
         for change in changes {
             if let Some(body) = change.value {
@@ -169,7 +180,7 @@ impl SchemaCache {
                 }
             }
         }
-        Ok(obj.table_schema())
+        Ok(Shape { schema: obj.table_schema(), splits: keys.clone() })
     }
 
     /// Infers the collection's schema from every document (when a query names a field the
@@ -182,9 +193,11 @@ impl SchemaCache {
         let feed = positions_now(coll);
         let mut obj = Obj::default();
         let mut after: Option<bytes::Bytes> = None;
+        let mut keys = Vec::new();
         loop {
             let page = coll.scan_docs(after.as_deref(), SCAN_BATCH_ROWS).map_err(|e| QueryError::Storage(e.to_string()))?;
             let Some(last) = page.last().map(|d| d.0.clone()) else { break };
+            keys.push(page[0].0.clone());
             for (_, body) in &page {
                 if let Ok(Value::Object(map)) = serde_json::from_slice::<Value>(body) {
                     obj.observe(&map, 0);
@@ -192,7 +205,7 @@ impl SchemaCache {
             }
             after = Some(last);
         }
-        let inferred = Arc::new(Mutex::new(Inferred { obj, feed, complete: true }));
+        let inferred = Arc::new(Mutex::new(Inferred { obj, feed, complete: true, keys }));
         self.by_collection.lock().insert(coll.id(), inferred);
         Ok(true)
     }
@@ -201,11 +214,12 @@ impl SchemaCache {
 /// Reads about [`SCHEMA_SAMPLE_DOCS`] documents spread over the whole collection: from
 /// every partition, a few changes at each of [`SCHEMA_SAMPLE_STRATA`] evenly spaced points of
 /// its history (so old and new documents, and every kind a collection mixes, are seen).
-fn sample(coll: &Collection, now: &FeedPosition) -> Result<Obj, QueryError> {
+fn sample(coll: &Collection, now: &FeedPosition) -> Result<(Obj, Vec<bytes::Bytes>), QueryError> {
     let storage = |e: shoal_storage::ChangesError| QueryError::Storage(e.to_string());
     let partitions = now.partitions.len().max(1);
     let per = (SCHEMA_SAMPLE_DOCS / (partitions * SCHEMA_SAMPLE_STRATA)).max(1);
     let mut obj = Obj::default();
+    let mut keys = Vec::new();
     for (p, pos) in now.partitions.iter().enumerate() {
         for j in 0..SCHEMA_SAMPLE_STRATA as u64 {
             let from = StreamPosition { seqno: pos.seqno * j / SCHEMA_SAMPLE_STRATA as u64, uuid: pos.uuid };
@@ -213,11 +227,12 @@ fn sample(coll: &Collection, now: &FeedPosition) -> Result<Obj, QueryError> {
             for change in sub.try_next(per, true).map_err(storage)? {
                 if let Some(Ok(Value::Object(map))) = change.value.map(|b| serde_json::from_slice::<Value>(&b)) {
                     obj.observe(&map, 0);
+                    keys.push(change.key);
                 }
             }
         }
     }
-    Ok(obj)
+    Ok((obj, keys))
 }
 
 /// Runs SQL over the store's collections.

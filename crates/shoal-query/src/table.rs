@@ -58,11 +58,11 @@ impl SchemaProvider for Collections {
         self.0.touched.lock().push(Arc::clone(&coll));
         let env = Arc::clone(&self.0);
         let c = Arc::clone(&coll);
-        let schema = tokio::task::spawn_blocking(move || env.schemas.schema_of(&c))
+        let shape = tokio::task::spawn_blocking(move || env.schemas.schema_of(&c))
             .await
             .map_err(|e| DataFusionError::External(Box::new(e)))?
             .map_err(|e| DataFusionError::External(Box::new(e)))?;
-        Ok(Some(Arc::new(CollectionTable { env: Arc::clone(&self.0), coll, schema })))
+        Ok(Some(Arc::new(CollectionTable { env: Arc::clone(&self.0), coll, schema: shape.schema, splits: shape.splits })))
     }
 
     fn table_exist(&self, name: &str) -> bool {
@@ -74,6 +74,26 @@ pub(crate) struct CollectionTable {
     env: Arc<QueryEnv>,
     coll: Arc<Collection>,
     schema: SchemaRef,
+    /// Sorted keys a full scan may split at (see [`key_ranges`]).
+    splits: Vec<Bytes>,
+}
+
+/// A key range `[start, end)` one scan partition reads; `None` is open.
+type KeyRange = (Option<Bytes>, Option<Bytes>);
+
+/// Up to `n` key ranges of about equal numbers of sampled keys, covering every key once.
+fn key_ranges(splits: &[Bytes], n: usize) -> Vec<KeyRange> {
+    let n = n.clamp(1, splits.len() + 1);
+    let mut cuts: Vec<Bytes> = (1..n).map(|i| splits[i * splits.len() / n].clone()).collect();
+    cuts.dedup();
+    let mut out = Vec::with_capacity(cuts.len() + 1);
+    let mut start = None;
+    for cut in cuts {
+        out.push((start, Some(cut.clone())));
+        start = Some(cut);
+    }
+    out.push((start, None));
+    out
 }
 
 impl fmt::Debug for CollectionTable {
@@ -100,7 +120,7 @@ impl TableProvider for CollectionTable {
 
     async fn scan(
         &self,
-        _state: &dyn Session,
+        state: &dyn Session,
         projection: Option<&Vec<usize>>,
         filters: &[Expr],
         limit: Option<usize>,
@@ -110,9 +130,15 @@ impl TableProvider for CollectionTable {
             Some(p) => Arc::new(self.schema.project(p)?),
             None => Arc::clone(&self.schema),
         };
+        // A full read is split into key ranges, one per core, so documents are parsed and
+        // converted in parallel; point reads and index scans are one stream.
+        let ranges = match access {
+            Access::Full => key_ranges(&self.splits, state.config().target_partitions()),
+            _ => vec![(None, None)],
+        };
         let properties = Arc::new(PlanProperties::new(
             EquivalenceProperties::new(Arc::clone(&projected)),
-            Partitioning::UnknownPartitioning(1),
+            Partitioning::UnknownPartitioning(ranges.len()),
             EmissionType::Incremental,
             Boundedness::Bounded,
         ));
@@ -123,6 +149,7 @@ impl TableProvider for CollectionTable {
             projection: projection.cloned(),
             projected,
             access,
+            ranges,
             limit,
             properties,
         }))
@@ -344,6 +371,7 @@ pub(crate) struct ScanExec {
     projection: Option<Vec<usize>>,
     projected: SchemaRef,
     access: Access,
+    ranges: Vec<KeyRange>,
     limit: Option<usize>,
     properties: Arc<PlanProperties>,
 }
@@ -357,6 +385,9 @@ impl fmt::Debug for ScanExec {
 impl DisplayAs for ScanExec {
     fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
         write!(f, "ShoalScan: collection={}, {}", self.coll.name(), self.access)?;
+        if self.ranges.len() > 1 {
+            write!(f, ", key ranges={}", self.ranges.len())?;
+        }
         if let Some(l) = self.limit {
             write!(f, ", limit={l}")?;
         }
@@ -367,7 +398,11 @@ impl DisplayAs for ScanExec {
 /// Where a scan stream is.
 enum Cursor {
     Keys(std::vec::IntoIter<String>),
-    Full(Option<Bytes>),
+    /// Next page: keys from `low` up to `high` (exclusive).
+    Full {
+        low: std::ops::Bound<Bytes>,
+        high: Option<Bytes>,
+    },
     Index(Option<std::vec::IntoIter<String>>),
     Done,
 }
@@ -404,11 +439,18 @@ impl ExecutionPlan for ScanExec {
         self.replace_children(children, ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute))
     }
 
-    fn execute(&self, _partition: usize, _context: Arc<TaskContext>) -> Result<SendableRecordBatchStream, DataFusionError> {
+    fn execute(&self, partition: usize, _context: Arc<TaskContext>) -> Result<SendableRecordBatchStream, DataFusionError> {
         let start = match &self.access {
             Access::Keys(keys) => Cursor::Keys(keys.clone().into_iter()),
             Access::Index { .. } => Cursor::Index(None),
-            Access::Full => Cursor::Full(None),
+            Access::Full => {
+                let (low, high) = self
+                    .ranges
+                    .get(partition)
+                    .cloned()
+                    .ok_or_else(|| DataFusionError::Internal(format!("no scan partition {partition}")))?;
+                Cursor::Full { low: low.map_or(std::ops::Bound::Unbounded, std::ops::Bound::Included), high }
+            }
         };
         let env = Arc::clone(&self.env);
         let coll = Arc::clone(&self.coll);
@@ -460,10 +502,11 @@ async fn next_rows(
 ) -> Result<Option<(Vec<(String, Value)>, Cursor)>, DataFusionError> {
     match cursor {
         Cursor::Done => Ok(None),
-        Cursor::Full(after) => {
+        Cursor::Full { low, high } => {
             let c = Arc::clone(coll);
+            let until = high.clone();
             let page = tokio::task::spawn_blocking(move || {
-                let docs = c.scan_docs(after.as_deref(), take)?;
+                let docs = c.scan_docs_range(low.as_ref().map(|b| b.as_ref()), until.as_deref(), take)?;
                 let last = docs.last().map(|d| d.0.clone());
                 let rows: Vec<(String, Value)> = docs.iter().map(|(k, v)| parse(String::from_utf8_lossy(k).into_owned(), v)).collect();
                 Ok::<_, shoal_storage::ReadError>((rows, last))
@@ -472,7 +515,7 @@ async fn next_rows(
             .map_err(external)?
             .map_err(external)?;
             match page {
-                (rows, Some(last)) if !rows.is_empty() => Ok(Some((rows, Cursor::Full(Some(last))))),
+                (rows, Some(last)) if !rows.is_empty() => Ok(Some((rows, Cursor::Full { low: std::ops::Bound::Excluded(last), high }))),
                 _ => Ok(None),
             }
         }
@@ -527,4 +570,23 @@ async fn fetch(coll: &Arc<Collection>, keys: Vec<String>) -> Result<Vec<(String,
     })
     .await
     .map_err(external)?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_ranges_cover_every_key_once() {
+        let keys: Vec<Bytes> = ["b", "d", "f", "h"].iter().map(|k| Bytes::from(k.to_string())).collect();
+        let r = key_ranges(&keys, 2);
+        assert_eq!(r, vec![(None, Some(Bytes::from("f"))), (Some(Bytes::from("f")), None)]);
+        assert_eq!(key_ranges(&keys, 1), vec![(None, None)]);
+        assert_eq!(key_ranges(&[], 8), vec![(None, None)]);
+        let many = key_ranges(&keys, 64);
+        assert_eq!(many.len(), 5, "at most one range per sampled key, plus one");
+        for w in many.windows(2) {
+            assert_eq!(w[0].1, w[1].0, "ranges meet without gaps");
+        }
+    }
 }

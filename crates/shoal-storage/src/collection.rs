@@ -107,19 +107,35 @@ impl Collection {
     /// call (the index build does). Documents are keyed by key alone, so this is one
     /// sequential read whatever the partition count.
     pub fn scan_docs(&self, after: Option<&[u8]>, max: usize) -> Result<Vec<(Bytes, Bytes)>, ReadError> {
+        let low = match after {
+            Some(k) => std::ops::Bound::Excluded(k),
+            None => std::ops::Bound::Unbounded,
+        };
+        self.scan_docs_range(low, None, max)
+    }
+
+    /// Like [`Collection::scan_docs`], over the keys from `low` up to `until` (exclusive), so
+    /// that several readers can split one collection by key ranges.
+    pub fn scan_docs_range(&self, low: std::ops::Bound<&[u8]>, until: Option<&[u8]>, max: usize) -> Result<Vec<(Bytes, Bytes)>, ReadError> {
         use std::ops::Bound;
         if self.is_dropped() {
             return Err(ReadError::CollectionDropped);
         }
-        let now = crate::unix_now_secs();
-        let low = match after {
+        let low: Bound<Vec<u8>> = low.map(<[u8]>::to_vec);
+        let high: Bound<Vec<u8>> = match until {
             Some(k) => Bound::Excluded(k.to_vec()),
             None => Bound::Unbounded,
         };
+        if let (Bound::Included(l) | Bound::Excluded(l), Bound::Excluded(h)) = (&low, &high) {
+            if l >= h {
+                return Ok(Vec::new());
+            }
+        }
+        let now = crate::unix_now_secs();
         let mut out: Vec<(Bytes, Bytes)> = Vec::with_capacity(max.min(64 * 1024));
         for ks in &self.keyspaces {
             let mut taken = 0;
-            for guard in ks.docs.range::<Vec<u8>, _>((low.clone(), Bound::Unbounded)) {
+            for guard in ks.docs.range::<Vec<u8>, _>((low.clone(), high.clone())) {
                 if taken >= max {
                     break;
                 }
