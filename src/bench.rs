@@ -321,6 +321,18 @@ fn print_report(op: &str, r: &RunReport, json: bool) {
 }
 
 /// A generated document of about 200 bytes.
+/// Writes a bench's result table as `out_dir/name` (nothing when `out_dir` is empty).
+pub(crate) fn write_result(out_dir: &std::path::Path, name: &str, text: &str) -> Result<(), CliError> {
+    if out_dir.as_os_str().is_empty() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(out_dir)?;
+    let file = out_dir.join(name);
+    std::fs::write(&file, text)?;
+    println!("wrote {}", file.display());
+    Ok(())
+}
+
 /// How [`bulk_upsert`] sends: documents per `_bulk` request, requests in flight, durability.
 pub(crate) struct BulkPlan {
     pub batch: usize,
@@ -593,17 +605,7 @@ async fn sweep(client: &Client, url: &str, args: &SubdocArgs) -> Result<(), CliE
 
 fn date_utc() -> String {
     let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let days = secs / 86_400;
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
+    let (y, m, d) = crate::tpcds::civil((secs / 86_400) as i64);
     format!("{y:04}-{m:02}-{d:02}")
 }
 

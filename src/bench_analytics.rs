@@ -14,7 +14,7 @@ use clap::Args;
 use serde_json::{json, Value};
 use shoal_client::Client;
 
-use crate::bench::{bulk_upsert, BulkPlan};
+use crate::bench::{bulk_upsert, write_result, BulkPlan};
 use crate::bench_index::Node;
 use crate::cli::CliError;
 use crate::tpcds;
@@ -123,12 +123,7 @@ pub async fn run(args: AnalyticsArgs) -> Result<(), CliError> {
         report.push_str(&format!("| {} |\n", cells.join(" | ")));
     }
     print!("\n{report}");
-    if !args.out_dir.as_os_str().is_empty() {
-        std::fs::create_dir_all(&args.out_dir)?;
-        let file = args.out_dir.join("analytics-seed004.md");
-        std::fs::write(&file, &report)?;
-        println!("wrote {}", file.display());
-    }
+    write_result(&args.out_dir, "analytics-seed004.md", &report)?;
     drop(node);
     Ok(())
 }
@@ -163,13 +158,7 @@ pub async fn point(args: PointArgs) -> Result<(), CliError> {
     })
     .await?;
     client.create_index("events", &json!({"name": "by_grp", "keys": ["grp"]})).await?;
-    loop {
-        let list = client.list_indexes("events").await?;
-        if list.iter().all(|i| i["state"] == "ready") {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    crate::bench_index::wait_ready(&client, "events").await?;
     let groups = args.docs.div_ceil(per);
     let explain = client.query(&json!({"sql": "EXPLAIN SELECT * FROM events WHERE grp = $1", "params": [1]})).await?;
     let plan_text = explain["rows"].to_string();
@@ -209,12 +198,7 @@ pub async fn point(args: PointArgs) -> Result<(), CliError> {
         p(&sql_us, 0.5) / p(&scan_us, 0.5).max(1e-9),
     );
     print!("{report}");
-    if !args.out_dir.as_os_str().is_empty() {
-        std::fs::create_dir_all(&args.out_dir)?;
-        let file = args.out_dir.join("query-point.md");
-        std::fs::write(&file, &report)?;
-        println!("wrote {}", file.display());
-    }
+    write_result(&args.out_dir, "query-point.md", &report)?;
     drop(node);
     Ok(())
 }

@@ -114,14 +114,21 @@ async fn build(client: &Client, docs: usize) -> Result<f64, CliError> {
     }
     let start = Instant::now();
     client.build_indexes("records", &INDEXES.map(|(n, _)| n)).await?;
+    let list = wait_ready(client, "records").await?;
+    let secs = start.elapsed().as_secs_f64();
+    let items: Vec<u64> = list.iter().map(|i| i["items"].as_u64().unwrap_or(0)).collect();
+    if items.iter().any(|&n| n != docs as u64) {
+        return Err(CliError::Usage(format!("index items {items:?}, expected {docs}")));
+    }
+    Ok(secs)
+}
+
+/// Polls until every index of `collection` is ready; answers their listing.
+pub(crate) async fn wait_ready(client: &Client, collection: &str) -> Result<Vec<serde_json::Value>, CliError> {
     loop {
-        let list = client.list_indexes("records").await?;
+        let list = client.list_indexes(collection).await?;
         if list.iter().all(|i| i["state"] == "ready") {
-            let items: Vec<u64> = list.iter().map(|i| i["items"].as_u64().unwrap_or(0)).collect();
-            if items.iter().any(|&n| n != docs as u64) {
-                return Err(CliError::Usage(format!("index items {items:?}, expected {docs}")));
-            }
-            return Ok(start.elapsed().as_secs_f64());
+            return Ok(list);
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -751,10 +751,7 @@ fn plan_scan(mgr: &IndexManager, coll: &Collection, active: &[Arc<Index>]) -> Re
     };
     let waiting: Vec<Arc<Index>> = live().filter(|i| unstarted(i)).cloned().collect();
     if scanning.is_empty() && !waiting.is_empty() {
-        let uuids = coll.partition_uuids();
-        let start: Vec<StreamPosition> =
-            coll.high_seqnos().into_iter().zip(uuids).map(|(seqno, uuid)| StreamPosition { seqno, uuid }).collect();
-        let state = ScanState { start, after: None, scanned: 0, total: coll.info().docs };
+        let state = ScanState { start: coll.positions(), after: None, scanned: 0, total: coll.info().docs };
         let mut batch = mgr.db.batch();
         for index in &waiting {
             batch.insert(&mgr.meta, scan_key(index.id), state.encode());

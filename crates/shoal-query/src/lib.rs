@@ -137,18 +137,6 @@ pub(crate) struct Shape {
     pub splits: Vec<bytes::Bytes>,
 }
 
-/// Every partition's position now.
-fn positions_now(coll: &Collection) -> FeedPosition {
-    FeedPosition {
-        partitions: coll
-            .high_seqnos()
-            .into_iter()
-            .zip(coll.partition_uuids())
-            .map(|(seqno, uuid)| StreamPosition { seqno, uuid })
-            .collect(),
-    }
-}
-
 impl SchemaCache {
     /// The collection's current schema: sampled on first use, then widened with the
     /// documents written since (up to [`SCHEMA_WIDEN_CHANGES`] per call).
@@ -160,7 +148,7 @@ impl SchemaCache {
                 None => {
                     // Positions first, then the sample: every document written after the
                     // positions is seen again by the widening, none is missed.
-                    let feed = positions_now(coll);
+                    let feed = FeedPosition { partitions: coll.positions() };
                     let (obj, mut keys) = sample(coll, &feed)?;
                     keys.sort_unstable();
                     keys.dedup();
@@ -190,7 +178,7 @@ impl SchemaCache {
         if self.by_collection.lock().get(&coll.id()).is_some_and(|s| s.lock().complete) {
             return Ok(false);
         }
-        let feed = positions_now(coll);
+        let feed = FeedPosition { partitions: coll.positions() };
         let mut obj = Obj::default();
         let mut after: Option<bytes::Bytes> = None;
         let mut keys = Vec::new();

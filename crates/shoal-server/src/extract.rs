@@ -57,6 +57,15 @@ pub fn no_params(raw: Option<&str>) -> Result<(), ApiError> {
     query::<NoParams>(raw).map(|_| ())
 }
 
+/// The `consistency` of a scan or query: `not_bounded` (the default) or `request_plus`.
+pub fn consistency(value: Option<&str>) -> Result<shoal_index::Consistency, ApiError> {
+    match value {
+        None | Some("not_bounded") => Ok(shoal_index::Consistency::NotBounded),
+        Some("request_plus") => Ok(shoal_index::Consistency::RequestPlus),
+        Some(other) => Err(ApiError::bad_request(format!("consistency is not_bounded or request_plus, not {other:?}"))),
+    }
+}
+
 /// Reads the whole body, refusing more than `limit` bytes with `too_large`.
 pub async fn body(body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {
     match http_body_util::Limited::new(body, limit).collect().await {

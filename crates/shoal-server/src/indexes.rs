@@ -8,7 +8,7 @@ use axum::http::{StatusCode, Uri};
 use axum::response::Response;
 use serde::Deserialize;
 use serde_json::Value;
-use shoal_index::{Consistency, IndexDef, IndexStatus, ScanBounds, ScanRequest, ScanRow, SCAN_ROWS_MAX};
+use shoal_index::{IndexDef, IndexStatus, ScanBounds, ScanRequest, ScanRow, SCAN_ROWS_MAX};
 use shoal_storage::Collection;
 
 use crate::docs::{collection, json_response};
@@ -124,11 +124,7 @@ pub async fn scan(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery
         (None, Some(r)) => ScanBounds::Range { low: r.low, high: r.high, inclusive_low: r.inclusive_low, inclusive_high: r.inclusive_high },
         (None, None) => ScanBounds::All,
     };
-    let consistency = match req.consistency.as_deref() {
-        None | Some("not_bounded") => Consistency::NotBounded,
-        Some("request_plus") => Consistency::RequestPlus,
-        Some(other) => return Err(ApiError::bad_request(format!("consistency is not_bounded or request_plus, not {other:?}"))),
-    };
+    let consistency = extract::consistency(req.consistency.as_deref())?;
     let timeout = req.timeout_ms.map(Duration::from_millis).unwrap_or(SCAN_TIMEOUT_DEFAULT);
     if timeout > SCAN_TIMEOUT_MAX {
         return Err(ApiError::bad_request(format!("timeout_ms is at most {}", SCAN_TIMEOUT_MAX.as_millis())));

@@ -9,7 +9,6 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use shoal_index::Consistency;
 use shoal_query::{QueryRequest, QUERY_TIMEOUT_DEFAULT, SQL_MAX_BYTES};
 
 use crate::docs::json_response;
@@ -34,11 +33,7 @@ pub async fn query(State(state): State<AppState>, RawQuery(q): RawQuery, headers
     extract::no_params(q.as_deref())?;
     let body = extract::body(body, QUERY_BODY_MAX_BYTES).await?;
     let req: QueryBody = extract::json_body(&body)?;
-    let consistency = match req.consistency.as_deref() {
-        None | Some("not_bounded") => Consistency::NotBounded,
-        Some("request_plus") => Consistency::RequestPlus,
-        Some(other) => return Err(ApiError::bad_request(format!("consistency is not_bounded or request_plus, not {other:?}"))),
-    };
+    let consistency = extract::consistency(req.consistency.as_deref())?;
     let timeout = req.timeout_ms.map(Duration::from_millis).unwrap_or(QUERY_TIMEOUT_DEFAULT);
     let result = state.query.query(QueryRequest { sql: req.sql, params: req.params, consistency, timeout }).await?;
     let rows = result.rows.len();

@@ -99,6 +99,12 @@ impl Collection {
         self.partitions.iter().map(|p| p.uuid()).collect()
     }
 
+    /// Every partition's change-stream position now (high seqno and history UUID): where
+    /// a reader that has seen everything up to this moment goes on from.
+    pub fn positions(&self) -> Vec<StreamPosition> {
+        self.partitions.iter().map(|p| StreamPosition { seqno: p.high_seqno(), uuid: p.uuid() }).collect()
+    }
+
     /// Live documents in key order after `after` (from the start when `None`), at most
     /// `max`, merged over all data paths: `(key, body)`.
     ///
