@@ -84,6 +84,13 @@ struct ServeArgs {
     /// Index build and maintenance workers (default: one per core).
     #[arg(long)]
     index_workers: Option<usize>,
+    /// Analytics partitions per collection (default: min(cores, analytics memory GiB, 16);
+    /// 0 turns the analytics shadows off).
+    #[arg(long)]
+    analytics_partitions: Option<usize>,
+    /// Memory for analytics in MiB (default: a quarter of the machine's).
+    #[arg(long)]
+    analytics_memory_mb: Option<u64>,
 }
 
 fn main() -> ExitCode {
@@ -141,6 +148,8 @@ async fn serve(args: ServeArgs) -> Result<(), cli::CliError> {
             ..shoal_storage::StoreConfig::default()
         },
         index_workers: args.index_workers,
+        analytics_partitions: args.analytics_partitions,
+        analytics_memory: args.analytics_memory_mb.map(|m| m.saturating_mul(1024 * 1024)),
     };
     let signal = shutdown_signal()?;
     let server = shoal_server::Server::bind(config).await?;

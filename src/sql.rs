@@ -23,6 +23,9 @@ pub struct SqlArgs {
     /// Wait until indexes hold every change made before the statement.
     #[arg(long)]
     request_plus: bool,
+    /// Run on the analytics path (`/v1/analytics`, the columnar shadows).
+    #[arg(long)]
+    analytics: bool,
 }
 
 pub async fn run(url: &str, output: Output, args: SqlArgs) -> Result<(), CliError> {
@@ -35,10 +38,12 @@ pub async fn run(url: &str, output: Output, args: SqlArgs) -> Result<(), CliErro
         return Err(CliError::Usage("--params takes a JSON array".into()));
     }
     let consistency = if args.request_plus { "request_plus" } else { "not_bounded" };
+    let analytics = args.analytics;
     let one = |sql: String| {
         let (client, params) = (&client, params.clone());
         async move {
-            let answer = client.query(&json!({"sql": sql, "params": params, "consistency": consistency})).await?;
+            let request = json!({"sql": sql, "params": params, "consistency": consistency});
+            let answer = if analytics { client.analytics(&request).await? } else { client.query(&request).await? };
             print_answer(output, &answer);
             Ok::<_, CliError>(())
         }

@@ -71,16 +71,19 @@ async fn query_3_matches_an_independent_computation() {
     assert!(!expected.is_empty(), "the data set has sales of manufacturer {manufact} in November");
     let q3 = shoal_q3().replace("i_manufact_id = 128", &format!("i_manufact_id = {manufact}"));
     let c = node.client();
-    let ask = |sql: String| {
+    let ask_at = |path: &str, sql: String| {
         let c = c.clone();
-        let url = node.u("/v1/query");
+        let url = node.u(path);
         async move {
-            let r = c.post(url).body(json!({"sql": sql}).to_string()).send().await.unwrap();
+            let r = c.post(url).body(json!({"sql": sql, "consistency": "request_plus"}).to_string()).send().await.unwrap();
             assert!(r.status().is_success(), "{}", r.text().await.unwrap());
             r.json::<Value>().await.unwrap()
         }
     };
+    // Both paths: the documents (key-order reads) and the columnar shadow.
+    let ask = |sql: String| ask_at("/v1/query", sql);
     check(&ask(q3.clone()).await, &expected);
+    check(&ask_at("/v1/analytics", q3.clone()).await, &expected);
 
     // All tables in one collection, told apart by table_name (the seed's datasets).
     let c2 = node.client();
@@ -94,10 +97,184 @@ async fn query_3_matches_an_independent_computation() {
         .replace("store_sales ss,", "(SELECT * FROM tpcds WHERE table_name = 'store_sales') ss,")
         .replace("     item\n", "     (SELECT * FROM tpcds WHERE table_name = 'item') item\n");
     assert_ne!(one, q3);
-    check(&ask(one).await, &expected);
+    check(&ask(one.clone()).await, &expected);
+    check(&ask_at("/v1/analytics", one.clone()).await, &expected);
+    // On the shadow, each table_name filter reads only its own table's segments.
+    let plan = ask_at("/v1/analytics", format!("EXPLAIN {one}")).await.to_string();
+    for t in tables {
+        assert!(plan.contains(&format!(r#"table_name=\"{t}\""#)), "{plan}");
+    }
 }
 
 /// Query 3 exactly as seed 004 prints it; `shoal bench analytics` runs the same file.
 fn shoal_q3() -> String {
     include_str!("../bench/tpcds_q3.sql").trim().to_string()
+}
+
+async fn post(c: &reqwest::Client, url: String, body: Value) -> (reqwest::StatusCode, Value) {
+    let r = c.post(url).body(body.to_string()).send().await.unwrap();
+    (r.status(), r.json().await.unwrap_or(Value::Null))
+}
+
+/// Rows of a statement that must succeed on `path` (`/v1/query` or `/v1/analytics`).
+async fn sql(node: &Node, c: &reqwest::Client, path: &str, sql: &str) -> Vec<Value> {
+    let (s, r) = post(c, node.u(path), json!({"sql": sql, "consistency": "request_plus", "timeout_ms": 60_000})).await;
+    assert_eq!(s, reqwest::StatusCode::OK, "{path} {sql}: {r}");
+    r["rows"].as_array().unwrap().clone()
+}
+
+/// `_bulk` lines, all of which must succeed.
+async fn bulk(node: &Node, c: &reqwest::Client, coll: &str, lines: &[Value]) {
+    for chunk in lines.chunks(1000) {
+        let body: String = chunk.iter().map(|l| format!("{l}\n")).collect();
+        let r = c.post(node.u(&format!("/v1/collections/{coll}/_bulk"))).body(body).send().await.unwrap();
+        assert!(r.status().is_success());
+        let text = r.text().await.unwrap();
+        assert!(!text.contains("\"error\""), "{}", text.lines().find(|l| l.contains("error")).unwrap_or_default());
+    }
+}
+
+const KINDS: [&str; 3] = ["a", "b", "c"];
+
+fn event(i: usize) -> Value {
+    let mut d = json!({
+        "n": i,
+        "kind": KINDS[i % 3],
+        "price": i as f64 * 0.5,
+        "tags": [format!("t{}", i % 7)],
+        "nested": {"x": i % 10},
+        "table_name": if i % 2 == 1 { "odd" } else { "even" },
+    });
+    if i % 100 == 7 {
+        d["n"] = json!("not a number");
+    }
+    d
+}
+
+#[tokio::test]
+async fn the_shadow_follows_every_change_and_answers_as_the_documents_do() {
+    let node = Node::start(&["--partitions", "8", "--analytics-partitions", "2"]);
+    let c = node.client();
+    let info: Value = c.get(node.u("/v1/node")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(info["analytics_partitions"], json!(2));
+    assert!(c.put(node.u("/v1/collections/ev")).send().await.unwrap().status().is_success());
+    let mut lines: Vec<Value> = (0..3000).map(|i| json!({"op": "upsert", "key": format!("e{i:05}"), "value": event(i)})).collect();
+    // Updates, deletes, and documents that expire.
+    lines.extend((0..300).map(|i| json!({"op": "upsert", "key": format!("e{i:05}"), "value": event(i + 10_000)})));
+    lines.extend((300..600).map(|i| json!({"op": "remove", "key": format!("e{i:05}")})));
+    lines.extend((600..650).map(|i| json!({"op": "upsert", "key": format!("e{i:05}"), "value": event(i), "expiry": 1})));
+    bulk(&node, &c, "ev", &lines).await;
+    // The expiry pager runs every second; wait until the documents are gone.
+    let gone = |rows: Vec<Value>| rows == [json!([2650])];
+    // Reads hide an expired document at once; the shadow drops it when the pager deletes it.
+    for path in ["/v1/query", "/v1/analytics"] {
+        let mut tries = 0;
+        while !gone(sql(&node, &c, path, "SELECT count(*) FROM ev").await) {
+            tries += 1;
+            assert!(tries < 100, "{path}: upserts, deletes and expiry not reflected");
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+    // The same statements answer the same rows on both paths.
+    for q in [
+        "SELECT count(*), sum(n), sum(price), count(n), sum(nested.x) FROM ev",
+        "SELECT kind, count(*), max(n), min(tags[1]) FROM ev GROUP BY kind ORDER BY kind",
+        "SELECT meta_id, n, price FROM ev WHERE table_name = 'odd' ORDER BY meta_id LIMIT 20",
+        "SELECT table_name, count(*) FROM ev WHERE n IS NULL GROUP BY table_name ORDER BY table_name",
+        "SELECT e.kind, count(*) FROM ev e JOIN ev f ON e.n = f.n + 1 GROUP BY e.kind ORDER BY e.kind",
+    ] {
+        let (a, b) = (sql(&node, &c, "/v1/query", q).await, sql(&node, &c, "/v1/analytics", q).await);
+        assert!(!a.is_empty());
+        assert_eq!(a, b, "{q}");
+    }
+    let misfits = sql(&node, &c, "/v1/analytics", "SELECT count(*) FROM ev WHERE n IS NULL").await;
+    assert_eq!(misfits, [json!([26])], "a string among numbers is NULL");
+    // A table_name filter skips the other group's segments.
+    let plan = sql(&node, &c, "/v1/analytics", "EXPLAIN SELECT count(*) FROM ev WHERE table_name = 'odd'").await;
+    let plan = Value::Array(plan).to_string();
+    assert!(plan.contains("analytics partitions=2") && plan.contains(r#"table_name=\"odd\""#), "{plan}");
+    // Write, then read with request_plus: every acknowledged write is there.
+    for i in 0..20 {
+        let key = format!("probe{i}");
+        let r = c.put(node.u(&format!("/v1/collections/ev/docs/{key}"))).body(json!({"n": i}).to_string()).send().await.unwrap();
+        assert!(r.status().is_success());
+        let got = sql(&node, &c, "/v1/analytics", &format!("SELECT n FROM ev WHERE meta_id = '{key}'")).await;
+        assert_eq!(got, [json!([i])]);
+    }
+    let (ok, out, err) =
+        node.cli(&["--output", "csv", "sql", "--analytics", "-e", "SELECT count(*) AS n FROM ev WHERE table_name = 'even'"]);
+    assert!(ok, "{err}");
+    assert_eq!(out, "n\n1325\n");
+}
+
+/// Segment files (name, size, modification time) under the node's shadow directory.
+fn segment_files(dir: &std::path::Path) -> Vec<(std::path::PathBuf, u64, std::time::SystemTime)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.join("shadow")];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let meta = e.metadata().unwrap();
+            if meta.is_dir() {
+                stack.push(e.path());
+            } else if e.path().extension().is_some_and(|x| x == "arrow") {
+                out.push((e.path(), meta.len(), meta.modified().unwrap()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[tokio::test]
+async fn the_shadow_survives_restarts_without_a_rebuild() {
+    let mut node = Node::start(&["--partitions", "8", "--analytics-partitions", "2"]);
+    let c = node.client();
+    assert!(c.put(node.u("/v1/collections/ev")).send().await.unwrap().status().is_success());
+    let lines: Vec<Value> = (0..20_000).map(|i| json!({"op": "upsert", "key": format!("e{i:05}"), "value": event(i)})).collect();
+    bulk(&node, &c, "ev", &lines).await;
+    let q = "SELECT count(*), sum(price), count(DISTINCT kind) FROM ev";
+    let before = sql(&node, &c, "/v1/analytics", q).await;
+    assert_eq!(before[0][0], json!(20_000));
+    assert!(node.stop(), "clean stop");
+    let files = segment_files(&node.dir);
+    assert!(!files.is_empty());
+    node.restart();
+    let c = node.client();
+    // Not request_plus: what is answered at once comes from the files, unchanged.
+    let (s, r) = post(&c, node.u("/v1/analytics"), json!({"sql": q})).await;
+    assert_eq!(s, reqwest::StatusCode::OK, "{r}");
+    assert_eq!(r["rows"].as_array().unwrap(), &before);
+    assert_eq!(segment_files(&node.dir), files, "a clean restart rewrites no segment");
+
+    // Changes, then kill -9: the shadow catches up from its last checkpoint.
+    let mut lines: Vec<Value> = (0..1000).map(|i| json!({"op": "upsert", "key": format!("e{i:05}"), "value": {"price": 1.0}})).collect();
+    lines.extend((1000..1500).map(|i| json!({"op": "remove", "key": format!("e{i:05}")})));
+    bulk(&node, &c, "ev", &lines).await;
+    node.kill9();
+    node.restart();
+    let c = node.client();
+    let expected: f64 = 1000.0 + (1500..20_000).map(|i| i as f64 * 0.5).sum::<f64>();
+    let after = sql(&node, &c, "/v1/analytics", "SELECT count(*), sum(price), count(kind) FROM ev").await;
+    assert_eq!(after[0][0], json!(19_500));
+    assert_eq!(after[0][1].as_f64(), Some(expected));
+    assert_eq!(after[0][2], json!(18_500));
+    // Dropping the collection removes its shadow.
+    assert!(c.delete(node.u("/v1/collections/ev")).send().await.unwrap().status().is_success());
+    let mut tries = 0;
+    while !segment_files(&node.dir).is_empty() {
+        tries += 1;
+        assert!(tries < 100, "the dropped collection's shadow is still on disk");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn analytics_can_be_turned_off() {
+    let node = Node::start(&["--partitions", "4", "--analytics-partitions", "0"]);
+    let c = node.client();
+    assert!(c.put(node.u("/v1/collections/ev")).send().await.unwrap().status().is_success());
+    let (s, r) = post(&c, node.u("/v1/analytics"), json!({"sql": "SELECT count(*) FROM ev"})).await;
+    assert_eq!((s, r["error"].as_str()), (reqwest::StatusCode::SERVICE_UNAVAILABLE, Some("unavailable")), "{r}");
+    assert_eq!(sql(&node, &c, "/v1/query", "SELECT count(*) FROM ev").await, [json!([0])]);
+    assert!(segment_files(&node.dir).is_empty());
 }

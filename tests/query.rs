@@ -9,7 +9,11 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 
 async fn sql_with(node: &Node, c: &reqwest::Client, body: Value) -> (StatusCode, Value) {
-    let r = c.post(node.u("/v1/query")).body(body.to_string()).send().await.unwrap();
+    sql_at(node, c, "/v1/query", body).await
+}
+
+async fn sql_at(node: &Node, c: &reqwest::Client, path: &str, body: Value) -> (StatusCode, Value) {
+    let r = c.post(node.u(path)).body(body.to_string()).send().await.unwrap();
     (r.status(), r.json().await.unwrap_or(Value::Null))
 }
 
@@ -179,15 +183,18 @@ async fn bad_sql_input_gets_clear_errors_and_the_server_keeps_serving() {
         ),
         (json!({"sql": "SELECT * FROM generate_series(1, 200000)"}), StatusCode::BAD_REQUEST, "bad_request", "LIMIT"),
     ];
-    for (body, status, expected, fragment) in cases {
-        let (s, r) = sql_with(&node, &c, body.clone()).await;
-        let shown = body.to_string().chars().take(120).collect::<String>();
-        assert_eq!((s, code(&r).as_str()), (status, expected), "{shown}: {r}");
-        assert!(r["reason"].as_str().unwrap_or_default().contains(fragment), "{shown}: {r}");
-    }
-    for raw in ["not json", "", "[1]", "{\"sql\": 5}"] {
-        let r = c.post(node.u("/v1/query")).body(raw).send().await.unwrap();
-        assert_eq!(r.status(), StatusCode::BAD_REQUEST, "{raw}");
+    // Both SQL endpoints take the same requests and refuse the same input.
+    for path in ["/v1/query", "/v1/analytics"] {
+        for (body, status, expected, fragment) in &cases {
+            let (s, r) = sql_at(&node, &c, path, body.clone()).await;
+            let shown = body.to_string().chars().take(120).collect::<String>();
+            assert_eq!((s, code(&r).as_str()), (*status, *expected), "{path} {shown}: {r}");
+            assert!(r["reason"].as_str().unwrap_or_default().contains(fragment), "{path} {shown}: {r}");
+        }
+        for raw in ["not json", "", "[1]", "{\"sql\": 5}"] {
+            let r = c.post(node.u(path)).body(raw).send().await.unwrap();
+            assert_eq!(r.status(), StatusCode::BAD_REQUEST, "{path} {raw}");
+        }
     }
     // The unread rest of an oversized body means the connection cannot be reused: the
     // answer says so, and the next request on the same client still works.

@@ -285,6 +285,11 @@ impl Client {
         json(self.http.post(format!("{}/v1/query", self.base)).json(request).send().await?).await
     }
 
+    /// `POST /v1/analytics`: the same request, over the columnar shadows.
+    pub async fn analytics(&self, request: &serde_json::Value) -> Result<serde_json::Value, ClientError> {
+        json(self.http.post(format!("{}/v1/analytics", self.base)).json(request).send().await?).await
+    }
+
     /// Sends NDJSON operation lines; answers the NDJSON result lines, one per operation.
     pub async fn bulk(&self, collection: &str, ndjson: impl Into<Bytes>, persist: bool) -> Result<Bytes, ClientError> {
         let mut req = self

@@ -7,8 +7,11 @@
 //! order. DataFusion does the rest (joins, aggregates, windows, subqueries). Knows nothing
 //! of HTTP.
 
+mod analytics;
 mod convert;
+mod merge;
 pub mod schema;
+pub mod shadow;
 mod table;
 
 use std::collections::HashMap;
@@ -25,6 +28,7 @@ use shoal_storage::changes::FeedPosition;
 use shoal_storage::{Collection, Store, StreamPosition};
 
 use crate::schema::Obj;
+use crate::shadow::ShadowManager;
 use crate::table::{Collections, QueryEnv};
 
 /// Documents read to infer a collection's schema the first time it is queried.
@@ -86,6 +90,13 @@ impl From<DataFusionError> for QueryError {
                         shoal_index::IndexError::Timeout => QueryError::Timeout(Duration::ZERO),
                         shoal_index::IndexError::NotReady { .. } => QueryError::Unavailable(ix.to_string()),
                         _ => QueryError::Storage(ix.to_string()),
+                    };
+                }
+                if let Some(s) = inner.downcast_ref::<shadow::ShadowError>() {
+                    return match s {
+                        shadow::ShadowError::Timeout(t) => QueryError::Timeout(*t),
+                        shadow::ShadowError::Off | shadow::ShadowError::NotAttached(_) => QueryError::Unavailable(s.to_string()),
+                        _ => QueryError::Storage(s.to_string()),
                     };
                 }
                 if let Some(r) = inner.downcast_ref::<shoal_storage::ReadError>() {
@@ -223,21 +234,45 @@ fn sample(coll: &Collection, now: &FeedPosition) -> Result<(Obj, Vec<bytes::Byte
     Ok((obj, keys))
 }
 
+/// Which tables a statement reads.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Path {
+    /// Documents, through key lookups and indexes (`/v1/query`).
+    Operational,
+    /// The columnar shadows, one scan stream per analytics partition (`/v1/analytics`).
+    Analytics,
+}
+
 /// Runs SQL over the store's collections.
 pub struct QueryEngine {
     store: Arc<Store>,
     indexes: Arc<IndexManager>,
+    shadows: Arc<ShadowManager>,
     schemas: Arc<SchemaCache>,
     threads: usize,
 }
 
 impl QueryEngine {
-    pub fn new(store: Arc<Store>, indexes: Arc<IndexManager>, threads: usize) -> QueryEngine {
-        QueryEngine { store, indexes, schemas: Arc::new(SchemaCache::default()), threads: threads.max(1) }
+    pub fn new(store: Arc<Store>, indexes: Arc<IndexManager>, shadows: Arc<ShadowManager>, threads: usize) -> QueryEngine {
+        QueryEngine { store, indexes, shadows, schemas: Arc::new(SchemaCache::default()), threads: threads.max(1) }
     }
 
-    /// Runs one statement (queries and `EXPLAIN`; no DDL, DML or `SET`).
+    /// Runs one statement (queries and `EXPLAIN`; no DDL, DML or `SET`) on the
+    /// operational path.
     pub async fn query(&self, req: QueryRequest) -> Result<QueryResult, QueryError> {
+        self.run(req, Path::Operational).await
+    }
+
+    /// Runs one statement over the columnar shadows. Every shadow is complete (typed from
+    /// all its rows), so there is no second attempt with completed schemas.
+    pub async fn analytics(&self, req: QueryRequest) -> Result<QueryResult, QueryError> {
+        if self.shadows.partitions() == 0 {
+            return Err(QueryError::Unavailable(shadow::ShadowError::Off.to_string()));
+        }
+        self.run(req, Path::Analytics).await
+    }
+
+    async fn run(&self, req: QueryRequest, path: Path) -> Result<QueryResult, QueryError> {
         let started = Instant::now();
         if req.sql.len() > SQL_MAX_BYTES {
             return Err(QueryError::Invalid(format!("the statement is longer than {SQL_MAX_BYTES} bytes")));
@@ -249,7 +284,7 @@ impl QueryEngine {
             return Err(QueryError::Invalid(format!("timeout is at most {} ms", QUERY_TIMEOUT_MAX.as_millis())));
         }
         let params = req.params.iter().map(param).collect::<Result<Vec<_>, _>>()?;
-        let (first, touched) = self.attempt(&req, params.clone()).await;
+        let (first, touched) = self.attempt(&req, params.clone(), path).await;
         let mut result = match first {
             // A field the sampled schemas do not know: infer the tables read from every
             // document, then try once more.
@@ -265,7 +300,7 @@ impl QueryEngine {
                 .await
                 .map_err(|e| QueryError::Internal(e.to_string()))??;
                 if completed {
-                    self.attempt(&req, params).await.0?
+                    self.attempt(&req, params, path).await.0?
                 } else {
                     first?
                 }
@@ -277,8 +312,13 @@ impl QueryEngine {
     }
 
     /// Plans and runs the statement once; also answers which collections it read.
-    async fn attempt(&self, req: &QueryRequest, params: Vec<ScalarValue>) -> (Result<QueryResult, QueryError>, Vec<Arc<Collection>>) {
-        let (ctx, env) = match self.session(req) {
+    async fn attempt(
+        &self,
+        req: &QueryRequest,
+        params: Vec<ScalarValue>,
+        path: Path,
+    ) -> (Result<QueryResult, QueryError>, Vec<Arc<Collection>>) {
+        let (ctx, env) = match self.session(req, path) {
             Ok(s) => s,
             Err(e) => return (Err(e), Vec::new()),
         };
@@ -325,8 +365,14 @@ impl QueryEngine {
         (result, touched)
     }
 
-    fn session(&self, req: &QueryRequest) -> Result<(SessionContext, Arc<QueryEnv>), QueryError> {
-        let mut config = SessionConfig::new().with_target_partitions(self.threads).with_information_schema(true);
+    fn session(&self, req: &QueryRequest, path: Path) -> Result<(SessionContext, Arc<QueryEnv>), QueryError> {
+        // Analytics runs one stream per analytics partition: the partition count is the
+        // parallelism, as in the seed's experiment.
+        let partitions = match path {
+            Path::Operational => self.threads,
+            Path::Analytics => self.shadows.partitions().max(1),
+        };
+        let mut config = SessionConfig::new().with_target_partitions(partitions).with_information_schema(true);
         // JSON field names are case-sensitive: `firstName` means firstName, quoted or not.
         config.options_mut().sql_parser.enable_ident_normalization = false;
         let runtime = RuntimeEnvBuilder::new()
@@ -343,7 +389,18 @@ impl QueryEngine {
             touched: Mutex::new(Vec::new()),
         });
         let catalog = ctx.catalog("datafusion").ok_or_else(|| QueryError::Storage("no default catalog".into()))?;
-        catalog.register_schema("public", Arc::new(Collections(Arc::clone(&env))))?;
+        match path {
+            Path::Operational => catalog.register_schema("public", Arc::new(Collections(Arc::clone(&env))))?,
+            Path::Analytics => catalog.register_schema(
+                "public",
+                Arc::new(analytics::Shadows(Arc::new(analytics::AnalyticsEnv {
+                    store: Arc::clone(&self.store),
+                    shadows: Arc::clone(&self.shadows),
+                    consistency: req.consistency,
+                    timeout: req.timeout,
+                }))),
+            )?,
+        };
         Ok((ctx, env))
     }
 }

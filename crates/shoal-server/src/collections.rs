@@ -1,5 +1,7 @@
 //! Collections: create, list, drop.
 
+use std::sync::Arc;
+
 use axum::body::Body;
 use axum::extract::{RawQuery, State};
 use axum::http::{StatusCode, Uri};
@@ -27,9 +29,19 @@ pub async fn create(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
     let body = extract::body(body, COLLECTION_BODY_MAX_BYTES).await?;
     let spec: CreateBody = if body.iter().all(u8::is_ascii_whitespace) { CreateBody::default() } else { extract::json_body(&body)? };
     let store = state.store.clone();
-    let created = tokio::task::spawn_blocking(move || store.create_collection(&name, spec.max_ttl).map(|c| c.info()))
-        .await
-        .map_err(|e| ApiError::internal(e.to_string()))??;
+    let shadows = Arc::clone(&state.shadows);
+    let created = tokio::task::spawn_blocking(move || {
+        let coll = store.create_collection(&name, spec.max_ttl)?;
+        if shadows.partitions() > 0 {
+            // A new collection's shadow is empty: attaching it cannot fail but on I/O.
+            if let Err(e) = shadows.attach(Arc::clone(&coll)) {
+                tracing::warn!(collection = %coll.name(), error = %e, "starting the analytics shadow");
+            }
+        }
+        Ok::<_, shoal_storage::CollectionError>(coll.info())
+    })
+    .await
+    .map_err(|e| ApiError::internal(e.to_string()))??;
     let out = serde_json::json!({"name": created.name, "max_ttl": created.max_ttl});
     Ok(json_response(StatusCode::CREATED, out.to_string().into_bytes()))
 }

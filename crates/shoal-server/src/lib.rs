@@ -38,6 +38,8 @@ pub enum ServerError {
     Open(#[from] shoal_storage::OpenError),
     #[error("indexes: {0}")]
     Index(#[from] shoal_index::IndexError),
+    #[error("analytics: {0}")]
+    Shadow(#[from] shoal_query::shadow::ShadowError),
     #[error("server: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -48,6 +50,11 @@ pub struct ServerConfig {
     pub store: StoreConfig,
     /// Index build and maintenance workers (default: one per core).
     pub index_workers: Option<usize>,
+    /// Analytics partitions per collection (default: min(cores, analytics memory GiB, 16));
+    /// 0 turns the analytics shadows off.
+    pub analytics_partitions: Option<usize>,
+    /// Memory for analytics in bytes (default: a quarter of the machine's).
+    pub analytics_memory: Option<u64>,
 }
 
 /// Shared by every handler.
@@ -62,6 +69,8 @@ pub struct AppState {
     pub indexes: Arc<shoal_index::IndexManager>,
     /// SQL over collections.
     pub query: Arc<shoal_query::QueryEngine>,
+    /// The columnar shadows analytics reads.
+    pub shadows: Arc<shoal_query::shadow::ShadowManager>,
     /// Low-priority threads for CPU-heavy request work.
     pub cpu: cpu::CpuPool,
     /// Becomes `true` when the server shuts down; long feeds end then.
@@ -90,6 +99,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/collections/{c}/indexes/{name}/build", post(indexes::build))
         .route("/v1/collections/{c}/indexes/{name}/scan", post(indexes::scan))
         .route("/v1/query", post(query::query))
+        .route("/v1/analytics", post(query::analytics))
         .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn(ops::telemetry))
@@ -129,11 +139,18 @@ impl Server {
         let indexes = shoal_index::IndexManager::open(Arc::clone(&store), workers)?;
         let (shutdown_tx, shutdown) = watch::channel(false);
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
-        let query = Arc::new(shoal_query::QueryEngine::new(Arc::clone(&store), Arc::clone(&indexes), cores));
+        let memory = config.analytics_memory.unwrap_or_else(|| machine_memory() / 4);
+        let analytics = config.analytics_partitions.unwrap_or_else(|| shoal_query::shadow::default_partitions(cores, memory));
+        let s = Arc::clone(&store);
+        let shadows = tokio::task::spawn_blocking(move || shoal_query::shadow::ShadowManager::open(s, analytics))
+            .await
+            .map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
+        let query = Arc::new(shoal_query::QueryEngine::new(Arc::clone(&store), Arc::clone(&indexes), Arc::clone(&shadows), cores));
         let state = AppState {
             store,
             indexes,
             query,
+            shadows,
             started: Instant::now(),
             metrics: ops::prometheus(),
             parsed: Arc::default(),
@@ -154,6 +171,7 @@ impl Server {
         let Server { listener, state, shutdown_tx } = self;
         let store = Arc::clone(&state.store);
         let indexes = Arc::clone(&state.indexes);
+        let shadows = Arc::clone(&state.shadows);
         let listener = listener.tap_io(|tcp| {
             let _ = tcp.set_nodelay(true);
         });
@@ -170,10 +188,21 @@ impl Server {
         if tokio::time::timeout(SHUTDOWN_GRACE, serve).await.is_err() {
             tracing::warn!("requests still open after the grace period; closing anyway");
         }
+        shadows.close().await;
         if let Err(e) = indexes.close() {
             tracing::warn!(error = %e, "closing the index database");
         }
         tokio::task::spawn_blocking(move || store.close()).await.map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
         Ok(())
     }
+}
+
+/// Physical memory in bytes (`/proc/meminfo`; 4 GiB where it cannot be read).
+fn machine_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines().find(|l| l.starts_with("MemTotal:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(4 << 30, |kb| kb * 1024)
 }

@@ -87,6 +87,7 @@ pub async fn node(State(state): State<AppState>) -> Response {
         "version": env!("CARGO_PKG_VERSION"),
         "partitions": store.partitions(),
         "data_paths": store.data_paths().iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+        "analytics_partitions": state.shadows.partitions(),
         "uptime_secs": state.started.elapsed().as_secs(),
         "recovered_unclean": store.recovered_unclean(),
         "collections": store.list_collections().len(),

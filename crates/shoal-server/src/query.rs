@@ -1,4 +1,5 @@
-//! SQL endpoints: `POST /v1/query` (operational: key lookups and index scans), answering
+//! SQL endpoints: `POST /v1/query` (operational: key lookups and index scans) and
+//! `POST /v1/analytics` (the columnar shadows, one stream per analytics partition), answering
 //! JSON or, with `Accept: application/x-ndjson`, one line per row.
 
 use std::time::Duration;
@@ -9,7 +10,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use shoal_query::{QueryRequest, QUERY_TIMEOUT_DEFAULT, SQL_MAX_BYTES};
+use shoal_query::{Path, QueryRequest, QUERY_TIMEOUT_DEFAULT, SQL_MAX_BYTES};
 
 use crate::docs::json_response;
 use crate::error::ApiError;
@@ -30,12 +31,24 @@ struct QueryBody {
 }
 
 pub async fn query(State(state): State<AppState>, RawQuery(q): RawQuery, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    run(state, q, headers, body, Path::Operational).await
+}
+
+pub async fn analytics(State(state): State<AppState>, RawQuery(q): RawQuery, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    run(state, q, headers, body, Path::Analytics).await
+}
+
+async fn run(state: AppState, q: Option<String>, headers: HeaderMap, body: Body, path: Path) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
     let body = extract::body(body, QUERY_BODY_MAX_BYTES).await?;
     let req: QueryBody = extract::json_body(&body)?;
     let consistency = extract::consistency(req.consistency.as_deref())?;
     let timeout = req.timeout_ms.map(Duration::from_millis).unwrap_or(QUERY_TIMEOUT_DEFAULT);
-    let result = state.query.query(QueryRequest { sql: req.sql, params: req.params, consistency, timeout }).await?;
+    let req = QueryRequest { sql: req.sql, params: req.params, consistency, timeout };
+    let result = match path {
+        Path::Operational => state.query.query(req).await?,
+        Path::Analytics => state.query.analytics(req).await?,
+    };
     let rows = result.rows.len();
     let elapsed_ms = result.elapsed.as_secs_f64() * 1000.0;
     let ndjson = headers.get(axum::http::header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("application/x-ndjson"));

@@ -1,0 +1,275 @@
+//! The analytics path: collections as tables over their columnar shadows, scanned with
+//! one stream per analytics partition.
+
+use std::fmt;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use datafusion::arrow::array::{RecordBatch, RecordBatchOptions};
+use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::catalog::{SchemaProvider, Session, TableProvider};
+use datafusion::common::stats::Precision;
+use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::common::{DataFusionError, ScalarValue, Statistics};
+use datafusion::datasource::TableType;
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::logical_expr::{BinaryExpr, Expr, Operator, TableProviderFilterPushDown};
+use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
+use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
+use datafusion::physical_plan::statistics::StatisticsArgs;
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{
+    ChildrenPropertiesMode, DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties, ReplaceChildrenOptions,
+};
+use shoal_index::Consistency;
+use shoal_storage::Store;
+
+use crate::merge::adapt_batch;
+use crate::shadow::{Part, Shadow, ShadowError, ShadowManager, GROUP_FIELD};
+use crate::SCAN_BATCH_ROWS;
+
+/// What an analytics query shares with the tables it reads.
+pub(crate) struct AnalyticsEnv {
+    pub store: Arc<Store>,
+    pub shadows: Arc<ShadowManager>,
+    pub consistency: Consistency,
+    pub timeout: std::time::Duration,
+}
+
+/// Every collection of the store, as tables over their shadows.
+pub(crate) struct Shadows(pub Arc<AnalyticsEnv>);
+
+impl fmt::Debug for Shadows {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Shadows")
+    }
+}
+
+fn external(e: ShadowError) -> DataFusionError {
+    DataFusionError::External(Box::new(e))
+}
+
+#[async_trait]
+impl SchemaProvider for Shadows {
+    fn table_names(&self) -> Vec<String> {
+        self.0.store.list_collections().into_iter().map(|c| c.name).collect()
+    }
+
+    async fn table(&self, name: &str) -> Result<Option<Arc<dyn TableProvider>>, DataFusionError> {
+        let Some(coll) = self.0.store.collection(name) else { return Ok(None) };
+        let shadow = self.0.shadows.shadow(coll.id()).ok_or_else(|| external(ShadowError::NotAttached(name.to_string())))?;
+        if self.0.consistency == Consistency::RequestPlus {
+            shadow.wait_applied(&coll.high_seqnos(), self.0.timeout).await.map_err(external)?;
+        }
+        let s = Arc::clone(&shadow);
+        let schema = tokio::task::spawn_blocking(move || s.schema()).await.map_err(|e| DataFusionError::External(Box::new(e)))?;
+        Ok(Some(Arc::new(ShadowTable { shadow, schema })))
+    }
+
+    fn table_exist(&self, name: &str) -> bool {
+        self.0.store.collection(name).is_some()
+    }
+}
+
+struct ShadowTable {
+    shadow: Arc<Shadow>,
+    schema: SchemaRef,
+}
+
+impl fmt::Debug for ShadowTable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ShadowTable({})", self.shadow.collection().name())
+    }
+}
+
+/// The group a filter `table_name = '...'` (either way round) selects.
+fn group_of(e: &Expr) -> Option<String> {
+    let Expr::BinaryExpr(BinaryExpr { left, op: Operator::Eq, right }) = e else { return None };
+    let lit = |e: &Expr| match e {
+        Expr::Literal(ScalarValue::Utf8(Some(s)) | ScalarValue::Utf8View(Some(s)) | ScalarValue::LargeUtf8(Some(s)), _) => Some(s.clone()),
+        _ => None,
+    };
+    let is_group = |e: &Expr| matches!(e, Expr::Column(c) if c.name == GROUP_FIELD);
+    if is_group(left) {
+        lit(right)
+    } else if is_group(right) {
+        lit(left)
+    } else {
+        None
+    }
+}
+
+#[async_trait]
+impl TableProvider for ShadowTable {
+    fn schema(&self) -> SchemaRef {
+        Arc::clone(&self.schema)
+    }
+
+    fn table_type(&self) -> TableType {
+        TableType::Base
+    }
+
+    /// A `table_name = '...'` filter skips segments of other groups; DataFusion applies
+    /// every filter again.
+    fn supports_filters_pushdown(&self, filters: &[&Expr]) -> Result<Vec<TableProviderFilterPushDown>, DataFusionError> {
+        Ok(vec![TableProviderFilterPushDown::Inexact; filters.len()])
+    }
+
+    async fn scan(
+        &self,
+        _state: &dyn Session,
+        projection: Option<&Vec<usize>>,
+        filters: &[Expr],
+        limit: Option<usize>,
+    ) -> Result<Arc<dyn ExecutionPlan>, DataFusionError> {
+        let projected = match projection {
+            Some(p) => Arc::new(self.schema.project(p)?),
+            None => Arc::clone(&self.schema),
+        };
+        let group = filters.iter().find_map(group_of);
+        let (s, g) = (Arc::clone(&self.shadow), group.clone());
+        let parts = tokio::task::spawn_blocking(move || s.snapshot(g.as_deref()))
+            .await
+            .map_err(|e| DataFusionError::External(Box::new(e)))?
+            .map_err(external)?;
+        let rows = parts.iter().map(|p| p.iter().map(Part::rows).sum()).collect();
+        let properties = Arc::new(PlanProperties::new(
+            EquivalenceProperties::new(Arc::clone(&projected)),
+            Partitioning::UnknownPartitioning(parts.len().max(1)),
+            EmissionType::Incremental,
+            Boundedness::Bounded,
+        ));
+        Ok(Arc::new(ShadowScanExec {
+            name: self.shadow.collection().name().to_string(),
+            parts: Arc::new(parts),
+            rows,
+            projected,
+            group,
+            limit,
+            properties,
+        }))
+    }
+}
+
+/// Reads a snapshot of a shadow: partition `i` of the plan is analytics partition `i`.
+struct ShadowScanExec {
+    name: String,
+    parts: Arc<Vec<Vec<Part>>>,
+    /// Live rows per analytics partition.
+    rows: Vec<usize>,
+    projected: SchemaRef,
+    group: Option<String>,
+    limit: Option<usize>,
+    properties: Arc<PlanProperties>,
+}
+
+impl fmt::Debug for ShadowScanExec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ShadowScan({})", self.name)
+    }
+}
+
+impl DisplayAs for ShadowScanExec {
+    fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        let pieces: usize = self.parts.iter().map(Vec::len).sum();
+        write!(f, "ShadowScan: collection={}, analytics partitions={}, segments={pieces}", self.name, self.parts.len())?;
+        if let Some(g) = &self.group {
+            write!(f, ", {GROUP_FIELD}={g:?}")?;
+        }
+        if let Some(l) = self.limit {
+            write!(f, ", limit={l}")?;
+        }
+        Ok(())
+    }
+}
+
+/// A part as batches of the projected columns, live rows only, at most
+/// [`SCAN_BATCH_ROWS`] rows each.
+fn project(part: &Part, schema: &SchemaRef) -> Result<Vec<RecordBatch>, DataFusionError> {
+    let mut batch = adapt_batch(&part.batch, schema)?;
+    if let Some(mask) = &part.live {
+        batch = if schema.fields().is_empty() {
+            RecordBatch::try_new_with_options(
+                Arc::clone(schema),
+                vec![],
+                &RecordBatchOptions::new().with_row_count(Some(mask.true_count())),
+            )?
+        } else {
+            datafusion::arrow::compute::filter_record_batch(&batch, mask)?
+        };
+    }
+    let mut out = Vec::with_capacity(batch.num_rows().div_ceil(SCAN_BATCH_ROWS));
+    let mut offset = 0;
+    while offset < batch.num_rows() {
+        let len = SCAN_BATCH_ROWS.min(batch.num_rows() - offset);
+        out.push(batch.slice(offset, len));
+        offset += len;
+    }
+    Ok(out)
+}
+
+impl ExecutionPlan for ShadowScanExec {
+    fn name(&self) -> &'static str {
+        "ShadowScan"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        &self.properties
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![]
+    }
+
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion, DataFusionError>,
+    ) -> Result<TreeNodeRecursion, DataFusionError> {
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn replace_children(
+        self: Arc<Self>,
+        _children: Vec<Arc<dyn ExecutionPlan>>,
+        _options: ReplaceChildrenOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>, DataFusionError> {
+        Ok(self)
+    }
+
+    fn with_new_children(self: Arc<Self>, children: Vec<Arc<dyn ExecutionPlan>>) -> Result<Arc<dyn ExecutionPlan>, DataFusionError> {
+        self.replace_children(children, ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute))
+    }
+
+    /// Row counts, so that joins build their hash tables on the smaller side.
+    fn statistics_from_inputs(&self, _input_stats: &[Arc<Statistics>], args: &StatisticsArgs) -> Result<Arc<Statistics>, DataFusionError> {
+        let rows = match args.partition() {
+            Some(p) => self.rows.get(p).copied().unwrap_or(0),
+            None => self.rows.iter().sum(),
+        };
+        let rows = self.limit.map_or(rows, |l| rows.min(l));
+        Ok(Arc::new(Statistics::new_unknown(&self.projected).with_num_rows(Precision::Inexact(rows))))
+    }
+
+    fn execute(&self, partition: usize, _context: Arc<TaskContext>) -> Result<SendableRecordBatchStream, DataFusionError> {
+        let parts: Vec<Part> = self.parts.get(partition).cloned().unwrap_or_default();
+        let schema = Arc::clone(&self.projected);
+        let mut left = self.limit.unwrap_or(usize::MAX);
+        let batches = parts
+            .into_iter()
+            .flat_map(move |part| match project(&part, &schema) {
+                Ok(bs) => bs.into_iter().map(Ok).collect::<Vec<_>>(),
+                Err(e) => vec![Err(e)],
+            })
+            .map_while(move |b| {
+                if left == 0 {
+                    return None;
+                }
+                Some(b.map(|b| {
+                    let b = if b.num_rows() > left { b.slice(0, left) } else { b };
+                    left -= b.num_rows();
+                    b
+                }))
+            });
+        Ok(Box::pin(RecordBatchStreamAdapter::new(Arc::clone(&self.projected), futures::stream::iter(batches))))
+    }
+}

@@ -1,0 +1,972 @@
+//! The columnar shadow of every collection: what `/v1/analytics` reads.
+//!
+//! A collection's rows are split over *analytics partitions*: storage partition `p` feeds
+//! analytics partition `p mod n`, and analytics partition `i` lives on data path
+//! `i mod paths`. Each analytics partition keeps its rows as immutable Arrow record
+//! batches (*segments*, at most [`SEGMENT_ROWS`] rows, typed from their own rows) and
+//! open *buffers* of recent documents. Buffers are kept per value of [`GROUP_FIELD`], so a
+//! segment holds one JSON "table" and a filter on that field skips whole segments.
+//!
+//! Changes come from the collection's change streams. An upsert marks the key's old row
+//! dead and appends the document to a buffer; a delete or expiry marks it dead. A full
+//! buffer becomes a segment, written as an Arrow IPC file; small or mostly dead segments
+//! of a group are merged. A checkpoint turns every buffer into a segment and then writes
+//! the manifest — segments, dead rows, change-stream positions — atomically (write,
+//! fsync, rename). A restart loads the manifest's segments and follows the streams from
+//! its positions: nothing is rebuilt. Segment files the manifest does not name are
+//! leftovers of an interrupted checkpoint and are removed.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use datafusion::arrow::array::{Array, AsArray, BooleanArray, RecordBatch};
+use datafusion::arrow::buffer::BooleanBuffer;
+use datafusion::arrow::datatypes::{Field, SchemaRef};
+use datafusion::arrow::error::ArrowError;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use shoal_storage::{ChangesError, Collection, PartitionId, SeqNo, Store, StreamPosition};
+use tokio::sync::watch;
+
+use crate::convert::to_batch;
+use crate::merge::{adapt_batch, merge_fields};
+use crate::schema::Obj;
+
+/// Most rows of one segment.
+pub const SEGMENT_ROWS: usize = 32_768;
+/// The field whose string value groups rows into segments (one JSON "table" each).
+pub const GROUP_FIELD: &str = "table_name";
+/// Most groups buffered separately per analytics partition; rows of further groups share
+/// the ungrouped buffer (and their segments are not skipped by group filters).
+pub const GROUPS_MAX: usize = 64;
+/// Longest time between checkpoints while there are changes.
+pub const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(5);
+/// Changes read from one partition per step.
+pub const APPLY_BATCH: usize = 4096;
+/// Changes one analytics partition applies per round before it checks for a checkpoint.
+pub const ROUND_CHANGES_MAX: usize = 32_768;
+/// Most analytics partitions a node may be configured with.
+pub const ANALYTICS_PARTITIONS_MAX: usize = 64;
+/// Small segments (under half full) of one group that trigger a merge.
+pub const COMPACT_MIN_SEGMENTS: usize = 4;
+/// How often an idle maintainer looks for a due checkpoint.
+const IDLE_POLL: Duration = Duration::from_secs(1);
+const MANIFEST_VERSION: u32 = 1;
+const MANIFEST: &str = "manifest.json";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ShadowError {
+    #[error("analytics shadow I/O at {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("analytics shadow file {path} is damaged: {reason}")]
+    Corrupt { path: PathBuf, reason: String },
+    #[error("analytics shadow: {0}")]
+    Arrow(#[from] ArrowError),
+    #[error(transparent)]
+    Changes(#[from] ChangesError),
+    #[error("the analytics shadow did not catch up within {0:?}")]
+    Timeout(Duration),
+    #[error("analytics is off on this node (started with --analytics-partitions 0)")]
+    Off,
+    #[error("collection {0} has no analytics shadow yet")]
+    NotAttached(String),
+}
+
+fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> ShadowError + '_ {
+    move |source| ShadowError::Io { path: path.to_path_buf(), source }
+}
+
+/// The default number of analytics partitions, as Couchbase chooses it:
+/// min(cores, analytics memory in GiB, 16).
+pub fn default_partitions(cores: usize, memory_bytes: u64) -> usize {
+    let gib = usize::try_from(memory_bytes >> 30).unwrap_or(usize::MAX);
+    cores.min(gib).clamp(1, 16)
+}
+
+/// What the manifest of one analytics partition records.
+#[derive(Serialize, Deserialize)]
+struct Manifest {
+    version: u32,
+    analytics_partitions: usize,
+    partitions: u16,
+    /// `(partition, seqno, uuid)`: every change up to here is in the segments.
+    cursors: Vec<(PartitionId, SeqNo, u64)>,
+    segments: Vec<SegmentMeta>,
+    next_id: u32,
+}
+
+#[derive(Serialize, Deserialize)]
+struct SegmentMeta {
+    id: u32,
+    rows: usize,
+    group: Option<String>,
+    /// Rows no longer live (updated or deleted since the segment was written).
+    dead: Vec<u32>,
+}
+
+/// One immutable batch of rows and which of them are dead.
+struct Segment {
+    batch: RecordBatch,
+    group: Option<String>,
+    dead: Vec<u64>,
+    dead_count: usize,
+}
+
+impl Segment {
+    fn new(batch: RecordBatch, group: Option<String>) -> Segment {
+        let words = batch.num_rows().div_ceil(64);
+        Segment { batch, group, dead: vec![0; words], dead_count: 0 }
+    }
+
+    fn live(&self) -> usize {
+        self.batch.num_rows() - self.dead_count
+    }
+
+    fn is_dead(&self, row: usize) -> bool {
+        self.dead.get(row / 64).is_some_and(|w| w & (1 << (row % 64)) != 0)
+    }
+
+    fn kill(&mut self, row: usize) {
+        if let Some(w) = self.dead.get_mut(row / 64) {
+            let bit = 1u64 << (row % 64);
+            if *w & bit == 0 {
+                *w |= bit;
+                self.dead_count += 1;
+            }
+        }
+    }
+
+    /// Which rows are live, when some are not.
+    fn live_mask(&self) -> Option<BooleanArray> {
+        (self.dead_count > 0).then(|| BooleanArray::new(BooleanBuffer::collect_bool(self.batch.num_rows(), |r| !self.is_dead(r)), None))
+    }
+
+    fn dead_rows(&self) -> Vec<u32> {
+        (0..self.batch.num_rows()).filter(|&r| self.is_dead(r)).map(|r| r as u32).collect()
+    }
+}
+
+/// Recent documents of one group, not yet a segment.
+#[derive(Default)]
+struct Buffer {
+    group: Option<String>,
+    rows: Vec<(String, Value)>,
+    obj: Obj,
+}
+
+impl Buffer {
+    fn batch(&self) -> Result<RecordBatch, ArrowError> {
+        to_batch(&self.obj.table_schema(), None, &self.rows)
+    }
+}
+
+/// Where a key's live row is.
+#[derive(Clone, Copy, Debug)]
+enum Loc {
+    Seg { id: u32, row: u32 },
+    Buf { slot: u16, idx: u32 },
+}
+
+/// One piece of an analytics partition a scan reads: a batch and, if some of its rows
+/// are dead, which rows are live.
+#[derive(Clone)]
+pub struct Part {
+    pub batch: RecordBatch,
+    pub live: Option<BooleanArray>,
+}
+
+impl Part {
+    pub fn rows(&self) -> usize {
+        self.live.as_ref().map_or(self.batch.num_rows(), BooleanArray::true_count)
+    }
+}
+
+struct ApState {
+    /// Storage partitions feeding this analytics partition and how far each is applied.
+    cursors: Vec<(PartitionId, StreamPosition)>,
+    segments: BTreeMap<u32, Segment>,
+    /// Slot 0 holds ungrouped documents; the others one group each.
+    buffers: Vec<Buffer>,
+    slots: HashMap<String, u16>,
+    keys: HashMap<Box<str>, Loc>,
+    next_id: u32,
+    dirty: bool,
+    last_checkpoint: Instant,
+    /// Files of replaced segments, removed once a manifest no longer names them.
+    garbage: Vec<PathBuf>,
+    /// Rows per segment ([`SEGMENT_ROWS`]; smaller in tests).
+    segment_rows: usize,
+}
+
+/// One analytics partition.
+struct Ap {
+    dir: PathBuf,
+    state: Mutex<ApState>,
+}
+
+fn segment_path(dir: &Path, id: u32) -> PathBuf {
+    dir.join(format!("{id}.arrow"))
+}
+
+impl ApState {
+    fn fresh(cursors: Vec<(PartitionId, StreamPosition)>) -> ApState {
+        ApState {
+            cursors,
+            segments: BTreeMap::new(),
+            buffers: vec![Buffer::default()],
+            slots: HashMap::new(),
+            keys: HashMap::new(),
+            next_id: 1,
+            dirty: false,
+            last_checkpoint: Instant::now(),
+            garbage: Vec::new(),
+            segment_rows: SEGMENT_ROWS,
+        }
+    }
+
+    fn remove(&mut self, key: &str) {
+        match self.keys.remove(key) {
+            Some(Loc::Seg { id, row }) => {
+                if let Some(s) = self.segments.get_mut(&id) {
+                    s.kill(row as usize);
+                    self.dirty = true;
+                }
+            }
+            Some(Loc::Buf { slot, idx }) => {
+                let rows = &mut self.buffers[usize::from(slot)].rows;
+                let idx = idx as usize;
+                if idx < rows.len() {
+                    rows.swap_remove(idx);
+                    if let Some((moved, _)) = rows.get(idx) {
+                        if let Some(loc) = self.keys.get_mut(moved.as_str()) {
+                            *loc = Loc::Buf { slot, idx: idx as u32 };
+                        }
+                    }
+                }
+            }
+            None => {}
+        }
+    }
+
+    fn upsert(&mut self, key: String, doc: Value, dir: &Path) -> Result<(), ShadowError> {
+        self.remove(&key);
+        let slot = match doc.get(GROUP_FIELD).and_then(Value::as_str) {
+            None => 0,
+            Some(g) => match self.slots.get(g) {
+                Some(&s) => s,
+                None if self.buffers.len() < GROUPS_MAX => {
+                    let s = self.buffers.len() as u16;
+                    self.buffers.push(Buffer { group: Some(g.to_string()), ..Buffer::default() });
+                    self.slots.insert(g.to_string(), s);
+                    s
+                }
+                None => 0,
+            },
+        };
+        let buf = &mut self.buffers[usize::from(slot)];
+        if let Value::Object(map) = &doc {
+            buf.obj.observe(map, 0);
+        }
+        let idx = buf.rows.len() as u32;
+        self.keys.insert(key.as_str().into(), Loc::Buf { slot, idx });
+        buf.rows.push((key, doc));
+        self.dirty = true;
+        if buf.rows.len() >= self.segment_rows {
+            self.flush(usize::from(slot), dir)?;
+        }
+        Ok(())
+    }
+
+    /// Turns a buffer into a segment (written to its file), then merges small segments of
+    /// its group.
+    fn flush(&mut self, slot: usize, dir: &Path) -> Result<(), ShadowError> {
+        let buf = &mut self.buffers[slot];
+        if buf.rows.is_empty() {
+            return Ok(());
+        }
+        let batch = buf.batch()?;
+        let rows = std::mem::take(&mut buf.rows);
+        buf.obj = Obj::default();
+        let group = buf.group.clone();
+        let id = self.next_id;
+        self.next_id += 1;
+        write_segment(dir, id, &batch)?;
+        for (row, (key, _)) in rows.iter().enumerate() {
+            if let Some(loc) = self.keys.get_mut(key.as_str()) {
+                *loc = Loc::Seg { id, row: row as u32 };
+            }
+        }
+        self.segments.insert(id, Segment::new(batch, group.clone()));
+        self.compact(&group, dir)
+    }
+
+    /// Drops segments with no live rows; merges the group's small or mostly dead
+    /// segments once there are [`COMPACT_MIN_SEGMENTS`] of them.
+    fn compact(&mut self, group: &Option<String>, dir: &Path) -> Result<(), ShadowError> {
+        let empty: Vec<u32> = self.segments.iter().filter(|(_, s)| s.live() == 0).map(|(&id, _)| id).collect();
+        for id in empty {
+            self.segments.remove(&id);
+            self.garbage.push(segment_path(dir, id));
+            self.dirty = true;
+        }
+        let small: Vec<u32> =
+            self.segments.iter().filter(|(_, s)| &s.group == group && s.live() < self.segment_rows / 2).map(|(&id, _)| id).collect();
+        if small.len() < COMPACT_MIN_SEGMENTS {
+            return Ok(());
+        }
+        let mut live = Vec::with_capacity(small.len());
+        let mut fields = Vec::new();
+        for id in &small {
+            let Some(s) = self.segments.get(id) else { continue };
+            let batch = match s.live_mask() {
+                Some(mask) => datafusion::arrow::compute::filter_record_batch(&s.batch, &mask)?,
+                None => s.batch.clone(),
+            };
+            fields.extend(weighted_fields(&batch));
+            live.push(batch);
+        }
+        let schema = Arc::new(datafusion::arrow::datatypes::Schema::new(merge_fields(&fields)));
+        let adapted = live.iter().map(|b| adapt_batch(b, &schema)).collect::<Result<Vec<_>, _>>()?;
+        let merged = datafusion::arrow::compute::concat_batches(&schema, &adapted)?;
+        let mut offset = 0;
+        while offset < merged.num_rows() {
+            let len = self.segment_rows.min(merged.num_rows() - offset);
+            let batch = merged.slice(offset, len);
+            let id = self.next_id;
+            self.next_id += 1;
+            write_segment(dir, id, &batch)?;
+            let keys = batch
+                .column(0)
+                .as_string_opt::<i32>()
+                .ok_or_else(|| ShadowError::Corrupt { path: segment_path(dir, id), reason: "the first column is not the key".into() })?;
+            for row in 0..len {
+                if let Some(loc) = self.keys.get_mut(keys.value(row)) {
+                    *loc = Loc::Seg { id, row: row as u32 };
+                }
+            }
+            self.segments.insert(id, Segment::new(batch, group.clone()));
+            offset += len;
+        }
+        for id in small {
+            self.segments.remove(&id);
+            self.garbage.push(segment_path(dir, id));
+        }
+        self.dirty = true;
+        Ok(())
+    }
+
+    /// Every buffer becomes a segment; then the manifest is replaced atomically and the
+    /// files it no longer names are removed.
+    fn checkpoint(&mut self, dir: &Path, aps: usize, partitions: u16) -> Result<(), ShadowError> {
+        for slot in 0..self.buffers.len() {
+            self.flush(slot, dir)?;
+        }
+        let manifest = Manifest {
+            version: MANIFEST_VERSION,
+            analytics_partitions: aps,
+            partitions,
+            cursors: self.cursors.iter().map(|(p, c)| (*p, c.seqno, c.uuid)).collect(),
+            segments: self
+                .segments
+                .iter()
+                .map(|(&id, s)| SegmentMeta { id, rows: s.batch.num_rows(), group: s.group.clone(), dead: s.dead_rows() })
+                .collect(),
+            next_id: self.next_id,
+        };
+        let bytes = serde_json::to_vec(&manifest).map_err(|e| ShadowError::Corrupt { path: dir.join(MANIFEST), reason: e.to_string() })?;
+        write_atomically(&dir.join(MANIFEST), &bytes)?;
+        for path in self.garbage.drain(..) {
+            if let Err(e) = std::fs::remove_file(&path) {
+                tracing::warn!(path = %path.display(), error = %e, "removing a replaced analytics segment");
+            }
+        }
+        self.dirty = false;
+        self.last_checkpoint = Instant::now();
+        Ok(())
+    }
+
+    /// Forgets every row of storage partition `p` (its history diverged): the partition is
+    /// read again from the start.
+    fn reset_partition(&mut self, p: PartitionId, partitions: u16) {
+        let keys: Vec<Box<str>> =
+            self.keys.keys().filter(|k| shoal_storage::partition_of(k.as_bytes(), partitions) == p).cloned().collect();
+        for k in keys {
+            self.remove(&k);
+        }
+        for (q, c) in &mut self.cursors {
+            if *q == p {
+                *c = StreamPosition::default();
+            }
+        }
+    }
+
+    /// The pieces a scan reads (segments, and buffers converted now), skipping those whose
+    /// group is not `group`.
+    fn parts(&self, group: Option<&str>) -> Result<Vec<Part>, ArrowError> {
+        let keep = |g: &Option<String>| match (group, g) {
+            (Some(want), Some(have)) => want == have,
+            _ => true,
+        };
+        let mut out = Vec::new();
+        for s in self.segments.values().filter(|s| keep(&s.group) && s.live() > 0) {
+            out.push(Part { batch: s.batch.clone(), live: s.live_mask() });
+        }
+        for b in self.buffers.iter().filter(|b| keep(&b.group) && !b.rows.is_empty()) {
+            out.push(Part { batch: b.batch()?, live: None });
+        }
+        Ok(out)
+    }
+
+    /// Each top-level field of the rows with the number of values it holds.
+    fn fields(&self) -> Vec<(Field, u64)> {
+        let mut out = Vec::new();
+        for s in self.segments.values().filter(|s| s.live() > 0) {
+            out.extend(weighted_fields(&s.batch));
+        }
+        for b in self.buffers.iter().filter(|b| !b.rows.is_empty()) {
+            let schema = b.obj.table_schema();
+            out.extend(schema.fields().iter().map(|f| (f.as_ref().clone(), b.rows.len() as u64)));
+        }
+        out
+    }
+}
+
+/// The batch's fields, each weighted by its number of non-null values.
+fn weighted_fields(batch: &RecordBatch) -> Vec<(Field, u64)> {
+    let schema = batch.schema();
+    schema.fields().iter().zip(batch.columns()).map(|(f, c)| (f.as_ref().clone(), (c.len() - c.logical_null_count()) as u64)).collect()
+}
+
+fn write_segment(dir: &Path, id: u32, batch: &RecordBatch) -> Result<(), ShadowError> {
+    let path = segment_path(dir, id);
+    let tmp = path.with_extension("arrow.tmp");
+    let file = std::fs::File::create(&tmp).map_err(io_at(&tmp))?;
+    let mut writer = datafusion::arrow::ipc::writer::FileWriter::try_new_buffered(file, &batch.schema())?;
+    writer.write(batch)?;
+    writer.finish()?;
+    let file = writer.into_inner()?.into_inner().map_err(|e| ShadowError::Io { path: tmp.clone(), source: e.into_error() })?;
+    file.sync_all().map_err(io_at(&tmp))?;
+    std::fs::rename(&tmp, &path).map_err(io_at(&path))
+}
+
+fn read_segment(path: &Path) -> Result<RecordBatch, ShadowError> {
+    let corrupt = |reason: String| ShadowError::Corrupt { path: path.to_path_buf(), reason };
+    let file = std::fs::File::open(path).map_err(io_at(path))?;
+    let reader = datafusion::arrow::ipc::reader::FileReader::try_new_buffered(file, None).map_err(|e| corrupt(e.to_string()))?;
+    let schema = reader.schema();
+    let batches = reader.collect::<Result<Vec<_>, _>>().map_err(|e| corrupt(e.to_string()))?;
+    datafusion::arrow::compute::concat_batches(&schema, &batches).map_err(|e| corrupt(e.to_string()))
+}
+
+/// Writes `path` so that a crash leaves either the old or the new content.
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ShadowError> {
+    use std::io::Write as _;
+    let tmp = path.with_extension("tmp");
+    let mut file = std::fs::File::create(&tmp).map_err(io_at(&tmp))?;
+    file.write_all(bytes).map_err(io_at(&tmp))?;
+    file.sync_all().map_err(io_at(&tmp))?;
+    std::fs::rename(&tmp, path).map_err(io_at(path))?;
+    if let Some(parent) = path.parent() {
+        std::fs::File::open(parent).and_then(|d| d.sync_all()).map_err(io_at(parent))?;
+    }
+    Ok(())
+}
+
+impl Ap {
+    /// Opens an analytics partition from its manifest; a missing, foreign or damaged one
+    /// starts empty (the partition is then rebuilt from the change streams).
+    fn open(index: usize, dir: PathBuf, aps: usize, partitions: u16) -> Result<Ap, ShadowError> {
+        std::fs::create_dir_all(&dir).map_err(io_at(&dir))?;
+        let own: Vec<(PartitionId, StreamPosition)> =
+            (0..partitions).filter(|p| usize::from(*p) % aps == index).map(|p| (p, StreamPosition::default())).collect();
+        let state = match Self::load(&dir, aps, partitions) {
+            Ok(Some(state)) => state,
+            Ok(None) => ApState::fresh(own),
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "analytics partition unreadable; rebuilding it from the change streams");
+                ApState::fresh(own)
+            }
+        };
+        // Files the manifest does not name: leftovers of an interrupted checkpoint.
+        let named: std::collections::HashSet<PathBuf> = state.segments.keys().map(|&id| segment_path(&dir, id)).collect();
+        for entry in std::fs::read_dir(&dir).map_err(io_at(&dir))?.flatten() {
+            let path = entry.path();
+            if path.file_name().is_some_and(|n| n != MANIFEST) && !named.contains(&path) {
+                let _ = std::fs::remove_file(&path);
+            }
+        }
+        Ok(Ap { dir, state: Mutex::new(state) })
+    }
+
+    fn load(dir: &Path, aps: usize, partitions: u16) -> Result<Option<ApState>, ShadowError> {
+        let path = dir.join(MANIFEST);
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(ShadowError::Io { path, source: e }),
+        };
+        let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| ShadowError::Corrupt { path: path.clone(), reason: e.to_string() })?;
+        if m.version != MANIFEST_VERSION || m.analytics_partitions != aps || m.partitions != partitions {
+            return Ok(None);
+        }
+        let mut state = ApState::fresh(m.cursors.iter().map(|&(p, seqno, uuid)| (p, StreamPosition { seqno, uuid })).collect());
+        state.next_id = m.next_id;
+        for meta in m.segments {
+            let seg_path = segment_path(dir, meta.id);
+            let batch = read_segment(&seg_path)?;
+            if batch.num_rows() != meta.rows {
+                return Err(ShadowError::Corrupt {
+                    path: seg_path,
+                    reason: format!("{} rows, the manifest says {}", batch.num_rows(), meta.rows),
+                });
+            }
+            let mut seg = Segment::new(batch, meta.group);
+            for row in meta.dead {
+                seg.kill(row as usize);
+            }
+            let keys = seg
+                .batch
+                .column(0)
+                .as_string_opt::<i32>()
+                .ok_or_else(|| ShadowError::Corrupt { path: seg_path.clone(), reason: "the first column is not the key".into() })?;
+            for row in (0..seg.batch.num_rows()).filter(|&r| !seg.is_dead(r)) {
+                state.keys.insert(keys.value(row).into(), Loc::Seg { id: meta.id, row: row as u32 });
+            }
+            state.segments.insert(meta.id, seg);
+        }
+        Ok(Some(state))
+    }
+}
+
+/// The shadow of one collection.
+pub struct Shadow {
+    coll: Arc<Collection>,
+    aps: Vec<Ap>,
+    /// Per storage partition: the last seqno applied.
+    applied: Vec<AtomicU64>,
+    /// Bumped after every maintenance round.
+    progress: watch::Sender<u64>,
+    /// `<data path>/shadow/<collection id>` on each data path.
+    roots: Vec<PathBuf>,
+}
+
+impl Shadow {
+    pub fn collection(&self) -> &Arc<Collection> {
+        &self.coll
+    }
+
+    pub fn partitions(&self) -> usize {
+        self.aps.len()
+    }
+
+    /// Live rows.
+    pub fn rows(&self) -> usize {
+        self.aps.iter().map(|ap| ap.state.lock().keys.len()).sum()
+    }
+
+    /// The table's columns: the key, then every field of the rows, each typed by the kind
+    /// most of its values have.
+    pub fn schema(&self) -> SchemaRef {
+        let mut fields = Vec::new();
+        for ap in &self.aps {
+            fields.extend(ap.state.lock().fields());
+        }
+        fields.insert(0, (Field::new(crate::schema::KEY_COLUMN, datafusion::arrow::datatypes::DataType::Utf8, false), u64::MAX));
+        Arc::new(datafusion::arrow::datatypes::Schema::new(merge_fields(&fields)))
+    }
+
+    /// What a scan reads, per analytics partition, as of now.
+    pub fn snapshot(&self, group: Option<&str>) -> Result<Vec<Vec<Part>>, ShadowError> {
+        self.aps.iter().map(|ap| ap.state.lock().parts(group).map_err(ShadowError::from)).collect()
+    }
+
+    /// Waits until every change up to `highs` (one seqno per storage partition) is applied.
+    pub async fn wait_applied(&self, highs: &[SeqNo], timeout: Duration) -> Result<(), ShadowError> {
+        let mut rx = self.progress.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if highs.iter().zip(&self.applied).all(|(h, a)| a.load(Ordering::Acquire) >= *h) {
+                return Ok(());
+            }
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return Err(ShadowError::NotAttached(self.coll.name().to_string())),
+                Err(_) => return Err(ShadowError::Timeout(timeout)),
+            }
+        }
+    }
+
+    /// Applies the news of analytics partition `i`; checkpoints when due. True if
+    /// anything was applied.
+    fn round(&self, i: usize) -> Result<bool, ShadowError> {
+        let ap = &self.aps[i];
+        let partitions = self.coll.partition_count();
+        let cursors = ap.state.lock().cursors.clone();
+        let highs = self.coll.high_seqnos();
+        let mut budget = ROUND_CHANGES_MAX;
+        let mut moved = false;
+        for (slot, (p, from)) in cursors.iter().enumerate() {
+            if budget == 0 {
+                break;
+            }
+            if highs.get(usize::from(*p)).is_some_and(|h| from.seqno >= *h) {
+                continue;
+            }
+            let (mut sub, rollback) = self.coll.subscribe(*p, *from)?;
+            // A new history epoch that began at or after our position lost nothing we saw.
+            if rollback.is_some_and(|r| r < from.seqno) {
+                ap.state.lock().reset_partition(*p, partitions);
+                sub = self.coll.subscribe(*p, StreamPosition::default())?.0;
+            }
+            loop {
+                let changes = sub.try_next(APPLY_BATCH.min(budget), true)?;
+                let pos = sub.position();
+                budget -= changes.len();
+                let newest_cas = changes.last().map(|c| c.cas);
+                // Parse outside the lock: scans of this partition are not held up.
+                let parsed: Vec<(String, Option<Value>)> = changes
+                    .into_iter()
+                    .map(|c| {
+                        let key = String::from_utf8_lossy(&c.key).into_owned();
+                        let doc = (!c.deleted)
+                            .then(|| c.value.and_then(|v| serde_json::from_slice(&v).ok()).unwrap_or(Value::Object(Default::default())));
+                        (key, doc)
+                    })
+                    .collect();
+                let done = parsed.is_empty();
+                {
+                    let mut st = ap.state.lock();
+                    for (key, doc) in parsed {
+                        match doc {
+                            Some(doc) => st.upsert(key, doc, &ap.dir)?,
+                            None => st.remove(&key),
+                        }
+                    }
+                    if st.cursors[slot].1 != pos {
+                        st.cursors[slot].1 = pos;
+                        st.dirty = true;
+                    }
+                }
+                self.applied[usize::from(*p)].store(pos.seqno, Ordering::Release);
+                if let Some(cas) = newest_cas {
+                    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+                    let lag = now.saturating_sub(cas);
+                    metrics::histogram!("shoal_analytics_lag_seconds").record(lag as f64 / 1e9);
+                    moved = true;
+                }
+                if done || budget == 0 {
+                    break;
+                }
+            }
+        }
+        let mut st = ap.state.lock();
+        if st.dirty && st.last_checkpoint.elapsed() >= CHECKPOINT_INTERVAL {
+            st.checkpoint(&ap.dir, self.aps.len(), partitions)?;
+        }
+        Ok(moved)
+    }
+
+    fn checkpoint_all(&self) -> Result<(), ShadowError> {
+        let partitions = self.coll.partition_count();
+        for ap in &self.aps {
+            let mut st = ap.state.lock();
+            if st.dirty {
+                st.checkpoint(&ap.dir, self.aps.len(), partitions)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn remove_files(&self) {
+        for root in &self.roots {
+            if let Err(e) = std::fs::remove_dir_all(root) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(path = %root.display(), error = %e, "removing a dropped collection's analytics shadow");
+                }
+            }
+        }
+    }
+}
+
+/// The shadows of every collection of a store.
+pub struct ShadowManager {
+    store: Arc<Store>,
+    partitions: usize,
+    shadows: Mutex<HashMap<u32, Arc<Shadow>>>,
+    stop: watch::Sender<bool>,
+    tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+}
+
+impl ShadowManager {
+    /// Opens the shadows of every collection (call within a tokio runtime; blocking).
+    /// Shadow directories of collections that no longer exist are removed.
+    pub fn open(store: Arc<Store>, partitions: usize) -> Result<Arc<ShadowManager>, ShadowError> {
+        let (stop, _) = watch::channel(false);
+        let mgr = Arc::new(ShadowManager {
+            store: Arc::clone(&store),
+            partitions: partitions.min(ANALYTICS_PARTITIONS_MAX),
+            shadows: Mutex::new(HashMap::new()),
+            stop,
+            tasks: Mutex::new(Vec::new()),
+        });
+        let live: std::collections::HashSet<String> =
+            store.list_collections().iter().filter_map(|c| store.collection(&c.name)).map(|c| c.id().to_string()).collect();
+        for path in store.data_paths() {
+            let root = path.join("shadow");
+            let Ok(entries) = std::fs::read_dir(&root) else { continue };
+            for entry in entries.flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if partitions == 0 || !live.contains(&name) {
+                    let _ = std::fs::remove_dir_all(entry.path());
+                }
+            }
+        }
+        if mgr.partitions > 0 {
+            for info in store.list_collections() {
+                if let Some(coll) = store.collection(&info.name) {
+                    mgr.attach(coll)?;
+                }
+            }
+        }
+        Ok(mgr)
+    }
+
+    /// Analytics partitions per collection (0: analytics is off).
+    pub fn partitions(&self) -> usize {
+        self.partitions
+    }
+
+    /// Starts keeping `coll`'s shadow (idempotent). Blocking: loads its segments.
+    pub fn attach(self: &Arc<Self>, coll: Arc<Collection>) -> Result<Arc<Shadow>, ShadowError> {
+        if self.partitions == 0 {
+            return Err(ShadowError::Off);
+        }
+        if let Some(s) = self.shadows.lock().get(&coll.id()) {
+            return Ok(Arc::clone(s));
+        }
+        let paths = self.store.data_paths();
+        let roots: Vec<PathBuf> = paths.iter().map(|p| p.join("shadow").join(coll.id().to_string())).collect();
+        let partitions = coll.partition_count();
+        let aps = (0..self.partitions)
+            .map(|i| Ap::open(i, roots[i % roots.len()].join(i.to_string()), self.partitions, partitions))
+            .collect::<Result<Vec<_>, _>>()?;
+        let applied: Vec<AtomicU64> = (0..partitions).map(|_| AtomicU64::new(0)).collect();
+        for ap in &aps {
+            for (p, c) in &ap.state.lock().cursors {
+                applied[usize::from(*p)].store(c.seqno, Ordering::Release);
+            }
+        }
+        let shadow = Arc::new(Shadow { coll, aps, applied, progress: watch::channel(0).0, roots });
+        let rows = shadow.rows();
+        {
+            let mut map = self.shadows.lock();
+            if let Some(s) = map.get(&shadow.coll.id()) {
+                return Ok(Arc::clone(s));
+            }
+            map.insert(shadow.coll.id(), Arc::clone(&shadow));
+        }
+        tracing::info!(collection = %shadow.coll.name(), rows, partitions = self.partitions, "analytics shadow opened");
+        let task = tokio::spawn(maintain(Arc::clone(self), Arc::clone(&shadow), self.stop.subscribe()));
+        self.tasks.lock().push(task);
+        Ok(shadow)
+    }
+
+    pub fn shadow(&self, collection_id: u32) -> Option<Arc<Shadow>> {
+        self.shadows.lock().get(&collection_id).cloned()
+    }
+
+    /// Stops the maintainers and checkpoints every shadow (a clean restart replays nothing).
+    pub async fn close(&self) {
+        let _ = self.stop.send(true);
+        let tasks = std::mem::take(&mut *self.tasks.lock());
+        for t in tasks {
+            let _ = t.await;
+        }
+        let shadows: Vec<Arc<Shadow>> = self.shadows.lock().values().cloned().collect();
+        for s in shadows {
+            let name = s.coll.name().to_string();
+            match tokio::task::spawn_blocking(move || s.checkpoint_all()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(collection = %name, error = %e, "analytics checkpoint at shutdown"),
+                Err(e) => tracing::warn!(collection = %name, error = %e, "analytics checkpoint at shutdown"),
+            }
+        }
+    }
+}
+
+/// One collection's maintainer: a round on every analytics partition in parallel while
+/// there is news, then waits for a change or the idle poll (checkpoints come due).
+async fn maintain(mgr: Arc<ShadowManager>, shadow: Arc<Shadow>, mut stop: watch::Receiver<bool>) {
+    let mut changed = shadow.coll.changed();
+    loop {
+        if *stop.borrow() {
+            return;
+        }
+        if shadow.coll.is_dropped() {
+            mgr.shadows.lock().remove(&shadow.coll.id());
+            let s = Arc::clone(&shadow);
+            let _ = tokio::task::spawn_blocking(move || s.remove_files()).await;
+            return;
+        }
+        changed.borrow_and_update();
+        let rounds: Vec<_> = (0..shadow.aps.len())
+            .map(|i| {
+                let s = Arc::clone(&shadow);
+                tokio::task::spawn_blocking(move || s.round(i))
+            })
+            .collect();
+        let mut moved = false;
+        let mut failed = false;
+        for r in futures::future::join_all(rounds).await {
+            match r {
+                Ok(Ok(m)) => moved |= m,
+                Ok(Err(ShadowError::Changes(ChangesError::CollectionDropped))) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(collection = %shadow.coll.name(), error = %e, "analytics shadow maintenance failed; retrying");
+                    failed = true;
+                }
+                Err(e) => {
+                    tracing::error!(collection = %shadow.coll.name(), error = %e, "analytics shadow maintenance panicked");
+                    failed = true;
+                }
+            }
+        }
+        shadow.progress.send_modify(|v| *v = v.wrapping_add(1));
+        if failed {
+            tokio::time::sleep(IDLE_POLL).await;
+        } else if !moved {
+            tokio::select! {
+                r = changed.changed() => if r.is_err() { tokio::time::sleep(IDLE_POLL).await },
+                _ = tokio::time::sleep(IDLE_POLL) => {}
+                _ = stop.changed() => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_partitions_follow_couchbase() {
+        assert_eq!(default_partitions(8, 32 << 30), 8);
+        assert_eq!(default_partitions(32, 32 << 30), 16);
+        assert_eq!(default_partitions(8, 3 << 30), 3);
+        assert_eq!(default_partitions(2, 512 << 20), 1, "never zero");
+    }
+
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Upsert(u8, u8),
+        Remove(u8),
+        Checkpoint,
+        Reopen,
+    }
+
+    fn doc(variant: u8) -> Value {
+        let group = ["a", "b"].get(usize::from(variant % 3)).map(|g| json!(g)).unwrap_or(Value::Null);
+        let mut d = json!({"n": variant, "s": format!("v{variant}"), "table_name": group});
+        if variant.is_multiple_of(4) {
+            d["o"] = json!({"x": variant});
+        }
+        if variant.is_multiple_of(5) {
+            d.as_object_mut().unwrap().remove("s");
+        }
+        d
+    }
+
+    /// JSON without null members (a missing struct member reads back as null).
+    fn strip(v: Value) -> Value {
+        match v {
+            Value::Object(m) => Value::Object(m.into_iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| (k, strip(v))).collect()),
+            v => v,
+        }
+    }
+
+    /// What a scan of the state reads: key → document.
+    fn read(st: &ApState) -> HashMap<String, Value> {
+        let mut out = HashMap::new();
+        for part in st.parts(None).unwrap() {
+            let batch = match &part.live {
+                Some(mask) => datafusion::arrow::compute::filter_record_batch(&part.batch, mask).unwrap(),
+                None => part.batch.clone(),
+            };
+            let schema = batch.schema();
+            for r in 0..batch.num_rows() {
+                let mut m = serde_json::Map::new();
+                for (f, c) in schema.fields().iter().zip(batch.columns()).skip(1) {
+                    m.insert(f.name().clone(), crate::convert::to_json(c.as_ref(), r).unwrap());
+                }
+                let key = crate::convert::to_json(batch.column(0).as_ref(), r).unwrap().as_str().unwrap().to_string();
+                assert!(out.insert(key, strip(Value::Object(m))).is_none(), "a key is live once");
+            }
+        }
+        out
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// Upserts, removes, checkpoints and reopenings from disk against a map of keys to
+        /// documents: every live document is read back once, as written.
+        #[test]
+        fn shadow_matches_a_map_of_documents(ops in proptest::collection::vec(prop_oneof![
+            6 => (0u8..40, any::<u8>()).prop_map(|(k, v)| Op::Upsert(k, v)),
+            3 => (0u8..40).prop_map(Op::Remove),
+            1 => Just(Op::Checkpoint),
+            1 => Just(Op::Reopen),
+        ], 1..300)) {
+            let dir = tempfile::tempdir().unwrap();
+            let mut st = ApState::fresh(vec![(0, StreamPosition::default())]);
+            st.segment_rows = 8;
+            let mut model: HashMap<String, Value> = HashMap::new();
+            for op in ops {
+                match op {
+                    Op::Upsert(k, v) => {
+                        st.upsert(format!("k{k}"), doc(v), dir.path()).unwrap();
+                        model.insert(format!("k{k}"), strip(doc(v)));
+                    }
+                    Op::Remove(k) => {
+                        st.remove(&format!("k{k}"));
+                        model.remove(&format!("k{k}"));
+                    }
+                    Op::Checkpoint => st.checkpoint(dir.path(), 1, 1).unwrap(),
+                    Op::Reopen => {
+                        st.checkpoint(dir.path(), 1, 1).unwrap();
+                        st = Ap::load(dir.path(), 1, 1).unwrap().unwrap();
+                        st.segment_rows = 8;
+                    }
+                }
+                prop_assert_eq!(st.keys.len(), model.len());
+            }
+            let mut got = read(&st);
+            for d in got.values_mut() {
+                d.as_object_mut().unwrap().retain(|_, v| !v.is_null());
+            }
+            prop_assert_eq!(got, model);
+        }
+    }
+
+    #[test]
+    fn dead_rows_are_masked_and_counted() {
+        let schema = Obj::default().table_schema();
+        let rows: Vec<(String, Value)> = (0..130).map(|i| (format!("k{i}"), serde_json::json!({}))).collect();
+        let mut s = Segment::new(to_batch(&schema, None, &rows).unwrap(), None);
+        assert!(s.live_mask().is_none());
+        s.kill(3);
+        s.kill(3);
+        s.kill(129);
+        assert_eq!(s.live(), 128);
+        assert_eq!(s.dead_rows(), vec![3, 129]);
+        let mask = s.live_mask().unwrap();
+        assert_eq!(mask.true_count(), 128);
+        assert!(!mask.value(3) && !mask.value(129) && mask.value(4));
+    }
+}
