@@ -1,10 +1,9 @@
 //! Seed 004's experiment: TPC-DS-shaped data for query 3 loaded through `_bulk`, then
 //! query 3 exactly as the seed prints it, timed over several runs.
 //!
-//! Today the query runs on `/v1/query` (documents read in key order and converted per
-//! query); the columnar analytics shadow and its partition sweep are still to come, and so
-//! is the DuckDB comparison (`shoal bench tpcds-gen` writes the same rows as NDJSON files
-//! for it).
+//! Query 3 runs on `/v1/analytics` (the columnar shadows) on one fresh node per analytics
+//! partition count, and, in the same run, in DuckDB on the same rows (native tables and
+//! the JSON files read directly; `bench/duckdb_q3.py`).
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -24,12 +23,22 @@ pub struct AnalyticsArgs {
     /// TPC-DS scale factor (1: 73,049 dates, 18,000 items, 2.88 million sales).
     #[arg(long, default_value_t = 1.0)]
     sf: f64,
-    /// Timed runs of query 3; the median is reported.
+    /// Timed runs of query 3 per configuration; the median is reported.
     #[arg(long, default_value_t = 5)]
     runs: usize,
-    /// Partitions of the node the bench starts.
+    /// Partitions of the nodes the bench starts.
     #[arg(long, default_value_t = 128)]
     partitions: u16,
+    /// Analytics partition counts to measure, one fresh node each; the node's default is
+    /// measured too unless it is one of them.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    analytics_partitions: Vec<usize>,
+    /// Runs of query 3 on `/v1/query` (documents, no shadow) on the first node; 0 skips.
+    #[arg(long, default_value_t = 1)]
+    operational_runs: usize,
+    /// Skip the DuckDB baseline (`bench/duckdb_q3.py`, needs `pip install duckdb`).
+    #[arg(long)]
+    no_duckdb: bool,
     /// Where the table and query 3's answer go (nothing is written when empty).
     #[arg(long, default_value = "bench/results")]
     out_dir: PathBuf,
@@ -70,11 +79,27 @@ pub fn generate(args: GenArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-pub async fn run(args: AnalyticsArgs) -> Result<(), CliError> {
-    let node = Node::start(args.partitions, None)?;
-    let client = Client::new(&node.url)?;
-    let items = tpcds::item_rows(args.sf);
-    let sales = tpcds::sales_rows(args.sf);
+/// One configuration's figures.
+struct Measured {
+    label: String,
+    analytics_partitions: u64,
+    docs: u64,
+    load_secs: f64,
+    times: Vec<f64>,
+    answer: Value,
+}
+
+fn median(times: &[f64]) -> f64 {
+    let mut t = times.to_vec();
+    t.sort_by(f64::total_cmp);
+    t.get(t.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Loads the three tables (one collection each, as the query names them) and waits until
+/// the shadows hold every document: the load figure counts documents and shadow together.
+async fn load(client: &Client, sf: f64) -> Result<(u64, f64), CliError> {
+    let items = tpcds::item_rows(sf);
+    let sales = tpcds::sales_rows(sf);
     let plan = BulkPlan { batch: 2000, concurrency: 4, persist: false };
     let start = Instant::now();
     let mut loaded = 0;
@@ -82,12 +107,12 @@ pub async fn run(args: AnalyticsArgs) -> Result<(), CliError> {
         client.create_collection(name, None).await?;
         let (sent, failed) = match name {
             "date_dim" => {
-                bulk_upsert(&client, name, tpcds::DATE_ROWS as usize, &plan, "date_dim_", |i| tpcds::date_row(i as u64).1.to_string())
+                bulk_upsert(client, name, tpcds::DATE_ROWS as usize, &plan, "date_dim_", |i| tpcds::date_row(i as u64).1.to_string())
                     .await?
             }
-            "item" => bulk_upsert(&client, name, items as usize, &plan, "item_", |i| tpcds::item_row(i as u64).1.to_string()).await?,
+            "item" => bulk_upsert(client, name, items as usize, &plan, "item_", |i| tpcds::item_row(i as u64).1.to_string()).await?,
             _ => {
-                bulk_upsert(&client, name, sales as usize, &plan, "store_sales_", |i| tpcds::sales_row(i as u64, items).1.to_string())
+                bulk_upsert(client, name, sales as usize, &plan, "store_sales_", |i| tpcds::sales_row(i as u64, items).1.to_string())
                     .await?
             }
         };
@@ -96,35 +121,163 @@ pub async fn run(args: AnalyticsArgs) -> Result<(), CliError> {
         }
         loaded += sent;
     }
-    let load_secs = start.elapsed().as_secs_f64();
-    println!("loaded {loaded} documents in {load_secs:.1}s ({:.0} docs/s)", loaded as f64 / load_secs);
+    let docs_secs = start.elapsed().as_secs_f64();
+    let mut in_shadow = 0;
+    for name in ["date_dim", "item", "store_sales"] {
+        let sql = format!("SELECT count(*) FROM {name}");
+        let answer = client.analytics(&json!({"sql": sql, "consistency": "request_plus", "timeout_ms": 3_600_000})).await?;
+        in_shadow += answer["rows"][0][0].as_u64().unwrap_or(0);
+    }
+    let secs = start.elapsed().as_secs_f64();
+    if in_shadow != loaded {
+        return Err(CliError::Usage(format!("{loaded} documents loaded, {in_shadow} in the shadows")));
+    }
+    println!("loaded {loaded} documents in {docs_secs:.1}s; shadows complete at {secs:.1}s ({:.0} docs/s)", loaded as f64 / secs);
+    Ok((loaded, secs))
+}
+
+async fn q3_runs(client: &Client, analytics: bool, runs: usize, label: &str) -> Result<(Vec<f64>, Value), CliError> {
     let mut times = Vec::new();
     let mut answer = Value::Null;
-    for run in 0..args.runs.max(1) {
+    let request = json!({"sql": tpcds::QUERY_3, "timeout_ms": 3_600_000});
+    for run in 0..runs {
         let t = Instant::now();
-        answer = client.query(&json!({"sql": tpcds::QUERY_3, "timeout_ms": 3_600_000})).await?;
+        answer = if analytics { client.analytics(&request).await? } else { client.query(&request).await? };
         let secs = t.elapsed().as_secs_f64();
-        println!("query 3 on /v1/query, run {}: {secs:.2}s", run + 1);
+        println!("query 3, {label}, run {}: {:.1} ms", run + 1, secs * 1000.0);
         times.push(secs);
     }
-    times.sort_by(f64::total_cmp);
-    let median = times[times.len() / 2];
-    let all: Vec<String> = times.iter().map(|t| format!("{t:.2}")).collect();
+    Ok((times, answer))
+}
+
+/// One fresh node (with `--analytics-partitions n`, or the node's default): load, then
+/// query 3 on the shadow.
+async fn measure(
+    args: &AnalyticsArgs,
+    n: Option<usize>,
+    skip: &[u64],
+    operational: &mut Option<Vec<f64>>,
+) -> Result<Option<Measured>, CliError> {
+    let extra: Vec<String> = n.map(|n| vec!["--analytics-partitions".to_string(), n.to_string()]).unwrap_or_default();
+    let node = Node::start(args.partitions, &extra)?;
+    let client = Client::new(&node.url)?;
+    let info = client.node().await?;
+    let aps = info["analytics_partitions"].as_u64().unwrap_or(0);
+    if n.is_none() && skip.contains(&aps) {
+        println!("the default is {aps} analytics partitions: measured above");
+        return Ok(None);
+    }
+    let (docs, load_secs) = load(&client, args.sf).await?;
+    let label = format!("{aps} analytics partition(s)");
+    q3_runs(&client, true, 1, &format!("{label}, warm-up")).await?;
+    let (times, answer) = q3_runs(&client, true, args.runs.max(1), &label).await?;
+    if operational.is_none() && args.operational_runs > 0 {
+        *operational = Some(q3_runs(&client, false, args.operational_runs, "/v1/query").await?.0);
+    }
+    let label = if n.is_none() { format!("{aps} (default)") } else { aps.to_string() };
+    Ok(Some(Measured { label, analytics_partitions: aps, docs, load_secs, times, answer }))
+}
+
+/// DuckDB on the same rows (`bench/duckdb_q3.py`), or why it did not run.
+fn duckdb(args: &AnalyticsArgs, threads: usize) -> Result<Value, CliError> {
+    let dir = std::env::temp_dir().join(format!("shoal-bench-tpcds-{}", std::process::id()));
+    generate(GenArgs { sf: args.sf, out: dir.clone() })?;
+    let query = dir.join("q3.sql");
+    std::fs::write(&query, tpcds::QUERY_3)?;
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/duckdb_q3.py");
+    let out = std::process::Command::new("python3")
+        .arg(&script)
+        .args(["--dir"])
+        .arg(&dir)
+        .arg("--query")
+        .arg(&query)
+        .args(["--threads", &threads.to_string(), "--runs", &args.runs.max(1).to_string(), "--json-runs", "3"])
+        .output();
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = match out {
+        Ok(o) => o,
+        Err(e) => return Ok(json!({"error": format!("python3: {e}")})),
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    Ok(serde_json::from_str(text.trim()).unwrap_or_else(|_| json!({"error": format!("{text} {}", String::from_utf8_lossy(&out.stderr))})))
+}
+
+pub async fn run(args: AnalyticsArgs) -> Result<(), CliError> {
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+    let mut measured = Vec::new();
+    let mut operational = None;
+    for &n in &args.analytics_partitions {
+        measured.extend(measure(&args, Some(n), &[], &mut operational).await?);
+    }
+    let seen: Vec<u64> = measured.iter().map(|m| m.analytics_partitions).collect();
+    measured.extend(measure(&args, None, &seen, &mut operational).await?);
+    let duck = if args.no_duckdb { json!({"error": "skipped (--no-duckdb)"}) } else { duckdb(&args, cores)? };
+
     let mut report = format!(
-        "| path | scale factor | documents | load (s) | load docs/s | query 3 median (s) | runs (s) |\n|---|---|---|---|---|---|---|\n| `/v1/query` | {} | {loaded} | {load_secs:.1} | {:.0} | {median:.2} | {} |\n\nquery 3's answer ({} rows):\n\n",
+        "Query 3 at scale factor {} on `/v1/analytics` (one collection per table, {} partitions, {cores} cores; \
+         median of {} runs after one warm-up). Load = `_bulk` of every document until the shadows hold them all.\n\n\
+         | analytics partitions | documents | load + shadow (s) | docs/s | query 3 median (ms) | runs (ms) |\n|---|---|---|---|---|---|\n",
         args.sf,
-        loaded as f64 / load_secs,
-        all.join(", "),
-        answer["rows"].as_array().map_or(0, Vec::len),
+        args.partitions,
+        args.runs.max(1)
     );
-    report.push_str("| d_year | brand_id | brand | sum_agg |\n|---|---|---|---|\n");
+    for m in &measured {
+        let runs: Vec<String> = m.times.iter().map(|t| format!("{:.1}", t * 1000.0)).collect();
+        report.push_str(&format!(
+            "| {} | {} | {:.1} | {:.0} | {:.1} | {} |\n",
+            m.label,
+            m.docs,
+            m.load_secs,
+            m.docs as f64 / m.load_secs,
+            median(&m.times) * 1000.0,
+            runs.join(", ")
+        ));
+    }
+    let one = measured.iter().find(|m| m.analytics_partitions == 1).map(|m| median(&m.times));
+    let two = measured.iter().find(|m| m.analytics_partitions == 2).map(|m| median(&m.times));
+    if let (Some(one), Some(two)) = (one, two) {
+        report.push_str(&format!("\n2 analytics partitions vs 1: {:.2}× faster.\n", one / two));
+    }
+    if let Some(op) = &operational {
+        report.push_str(&format!(
+            "\n`/v1/query` (documents read and converted per query, no shadow): {:.0} ms median.\n",
+            median(op) * 1000.0
+        ));
+    }
+    let best = measured.iter().map(|m| median(&m.times)).fold(f64::INFINITY, f64::min);
+    match (duck["native_s"].as_array(), duck["json_s"].as_array()) {
+        (Some(native), Some(on_json)) => {
+            let native: Vec<f64> = native.iter().filter_map(Value::as_f64).collect();
+            let on_json: Vec<f64> = on_json.iter().filter_map(Value::as_f64).collect();
+            let (n, j) = (median(&native), median(&on_json));
+            report.push_str(&format!(
+                "\nDuckDB {} (same rows from `shoal bench tpcds-gen`, {} threads, same run): native tables {:.1} ms median, \
+                 JSON files read directly {:.0} ms median; its answer has {} rows (same both ways: {}).\n\n\
+                 | comparison | ratio | target |\n|---|---|---|\n\
+                 | Shoal's best / DuckDB native | {:.2}× | ≤ 2× |\n| DuckDB on JSON / Shoal's best | {:.1}× | ≥ 10× |\n",
+                duck["version"].as_str().unwrap_or("?"),
+                duck["threads"],
+                n * 1000.0,
+                j * 1000.0,
+                duck["rows"],
+                duck["same_rows_both_ways"],
+                best / n,
+                j / best,
+            ));
+        }
+        _ => report.push_str(&format!("\nDuckDB not run: {}\n", duck["error"].as_str().unwrap_or("?"))),
+    }
+    let answer = measured.last().map(|m| m.answer.clone()).unwrap_or(Value::Null);
+    report.push_str(&format!(
+        "\nquery 3's answer ({} rows):\n\n| d_year | brand_id | brand | sum_agg |\n|---|---|---|---|\n",
+        answer["rows"].as_array().map_or(0, Vec::len)
+    ));
     for row in answer["rows"].as_array().into_iter().flatten() {
         let cells: Vec<String> = row.as_array().into_iter().flatten().map(|v| v.to_string()).collect();
         report.push_str(&format!("| {} |\n", cells.join(" | ")));
     }
     print!("\n{report}");
     write_result(&args.out_dir, "analytics-seed004.md", &report)?;
-    drop(node);
     Ok(())
 }
 
@@ -147,7 +300,7 @@ pub struct PointArgs {
 /// 50 rows per answer, one query at a time; the baseline in the same run is the index scan
 /// endpoint returning the same 50 documents.
 pub async fn point(args: PointArgs) -> Result<(), CliError> {
-    let node = Node::start(128, None)?;
+    let node = Node::start(128, &[])?;
     let client = Client::new(&node.url)?;
     client.create_collection("events", None).await?;
     let per = args.per_group.max(1);

@@ -71,16 +71,14 @@ pub(crate) struct Node {
 }
 
 impl Node {
-    pub(crate) fn start(partitions: u16, workers: Option<usize>) -> Result<Node, CliError> {
+    pub(crate) fn start(partitions: u16, extra: &[String]) -> Result<Node, CliError> {
         use std::io::BufRead;
         let dir = std::env::temp_dir().join(format!("shoal-bench-index-{}-{partitions}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let exe = std::env::current_exe()?;
         let mut cmd = Command::new(exe);
         cmd.args(["serve", "--listen", "127.0.0.1:0", "--partitions", &partitions.to_string(), "--data-path"]).arg(&dir);
-        if let Some(w) = workers {
-            cmd.args(["--index-workers", &w.to_string()]);
-        }
+        cmd.args(extra);
         let mut child = cmd.env("SHOAL_LOG", "warn").stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn()?;
         let stdout = child.stdout.take().ok_or_else(|| CliError::Usage("no stdout from shoal serve".into()))?;
         let mut lines = std::io::BufReader::new(stdout).lines();
@@ -146,7 +144,12 @@ pub async fn run(args: IndexArgs) -> Result<(), CliError> {
     let last = args.partitions.len().saturating_sub(1);
     let mut lag = None;
     for (n, &partitions) in args.partitions.iter().enumerate() {
-        let node = Node::start(partitions, args.index_workers)?;
+        // Seed 002's experiment is about indexes: no analytics shadow competes for the cores.
+        let mut extra = vec!["--analytics-partitions".to_string(), "0".to_string()];
+        if let Some(w) = args.index_workers {
+            extra.extend(["--index-workers".to_string(), w.to_string()]);
+        }
+        let node = Node::start(partitions, &extra)?;
         let client = Client::new(&node.url)?;
         client.create_collection("records", None).await?;
         let load_secs = load(&client, args.docs, args.per_user).await?;

@@ -84,6 +84,12 @@ async fn query_3_matches_an_independent_computation() {
     let ask = |sql: String| ask_at("/v1/query", sql);
     check(&ask(q3.clone()).await, &expected);
     check(&ask_at("/v1/analytics", q3.clone()).await, &expected);
+    // The joins' dynamic filters reach the shadow scan of store_sales and drop its rows there.
+    let analyzed = ask_at("/v1/analytics", format!("EXPLAIN ANALYZE {q3}")).await.to_string();
+    assert!(
+        analyzed.contains("collection=store_sales") && analyzed.contains("dynamic filters=[") && analyzed.contains("IN (SET)"),
+        "{analyzed}"
+    );
 
     // All tables in one collection, told apart by table_name (the seed's datasets).
     let c2 = node.client();

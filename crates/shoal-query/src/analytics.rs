@@ -8,14 +8,18 @@ use async_trait::async_trait;
 use datafusion::arrow::array::{RecordBatch, RecordBatchOptions};
 use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::catalog::{SchemaProvider, Session, TableProvider};
+use datafusion::common::config::ConfigOptions;
 use datafusion::common::stats::Precision;
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::common::{DataFusionError, ScalarValue, Statistics};
 use datafusion::datasource::TableType;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::{BinaryExpr, Expr, Operator, TableProviderFilterPushDown};
+use datafusion::physical_expr::expressions::Literal;
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
+use datafusion::physical_expr_common::physical_expr::{snapshot_generation, snapshot_physical_expr};
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
+use datafusion::physical_plan::filter_pushdown::{ChildPushdownResult, FilterPushdownPhase, FilterPushdownPropagation, PushedDown};
 use datafusion::physical_plan::statistics::StatisticsArgs;
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
@@ -147,11 +151,13 @@ impl TableProvider for ShadowTable {
             group,
             limit,
             properties,
+            dynamic: Vec::new(),
         }))
     }
 }
 
 /// Reads a snapshot of a shadow: partition `i` of the plan is analytics partition `i`.
+#[derive(Clone)]
 struct ShadowScanExec {
     name: String,
     parts: Arc<Vec<Vec<Part>>>,
@@ -161,6 +167,9 @@ struct ShadowScanExec {
     group: Option<String>,
     limit: Option<usize>,
     properties: Arc<PlanProperties>,
+    /// Filters a hash join derives from its build side once built (DataFusion's dynamic
+    /// filters, e.g. `ss_item_sk IN (...)`): rows they reject are dropped in the scan.
+    dynamic: Vec<Arc<dyn PhysicalExpr>>,
 }
 
 impl fmt::Debug for ShadowScanExec {
@@ -179,13 +188,36 @@ impl DisplayAs for ShadowScanExec {
         if let Some(l) = self.limit {
             write!(f, ", limit={l}")?;
         }
+        if !self.dynamic.is_empty() {
+            let now: Vec<String> = self
+                .dynamic
+                .iter()
+                .map(|d| snapshot_physical_expr(Arc::clone(d)).map_or_else(|e| e.to_string(), |e| e.to_string()))
+                .collect();
+            write!(f, ", dynamic filters=[{}]", now.join(", "))?;
+        }
         Ok(())
     }
 }
 
-/// A part as batches of the projected columns, live rows only, at most
-/// [`SCAN_BATCH_ROWS`] rows each.
-fn project(part: &Part, schema: &SchemaRef) -> Result<Vec<RecordBatch>, DataFusionError> {
+/// A dynamic filter and how many rows it has let through of how many it saw.
+struct Sieve {
+    filter: Arc<dyn PhysicalExpr>,
+    passed: u64,
+    seen: u64,
+}
+
+impl Sieve {
+    /// The share of rows it keeps (a half until it has seen some).
+    fn pass_rate(&self) -> f64 {
+        (self.passed as f64 + 1.0) / (self.seen as f64 + 2.0)
+    }
+}
+
+/// A part as batches of the projected columns, live rows that pass the dynamic filters
+/// only, at most [`SCAN_BATCH_ROWS`] rows each. The filters run most selective first (as
+/// measured so far), so a cheap filter that keeps few rows spares the others most work.
+fn project(part: &Part, schema: &SchemaRef, sieves: &mut [Sieve]) -> Result<Vec<RecordBatch>, DataFusionError> {
     let mut batch = adapt_batch(&part.batch, schema)?;
     if let Some(mask) = &part.live {
         batch = if schema.fields().is_empty() {
@@ -198,6 +230,24 @@ fn project(part: &Part, schema: &SchemaRef) -> Result<Vec<RecordBatch>, DataFusi
             datafusion::arrow::compute::filter_record_batch(&batch, mask)?
         };
     }
+    sieves.sort_by(|a, b| a.pass_rate().total_cmp(&b.pass_rate()));
+    for sieve in sieves.iter_mut() {
+        if batch.num_rows() == 0 {
+            break;
+        }
+        // The filter as of now (its join's build side is complete by the time the probe
+        // side is read); `true` until then.
+        let now = snapshot_physical_expr(Arc::clone(&sieve.filter))?;
+        if now.downcast_ref::<Literal>().is_some_and(|l| l.value() == &ScalarValue::Boolean(Some(true))) {
+            continue;
+        }
+        let keep = now.evaluate(&batch)?.into_array(batch.num_rows())?;
+        if let Some(keep) = keep.as_any().downcast_ref::<datafusion::arrow::array::BooleanArray>() {
+            sieve.seen += batch.num_rows() as u64;
+            batch = datafusion::arrow::compute::filter_record_batch(&batch, keep)?;
+            sieve.passed += batch.num_rows() as u64;
+        }
+    }
     let mut out = Vec::with_capacity(batch.num_rows().div_ceil(SCAN_BATCH_ROWS));
     let mut offset = 0;
     while offset < batch.num_rows() {
@@ -206,6 +256,17 @@ fn project(part: &Part, schema: &SchemaRef) -> Result<Vec<RecordBatch>, DataFusi
         offset += len;
     }
     Ok(out)
+}
+
+impl ShadowScanExec {
+    fn stats(&self, partition: Option<usize>) -> Arc<Statistics> {
+        let rows = match partition {
+            Some(p) => self.rows.get(p).copied().unwrap_or(0),
+            None => self.rows.iter().sum(),
+        };
+        let rows = self.limit.map_or(rows, |l| rows.min(l));
+        Arc::new(Statistics::new_unknown(&self.projected).with_num_rows(Precision::Inexact(rows)))
+    }
 }
 
 impl ExecutionPlan for ShadowScanExec {
@@ -221,10 +282,16 @@ impl ExecutionPlan for ShadowScanExec {
         vec![]
     }
 
+    /// The dynamic filters: a join looks for them here to know its filter has a consumer.
     fn apply_expressions(
         &self,
-        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion, DataFusionError>,
+        f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion, DataFusionError>,
     ) -> Result<TreeNodeRecursion, DataFusionError> {
+        for d in &self.dynamic {
+            if f(d)? == TreeNodeRecursion::Stop {
+                return Ok(TreeNodeRecursion::Stop);
+            }
+        }
         Ok(TreeNodeRecursion::Continue)
     }
 
@@ -242,21 +309,42 @@ impl ExecutionPlan for ShadowScanExec {
 
     /// Row counts, so that joins build their hash tables on the smaller side.
     fn statistics_from_inputs(&self, _input_stats: &[Arc<Statistics>], args: &StatisticsArgs) -> Result<Arc<Statistics>, DataFusionError> {
-        let rows = match args.partition() {
-            Some(p) => self.rows.get(p).copied().unwrap_or(0),
-            None => self.rows.iter().sum(),
-        };
-        let rows = self.limit.map_or(rows, |l| rows.min(l));
-        Ok(Arc::new(Statistics::new_unknown(&self.projected).with_num_rows(Precision::Inexact(rows))))
+        Ok(self.stats(args.partition()))
+    }
+
+    #[allow(deprecated)]
+    fn partition_statistics(&self, partition: Option<usize>) -> Result<Arc<Statistics>, DataFusionError> {
+        Ok(self.stats(partition))
+    }
+
+    /// Keeps the dynamic filters joins push down (see [`ShadowScanExec::dynamic`]); every
+    /// filter stays with its parent too, so nothing depends on the scan applying it.
+    fn handle_child_pushdown_result(
+        &self,
+        _phase: FilterPushdownPhase,
+        child_pushdown_result: ChildPushdownResult,
+        _config: &ConfigOptions,
+    ) -> Result<FilterPushdownPropagation<Arc<dyn ExecutionPlan>>, DataFusionError> {
+        let filters: Vec<Arc<dyn PhysicalExpr>> = child_pushdown_result.parent_filters.iter().map(|f| Arc::clone(&f.filter)).collect();
+        let answer = vec![PushedDown::No; filters.len()];
+        let dynamic: Vec<Arc<dyn PhysicalExpr>> = filters.into_iter().filter(|f| snapshot_generation(f) != 0).collect();
+        let mut result = FilterPushdownPropagation::with_parent_pushdown_result(answer);
+        if !dynamic.is_empty() {
+            let mut node = self.clone();
+            node.dynamic.extend(dynamic);
+            result = result.with_updated_node(Arc::new(node) as Arc<dyn ExecutionPlan>);
+        }
+        Ok(result)
     }
 
     fn execute(&self, partition: usize, _context: Arc<TaskContext>) -> Result<SendableRecordBatchStream, DataFusionError> {
         let parts: Vec<Part> = self.parts.get(partition).cloned().unwrap_or_default();
         let schema = Arc::clone(&self.projected);
+        let mut sieves: Vec<Sieve> = self.dynamic.iter().map(|f| Sieve { filter: Arc::clone(f), passed: 0, seen: 0 }).collect();
         let mut left = self.limit.unwrap_or(usize::MAX);
         let batches = parts
             .into_iter()
-            .flat_map(move |part| match project(&part, &schema) {
+            .flat_map(move |part| match project(&part, &schema, &mut sieves) {
                 Ok(bs) => bs.into_iter().map(Ok).collect::<Vec<_>>(),
                 Err(e) => vec![Err(e)],
             })

@@ -55,6 +55,9 @@ pub const ANALYTICS_PARTITIONS_MAX: usize = 64;
 pub const COMPACT_MIN_SEGMENTS: usize = 4;
 /// How often an idle maintainer looks for a due checkpoint.
 const IDLE_POLL: Duration = Duration::from_secs(1);
+/// Quiet time after which an analytics partition checkpoints early, so that scans after
+/// a load read segments rather than converting buffers.
+const QUIET_CHECKPOINT: Duration = Duration::from_millis(300);
 const MANIFEST_VERSION: u32 = 1;
 const MANIFEST: &str = "manifest.json";
 
@@ -156,11 +159,18 @@ struct Buffer {
     group: Option<String>,
     rows: Vec<(String, Value)>,
     obj: Obj,
+    /// The rows as a batch, as last converted for a scan (dropped by any change).
+    cached: Option<RecordBatch>,
 }
 
 impl Buffer {
-    fn batch(&self) -> Result<RecordBatch, ArrowError> {
-        to_batch(&self.obj.table_schema(), None, &self.rows)
+    fn batch(&mut self) -> Result<RecordBatch, ArrowError> {
+        if let Some(b) = &self.cached {
+            return Ok(b.clone());
+        }
+        let b = to_batch(&self.obj.table_schema(), None, &self.rows)?;
+        self.cached = Some(b.clone());
+        Ok(b)
     }
 }
 
@@ -196,6 +206,7 @@ struct ApState {
     next_id: u32,
     dirty: bool,
     last_checkpoint: Instant,
+    last_change: Instant,
     /// Files of replaced segments, removed once a manifest no longer names them.
     garbage: Vec<PathBuf>,
     /// Rows per segment ([`SEGMENT_ROWS`]; smaller in tests).
@@ -223,6 +234,7 @@ impl ApState {
             next_id: 1,
             dirty: false,
             last_checkpoint: Instant::now(),
+            last_change: Instant::now(),
             garbage: Vec::new(),
             segment_rows: SEGMENT_ROWS,
         }
@@ -237,7 +249,9 @@ impl ApState {
                 }
             }
             Some(Loc::Buf { slot, idx }) => {
-                let rows = &mut self.buffers[usize::from(slot)].rows;
+                let buf = &mut self.buffers[usize::from(slot)];
+                buf.cached = None;
+                let rows = &mut buf.rows;
                 let idx = idx as usize;
                 if idx < rows.len() {
                     rows.swap_remove(idx);
@@ -268,6 +282,7 @@ impl ApState {
             },
         };
         let buf = &mut self.buffers[usize::from(slot)];
+        buf.cached = None;
         if let Value::Object(map) = &doc {
             buf.obj.observe(map, 0);
         }
@@ -291,6 +306,7 @@ impl ApState {
         let batch = buf.batch()?;
         let rows = std::mem::take(&mut buf.rows);
         buf.obj = Obj::default();
+        buf.cached = None;
         let group = buf.group.clone();
         let id = self.next_id;
         self.next_id += 1;
@@ -406,7 +422,7 @@ impl ApState {
 
     /// The pieces a scan reads (segments, and buffers converted now), skipping those whose
     /// group is not `group`.
-    fn parts(&self, group: Option<&str>) -> Result<Vec<Part>, ArrowError> {
+    fn parts(&mut self, group: Option<&str>) -> Result<Vec<Part>, ArrowError> {
         let keep = |g: &Option<String>| match (group, g) {
             (Some(want), Some(have)) => want == have,
             _ => true,
@@ -415,7 +431,7 @@ impl ApState {
         for s in self.segments.values().filter(|s| keep(&s.group) && s.live() > 0) {
             out.push(Part { batch: s.batch.clone(), live: s.live_mask() });
         }
-        for b in self.buffers.iter().filter(|b| keep(&b.group) && !b.rows.is_empty()) {
+        for b in self.buffers.iter_mut().filter(|b| keep(&b.group) && !b.rows.is_empty()) {
             out.push(Part { batch: b.batch()?, live: None });
         }
         Ok(out)
@@ -649,6 +665,7 @@ impl Shadow {
                     if st.cursors[slot].1 != pos {
                         st.cursors[slot].1 = pos;
                         st.dirty = true;
+                        st.last_change = Instant::now();
                     }
                 }
                 self.applied[usize::from(*p)].store(pos.seqno, Ordering::Release);
@@ -664,7 +681,8 @@ impl Shadow {
             }
         }
         let mut st = ap.state.lock();
-        if st.dirty && st.last_checkpoint.elapsed() >= CHECKPOINT_INTERVAL {
+        let quiet = !moved && st.last_change.elapsed() >= QUIET_CHECKPOINT;
+        if st.dirty && (quiet || st.last_checkpoint.elapsed() >= CHECKPOINT_INTERVAL) {
             st.checkpoint(&ap.dir, self.aps.len(), partitions)?;
         }
         Ok(moved)
@@ -892,7 +910,7 @@ mod tests {
     }
 
     /// What a scan of the state reads: key → document.
-    fn read(st: &ApState) -> HashMap<String, Value> {
+    fn read(st: &mut ApState) -> HashMap<String, Value> {
         let mut out = HashMap::new();
         for part in st.parts(None).unwrap() {
             let batch = match &part.live {
@@ -946,7 +964,7 @@ mod tests {
                 }
                 prop_assert_eq!(st.keys.len(), model.len());
             }
-            let mut got = read(&st);
+            let mut got = read(&mut st);
             for d in got.values_mut() {
                 d.as_object_mut().unwrap().retain(|_, v| !v.is_null());
             }
