@@ -1,6 +1,7 @@
 //! The analytics path: collections as tables over their columnar shadows, scanned with
 //! one stream per analytics partition.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
@@ -16,6 +17,7 @@ use datafusion::datasource::TableType;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::{BinaryExpr, Expr, Operator, TableProviderFilterPushDown};
 use datafusion::physical_expr::expressions::Literal;
+use datafusion::physical_expr::split_conjunction;
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
 use datafusion::physical_expr_common::physical_expr::{snapshot_generation, snapshot_physical_expr};
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
@@ -200,9 +202,9 @@ impl DisplayAs for ShadowScanExec {
     }
 }
 
-/// A dynamic filter and how many rows it has let through of how many it saw.
+/// How many rows one conjunct of a dynamic filter has let through of how many it saw.
+#[derive(Default, Clone, Copy)]
 struct Sieve {
-    filter: Arc<dyn PhysicalExpr>,
     passed: u64,
     seen: u64,
 }
@@ -214,10 +216,18 @@ impl Sieve {
     }
 }
 
+/// The scan's dynamic filters and what each conjunct of them has done so far, keyed by
+/// (filter, conjunct).
+struct Sieves {
+    filters: Vec<Arc<dyn PhysicalExpr>>,
+    stats: HashMap<(usize, usize), Sieve>,
+}
+
 /// A part as batches of the projected columns, live rows that pass the dynamic filters
-/// only, at most [`SCAN_BATCH_ROWS`] rows each. The filters run most selective first (as
-/// measured so far), so a cheap filter that keeps few rows spares the others most work.
-fn project(part: &Part, schema: &SchemaRef, sieves: &mut [Sieve]) -> Result<Vec<RecordBatch>, DataFusionError> {
+/// only, at most [`SCAN_BATCH_ROWS`] rows each. Each filter is split into its conjuncts
+/// (`a >= x AND a <= y AND a IN (...)`), and they run most selective first as measured so
+/// far, so the one that keeps few rows spares the others most of their work.
+fn project(part: &Part, schema: &SchemaRef, sieves: &mut Sieves) -> Result<Vec<RecordBatch>, DataFusionError> {
     let mut batch = adapt_batch(&part.batch, schema)?;
     if let Some(mask) = &part.live {
         batch = if schema.fields().is_empty() {
@@ -230,19 +240,29 @@ fn project(part: &Part, schema: &SchemaRef, sieves: &mut [Sieve]) -> Result<Vec<
             datafusion::arrow::compute::filter_record_batch(&batch, mask)?
         };
     }
-    sieves.sort_by(|a, b| a.pass_rate().total_cmp(&b.pass_rate()));
-    for sieve in sieves.iter_mut() {
+    // Each filter as of now (its join's build side is complete by the time the probe side
+    // is read; `true` until then), split into conjuncts.
+    let mut conjuncts = Vec::new();
+    for (i, f) in sieves.filters.iter().enumerate() {
+        let now = snapshot_physical_expr(Arc::clone(f))?;
+        for (j, c) in split_conjunction(&now).into_iter().enumerate() {
+            if !c.downcast_ref::<Literal>().is_some_and(|l| l.value() == &ScalarValue::Boolean(Some(true))) {
+                conjuncts.push(((i, j), Arc::clone(c)));
+            }
+        }
+    }
+    let stats = &mut sieves.stats;
+    conjuncts.sort_by(|a, b| {
+        let rate = |k| stats.get(k).copied().unwrap_or_default().pass_rate();
+        rate(&a.0).total_cmp(&rate(&b.0))
+    });
+    for (key, c) in conjuncts {
         if batch.num_rows() == 0 {
             break;
         }
-        // The filter as of now (its join's build side is complete by the time the probe
-        // side is read); `true` until then.
-        let now = snapshot_physical_expr(Arc::clone(&sieve.filter))?;
-        if now.downcast_ref::<Literal>().is_some_and(|l| l.value() == &ScalarValue::Boolean(Some(true))) {
-            continue;
-        }
-        let keep = now.evaluate(&batch)?.into_array(batch.num_rows())?;
+        let keep = c.evaluate(&batch)?.into_array(batch.num_rows())?;
         if let Some(keep) = keep.as_any().downcast_ref::<datafusion::arrow::array::BooleanArray>() {
+            let sieve = stats.entry(key).or_default();
             sieve.seen += batch.num_rows() as u64;
             batch = datafusion::arrow::compute::filter_record_batch(&batch, keep)?;
             sieve.passed += batch.num_rows() as u64;
@@ -340,7 +360,7 @@ impl ExecutionPlan for ShadowScanExec {
     fn execute(&self, partition: usize, _context: Arc<TaskContext>) -> Result<SendableRecordBatchStream, DataFusionError> {
         let parts: Vec<Part> = self.parts.get(partition).cloned().unwrap_or_default();
         let schema = Arc::clone(&self.projected);
-        let mut sieves: Vec<Sieve> = self.dynamic.iter().map(|f| Sieve { filter: Arc::clone(f), passed: 0, seen: 0 }).collect();
+        let mut sieves = Sieves { filters: self.dynamic.clone(), stats: HashMap::new() };
         let mut left = self.limit.unwrap_or(usize::MAX);
         let batches = parts
             .into_iter()

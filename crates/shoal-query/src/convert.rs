@@ -38,7 +38,7 @@ pub fn to_batch(schema: &SchemaRef, projection: Option<&[usize]>, rows: &[(Strin
 }
 
 /// The column of `field` from one value (or none) per row; a value of another type is null.
-fn build(field: &Field, values: &[Option<&Value>]) -> Result<ArrayRef, ArrowError> {
+pub(crate) fn build(field: &Field, values: &[Option<&Value>]) -> Result<ArrayRef, ArrowError> {
     Ok(match field.data_type() {
         DataType::Null => Arc::new(NullArray::new(values.len())),
         DataType::Boolean => Arc::new(values.iter().map(|v| v.and_then(Value::as_bool)).collect::<BooleanArray>()),

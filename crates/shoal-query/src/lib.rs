@@ -10,6 +10,7 @@
 mod analytics;
 mod convert;
 mod merge;
+mod rows;
 pub mod schema;
 pub mod shadow;
 mod table;

@@ -27,10 +27,10 @@ pub const FIELDS_MAX: usize = 1024;
 /// are NULL in their rows.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Ty {
-    bools: u64,
-    ints: u64,
-    floats: u64,
-    strs: u64,
+    pub(crate) bools: u64,
+    pub(crate) ints: u64,
+    pub(crate) floats: u64,
+    pub(crate) strs: u64,
     objs: u64,
     lists: u64,
     /// Objects or arrays nested deeper than [`INFER_DEPTH_MAX`]: kept as JSON text.
@@ -77,7 +77,7 @@ impl Obj {
 }
 
 impl Ty {
-    fn observe(&mut self, v: &Value, depth: usize) {
+    pub(crate) fn observe(&mut self, v: &Value, depth: usize) {
         match v {
             Value::Null => {}
             Value::Bool(_) => self.bools += 1,
@@ -99,7 +99,7 @@ impl Ty {
         }
     }
 
-    fn field(&self, name: &str) -> Field {
+    pub(crate) fn field(&self, name: &str) -> Field {
         let numbers = self.ints + self.floats;
         let kinds = [numbers, self.strs, self.bools, self.objs, self.lists, self.deep];
         let top = kinds.iter().copied().max().unwrap_or(0);

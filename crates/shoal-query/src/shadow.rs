@@ -28,13 +28,11 @@ use datafusion::arrow::datatypes::{Field, SchemaRef};
 use datafusion::arrow::error::ArrowError;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 use shoal_storage::{ChangesError, Collection, PartitionId, SeqNo, Store, StreamPosition};
 use tokio::sync::watch;
 
-use crate::convert::to_batch;
 use crate::merge::{adapt_batch, merge_fields};
-use crate::schema::Obj;
+use crate::rows::{ColumnBuffer, ParsedDoc};
 
 /// Most rows of one segment.
 pub const SEGMENT_ROWS: usize = 32_768;
@@ -157,8 +155,7 @@ impl Segment {
 #[derive(Default)]
 struct Buffer {
     group: Option<String>,
-    rows: Vec<(String, Value)>,
-    obj: Obj,
+    rows: ColumnBuffer,
     /// The rows as a batch, as last converted for a scan (dropped by any change).
     cached: Option<RecordBatch>,
 }
@@ -168,7 +165,7 @@ impl Buffer {
         if let Some(b) = &self.cached {
             return Ok(b.clone());
         }
-        let b = to_batch(&self.obj.table_schema(), None, &self.rows)?;
+        let b = self.rows.batch()?;
         self.cached = Some(b.clone());
         Ok(b)
     }
@@ -251,14 +248,9 @@ impl ApState {
             Some(Loc::Buf { slot, idx }) => {
                 let buf = &mut self.buffers[usize::from(slot)];
                 buf.cached = None;
-                let rows = &mut buf.rows;
-                let idx = idx as usize;
-                if idx < rows.len() {
-                    rows.swap_remove(idx);
-                    if let Some((moved, _)) = rows.get(idx) {
-                        if let Some(loc) = self.keys.get_mut(moved.as_str()) {
-                            *loc = Loc::Buf { slot, idx: idx as u32 };
-                        }
+                if let Some(moved) = buf.rows.swap_remove(idx as usize) {
+                    if let Some(loc) = self.keys.get_mut(moved) {
+                        *loc = Loc::Buf { slot, idx };
                     }
                 }
             }
@@ -266,9 +258,9 @@ impl ApState {
         }
     }
 
-    fn upsert(&mut self, key: String, doc: Value, dir: &Path) -> Result<(), ShadowError> {
+    fn upsert(&mut self, key: String, doc: ParsedDoc<'_>, dir: &Path) -> Result<(), ShadowError> {
         self.remove(&key);
-        let slot = match doc.get(GROUP_FIELD).and_then(Value::as_str) {
+        let slot = match doc.str_field(GROUP_FIELD) {
             None => 0,
             Some(g) => match self.slots.get(g) {
                 Some(&s) => s,
@@ -283,12 +275,8 @@ impl ApState {
         };
         let buf = &mut self.buffers[usize::from(slot)];
         buf.cached = None;
-        if let Value::Object(map) = &doc {
-            buf.obj.observe(map, 0);
-        }
-        let idx = buf.rows.len() as u32;
-        self.keys.insert(key.as_str().into(), Loc::Buf { slot, idx });
-        buf.rows.push((key, doc));
+        self.keys.insert(key.as_str().into(), Loc::Buf { slot, idx: buf.rows.len() as u32 });
+        buf.rows.push(key, doc);
         self.dirty = true;
         if buf.rows.len() >= self.segment_rows {
             self.flush(usize::from(slot), dir)?;
@@ -305,13 +293,12 @@ impl ApState {
         }
         let batch = buf.batch()?;
         let rows = std::mem::take(&mut buf.rows);
-        buf.obj = Obj::default();
         buf.cached = None;
         let group = buf.group.clone();
         let id = self.next_id;
         self.next_id += 1;
         write_segment(dir, id, &batch)?;
-        for (row, (key, _)) in rows.iter().enumerate() {
+        for (row, key) in rows.keys().iter().enumerate() {
             if let Some(loc) = self.keys.get_mut(key.as_str()) {
                 *loc = Loc::Seg { id, row: row as u32 };
             }
@@ -444,8 +431,7 @@ impl ApState {
             out.extend(weighted_fields(&s.batch));
         }
         for b in self.buffers.iter().filter(|b| !b.rows.is_empty()) {
-            let schema = b.obj.table_schema();
-            out.extend(schema.fields().iter().map(|f| (f.as_ref().clone(), b.rows.len() as u64)));
+            out.extend(b.rows.weighted_fields());
         }
         out
     }
@@ -644,13 +630,11 @@ impl Shadow {
                 budget -= changes.len();
                 let newest_cas = changes.last().map(|c| c.cas);
                 // Parse outside the lock: scans of this partition are not held up.
-                let parsed: Vec<(String, Option<Value>)> = changes
-                    .into_iter()
+                let parsed: Vec<(String, Option<ParsedDoc<'_>>)> = changes
+                    .iter()
                     .map(|c| {
                         let key = String::from_utf8_lossy(&c.key).into_owned();
-                        let doc = (!c.deleted)
-                            .then(|| c.value.and_then(|v| serde_json::from_slice(&v).ok()).unwrap_or(Value::Object(Default::default())));
-                        (key, doc)
+                        (key, (!c.deleted).then(|| c.value.as_deref().map(ParsedDoc::parse).unwrap_or_default()))
                     })
                     .collect();
                 let done = parsed.is_empty();
@@ -869,6 +853,8 @@ async fn maintain(mgr: Arc<ShadowManager>, shadow: Arc<Shadow>, mut stop: watch:
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::convert::to_batch;
+    use serde_json::Value;
 
     #[test]
     fn default_partitions_follow_couchbase() {
@@ -948,7 +934,8 @@ mod tests {
             for op in ops {
                 match op {
                     Op::Upsert(k, v) => {
-                        st.upsert(format!("k{k}"), doc(v), dir.path()).unwrap();
+                        let text = doc(v).to_string();
+                        st.upsert(format!("k{k}"), ParsedDoc::parse(text.as_bytes()), dir.path()).unwrap();
                         model.insert(format!("k{k}"), strip(doc(v)));
                     }
                     Op::Remove(k) => {
@@ -974,7 +961,7 @@ mod tests {
 
     #[test]
     fn dead_rows_are_masked_and_counted() {
-        let schema = Obj::default().table_schema();
+        let schema = crate::schema::Obj::default().table_schema();
         let rows: Vec<(String, Value)> = (0..130).map(|i| (format!("k{i}"), serde_json::json!({}))).collect();
         let mut s = Segment::new(to_batch(&schema, None, &rows).unwrap(), None);
         assert!(s.live_mask().is_none());
