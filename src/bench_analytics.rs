@@ -36,6 +36,12 @@ pub struct AnalyticsArgs {
     /// Runs of query 3 on `/v1/query` (documents, no shadow) on the first node; 0 skips.
     #[arg(long, default_value_t = 1)]
     operational_runs: usize,
+    /// Seconds of the shadow-lag test at `--lag-rate` upserts/s into store_sales (0: skip),
+    /// on the node with the default analytics partitions.
+    #[arg(long, default_value_t = 20)]
+    lag_secs: u64,
+    #[arg(long, default_value_t = 5000)]
+    lag_rate: u64,
     /// Skip the DuckDB baseline (`bench/duckdb_q3.py`, needs `pip install duckdb`).
     #[arg(long)]
     no_duckdb: bool,
@@ -82,10 +88,14 @@ pub fn generate(args: GenArgs) -> Result<(), CliError> {
 /// One configuration's figures.
 struct Measured {
     label: String,
+    /// Shadow lag under writes: (p50, p99, max) ms and the achieved rate.
+    lag: Option<(f64, f64, f64, f64)>,
     analytics_partitions: u64,
     docs: u64,
     load_secs: f64,
     times: Vec<f64>,
+    /// The all-scan query's times.
+    scan: Vec<f64>,
     answer: Value,
 }
 
@@ -136,15 +146,24 @@ async fn load(client: &Client, sf: f64) -> Result<(u64, f64), CliError> {
     Ok((loaded, secs))
 }
 
+/// A query that is all scan: every sales row read and aggregated (where the partition
+/// count shows most plainly).
+const SCAN_QUERY: &str =
+    "SELECT ss_store_sk, count(*), sum(ss_ext_sales_price), avg(ss_quantity) FROM store_sales GROUP BY ss_store_sk ORDER BY ss_store_sk";
+
 async fn q3_runs(client: &Client, analytics: bool, runs: usize, label: &str) -> Result<(Vec<f64>, Value), CliError> {
+    timed_runs(client, analytics, tpcds::QUERY_3, runs, label).await
+}
+
+async fn timed_runs(client: &Client, analytics: bool, sql: &str, runs: usize, label: &str) -> Result<(Vec<f64>, Value), CliError> {
     let mut times = Vec::new();
     let mut answer = Value::Null;
-    let request = json!({"sql": tpcds::QUERY_3, "timeout_ms": 3_600_000});
+    let request = json!({"sql": sql, "timeout_ms": 3_600_000});
     for run in 0..runs {
         let t = Instant::now();
         answer = if analytics { client.analytics(&request).await? } else { client.query(&request).await? };
         let secs = t.elapsed().as_secs_f64();
-        println!("query 3, {label}, run {}: {:.1} ms", run + 1, secs * 1000.0);
+        println!("{label}, run {}: {:.1} ms", run + 1, secs * 1000.0);
         times.push(secs);
     }
     Ok((times, answer))
@@ -168,14 +187,50 @@ async fn measure(
         return Ok(None);
     }
     let (docs, load_secs) = load(&client, args.sf).await?;
-    let label = format!("{aps} analytics partition(s)");
+    let waited = node.wait_idle(std::time::Duration::from_secs(120));
+    println!("node idle after {waited:.0}s");
+    let label = format!("query 3, {aps} analytics partition(s)");
     q3_runs(&client, true, 1, &format!("{label}, warm-up")).await?;
     let (times, answer) = q3_runs(&client, true, args.runs.max(1), &label).await?;
+    let (scan, _) = timed_runs(&client, true, SCAN_QUERY, args.runs.max(1), &format!("scan query, {aps} analytics partition(s)")).await?;
     if operational.is_none() && args.operational_runs > 0 {
-        *operational = Some(q3_runs(&client, false, args.operational_runs, "/v1/query").await?.0);
+        *operational = Some(q3_runs(&client, false, args.operational_runs, "query 3 on /v1/query").await?.0);
     }
     let label = if n.is_none() { format!("{aps} (default)") } else { aps.to_string() };
-    Ok(Some(Measured { label, analytics_partitions: aps, docs, load_secs, times, answer }))
+    let lag = shadow_lag(args, &client).await?;
+    Ok(Some(Measured { label, lag, analytics_partitions: aps, docs, load_secs, times, scan, answer }))
+}
+
+/// Shadow lag: writers upsert sales rows at `--lag-rate`, a probe writes a marked row and
+/// polls `/v1/analytics` (not `request_plus`) until the row is there.
+async fn shadow_lag(args: &AnalyticsArgs, client: &Client) -> Result<Option<(f64, f64, f64, f64)>, CliError> {
+    if args.lag_secs == 0 {
+        return Ok(None);
+    }
+    let items = tpcds::item_rows(args.sf);
+    let sales = tpcds::sales_rows(args.sf).max(1);
+    let probe_client = client.clone();
+    let lag = crate::bench_index::write_lag(
+        client,
+        "store_sales",
+        crate::bench_index::LagRun { secs: args.lag_secs, rate: args.lag_rate },
+        move |w, i| {
+            let n = (w * 1_000_003 + i * 7919) % sales;
+            (format!("store_sales_{n:08}"), tpcds::sales_row(n, items).1.to_string())
+        },
+        |marker| ("lag-probe".to_string(), json!({"ss_marker": marker}).to_string()),
+        move |marker| {
+            let client = probe_client.clone();
+            async move {
+                let sql = "SELECT count(*) FROM store_sales WHERE meta_id = 'lag-probe' AND ss_marker = $1";
+                let answer = client.analytics(&json!({"sql": sql, "params": [marker]})).await?;
+                Ok(answer["rows"][0][0].as_u64() == Some(1))
+            }
+        },
+        "analytics shadow",
+    )
+    .await?;
+    Ok(Some(lag))
 }
 
 /// DuckDB on the same rows (`bench/duckdb_q3.py`), or why it did not run.
@@ -215,28 +270,35 @@ pub async fn run(args: AnalyticsArgs) -> Result<(), CliError> {
 
     let mut report = format!(
         "Query 3 at scale factor {} on `/v1/analytics` (one collection per table, {} partitions, {cores} cores; \
-         median of {} runs after one warm-up). Load = `_bulk` of every document until the shadows hold them all.\n\n\
-         | analytics partitions | documents | load + shadow (s) | docs/s | query 3 median (ms) | runs (ms) |\n|---|---|---|---|---|---|\n",
+         median of {} runs after one warm-up, once the node is idle after the load). Load = `_bulk` of every document until the shadows hold them all.\n\n\
+         | analytics partitions | documents | load + shadow (s) | docs/s | query 3 median (ms) | scan query median (ms) | shadow lag p50 / p99 / max (ms) | query 3 runs (ms) |\n|---|---|---|---|---|---|---|---|\n",
         args.sf,
         args.partitions,
         args.runs.max(1)
     );
     for m in &measured {
         let runs: Vec<String> = m.times.iter().map(|t| format!("{:.1}", t * 1000.0)).collect();
+        let lag = m.lag.map_or("-".to_string(), |(p50, p99, max, rate)| format!("{p50:.1} / {p99:.1} / {max:.1} at {rate:.0} writes/s"));
         report.push_str(&format!(
-            "| {} | {} | {:.1} | {:.0} | {:.1} | {} |\n",
+            "| {} | {} | {:.1} | {:.0} | {:.1} | {:.1} | {lag} | {} |\n",
             m.label,
             m.docs,
             m.load_secs,
             m.docs as f64 / m.load_secs,
             median(&m.times) * 1000.0,
+            median(&m.scan) * 1000.0,
             runs.join(", ")
         ));
     }
     let one = measured.iter().find(|m| m.analytics_partitions == 1).map(|m| median(&m.times));
     let two = measured.iter().find(|m| m.analytics_partitions == 2).map(|m| median(&m.times));
     if let (Some(one), Some(two)) = (one, two) {
-        report.push_str(&format!("\n2 analytics partitions vs 1: {:.2}× faster.\n", one / two));
+        report.push_str(&format!("\n2 analytics partitions vs 1: query 3 {:.2}× faster", one / two));
+        let scan = |n: u64| measured.iter().find(|m| m.analytics_partitions == n).map(|m| median(&m.scan));
+        if let (Some(s1), Some(s2)) = (scan(1), scan(2)) {
+            report.push_str(&format!(", the scan query {:.2}× faster", s1 / s2));
+        }
+        report.push_str(" (`SCAN_QUERY` in `src/bench_analytics.rs`).\n");
     }
     if let Some(op) = &operational {
         report.push_str(&format!(

@@ -71,6 +71,30 @@ pub(crate) struct Node {
 }
 
 impl Node {
+    /// Waits (at most `max`) until the node has used under 5 % of one core for a second —
+    /// background work after a load (storage compaction, shadow checkpoints) is done —
+    /// and answers the seconds waited. Linux only; elsewhere it does not wait.
+    pub(crate) fn wait_idle(&self, max: std::time::Duration) -> f64 {
+        let ticks = || -> Option<u64> {
+            let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).ok()?;
+            // Fields after the command name (which may hold spaces): utime and stime are the
+            // 12th and 13th.
+            let rest = stat.rsplit_once(')')?.1;
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+        };
+        let start = std::time::Instant::now();
+        while start.elapsed() < max {
+            let Some(before) = ticks() else { break };
+            std::thread::sleep(std::time::Duration::from_secs(1));
+            let Some(after) = ticks() else { break };
+            if after.saturating_sub(before) < 5 {
+                break;
+            }
+        }
+        start.elapsed().as_secs_f64()
+    }
+
     pub(crate) fn start(partitions: u16, extra: &[String]) -> Result<Node, CliError> {
         use std::io::BufRead;
         let dir = std::env::temp_dir().join(format!("shoal-bench-index-{}-{partitions}", std::process::id()));
@@ -232,22 +256,65 @@ async fn replicate(client: &Client, users: usize, user_count: usize, per_user: u
 /// Index lag under `rate` upserts/s: a probe writes a new key value and polls a
 /// `not_bounded` scan until it shows; returns (p50, p99, max) in ms and the achieved rate.
 async fn index_lag(client: &Client, secs: u64, rate: u64) -> Result<(f64, f64, f64, f64), CliError> {
+    let probe_client = client.clone();
+    write_lag(
+        client,
+        "records",
+        LagRun { secs, rate },
+        |w, i| (format!("rec-{:08}", (w * 100_003 + i * 7) % 800_000), record((w * 1000 + i) as usize, 2200)),
+        |marker| ("lag-probe".to_string(), json!({"user_id": "lag-probe", "reported_date": marker, "type": "probe"}).to_string()),
+        move |marker| {
+            let client = probe_client.clone();
+            async move {
+                let answer = client.scan_index("records", "by_user", &json!({"eq": ["lag-probe", marker]})).await?;
+                Ok(answer["rows"].as_array().is_some_and(|r| !r.is_empty()))
+            }
+        },
+        "index",
+    )
+    .await
+}
+
+/// How long and how fast a lag run writes.
+pub(crate) struct LagRun {
+    pub secs: u64,
+    pub rate: u64,
+}
+
+/// Lag of whatever follows the change stream, under `run.rate` upserts/s into `collection`
+/// (`doc(writer, i)` gives each write's key and body): a probe writes a fresh marker
+/// (`probe(marker)`) and polls `visible(marker)` until it shows, one probe at a time.
+/// Returns (p50, p99, max) in ms and the achieved write rate.
+pub(crate) async fn write_lag<D, P, V, F>(
+    client: &Client,
+    collection: &str,
+    run: LagRun,
+    doc: D,
+    probe: P,
+    visible: V,
+    what: &str,
+) -> Result<(f64, f64, f64, f64), CliError>
+where
+    D: Fn(u64, u64) -> (String, String) + Clone + Send + Sync + 'static,
+    P: Fn(&str) -> (String, String),
+    V: Fn(String) -> F,
+    F: std::future::Future<Output = Result<bool, CliError>>,
+{
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let written = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     const WRITERS: u64 = 32;
     let mut writers = Vec::new();
     for w in 0..WRITERS {
-        let (client, stop, written) = (client.clone(), stop.clone(), written.clone());
-        let period = Duration::from_secs_f64(WRITERS as f64 / rate.max(1) as f64);
+        let (client, stop, written, doc, collection) = (client.clone(), stop.clone(), written.clone(), doc.clone(), collection.to_string());
+        let period = Duration::from_secs_f64(WRITERS as f64 / run.rate.max(1) as f64);
         writers.push(tokio::spawn(async move {
             let mut tick = tokio::time::interval(period);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
             let mut i = 0u64;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 tick.tick().await;
-                let key = format!("rec-{:08}", (w * 100_003 + i * 7) % 800_000);
-                let body = record((w * 1000 + i) as usize, 2200);
-                if client.put("records", &key, body, &Default::default()).await.is_ok() {
+                let (key, body) = doc(w, i);
+                if client.put(&collection, &key, body, &Default::default()).await.is_ok() {
                     written.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
                 i += 1;
@@ -257,19 +324,15 @@ async fn index_lag(client: &Client, secs: u64, rate: u64) -> Result<(f64, f64, f
     let start = Instant::now();
     let mut lags = Vec::new();
     let mut seq = 0u64;
-    while start.elapsed() < Duration::from_secs(secs) {
+    while start.elapsed() < Duration::from_secs(run.secs) {
         seq += 1;
         let marker = format!("probe-{seq:08}");
-        let doc = json!({"user_id": "lag-probe", "reported_date": marker, "type": "probe"}).to_string();
-        client.put("records", "lag-probe", doc, &Default::default()).await?;
+        let (key, body) = probe(&marker);
+        client.put(collection, &key, body, &Default::default()).await?;
         let t = Instant::now();
-        loop {
-            let answer = client.scan_index("records", "by_user", &json!({"eq": ["lag-probe", marker]})).await?;
-            if answer["rows"].as_array().is_some_and(|r| !r.is_empty()) {
-                break;
-            }
+        while !visible(marker.clone()).await? {
             if t.elapsed() > Duration::from_secs(10) {
-                return Err(CliError::Usage("a write did not reach the index within 10 s".into()));
+                return Err(CliError::Usage(format!("a write did not reach the {what} within 10 s")));
             }
             tokio::time::sleep(Duration::from_micros(500)).await;
         }
@@ -284,7 +347,7 @@ async fn index_lag(client: &Client, secs: u64, rate: u64) -> Result<(f64, f64, f
     lags.sort_unstable();
     let pct = |p: f64| crate::bench::percentile(&lags, p);
     println!(
-        "index lag under {achieved:.0} upserts/s: {} probes, p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        "{what} lag under {achieved:.0} upserts/s: {} probes, p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
         lags.len(),
         pct(0.5),
         pct(0.99),
