@@ -275,6 +275,38 @@ async fn the_shadow_survives_restarts_without_a_rebuild() {
 }
 
 #[tokio::test]
+async fn analytics_partitions_spread_over_the_data_paths() {
+    let tmp = tempfile::tempdir().unwrap();
+    let second = tmp.path().join("second");
+    let node = Node::start(&["--partitions", "8", "--analytics-partitions", "4", "--data-path", second.to_str().unwrap()]);
+    let c = node.client();
+    assert!(c.put(node.u("/v1/collections/ev")).send().await.unwrap().status().is_success());
+    let lines: Vec<Value> = (0..2000).map(|i| json!({"op": "upsert", "key": format!("e{i:05}"), "value": event(i)})).collect();
+    bulk(&node, &c, "ev", &lines).await;
+    assert_eq!(sql(&node, &c, "/v1/analytics", "SELECT count(*) FROM ev").await, [json!([2000])]);
+    // Partitions 0 and 2 on the first path, 1 and 3 on the second, once checkpointed.
+    let mut tries = 0;
+    loop {
+        let (a, b) = (segment_files(&node.dir), segment_files(&second));
+        let parts = |files: &[(std::path::PathBuf, u64, std::time::SystemTime)]| {
+            let mut p: Vec<String> =
+                files.iter().filter_map(|f| f.0.parent()?.file_name().map(|n| n.to_string_lossy().into_owned())).collect();
+            p.sort();
+            p.dedup();
+            p
+        };
+        if parts(&a) == ["0", "2"] && parts(&b) == ["1", "3"] {
+            break;
+        }
+        tries += 1;
+        assert!(tries < 100, "segments not spread: {a:?} {b:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let plan = Value::Array(sql(&node, &c, "/v1/analytics", "EXPLAIN SELECT count(*) FROM ev").await).to_string();
+    assert!(plan.contains("analytics partitions=4"), "{plan}");
+}
+
+#[tokio::test]
 async fn analytics_can_be_turned_off() {
     let node = Node::start(&["--partitions", "4", "--analytics-partitions", "0"]);
     let c = node.client();

@@ -68,7 +68,7 @@ pub enum QueryError {
     Memory(String),
     #[error("the query did not finish in {0:?}")]
     Timeout(Duration),
-    #[error("index not ready: {0}")]
+    #[error("{0}")]
     Unavailable(String),
     /// A storage fault.
     #[error("{0}")]
