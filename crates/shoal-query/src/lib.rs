@@ -8,9 +8,9 @@
 //! of HTTP.
 
 mod analytics;
-mod convert;
+pub mod convert;
 mod merge;
-mod rows;
+pub mod rows;
 pub mod schema;
 pub mod shadow;
 mod table;

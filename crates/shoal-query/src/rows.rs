@@ -43,6 +43,8 @@ pub enum Scalar<'a> {
 #[derive(Debug, Default, PartialEq)]
 pub struct ParsedDoc<'a> {
     pub fields: Vec<(Cow<'a, str>, Scalar<'a>)>,
+    /// Length of the document's text.
+    pub bytes: usize,
 }
 
 impl<'a> ParsedDoc<'a> {
@@ -51,8 +53,8 @@ impl<'a> ParsedDoc<'a> {
     pub fn parse(bytes: &'a [u8]) -> ParsedDoc<'a> {
         let mut de = serde_json::Deserializer::from_slice(bytes);
         match de.deserialize_any(DocVisitor) {
-            Ok(doc) if de.end().is_ok() => doc,
-            _ => ParsedDoc::default(),
+            Ok(doc) if de.end().is_ok() => ParsedDoc { bytes: bytes.len(), ..doc },
+            _ => ParsedDoc { fields: Vec::new(), bytes: bytes.len() },
         }
     }
 
@@ -80,7 +82,7 @@ impl<'de> Visitor<'de> for DocVisitor {
             let value = map.next_value_seed(ScalarSeed)?;
             fields.push((name, value));
         }
-        Ok(ParsedDoc { fields })
+        Ok(ParsedDoc { fields, bytes: 0 })
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<ParsedDoc<'de>, A::Error> {
@@ -295,6 +297,8 @@ pub struct ColumnBuffer {
     keys: Vec<String>,
     cols: Vec<Col>,
     at: HashMap<String, usize>,
+    /// Text of the documents pushed (removed ones included): bounds the batch's size.
+    bytes: usize,
 }
 
 impl ColumnBuffer {
@@ -310,10 +314,16 @@ impl ColumnBuffer {
         &self.keys
     }
 
+    /// Bytes of document text pushed since the buffer was empty.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
     /// Appends a row; answers its index.
     pub fn push(&mut self, key: String, doc: ParsedDoc<'_>) -> usize {
         let row = self.keys.len();
         self.keys.push(key);
+        self.bytes += doc.bytes;
         for (i, (name, value)) in doc.fields.into_iter().enumerate() {
             if name == KEY_COLUMN {
                 continue;
@@ -450,6 +460,7 @@ mod tests {
         let b = buf.batch().unwrap();
         assert_eq!(b.num_rows(), 1);
         assert_eq!(crate::convert::to_json(b.column(2).as_ref(), 0).unwrap(), json!("y"));
+        assert_eq!(buf.bytes(), 7 + 15 + 9, "bytes pushed are counted, removed ones too");
         assert_eq!(ParsedDoc::parse(b"[1, 2]").fields.len(), 0, "not an object: no fields");
         assert_eq!(ParsedDoc::parse(b"{\"a\": 1} x").fields.len(), 0, "trailing garbage: no fields");
     }

@@ -36,6 +36,9 @@ use crate::rows::{ColumnBuffer, ParsedDoc};
 
 /// Most rows of one segment.
 pub const SEGMENT_ROWS: usize = 32_768;
+/// Most document text one buffer holds before it becomes a segment, and most data a merge
+/// of segments produces: Arrow string columns hold at most 2 GiB.
+pub const SEGMENT_BYTES_MAX: usize = 256 * 1024 * 1024;
 /// The field whose string value groups rows into segments (one JSON "table" each).
 pub const GROUP_FIELD: &str = "table_name";
 /// Most groups buffered separately per analytics partition; rows of further groups share
@@ -278,7 +281,7 @@ impl ApState {
         self.keys.insert(key.as_str().into(), Loc::Buf { slot, idx: buf.rows.len() as u32 });
         buf.rows.push(key, doc);
         self.dirty = true;
-        if buf.rows.len() >= self.segment_rows {
+        if buf.rows.len() >= self.segment_rows || buf.rows.bytes() >= SEGMENT_BYTES_MAX {
             self.flush(usize::from(slot), dir)?;
         }
         Ok(())
@@ -316,8 +319,18 @@ impl ApState {
             self.garbage.push(segment_path(dir, id));
             self.dirty = true;
         }
-        let small: Vec<u32> =
-            self.segments.iter().filter(|(_, s)| &s.group == group && s.live() < self.segment_rows / 2).map(|(&id, _)| id).collect();
+        let mut budget = SEGMENT_BYTES_MAX;
+        let small: Vec<u32> = self
+            .segments
+            .iter()
+            .filter(|(_, s)| &s.group == group && s.live() < self.segment_rows / 2)
+            .take_while(|(_, s)| {
+                let size = s.batch.get_array_memory_size();
+                budget = budget.saturating_sub(size);
+                budget > 0
+            })
+            .map(|(&id, _)| id)
+            .collect();
         if small.len() < COMPACT_MIN_SEGMENTS {
             return Ok(());
         }
