@@ -300,7 +300,7 @@ impl ApState {
         let group = buf.group.clone();
         let id = self.next_id;
         self.next_id += 1;
-        write_segment(dir, id, &batch)?;
+        let batch = write_segment(dir, id, &batch)?;
         for (row, key) in rows.keys().iter().enumerate() {
             if let Some(loc) = self.keys.get_mut(key.as_str()) {
                 *loc = Loc::Seg { id, row: row as u32 };
@@ -351,10 +351,9 @@ impl ApState {
         let mut offset = 0;
         while offset < merged.num_rows() {
             let len = self.segment_rows.min(merged.num_rows() - offset);
-            let batch = merged.slice(offset, len);
             let id = self.next_id;
             self.next_id += 1;
-            write_segment(dir, id, &batch)?;
+            let batch = write_segment(dir, id, &merged.slice(offset, len))?;
             let keys = batch
                 .column(0)
                 .as_string_opt::<i32>()
@@ -456,7 +455,9 @@ fn weighted_fields(batch: &RecordBatch) -> Vec<(Field, u64)> {
     schema.fields().iter().zip(batch.columns()).map(|(f, c)| (f.as_ref().clone(), (c.len() - c.logical_null_count()) as u64)).collect()
 }
 
-fn write_segment(dir: &Path, id: u32, batch: &RecordBatch) -> Result<(), ShadowError> {
+/// Writes a segment file (temporary name, fsync, rename) and answers the batch read back
+/// from it (see [`map_segment`]): the heap copy is dropped.
+fn write_segment(dir: &Path, id: u32, batch: &RecordBatch) -> Result<RecordBatch, ShadowError> {
     let path = segment_path(dir, id);
     let tmp = path.with_extension("arrow.tmp");
     let file = std::fs::File::create(&tmp).map_err(io_at(&tmp))?;
@@ -465,16 +466,54 @@ fn write_segment(dir: &Path, id: u32, batch: &RecordBatch) -> Result<(), ShadowE
     writer.finish()?;
     let file = writer.into_inner()?.into_inner().map_err(|e| ShadowError::Io { path: tmp.clone(), source: e.into_error() })?;
     file.sync_all().map_err(io_at(&tmp))?;
-    std::fs::rename(&tmp, &path).map_err(io_at(&path))
+    std::fs::rename(&tmp, &path).map_err(io_at(&path))?;
+    map_segment(&path)
 }
 
-fn read_segment(path: &Path) -> Result<RecordBatch, ShadowError> {
+/// Maps a segment file into memory and decodes its batch in place: the columns point into
+/// the mapping, so a shadow lives in the page cache (which the kernel may evict and read
+/// back) rather than on the heap, and can be larger than memory.
+fn map_segment(path: &Path) -> Result<RecordBatch, ShadowError> {
+    use datafusion::arrow::ipc::reader::{read_footer_length, FileDecoder};
     let corrupt = |reason: String| ShadowError::Corrupt { path: path.to_path_buf(), reason };
     let file = std::fs::File::open(path).map_err(io_at(path))?;
-    let reader = datafusion::arrow::ipc::reader::FileReader::try_new_buffered(file, None).map_err(|e| corrupt(e.to_string()))?;
-    let schema = reader.schema();
-    let batches = reader.collect::<Result<Vec<_>, _>>().map_err(|e| corrupt(e.to_string()))?;
-    datafusion::arrow::compute::concat_batches(&schema, &batches).map_err(|e| corrupt(e.to_string()))
+    // SAFETY: a segment file never changes once it has its name: it is written under a
+    // temporary name, fsynced and renamed, and afterwards only deleted — never truncated or
+    // rewritten — so the mapped bytes cannot change under the batch. A deleted file's pages
+    // stay mapped until the last batch using them is dropped.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io_at(path))?;
+    let buffer = datafusion::arrow::buffer::Buffer::from(bytes::Bytes::from_owner(map));
+    let len = buffer.len();
+    let trailer: [u8; 10] =
+        buffer.get(len.saturating_sub(10)..).and_then(|t| t.try_into().ok()).ok_or_else(|| corrupt("too short".into()))?;
+    let footer_len = read_footer_length(trailer).map_err(|e| corrupt(e.to_string()))?;
+    let footer_bytes = len
+        .checked_sub(10 + footer_len)
+        .and_then(|start| buffer.get(start..len - 10))
+        .ok_or_else(|| corrupt("bad footer length".into()))?;
+    let footer = datafusion::arrow::ipc::root_as_footer(footer_bytes).map_err(|e| corrupt(e.to_string()))?;
+    let schema = footer.schema().ok_or_else(|| corrupt("no schema".into()))?;
+    let schema = Arc::new(datafusion::arrow::ipc::convert::fb_to_schema(schema));
+    let mut decoder = FileDecoder::new(Arc::clone(&schema), footer.version());
+    let block_data = |offset: i64, body: i64, meta: i32| {
+        let (offset, size) = (usize::try_from(offset).ok()?, usize::try_from(body).ok()? + usize::try_from(meta).ok()?);
+        (offset.checked_add(size)? <= len).then(|| buffer.slice_with_length(offset, size))
+    };
+    for block in footer.dictionaries().iter().flatten() {
+        let data = block_data(block.offset(), block.bodyLength(), block.metaDataLength()).ok_or_else(|| corrupt("bad block".into()))?;
+        decoder.read_dictionary(block, &data).map_err(|e| corrupt(e.to_string()))?;
+    }
+    let mut batches = Vec::new();
+    for block in footer.recordBatches().iter().flatten() {
+        let data = block_data(block.offset(), block.bodyLength(), block.metaDataLength()).ok_or_else(|| corrupt("bad block".into()))?;
+        if let Some(b) = decoder.read_record_batch(block, &data).map_err(|e| corrupt(e.to_string()))? {
+            batches.push(b);
+        }
+    }
+    match batches.len() {
+        1 => Ok(batches.remove(0)),
+        _ => datafusion::arrow::compute::concat_batches(&schema, &batches).map_err(|e| corrupt(e.to_string())),
+    }
 }
 
 /// Writes `path` so that a crash leaves either the old or the new content.
@@ -532,7 +571,7 @@ impl Ap {
         state.next_id = m.next_id;
         for meta in m.segments {
             let seg_path = segment_path(dir, meta.id);
-            let batch = read_segment(&seg_path)?;
+            let batch = map_segment(&seg_path)?;
             if batch.num_rows() != meta.rows {
                 return Err(ShadowError::Corrupt {
                     path: seg_path,
@@ -970,6 +1009,29 @@ mod tests {
             }
             prop_assert_eq!(got, model);
         }
+    }
+
+    #[test]
+    fn segment_files_read_back_mapped_and_damaged_ones_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut buf = ColumnBuffer::default();
+        for i in 0..100 {
+            let text = serde_json::json!({"n": i, "s": format!("v{i}"), "o": {"x": [i]}}).to_string();
+            buf.push(format!("k{i}"), ParsedDoc::parse(text.as_bytes()));
+        }
+        let batch = buf.batch().unwrap();
+        assert_eq!(write_segment(dir.path(), 1, &batch).unwrap(), batch);
+        assert_eq!(map_segment(&segment_path(dir.path(), 1)).unwrap(), batch);
+        let bytes = std::fs::read(segment_path(dir.path(), 1)).unwrap();
+        for cut in [0, 5, 10, 11, bytes.len() / 2, bytes.len() - 11, bytes.len() - 1] {
+            std::fs::write(segment_path(dir.path(), 2), &bytes[..cut]).unwrap();
+            assert!(map_segment(&segment_path(dir.path(), 2)).is_err(), "cut at {cut}");
+        }
+        let mut flipped = bytes.clone();
+        let at = flipped.len() - 12;
+        flipped[at] ^= 0xff;
+        std::fs::write(segment_path(dir.path(), 3), &flipped).unwrap();
+        let _ = map_segment(&segment_path(dir.path(), 3));
     }
 
     #[test]
