@@ -201,8 +201,8 @@ async fn measure(
     Ok(Some(Measured { label, lag, analytics_partitions: aps, docs, load_secs, times, scan, answer }))
 }
 
-/// Shadow lag: writers upsert sales rows at `--lag-rate`, a probe writes a marked row and
-/// polls `/v1/analytics` (not `request_plus`) until the row is there.
+/// Shadow lag: writers upsert sales rows at `--lag-rate`, a probe writes a new row and polls
+/// `/v1/analytics` (not `request_plus`) until the row is there.
 async fn shadow_lag(args: &AnalyticsArgs, client: &Client) -> Result<Option<(f64, f64, f64, f64)>, CliError> {
     if args.lag_secs == 0 {
         return Ok(None);
@@ -218,12 +218,13 @@ async fn shadow_lag(args: &AnalyticsArgs, client: &Client) -> Result<Option<(f64
             let n = (w * 1_000_003 + i * 7919) % sales;
             (format!("store_sales_{n:08}"), tpcds::sales_row(n, items).1.to_string())
         },
-        |marker| ("lag-probe".to_string(), json!({"ss_marker": marker}).to_string()),
+        // Each probe is a new row whose key is the marker: a count by key shows it.
+        |marker| (format!("lag-{marker}"), json!({"table_name": "store_sales", "ss_quantity": 1}).to_string()),
         move |marker| {
             let client = probe_client.clone();
             async move {
-                let sql = "SELECT count(*) FROM store_sales WHERE meta_id = 'lag-probe' AND ss_marker = $1";
-                let answer = client.analytics(&json!({"sql": sql, "params": [marker]})).await?;
+                let sql = "SELECT count(*) FROM store_sales WHERE meta_id = $1";
+                let answer = client.analytics(&json!({"sql": sql, "params": [format!("lag-{marker}")]})).await?;
                 Ok(answer["rows"][0][0].as_u64() == Some(1))
             }
         },
