@@ -61,19 +61,23 @@ pub struct GenArgs {
 }
 
 /// Row `i` of a table as (key, document).
-type RowFn = dyn Fn(u64) -> (String, Value);
+type RowFn = dyn Fn(u64) -> (String, Value) + Send + Sync;
+
+/// The three tables of query 3 at scale factor `sf`: name, rows, and row `i` as (key,
+/// document); a key is `{name}_{i:08}`.
+fn tables(sf: f64) -> [(&'static str, u64, Box<RowFn>); 3] {
+    let items = tpcds::item_rows(sf);
+    [
+        ("date_dim", tpcds::DATE_ROWS, Box::new(tpcds::date_row)),
+        ("item", items, Box::new(tpcds::item_row)),
+        ("store_sales", tpcds::sales_rows(sf), Box::new(move |i| tpcds::sales_row(i, items))),
+    ]
+}
 
 /// Writes the three tables as NDJSON files.
 pub fn generate(args: GenArgs) -> Result<(), CliError> {
     std::fs::create_dir_all(&args.out)?;
-    let items = tpcds::item_rows(args.sf);
-    let sales = move |i| tpcds::sales_row(i, items);
-    let tables: [(&str, u64, &RowFn); 3] = [
-        ("date_dim", tpcds::DATE_ROWS, &tpcds::date_row),
-        ("item", items, &tpcds::item_row),
-        ("store_sales", tpcds::sales_rows(args.sf), &sales),
-    ];
-    for (name, rows, row) in tables {
+    for (name, rows, row) in tables(args.sf) {
         let mut out = std::io::BufWriter::new(std::fs::File::create(args.out.join(format!("{name}.ndjson")))?);
         for i in 0..rows {
             let (key, value) = row(i);
@@ -108,24 +112,12 @@ fn median(times: &[f64]) -> f64 {
 /// Loads the three tables (one collection each, as the query names them) and waits until
 /// the shadows hold every document: the load figure counts documents and shadow together.
 async fn load(client: &Client, sf: f64) -> Result<(u64, f64), CliError> {
-    let items = tpcds::item_rows(sf);
-    let sales = tpcds::sales_rows(sf);
     let plan = BulkPlan { batch: 2000, concurrency: 4, persist: false };
     let start = Instant::now();
     let mut loaded = 0;
-    for name in ["date_dim", "item", "store_sales"] {
+    for (name, rows, row) in tables(sf) {
         client.create_collection(name, None).await?;
-        let (sent, failed) = match name {
-            "date_dim" => {
-                bulk_upsert(client, name, tpcds::DATE_ROWS as usize, &plan, "date_dim_", |i| tpcds::date_row(i as u64).1.to_string())
-                    .await?
-            }
-            "item" => bulk_upsert(client, name, items as usize, &plan, "item_", |i| tpcds::item_row(i as u64).1.to_string()).await?,
-            _ => {
-                bulk_upsert(client, name, sales as usize, &plan, "store_sales_", |i| tpcds::sales_row(i as u64, items).1.to_string())
-                    .await?
-            }
-        };
+        let (sent, failed) = bulk_upsert(client, name, rows as usize, &plan, &format!("{name}_"), |i| row(i as u64).1.to_string()).await?;
         if failed > 0 {
             return Err(CliError::Usage(format!("loading {name}: {failed} errors")));
         }
@@ -150,10 +142,6 @@ async fn load(client: &Client, sf: f64) -> Result<(u64, f64), CliError> {
 /// count shows most plainly).
 const SCAN_QUERY: &str =
     "SELECT ss_store_sk, count(*), sum(ss_ext_sales_price), avg(ss_quantity) FROM store_sales GROUP BY ss_store_sk ORDER BY ss_store_sk";
-
-async fn q3_runs(client: &Client, analytics: bool, runs: usize, label: &str) -> Result<(Vec<f64>, Value), CliError> {
-    timed_runs(client, analytics, tpcds::QUERY_3, runs, label).await
-}
 
 async fn timed_runs(client: &Client, analytics: bool, sql: &str, runs: usize, label: &str) -> Result<(Vec<f64>, Value), CliError> {
     let mut times = Vec::new();
@@ -190,11 +178,11 @@ async fn measure(
     let waited = node.wait_idle(std::time::Duration::from_secs(120));
     println!("node idle after {waited:.0}s");
     let label = format!("query 3, {aps} analytics partition(s)");
-    q3_runs(&client, true, 1, &format!("{label}, warm-up")).await?;
-    let (times, answer) = q3_runs(&client, true, args.runs.max(1), &label).await?;
+    timed_runs(&client, true, tpcds::QUERY_3, 1, &format!("{label}, warm-up")).await?;
+    let (times, answer) = timed_runs(&client, true, tpcds::QUERY_3, args.runs.max(1), &label).await?;
     let (scan, _) = timed_runs(&client, true, SCAN_QUERY, args.runs.max(1), &format!("scan query, {aps} analytics partition(s)")).await?;
     if operational.is_none() && args.operational_runs > 0 {
-        *operational = Some(q3_runs(&client, false, args.operational_runs, "query 3 on /v1/query").await?.0);
+        *operational = Some(timed_runs(&client, false, tpcds::QUERY_3, args.operational_runs, "query 3 on /v1/query").await?.0);
     }
     let label = if n.is_none() { format!("{aps} (default)") } else { aps.to_string() };
     let lag = shadow_lag(args, &client).await?;

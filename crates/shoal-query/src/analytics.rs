@@ -15,26 +15,27 @@ use datafusion::catalog::{SchemaProvider, Session, TableProvider};
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::stats::Precision;
 use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::common::utils::project_schema;
 use datafusion::common::{DataFusionError, ScalarValue, Statistics};
 use datafusion::datasource::TableType;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::{BinaryExpr, Expr, Operator, TableProviderFilterPushDown};
 use datafusion::physical_expr::expressions::{Column, InListExpr, Literal};
 use datafusion::physical_expr::split_conjunction;
-use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
+use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_expr_common::physical_expr::{snapshot_generation, snapshot_physical_expr};
-use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::filter_pushdown::{ChildPushdownResult, FilterPushdownPhase, FilterPushdownPropagation, PushedDown};
 use datafusion::physical_plan::statistics::StatisticsArgs;
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
-    ChildrenPropertiesMode, DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties, ReplaceChildrenOptions,
+    ChildrenPropertiesMode, DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties, ReplaceChildrenOptions,
 };
 use shoal_index::Consistency;
 use shoal_storage::Store;
 
 use crate::merge::adapt_batch;
 use crate::shadow::{Part, Shadow, ShadowError, ShadowManager, GROUP_FIELD};
+use crate::table::leaf_properties;
 use crate::SCAN_BATCH_ROWS;
 
 /// What an analytics query shares with the tables it reads.
@@ -131,10 +132,7 @@ impl TableProvider for ShadowTable {
         filters: &[Expr],
         limit: Option<usize>,
     ) -> Result<Arc<dyn ExecutionPlan>, DataFusionError> {
-        let projected = match projection {
-            Some(p) => Arc::new(self.schema.project(p)?),
-            None => Arc::clone(&self.schema),
-        };
+        let projected = project_schema(&self.schema, projection)?;
         let group = filters.iter().find_map(group_of);
         let (s, g) = (Arc::clone(&self.shadow), group.clone());
         let parts = tokio::task::spawn_blocking(move || s.snapshot(g.as_deref()))
@@ -142,12 +140,7 @@ impl TableProvider for ShadowTable {
             .map_err(|e| DataFusionError::External(Box::new(e)))?
             .map_err(external)?;
         let rows = parts.iter().map(|p| p.iter().map(Part::rows).sum()).collect();
-        let properties = Arc::new(PlanProperties::new(
-            EquivalenceProperties::new(Arc::clone(&projected)),
-            Partitioning::UnknownPartitioning(parts.len().max(1)),
-            EmissionType::Incremental,
-            Boundedness::Bounded,
-        ));
+        let properties = leaf_properties(&projected, parts.len().max(1));
         Ok(Arc::new(ShadowScanExec {
             name: self.shadow.collection().name().to_string(),
             parts: Arc::new(parts),

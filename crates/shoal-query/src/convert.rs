@@ -175,23 +175,8 @@ mod tests {
         assert_eq!(projected.num_columns(), 2);
     }
 
+    use crate::testgen::json_value;
     use proptest::prelude::*;
-
-    fn json_value() -> impl Strategy<Value = Value> {
-        let leaf = prop_oneof![
-            Just(Value::Null),
-            any::<bool>().prop_map(Value::Bool),
-            any::<i64>().prop_map(Value::from),
-            (-1e12f64..1e12).prop_map(|f| serde_json::Number::from_f64(f).map(Value::Number).unwrap_or(Value::Null)),
-            "[a-z]{0,6}".prop_map(Value::String),
-        ];
-        leaf.prop_recursive(4, 32, 4, |inner| {
-            prop_oneof![
-                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
-                prop::collection::btree_map("[abc]", inner, 0..4).prop_map(|m| Value::Object(m.into_iter().collect())),
-            ]
-        })
-    }
 
     proptest! {
         /// Against a model of the rule: a value of the column's kind comes back as itself

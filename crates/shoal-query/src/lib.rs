@@ -14,6 +14,8 @@ pub mod rows;
 pub mod schema;
 pub mod shadow;
 mod table;
+#[cfg(test)]
+mod testgen;
 
 use std::collections::HashMap;
 use std::sync::Arc;

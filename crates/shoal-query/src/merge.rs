@@ -107,6 +107,13 @@ fn merge_one(name: &str, cands: &[(&Field, u64)]) -> Field {
     Field::new(name, data_type, nullable)
 }
 
+/// The batch's fields, each weighted by its number of non-null values (what
+/// [`merge_fields`] takes).
+pub fn weighted_fields(batch: &RecordBatch) -> Vec<(Field, u64)> {
+    let schema = batch.schema();
+    schema.fields().iter().zip(batch.columns()).map(|(f, c)| (f.as_ref().clone(), (c.len() - c.logical_null_count()) as u64)).collect()
+}
+
 /// `array` as a column of `target`'s type: values of another kind are NULL.
 pub fn adapt(array: &ArrayRef, target: &Field) -> Result<ArrayRef, ArrowError> {
     let t = target.data_type();
@@ -176,16 +183,12 @@ mod tests {
         to_batch(&obj.table_schema(), None, &rows).unwrap()
     }
 
-    fn weighted(b: &RecordBatch) -> Vec<(Field, u64)> {
-        b.schema().fields().iter().zip(b.columns()).map(|(f, c)| (f.as_ref().clone(), (c.len() - c.logical_null_count()) as u64)).collect()
-    }
-
     #[test]
     fn segments_typed_apart_merge_into_one_table() {
         let a = batch(&[json!({"n": 1, "s": {"x": 1}, "t": "a"}), json!({"n": 2, "s": {"x": 2}, "t": "b"})]);
         let b = batch(&[json!({"n": 1.5, "s": {"y": "z"}, "t": 7, "l": [1]})]);
-        let mut all = weighted(&a);
-        all.extend(weighted(&b));
+        let mut all = weighted_fields(&a);
+        all.extend(weighted_fields(&b));
         let schema = Arc::new(datafusion::arrow::datatypes::Schema::new(merge_fields(&all)));
         let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
         assert_eq!(names, ["meta_id", "n", "s", "t", "l"]);

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use datafusion::arrow::array::{Array, AsArray, BooleanArray, RecordBatch};
+use datafusion::arrow::array::{AsArray, BooleanArray, RecordBatch, StringArray};
 use datafusion::arrow::buffer::BooleanBuffer;
 use datafusion::arrow::datatypes::{Field, SchemaRef};
 use datafusion::arrow::error::ArrowError;
@@ -31,7 +31,7 @@ use serde::{Deserialize, Serialize};
 use shoal_storage::{ChangesError, Collection, PartitionId, SeqNo, Store, StreamPosition};
 use tokio::sync::watch;
 
-use crate::merge::{adapt_batch, merge_fields};
+use crate::merge::{adapt_batch, merge_fields, weighted_fields};
 use crate::rows::{ColumnBuffer, ParsedDoc};
 
 /// Most rows of one segment.
@@ -295,19 +295,26 @@ impl ApState {
             return Ok(());
         }
         let batch = buf.batch()?;
-        let rows = std::mem::take(&mut buf.rows);
+        buf.rows = ColumnBuffer::default();
         buf.cached = None;
         let group = buf.group.clone();
+        self.add_segment(dir, &batch, group.clone())?;
+        self.compact(&group, dir)
+    }
+
+    /// Writes `batch` as a new segment of `group` and points its keys at their rows there.
+    fn add_segment(&mut self, dir: &Path, batch: &RecordBatch, group: Option<String>) -> Result<(), ShadowError> {
         let id = self.next_id;
         self.next_id += 1;
-        let batch = write_segment(dir, id, &batch)?;
-        for (row, key) in rows.keys().iter().enumerate() {
-            if let Some(loc) = self.keys.get_mut(key.as_str()) {
+        let batch = write_segment(dir, id, batch)?;
+        let keys = key_column(&batch, &segment_path(dir, id))?;
+        for row in 0..batch.num_rows() {
+            if let Some(loc) = self.keys.get_mut(keys.value(row)) {
                 *loc = Loc::Seg { id, row: row as u32 };
             }
         }
-        self.segments.insert(id, Segment::new(batch, group.clone()));
-        self.compact(&group, dir)
+        self.segments.insert(id, Segment::new(batch, group));
+        Ok(())
     }
 
     /// Drops segments with no live rows; merges the group's small or mostly dead
@@ -351,19 +358,7 @@ impl ApState {
         let mut offset = 0;
         while offset < merged.num_rows() {
             let len = self.segment_rows.min(merged.num_rows() - offset);
-            let id = self.next_id;
-            self.next_id += 1;
-            let batch = write_segment(dir, id, &merged.slice(offset, len))?;
-            let keys = batch
-                .column(0)
-                .as_string_opt::<i32>()
-                .ok_or_else(|| ShadowError::Corrupt { path: segment_path(dir, id), reason: "the first column is not the key".into() })?;
-            for row in 0..len {
-                if let Some(loc) = self.keys.get_mut(keys.value(row)) {
-                    *loc = Loc::Seg { id, row: row as u32 };
-                }
-            }
-            self.segments.insert(id, Segment::new(batch, group.clone()));
+            self.add_segment(dir, &merged.slice(offset, len), group.clone())?;
             offset += len;
         }
         for id in small {
@@ -449,10 +444,12 @@ impl ApState {
     }
 }
 
-/// The batch's fields, each weighted by its number of non-null values.
-fn weighted_fields(batch: &RecordBatch) -> Vec<(Field, u64)> {
-    let schema = batch.schema();
-    schema.fields().iter().zip(batch.columns()).map(|(f, c)| (f.as_ref().clone(), (c.len() - c.logical_null_count()) as u64)).collect()
+/// A segment's key column (its first).
+fn key_column<'a>(batch: &'a RecordBatch, path: &Path) -> Result<&'a StringArray, ShadowError> {
+    batch
+        .column(0)
+        .as_string_opt::<i32>()
+        .ok_or_else(|| ShadowError::Corrupt { path: path.to_path_buf(), reason: "the first column is not the key".into() })
 }
 
 /// Writes a segment file (temporary name, fsync, rename) and answers the batch read back
@@ -582,11 +579,7 @@ impl Ap {
             for row in meta.dead {
                 seg.kill(row as usize);
             }
-            let keys = seg
-                .batch
-                .column(0)
-                .as_string_opt::<i32>()
-                .ok_or_else(|| ShadowError::Corrupt { path: seg_path.clone(), reason: "the first column is not the key".into() })?;
+            let keys = key_column(&seg.batch, &seg_path)?;
             for row in (0..seg.batch.num_rows()).filter(|&r| !seg.is_dead(r)) {
                 state.keys.insert(keys.value(row).into(), Loc::Seg { id: meta.id, row: row as u32 });
             }

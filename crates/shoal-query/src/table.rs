@@ -9,6 +9,7 @@ use bytes::Bytes;
 use datafusion::arrow::datatypes::{DataType, Field, SchemaRef};
 use datafusion::catalog::{SchemaProvider, Session, TableProvider};
 use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::common::utils::project_schema;
 use datafusion::common::{DataFusionError, ScalarValue};
 use datafusion::datasource::TableType;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
@@ -26,6 +27,16 @@ use shoal_storage::{Collection, Store};
 use crate::convert::to_batch;
 use crate::schema::{is_mixed, KEY_COLUMN};
 use crate::{SchemaCache, SCAN_BATCH_ROWS};
+
+/// Plan properties of a scan (a leaf) producing `schema` in `partitions` unordered streams.
+pub(crate) fn leaf_properties(schema: &SchemaRef, partitions: usize) -> Arc<PlanProperties> {
+    Arc::new(PlanProperties::new(
+        EquivalenceProperties::new(Arc::clone(schema)),
+        Partitioning::UnknownPartitioning(partitions),
+        EmissionType::Incremental,
+        Boundedness::Bounded,
+    ))
+}
 
 /// What a query shares with the tables it reads.
 pub(crate) struct QueryEnv {
@@ -126,22 +137,14 @@ impl TableProvider for CollectionTable {
         limit: Option<usize>,
     ) -> Result<Arc<dyn ExecutionPlan>, DataFusionError> {
         let access = choose_access(&self.env, &self.coll, &self.schema, filters);
-        let projected = match projection {
-            Some(p) => Arc::new(self.schema.project(p)?),
-            None => Arc::clone(&self.schema),
-        };
+        let projected = project_schema(&self.schema, projection)?;
         // A full read is split into key ranges, one per core, so documents are parsed and
         // converted in parallel; point reads and index scans are one stream.
         let ranges = match access {
             Access::Full => key_ranges(&self.splits, state.config().target_partitions()),
             _ => vec![(None, None)],
         };
-        let properties = Arc::new(PlanProperties::new(
-            EquivalenceProperties::new(Arc::clone(&projected)),
-            Partitioning::UnknownPartitioning(ranges.len()),
-            EmissionType::Incremental,
-            Boundedness::Bounded,
-        ));
+        let properties = leaf_properties(&projected, ranges.len());
         Ok(Arc::new(ScanExec {
             env: Arc::clone(&self.env),
             coll: Arc::clone(&self.coll),
