@@ -183,7 +183,7 @@ async fn operations_endpoints() {
         "shoal_request_duration_seconds_bucket",
         "op=\"doc_get\"",
         "shoal_documents{collection=\"m\"} 1",
-        "shoal_high_seqno_sum",
+        "shoal_changes{collection=\"m\"} 1",
     ] {
         assert!(text.contains(needle), "metrics lack {needle}:\n{text}");
     }

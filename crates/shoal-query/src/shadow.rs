@@ -750,7 +750,8 @@ pub struct ShadowManager {
 
 impl ShadowManager {
     /// Opens the shadows of every collection (call within a tokio runtime; blocking).
-    /// Shadow directories of collections that no longer exist are removed.
+    /// Shadow directories of collections that no longer exist are removed; with analytics
+    /// off (`partitions` 0) the others stay on disk, untouched, for a later start with it on.
     pub fn open(store: Arc<Store>, partitions: usize) -> Result<Arc<ShadowManager>, ShadowError> {
         let (stop, _) = watch::channel(false);
         let mgr = Arc::new(ShadowManager {
@@ -767,7 +768,7 @@ impl ShadowManager {
             let Ok(entries) = std::fs::read_dir(&root) else { continue };
             for entry in entries.flatten() {
                 let name = entry.file_name().to_string_lossy().into_owned();
-                if partitions == 0 || !live.contains(&name) {
+                if !live.contains(&name) {
                     let _ = std::fs::remove_dir_all(entry.path());
                 }
             }

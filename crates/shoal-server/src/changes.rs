@@ -1,6 +1,7 @@
 //! `GET .../changes`: the change stream as NDJSON, in `normal`, `longpoll` and
 //! `continuous` feeds, resumable from an opaque token.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use serde::Deserialize;
 use shoal_storage::changes::FeedPosition;
-use shoal_storage::{Change, Collection};
+use shoal_storage::{Change, Collection, ReadLimit};
 use tokio::sync::mpsc;
 
 use crate::docs::collection;
@@ -19,8 +20,11 @@ use crate::error::ApiError;
 use crate::extract;
 use crate::AppState;
 
-/// Changes read per step; also the default `limit` of a `normal` or `longpoll` feed.
+/// Changes read per step.
 const CHANGES_BATCH_MAX: usize = 1000;
+/// Keys and documents in one `normal` or `longpoll` answer (or one `continuous` batch),
+/// about: a longer history is read on from the answer's `last` token.
+pub const CHANGES_ANSWER_MAX_BYTES: usize = 16 * 1024 * 1024;
 /// Default and largest `limit`.
 const CHANGES_LIMIT_DEFAULT: usize = 10_000;
 const CHANGES_LIMIT_MAX: usize = 1_000_000;
@@ -98,42 +102,73 @@ struct FeedTask {
 impl FeedTask {
     async fn run(mut self, first: Vec<u8>) {
         if let Err(reason) = self.stream(first).await {
-            let line = serde_json::json!({"error": "internal", "reason": reason});
+            let line = serde_json::json!({"error": "unavailable", "reason": reason});
             let _ = self.tx.send(Bytes::from(format!("{line}\n"))).await;
         }
     }
 
     /// Sends lines until the feed is done; `Err` carries a reason for a last error line.
+    ///
+    /// A `normal` or `longpoll` answer names each key once, at its latest change in the
+    /// answer (as CouchDB's `_changes` does): the answer is gathered first, at most `limit`
+    /// changes and [`CHANGES_ANSWER_MAX_BYTES`] of keys and documents; a longer history is
+    /// read on from the `last` token. A `continuous` feed streams as changes come, each key
+    /// once per batch.
     async fn stream(&mut self, mut pending: Vec<u8>) -> Result<(), String> {
         let deadline = tokio::time::Instant::now() + self.timeout;
         let mut changed = self.coll.changed();
-        let mut sent = 0usize;
+        let mut answer = Answer::default();
         loop {
             // Mark before reading: a change committed after this is seen by `changed()`.
             changed.borrow_and_update();
-            let want = CHANGES_BATCH_MAX.min(self.limit - sent);
-            let changes = self.coll.read_feed(&mut self.pos, want, self.include_docs).map_err(|e| e.to_string())?;
-            sent += changes.len();
-            for change in &changes {
-                write_change(&mut pending, change);
-            }
-            let caught_up = changes.len() < want;
-            let done = sent >= self.limit
-                || match self.feed {
-                    Feed::Normal => caught_up,
-                    Feed::Longpoll => caught_up && sent > 0,
-                    Feed::Continuous => false,
-                };
-            if self.feed == Feed::Continuous && !changes.is_empty() && caught_up {
-                write_last(&mut pending, &self.pos);
-            }
-            if done {
-                write_last(&mut pending, &self.pos);
-                let _ = self.tx.send(Bytes::from(pending)).await;
-                return Ok(());
-            }
-            if !pending.is_empty() && self.tx.send(Bytes::from(std::mem::take(&mut pending))).await.is_err() {
-                return Ok(()); // the client went away
+            let limit = match self.feed {
+                Feed::Continuous => ReadLimit { items: CHANGES_BATCH_MAX.min(self.limit - answer.sent), bytes: CHANGES_ANSWER_MAX_BYTES },
+                Feed::Normal | Feed::Longpoll => ReadLimit {
+                    items: CHANGES_BATCH_MAX.min(self.limit - answer.gathered()),
+                    bytes: CHANGES_ANSWER_MAX_BYTES.saturating_sub(answer.bytes),
+                },
+            };
+            let coll = Arc::clone(&self.coll);
+            let mut pos = self.pos.clone();
+            let include_docs = self.include_docs;
+            // The read may touch the disk: off the I/O threads.
+            let (changes, pos) = tokio::task::spawn_blocking(move || coll.read_feed(&mut pos, limit, include_docs).map(|c| (c, pos)))
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())?;
+            self.pos = pos;
+            let caught_up = changes.len() < limit.items && changes_bytes(&changes) < limit.bytes;
+            match self.feed {
+                Feed::Continuous => {
+                    answer.sent += changes.len();
+                    for change in dedupe(changes) {
+                        write_change(&mut pending, &change);
+                    }
+                    if answer.sent >= self.limit {
+                        write_last(&mut pending, &self.pos);
+                        let _ = self.tx.send(Bytes::from(pending)).await;
+                        return Ok(());
+                    }
+                    if !pending.is_empty() && caught_up {
+                        write_last(&mut pending, &self.pos);
+                    }
+                    if !pending.is_empty() && self.tx.send(Bytes::from(std::mem::take(&mut pending))).await.is_err() {
+                        return Ok(()); // the client went away
+                    }
+                }
+                Feed::Normal | Feed::Longpoll => {
+                    answer.gather(changes);
+                    let full = answer.gathered() >= self.limit || answer.bytes >= CHANGES_ANSWER_MAX_BYTES;
+                    let done = full || (caught_up && (self.feed == Feed::Normal || answer.gathered() > 0));
+                    if done {
+                        for change in answer.changes.iter().flatten() {
+                            write_change(&mut pending, change);
+                        }
+                        write_last(&mut pending, &self.pos);
+                        let _ = self.tx.send(Bytes::from(pending)).await;
+                        return Ok(());
+                    }
+                }
             }
             if caught_up {
                 tokio::select! {
@@ -148,6 +183,7 @@ impl FeedTask {
                         let _ = self.tx.send(Bytes::from(pending)).await;
                         return Ok(());
                     }
+                    _ = self.tx.closed() => return Ok(()),
                 }
                 if self.coll.is_dropped() {
                     return Err("the collection was dropped".into());
@@ -155,6 +191,52 @@ impl FeedTask {
             }
         }
     }
+}
+
+/// A `normal` or `longpoll` answer being gathered: each key once, at its latest change.
+#[derive(Default)]
+struct Answer {
+    /// In order of each key's latest change; an earlier change of a key becomes `None`.
+    changes: Vec<Option<Change>>,
+    at: HashMap<Bytes, usize>,
+    bytes: usize,
+    /// Changes sent so far (continuous feeds).
+    sent: usize,
+}
+
+impl Answer {
+    fn gathered(&self) -> usize {
+        self.at.len()
+    }
+
+    fn gather(&mut self, changes: Vec<Change>) {
+        for change in changes {
+            let size = change.key.len() + change.value.as_ref().map_or(0, |v| v.len());
+            if let Some(old) = self.at.insert(change.key.clone(), self.changes.len()) {
+                if let Some(prev) = self.changes[old].take() {
+                    self.bytes -= prev.key.len() + prev.value.as_ref().map_or(0, |v| v.len());
+                }
+            }
+            self.bytes += size;
+            self.changes.push(Some(change));
+        }
+    }
+}
+
+/// The latest change of each key of one batch, in seqno order.
+fn dedupe(changes: Vec<Change>) -> Vec<Change> {
+    let mut latest: HashMap<Bytes, u64> = HashMap::with_capacity(changes.len());
+    for c in &changes {
+        latest.insert(c.key.clone(), c.seqno);
+    }
+    if latest.len() == changes.len() {
+        return changes;
+    }
+    changes.into_iter().filter(|c| latest.get(&c.key) == Some(&c.seqno)).collect()
+}
+
+fn changes_bytes(changes: &[Change]) -> usize {
+    changes.iter().map(|c| c.key.len() + c.value.as_ref().map_or(0, |v| v.len())).sum()
 }
 
 fn write_change(out: &mut Vec<u8>, change: &Change) {

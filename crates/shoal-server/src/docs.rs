@@ -19,6 +19,9 @@ use crate::AppState;
 pub const MULTI_GET_KEYS_MAX: usize = 10_000;
 /// Largest `_get` request body.
 pub const MULTI_GET_BODY_MAX_BYTES: usize = 4 * 1024 * 1024;
+/// Largest answer that carries documents (`_get`, lookups, index scans with documents):
+/// beyond it the request fails with `too_large` rather than hold an unbounded answer.
+pub const DOCS_ANSWER_MAX_BYTES: usize = 64 * 1024 * 1024;
 /// Largest `_bulk` request body; clients send larger loads in several requests.
 pub const BULK_BODY_MAX_BYTES: usize = 256 * 1024 * 1024;
 
@@ -204,29 +207,45 @@ pub async fn multi_get(State(state): State<AppState>, uri: Uri, RawQuery(q): Raw
     if request.keys.len() > MULTI_GET_KEYS_MAX {
         return Err(ApiError::too_large(format!("at most {MULTI_GET_KEYS_MAX} keys per _get")));
     }
-    let mut out = Vec::with_capacity(64 * request.keys.len() + 16);
-    out.extend_from_slice(b"{\"docs\":[");
-    for (i, key) in request.keys.iter().enumerate() {
-        if i > 0 {
-            out.push(b',');
-        }
-        let serde_json::Value::String(key) = key else {
-            push_error(&mut out, key, &ApiError::invalid_key("a key is a string"));
-            continue;
-        };
-        match coll.get(key) {
-            Ok(doc) => {
-                out.extend_from_slice(b"{\"key\":");
-                serde_json::to_writer(&mut out, key).map_err(|e| ApiError::internal(e.to_string()))?;
-                out.extend_from_slice(format!(",\"cas\":\"{}\",\"value\":", doc.cas).as_bytes());
-                out.extend_from_slice(&doc.value);
-                out.push(b'}');
+    // Documents are read off the I/O threads, and the answer stops at its byte budget.
+    let out = tokio::task::spawn_blocking(move || {
+        let mut out = Vec::with_capacity(64 * request.keys.len() + 16);
+        out.extend_from_slice(b"{\"docs\":[");
+        for (i, key) in request.keys.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
             }
-            Err(e) => push_error(&mut out, &serde_json::Value::String(key.clone()), &ApiError::from(e)),
+            let serde_json::Value::String(key) = key else {
+                push_error(&mut out, key, &ApiError::invalid_key("a key is a string"));
+                continue;
+            };
+            match coll.get(key) {
+                Ok(doc) => {
+                    out.extend_from_slice(b"{\"key\":");
+                    serde_json::to_writer(&mut out, key).map_err(|e| ApiError::internal(e.to_string()))?;
+                    out.extend_from_slice(format!(",\"cas\":\"{}\",\"value\":", doc.cas).as_bytes());
+                    out.extend_from_slice(&doc.value);
+                    out.push(b'}');
+                }
+                Err(e) => push_error(&mut out, &serde_json::Value::String(key.clone()), &ApiError::from(e)),
+            }
+            check_answer_size(out.len(), "ask for fewer keys per _get")?;
         }
-    }
-    out.extend_from_slice(b"]}");
+        out.extend_from_slice(b"]}");
+        Ok::<_, ApiError>(out)
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("multi-get task: {e}")))??;
     Ok(json_response(StatusCode::OK, out))
+}
+
+/// Refuses an answer that has grown past [`DOCS_ANSWER_MAX_BYTES`]; `hint` tells the client
+/// how to ask for less.
+pub(crate) fn check_answer_size(bytes: usize, hint: &str) -> Result<(), ApiError> {
+    if bytes > DOCS_ANSWER_MAX_BYTES {
+        return Err(ApiError::too_large(format!("the answer would be larger than {DOCS_ANSWER_MAX_BYTES} bytes; {hint}")));
+    }
+    Ok(())
 }
 
 fn push_error(out: &mut Vec<u8>, key: &serde_json::Value, err: &ApiError) {

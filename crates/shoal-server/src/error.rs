@@ -13,11 +13,13 @@ pub struct ApiError {
     pub reason: String,
     /// Further members of the error object (`index` and `status` of a `path_failure`).
     pub details: Vec<(&'static str, serde_json::Value)>,
+    /// The request body was left unread: the connection closes after this answer.
+    pub close_connection: bool,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, code: &'static str, reason: impl Into<String>) -> Self {
-        ApiError { status, code, reason: reason.into(), details: Vec::new() }
+        ApiError { status, code, reason: reason.into(), details: Vec::new(), close_connection: false }
     }
     pub fn bad_request(reason: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "bad_request", reason)
@@ -31,11 +33,36 @@ impl ApiError {
     pub fn too_large(reason: impl Into<String>) -> Self {
         Self::new(StatusCode::PAYLOAD_TOO_LARGE, "too_large", reason)
     }
+    /// A request body over its limit: the rest of it is not read.
+    pub fn body_too_large(reason: impl Into<String>) -> Self {
+        ApiError { close_connection: true, ..Self::too_large(reason) }
+    }
+
     pub fn collection_not_found(name: &str) -> Self {
         Self::new(StatusCode::NOT_FOUND, "collection_not_found", format!("collection {name:?} does not exist"))
     }
     pub fn internal(reason: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", reason)
+    }
+    /// Stored data failed a check (a checksum, a header): damaged, not absent.
+    pub fn corrupt(reason: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "corrupt", reason)
+    }
+    /// The node cannot do this now (busy, read-only, a storage fault); retrying later or
+    /// elsewhere may work.
+    pub fn unavailable(reason: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", reason)
+    }
+    pub fn insufficient_storage(reason: impl Into<String>) -> Self {
+        Self::new(StatusCode::INSUFFICIENT_STORAGE, "insufficient_storage", reason)
+    }
+    /// An error of the storage engine: corruption, or a fault of the disk under it.
+    fn engine(e: &fjall::Error, reason: String) -> Self {
+        if shoal_storage::is_corruption(e) {
+            ApiError::corrupt(reason)
+        } else {
+            ApiError::unavailable(reason)
+        }
     }
 
     /// The error as a JSON object, for answers that carry errors inline (`_get`, `_bulk`).
@@ -61,7 +88,7 @@ impl IntoResponse for ApiError {
         }
         let body = serde_json::to_vec(&self.to_json()).unwrap_or_default();
         let mut response = (self.status, [(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response();
-        if self.status == StatusCode::PAYLOAD_TOO_LARGE {
+        if self.close_connection {
             // The rest of the body was not read, so the server closes the connection after
             // this answer; saying so keeps clients from sending their next request on it.
             response.headers_mut().insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
@@ -79,7 +106,9 @@ impl From<ReadError> for ApiError {
             ReadError::InvalidKey(_) => ApiError::invalid_key(reason),
             ReadError::InvalidLockTime => ApiError::bad_request(reason),
             ReadError::CollectionDropped => ApiError::new(StatusCode::NOT_FOUND, "collection_not_found", reason),
-            ReadError::Engine(_) | ReadError::Corrupt => ApiError::internal(reason),
+            ReadError::Busy => ApiError::unavailable(reason),
+            ReadError::Corrupt => ApiError::corrupt(reason),
+            ReadError::Engine(ref inner) => ApiError::engine(inner, reason),
         }
     }
 }
@@ -103,8 +132,12 @@ impl From<&WriteError> for ApiError {
             WriteError::TooLarge => ApiError::too_large(reason),
             WriteError::MissingValue => ApiError::bad_request(reason),
             WriteError::CollectionDropped => ApiError::new(StatusCode::NOT_FOUND, "collection_not_found", reason),
-            WriteError::NotDurable | WriteError::CommitFailed(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", reason),
-            WriteError::Engine(_) | WriteError::Corrupt => ApiError::internal(reason),
+            WriteError::NotDurable | WriteError::CommitFailed(_) | WriteError::ReadOnly(_) | WriteError::Busy => {
+                ApiError::unavailable(reason)
+            }
+            WriteError::DiskFull => ApiError::insufficient_storage(reason),
+            WriteError::Corrupt => ApiError::corrupt(reason),
+            WriteError::Engine(inner) => ApiError::engine(inner, reason),
         }
     }
 }
@@ -127,7 +160,9 @@ impl From<ChangesError> for ApiError {
         match e {
             ChangesError::InvalidToken(_) => ApiError::bad_request(reason),
             ChangesError::CollectionDropped => ApiError::new(StatusCode::NOT_FOUND, "collection_not_found", reason),
-            ChangesError::Engine(_) | ChangesError::Corrupt => ApiError::internal(reason),
+            ChangesError::Busy => ApiError::unavailable(reason),
+            ChangesError::Corrupt => ApiError::corrupt(reason),
+            ChangesError::Engine(ref inner) => ApiError::engine(inner, reason),
         }
     }
 }
@@ -143,7 +178,8 @@ impl From<shoal_query::QueryError> for ApiError {
             QueryError::Invalid(_) => ApiError::bad_request(reason),
             QueryError::Timeout(_) => ApiError::new(StatusCode::GATEWAY_TIMEOUT, "timeout", reason),
             QueryError::Unavailable(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", reason),
-            QueryError::Storage(_) | QueryError::Internal(_) => ApiError::internal(reason),
+            QueryError::Storage(_) => ApiError::unavailable(reason),
+            QueryError::Internal(_) => ApiError::internal(reason),
         }
     }
 }
@@ -158,10 +194,10 @@ impl From<IndexError> for ApiError {
             IndexError::Filter(_) => ApiError::new(StatusCode::BAD_REQUEST, "query_error", reason),
             IndexError::NotReady { .. } => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", reason),
             IndexError::Timeout => ApiError::new(StatusCode::GATEWAY_TIMEOUT, "timeout", reason),
-            IndexError::Changes(ChangesError::CollectionDropped) | IndexError::Read(ReadError::CollectionDropped) => {
-                ApiError::new(StatusCode::NOT_FOUND, "collection_not_found", reason)
-            }
-            IndexError::Engine(_) | IndexError::Corrupt(_) | IndexError::Changes(_) | IndexError::Read(_) => ApiError::internal(reason),
+            IndexError::Changes(inner) => ApiError::from(inner),
+            IndexError::Read(inner) => ApiError::from(inner),
+            IndexError::Corrupt(_) => ApiError::corrupt(reason),
+            IndexError::Engine(ref inner) => ApiError::engine(inner, reason),
         }
     }
 }

@@ -71,7 +71,7 @@ pub async fn body(body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {
     match http_body_util::Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
-            Err(ApiError::too_large(format!("the body is larger than {limit} bytes")))
+            Err(ApiError::body_too_large(format!("the body is larger than {limit} bytes")))
         }
         Err(e) => Err(ApiError::bad_request(format!("could not read the body: {e}"))),
     }

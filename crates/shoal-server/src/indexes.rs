@@ -9,9 +9,9 @@ use axum::response::Response;
 use serde::Deserialize;
 use serde_json::Value;
 use shoal_index::{IndexDef, IndexStatus, ScanBounds, ScanRequest, ScanRow, SCAN_ROWS_MAX};
-use shoal_storage::Collection;
+use shoal_storage::{Collection, ReadError};
 
-use crate::docs::{collection, json_response};
+use crate::docs::{check_answer_size, collection, json_response};
 use crate::error::ApiError;
 use crate::extract;
 use crate::AppState;
@@ -156,10 +156,12 @@ fn write_rows(coll: &Collection, rows: &[ScanRow], include_docs: bool) -> Result
             out.extend_from_slice(b",\"doc\":");
             match coll.get(&row.id) {
                 Ok(d) => out.extend_from_slice(&d.value),
-                Err(_) => out.extend_from_slice(b"null"),
+                Err(ReadError::NotFound) => out.extend_from_slice(b"null"),
+                Err(e) => return Err(e.into()),
             }
         }
         out.push(b'}');
+        check_answer_size(out.len(), "use a smaller limit or a narrower range")?;
     }
     out.extend_from_slice(b"]}");
     Ok(out)

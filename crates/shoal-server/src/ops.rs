@@ -28,6 +28,7 @@ pub fn prometheus() -> PrometheusHandle {
             if metrics::set_global_recorder(recorder).is_err() {
                 tracing::warn!("a metrics recorder was already installed; /metrics shows only storage gauges");
             }
+            describe_metrics();
             handle
         })
         .clone()
@@ -53,28 +54,59 @@ fn status_class(status: StatusCode) -> &'static str {
     }
 }
 
-/// A short, fixed name per endpoint (static strings keep the label set small).
+/// Every endpoint: method, route as registered in [`crate::router`], and the operation name
+/// its metrics carry (static strings keep the label set small). A request that matches no
+/// route is `other`.
+pub const ROUTES: &[(&str, &str, &str)] = &[
+    ("GET", "/v1/health", "health"),
+    ("GET", "/v1/node", "node"),
+    ("GET", "/metrics", "metrics"),
+    ("GET", "/v1/collections", "collection_list"),
+    ("PUT", "/v1/collections/{c}", "collection_create"),
+    ("DELETE", "/v1/collections/{c}", "collection_drop"),
+    ("GET", "/v1/collections/{c}/docs/{key}", "doc_get"),
+    ("PUT", "/v1/collections/{c}/docs/{key}", "doc_put"),
+    ("DELETE", "/v1/collections/{c}/docs/{key}", "doc_remove"),
+    ("POST", "/v1/collections/{c}/docs/{key}/touch", "doc_touch"),
+    ("POST", "/v1/collections/{c}/docs/{key}/unlock", "doc_unlock"),
+    ("POST", "/v1/collections/{c}/docs/{key}/lookup", "subdoc_lookup"),
+    ("POST", "/v1/collections/{c}/docs/{key}/mutate", "subdoc_mutate"),
+    ("POST", "/v1/collections/{c}/_get", "multi_get"),
+    ("POST", "/v1/collections/{c}/_bulk", "bulk"),
+    ("GET", "/v1/collections/{c}/changes", "changes"),
+    ("GET", "/v1/collections/{c}/indexes", "index_list"),
+    ("POST", "/v1/collections/{c}/indexes", "index_create"),
+    ("POST", "/v1/collections/{c}/indexes/_build", "index_build_many"),
+    ("DELETE", "/v1/collections/{c}/indexes/{name}", "index_drop"),
+    ("POST", "/v1/collections/{c}/indexes/{name}/build", "index_build"),
+    ("POST", "/v1/collections/{c}/indexes/{name}/scan", "index_scan"),
+    ("POST", "/v1/query", "query"),
+    ("POST", "/v1/analytics", "analytics"),
+];
+
 fn operation_name(method: &str, route: Option<&str>) -> &'static str {
     let route = route.unwrap_or("");
-    match (method, route) {
-        ("GET", "/v1/collections/{c}/docs/{key}") => "doc_get",
-        ("PUT", "/v1/collections/{c}/docs/{key}") => "doc_put",
-        ("DELETE", "/v1/collections/{c}/docs/{key}") => "doc_remove",
-        ("POST", "/v1/collections/{c}/docs/{key}/touch") => "doc_touch",
-        ("POST", "/v1/collections/{c}/docs/{key}/unlock") => "doc_unlock",
-        ("POST", "/v1/collections/{c}/docs/{key}/lookup") => "subdoc_lookup",
-        ("POST", "/v1/collections/{c}/docs/{key}/mutate") => "subdoc_mutate",
-        ("POST", "/v1/collections/{c}/_get") => "multi_get",
-        ("POST", "/v1/collections/{c}/_bulk") => "bulk",
-        ("GET", "/v1/collections/{c}/changes") => "changes",
-        ("PUT", "/v1/collections/{c}") => "collection_create",
-        ("DELETE", "/v1/collections/{c}") => "collection_drop",
-        ("GET", "/v1/collections") => "collection_list",
-        ("GET", "/v1/health") => "health",
-        ("GET", "/v1/node") => "node",
-        ("GET", "/metrics") => "metrics",
-        _ => "other",
-    }
+    ROUTES.iter().find(|(m, r, _)| *m == method && *r == route).map_or("other", |(_, _, op)| op)
+}
+
+/// Help text of every metric the node exports (Prometheus' `# HELP` lines).
+fn describe_metrics() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!("shoal_requests_total", "HTTP requests answered, by operation and status class");
+    describe_histogram!("shoal_request_duration_seconds", Unit::Seconds, "Time to answer an HTTP request, by operation");
+    describe_counter!("shoal_subdoc_parsed_cache_total", "Sub-document requests by how the parsed-tree cache served them");
+    describe_histogram!("shoal_analytics_lag_seconds", Unit::Seconds, "Age of the changes an analytics shadow applied, when it applied them");
+    describe_gauge!("shoal_documents", "Live documents, by collection");
+    describe_gauge!("shoal_document_bytes", Unit::Bytes, "Bytes of live documents, by collection");
+    describe_gauge!("shoal_changes", "Changes made to a collection so far: the sum of its partitions' high seqnos");
+    describe_gauge!("shoal_disk_bytes", Unit::Bytes, "Bytes the storage engine holds on disk");
+    describe_counter!("shoal_fsyncs_total", "Journal fsyncs done since the node started");
+    describe_gauge!("shoal_uptime_seconds", Unit::Seconds, "Seconds since the node started");
+    describe_gauge!("shoal_storage_writable", "1 when the storage takes writes, 0 when it is full or failed");
+    describe_gauge!("shoal_queries_running", "SQL statements running now, by path");
+    describe_counter!("shoal_connections_refused_total", "Connections closed at once because the node was at its connection cap");
+    describe_gauge!("shoal_connections", "Open client connections");
+    describe_counter!("shoal_requests_shed_total", "Requests refused because their class was at its concurrency limit, by class");
 }
 
 pub async fn health() -> Response {
@@ -103,11 +135,12 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         metrics::gauge!("shoal_document_bytes", "collection" => c.name.clone()).set(c.bytes as f64);
         if let Some(coll) = store.collection(&c.name) {
             let high: u64 = coll.high_seqnos().iter().sum();
-            metrics::gauge!("shoal_high_seqno_sum", "collection" => c.name.clone()).set(high as f64);
+            metrics::gauge!("shoal_changes", "collection" => c.name.clone()).set(high as f64);
         }
     }
     metrics::gauge!("shoal_disk_bytes").set(store.disk_bytes() as f64);
-    metrics::gauge!("shoal_fsyncs").set(store.fsync_count() as f64);
+    metrics::counter!("shoal_fsyncs_total").absolute(store.fsync_count());
+    metrics::gauge!("shoal_storage_writable").set(if store.health().writable() { 1.0 } else { 0.0 });
     metrics::gauge!("shoal_uptime_seconds").set(state.started.elapsed().as_secs_f64());
     (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
 }
@@ -124,4 +157,22 @@ fn memory() -> serde_json::Value {
             .map(|kb| kb * 1024)
     };
     serde_json::json!({"rss_bytes": field("VmRSS:"), "peak_rss_bytes": field("VmHWM:")})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_route_has_its_own_operation_name() {
+        let mut names: Vec<&str> = ROUTES.iter().map(|r| r.2).collect();
+        names.sort_unstable();
+        let before = names.len();
+        names.dedup();
+        assert_eq!(names.len(), before, "operation names repeat");
+        assert!(!names.contains(&"other"));
+        assert_eq!(operation_name("POST", Some("/v1/query")), "query");
+        assert_eq!(operation_name("GET", Some("/v1/query")), "other");
+        assert_eq!(operation_name("GET", None), "other");
+    }
 }

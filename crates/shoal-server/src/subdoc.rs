@@ -18,7 +18,7 @@ use serde_json::Value;
 use shoal_json::subdoc::{self, LookupSpec, MutateSpec, SUBDOC_SPECS_MAX};
 use shoal_storage::{Cas, Collection, Document, ReadError, SeqNo, WriteError, WriteOp, WriteRequest, DOC_MAX_BYTES};
 
-use crate::docs::{collection, json_response, mutation_json, write_durably};
+use crate::docs::{check_answer_size, collection, json_response, mutation_json, write_durably};
 use crate::error::ApiError;
 use crate::extract::{self, Durability};
 use crate::AppState;
@@ -34,7 +34,8 @@ const PARSED_BYTES_PER_DOC_BYTE: u64 = 8;
 /// Times a mutate retries when the document changed between its read and its write.
 const MUTATE_RETRIES_MAX: usize = 32;
 
-type CacheKey = (String, String);
+/// Collection id (never reused: a dropped and re-created collection has a new one) and key.
+type CacheKey = (u32, String);
 
 #[derive(Clone)]
 struct Weigh;
@@ -72,7 +73,7 @@ impl ParsedDocs {
     /// The cached tree and CAS of `key` if nothing in its partition changed since it was
     /// parsed: then the document need not even be read.
     fn get_unchanged(&self, coll: &Collection, key: &str) -> Option<(Cas, Arc<Value>)> {
-        let hit = self.cache.get(&(coll.name().to_string(), key.to_string()))?;
+        let hit = self.cache.get(&(coll.id(), key.to_string()))?;
         let (watermark, locks) = coll.change_watermark(key);
         let live = hit.expiry == 0 || u64::from(hit.expiry) > shoal_storage::unix_now_secs();
         (watermark == hit.watermark && !locks && live).then_some((hit.cas, hit.tree))
@@ -86,11 +87,11 @@ fn parse_doc(bytes: &[u8]) -> Result<Value, ApiError> {
 
 /// The parsed tree of `doc`: from the cache, or parsed (on the CPU pool if large).
 /// `watermark` is the partition's high seqno read before `doc` was.
-async fn tree(state: &AppState, coll: &str, key: &str, doc: &Document, watermark: SeqNo) -> Result<Arc<Value>, ApiError> {
+async fn tree(state: &AppState, coll: &Collection, key: &str, doc: &Document, watermark: SeqNo) -> Result<Arc<Value>, ApiError> {
     if doc.value.len() < PARSED_CACHE_MIN_DOC_BYTES {
         return Ok(Arc::new(parse_doc(&doc.value)?));
     }
-    let cache_key = (coll.to_string(), key.to_string());
+    let cache_key = (coll.id(), key.to_string());
     // Single flight: when many requests miss at once, one parses and the others wait for it.
     // A stale entry (older CAS) is removed first, so that a changed document is parsed
     // once too, not by every waiting request.
@@ -176,7 +177,7 @@ pub async fn lookup(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
         None => {
             let (watermark, _) = coll.change_watermark(&key);
             let doc = coll.get(&key)?;
-            let tree = tree(&state, coll.name(), &key, &doc, watermark).await?;
+            let tree = tree(&state, &coll, &key, &doc, watermark).await?;
             (doc.cas, tree, tree_is_large(&doc))
         }
     };
@@ -200,11 +201,12 @@ pub async fn lookup(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
                 Ok(subdoc::Found::Exists) => out.extend_from_slice(b"{\"status\":\"ok\"}"),
                 Err(s) => out.extend_from_slice(format!("{{\"status\":\"{}\"}}", s.as_str()).as_bytes()),
             }
+            check_answer_size(out.len(), "ask for fewer or smaller paths")?;
         }
         out.extend_from_slice(b"]}");
-        out
+        Ok::<_, ApiError>(out)
     };
-    let out = if large { state.cpu.run(answer).await? } else { answer() };
+    let out = if large { state.cpu.run(answer).await?? } else { answer()? };
     Ok(json_response(StatusCode::OK, out))
 }
 
@@ -253,7 +255,7 @@ pub async fn mutate(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
             _ => {}
         }
         let base = match &current {
-            Some(doc) => tree(&state, coll.name(), &key, doc, watermark).await?,
+            Some(doc) => tree(&state, &coll, &key, doc, watermark).await?,
             None => Arc::new(Value::Object(serde_json::Map::new())),
         };
         let specs2 = Arc::clone(&specs);

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use tokio::sync::watch;
 
 use crate::error::{ChangesError, ReadError};
-use crate::partition::Partition;
+use crate::partition::{Partition, ReadLimit};
 use crate::{Cas, PartitionId, SeqNo};
 
 /// One change of one document.
@@ -58,9 +58,10 @@ impl PartitionSubscription {
         StreamPosition { seqno: self.since, uuid: self.partition.uuid() }
     }
 
-    /// Up to `max` changes after the position, without waiting; empty when caught up.
+    /// Up to `max` changes (and about [`crate::CHANGES_READ_MAX_BYTES`]) after the position,
+    /// without waiting; empty when caught up.
     pub fn try_next(&mut self, max: usize, include_docs: bool) -> Result<Vec<Change>, ChangesError> {
-        let (changes, next) = self.partition.read_changes(self.since, max, include_docs).map_err(changes_error)?;
+        let (changes, next) = self.partition.read_changes(self.since, ReadLimit::items(max), include_docs).map_err(changes_error)?;
         self.since = next;
         Ok(changes)
     }
@@ -84,6 +85,7 @@ impl PartitionSubscription {
 pub(crate) fn changes_error(e: ReadError) -> ChangesError {
     match e {
         ReadError::CollectionDropped => ChangesError::CollectionDropped,
+        ReadError::Busy => ChangesError::Busy,
         ReadError::Engine(e) => ChangesError::Engine(e),
         _ => ChangesError::Corrupt,
     }

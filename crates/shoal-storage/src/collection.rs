@@ -9,7 +9,7 @@ use tokio::sync::watch;
 use crate::changes::{Change, FeedPosition, PartitionSubscription, Rollback, StreamPosition};
 use crate::codec;
 use crate::error::{ChangesError, ReadError, WriteError};
-use crate::partition::{Document, MutationOutcome, Partition, WriteOp, WriteRequest};
+use crate::partition::{Document, MutationOutcome, Partition, ReadLimit, WriteOp, WriteRequest};
 use crate::syncer::Syncer;
 use crate::{partition_of, Cas, PartitionId, SeqNo};
 
@@ -271,16 +271,18 @@ impl Collection {
         Ok((pos, rollbacks))
     }
 
-    /// Up to `max` changes after `pos`, partition by partition, advancing `pos`.
-    pub fn read_feed(&self, pos: &mut FeedPosition, max: usize, include_docs: bool) -> Result<Vec<Change>, ChangesError> {
+    /// Changes after `pos` within `limit`, partition by partition, advancing `pos`.
+    pub fn read_feed(&self, pos: &mut FeedPosition, limit: ReadLimit, include_docs: bool) -> Result<Vec<Change>, ChangesError> {
         let mut out = Vec::new();
+        let mut bytes = 0usize;
         for (partition, slot) in self.partitions.iter().zip(pos.partitions.iter_mut()) {
-            if out.len() >= max {
+            if out.len() >= limit.items || bytes >= limit.bytes {
                 break;
             }
-            let (changes, next) =
-                partition.read_changes(slot.seqno, max - out.len(), include_docs).map_err(crate::changes::changes_error)?;
+            let left = ReadLimit { items: limit.items - out.len(), bytes: limit.bytes - bytes };
+            let (changes, next) = partition.read_changes(slot.seqno, left, include_docs).map_err(crate::changes::changes_error)?;
             slot.seqno = next;
+            bytes += changes.iter().map(|c| c.key.len() + c.value.as_ref().map_or(0, |v| v.len())).sum::<usize>();
             out.extend(changes);
         }
         Ok(out)

@@ -43,10 +43,46 @@ pub enum ReadError {
     InvalidLockTime,
     #[error("collection was dropped")]
     CollectionDropped,
+    #[error("the partition is busy: its sequencer was held for longer than the wait limit")]
+    Busy,
     #[error("storage engine: {0}")]
     Engine(#[from] fjall::Error),
     #[error("corrupt document record")]
     Corrupt,
+}
+
+impl ReadError {
+    /// Whether the stored data failed a check (a checksum, a header): the data is damaged,
+    /// not absent.
+    pub fn is_corruption(&self) -> bool {
+        match self {
+            ReadError::Corrupt => true,
+            ReadError::Engine(e) => is_corruption(e),
+            _ => false,
+        }
+    }
+}
+
+/// Whether an engine error means stored bytes failed a check.
+pub fn is_corruption(e: &fjall::Error) -> bool {
+    use fjall::Error as F;
+    use fjall::LsmError as L;
+    match e {
+        F::Decompress(_) | F::InvalidTrailer | F::InvalidTag(_) | F::InvalidVersion(_) | F::Unrecoverable | F::JournalRecovery(_) => true,
+        F::Storage(inner) => matches!(
+            inner,
+            L::ChecksumMismatch { .. }
+                | L::Decompress(_)
+                | L::InvalidVersion(_)
+                | L::Unrecoverable
+                | L::InvalidTag(_)
+                | L::InvalidTrailer
+                | L::InvalidHeader(_)
+                | L::Utf8(_)
+        ),
+        F::Io(io) => io.kind() == std::io::ErrorKind::InvalidData,
+        _ => false,
+    }
 }
 
 /// Mutating documents.
@@ -72,12 +108,31 @@ pub enum WriteError {
     CollectionDropped,
     #[error("the write was applied but could not be made durable")]
     NotDurable,
+    #[error("the disk is full: writes are refused until space is freed")]
+    DiskFull,
+    #[error("the node is read-only after a storage failure ({0}); restart it once the cause is fixed")]
+    ReadOnly(String),
+    #[error("the partition is busy: its sequencer was held for longer than the wait limit")]
+    Busy,
     #[error("the write could not be committed: {0}")]
     CommitFailed(String),
     #[error("storage engine: {0}")]
     Engine(#[from] fjall::Error),
     #[error("corrupt document record")]
     Corrupt,
+}
+
+impl WriteError {
+    /// The same refusal for another request of a batch (engine errors become their text).
+    pub fn duplicate(&self) -> WriteError {
+        match self {
+            WriteError::DiskFull => WriteError::DiskFull,
+            WriteError::ReadOnly(r) => WriteError::ReadOnly(r.clone()),
+            WriteError::Busy => WriteError::Busy,
+            WriteError::CollectionDropped => WriteError::CollectionDropped,
+            other => WriteError::CommitFailed(other.to_string()),
+        }
+    }
 }
 
 impl From<ReadError> for WriteError {
@@ -87,6 +142,7 @@ impl From<ReadError> for WriteError {
             ReadError::Locked => WriteError::Locked,
             ReadError::InvalidKey(r) => WriteError::InvalidKey(r),
             ReadError::CollectionDropped => WriteError::CollectionDropped,
+            ReadError::Busy => WriteError::Busy,
             ReadError::Engine(e) => WriteError::Engine(e),
             ReadError::Corrupt | ReadError::InvalidLockTime => WriteError::Corrupt,
         }
@@ -100,6 +156,8 @@ pub enum ChangesError {
     InvalidToken(&'static str),
     #[error("collection was dropped")]
     CollectionDropped,
+    #[error("the partition is busy: its sequencer was held for longer than the wait limit")]
+    Busy,
     #[error("storage engine: {0}")]
     Engine(#[from] fjall::Error),
     #[error("corrupt change record")]

@@ -12,6 +12,7 @@ mod clock;
 mod codec;
 mod collection;
 mod error;
+pub mod health;
 mod partition;
 mod store;
 mod syncer;
@@ -20,8 +21,9 @@ pub mod changes;
 
 pub use changes::{Change, PartitionSubscription, StreamPosition};
 pub use collection::{Collection, CollectionInfo};
-pub use error::{ChangesError, CollectionError, OpenError, ReadError, WriteError};
-pub use partition::{Document, MutationOutcome, WriteOp, WriteRequest};
+pub use error::{is_corruption, ChangesError, CollectionError, OpenError, ReadError, WriteError};
+pub use health::{StorageHealth, StorageState};
+pub use partition::{Document, MutationOutcome, ReadLimit, WriteOp, WriteRequest};
 pub use store::{Store, StoreConfig};
 
 /// Index of a virtual partition (vBucket).
@@ -51,6 +53,16 @@ pub const CHANGE_TAIL_COLLECTION_ITEMS: usize = 64 * 1024;
 pub const CHANGE_TAIL_COLLECTION_BYTES: usize = 16 * 1024 * 1024;
 /// Per-partition floor and cap of the tail's items.
 pub const CHANGE_TAIL_PARTITION_ITEMS: std::ops::RangeInclusive<usize> = 256..=8192;
+/// Keys and document bytes one read of a change stream returns, about (at least one change
+/// is always returned): what bounds a feed's memory when documents are large.
+pub const CHANGES_READ_MAX_BYTES: usize = 64 * 1024 * 1024;
+/// Longest a request waits for a partition's sequencer before it is refused as busy.
+pub const SEQUENCER_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(10);
+/// Free space kept on every data path by default: below it writes are refused
+/// (`insufficient_storage`) so that the engine keeps room to flush and compact.
+pub const DISK_RESERVE_DEFAULT_BYTES: u64 = 256 * 1024 * 1024;
+/// How often the disk watchdog reads the free space of the data paths.
+pub const DISK_WATCH_INTERVAL: std::time::Duration = std::time::Duration::from_millis(250);
 /// Per-partition floor and cap of the tail's bytes.
 pub const CHANGE_TAIL_PARTITION_BYTES: std::ops::RangeInclusive<usize> = (64 * 1024)..=(2 * 1024 * 1024);
 

@@ -14,9 +14,10 @@ use crate::changes::Change;
 use crate::clock::CasClock;
 use crate::codec::{self, DocMeta};
 use crate::error::{ReadError, WriteError};
+use crate::health::StorageHealth;
 use crate::syncer::Syncer;
 use crate::{Cas, PartitionId, SeqNo};
-use crate::{DOC_MAX_BYTES, KEY_MAX_BYTES, LOCK_MAX_SECS};
+use crate::{DOC_MAX_BYTES, KEY_MAX_BYTES, LOCK_MAX_SECS, SEQUENCER_WAIT_MAX};
 
 /// CAS reported for a document locked by someone else (Couchbase reports all ones too).
 pub const LOCKED_CAS: Cas = u64::MAX;
@@ -95,6 +96,7 @@ pub(crate) struct PartitionParts {
     pub exp: fjall::Keyspace,
     pub syncer: Arc<Syncer>,
     pub clock: Arc<CasClock>,
+    pub health: Arc<StorageHealth>,
     pub failover: Vec<FailoverEntry>,
     pub purge_seqno: SeqNo,
     pub collection_changed: Arc<watch::Sender<u64>>,
@@ -155,6 +157,7 @@ pub struct Partition {
     pub(crate) exp: fjall::Keyspace,
     syncer: Arc<Syncer>,
     clock: Arc<CasClock>,
+    health: Arc<StorageHealth>,
     failover: Vec<FailoverEntry>,
     state: Mutex<Sequencer>,
     high_tx: watch::Sender<SeqNo>,
@@ -194,6 +197,7 @@ impl Partition {
             exp: parts.exp,
             syncer: parts.syncer,
             clock: parts.clock,
+            health: parts.health,
             failover: parts.failover,
             state: Mutex::new(Sequencer {
                 high,
@@ -246,6 +250,12 @@ impl Partition {
         self.dropped.load(Ordering::Acquire)
     }
 
+    /// The sequencer, waited for at most [`SEQUENCER_WAIT_MAX`]: a request never waits
+    /// forever behind a writer stuck in the engine (a write stall on a failing disk).
+    fn lock_sequencer(&self) -> Result<parking_lot::MutexGuard<'_, Sequencer>, ReadError> {
+        self.state.try_lock_for(SEQUENCER_WAIT_MAX).ok_or(ReadError::Busy)
+    }
+
     /// Where a reader holding `(uuid, seqno)` must roll back to, if this partition's history
     /// diverged from the reader's since that point. `None` when the reader is on our history.
     pub fn rollback_point(&self, uuid: u64, seqno: SeqNo) -> Option<SeqNo> {
@@ -260,14 +270,16 @@ impl Partition {
         }
     }
 
-    fn read_current(&self, dk: &[u8]) -> Result<Option<Current>, fjall::Error> {
+    /// The stored record of `dk`. A record that does not decode is an error, never
+    /// "absent": treating it as absent would let a write overwrite it and hide the damage.
+    fn read_current(&self, dk: &[u8]) -> Result<Option<Current>, ReadError> {
         let Some(raw) = self.docs.get(dk)? else { return Ok(None) };
         let raw = Bytes::from(raw);
         match codec::decode_doc_value(&raw) {
             Some((meta, body)) => Ok(Some(Current { meta, body: raw.slice(body) })),
             None => {
-                tracing::error!(partition = self.id, "corrupt document record");
-                Ok(None)
+                tracing::error!(partition = self.id, key = %String::from_utf8_lossy(dk), "corrupt document record");
+                Err(ReadError::Corrupt)
             }
         }
     }
@@ -286,7 +298,7 @@ impl Partition {
         };
         let mut cas = current.meta.cas;
         if self.locked_docs.load(Ordering::Acquire) > 0 {
-            let state = self.state.lock();
+            let state = self.lock_sequencer()?;
             if state.locks.get(key).is_some_and(|l| l.until > Instant::now()) {
                 cas = LOCKED_CAS;
             }
@@ -300,7 +312,7 @@ impl Partition {
         if lock_secs == 0 || lock_secs > LOCK_MAX_SECS {
             return Err(ReadError::InvalidLockTime);
         }
-        let mut state = self.state.lock();
+        let mut state = self.lock_sequencer()?;
         if self.is_dropped() {
             return Err(ReadError::CollectionDropped);
         }
@@ -323,7 +335,7 @@ impl Partition {
     /// Releases a lock taken by [`Partition::get_and_lock`].
     pub fn unlock(&self, key: &[u8], cas: Cas) -> Result<(), WriteError> {
         validate_key(key).map_err(WriteError::InvalidKey)?;
-        let mut state = self.state.lock();
+        let mut state = self.lock_sequencer()?;
         let now = crate::unix_now_secs();
         let current = self.read_current(key)?;
         if !current.is_some_and(|c| is_live(&c.meta, now)) {
@@ -345,7 +357,8 @@ impl Partition {
     /// Applies one mutation; answers once it is in the journal buffer (readers see it).
     /// The returned ticket names the journal batch, for [`Partition::wait_durable`].
     pub fn write(&self, req: &WriteRequest) -> Result<(MutationOutcome, u64), WriteError> {
-        let mut state = self.state.lock();
+        self.health.check_writable()?;
+        let mut state = self.lock_sequencer()?;
         let mut batch = self.db.batch();
         let mut changes = Vec::with_capacity(1);
         let outcome = self.plan(&mut state, &mut batch, &mut changes, req)?;
@@ -357,7 +370,11 @@ impl Partition {
     /// possible (group commit). A failing request fails alone.
     pub fn write_many(&self, reqs: &[&WriteRequest]) -> (Vec<Result<MutationOutcome, WriteError>>, u64) {
         let mut results = Vec::with_capacity(reqs.len());
-        let mut state = self.state.lock();
+        let refused = self.health.check_writable().and_then(|()| self.lock_sequencer().map_err(WriteError::from));
+        let mut state = match refused {
+            Ok(state) => state,
+            Err(e) => return (reqs.iter().map(|_| Err(e.duplicate())).collect(), 0),
+        };
         let mut batch = self.db.batch();
         let mut changes = Vec::new();
         let mut in_batch: HashSet<&[u8]> = HashSet::new();
@@ -487,7 +504,10 @@ impl Partition {
         if changes.is_empty() {
             return Ok(0);
         }
-        batch.commit()?;
+        if let Err(e) = batch.commit() {
+            self.health.engine_error(&e);
+            return Err(WriteError::from(e));
+        }
         let ticket = self.syncer.ticket();
         for change in changes {
             debug_assert_eq!(change.seqno, state.high + 1);
@@ -497,13 +517,17 @@ impl Partition {
         let high = state.high;
         self.high_tx.send_replace(high);
         self.collection_changed.send_modify(|n| *n = n.wrapping_add(1));
+        // An fsync that failed while this batch was being committed: the batch is in, but it
+        // is not acknowledged (see `health`).
+        self.health.check_writable()?;
         Ok(ticket)
     }
 
     /// Deletes `key` if it is still the document that expired at `expiry`; called by the
     /// expiry pager. Stale index entries are removed either way.
     pub(crate) fn expire(&self, key: &[u8], expiry: u32, now: u64) -> Result<bool, WriteError> {
-        let mut state = self.state.lock();
+        self.health.check_writable()?;
+        let mut state = self.lock_sequencer()?;
         if self.is_dropped() {
             return Ok(false);
         }
@@ -525,63 +549,78 @@ impl Partition {
         Ok(true)
     }
 
-    /// Removes tombstones whose deletion (their CAS, in nanoseconds) is older than
-    /// `cutoff_cas`. Returns how many were purged.
-    pub(crate) fn purge_tombstones(&self, cutoff_cas: Cas) -> Result<(SeqNo, usize), fjall::Error> {
+    /// Up to `max` tombstones whose deletion (their CAS, in nanoseconds) is older than
+    /// `cutoff_cas`, oldest first: `(seqno, key)`. The caller makes the purge seqno durable
+    /// past them before [`Partition::purge`] removes them.
+    pub(crate) fn purge_candidates(&self, cutoff_cas: Cas, max: usize) -> Result<Vec<(SeqNo, Bytes)>, ReadError> {
         let p = self.id;
         let mut victims = Vec::new();
         // CAS grows with seqno inside a partition, so the scan stops at the first young entry.
         for guard in self.seq.range(codec::seq_key(p, 0)..=codec::seq_key(p, SeqNo::MAX)) {
             let (k, v) = guard.into_inner()?;
             let (Some((_, seqno)), Some((cas, deleted, key))) = (codec::decode_seq_key(&k), codec::decode_seq_value(&v)) else {
-                continue;
+                return Err(ReadError::Corrupt);
             };
-            if cas >= cutoff_cas {
+            if cas >= cutoff_cas || victims.len() >= max {
                 break;
             }
             if deleted {
                 victims.push((seqno, Bytes::copy_from_slice(key)));
             }
         }
+        Ok(victims)
+    }
+
+    /// Raises the purge seqno: readers resuming from before it start again from 0.
+    /// Call only once `seqno` is durable in the partition's record.
+    pub(crate) fn raise_purge_seqno(&self, seqno: SeqNo) {
+        self.purge_seqno.fetch_max(seqno, Ordering::AcqRel);
+    }
+
+    /// Removes the tombstones of `victims` that are still current. Every victim's seqno must
+    /// be at or below the (durable) purge seqno. Returns how many were purged.
+    pub(crate) fn purge(&self, victims: &[(SeqNo, Bytes)]) -> Result<usize, WriteError> {
+        let p = self.id;
         let mut purged = 0;
-        let mut purge_seqno = self.purge_seqno.load(Ordering::Acquire);
         for (seqno, key) in victims {
-            let _state = self.state.lock();
-            let still_tombstone = self.read_current(&key)?.is_some_and(|c| c.meta.deleted && c.meta.seqno == seqno);
+            debug_assert!(*seqno <= self.purge_seqno.load(Ordering::Acquire), "purge before the purge seqno is durable");
+            self.health.check_writable()?;
+            let _state = self.lock_sequencer()?;
+            let still_tombstone = self.read_current(key)?.is_some_and(|c| c.meta.deleted && c.meta.seqno == *seqno);
             if still_tombstone {
                 let mut batch = self.db.batch();
                 batch.remove(&self.docs, &key[..]);
-                batch.remove(&self.seq, codec::seq_key(p, seqno));
+                batch.remove(&self.seq, codec::seq_key(p, *seqno));
                 batch.commit()?;
-                purge_seqno = purge_seqno.max(seqno);
                 purged += 1;
             }
         }
-        self.purge_seqno.store(purge_seqno, Ordering::Release);
-        Ok((purge_seqno, purged))
+        Ok(purged)
     }
 
-    /// Changes after `since`, at most `max`, in seqno order, and the position to read on
+    /// Changes after `since` within `limit`, in seqno order, and the position to read on
     /// from. Recent changes come from memory; older ones from the by-sequence index, where
     /// only the latest change of each key is kept.
-    pub(crate) fn read_changes(&self, since: SeqNo, max: usize, include_docs: bool) -> Result<(Vec<Change>, SeqNo), ReadError> {
-        let state = self.state.lock();
+    pub(crate) fn read_changes(&self, since: SeqNo, limit: ReadLimit, include_docs: bool) -> Result<(Vec<Change>, SeqNo), ReadError> {
+        let state = self.lock_sequencer()?;
         if self.is_dropped() {
             return Err(ReadError::CollectionDropped);
         }
-        if since >= state.high || max == 0 {
+        if since >= state.high || limit.items == 0 {
             return Ok((Vec::new(), since));
         }
+        let mut taken = Taken::default();
         if let Some(first) = state.tail.front() {
             if first.seqno <= since + 1 {
                 let skip = (since + 1 - first.seqno) as usize;
-                let out: Vec<Change> = state
-                    .tail
-                    .iter()
-                    .skip(skip)
-                    .take(max)
-                    .map(|c| if include_docs { c.clone() } else { Change { value: None, ..c.clone() } })
-                    .collect();
+                let mut out = Vec::new();
+                for c in state.tail.iter().skip(skip) {
+                    let change = if include_docs { c.clone() } else { Change { value: None, ..c.clone() } };
+                    if !taken.admit(&change, limit) {
+                        break;
+                    }
+                    out.push(change);
+                }
                 let next = out.last().map(|c| c.seqno).unwrap_or(since);
                 return Ok((out, next));
             }
@@ -603,20 +642,56 @@ impl Partition {
             if !deleted {
                 if let Some(raw) = snapshot.get(&self.docs, key)? {
                     let raw = Bytes::from(raw);
-                    if let Some((meta, body)) = codec::decode_doc_value(&raw) {
-                        change.expiry = meta.expiry;
-                        if include_docs {
-                            change.value = Some(raw.slice(body));
-                        }
+                    let (meta, body) = codec::decode_doc_value(&raw).ok_or(ReadError::Corrupt)?;
+                    change.expiry = meta.expiry;
+                    if include_docs {
+                        change.value = Some(raw.slice(body));
                     }
                 }
             }
-            out.push(change);
-            if out.len() >= max {
-                return Ok((out, seqno));
+            if !taken.admit(&change, limit) {
+                let next = out.last().map(|c: &Change| c.seqno).unwrap_or(since);
+                return Ok((out, next));
             }
+            out.push(change);
         }
         Ok((out, high))
+    }
+}
+
+/// How much one read of a change stream may return: at most `items` changes and about
+/// `bytes` of keys and documents (always at least one change, however large, so that a
+/// reader makes progress).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReadLimit {
+    pub items: usize,
+    pub bytes: usize,
+}
+
+impl ReadLimit {
+    /// At most `items` changes and [`crate::CHANGES_READ_MAX_BYTES`].
+    pub fn items(items: usize) -> ReadLimit {
+        ReadLimit { items, bytes: crate::CHANGES_READ_MAX_BYTES }
+    }
+}
+
+/// What a read has taken so far.
+#[derive(Default)]
+struct Taken {
+    items: usize,
+    bytes: usize,
+}
+
+impl Taken {
+    /// Counts `change` in if it fits (the first always does).
+    fn admit(&mut self, change: &Change, limit: ReadLimit) -> bool {
+        let size = change.key.len() + change.value.as_ref().map_or(0, |v| v.len());
+        if self.items >= limit.items || (self.items > 0 && self.bytes + size > limit.bytes) {
+            return false;
+        }
+        self.items += 1;
+        self.bytes += size;
+        true
     }
 }
 
@@ -641,7 +716,7 @@ fn push_tail(state: &mut Sequencer, change: Change) {
 
 fn fail_pending(results: &mut [Result<MutationOutcome, WriteError>], err: &WriteError) {
     for r in results.iter_mut().filter(|r| r.is_ok()) {
-        *r = Err(WriteError::CommitFailed(err.to_string()));
+        *r = Err(err.duplicate());
     }
 }
 

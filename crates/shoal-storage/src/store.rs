@@ -15,7 +15,8 @@ use tokio::sync::watch;
 use crate::clock::CasClock;
 use crate::codec;
 use crate::collection::{Collection, CollectionInfo, Keyspaces};
-use crate::error::{CollectionError, OpenError};
+use crate::error::{CollectionError, OpenError, WriteError};
+use crate::health::{StorageHealth, StorageState};
 use crate::partition::{count_live, FailoverEntry, LiveCount, Partition, PartitionParts, TailLimit};
 use crate::syncer::Syncer;
 use crate::{PartitionId, SeqNo, PARTITIONS_DEFAULT, PARTITIONS_MAX};
@@ -26,6 +27,8 @@ const DB_DIR: &str = "db";
 const META_KEYSPACE: &str = "meta";
 /// Layout version of a data path; 2 keys documents by key alone (1 led with the partition).
 const PATH_FORMAT: u32 = 2;
+/// Tombstones purged per partition per purger round.
+const PURGE_BATCH_MAX: usize = 10_000;
 /// Expired documents deleted per collection per pager round, so a round stays short.
 const EXPIRY_PAGER_BATCH_MAX: usize = 10_000;
 /// How often the expiry pager runs.
@@ -50,6 +53,8 @@ pub struct StoreConfig {
     pub purge_horizon: Duration,
     /// How often the purger looks for old tombstones.
     pub purge_interval: Duration,
+    /// Free space kept on every data path: writes are refused below it.
+    pub disk_reserve_bytes: u64,
 }
 
 impl Default for StoreConfig {
@@ -60,6 +65,7 @@ impl Default for StoreConfig {
             cache_bytes: 256 * 1024 * 1024,
             purge_horizon: Duration::from_secs(24 * 3600),
             purge_interval: Duration::from_secs(60),
+            disk_reserve_bytes: crate::DISK_RESERVE_DEFAULT_BYTES,
         }
     }
 }
@@ -96,12 +102,13 @@ pub struct Store {
     paths: Vec<DataPath>,
     meta: fjall::Keyspace,
     clock: Arc<CasClock>,
+    health: Arc<StorageHealth>,
     collections: RwLock<BTreeMap<String, Arc<Collection>>>,
     /// Serialises collection creation and drop.
     ddl: Mutex<()>,
     recovered_unclean: bool,
     stop: Arc<AtomicBool>,
-    background: Mutex<Option<std::thread::JoinHandle<()>>>,
+    background: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> OpenError + '_ {
@@ -119,10 +126,11 @@ impl Store {
         let clean_marker = first.join(CLEAN_SHUTDOWN_FILE);
         let recovered_unclean = existed && !clean_marker.exists();
         let cache_per_path = (config.cache_bytes / config.data_paths.len() as u64).max(1024 * 1024);
+        let health = Arc::new(StorageHealth::default());
         let mut paths = Vec::new();
         for path in &config.data_paths {
             let db = fjall::Database::builder(path.join(DB_DIR)).cache_size(cache_per_path).open()?;
-            let syncer = Syncer::start(db.clone()).map_err(io_err(path))?;
+            let syncer = Syncer::start(db.clone(), Arc::clone(&health)).map_err(io_err(path))?;
             paths.push(DataPath { db, syncer });
         }
         let meta = paths[0].db.keyspace(META_KEYSPACE, fjall::KeyspaceCreateOptions::default)?;
@@ -132,11 +140,12 @@ impl Store {
             paths,
             meta,
             clock: Arc::new(CasClock::default()),
+            health,
             collections: RwLock::new(BTreeMap::new()),
             ddl: Mutex::new(()),
             recovered_unclean,
             stop: Arc::new(AtomicBool::new(false)),
-            background: Mutex::new(None),
+            background: Mutex::new(Vec::new()),
         };
         if recovered_unclean {
             tracing::warn!("the last shutdown was not clean: partitions get new history UUIDs");
@@ -148,13 +157,33 @@ impl Store {
             sync_dir(first).map_err(io_err(first))?;
         }
         let store = Arc::new(store);
-        let handle = {
-            let weak = Arc::downgrade(&store);
-            let stop = Arc::clone(&store.stop);
-            std::thread::Builder::new().name("shoal-background".into()).spawn(move || background_loop(weak, stop)).map_err(io_err(first))?
+        store.watch_disks();
+        let handles = {
+            let (weak, stop) = (Arc::downgrade(&store), Arc::clone(&store.stop));
+            let background =
+                std::thread::Builder::new().name("shoal-background".into()).spawn(move || background_loop(weak, stop)).map_err(io_err(first))?;
+            let (weak, stop) = (Arc::downgrade(&store), Arc::clone(&store.stop));
+            let watchdog =
+                std::thread::Builder::new().name("shoal-disk-watch".into()).spawn(move || disk_watch_loop(weak, stop)).map_err(io_err(first))?;
+            vec![background, watchdog]
         };
-        *store.background.lock() = Some(handle);
+        *store.background.lock() = handles;
         Ok(store)
+    }
+
+    /// Whether the store can take writes now, and why not.
+    pub fn health(&self) -> StorageState {
+        self.health.state()
+    }
+
+    /// Reads every data path's free space once and updates the disk-full state.
+    pub fn watch_disks(&self) {
+        for (i, path) in self.config.data_paths.iter().enumerate() {
+            match crate::health::free_bytes(path) {
+                Ok(free) => self.health.observe_free(i, free, self.config.disk_reserve_bytes),
+                Err(err) => tracing::warn!(%err, path = i, "cannot read the free space of a data path"),
+            }
+        }
     }
 
     pub fn partitions(&self) -> u16 {
@@ -257,7 +286,7 @@ impl Store {
 
     fn stop_background(&self) {
         self.stop.store(true, Ordering::SeqCst);
-        if let Some(handle) = self.background.lock().take() {
+        for handle in std::mem::take(&mut *self.background.lock()) {
             handle.thread().unpark();
             let _ = handle.join();
         }
@@ -331,6 +360,7 @@ impl Store {
                 exp: ks.exp.clone(),
                 syncer: Arc::clone(&ks.syncer),
                 clock: Arc::clone(&self.clock),
+                health: Arc::clone(&self.health),
                 failover: failover.clone(),
                 purge_seqno,
                 collection_changed: Arc::clone(&changed),
@@ -398,23 +428,40 @@ impl Store {
         let collections: Vec<_> = self.collections.read().values().cloned().collect();
         let mut total = 0;
         for collection in collections {
-            for partition in &collection.partitions {
-                let before = partition.purge_seqno.load(Ordering::Acquire);
-                match partition.purge_tombstones(cutoff) {
-                    Ok((purge_seqno, n)) => {
-                        total += n;
-                        if purge_seqno != before {
-                            let rec = PartitionRecord { failover: partition.failover_log().to_vec(), purge_seqno };
-                            if let Err(err) = self.meta.insert(partition_key(collection.id, partition.id()), json_bytes(&rec)) {
-                                tracing::warn!(%err, "purger could not record the purge seqno");
-                            }
-                        }
-                    }
-                    Err(err) => tracing::warn!(%err, "purger"),
-                }
+            match self.purge_collection(&collection, cutoff) {
+                Ok(n) => total += n,
+                Err(err) => tracing::warn!(%err, collection = %collection.name, "purger"),
             }
         }
         total
+    }
+
+    /// One purge round of a collection. The raised purge seqnos are made durable (one fsync)
+    /// before any tombstone goes: a reader resuming from before a purged deletion must be
+    /// told to roll back even after a crash, or it would silently miss the deletion.
+    fn purge_collection(&self, collection: &Collection, cutoff: crate::Cas) -> Result<usize, WriteError> {
+        let mut plans = Vec::new();
+        let mut batch = self.paths[0].db.batch();
+        for partition in &collection.partitions {
+            let victims = partition.purge_candidates(cutoff, PURGE_BATCH_MAX)?;
+            let Some(max) = victims.iter().map(|(seqno, _)| *seqno).max() else { continue };
+            let purge_seqno = max.max(partition.purge_seqno.load(Ordering::Acquire));
+            let rec = PartitionRecord { failover: partition.failover_log().to_vec(), purge_seqno };
+            batch.insert(&self.meta, partition_key(collection.id, partition.id()), json_bytes(&rec));
+            plans.push((partition, purge_seqno, victims));
+        }
+        if plans.is_empty() {
+            return Ok(0);
+        }
+        self.health.check_writable()?;
+        batch.commit()?;
+        self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
+        let mut purged = 0;
+        for (partition, purge_seqno, victims) in plans {
+            partition.raise_purge_seqno(purge_seqno);
+            purged += partition.purge(&victims)?;
+        }
+        Ok(purged)
     }
 }
 
@@ -447,6 +494,17 @@ fn background_loop(store: std::sync::Weak<Store>, stop: Arc<AtomicBool>) {
                 tracing::debug!(purged = n, "tombstone purger");
             }
         }
+    }
+}
+
+fn disk_watch_loop(store: std::sync::Weak<Store>, stop: Arc<AtomicBool>) {
+    while !stop.load(Ordering::SeqCst) {
+        std::thread::park_timeout(crate::DISK_WATCH_INTERVAL);
+        let Some(store) = store.upgrade() else { return };
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        store.watch_disks();
     }
 }
 
@@ -507,11 +565,7 @@ fn check_paths(config: &StoreConfig) -> Result<(u16, bool), OpenError> {
     for i in missing {
         let path = &config.data_paths[i];
         let rec = PathRecord { format: PATH_FORMAT, partitions, path_index: i, path_count: config.data_paths.len() };
-        let file = path.join(PATH_FILE);
-        let mut f = std::fs::File::create(&file).map_err(io_err(path))?;
-        f.write_all(&json_bytes(&rec)).map_err(io_err(path))?;
-        f.sync_all().map_err(io_err(path))?;
-        sync_dir(path).map_err(io_err(path))?;
+        write_atomically(path, PATH_FILE, &json_bytes(&rec)).map_err(io_err(path))?;
     }
     Ok((partitions, found.is_some()))
 }
@@ -546,6 +600,18 @@ fn json_bytes<T: Serialize>(value: &T) -> Vec<u8> {
 fn new_uuid() -> u64 {
     let id = uuid::Uuid::new_v4().as_u64_pair().0;
     id.max(1)
+}
+
+/// Writes `dir/name` so that a crash leaves either the old file or the whole new one:
+/// a temporary file, fsynced, renamed over the name, and the directory fsynced.
+pub fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = dir.join(format!("{name}.tmp"));
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, dir.join(name))?;
+    sync_dir(dir)
 }
 
 fn sync_dir(path: &Path) -> std::io::Result<()> {

@@ -9,9 +9,11 @@ use parking_lot::{Condvar, Mutex};
 use tokio::sync::watch;
 
 use crate::error::WriteError;
+use crate::health::StorageHealth;
 
 pub struct Syncer {
     db: fjall::Database,
+    health: Arc<StorageHealth>,
     /// Number of batches committed to the journal buffer so far.
     committed: AtomicU64,
     /// Largest ticket a writer is waiting for.
@@ -27,9 +29,10 @@ pub struct Syncer {
 }
 
 impl Syncer {
-    pub fn start(db: fjall::Database) -> std::io::Result<Arc<Syncer>> {
+    pub fn start(db: fjall::Database, health: Arc<StorageHealth>) -> std::io::Result<Arc<Syncer>> {
         let syncer = Arc::new(Syncer {
             db,
+            health,
             committed: AtomicU64::new(0),
             wanted: Mutex::new(0),
             wake: Condvar::new(),
@@ -98,7 +101,9 @@ impl Syncer {
                     self.synced.send_modify(|s| *s = (*s).max(target));
                 }
                 Err(err) => {
-                    tracing::error!(%err, "fsync of the journal failed; persist writes will fail");
+                    // The node goes read-only: see `health` for why nothing written after a
+                    // failed fsync is acknowledged again.
+                    self.health.fail(format!("fsync of the journal failed: {err}"));
                     self.failed.store(true, Ordering::SeqCst);
                     self.synced.send_replace(u64::MAX);
                     return;
