@@ -32,6 +32,8 @@ pub enum BenchCmd {
     QueryPoint(crate::bench_analytics::PointArgs),
     /// Write seed 004's TPC-DS-shaped tables as NDJSON files.
     TpcdsGen(crate::bench_analytics::GenArgs),
+    /// Write TPC-H's eight tables as NDJSON files (`bench/tpch_diff.sh` tests SQL answers on them).
+    TpchGen(crate::tpch::GenArgs),
 }
 
 #[derive(Args)]
@@ -128,6 +130,7 @@ pub async fn run(url: &str, cmd: BenchCmd) -> Result<(), CliError> {
         BenchCmd::Index(args) => crate::bench_index::run(args).await,
         BenchCmd::Analytics(args) => crate::bench_analytics::run(args).await,
         BenchCmd::TpcdsGen(args) => crate::bench_analytics::generate(args),
+        BenchCmd::TpchGen(args) => crate::tpch::generate(args),
         BenchCmd::QueryPoint(args) => crate::bench_analytics::point(args).await,
     }
 }

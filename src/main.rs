@@ -7,6 +7,7 @@ mod chart;
 mod cli;
 mod sql;
 mod tpcds;
+mod tpch;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -78,6 +79,10 @@ struct ServeArgs {
     /// Tombstones older than this many seconds are purged.
     #[arg(long, default_value_t = 24 * 3600)]
     purge_horizon_secs: u64,
+    /// Free space (MiB) kept on every data path: below it writes answer
+    /// `insufficient_storage` until space is freed.
+    #[arg(long, default_value_t = shoal_storage::DISK_RESERVE_DEFAULT_BYTES / (1024 * 1024))]
+    disk_reserve_mb: u64,
     /// Worker threads for requests (default: one per core).
     #[arg(long)]
     threads: Option<usize>,
@@ -91,6 +96,18 @@ struct ServeArgs {
     /// Memory for analytics in MiB (default: a quarter of the machine's).
     #[arg(long)]
     analytics_memory_mb: Option<u64>,
+    /// Most client connections open at once; one more gets `503` and is closed.
+    #[arg(long, default_value_t = shoal_server::CONNECTIONS_MAX)]
+    max_connections: usize,
+    /// Seconds a client has to send a request's headers (idle keep-alive included).
+    #[arg(long, default_value_t = shoal_server::HEADER_READ_TIMEOUT.as_secs())]
+    header_read_timeout_secs: u64,
+    /// Seconds a connection may sit with no request in flight and no bytes moving.
+    #[arg(long, default_value_t = shoal_server::IDLE_TIMEOUT.as_secs())]
+    idle_timeout_secs: u64,
+    /// Seconds a request body has to start arriving; each 500 bytes received add one.
+    #[arg(long, default_value_t = shoal_server::BODY_READ_TIMEOUT.as_secs())]
+    body_read_timeout_secs: u64,
 }
 
 fn main() -> ExitCode {
@@ -114,6 +131,10 @@ fn main() -> ExitCode {
         }
     };
     let result = rt.block_on(run(args));
+    if let Some(addr) = RESTART_AT.get() {
+        rt.shutdown_timeout(std::time::Duration::from_secs(5));
+        return reexec(*addr);
+    }
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -145,19 +166,74 @@ async fn serve(args: ServeArgs) -> Result<(), cli::CliError> {
             partitions: args.partitions,
             cache_bytes: args.cache_mb.saturating_mul(1024 * 1024),
             purge_horizon: std::time::Duration::from_secs(args.purge_horizon_secs),
+            disk_reserve_bytes: args.disk_reserve_mb.saturating_mul(1024 * 1024),
             ..shoal_storage::StoreConfig::default()
         },
         index_workers: args.index_workers,
         analytics_partitions: args.analytics_partitions,
         analytics_memory: args.analytics_memory_mb.map(|m| m.saturating_mul(1024 * 1024)),
+        connections: shoal_server::ConnectionLimits {
+            max: args.max_connections.max(1),
+            header_read_timeout: std::time::Duration::from_secs(args.header_read_timeout_secs.max(1)),
+            idle_timeout: std::time::Duration::from_secs(args.idle_timeout_secs.max(1)),
+            body_read_timeout: std::time::Duration::from_secs(args.body_read_timeout_secs.max(1)),
+        },
     };
     let signal = shutdown_signal()?;
     let server = shoal_server::Server::bind(config).await?;
     let addr = server.local_addr()?;
     println!("shoal listening on http://{addr}");
-    server.run(signal).await?;
-    println!("shoal stopped cleanly");
+    match server.run(signal).await? {
+        shoal_server::RunOutcome::Stopped => println!("shoal stopped cleanly"),
+        shoal_server::RunOutcome::Restart => {
+            let _ = RESTART_AT.set(addr);
+        }
+    }
     Ok(())
+}
+
+/// Set when the server asks to be started again (its storage engine must be reopened):
+/// the address it listened on, which the new process binds again.
+static RESTART_AT: std::sync::OnceLock<std::net::SocketAddr> = std::sync::OnceLock::new();
+
+/// Replaces this process with a fresh `shoal` run with the same arguments, listening on
+/// `addr` (the port a `--listen ...:0` picked stays the same for clients). File
+/// descriptors are close-on-exec, so the engine's files and locks are released.
+fn reexec(addr: std::net::SocketAddr) -> ExitCode {
+    let mut args: Vec<std::ffi::OsString> = Vec::new();
+    let mut skip = false;
+    for arg in std::env::args_os().skip(1) {
+        if std::mem::take(&mut skip) {
+            continue;
+        }
+        if arg == "--listen" {
+            skip = true;
+            continue;
+        }
+        if arg.to_string_lossy().starts_with("--listen=") {
+            continue;
+        }
+        args.push(arg);
+    }
+    args.push("--listen".into());
+    args.push(addr.to_string().into());
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => {
+            eprintln!("error: cannot find the shoal binary to restart: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    eprintln!("shoal restarting to reopen its storage engine");
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::CommandExt;
+        let e = std::process::Command::new(exe).args(args).exec();
+        eprintln!("error: restart failed: {e}");
+    }
+    #[cfg(not(unix))]
+    let _ = (exe, args);
+    ExitCode::FAILURE
 }
 
 /// Installs the SIGTERM / Ctrl-C handlers now (so a signal right after start-up is not

@@ -24,6 +24,13 @@ impl Node {
         node
     }
 
+    /// A node whose data directory is `dir` (on a file system the test prepared).
+    pub fn start_in(dir: PathBuf, extra: &[&str]) -> Node {
+        let mut node = Node { child: None, url: String::new(), dir, args: extra.iter().map(|s| s.to_string()).collect(), _tmp: None };
+        node.spawn();
+        node
+    }
+
     fn spawn(&mut self) {
         let mut child = Command::new(env!("CARGO_BIN_EXE_shoal"))
             .arg("serve")
@@ -114,4 +121,54 @@ pub fn ndjson(body: &str) -> Vec<serde_json::Value> {
         .filter(|l| !l.trim().is_empty())
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad line {l:?}: {e}")))
         .collect()
+}
+
+/// A `tmpfs` of a given size mounted on a fresh directory (the tests run as root, as CI
+/// does); unmounted on drop.
+pub struct Tmpfs {
+    pub dir: PathBuf,
+    _parent: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    pub fn mount(size_bytes: u64) -> Tmpfs {
+        let parent = tempfile::tempdir().expect("tempdir");
+        let dir = parent.path().join("mnt");
+        std::fs::create_dir(&dir).expect("mount point");
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size_bytes}"), "tmpfs"])
+            .arg(&dir)
+            .output()
+            .expect("run mount");
+        assert!(out.status.success(), "mounting a tmpfs needs root: {}", String::from_utf8_lossy(&out.stderr));
+        Tmpfs { dir, _parent: parent }
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
+    }
+}
+
+/// Free bytes of the file system holding `path`.
+pub fn free_bytes(path: &std::path::Path) -> u64 {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).expect("path");
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut st) }, 0, "statvfs");
+    st.f_bavail as u64 * st.f_frsize as u64
+}
+
+/// Polls `f` every 50 ms until it holds or `secs` pass; panics with `what` on timeout.
+pub async fn eventually<F, Fut>(secs: u64, what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+    while !f().await {
+        assert!(std::time::Instant::now() < deadline, "not within {secs} s: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

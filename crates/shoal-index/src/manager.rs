@@ -168,6 +168,8 @@ struct CollEntry {
 
 pub struct IndexManager {
     store: Arc<Store>,
+    /// How the maintainers are doing, for `/v1/health`.
+    pub health: shoal_storage::TaskHealth,
     db: fjall::Database,
     meta: fjall::Keyspace,
     pool: Arc<rayon::ThreadPool>,
@@ -290,6 +292,7 @@ impl IndexManager {
             .map_err(|e| IndexError::Invalid(format!("index worker pool: {e}")))?;
         let mgr = Arc::new(IndexManager {
             store,
+            health: shoal_storage::TaskHealth::default(),
             db,
             meta,
             pool: Arc::new(pool),
@@ -657,6 +660,7 @@ fn read_range(
 /// for a change, a wake-up (new index, build, scan) or the idle poll.
 async fn maintain(mgr: Arc<IndexManager>, coll: Arc<Collection>, wake: Arc<Notify>, round: Arc<Mutex<()>>) {
     let mut changed = coll.changed();
+    let _running = mgr.health.running();
     loop {
         if coll.is_dropped() {
             if let Err(e) = mgr.drop_collection(coll.id()).await {
@@ -678,13 +682,17 @@ async fn maintain(mgr: Arc<IndexManager>, coll: Arc<Collection>, wake: Arc<Notif
                 let _ = tx.send(run_round(&m, &c, &active));
             });
             match rx.await {
-                Ok(Ok(p)) => progressed = p,
+                Ok(Ok(p)) => {
+                    mgr.health.round_succeeded();
+                    progressed = p;
+                }
                 Ok(Err(
                     IndexError::Changes(shoal_storage::ChangesError::CollectionDropped)
                     | IndexError::Read(shoal_storage::ReadError::CollectionDropped),
                 )) => continue,
                 Ok(Err(e)) => {
                     tracing::warn!(collection = %coll.name(), error = %e, "index maintenance failed; retrying");
+                    mgr.health.round_failed(&format!("collection {}: {e}", coll.name()));
                     tokio::time::sleep(IDLE_POLL).await;
                 }
                 Err(_) => return,

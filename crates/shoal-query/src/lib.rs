@@ -174,7 +174,9 @@ impl SchemaCache {
         };
         let mut inferred = slot.lock();
         let Inferred { obj, feed, keys, .. } = &mut *inferred;
-        let changes = coll.read_feed(feed, shoal_storage::ReadLimit::items(SCHEMA_WIDEN_CHANGES), true).map_err(|e| QueryError::Storage(e.to_string()))?;
+        let changes = coll
+            .read_feed(feed, shoal_storage::ReadLimit::items(SCHEMA_WIDEN_CHANGES), true)
+            .map_err(|e| QueryError::Storage(e.to_string()))?;
         for change in changes {
             if let Some(body) = change.value {
                 if let Ok(Value::Object(map)) = serde_json::from_slice::<Value>(&body) {

@@ -742,6 +742,8 @@ impl Shadow {
 /// The shadows of every collection of a store.
 pub struct ShadowManager {
     store: Arc<Store>,
+    /// How the maintainers are doing, for `/v1/health`.
+    pub health: shoal_storage::TaskHealth,
     partitions: usize,
     shadows: Mutex<HashMap<u32, Arc<Shadow>>>,
     stop: watch::Sender<bool>,
@@ -756,6 +758,7 @@ impl ShadowManager {
         let (stop, _) = watch::channel(false);
         let mgr = Arc::new(ShadowManager {
             store: Arc::clone(&store),
+            health: shoal_storage::TaskHealth::default(),
             partitions: partitions.min(ANALYTICS_PARTITIONS_MAX),
             shadows: Mutex::new(HashMap::new()),
             stop,
@@ -850,6 +853,7 @@ impl ShadowManager {
 /// there is news, then waits for a change or the idle poll (checkpoints come due).
 async fn maintain(mgr: Arc<ShadowManager>, shadow: Arc<Shadow>, mut stop: watch::Receiver<bool>) {
     let mut changed = shadow.coll.changed();
+    let _running = mgr.health.running();
     loop {
         if *stop.borrow() {
             return;
@@ -875,13 +879,18 @@ async fn maintain(mgr: Arc<ShadowManager>, shadow: Arc<Shadow>, mut stop: watch:
                 Ok(Err(ShadowError::Changes(ChangesError::CollectionDropped))) => {}
                 Ok(Err(e)) => {
                     tracing::warn!(collection = %shadow.coll.name(), error = %e, "analytics shadow maintenance failed; retrying");
+                    mgr.health.round_failed(&format!("collection {}: {e}", shadow.coll.name()));
                     failed = true;
                 }
                 Err(e) => {
                     tracing::error!(collection = %shadow.coll.name(), error = %e, "analytics shadow maintenance panicked");
+                    mgr.health.round_failed(&format!("collection {}: maintenance panicked", shadow.coll.name()));
                     failed = true;
                 }
             }
+        }
+        if !failed {
+            mgr.health.round_succeeded();
         }
         shadow.progress.send_modify(|v| *v = v.wrapping_add(1));
         if failed {

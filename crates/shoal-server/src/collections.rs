@@ -26,7 +26,7 @@ struct CreateBody {
 pub async fn create(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
     let name = extract::collection_name(&uri)?;
-    let body = extract::body(body, COLLECTION_BODY_MAX_BYTES).await?;
+    let body = extract::body(&state, body, COLLECTION_BODY_MAX_BYTES).await?;
     let spec: CreateBody = if body.iter().all(u8::is_ascii_whitespace) { CreateBody::default() } else { extract::json_body(&body)? };
     let store = state.store.clone();
     let shadows = Arc::clone(&state.shadows);

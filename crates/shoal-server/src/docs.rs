@@ -93,7 +93,7 @@ pub async fn put(
     let key = extract::doc_key(&uri)?;
     let precondition = extract::precondition(&headers)?;
     let expiry = extract::expiry(params.expiry)?;
-    let value = extract::body(body, DOC_MAX_BYTES).await?;
+    let value = extract::body(&state, body, DOC_MAX_BYTES).await?;
     shoal_json::validate(&value).map_err(|e| ApiError::invalid_json(e.to_string()))?;
     let (op, cas) = match precondition {
         Precondition::None => (WriteOp::Upsert, None),
@@ -202,7 +202,7 @@ struct MultiGet {
 pub async fn multi_get(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
     let coll = collection(&state, &uri)?;
-    let body = extract::body(body, MULTI_GET_BODY_MAX_BYTES).await?;
+    let body = extract::body(&state, body, MULTI_GET_BODY_MAX_BYTES).await?;
     let request: MultiGet = extract::json_body(&body)?;
     if request.keys.len() > MULTI_GET_KEYS_MAX {
         return Err(ApiError::too_large(format!("at most {MULTI_GET_KEYS_MAX} keys per _get")));
@@ -283,7 +283,7 @@ enum CasField {
 pub async fn bulk(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
     let params: RemoveParams = extract::query(q.as_deref())?;
     let coll = collection(&state, &uri)?;
-    let body = extract::body(body, BULK_BODY_MAX_BYTES).await?;
+    let body = extract::body(&state, body, BULK_BODY_MAX_BYTES).await?;
     // Parse every line first; only the valid ones reach the store, in order.
     let mut slots: Vec<Result<usize, ApiError>> = Vec::new();
     let mut requests = Vec::new();

@@ -33,6 +33,10 @@ impl ApiError {
     pub fn too_large(reason: impl Into<String>) -> Self {
         Self::new(StatusCode::PAYLOAD_TOO_LARGE, "too_large", reason)
     }
+    /// A request body that did not arrive in time: the rest of it is not read.
+    pub fn body_timeout(reason: impl Into<String>) -> Self {
+        ApiError { close_connection: true, ..Self::new(StatusCode::REQUEST_TIMEOUT, "timeout", reason) }
+    }
     /// A request body over its limit: the rest of it is not read.
     pub fn body_too_large(reason: impl Into<String>) -> Self {
         ApiError { close_connection: true, ..Self::too_large(reason) }
@@ -83,6 +87,8 @@ impl IntoResponse for ApiError {
             StatusCode::SERVICE_UNAVAILABLE | StatusCode::GATEWAY_TIMEOUT => {
                 tracing::warn!(code = self.code, reason = %self.reason, "request refused")
             }
+            // The watchdog logs the disk filling up once; each refused write is no news.
+            StatusCode::INSUFFICIENT_STORAGE => tracing::debug!(code = self.code, reason = %self.reason, "request refused"),
             s if s.is_server_error() => tracing::error!(code = self.code, reason = %self.reason, "request failed"),
             _ => {}
         }
@@ -132,7 +138,7 @@ impl From<&WriteError> for ApiError {
             WriteError::TooLarge => ApiError::too_large(reason),
             WriteError::MissingValue => ApiError::bad_request(reason),
             WriteError::CollectionDropped => ApiError::new(StatusCode::NOT_FOUND, "collection_not_found", reason),
-            WriteError::NotDurable | WriteError::CommitFailed(_) | WriteError::ReadOnly(_) | WriteError::Busy => {
+            WriteError::NotDurable | WriteError::CommitFailed(_) | WriteError::ReadOnly(_) | WriteError::Busy | WriteError::Restarting => {
                 ApiError::unavailable(reason)
             }
             WriteError::DiskFull => ApiError::insufficient_storage(reason),

@@ -4,7 +4,6 @@
 
 use axum::body::Body;
 use axum::http::{HeaderMap, Uri};
-use http_body_util::BodyExt;
 use serde::de::DeserializeOwned;
 use shoal_storage::Cas;
 
@@ -66,15 +65,49 @@ pub fn consistency(value: Option<&str>) -> Result<shoal_index::Consistency, ApiE
     }
 }
 
-/// Reads the whole body, refusing more than `limit` bytes with `too_large`.
-pub async fn body(body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {
-    match http_body_util::Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
-            Err(ApiError::body_too_large(format!("the body is larger than {limit} bytes")))
+/// Bytes per second a request body must keep up, on average, once its first
+/// [`crate::BodyTimeouts::base`] has passed: each such many bytes received extend the
+/// deadline by a second (Apache's `mod_reqtimeout` rule, `body=20,MinRate=500`).
+pub const BODY_MIN_BYTES_PER_SEC: usize = 500;
+
+/// Reads the whole body, refusing more than `limit` bytes with `too_large` and a body that
+/// arrives too slowly (see [`BODY_MIN_BYTES_PER_SEC`]) with `timeout`.
+pub async fn body(state: &crate::AppState, body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {
+    let mut stream = body.into_data_stream();
+    let mut deadline = tokio::time::Instant::now() + state.body_timeout;
+    let mut chunks: Vec<bytes::Bytes> = Vec::new();
+    let mut len = 0usize;
+    loop {
+        let next = tokio::time::timeout_at(deadline, futures::StreamExt::next(&mut stream)).await.map_err(|_| {
+            ApiError::body_timeout(format!(
+                "the request body did not arrive in time ({len} bytes after {} s; keep up at least {BODY_MIN_BYTES_PER_SEC} bytes/s)",
+                state.body_timeout.as_secs()
+            ))
+        })?;
+        match next {
+            None => break,
+            Some(Ok(chunk)) => {
+                len += chunk.len();
+                if len > limit {
+                    return Err(ApiError::body_too_large(format!("the body is larger than {limit} bytes")));
+                }
+                deadline += std::time::Duration::from_secs_f64(chunk.len() as f64 / BODY_MIN_BYTES_PER_SEC as f64);
+                chunks.push(chunk);
+            }
+            Some(Err(e)) => return Err(ApiError::bad_request(format!("could not read the body: {e}"))),
         }
-        Err(e) => Err(ApiError::bad_request(format!("could not read the body: {e}"))),
     }
+    Ok(match chunks.len() {
+        0 => bytes::Bytes::new(),
+        1 => chunks.pop().unwrap_or_default(),
+        _ => {
+            let mut all = bytes::BytesMut::with_capacity(len);
+            for c in chunks {
+                all.extend_from_slice(&c);
+            }
+            all.freeze()
+        }
+    })
 }
 
 /// What an `If-Match` / `If-None-Match` pair asks for.

@@ -40,7 +40,7 @@ fn index_name(uri: &Uri) -> Result<String, ApiError> {
 pub async fn create(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
     let coll = collection(&state, &uri)?;
-    let body = extract::body(body, INDEX_BODY_MAX_BYTES).await?;
+    let body = extract::body(&state, body, INDEX_BODY_MAX_BYTES).await?;
     let def: IndexDef = extract::json_body(&body)?;
     let status = state.indexes.create(&coll, def).await?;
     Ok(json_response(StatusCode::CREATED, status_json(&status).to_string().into_bytes()))
@@ -70,7 +70,7 @@ struct BuildManyBody {
 pub async fn build_many(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
     let coll = collection(&state, &uri)?;
-    let body = extract::body(body, INDEX_BODY_MAX_BYTES).await?;
+    let body = extract::body(&state, body, INDEX_BODY_MAX_BYTES).await?;
     let req: BuildManyBody = extract::json_body(&body)?;
     let list: Vec<Value> = state.indexes.build_many(&coll, &req.names).await?.iter().map(status_json).collect();
     Ok(json_response(StatusCode::OK, Value::Array(list).to_string().into_bytes()))
@@ -116,7 +116,7 @@ pub async fn scan(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery
     extract::no_params(q.as_deref())?;
     let coll = collection(&state, &uri)?;
     let name = index_name(&uri)?;
-    let body = extract::body(body, INDEX_BODY_MAX_BYTES).await?;
+    let body = extract::body(&state, body, INDEX_BODY_MAX_BYTES).await?;
     let req: ScanBody = if body.iter().all(u8::is_ascii_whitespace) { ScanBody::default() } else { extract::json_body(&body)? };
     let bounds = match (req.eq, req.range) {
         (Some(_), Some(_)) => return Err(ApiError::bad_request("give `eq` or `range`, not both")),

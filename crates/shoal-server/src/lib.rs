@@ -5,18 +5,20 @@
 
 mod changes;
 mod collections;
+mod conn;
 mod cpu;
 mod docs;
 mod error;
 mod extract;
 mod indexes;
+mod limits;
 mod ops;
 mod query;
 mod subdoc;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::routing::{get, post, put};
 use axum::Router;
@@ -24,11 +26,9 @@ use shoal_storage::{Store, StoreConfig};
 use thiserror::Error;
 use tokio::sync::watch;
 
+pub use conn::{BODY_READ_TIMEOUT, CONNECTIONS_MAX, HEADER_READ_TIMEOUT, IDLE_TIMEOUT};
 pub use cpu::lower_this_thread;
 pub use error::ApiError;
-
-/// How long a shutdown waits for open requests (long feeds are told to end at once).
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Error)]
 pub enum ServerError {
@@ -55,6 +55,32 @@ pub struct ServerConfig {
     pub analytics_partitions: Option<usize>,
     /// Memory for analytics in bytes (default: a quarter of the machine's).
     pub analytics_memory: Option<u64>,
+    /// Connection cap and timeouts.
+    pub connections: ConnectionLimits,
+}
+
+/// How many client connections the node holds and how long it waits for slow or idle ones.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnectionLimits {
+    /// Most open connections; one more gets `503` and is closed.
+    pub max: usize,
+    /// Longest wait for a request's headers (HTTP/1), idle keep-alive included.
+    pub header_read_timeout: std::time::Duration,
+    /// A connection with nothing in flight and no bytes moving this long is closed.
+    pub idle_timeout: std::time::Duration,
+    /// A request body's first deadline, extended as bytes arrive (see `extract::body`).
+    pub body_read_timeout: std::time::Duration,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits {
+            max: conn::CONNECTIONS_MAX,
+            header_read_timeout: conn::HEADER_READ_TIMEOUT,
+            idle_timeout: conn::IDLE_TIMEOUT,
+            body_read_timeout: conn::BODY_READ_TIMEOUT,
+        }
+    }
 }
 
 /// Shared by every handler.
@@ -75,6 +101,10 @@ pub struct AppState {
     pub cpu: cpu::CpuPool,
     /// Becomes `true` when the server shuts down; long feeds end then.
     pub shutdown: watch::Receiver<bool>,
+    /// A request body's first deadline (see `extract::body`).
+    pub body_timeout: std::time::Duration,
+    /// Per-class concurrency limits.
+    pub limits: limits::Limits,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -100,6 +130,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/collections/{c}/indexes/{name}/scan", post(indexes::scan))
         .route("/v1/query", post(query::query))
         .route("/v1/analytics", post(query::analytics))
+        .route_layer(axum::middleware::from_fn_with_state(state.limits.clone(), limits::limit))
         .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn(ops::telemetry))
@@ -123,6 +154,7 @@ pub struct Server {
     listener: tokio::net::TcpListener,
     state: AppState,
     shutdown_tx: watch::Sender<bool>,
+    connections: ConnectionLimits,
 }
 
 impl Server {
@@ -156,45 +188,69 @@ impl Server {
             parsed: Arc::default(),
             cpu: cpu::CpuPool::new()?,
             shutdown,
+            body_timeout: config.connections.body_read_timeout,
+            limits: limits::Limits::new(cores),
         };
-        Ok(Server { listener, state, shutdown_tx })
+        Ok(Server { listener, state, shutdown_tx, connections: config.connections })
     }
 
     pub fn local_addr(&self) -> Result<SocketAddr, ServerError> {
         Ok(self.listener.local_addr()?)
     }
 
-    /// Serves until `shutdown` resolves, then drains requests briefly and closes the store
-    /// cleanly (everything flushed and fsynced).
-    pub async fn run(self, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> Result<(), ServerError> {
-        use axum::serve::ListenerExt;
-        let Server { listener, state, shutdown_tx } = self;
+    /// Serves until `shutdown` resolves (or the storage engine must be reopened), then
+    /// drains requests briefly and closes the store cleanly (everything flushed and
+    /// fsynced). Says whether the caller should start the node again at once.
+    pub async fn run(self, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> Result<RunOutcome, ServerError> {
+        let Server { listener, state, shutdown_tx, connections } = self;
         let store = Arc::clone(&state.store);
         let indexes = Arc::clone(&state.indexes);
         let shadows = Arc::clone(&state.shadows);
-        let listener = listener.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        let (stopping_tx, mut stopping_rx) = watch::channel(false);
-        let signal = async move {
-            shutdown.await;
-            tracing::info!("shutting down");
-            let _ = shutdown_tx.send(true);
-            let _ = stopping_tx.send(true);
+        let restart = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let signal = {
+            let (store, restart, shutdown_tx) = (Arc::clone(&store), Arc::clone(&restart), shutdown_tx.clone());
+            async move {
+                let engine_poisoned = async {
+                    while !store.restart_needed() {
+                        tokio::time::sleep(shoal_storage::DISK_WATCH_INTERVAL).await;
+                    }
+                };
+                tokio::select! {
+                    _ = shutdown => tracing::info!("shutting down"),
+                    _ = engine_poisoned => {
+                        tracing::warn!("restarting to reopen the storage engine after a full disk");
+                        restart.store(true, std::sync::atomic::Ordering::SeqCst);
+                    }
+                }
+                let _ = shutdown_tx.send(true);
+            }
         };
-        let serve = axum::serve(listener, router(state)).with_graceful_shutdown(signal);
-        let serve = tokio::spawn(async move { serve.await });
-        let _ = stopping_rx.wait_for(|s| *s).await;
-        if tokio::time::timeout(SHUTDOWN_GRACE, serve).await.is_err() {
-            tracing::warn!("requests still open after the grace period; closing anyway");
-        }
+        tokio::spawn(signal);
+        conn::serve(listener, router(state.clone()), connections, state.shutdown.clone()).await;
         shadows.close().await;
         if let Err(e) = indexes.close() {
             tracing::warn!(error = %e, "closing the index database");
         }
-        tokio::task::spawn_blocking(move || store.close()).await.map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
-        Ok(())
+        let restart = restart.load(std::sync::atomic::Ordering::SeqCst);
+        let closed = tokio::task::spawn_blocking(move || store.close()).await.map_err(|e| ServerError::Io(std::io::Error::other(e)))?;
+        match (closed, restart) {
+            (Ok(()), false) => Ok(RunOutcome::Stopped),
+            // A poisoned engine cannot flush; its journal (in the page cache) has every
+            // acknowledged write, and the next start recovers from it.
+            (_, true) => Ok(RunOutcome::Restart),
+            (Err(e), false) => Err(e.into()),
+        }
     }
+}
+
+/// How [`Server::run`] ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RunOutcome {
+    /// Asked to stop; everything is closed cleanly.
+    Stopped,
+    /// The storage engine was poisoned by a full disk and space is back: start the node
+    /// again (the process re-executes itself) to reopen it.
+    Restart,
 }
 
 /// Physical memory in bytes (`/proc/meminfo`; 4 GiB where it cannot be read).

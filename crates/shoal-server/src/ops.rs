@@ -84,7 +84,7 @@ pub const ROUTES: &[(&str, &str, &str)] = &[
     ("POST", "/v1/analytics", "analytics"),
 ];
 
-fn operation_name(method: &str, route: Option<&str>) -> &'static str {
+pub(crate) fn operation_name(method: &str, route: Option<&str>) -> &'static str {
     let route = route.unwrap_or("");
     ROUTES.iter().find(|(m, r, _)| *m == method && *r == route).map_or("other", |(_, _, op)| op)
 }
@@ -95,7 +95,11 @@ fn describe_metrics() {
     describe_counter!("shoal_requests_total", "HTTP requests answered, by operation and status class");
     describe_histogram!("shoal_request_duration_seconds", Unit::Seconds, "Time to answer an HTTP request, by operation");
     describe_counter!("shoal_subdoc_parsed_cache_total", "Sub-document requests by how the parsed-tree cache served them");
-    describe_histogram!("shoal_analytics_lag_seconds", Unit::Seconds, "Age of the changes an analytics shadow applied, when it applied them");
+    describe_histogram!(
+        "shoal_analytics_lag_seconds",
+        Unit::Seconds,
+        "Age of the changes an analytics shadow applied, when it applied them"
+    );
     describe_gauge!("shoal_documents", "Live documents, by collection");
     describe_gauge!("shoal_document_bytes", Unit::Bytes, "Bytes of live documents, by collection");
     describe_gauge!("shoal_changes", "Changes made to a collection so far: the sum of its partitions' high seqnos");
@@ -109,8 +113,38 @@ fn describe_metrics() {
     describe_counter!("shoal_requests_shed_total", "Requests refused because their class was at its concurrency limit, by class");
 }
 
-pub async fn health() -> Response {
-    json_response(StatusCode::OK, br#"{"status":"ok"}"#.to_vec())
+/// The node's real state: whether storage takes writes, and how the index and analytics
+/// maintainers are doing. 503 when the node cannot serve writes (disk full, read-only).
+pub async fn health(State(state): State<AppState>) -> Response {
+    let storage = state.store.health();
+    let tasks = |r: shoal_storage::TaskReport| serde_json::json!({"maintainers": r.running, "failing": r.failing, "errors": r.errors, "last_error": r.last_error});
+    let (indexes, analytics) = (state.indexes.health.report(), state.shadows.health.report());
+    let degraded = indexes.failing || analytics.failing;
+    let status = match (storage.writable(), degraded) {
+        (false, _) => "unavailable",
+        (true, true) => "degraded",
+        (true, false) => "ok",
+    };
+    let mut storage_json = serde_json::json!({"state": storage.as_str(), "writable": storage.writable()});
+    match &storage {
+        shoal_storage::StorageState::Ok => {}
+        shoal_storage::StorageState::DiskFull { path, free_bytes, poisoned } => {
+            let then = if *poisoned { "; the node restarts once space is freed" } else { "" };
+            storage_json["reason"] = format!("data path {} has {free_bytes} bytes free, below the reserve{then}", path + 1).into();
+        }
+        shoal_storage::StorageState::Restart => {
+            storage_json["reason"] = "restarting to reopen the storage engine after a full disk".into();
+        }
+        shoal_storage::StorageState::Failed { reason } => storage_json["reason"] = reason.clone().into(),
+    }
+    let body = serde_json::json!({
+        "status": status,
+        "storage": storage_json,
+        "indexes": tasks(indexes),
+        "analytics": tasks(analytics),
+    });
+    let code = if storage.writable() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    json_response(code, body.to_string().into_bytes())
 }
 
 pub async fn node(State(state): State<AppState>) -> Response {

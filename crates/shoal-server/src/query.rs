@@ -40,7 +40,7 @@ pub async fn analytics(State(state): State<AppState>, RawQuery(q): RawQuery, hea
 
 async fn run(state: AppState, q: Option<String>, headers: HeaderMap, body: Body, path: Path) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
-    let body = extract::body(body, QUERY_BODY_MAX_BYTES).await?;
+    let body = extract::body(&state, body, QUERY_BODY_MAX_BYTES).await?;
     let req: QueryBody = extract::json_body(&body)?;
     let consistency = extract::consistency(req.consistency.as_deref())?;
     let timeout = req.timeout_ms.map(Duration::from_millis).unwrap_or(QUERY_TIMEOUT_DEFAULT);

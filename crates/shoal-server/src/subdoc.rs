@@ -162,7 +162,7 @@ async fn read_request<T: serde::de::DeserializeOwned>(
     extract::no_params(query)?;
     let coll = collection(state, uri)?;
     let key = extract::doc_key(uri)?;
-    let body = extract::body(body, SUBDOC_BODY_MAX_BYTES).await?;
+    let body = extract::body(state, body, SUBDOC_BODY_MAX_BYTES).await?;
     Ok((coll, key, extract::json_body(&body)?))
 }
 

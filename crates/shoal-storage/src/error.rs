@@ -112,6 +112,8 @@ pub enum WriteError {
     DiskFull,
     #[error("the node is read-only after a storage failure ({0}); restart it once the cause is fixed")]
     ReadOnly(String),
+    #[error("the node is restarting to recover from a full disk; try again in a few seconds")]
+    Restarting,
     #[error("the partition is busy: its sequencer was held for longer than the wait limit")]
     Busy,
     #[error("the write could not be committed: {0}")]
@@ -129,6 +131,7 @@ impl WriteError {
             WriteError::DiskFull => WriteError::DiskFull,
             WriteError::ReadOnly(r) => WriteError::ReadOnly(r.clone()),
             WriteError::Busy => WriteError::Busy,
+            WriteError::Restarting => WriteError::Restarting,
             WriteError::CollectionDropped => WriteError::CollectionDropped,
             other => WriteError::CommitFailed(other.to_string()),
         }

@@ -506,7 +506,7 @@ impl Partition {
         }
         if let Err(e) = batch.commit() {
             self.health.engine_error(&e);
-            return Err(WriteError::from(e));
+            return Err(if crate::health::is_out_of_space(&e) { WriteError::DiskFull } else { WriteError::from(e) });
         }
         let ticket = self.syncer.ticket();
         for change in changes {

@@ -160,11 +160,15 @@ impl Store {
         store.watch_disks();
         let handles = {
             let (weak, stop) = (Arc::downgrade(&store), Arc::clone(&store.stop));
-            let background =
-                std::thread::Builder::new().name("shoal-background".into()).spawn(move || background_loop(weak, stop)).map_err(io_err(first))?;
+            let background = std::thread::Builder::new()
+                .name("shoal-background".into())
+                .spawn(move || background_loop(weak, stop))
+                .map_err(io_err(first))?;
             let (weak, stop) = (Arc::downgrade(&store), Arc::clone(&store.stop));
-            let watchdog =
-                std::thread::Builder::new().name("shoal-disk-watch".into()).spawn(move || disk_watch_loop(weak, stop)).map_err(io_err(first))?;
+            let watchdog = std::thread::Builder::new()
+                .name("shoal-disk-watch".into())
+                .spawn(move || disk_watch_loop(weak, stop))
+                .map_err(io_err(first))?;
             vec![background, watchdog]
         };
         *store.background.lock() = handles;
@@ -174,6 +178,12 @@ impl Store {
     /// Whether the store can take writes now, and why not.
     pub fn health(&self) -> StorageState {
         self.health.state()
+    }
+
+    /// Whether the engine must be reopened, by restarting the process, to take writes again
+    /// (it was poisoned by a full disk and the space is back; see [`crate::health`]).
+    pub fn restart_needed(&self) -> bool {
+        self.health.restart_needed()
     }
 
     /// Reads every data path's free space once and updates the disk-full state.

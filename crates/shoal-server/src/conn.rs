@@ -1,0 +1,274 @@
+//! Connections: the accept loop, the connection cap, and the timeouts that keep idle, slow
+//! or silent clients from holding the node's resources.
+//!
+//! hyper serves each connection (HTTP/1.1 or h2c, told apart by the preface). On top of it:
+//! - at most [`CONNECTIONS_MAX`] connections; one more is closed at once (and counted), so
+//!   a flood of connections costs file descriptors up to the cap and no more;
+//! - HTTP/1 request headers must arrive within [`HEADER_READ_TIMEOUT`] (hyper's timer);
+//! - a connection with no request in flight and no bytes moving for [`IDLE_TIMEOUT`] is
+//!   closed, whatever its protocol: this also covers a client that connects and never
+//!   sends a preface, which hyper alone would wait for forever;
+//! - request bodies have their own deadline (see [`crate::extract::body`]).
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::Router;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, Semaphore};
+
+use crate::ConnectionLimits;
+
+/// Most client connections open at once.
+pub const CONNECTIONS_MAX: usize = 8192;
+/// Longest wait for a request's headers, from the moment the connection waits for them
+/// (so it also bounds an idle keep-alive HTTP/1 connection).
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(20);
+/// A connection with nothing in flight and no bytes moving for this long is closed.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// A request body's first deadline (extended as bytes arrive; see `extract::body`).
+pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(20);
+/// How often a connection checks whether it has been idle too long.
+const IDLE_CHECK_INTERVAL: Duration = Duration::from_secs(1);
+/// HTTP/2 pings an idle peer this often and closes the connection if it does not answer.
+const H2_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
+const H2_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Concurrent streams one HTTP/2 connection may open.
+const H2_STREAMS_MAX: u32 = 256;
+/// Longest a refusal over the connection cap may take to write.
+const REFUSAL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Pause after an accept error (out of file descriptors) before accepting again.
+const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
+/// How long a shutdown waits for open requests (long feeds are told to end at once).
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// What moves on one connection: when bytes last moved, and requests whose answer has not
+/// been sent in full.
+struct Activity {
+    born: Instant,
+    last_ms: AtomicU64,
+    in_flight: AtomicUsize,
+}
+
+impl Activity {
+    fn new() -> Arc<Activity> {
+        Arc::new(Activity { born: Instant::now(), last_ms: AtomicU64::new(0), in_flight: AtomicUsize::new(0) })
+    }
+
+    fn touch(&self) {
+        self.last_ms.store(self.born.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    fn idle_for(&self) -> Duration {
+        let now = self.born.elapsed().as_millis() as u64;
+        Duration::from_millis(now.saturating_sub(self.last_ms.load(Ordering::Relaxed)))
+    }
+}
+
+/// The socket, noting activity on every read and write.
+struct Watched {
+    io: TcpStream,
+    activity: Arc<Activity>,
+}
+
+impl AsyncRead for Watched {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.io).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.activity.touch();
+        }
+        r
+    }
+}
+
+impl AsyncWrite for Watched {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.io).poll_write(cx, data);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.activity.touch();
+        }
+        r
+    }
+    fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[std::io::IoSlice<'_>]) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.activity.touch();
+        }
+        r
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+/// Counts a request in flight until its answer's body is done (or dropped).
+struct InFlight(Arc<Activity>);
+
+impl InFlight {
+    fn start(activity: &Arc<Activity>) -> InFlight {
+        activity.in_flight.fetch_add(1, Ordering::AcqRel);
+        InFlight(Arc::clone(activity))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.0.touch();
+    }
+}
+
+/// An answer body that holds its request's [`InFlight`] until it ends.
+struct TrackedBody {
+    inner: Body,
+    _in_flight: InFlight,
+}
+
+impl http_body::Body for TrackedBody {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Accepts connections until `shutdown` turns true, then lets open requests finish for
+/// [`SHUTDOWN_GRACE`].
+pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimits, mut shutdown: watch::Receiver<bool>) {
+    raise_fd_limit();
+    let permits = Arc::new(Semaphore::new(limits.max));
+    let (closing_tx, closing) = watch::channel(false);
+    let open = Arc::new(AtomicUsize::new(0));
+    loop {
+        let (tcp, _peer): (TcpStream, SocketAddr) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    // Out of file descriptors, say: the pending connections wait in the backlog.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
+                    continue;
+                }
+            },
+            _ = shutdown.wait_for(|s| *s) => break,
+        };
+        let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
+            metrics::counter!("shoal_connections_refused_total").increment(1);
+            tokio::spawn(refuse(tcp));
+            continue;
+        };
+        let _ = tcp.set_nodelay(true);
+        let (router, mut closing, open) = (router.clone(), closing.clone(), Arc::clone(&open));
+        tokio::spawn(async move {
+            open.fetch_add(1, Ordering::Relaxed);
+            metrics::gauge!("shoal_connections").increment(1.0);
+            serve_one(tcp, router, limits, &mut closing).await;
+            metrics::gauge!("shoal_connections").decrement(1.0);
+            open.fetch_sub(1, Ordering::Relaxed);
+            drop(permit);
+        });
+    }
+    drop(listener);
+    let _ = closing_tx.send(true);
+    let deadline = Instant::now() + SHUTDOWN_GRACE;
+    while open.load(Ordering::Relaxed) > 0 {
+        if Instant::now() >= deadline {
+            tracing::warn!("requests still open after the grace period; closing anyway");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A connection over the cap gets a plain `503` and is closed, without its request being
+/// read: a clear answer for the client, and nothing held.
+async fn refuse(mut tcp: TcpStream) {
+    use tokio::io::AsyncWriteExt;
+    let body = r#"{"error":"unavailable","reason":"the node is at its connection limit; try again shortly"}"#;
+    let answer = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = tokio::time::timeout(REFUSAL_WRITE_TIMEOUT, tcp.write_all(answer.as_bytes())).await;
+}
+
+async fn serve_one(tcp: TcpStream, router: Router, limits: ConnectionLimits, closing: &mut watch::Receiver<bool>) {
+    let activity = Activity::new();
+    let io = TokioIo::new(Watched { io: tcp, activity: Arc::clone(&activity) });
+    let tracker = Arc::clone(&activity);
+    let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+        let in_flight = InFlight::start(&tracker);
+        let router = router.clone();
+        async move {
+            use tower::ServiceExt;
+            let response = router.oneshot(req.map(Body::new)).await.unwrap_or_else(|never| match never {});
+            Ok::<_, std::convert::Infallible>(response.map(|inner| Body::new(TrackedBody { inner, _in_flight: in_flight })))
+        }
+    });
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout).keep_alive(true);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(H2_KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT)
+        .max_concurrent_streams(H2_STREAMS_MAX);
+    let conn = builder.serve_connection(io, service);
+    tokio::pin!(conn);
+    let mut ticker = tokio::time::interval(IDLE_CHECK_INTERVAL.min(limits.idle_timeout));
+    let mut graceful = false;
+    loop {
+        tokio::select! {
+            _ = conn.as_mut() => return,
+            _ = ticker.tick() => {
+                if activity.in_flight.load(Ordering::Acquire) == 0 && activity.idle_for() >= limits.idle_timeout {
+                    return; // dropping the connection closes it
+                }
+            }
+            _ = closing.wait_for(|c| *c), if !graceful => {
+                graceful = true;
+                conn.as_mut().graceful_shutdown();
+            }
+        }
+    }
+}
+
+/// Raises the soft limit of open files to the hard limit, so that the connection cap, not
+/// the default 1024 descriptors, bounds the connections.
+fn raise_fd_limit() {
+    #[cfg(unix)]
+    {
+        // SAFETY: getrlimit/setrlimit write to / read from the struct we own.
+        unsafe {
+            let mut lim: libc::rlimit = std::mem::zeroed();
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+                lim.rlim_cur = lim.rlim_max;
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                    tracing::debug!(error = %std::io::Error::last_os_error(), "could not raise the open-file limit");
+                }
+            }
+        }
+    }
+}

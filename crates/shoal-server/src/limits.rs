@@ -1,0 +1,147 @@
+//! Per-class concurrency limits: a flood of one kind of request (sub-document lookups, SQL,
+//! analytics, writes, index scans) cannot take every core and starve key/value reads.
+//!
+//! Each class has a number of requests that may run at once and a queue of those waiting
+//! for a turn; a request that finds the queue full is refused at once with
+//! `503 unavailable` (it costs the node nothing but the refusal). Key/value reads,
+//! collection calls and operations endpoints are not limited: they are cheap and they are
+//! what the limits protect.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use axum::extract::{MatchedPath, Request};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use tokio::sync::Semaphore;
+
+use crate::error::ApiError;
+
+/// Requests of one class waiting for a turn, beyond which more are refused, per running slot.
+pub const QUEUE_PER_SLOT: usize = 64;
+
+/// The classes that are limited.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Class {
+    Subdoc,
+    Query,
+    Analytics,
+    Write,
+    IndexScan,
+}
+
+impl Class {
+    fn name(self) -> &'static str {
+        match self {
+            Class::Subdoc => "subdoc",
+            Class::Query => "query",
+            Class::Analytics => "analytics",
+            Class::Write => "write",
+            Class::IndexScan => "index_scan",
+        }
+    }
+
+    /// The class of an operation name (see `ops::ROUTES`); `None` is not limited.
+    pub fn of(op: &str) -> Option<Class> {
+        Some(match op {
+            "subdoc_lookup" | "subdoc_mutate" => Class::Subdoc,
+            "query" => Class::Query,
+            "analytics" => Class::Analytics,
+            "doc_put" | "doc_remove" | "doc_touch" | "doc_unlock" | "bulk" => Class::Write,
+            "index_scan" => Class::IndexScan,
+            _ => return None,
+        })
+    }
+
+    /// Requests of the class that run at once on a node with `cores` cores. Sub-document
+    /// work is CPU on the low-priority pool, so a few per core keep it busy; SQL spreads
+    /// over every core by itself; analytics even more so; writes mostly wait for the
+    /// engine.
+    fn slots(self, cores: usize) -> usize {
+        match self {
+            Class::Subdoc => 2 * cores,
+            Class::Query => cores,
+            Class::Analytics => 2,
+            Class::Write => 16 * cores,
+            Class::IndexScan => 2 * cores,
+        }
+    }
+}
+
+struct Gate {
+    class: Class,
+    running: Arc<Semaphore>,
+    waiting: AtomicUsize,
+    queue_max: usize,
+}
+
+/// The gates of every limited class.
+#[derive(Clone)]
+pub struct Limits {
+    gates: Arc<Vec<Gate>>,
+}
+
+impl Limits {
+    pub fn new(cores: usize) -> Limits {
+        let cores = cores.max(1);
+        let gates = [Class::Subdoc, Class::Query, Class::Analytics, Class::Write, Class::IndexScan]
+            .into_iter()
+            .map(|class| {
+                let slots = class.slots(cores);
+                Gate { class, running: Arc::new(Semaphore::new(slots)), waiting: AtomicUsize::new(0), queue_max: slots * QUEUE_PER_SLOT }
+            })
+            .collect();
+        Limits { gates: Arc::new(gates) }
+    }
+
+    fn gate(&self, class: Class) -> Option<&Gate> {
+        self.gates.iter().find(|g| g.class == class)
+    }
+}
+
+/// Waits for a turn of the request's class (or refuses it when too many wait), then runs it.
+pub async fn limit(limits: axum::extract::State<Limits>, matched: Option<MatchedPath>, req: Request, next: Next) -> Response {
+    let op = crate::ops::operation_name(req.method().as_str(), matched.as_ref().map(|m| m.as_str()));
+    let Some(gate) = Class::of(op).and_then(|c| limits.gate(c)) else {
+        return next.run(req).await;
+    };
+    let permit = match Arc::clone(&gate.running).try_acquire_owned() {
+        Ok(p) => p,
+        Err(_) => {
+            if gate.waiting.fetch_add(1, Ordering::AcqRel) >= gate.queue_max {
+                gate.waiting.fetch_sub(1, Ordering::AcqRel);
+                metrics::counter!("shoal_requests_shed_total", "class" => gate.class.name()).increment(1);
+                return ApiError::unavailable(format!("too many {} requests at once; try again shortly", gate.class.name()))
+                    .into_response();
+            }
+            let permit = Arc::clone(&gate.running).acquire_owned().await;
+            gate.waiting.fetch_sub(1, Ordering::AcqRel);
+            match permit {
+                Ok(p) => p,
+                Err(_) => return ApiError::unavailable("the node is shutting down").into_response(),
+            }
+        }
+    };
+    let response = next.run(req).await;
+    drop(permit);
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classes_cover_the_heavy_operations_only() {
+        for (_, _, op) in crate::ops::ROUTES {
+            let class = Class::of(op);
+            match *op {
+                "doc_get" | "multi_get" | "health" | "metrics" | "node" | "changes" => assert_eq!(class, None, "{op}"),
+                "subdoc_lookup" | "query" | "analytics" | "doc_put" | "bulk" | "index_scan" => assert!(class.is_some(), "{op}"),
+                _ => {}
+            }
+        }
+        let limits = Limits::new(2);
+        assert_eq!(limits.gate(Class::Subdoc).map(|g| g.running.available_permits()), Some(4));
+    }
+}
