@@ -181,7 +181,17 @@ async fn bad_sql_input_gets_clear_errors_and_the_server_keeps_serving() {
             "timeout",
             "",
         ),
-        (json!({"sql": "SELECT * FROM generate_series(1, 200000)"}), StatusCode::BAD_REQUEST, "bad_request", "LIMIT"),
+        (json!({"sql": "SELECT * FROM generate_series(1, 200000)"}), StatusCode::PAYLOAD_TOO_LARGE, "too_large", "LIMIT"),
+        // Functions that choose their output size are bounded before they allocate.
+        (json!({"sql": "SELECT repeat('x', 2000000000)"}), StatusCode::BAD_REQUEST, "query_error", "at most"),
+        (json!({"sql": "SELECT array_repeat('abc', 1000000000)"}), StatusCode::BAD_REQUEST, "query_error", "at most"),
+        // A statement that would need gigabytes stops at the query's memory cap.
+        (
+            json!({"sql": "SELECT array_agg(repeat('x', 1000)) FROM generate_series(1, 2000000)"}),
+            StatusCode::BAD_REQUEST,
+            "query_error",
+            "memory",
+        ),
     ];
     // Both SQL endpoints take the same requests and refuse the same input.
     for path in ["/v1/query", "/v1/analytics"] {
@@ -203,6 +213,33 @@ async fn bad_sql_input_gets_clear_errors_and_the_server_keeps_serving() {
     }
     // Nothing was lost and the server still answers.
     assert_eq!(rows(&node, &c, "SELECT count(*) FROM people", json!([])).await, [json!([4])]);
+}
+
+/// Decimal literals are exact, as in PostgreSQL and DuckDB: TPC-H query 6's
+/// `BETWEEN 0.06 - 0.01 AND 0.06 + 0.01` keeps the rows at 0.07, and decimal answers come
+/// back with their own digits.
+#[tokio::test]
+async fn decimal_literals_are_exact() {
+    let node = Node::start(&["--partitions", "4"]);
+    let c = node.client();
+    c.put(node.u("/v1/collections/li")).send().await.unwrap();
+    for (i, d) in [0.04, 0.05, 0.06, 0.07, 0.08].iter().enumerate() {
+        c.put(node.u(&format!("/v1/collections/li/docs/{i}")))
+            .body(json!({"discount": d, "price": 100.25}).to_string())
+            .send()
+            .await
+            .unwrap();
+    }
+    for path in ["/v1/query", "/v1/analytics"] {
+        let sql = "SELECT count(*) FROM li WHERE discount BETWEEN 0.06 - 0.01 AND 0.06 + 0.01";
+        let (s, r) = sql_at(&node, &c, path, json!({"sql": sql, "consistency": "request_plus"})).await;
+        assert_eq!(s, StatusCode::OK, "{r}");
+        assert_eq!(r["rows"], json!([[3]]), "{path}: 0.05, 0.06 and 0.07 qualify");
+        let (_, r) = sql_at(&node, &c, path, json!({"sql": "SELECT 0.06 + 0.01 AS d, 1.10 * 3 AS m, CAST(2 AS DECIMAL(10,3)) AS z"})).await;
+        assert_eq!(r["rows"], json!([[0.07, 3.3, 2.0]]), "{path}: {r}");
+        let (_, r) = sql_at(&node, &c, path, json!({"sql": "SELECT 0.1 + 0.2 = 0.3"})).await;
+        assert_eq!(r["rows"], json!([[true]]), "{path}");
+    }
 }
 
 #[tokio::test]
@@ -232,4 +269,72 @@ async fn cli_runs_statements() {
     assert_eq!(answers.iter().map(|a| a["rows"].clone()).collect::<Vec<_>>(), [json!([[1]]), json!([[";"]])]);
     let (ok, _, err) = node.cli(&["sql", "-e", "SELEC 1"]);
     assert!(!ok && err.contains("query_error"), "{err}");
+}
+
+/// A query whose client goes away is cancelled at once, not run to its timeout.
+#[tokio::test]
+async fn a_query_is_cancelled_when_its_client_disconnects() {
+    use tokio::io::AsyncWriteExt;
+    let node = Node::start(&["--partitions", "4"]);
+    let c = node.client();
+    let running = |text: &str, path: &str| -> f64 {
+        text.lines()
+            .find(|l| l.starts_with(&format!("shoal_queries_running{{path=\"{path}\"}}")))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    };
+    for path in ["query", "analytics"] {
+        let body = json!({"sql": "SELECT count(*) FROM generate_series(1, 100000000000)", "timeout_ms": 120_000}).to_string();
+        let addr = node.url.trim_start_matches("http://").to_string();
+        let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let head =
+            format!("POST /v1/{path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n", body.len());
+        tcp.write_all(head.as_bytes()).await.unwrap();
+        tcp.write_all(body.as_bytes()).await.unwrap();
+        // The statement starts running...
+        common::eventually(10, "the query starts", || async {
+            running(&c.get(node.u("/metrics")).send().await.unwrap().text().await.unwrap(), path) >= 1.0
+        })
+        .await;
+        // ...and keeps running while its client waits (it would run for its whole timeout)...
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        assert!(running(&c.get(node.u("/metrics")).send().await.unwrap().text().await.unwrap(), path) >= 1.0, "{path} still runs");
+        // ...until the client goes away: then the node stops working for it.
+        drop(tcp);
+        common::eventually(10, "the abandoned query is cancelled", || async {
+            running(&c.get(node.u("/metrics")).send().await.unwrap().text().await.unwrap(), path) == 0.0
+        })
+        .await;
+    }
+}
+
+/// A statement pushed to an index reads every matching entry, however many: more rows
+/// match than one index scan may return (`SCAN_ROWS_MAX`), and the count is still exact.
+#[tokio::test]
+async fn an_index_read_never_stops_short() {
+    const MATCHING: usize = 100_000 + 20_000;
+    let node = Node::start(&["--partitions", "8", "--analytics-partitions", "0"]);
+    let c = node.client();
+    c.put(node.u("/v1/collections/c")).send().await.unwrap();
+    let r =
+        c.post(node.u("/v1/collections/c/indexes")).body(json!({"name": "by_city", "keys": ["city"]}).to_string()).send().await.unwrap();
+    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+    let total = MATCHING + 5_000;
+    for chunk in (0..total).collect::<Vec<_>>().chunks(40_000) {
+        let mut body = String::new();
+        for i in chunk {
+            let city = if *i < MATCHING { "Oslo" } else { "Bergen" };
+            body.push_str(&json!({"op": "upsert", "key": format!("k{i:07}"), "value": {"city": city, "n": i}}).to_string());
+            body.push('\n');
+        }
+        let r = c.post(node.u("/v1/collections/c/_bulk")).body(body).send().await.unwrap();
+        assert!(r.status().is_success());
+        let text = r.text().await.unwrap();
+        assert!(!text.contains("\"error\""), "{}", &text[..text.len().min(300)]);
+    }
+    let sql = "SELECT count(*), min(n), max(n) FROM c WHERE city = 'Oslo'";
+    let (_, plan) = sql_at(&node, &c, "/v1/query", json!({"sql": format!("EXPLAIN {sql}")})).await;
+    assert!(plan.to_string().contains("index=by_city"), "the statement reads the index: {plan}");
+    assert_eq!(rows(&node, &c, sql, json!([])).await, [json!([MATCHING, 0, MATCHING - 1])]);
 }

@@ -519,18 +519,47 @@ impl IndexManager {
 
     /// Rows of `name` within the request's bounds, in index order.
     pub async fn scan(&self, coll: &Collection, name: &str, req: ScanRequest) -> Result<Vec<ScanRow>, IndexError> {
-        let index = self.find(coll, name)?;
-        let n = index.compiled.key_count();
-        let (lo, hi) = byte_bounds(&req.bounds, n)?;
         if req.limit > SCAN_ROWS_MAX {
             return Err(IndexError::Invalid(format!("limit is at most {SCAN_ROWS_MAX}")));
         }
-        match (index.state(), req.consistency) {
-            (IndexState::Deferred, _) => {
-                return Err(IndexError::NotReady { name: name.to_string(), state: "deferred", progress: 0.0 });
-            }
+        let index = self.find(coll, name)?;
+        let n = index.compiled.key_count();
+        let (lo, hi) = byte_bounds(&req.bounds, n)?;
+        self.ready(coll, &index, req.consistency, req.timeout).await?;
+        let (limit, descending) = (req.limit, req.descending);
+        let fwd = index.fwd.clone();
+        tokio::task::spawn_blocking(move || read_range(&fwd, lo, hi, limit, descending, n))
+            .await
+            .map_err(|e| IndexError::Corrupt(format!("scan task: {e}")))?
+    }
+
+    /// A consistent read of every row of `name` within `bounds`, in pages (SQL reads an
+    /// index this way: however many rows match, none is left out and none repeats, since
+    /// every page reads the same snapshot).
+    pub async fn cursor(
+        &self,
+        coll: &Collection,
+        name: &str,
+        bounds: &ScanBounds,
+        consistency: Consistency,
+        timeout: Duration,
+    ) -> Result<IndexCursor, IndexError> {
+        let index = self.find(coll, name)?;
+        let n = index.compiled.key_count();
+        let (lo, hi) = byte_bounds(bounds, n)?;
+        self.ready(coll, &index, consistency, timeout).await?;
+        let empty = matches!((&lo, &hi), (Bound::Included(l) | Bound::Excluded(l), Bound::Included(h) | Bound::Excluded(h)) if l > h);
+        Ok(IndexCursor { snapshot: self.db.snapshot(), fwd: index.fwd.clone(), next: lo, hi, n, done: empty })
+    }
+
+    /// Waits until `index` may be read at `consistency`: ready, and for `request_plus`
+    /// holding every change made before this call.
+    async fn ready(&self, coll: &Collection, index: &Index, consistency: Consistency, timeout: Duration) -> Result<(), IndexError> {
+        let name = &index.def.name;
+        match (index.state(), consistency) {
+            (IndexState::Deferred, _) => Err(IndexError::NotReady { name: name.clone(), state: "deferred", progress: 0.0 }),
             (IndexState::Building, Consistency::NotBounded) => {
-                return Err(IndexError::NotReady { name: name.to_string(), state: "building", progress: index.progress_fraction() });
+                Err(IndexError::NotReady { name: name.clone(), state: "building", progress: index.progress_fraction() })
             }
             (_, Consistency::RequestPlus) => {
                 let highs = coll.high_seqnos();
@@ -541,20 +570,15 @@ impl IndexManager {
                 let wait = async {
                     while !(index.caught_up(&highs) && index.state() == IndexState::Ready) {
                         if index.dropped.load(Ordering::Acquire) || progress.changed().await.is_err() {
-                            return Err(IndexError::NotFound(name.to_string()));
+                            return Err(IndexError::NotFound(name.clone()));
                         }
                     }
                     Ok(())
                 };
-                tokio::time::timeout(req.timeout, wait).await.map_err(|_| IndexError::Timeout)??;
+                tokio::time::timeout(timeout, wait).await.map_err(|_| IndexError::Timeout)?
             }
-            (IndexState::Ready, Consistency::NotBounded) => {}
+            (IndexState::Ready, Consistency::NotBounded) => Ok(()),
         }
-        let (limit, descending) = (req.limit, req.descending);
-        let fwd = index.fwd.clone();
-        tokio::task::spawn_blocking(move || read_range(&fwd, lo, hi, limit, descending, n))
-            .await
-            .map_err(|e| IndexError::Corrupt(format!("scan task: {e}")))?
     }
 
     /// The collection's indexes that are not deferred (`None` once it has no entry).
@@ -629,6 +653,42 @@ fn byte_bounds(bounds: &ScanBounds, n: usize) -> Result<ByteRange, IndexError> {
             (lo, hi)
         }
     })
+}
+
+/// See [`IndexManager::cursor`].
+pub struct IndexCursor {
+    snapshot: fjall::Snapshot,
+    fwd: fjall::Keyspace,
+    /// Where the next page starts.
+    next: Bound<Vec<u8>>,
+    hi: Bound<Vec<u8>>,
+    n: usize,
+    done: bool,
+}
+
+impl IndexCursor {
+    /// The next at most `max` rows, in index order; empty once the range is read.
+    /// Blocking: call it off the I/O threads.
+    pub fn next_page(&mut self, max: usize) -> Result<Vec<ScanRow>, IndexError> {
+        use fjall::Readable;
+        if self.done || max == 0 {
+            return Ok(Vec::new());
+        }
+        let mut rows = Vec::with_capacity(max.min(SCAN_ROWS_MAX));
+        let mut last = None;
+        for guard in self.snapshot.range(&self.fwd, (self.next.clone(), self.hi.clone())).take(max) {
+            let k = guard.key()?;
+            let (key, id) = keycode::decode_components(&k, self.n)?;
+            let id = std::str::from_utf8(id).map_err(|_| IndexError::Corrupt("document key".into()))?.to_string();
+            rows.push(ScanRow { key, id });
+            last = Some(k);
+        }
+        match last {
+            Some(k) if rows.len() == max => self.next = Bound::Excluded(k.to_vec()),
+            _ => self.done = true,
+        }
+        Ok(rows)
+    }
 }
 
 fn read_range(

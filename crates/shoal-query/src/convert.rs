@@ -136,6 +136,97 @@ pub fn to_json(array: &dyn Array, row: usize) -> Result<Value, ArrowError> {
     })
 }
 
+/// Writes the value at `row` as JSON text, for answers. Exact where [`to_json`] is not:
+/// a decimal is written with its own digits (`0.07`, `11803420.2500`), never through a
+/// float, so an exact SQL answer stays exact on the wire.
+pub fn write_json(out: &mut Vec<u8>, array: &dyn Array, row: usize) -> Result<(), ArrowError> {
+    use datafusion::arrow::array::AsArray;
+    use datafusion::arrow::datatypes::*;
+    use std::io::Write as _;
+    if array.logical_nulls().is_some_and(|n| n.is_null(row)) {
+        out.extend_from_slice(b"null");
+        return Ok(());
+    }
+    let io = |e: std::io::Error| ArrowError::ExternalError(Box::new(e));
+    match array.data_type() {
+        DataType::Boolean => out.extend_from_slice(if array.as_boolean().value(row) { b"true" } else { b"false" }),
+        DataType::Int8 => write!(out, "{}", array.as_primitive::<Int8Type>().value(row)).map_err(io)?,
+        DataType::Int16 => write!(out, "{}", array.as_primitive::<Int16Type>().value(row)).map_err(io)?,
+        DataType::Int32 => write!(out, "{}", array.as_primitive::<Int32Type>().value(row)).map_err(io)?,
+        DataType::Int64 => write!(out, "{}", array.as_primitive::<Int64Type>().value(row)).map_err(io)?,
+        DataType::UInt8 => write!(out, "{}", array.as_primitive::<UInt8Type>().value(row)).map_err(io)?,
+        DataType::UInt16 => write!(out, "{}", array.as_primitive::<UInt16Type>().value(row)).map_err(io)?,
+        DataType::UInt32 => write!(out, "{}", array.as_primitive::<UInt32Type>().value(row)).map_err(io)?,
+        DataType::UInt64 => write!(out, "{}", array.as_primitive::<UInt64Type>().value(row)).map_err(io)?,
+        DataType::Float32 | DataType::Float64 => {
+            let f = match array.data_type() {
+                DataType::Float32 => f64::from(array.as_primitive::<Float32Type>().value(row)),
+                _ => array.as_primitive::<Float64Type>().value(row),
+            };
+            serde_json::to_writer(&mut *out, &float(f)).map_err(|e| ArrowError::ExternalError(Box::new(e)))?;
+        }
+        DataType::Decimal32(..) | DataType::Decimal64(..) | DataType::Decimal128(..) | DataType::Decimal256(..) => {
+            let formatter = ArrayFormatter::try_new(array, &FormatOptions::default())?;
+            let text = formatter.value(row).to_string();
+            if is_json_number(&text) {
+                out.extend_from_slice(text.as_bytes());
+            } else {
+                serde_json::to_writer(&mut *out, &text).map_err(|e| ArrowError::ExternalError(Box::new(e)))?;
+            }
+        }
+        DataType::Utf8 => write_str(out, array.as_string::<i32>().value(row))?,
+        DataType::LargeUtf8 => write_str(out, array.as_string::<i64>().value(row))?,
+        DataType::Utf8View => write_str(out, array.as_string_view().value(row))?,
+        DataType::List(_) | DataType::LargeList(_) => {
+            let list = match array.data_type() {
+                DataType::List(_) => array.as_list::<i32>().value(row),
+                _ => array.as_list::<i64>().value(row),
+            };
+            out.push(b'[');
+            for i in 0..list.len() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_json(out, list.as_ref(), i)?;
+            }
+            out.push(b']');
+        }
+        DataType::Struct(fields) => {
+            let s = array.as_struct();
+            out.push(b'{');
+            for (i, f) in fields.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_str(out, f.name())?;
+                out.push(b':');
+                write_json(out, s.column(i).as_ref(), row)?;
+            }
+            out.push(b'}');
+        }
+        _ => {
+            let formatter = ArrayFormatter::try_new(array, &FormatOptions::default())?;
+            write_str(out, &formatter.value(row).to_string())?;
+        }
+    }
+    Ok(())
+}
+
+fn write_str(out: &mut Vec<u8>, s: &str) -> Result<(), ArrowError> {
+    serde_json::to_writer(&mut *out, s).map_err(|e| ArrowError::ExternalError(Box::new(e)))
+}
+
+/// Whether `text` is a JSON number (what a decimal formats to: `-12.50`, `7`).
+fn is_json_number(text: &str) -> bool {
+    let digits = text.strip_prefix('-').unwrap_or(text);
+    let (int, frac) = digits.split_once('.').unwrap_or((digits, "1"));
+    !int.is_empty()
+        && int.bytes().all(|b| b.is_ascii_digit())
+        && (int == "0" || !int.starts_with('0'))
+        && !frac.is_empty()
+        && frac.bytes().all(|b| b.is_ascii_digit())
+}
+
 /// A float as JSON; NaN and infinities (which JSON lacks) as null.
 fn float(f: f64) -> Value {
     serde_json::Number::from_f64(f).map(Value::Number).unwrap_or(Value::Null)
@@ -146,6 +237,27 @@ mod tests {
     use super::*;
     use crate::schema::Obj;
     use serde_json::json;
+
+    #[test]
+    fn decimals_are_written_exactly() {
+        use datafusion::arrow::array::Decimal128Array;
+        let a = Decimal128Array::from(vec![Some(7), Some(-1_180_342_025_340), None, Some(0)]).with_precision_and_scale(38, 4).unwrap();
+        let text = |row| {
+            let mut out = Vec::new();
+            write_json(&mut out, &a, row).unwrap();
+            String::from_utf8(out).unwrap()
+        };
+        assert_eq!(text(0), "0.0007");
+        assert_eq!(text(1), "-118034202.5340");
+        assert_eq!(text(2), "null");
+        assert_eq!(text(3), "0.0000");
+        for t in ["0.0007", "-1.5", "12", "0"] {
+            assert!(is_json_number(t), "{t}");
+        }
+        for t in ["", "-", "1.", ".5", "01", "1e5", "NaN"] {
+            assert!(!is_json_number(t), "{t}");
+        }
+    }
 
     #[test]
     fn values_of_another_type_are_null_and_round_trip_otherwise() {

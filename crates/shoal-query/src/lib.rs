@@ -8,8 +8,10 @@
 //! of HTTP.
 
 mod analytics;
+mod bounded;
 pub mod convert;
 mod merge;
+mod pool;
 pub mod rows;
 pub mod schema;
 pub mod shadow;
@@ -44,8 +46,16 @@ pub const SCHEMA_WIDEN_CHANGES: usize = 10_000;
 pub const SCAN_BATCH_ROWS: usize = 8192;
 /// Most keys of a `meta_id IN (...)` turned into point reads.
 pub const KEY_LOOKUPS_MAX: usize = 10_000;
-/// Memory one query may use for sorts, joins and aggregates.
+/// Memory one query may use for sorts, joins and aggregates (past it, what can spill does).
 pub const QUERY_MEMORY_MAX_BYTES: usize = 512 * 1024 * 1024;
+/// Memory all queries of the node may use together, by default.
+pub const QUERY_MEMORY_NODE_DEFAULT_BYTES: usize = 2 * 1024 * 1024 * 1024;
+/// Disk the node's queries may spill to together, by default (under the first data path).
+pub const QUERY_SPILL_DEFAULT_BYTES: u64 = 4 * 1024 * 1024 * 1024;
+/// Largest encoded answer (JSON or NDJSON rows): past it the query fails with `too_large`.
+pub const ANSWER_MAX_BYTES: usize = 64 * 1024 * 1024;
+/// Folder of spill files, under the first data path (emptied at start).
+pub const SPILL_DIR: &str = "tmp/query-spill";
 /// Longest SQL text accepted.
 pub const SQL_MAX_BYTES: usize = 64 * 1024;
 /// Most parameters.
@@ -70,6 +80,8 @@ pub enum QueryError {
     Memory(String),
     #[error("the query did not finish in {0:?}")]
     Timeout(Duration),
+    #[error("{0}")]
+    TooLarge(String),
     #[error("{0}")]
     Unavailable(String),
     /// A storage fault.
@@ -121,12 +133,37 @@ pub struct QueryRequest {
     pub timeout: Duration,
 }
 
-/// Column names and rows of values, in order.
+/// How an answer's rows are encoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowFormat {
+    /// Each row a JSON array, rows separated by commas (to sit inside `"rows": [...]`).
+    JsonArrays,
+    /// Each row a JSON array on its own line.
+    Ndjson,
+}
+
+/// Column names and the rows, already encoded (decimals with their exact digits).
 #[derive(Clone, Debug, Default)]
-pub struct QueryResult {
+pub struct QueryAnswer {
     pub columns: Vec<String>,
-    pub rows: Vec<Vec<Value>>,
+    pub rows: usize,
+    /// The encoded rows, at most [`ANSWER_MAX_BYTES`].
+    pub body: Vec<u8>,
     pub elapsed: Duration,
+}
+
+/// Node-wide settings of the SQL engine.
+#[derive(Clone, Debug)]
+pub struct QueryConfig {
+    /// Threads (partitions) of the operational path.
+    pub threads: usize,
+    /// Memory of all queries together.
+    pub node_memory_bytes: usize,
+    /// Memory of one query.
+    pub query_memory_bytes: usize,
+    /// Where spill files go (emptied at start), and how much they may hold together.
+    pub spill_dir: std::path::PathBuf,
+    pub spill_max_bytes: u64,
 }
 
 /// Schemas inferred per collection, widened from the change feed.
@@ -255,29 +292,59 @@ pub struct QueryEngine {
     shadows: Arc<ShadowManager>,
     schemas: Arc<SchemaCache>,
     threads: usize,
+    /// The node's memory pool and spill disk, shared by every query.
+    runtime: Arc<datafusion::execution::runtime_env::RuntimeEnv>,
+    query_memory_bytes: usize,
 }
 
 impl QueryEngine {
-    pub fn new(store: Arc<Store>, indexes: Arc<IndexManager>, shadows: Arc<ShadowManager>, threads: usize) -> QueryEngine {
-        QueryEngine { store, indexes, shadows, schemas: Arc::new(SchemaCache::default()), threads: threads.max(1) }
+    pub fn new(
+        store: Arc<Store>,
+        indexes: Arc<IndexManager>,
+        shadows: Arc<ShadowManager>,
+        config: QueryConfig,
+    ) -> Result<QueryEngine, QueryError> {
+        use datafusion::execution::disk_manager::{DiskManagerBuilder, DiskManagerMode};
+        // Spill files of a previous run (a crash leaves them) are of no use.
+        let _ = std::fs::remove_dir_all(&config.spill_dir);
+        std::fs::create_dir_all(&config.spill_dir).map_err(|e| QueryError::Storage(format!("the spill folder: {e}")))?;
+        let node_pool = Arc::new(datafusion::execution::memory_pool::FairSpillPool::new(config.node_memory_bytes));
+        let runtime = RuntimeEnvBuilder::new()
+            .with_memory_pool(node_pool)
+            .with_disk_manager_builder(
+                DiskManagerBuilder::default()
+                    .with_mode(DiskManagerMode::Directories(vec![config.spill_dir.clone()]))
+                    .with_max_temp_directory_size(config.spill_max_bytes),
+            )
+            .build_arc()
+            .map_err(|e| QueryError::Storage(e.to_string()))?;
+        Ok(QueryEngine {
+            store,
+            indexes,
+            shadows,
+            schemas: Arc::new(SchemaCache::default()),
+            threads: config.threads.max(1),
+            runtime,
+            query_memory_bytes: config.query_memory_bytes.min(config.node_memory_bytes),
+        })
     }
 
     /// Runs one statement (queries and `EXPLAIN`; no DDL, DML or `SET`) on the
     /// operational path.
-    pub async fn query(&self, req: QueryRequest) -> Result<QueryResult, QueryError> {
-        self.run(req, Path::Operational).await
+    pub async fn query(&self, req: QueryRequest, format: RowFormat) -> Result<QueryAnswer, QueryError> {
+        self.run(req, Path::Operational, format).await
     }
 
     /// Runs one statement over the columnar shadows. Every shadow is complete (typed from
     /// all its rows), so there is no second attempt with completed schemas.
-    pub async fn analytics(&self, req: QueryRequest) -> Result<QueryResult, QueryError> {
+    pub async fn analytics(&self, req: QueryRequest, format: RowFormat) -> Result<QueryAnswer, QueryError> {
         if self.shadows.partitions() == 0 {
             return Err(QueryError::Unavailable(shadow::ShadowError::Off.to_string()));
         }
-        self.run(req, Path::Analytics).await
+        self.run(req, Path::Analytics, format).await
     }
 
-    async fn run(&self, req: QueryRequest, path: Path) -> Result<QueryResult, QueryError> {
+    async fn run(&self, req: QueryRequest, path: Path, format: RowFormat) -> Result<QueryAnswer, QueryError> {
         let started = Instant::now();
         if req.sql.len() > SQL_MAX_BYTES {
             return Err(QueryError::Invalid(format!("the statement is longer than {SQL_MAX_BYTES} bytes")));
@@ -289,8 +356,9 @@ impl QueryEngine {
             return Err(QueryError::Invalid(format!("timeout is at most {} ms", QUERY_TIMEOUT_MAX.as_millis())));
         }
         let params = req.params.iter().map(param).collect::<Result<Vec<_>, _>>()?;
-        let (first, touched) = self.attempt(&req, params.clone(), path).await;
-        let mut result = match first {
+        let _running = Running::start(path);
+        let (first, touched) = self.attempt(&req, params.clone(), path, format).await;
+        let mut answer = match first {
             // A field the sampled schemas do not know: infer the tables read from every
             // document, then try once more.
             Err(QueryError::UnknownField(_)) if !touched.is_empty() => {
@@ -305,24 +373,29 @@ impl QueryEngine {
                 .await
                 .map_err(|e| QueryError::Internal(e.to_string()))??;
                 if completed {
-                    self.attempt(&req, params, path).await.0?
+                    self.attempt(&req, params, path, format).await.0?
                 } else {
                     first?
                 }
             }
             other => other?,
         };
-        result.elapsed = started.elapsed();
-        Ok(result)
+        answer.elapsed = started.elapsed();
+        Ok(answer)
     }
 
     /// Plans and runs the statement once; also answers which collections it read.
+    ///
+    /// The statement runs on its own task, aborted when this future is dropped (the
+    /// client went away) or the timeout passes, so nothing keeps running for an answer no
+    /// one will read. A panic inside the engine fails this query, not the node.
     async fn attempt(
         &self,
         req: &QueryRequest,
         params: Vec<ScalarValue>,
         path: Path,
-    ) -> (Result<QueryResult, QueryError>, Vec<Arc<Collection>>) {
+        format: RowFormat,
+    ) -> (Result<QueryAnswer, QueryError>, Vec<Arc<Collection>>) {
         let (ctx, env) = match self.session(req, path) {
             Ok(s) => s,
             Err(e) => return (Err(e), Vec::new()),
@@ -337,28 +410,15 @@ impl QueryEngine {
             }
             let columns: Vec<String> = df.schema().fields().iter().map(|f| f.name().clone()).collect();
             let mut stream = df.execute_stream().await?;
-            let mut rows = Vec::new();
+            let mut answer = QueryAnswer { columns, ..QueryAnswer::default() };
             while let Some(batch) = futures::StreamExt::next(&mut stream).await {
-                let batch = batch?;
-                if rows.len() + batch.num_rows() > RESULT_ROWS_MAX {
-                    return Err(QueryError::Invalid(format!("the answer has more than {RESULT_ROWS_MAX} rows; add a LIMIT")));
-                }
-                for r in 0..batch.num_rows() {
-                    let row = batch
-                        .columns()
-                        .iter()
-                        .map(|c| convert::to_json(c.as_ref(), r))
-                        .collect::<Result<Vec<_>, _>>()
-                        .map_err(|e| QueryError::Sql(e.to_string()))?;
-                    rows.push(row);
-                }
+                encode_rows(&mut answer, &batch?, format)?;
             }
-            Ok::<_, QueryError>(QueryResult { columns, rows, elapsed: Duration::ZERO })
+            Ok::<_, QueryError>(answer)
         };
-        // On its own task: a panic inside the engine fails this query, not the connection.
         let timeout = req.timeout;
-        let task = tokio::spawn(async move { tokio::time::timeout(timeout, run).await });
-        let result = match task.await {
+        let task = AbortOnDrop(tokio::spawn(async move { tokio::time::timeout(timeout, run).await }));
+        let result = match task.join().await {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => Err(QueryError::Timeout(timeout)),
             Err(e) => {
@@ -380,11 +440,17 @@ impl QueryEngine {
         let mut config = SessionConfig::new().with_target_partitions(partitions).with_information_schema(true);
         // JSON field names are case-sensitive: `firstName` means firstName, quoted or not.
         config.options_mut().sql_parser.enable_ident_normalization = false;
-        let runtime = RuntimeEnvBuilder::new()
-            .with_memory_limit(QUERY_MEMORY_MAX_BYTES, 1.0)
-            .build_arc()
-            .map_err(|e| QueryError::Storage(e.to_string()))?;
+        // `0.06 + 0.01` is exactly 0.07, as in PostgreSQL and DuckDB (a float literal
+        // would make it 0.06999999999999999 and drop every row at 0.07).
+        config.options_mut().sql_parser.parse_float_as_decimal = true;
+        let runtime = Arc::new(datafusion::execution::runtime_env::RuntimeEnv {
+            memory_pool: Arc::new(pool::QueryPool::new(Arc::clone(&self.runtime.memory_pool), self.query_memory_bytes)),
+            disk_manager: Arc::clone(&self.runtime.disk_manager),
+            cache_manager: Arc::clone(&self.runtime.cache_manager),
+            object_store_registry: Arc::clone(&self.runtime.object_store_registry),
+        });
         let ctx = SessionContext::new_with_config_rt(config, runtime);
+        bounded::register(&ctx);
         let env = Arc::new(QueryEnv {
             store: Arc::clone(&self.store),
             indexes: Arc::clone(&self.indexes),
@@ -407,6 +473,82 @@ impl QueryEngine {
             )?,
         };
         Ok((ctx, env))
+    }
+}
+
+/// Appends `batch`'s rows to the answer, refusing one past [`RESULT_ROWS_MAX`] rows or
+/// [`ANSWER_MAX_BYTES`].
+fn encode_rows(
+    answer: &mut QueryAnswer,
+    batch: &datafusion::arrow::record_batch::RecordBatch,
+    format: RowFormat,
+) -> Result<(), QueryError> {
+    if answer.rows + batch.num_rows() > RESULT_ROWS_MAX {
+        return Err(QueryError::TooLarge(format!("the answer has more than {RESULT_ROWS_MAX} rows; add a LIMIT")));
+    }
+    let out = &mut answer.body;
+    for r in 0..batch.num_rows() {
+        if format == RowFormat::JsonArrays && answer.rows > 0 {
+            out.push(b',');
+        }
+        out.push(b'[');
+        for (i, c) in batch.columns().iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            convert::write_json(out, c.as_ref(), r).map_err(|e| QueryError::Sql(e.to_string()))?;
+        }
+        out.push(b']');
+        if format == RowFormat::Ndjson {
+            out.push(b'\n');
+        }
+        answer.rows += 1;
+        if out.len() > ANSWER_MAX_BYTES {
+            return Err(QueryError::TooLarge(format!(
+                "the answer is larger than {ANSWER_MAX_BYTES} bytes; add a LIMIT or select fewer columns"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A spawned task that is aborted when this handle is dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> AbortOnDrop<T> {
+    async fn join(mut self) -> Result<T, tokio::task::JoinError> {
+        (&mut self.0).await
+    }
+}
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Counts a statement in `shoal_queries_running` while it runs.
+struct Running(Path);
+
+impl Running {
+    fn start(path: Path) -> Running {
+        metrics::gauge!("shoal_queries_running", "path" => path.label()).increment(1.0);
+        Running(path)
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        metrics::gauge!("shoal_queries_running", "path" => self.0.label()).decrement(1.0);
+    }
+}
+
+impl Path {
+    fn label(self) -> &'static str {
+        match self {
+            Path::Operational => "query",
+            Path::Analytics => "analytics",
+        }
     }
 }
 

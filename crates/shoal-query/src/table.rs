@@ -21,7 +21,7 @@ use datafusion::physical_plan::{
     ChildrenPropertiesMode, DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties, ReplaceChildrenOptions,
 };
 use serde_json::Value;
-use shoal_index::{Consistency, IndexManager, IndexState, ScanBounds, ScanRequest};
+use shoal_index::{Consistency, IndexManager, IndexState, ScanBounds};
 use shoal_storage::{Collection, Store};
 
 use crate::convert::to_batch;
@@ -406,7 +406,8 @@ enum Cursor {
         low: std::ops::Bound<Bytes>,
         high: Option<Bytes>,
     },
-    Index(Option<std::vec::IntoIter<String>>),
+    /// Pages of a consistent index read (opened on the first page).
+    Index(Option<Box<shoal_index::IndexCursor>>),
     Done,
 }
 
@@ -532,27 +533,23 @@ async fn next_rows(
         }
         Cursor::Index(None) => {
             let Access::Index { name, bounds } = access else { return Ok(None) };
-            let req = ScanRequest {
-                bounds: bounds.clone(),
-                limit: shoal_index::SCAN_ROWS_MAX,
-                descending: false,
-                consistency: env.consistency,
-                timeout: env.index_timeout,
-            };
-            let rows = env.indexes.scan(coll, name, req).await.map_err(external)?;
-            let mut ids: Vec<String> = rows.into_iter().map(|r| r.id).collect();
-            // An array index lists a document once per element; the table has it once.
-            ids.sort_unstable();
-            ids.dedup();
-            Box::pin(next_rows(env, coll, access, Cursor::Index(Some(ids.into_iter())), take)).await
+            let cursor = env.indexes.cursor(coll, name, bounds, env.consistency, env.index_timeout).await.map_err(external)?;
+            Box::pin(next_rows(env, coll, access, Cursor::Index(Some(Box::new(cursor))), take)).await
         }
-        Cursor::Index(Some(mut ids)) => {
-            let batch: Vec<String> = ids.by_ref().take(take).collect();
-            if batch.is_empty() {
+        Cursor::Index(Some(mut cursor)) => {
+            // Every matching entry is read, page by page: an index scan never stops short.
+            let (page, cursor) = tokio::task::spawn_blocking(move || cursor.next_page(take).map(|p| (p, cursor)))
+                .await
+                .map_err(external)?
+                .map_err(external)?;
+            if page.is_empty() {
                 return Ok(None);
             }
-            let rows = fetch(coll, batch).await?;
-            Ok(Some((rows, Cursor::Index(Some(ids)))))
+            // Documents are keyed by key: reading a page's in key order reads neighbours.
+            let mut ids: Vec<String> = page.into_iter().map(|r| r.id).collect();
+            ids.sort_unstable();
+            let rows = fetch(coll, ids).await?;
+            Ok(Some((rows, Cursor::Index(Some(cursor)))))
         }
     }
 }

@@ -4,10 +4,15 @@
 //! hyper serves each connection (HTTP/1.1 or h2c, told apart by the preface). On top of it:
 //! - at most [`CONNECTIONS_MAX`] connections; one more is closed at once (and counted), so
 //!   a flood of connections costs file descriptors up to the cap and no more;
-//! - HTTP/1 request headers must arrive within [`HEADER_READ_TIMEOUT`] (hyper's timer);
+//! - an HTTP/1 request's headers must arrive within [`HEADER_READ_TIMEOUT`] of its first
+//!   byte (a slow-header client is closed);
 //! - a connection with no request in flight and no bytes moving for [`IDLE_TIMEOUT`] is
 //!   closed, whatever its protocol: this also covers a client that connects and never
-//!   sends a preface, which hyper alone would wait for forever;
+//!   sends a preface, which hyper alone would wait for forever. It is longer than the
+//!   usual clients' pool idle time (reqwest, Go: 90 s), so that a client never sends a
+//!   request on a connection the server is closing at that moment. (hyper's own header
+//!   timer also runs while a keep-alive connection waits idle, which is exactly that race,
+//!   so it is not used.)
 //! - request bodies have their own deadline (see [`crate::extract::body`]).
 
 use std::net::SocketAddr;
@@ -29,15 +34,18 @@ use crate::ConnectionLimits;
 
 /// Most client connections open at once.
 pub const CONNECTIONS_MAX: usize = 8192;
-/// Longest wait for a request's headers, from the moment the connection waits for them
-/// (so it also bounds an idle keep-alive HTTP/1 connection).
+/// Longest wait for an HTTP/1 request's headers, from their first byte.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(20);
 /// A connection with nothing in flight and no bytes moving for this long is closed.
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 /// A request body's first deadline (extended as bytes arrive; see `extract::body`).
 pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(20);
-/// How often a connection checks whether it has been idle too long.
-const IDLE_CHECK_INTERVAL: Duration = Duration::from_secs(1);
+/// How often a connection checks its timeouts.
+const TIMEOUT_CHECK_INTERVAL: Duration = Duration::from_secs(1);
+/// The HTTP/2 connection preface's first bytes.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0";
+/// `partial_since_ms` when no request head is partly read.
+const NO_PARTIAL: u64 = u64::MAX;
 /// HTTP/2 pings an idle peer this often and closes the connection if it does not answer.
 const H2_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
 const H2_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -50,26 +58,61 @@ const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
 /// How long a shutdown waits for open requests (long feeds are told to end at once).
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
-/// What moves on one connection: when bytes last moved, and requests whose answer has not
-/// been sent in full.
+/// What moves on one connection: when bytes last moved, requests whose answer has not
+/// been sent in full, and since when a request head has been arriving.
 struct Activity {
     born: Instant,
     last_ms: AtomicU64,
     in_flight: AtomicUsize,
+    /// When the first byte of a request head not yet complete arrived (HTTP/1 only).
+    partial_since_ms: AtomicU64,
+    /// Whether the client spoke HTTP/2 (its frames are not request heads).
+    h2: std::sync::atomic::AtomicBool,
+    first_read: std::sync::atomic::AtomicBool,
 }
 
 impl Activity {
     fn new() -> Arc<Activity> {
-        Arc::new(Activity { born: Instant::now(), last_ms: AtomicU64::new(0), in_flight: AtomicUsize::new(0) })
+        Arc::new(Activity {
+            born: Instant::now(),
+            last_ms: AtomicU64::new(0),
+            in_flight: AtomicUsize::new(0),
+            partial_since_ms: AtomicU64::new(NO_PARTIAL),
+            h2: std::sync::atomic::AtomicBool::new(false),
+            first_read: std::sync::atomic::AtomicBool::new(true),
+        })
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.born.elapsed().as_millis() as u64
     }
 
     fn touch(&self) {
-        self.last_ms.store(self.born.elapsed().as_millis() as u64, Ordering::Relaxed);
+        self.last_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// Bytes arrived: with nothing in flight on HTTP/1 they begin (or continue) a head.
+    fn read(&self, bytes: &[u8]) {
+        if self.first_read.swap(false, Ordering::AcqRel) && bytes.starts_with(&H2_PREFACE[..bytes.len().min(H2_PREFACE.len())]) {
+            self.h2.store(true, Ordering::Release);
+        }
+        self.touch();
+        if !self.h2.load(Ordering::Acquire) && self.in_flight.load(Ordering::Acquire) == 0 {
+            let now = self.now_ms();
+            let _ = self.partial_since_ms.compare_exchange(NO_PARTIAL, now, Ordering::AcqRel, Ordering::Acquire);
+        }
     }
 
     fn idle_for(&self) -> Duration {
-        let now = self.born.elapsed().as_millis() as u64;
-        Duration::from_millis(now.saturating_sub(self.last_ms.load(Ordering::Relaxed)))
+        Duration::from_millis(self.now_ms().saturating_sub(self.last_ms.load(Ordering::Relaxed)))
+    }
+
+    /// How long a request head has been arriving, if one is.
+    fn head_for(&self) -> Option<Duration> {
+        match self.partial_since_ms.load(Ordering::Acquire) {
+            NO_PARTIAL => None,
+            since => Some(Duration::from_millis(self.now_ms().saturating_sub(since))),
+        }
     }
 }
 
@@ -84,7 +127,7 @@ impl AsyncRead for Watched {
         let before = buf.filled().len();
         let r = Pin::new(&mut self.io).poll_read(cx, buf);
         if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            self.activity.touch();
+            self.activity.read(&buf.filled()[before..]);
         }
         r
     }
@@ -122,6 +165,8 @@ struct InFlight(Arc<Activity>);
 impl InFlight {
     fn start(activity: &Arc<Activity>) -> InFlight {
         activity.in_flight.fetch_add(1, Ordering::AcqRel);
+        // The head is complete: hyper handed the request over.
+        activity.partial_since_ms.store(NO_PARTIAL, Ordering::Release);
         InFlight(Arc::clone(activity))
     }
 }
@@ -228,7 +273,7 @@ async fn serve_one(tcp: TcpStream, router: Router, limits: ConnectionLimits, clo
         }
     });
     let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-    builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout).keep_alive(true);
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(None).keep_alive(true);
     builder
         .http2()
         .timer(TokioTimer::new())
@@ -237,14 +282,27 @@ async fn serve_one(tcp: TcpStream, router: Router, limits: ConnectionLimits, clo
         .max_concurrent_streams(H2_STREAMS_MAX);
     let conn = builder.serve_connection(io, service);
     tokio::pin!(conn);
-    let mut ticker = tokio::time::interval(IDLE_CHECK_INTERVAL.min(limits.idle_timeout));
+    let mut ticker = tokio::time::interval(TIMEOUT_CHECK_INTERVAL.min(limits.idle_timeout / 2).min(limits.header_read_timeout / 2));
     let mut graceful = false;
     loop {
         tokio::select! {
-            _ = conn.as_mut() => return,
+            r = conn.as_mut() => {
+                if let Err(e) = r {
+                    tracing::debug!(error = %e, "connection ended with an error");
+                }
+                return;
+            }
             _ = ticker.tick() => {
-                if activity.in_flight.load(Ordering::Acquire) == 0 && activity.idle_for() >= limits.idle_timeout {
-                    return; // dropping the connection closes it
+                // Dropping the connection closes it.
+                if activity.in_flight.load(Ordering::Acquire) == 0 {
+                    if activity.head_for().is_some_and(|d| d >= limits.header_read_timeout) {
+                        tracing::debug!("closing a connection whose request headers did not arrive in time");
+                        return;
+                    }
+                    if activity.idle_for() >= limits.idle_timeout {
+                        tracing::debug!("closing an idle connection");
+                        return;
+                    }
                 }
             }
             _ = closing.wait_for(|c| *c), if !graceful => {

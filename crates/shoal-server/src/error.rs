@@ -182,6 +182,7 @@ impl From<shoal_query::QueryError> for ApiError {
                 ApiError::new(StatusCode::BAD_REQUEST, "query_error", reason)
             }
             QueryError::Invalid(_) => ApiError::bad_request(reason),
+            QueryError::TooLarge(_) => ApiError::too_large(reason),
             QueryError::Timeout(_) => ApiError::new(StatusCode::GATEWAY_TIMEOUT, "timeout", reason),
             QueryError::Unavailable(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", reason),
             QueryError::Storage(_) => ApiError::unavailable(reason),

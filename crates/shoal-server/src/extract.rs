@@ -74,13 +74,19 @@ pub const BODY_MIN_BYTES_PER_SEC: usize = 500;
 /// arrives too slowly (see [`BODY_MIN_BYTES_PER_SEC`]) with `timeout`.
 pub async fn body(state: &crate::AppState, body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {
     let mut stream = body.into_data_stream();
-    let mut deadline = tokio::time::Instant::now() + state.body_timeout;
+    let started = tokio::time::Instant::now();
+    let mut deadline = started + state.body_timeout;
     let mut chunks: Vec<bytes::Bytes> = Vec::new();
     let mut len = 0usize;
     loop {
-        let next = tokio::time::timeout_at(deadline, futures::StreamExt::next(&mut stream)).await.map_err(|_| {
+        // The deadline grows with the bytes received, but no wait for the next chunk is longer
+        // than the first deadline: a fast start must not buy hours of silence (19 MiB at once
+        // would otherwise hold the request, and its memory, for 11 hours).
+        let wait_until = deadline.min(tokio::time::Instant::now() + state.body_timeout);
+        let next = tokio::time::timeout_at(wait_until, futures::StreamExt::next(&mut stream)).await.map_err(|_| {
             ApiError::body_timeout(format!(
-                "the request body did not arrive in time ({len} bytes after {} s; keep up at least {BODY_MIN_BYTES_PER_SEC} bytes/s)",
+                "the request body did not arrive in time ({len} bytes in {} s; keep up at least {BODY_MIN_BYTES_PER_SEC} bytes/s and pause no longer than {} s)",
+                started.elapsed().as_secs(),
                 state.body_timeout.as_secs()
             ))
         })?;

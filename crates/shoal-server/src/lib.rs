@@ -40,6 +40,8 @@ pub enum ServerError {
     Index(#[from] shoal_index::IndexError),
     #[error("analytics: {0}")]
     Shadow(#[from] shoal_query::shadow::ShadowError),
+    #[error("SQL engine: {0}")]
+    Query(#[from] shoal_query::QueryError),
     #[error("server: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -177,7 +179,15 @@ impl Server {
         let shadows = tokio::task::spawn_blocking(move || shoal_query::shadow::ShadowManager::open(s, analytics))
             .await
             .map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
-        let query = Arc::new(shoal_query::QueryEngine::new(Arc::clone(&store), Arc::clone(&indexes), Arc::clone(&shadows), cores));
+        let query_config = shoal_query::QueryConfig {
+            threads: cores,
+            node_memory_bytes: shoal_query::QUERY_MEMORY_NODE_DEFAULT_BYTES
+                .min(usize::try_from(machine_memory() / 4).unwrap_or(usize::MAX)),
+            query_memory_bytes: shoal_query::QUERY_MEMORY_MAX_BYTES,
+            spill_dir: store.data_paths()[0].join(shoal_query::SPILL_DIR),
+            spill_max_bytes: shoal_query::QUERY_SPILL_DEFAULT_BYTES,
+        };
+        let query = Arc::new(shoal_query::QueryEngine::new(Arc::clone(&store), Arc::clone(&indexes), Arc::clone(&shadows), query_config)?);
         let state = AppState {
             store,
             indexes,

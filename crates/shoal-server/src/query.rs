@@ -10,7 +10,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use shoal_query::{Path, QueryRequest, QUERY_TIMEOUT_DEFAULT, SQL_MAX_BYTES};
+use shoal_query::{Path, QueryRequest, RowFormat, QUERY_TIMEOUT_DEFAULT, SQL_MAX_BYTES};
 
 use crate::docs::json_response;
 use crate::error::ApiError;
@@ -45,33 +45,29 @@ async fn run(state: AppState, q: Option<String>, headers: HeaderMap, body: Body,
     let consistency = extract::consistency(req.consistency.as_deref())?;
     let timeout = req.timeout_ms.map(Duration::from_millis).unwrap_or(QUERY_TIMEOUT_DEFAULT);
     let req = QueryRequest { sql: req.sql, params: req.params, consistency, timeout };
-    let result = match path {
-        Path::Operational => state.query.query(req).await?,
-        Path::Analytics => state.query.analytics(req).await?,
-    };
-    let rows = result.rows.len();
-    let elapsed_ms = result.elapsed.as_secs_f64() * 1000.0;
     let ndjson = headers.get(axum::http::header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("application/x-ndjson"));
+    let format = if ndjson { RowFormat::Ndjson } else { RowFormat::JsonArrays };
+    let answer = match path {
+        Path::Operational => state.query.query(req, format).await?,
+        Path::Analytics => state.query.analytics(req, format).await?,
+    };
+    let elapsed_ms = answer.elapsed.as_secs_f64() * 1000.0;
+    let columns = json!(answer.columns).to_string();
+    let metrics = json!({"elapsed_ms": elapsed_ms, "rows": answer.rows}).to_string();
+    let mut out = Vec::with_capacity(answer.body.len() + columns.len() + metrics.len() + 64);
     if ndjson {
         // One line of column names, one line per row, one line of metrics.
-        let mut out = json!({"columns": result.columns}).to_string().into_bytes();
-        out.push(b'\n');
-        for row in &result.rows {
-            serde_json::to_writer(&mut out, row).map_err(|e| ApiError::internal(e.to_string()))?;
-            out.push(b'\n');
-        }
-        out.extend_from_slice(json!({"metrics": {"elapsed_ms": elapsed_ms, "rows": rows}}).to_string().as_bytes());
-        out.push(b'\n');
+        out.extend_from_slice(format!("{{\"columns\":{columns}}}\n").as_bytes());
+        out.extend_from_slice(&answer.body);
+        out.extend_from_slice(format!("{{\"metrics\":{metrics}}}\n").as_bytes());
         return Response::builder()
             .status(StatusCode::OK)
             .header(axum::http::header::CONTENT_TYPE, "application/x-ndjson")
             .body(Body::from(out))
             .map_err(|e| ApiError::internal(e.to_string()));
     }
-    let answer = json!({
-        "columns": result.columns,
-        "rows": result.rows,
-        "metrics": {"elapsed_ms": elapsed_ms, "rows": rows},
-    });
-    Ok(json_response(StatusCode::OK, answer.to_string().into_bytes()))
+    out.extend_from_slice(format!("{{\"columns\":{columns},\"rows\":[").as_bytes());
+    out.extend_from_slice(&answer.body);
+    out.extend_from_slice(format!("],\"metrics\":{metrics}}}").as_bytes());
+    Ok(json_response(StatusCode::OK, out))
 }
