@@ -264,6 +264,23 @@ async fn the_shadow_survives_restarts_without_a_rebuild() {
     assert_eq!(after[0][0], json!(19_500));
     assert_eq!(after[0][1].as_f64(), Some(expected));
     assert_eq!(after[0][2], json!(18_500));
+
+    // A bit flipped in a segment file: the damaged analytics partition is quarantined and
+    // rebuilt from the change streams; the answers stay right.
+    assert!(node.stop(), "clean stop");
+    let (victim, len, _) = segment_files(&node.dir).into_iter().max_by_key(|f| f.1).unwrap();
+    let mut bytes = std::fs::read(&victim).unwrap();
+    bytes[len as usize / 2] ^= 0x04;
+    std::fs::write(&victim, &bytes).unwrap();
+    node.restart();
+    let c = node.client();
+    let again = sql(&node, &c, "/v1/analytics", "SELECT count(*), sum(price), count(kind) FROM ev").await;
+    assert_eq!(again, after, "the same answers after the rebuild");
+    let metrics = c.get(node.u("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.lines().any(|l| l.starts_with("shoal_analytics_rebuilds_total") && !l.ends_with(" 0")), "{metrics}");
+    let quarantine = victim.parent().unwrap().parent().unwrap().join("quarantine");
+    let kept: Vec<_> = std::fs::read_dir(&quarantine).unwrap().flatten().collect();
+    assert_eq!(kept.len(), 1, "the damaged files are kept for inspection");
     // Dropping the collection removes its shadow.
     assert!(c.delete(node.u("/v1/collections/ev")).send().await.unwrap().status().is_success());
     let mut tries = 0;
@@ -304,6 +321,32 @@ async fn analytics_partitions_spread_over_the_data_paths() {
     }
     let plan = Value::Array(sql(&node, &c, "/v1/analytics", "EXPLAIN SELECT count(*) FROM ev").await).to_string();
     assert!(plan.contains("analytics partitions=4"), "{plan}");
+}
+
+/// `--analytics-partitions 0` turns analytics off without deleting the shadows: started
+/// with it on again, the node answers from the same files, rebuilding nothing.
+#[tokio::test]
+async fn turning_analytics_off_keeps_the_shadows() {
+    let mut node = Node::start(&["--partitions", "4", "--analytics-partitions", "2"]);
+    let c = node.client();
+    assert!(c.put(node.u("/v1/collections/ev")).send().await.unwrap().status().is_success());
+    let lines: Vec<Value> = (0..3000).map(|i| json!({"op": "upsert", "key": format!("e{i:05}"), "value": event(i)})).collect();
+    bulk(&node, &c, "ev", &lines).await;
+    assert_eq!(sql(&node, &c, "/v1/analytics", "SELECT count(*) FROM ev").await, [json!([3000])]);
+    assert!(node.stop());
+    let files = segment_files(&node.dir);
+    assert!(!files.is_empty());
+    node.restart_with(&["--analytics-partitions", "0"]);
+    let c = node.client();
+    let (s, _) = post(&c, node.u("/v1/analytics"), json!({"sql": "SELECT count(*) FROM ev"})).await;
+    assert_eq!(s, reqwest::StatusCode::SERVICE_UNAVAILABLE);
+    assert!(node.stop());
+    assert_eq!(segment_files(&node.dir), files, "analytics off left the shadow files alone");
+    node.restart_with(&["--analytics-partitions", "2"]);
+    let c = node.client();
+    let (s, r) = post(&c, node.u("/v1/analytics"), json!({"sql": "SELECT count(*) FROM ev"})).await;
+    assert_eq!((s, &r["rows"]), (reqwest::StatusCode::OK, &json!([[3000]])), "answered from the kept files at once");
+    assert_eq!(segment_files(&node.dir), files);
 }
 
 #[tokio::test]

@@ -82,6 +82,12 @@ impl Node {
         self.spawn();
     }
 
+    /// Restarts on the same data with other `serve` flags.
+    pub fn restart_with(&mut self, extra: &[&str]) {
+        self.args = extra.iter().map(|s| s.to_string()).collect();
+        self.restart();
+    }
+
     /// Runs the CLI against this node; returns (success, stdout, stderr).
     pub fn cli(&self, args: &[&str]) -> (bool, String, String) {
         cli(&self.url, args, None)

@@ -15,6 +15,13 @@
 //! fsync, rename). A restart loads the manifest's segments and follows the streams from
 //! its positions: nothing is rebuilt. Segment files the manifest does not name are
 //! leftovers of an interrupted checkpoint and are removed.
+//!
+//! Segments are derived state and are checked like data: the manifest records each
+//! segment file's checksum (XXH3-64), and a file is read with plain reads (an I/O error is
+//! an error, never the SIGBUS a memory map would raise) and verified before it is decoded.
+//! An analytics partition whose manifest or segments fail their checks is quarantined —
+//! its files moved to `<shadow root>/quarantine/` for inspection — and rebuilt from the
+//! change streams while the rest of the node serves.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -59,8 +66,11 @@ const IDLE_POLL: Duration = Duration::from_secs(1);
 /// Quiet time after which an analytics partition checkpoints early, so that scans after
 /// a load read segments rather than converting buffers.
 const QUIET_CHECKPOINT: Duration = Duration::from_millis(300);
-const MANIFEST_VERSION: u32 = 1;
+/// 2: segments carry checksums (a version-1 manifest is rebuilt).
+const MANIFEST_VERSION: u32 = 2;
 const MANIFEST: &str = "manifest.json";
+/// Where damaged analytics partitions go, under each shadow root.
+const QUARANTINE_DIR: &str = "quarantine";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ShadowError {
@@ -110,6 +120,8 @@ struct SegmentMeta {
     group: Option<String>,
     /// Rows no longer live (updated or deleted since the segment was written).
     dead: Vec<u32>,
+    /// XXH3-64 of the segment file.
+    checksum: u64,
 }
 
 /// One immutable batch of rows and which of them are dead.
@@ -118,12 +130,14 @@ struct Segment {
     group: Option<String>,
     dead: Vec<u64>,
     dead_count: usize,
+    /// XXH3-64 of its file.
+    checksum: u64,
 }
 
 impl Segment {
-    fn new(batch: RecordBatch, group: Option<String>) -> Segment {
+    fn new(batch: RecordBatch, group: Option<String>, checksum: u64) -> Segment {
         let words = batch.num_rows().div_ceil(64);
-        Segment { batch, group, dead: vec![0; words], dead_count: 0 }
+        Segment { batch, group, dead: vec![0; words], dead_count: 0, checksum }
     }
 
     fn live(&self) -> usize {
@@ -289,31 +303,36 @@ impl ApState {
 
     /// Turns a buffer into a segment (written to its file), then merges small segments of
     /// its group.
+    ///
+    /// The buffer is emptied only once its segment is written: a failed write (a full
+    /// disk) leaves the rows where they were, to be written by a later attempt, so no
+    /// checkpoint can ever record a position past rows it does not hold.
     fn flush(&mut self, slot: usize, dir: &Path) -> Result<(), ShadowError> {
         let buf = &mut self.buffers[slot];
         if buf.rows.is_empty() {
             return Ok(());
         }
         let batch = buf.batch()?;
-        buf.rows = ColumnBuffer::default();
-        buf.cached = None;
         let group = buf.group.clone();
         self.add_segment(dir, &batch, group.clone())?;
+        let buf = &mut self.buffers[slot];
+        buf.rows = ColumnBuffer::default();
+        buf.cached = None;
         self.compact(&group, dir)
     }
 
     /// Writes `batch` as a new segment of `group` and points its keys at their rows there.
     fn add_segment(&mut self, dir: &Path, batch: &RecordBatch, group: Option<String>) -> Result<(), ShadowError> {
         let id = self.next_id;
+        let (batch, checksum) = write_segment(dir, id, batch)?;
         self.next_id += 1;
-        let batch = write_segment(dir, id, batch)?;
         let keys = key_column(&batch, &segment_path(dir, id))?;
         for row in 0..batch.num_rows() {
             if let Some(loc) = self.keys.get_mut(keys.value(row)) {
                 *loc = Loc::Seg { id, row: row as u32 };
             }
         }
-        self.segments.insert(id, Segment::new(batch, group));
+        self.segments.insert(id, Segment::new(batch, group, checksum));
         Ok(())
     }
 
@@ -383,7 +402,13 @@ impl ApState {
             segments: self
                 .segments
                 .iter()
-                .map(|(&id, s)| SegmentMeta { id, rows: s.batch.num_rows(), group: s.group.clone(), dead: s.dead_rows() })
+                .map(|(&id, s)| SegmentMeta {
+                    id,
+                    rows: s.batch.num_rows(),
+                    group: s.group.clone(),
+                    dead: s.dead_rows(),
+                    checksum: s.checksum,
+                })
                 .collect(),
             next_id: self.next_id,
         };
@@ -452,9 +477,9 @@ fn key_column<'a>(batch: &'a RecordBatch, path: &Path) -> Result<&'a StringArray
         .ok_or_else(|| ShadowError::Corrupt { path: path.to_path_buf(), reason: "the first column is not the key".into() })
 }
 
-/// Writes a segment file (temporary name, fsync, rename) and answers the batch read back
-/// from it (see [`map_segment`]): the heap copy is dropped.
-fn write_segment(dir: &Path, id: u32, batch: &RecordBatch) -> Result<RecordBatch, ShadowError> {
+/// Writes a segment file (temporary name, fsync, rename) and answers the batch as read
+/// back from it with its checksum.
+fn write_segment(dir: &Path, id: u32, batch: &RecordBatch) -> Result<(RecordBatch, u64), ShadowError> {
     let path = segment_path(dir, id);
     let tmp = path.with_extension("arrow.tmp");
     let file = std::fs::File::create(&tmp).map_err(io_at(&tmp))?;
@@ -464,23 +489,28 @@ fn write_segment(dir: &Path, id: u32, batch: &RecordBatch) -> Result<RecordBatch
     let file = writer.into_inner()?.into_inner().map_err(|e| ShadowError::Io { path: tmp.clone(), source: e.into_error() })?;
     file.sync_all().map_err(io_at(&tmp))?;
     std::fs::rename(&tmp, &path).map_err(io_at(&path))?;
-    map_segment(&path)
+    read_segment(&path, None)
 }
 
-/// Maps a segment file into memory and decodes its batch in place: the columns point into
-/// the mapping, so a shadow lives in the page cache (which the kernel may evict and read
-/// back) rather than on the heap, and can be larger than memory.
-fn map_segment(path: &Path) -> Result<RecordBatch, ShadowError> {
+/// Reads a segment file into memory (64-byte aligned, so Arrow decodes it in place),
+/// checks it against `checksum` when one is given, and decodes its batch. Plain reads: an
+/// I/O error is an error here, where a memory-mapped file would raise SIGBUS.
+fn read_segment(path: &Path, checksum: Option<u64>) -> Result<(RecordBatch, u64), ShadowError> {
+    use datafusion::arrow::buffer::{Buffer, MutableBuffer};
     use datafusion::arrow::ipc::reader::{read_footer_length, FileDecoder};
+    use std::io::Read as _;
     let corrupt = |reason: String| ShadowError::Corrupt { path: path.to_path_buf(), reason };
-    let file = std::fs::File::open(path).map_err(io_at(path))?;
-    // SAFETY: a segment file never changes once it has its name: it is written under a
-    // temporary name, fsynced and renamed, and afterwards only deleted — never truncated or
-    // rewritten — so the mapped bytes cannot change under the batch. A deleted file's pages
-    // stay mapped until the last batch using them is dropped.
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io_at(path))?;
-    let buffer = datafusion::arrow::buffer::Buffer::from(bytes::Bytes::from_owner(map));
-    let len = buffer.len();
+    let mut file = std::fs::File::open(path).map_err(io_at(path))?;
+    let len = usize::try_from(file.metadata().map_err(io_at(path))?.len()).map_err(|_| corrupt("too large".into()))?;
+    let mut bytes = MutableBuffer::from_len_zeroed(len);
+    file.read_exact(bytes.as_slice_mut()).map_err(io_at(path))?;
+    let sum = xxhash_rust::xxh3::xxh3_64(bytes.as_slice());
+    if let Some(expected) = checksum {
+        if sum != expected {
+            return Err(corrupt(format!("checksum {sum:016x}, the manifest says {expected:016x}")));
+        }
+    }
+    let buffer = Buffer::from(bytes);
     let trailer: [u8; 10] =
         buffer.get(len.saturating_sub(10)..).and_then(|t| t.try_into().ok()).ok_or_else(|| corrupt("too short".into()))?;
     let footer_len = read_footer_length(trailer).map_err(|e| corrupt(e.to_string()))?;
@@ -507,10 +537,26 @@ fn map_segment(path: &Path) -> Result<RecordBatch, ShadowError> {
             batches.push(b);
         }
     }
-    match batches.len() {
-        1 => Ok(batches.remove(0)),
-        _ => datafusion::arrow::compute::concat_batches(&schema, &batches).map_err(|e| corrupt(e.to_string())),
+    let batch = match batches.len() {
+        1 => batches.remove(0),
+        _ => datafusion::arrow::compute::concat_batches(&schema, &batches).map_err(|e| corrupt(e.to_string()))?,
+    };
+    Ok((batch, sum))
+}
+
+/// Moves an analytics partition's files into the shadow root's quarantine folder (named
+/// after the partition's folder and the time), so that the partition starts empty and the
+/// damaged files stay for inspection.
+fn quarantine(dir: &Path) -> Result<(), ShadowError> {
+    let (Some(root), Some(name)) = (dir.parent(), dir.file_name()) else { return Ok(()) };
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let target = root.join(QUARANTINE_DIR).join(format!("{}-{secs}", name.to_string_lossy()));
+    std::fs::create_dir_all(&target).map_err(io_at(&target))?;
+    for entry in std::fs::read_dir(dir).map_err(io_at(dir))?.flatten() {
+        let to = target.join(entry.file_name());
+        std::fs::rename(entry.path(), &to).map_err(io_at(&to))?;
     }
+    Ok(())
 }
 
 /// Writes `path` so that a crash leaves either the old or the new content.
@@ -538,7 +584,9 @@ impl Ap {
             Ok(Some(state)) => state,
             Ok(None) => ApState::fresh(own),
             Err(e) => {
-                tracing::warn!(dir = %dir.display(), error = %e, "analytics partition unreadable; rebuilding it from the change streams");
+                tracing::warn!(partition = index, error = %e, "analytics partition damaged: quarantined, rebuilding it from the change streams");
+                metrics::counter!("shoal_analytics_rebuilds_total").increment(1);
+                quarantine(&dir)?;
                 ApState::fresh(own)
             }
         };
@@ -568,14 +616,14 @@ impl Ap {
         state.next_id = m.next_id;
         for meta in m.segments {
             let seg_path = segment_path(dir, meta.id);
-            let batch = map_segment(&seg_path)?;
+            let (batch, checksum) = read_segment(&seg_path, Some(meta.checksum))?;
             if batch.num_rows() != meta.rows {
                 return Err(ShadowError::Corrupt {
                     path: seg_path,
                     reason: format!("{} rows, the manifest says {}", batch.num_rows(), meta.rows),
                 });
             }
-            let mut seg = Segment::new(batch, meta.group);
+            let mut seg = Segment::new(batch, meta.group, checksum);
             for row in meta.dead {
                 seg.kill(row as usize);
             }
@@ -1015,7 +1063,7 @@ mod tests {
     }
 
     #[test]
-    fn segment_files_read_back_mapped_and_damaged_ones_are_errors() {
+    fn segment_files_read_back_and_damaged_ones_are_errors() {
         let dir = tempfile::tempdir().unwrap();
         let mut buf = ColumnBuffer::default();
         for i in 0..100 {
@@ -1023,25 +1071,58 @@ mod tests {
             buf.push(format!("k{i}"), ParsedDoc::parse(text.as_bytes()));
         }
         let batch = buf.batch().unwrap();
-        assert_eq!(write_segment(dir.path(), 1, &batch).unwrap(), batch);
-        assert_eq!(map_segment(&segment_path(dir.path(), 1)).unwrap(), batch);
+        let (written, sum) = write_segment(dir.path(), 1, &batch).unwrap();
+        assert_eq!(written, batch);
+        assert_eq!(read_segment(&segment_path(dir.path(), 1), Some(sum)).unwrap(), (batch, sum));
         let bytes = std::fs::read(segment_path(dir.path(), 1)).unwrap();
         for cut in [0, 5, 10, 11, bytes.len() / 2, bytes.len() - 11, bytes.len() - 1] {
             std::fs::write(segment_path(dir.path(), 2), &bytes[..cut]).unwrap();
-            assert!(map_segment(&segment_path(dir.path(), 2)).is_err(), "cut at {cut}");
+            assert!(read_segment(&segment_path(dir.path(), 2), None).is_err(), "cut at {cut}");
         }
-        let mut flipped = bytes.clone();
-        let at = flipped.len() - 12;
-        flipped[at] ^= 0xff;
-        std::fs::write(segment_path(dir.path(), 3), &flipped).unwrap();
-        let _ = map_segment(&segment_path(dir.path(), 3));
+        // A bit flipped anywhere — in a column's values, where decoding alone would not
+        // notice — fails the checksum.
+        for at in [bytes.len() / 3, bytes.len() / 2, bytes.len() - 12] {
+            let mut flipped = bytes.clone();
+            flipped[at] ^= 0x10;
+            std::fs::write(segment_path(dir.path(), 3), &flipped).unwrap();
+            match read_segment(&segment_path(dir.path(), 3), Some(sum)) {
+                Err(ShadowError::Corrupt { reason, .. }) => assert!(reason.contains("checksum"), "{reason}"),
+                other => panic!("a flipped bit at {at} read as {:?}", other.map(|(b, _)| b.num_rows())),
+            }
+        }
+    }
+
+    #[test]
+    fn a_damaged_partition_is_quarantined_and_starts_empty() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("0");
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut st = ApState::fresh(vec![(0, StreamPosition::default())]);
+        for i in 0..10 {
+            let text = serde_json::json!({"n": i}).to_string();
+            st.upsert(format!("k{i}"), ParsedDoc::parse(text.as_bytes()), &dir).unwrap();
+        }
+        st.cursors[0].1 = StreamPosition { seqno: 10, uuid: 7 };
+        st.checkpoint(&dir, 1, 1).unwrap();
+        let seg = segment_path(&dir, 1);
+        let mut bytes = std::fs::read(&seg).unwrap();
+        let at = bytes.len() / 2;
+        bytes[at] ^= 1;
+        std::fs::write(&seg, &bytes).unwrap();
+        let ap = Ap::open(0, dir.clone(), 1, 1).unwrap();
+        let st = ap.state.lock();
+        assert!(st.keys.is_empty(), "nothing is read from a damaged segment");
+        assert_eq!(st.cursors[0].1, StreamPosition::default(), "the partition is read again from the start");
+        let quarantined: Vec<_> = std::fs::read_dir(root.path().join(QUARANTINE_DIR)).unwrap().flatten().collect();
+        assert_eq!(quarantined.len(), 1);
+        assert!(quarantined[0].path().join("1.arrow").exists() && quarantined[0].path().join(MANIFEST).exists());
     }
 
     #[test]
     fn dead_rows_are_masked_and_counted() {
         let schema = crate::schema::Obj::default().table_schema();
         let rows: Vec<(String, Value)> = (0..130).map(|i| (format!("k{i}"), serde_json::json!({}))).collect();
-        let mut s = Segment::new(to_batch(&schema, None, &rows).unwrap(), None);
+        let mut s = Segment::new(to_batch(&schema, None, &rows).unwrap(), None, 0);
         assert!(s.live_mask().is_none());
         s.kill(3);
         s.kill(3);

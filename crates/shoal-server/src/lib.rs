@@ -162,6 +162,8 @@ pub struct Server {
 impl Server {
     /// Opens the store (recovering it if needed) and binds the listen address.
     pub async fn bind(config: ServerConfig) -> Result<Server, ServerError> {
+        // First: what opening the store, indexes and shadows counts (rebuilds) is kept.
+        let metrics = ops::prometheus();
         let store_config = config.store.clone();
         let store = tokio::task::spawn_blocking(move || Store::open(store_config))
             .await
@@ -194,7 +196,7 @@ impl Server {
             query,
             shadows,
             started: Instant::now(),
-            metrics: ops::prometheus(),
+            metrics,
             parsed: Arc::default(),
             cpu: cpu::CpuPool::new()?,
             shutdown,
