@@ -95,6 +95,7 @@ fn describe_metrics() {
     describe_counter!("shoal_requests_total", "HTTP requests answered, by operation and status class");
     describe_histogram!("shoal_request_duration_seconds", Unit::Seconds, "Time to answer an HTTP request, by operation");
     describe_counter!("shoal_subdoc_parsed_cache_total", "Sub-document requests by how the parsed-tree cache served them");
+    describe_counter!("shoal_analytics_rebuilds_total", "Analytics partitions quarantined and rebuilt after their files failed a check");
     describe_histogram!(
         "shoal_analytics_lag_seconds",
         Unit::Seconds,
