@@ -1,6 +1,8 @@
 //! Starts the real `shoal` binary on a loopback port with a real data directory.
 #![allow(dead_code)]
 
+pub mod faults;
+
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};

@@ -9,7 +9,7 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use serde::Deserialize;
-use shoal_storage::{Collection, MutationOutcome, WriteError, WriteOp, WriteRequest, DOC_MAX_BYTES};
+use shoal_storage::{Collection, MutationOutcome, WriteOp, WriteRequest, DOC_MAX_BYTES};
 
 use crate::error::ApiError;
 use crate::extract::{self, Durability, Precondition};
@@ -43,7 +43,10 @@ pub async fn get(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery)
     let key = extract::doc_key(&uri)?;
     let doc = match (params.lock, params.touch) {
         (Some(_), Some(_)) => return Err(ApiError::bad_request("lock and touch cannot be combined")),
-        (Some(secs), None) => coll.get_and_lock(&key, secs)?,
+        (Some(secs), None) => {
+            let (c, k) = (Arc::clone(&coll), key.clone());
+            blocking(move || c.get_and_lock(&k, secs)).await??
+        }
         (None, Some(secs)) => {
             let req = WriteRequest {
                 key: Bytes::from(key.clone()),
@@ -53,7 +56,8 @@ pub async fn get(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery)
                 expiry: extract::expiry(Some(secs))?,
             };
             // Get-and-touch answers like a get: it does not wait for an fsync.
-            let (_, _not_awaited) = coll.write(req)?;
+            let c = Arc::clone(&coll);
+            let (_, _not_awaited) = blocking(move || c.write(req)).await??;
             coll.get(&key)?
         }
         (None, None) => coll.get(&key)?,
@@ -159,21 +163,29 @@ pub async fn unlock(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
     let Precondition::Cas(cas) = extract::precondition(&headers)? else {
         return Err(ApiError::bad_request("unlock needs If-Match: \"<cas>\" from the locking get"));
     };
-    coll.unlock(&key, cas)?;
+    blocking(move || coll.unlock(&key, cas)).await??;
     Ok(json_response(StatusCode::OK, b"{}".to_vec()))
 }
 
-async fn apply(coll: &Collection, req: WriteRequest, durability: Durability) -> Result<MutationOutcome, ApiError> {
-    Ok(write_durably(coll, req, durability).await?)
+async fn apply(coll: &Arc<Collection>, req: WriteRequest, durability: Durability) -> Result<MutationOutcome, ApiError> {
+    write_durably(coll, req, durability).await
 }
 
-/// Writes, then waits for the fsync if `persist` was asked for.
-pub(crate) async fn write_durably(coll: &Collection, req: WriteRequest, durability: Durability) -> Result<MutationOutcome, WriteError> {
-    let (outcome, wait) = coll.write(req)?;
+/// Writes on the blocking pool (a write takes the partition's sequencer and may wait for
+/// the engine), then waits for the fsync if `persist` was asked for. The write class's
+/// concurrency limit bounds how many wait there.
+pub(crate) async fn write_durably(coll: &Arc<Collection>, req: WriteRequest, durability: Durability) -> Result<MutationOutcome, ApiError> {
+    let c = Arc::clone(coll);
+    let (outcome, wait) = blocking(move || c.write(req)).await??;
     if durability == Durability::Persist {
         wait.wait().await?;
     }
     Ok(outcome)
+}
+
+/// Runs storage work that may block off the I/O threads.
+pub(crate) async fn blocking<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(work).await.map_err(|e| ApiError::internal(format!("storage task failed: {e}")))
 }
 
 pub(crate) fn mutation_json(outcome: &MutationOutcome) -> serde_json::Value {

@@ -290,8 +290,8 @@ pub async fn mutate(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
                 return Ok(json_response(StatusCode::OK, out.to_string().into_bytes()));
             }
             // Someone wrote in between: read again, unless the client pinned a CAS.
-            Err(WriteError::CasMismatch | WriteError::Exists) if want_cas.is_none() => continue,
-            Err(e) => return Err(e.into()),
+            Err(e) if want_cas.is_none() && matches!(e.code, "cas_mismatch" | "doc_exists") => continue,
+            Err(e) => return Err(e),
         }
     }
     Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "the document kept changing; try again"))

@@ -384,7 +384,7 @@ impl Partition {
             // A key already in the uncommitted batch must see that write: commit first.
             if !in_batch.insert(&req.key[..]) {
                 match self.commit(&mut state, std::mem::replace(&mut batch, self.db.batch()), std::mem::take(&mut changes)) {
-                    Ok(t) => ticket = t,
+                    Ok(t) => ticket = ticket.max(t),
                     Err(e) => fail_pending(&mut results[pending_from..], &e),
                 }
                 pending_from = results.len();
