@@ -51,6 +51,14 @@ pub enum IndexError {
     Engine(#[from] fjall::Error),
     #[error("index storage is corrupt: {0}")]
     Corrupt(String),
+    /// The index's storage failed a check (a checksum, an undecodable entry): it is being
+    /// rebuilt from the documents, and answers again once built.
+    #[error("index {name} is being rebuilt: its storage was found damaged")]
+    Rebuilding { name: String },
+    #[error("index definitions: {0}")]
+    Catalog(#[from] shoal_storage::CatalogError),
+    #[error("index database at {path}: {source}")]
+    Io { path: String, source: std::io::Error },
     #[error("change stream: {0}")]
     Changes(#[from] shoal_storage::ChangesError),
     #[error("reading documents: {0}")]

@@ -1,10 +1,19 @@
 //! The node's indexes: definitions, maintainers (one per collection with indexes, running
 //! rounds on the shared worker pool), and scans.
+//!
+//! Everything in the index database can be rebuilt from the documents, so damage to it is
+//! contained rather than fatal. Definitions live in the store's catalog (the index database
+//! keeps only entries, back entries, cursors and build positions). A database that cannot
+//! be opened or read at start is moved aside to `index.quarantined-<unix seconds>` and every
+//! index is built again in a fresh one; an index whose storage fails a check at run time (a
+//! scan or a maintainer round meets a checksum error) is replaced by a new index of the same
+//! definition, built like a new one, while the others go on.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Bound;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -20,8 +29,22 @@ use crate::{
 };
 
 const INDEX_DIR: &str = "index";
+/// A damaged index database is moved aside to `index` + this + its Unix time in seconds.
+const QUARANTINE_SUFFIX: &str = ".quarantined-";
 const META_KEYSPACE: &str = "meta";
 const NEXT_ID_KEY: &[u8] = b"next_index_id";
+/// Definitions in the index database's meta keyspace, as nodes before the catalog kept
+/// them; copied to the catalog at open (see [`open_database`]).
+const LEGACY_DEF_PREFIX: &[u8] = b"def/";
+/// Catalog keys (in the store) of the definitions: `index/{collection id:08x}/{name}`.
+const CATALOG_PREFIX: &str = "index/";
+/// Counts indexes rebuilt because their storage was found damaged.
+const REBUILDS_METRIC: &str = "shoal_index_rebuilds_total";
+/// How long a rebuild that failed (the store refusing writes, say) waits to try again.
+const REBUILD_RETRY: Duration = Duration::from_secs(5);
+/// How long a clean stop waits for the index keyspaces to be flushed into tables.
+const CLOSE_FLUSH_WAIT: Duration = Duration::from_secs(30);
+const CLOSE_FLUSH_POLL: Duration = Duration::from_millis(10);
 /// Memtable of each index keyspace (forward and back), as the storage crate's indexes.
 const INDEX_MEMTABLE_MAX_BYTES: u64 = 16 * 1024 * 1024;
 /// Block cache of the index database.
@@ -91,8 +114,10 @@ pub struct ScanRow {
     pub id: String,
 }
 
-/// A definition as stored in the index database's meta keyspace.
-#[derive(Clone, Serialize, Deserialize)]
+/// A definition as stored in the store's catalog (and, before the catalog, in the index
+/// database's meta keyspace: the same JSON). `id` names the index's keyspaces and cursors
+/// in the index database; a rebuild gives the definition a new one.
+#[derive(Clone, Debug, Serialize, Deserialize)]
 struct Record {
     id: u32,
     collection_id: u32,
@@ -100,14 +125,34 @@ struct Record {
     def: IndexDef,
 }
 
+impl Record {
+    fn catalog_key(&self) -> String {
+        catalog_key(self.collection_id, &self.def.name)
+    }
+
+    fn encode(&self) -> Result<Vec<u8>, IndexError> {
+        serde_json::to_vec(self).map_err(|e| IndexError::Invalid(format!("index definition: {e}")))
+    }
+}
+
+fn catalog_key(collection_id: u32, name: &str) -> String {
+    format!("{CATALOG_PREFIX}{collection_id:08x}/{name}")
+}
+
 struct Index {
     id: u32,
+    collection_id: u32,
+    collection: String,
     def: IndexDef,
     compiled: Compiled,
     fwd: fjall::Keyspace,
     back: fjall::Keyspace,
     deferred: AtomicBool,
+    /// Dropped, or replaced by its rebuild: no longer in its collection's set.
     dropped: AtomicBool,
+    /// A read of its storage failed a check: it is being replaced by a rebuild (see
+    /// [`IndexManager::damaged`]) and is neither maintained nor read meanwhile.
+    corrupt: AtomicBool,
     /// Per partition: how far the index has applied the change stream.
     cursors: Mutex<Vec<StreamPosition>>,
     /// Per partition: entries contributed by the partition's documents.
@@ -124,7 +169,7 @@ impl Index {
     fn state(&self) -> IndexState {
         if self.deferred.load(Ordering::Acquire) {
             IndexState::Deferred
-        } else if self.target.lock().is_some() {
+        } else if self.corrupt.load(Ordering::Acquire) || self.target.lock().is_some() {
             IndexState::Building
         } else {
             IndexState::Ready
@@ -132,6 +177,9 @@ impl Index {
     }
 
     fn progress_fraction(&self) -> f64 {
+        if self.corrupt.load(Ordering::Acquire) {
+            return 0.0;
+        }
         if let Some(scan) = self.scan.lock().as_ref() {
             // The catch-up after the scan is short; the scan is the build.
             return (scan.scanned as f64 / scan.total.max(1) as f64).min(0.99);
@@ -156,6 +204,25 @@ impl Index {
         let items = self.items.iter().map(|i| i.load(Ordering::Relaxed)).sum::<i64>().max(0) as u64;
         IndexStatus { def: self.def.clone(), state: self.state(), progress: self.progress_fraction(), items }
     }
+
+    /// The definition as the catalog holds it now.
+    fn record(&self) -> Record {
+        Record {
+            id: self.id,
+            collection_id: self.collection_id,
+            collection: self.collection.clone(),
+            def: IndexDef { defer_build: self.deferred.load(Ordering::Acquire), ..self.def.clone() },
+        }
+    }
+
+    fn catalog_key(&self) -> String {
+        catalog_key(self.collection_id, &self.def.name)
+    }
+
+    /// Wakes everyone waiting on the index (`request_plus` scans look again).
+    fn bump(&self) {
+        self.progress.send_modify(|v| *v += 1);
+    }
 }
 
 /// The indexes of one collection and its maintainer's controls.
@@ -168,17 +235,26 @@ struct CollEntry {
 
 pub struct IndexManager {
     store: Arc<Store>,
-    /// How the maintainers are doing, for `/v1/health`.
+    /// How the maintainers are doing, for `/v1/health`; damaged index storage is reported
+    /// here too.
     pub health: shoal_storage::TaskHealth,
     db: fjall::Database,
     meta: fjall::Keyspace,
     pool: Arc<rayon::ThreadPool>,
     colls: Mutex<HashMap<u32, CollEntry>>,
-    /// Serialises create/drop/build (each is rare and touches meta and keyspaces).
+    /// Serialises create/drop/build/rebuild (each is rare and touches meta and keyspaces).
     ddl: tokio::sync::Mutex<()>,
+    /// The next index id (never below any id in the catalog or the index database).
+    next_id: Mutex<u32>,
+    /// Indexes rebuilt because their storage was found damaged, since the node started.
+    rebuilds: AtomicU64,
+    /// Where rebuilds run: damage is met on pool threads, outside the runtime.
+    runtime: tokio::runtime::Handle,
+    /// This manager, for the rebuilds it starts from `&self`.
+    me: Weak<IndexManager>,
 }
 
-fn def_key(id: u32) -> Vec<u8> {
+fn legacy_def_key(id: u32) -> Vec<u8> {
     format!("def/{id:08x}").into_bytes()
 }
 
@@ -278,93 +354,101 @@ fn entry_key(prefix: &[u8], doc_key: &[u8]) -> Vec<u8> {
     k
 }
 
+/// What [`open_database`] found: the database and the indexes to attach.
+struct Opened {
+    db: fjall::Database,
+    meta: fjall::Keyspace,
+    indexes: Vec<(Arc<Collection>, Arc<Index>)>,
+    next_id: u32,
+}
+
 impl IndexManager {
     /// Opens (or creates) the index database under the store's first data path, loads the
-    /// definitions and resumes their maintainers. Call from within a tokio runtime.
+    /// definitions from the store's catalog and resumes their maintainers. Call from within
+    /// a tokio runtime.
+    ///
+    /// A database that cannot be opened or read because its files are damaged is moved
+    /// aside (see [`quarantine`]) and a fresh one is built from the definitions: the node
+    /// starts and serves documents while the indexes build.
     pub fn open(store: Arc<Store>, workers: usize) -> Result<Arc<IndexManager>, IndexError> {
         let path = store.data_paths().first().cloned().ok_or_else(|| IndexError::Invalid("no data path".into()))?.join(INDEX_DIR);
-        let db = fjall::Database::builder(path).cache_size(INDEX_CACHE_BYTES).open()?;
-        let meta = db.keyspace(META_KEYSPACE, fjall::KeyspaceCreateOptions::default)?;
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|e| IndexError::Invalid(format!("the index manager needs a tokio runtime: {e}")))?;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(workers.max(1))
             .thread_name(|i| format!("shoal-index-{i}"))
             .build()
             .map_err(|e| IndexError::Invalid(format!("index worker pool: {e}")))?;
-        let mgr = Arc::new(IndexManager {
+        let health = shoal_storage::TaskHealth::default();
+        let (opened, rebuilds) = match open_database(&store, &path) {
+            Ok(opened) => (opened, 0),
+            Err(e) if damaged_at_open(&e) => {
+                let moved = quarantine(&path)?;
+                tracing::warn!(
+                    reason = %e,
+                    moved_to = %moved.display(),
+                    "the index database is damaged: moved it aside; every index is rebuilt from the documents"
+                );
+                let opened = open_database(&store, &path)?;
+                let n = opened.indexes.len();
+                health.round_failed(&format!(
+                    "the index database was damaged ({e}); moved to {} and rebuilding {n} indexes",
+                    moved.display()
+                ));
+                (opened, n as u64)
+            }
+            Err(e) => return Err(e),
+        };
+        let Opened { db, meta, indexes, next_id } = opened;
+        let mgr = Arc::new_cyclic(|me| IndexManager {
             store,
-            health: shoal_storage::TaskHealth::default(),
+            health,
             db,
             meta,
             pool: Arc::new(pool),
             colls: Mutex::new(HashMap::new()),
             ddl: tokio::sync::Mutex::new(()),
+            next_id: Mutex::new(next_id),
+            rebuilds: AtomicU64::new(rebuilds),
+            runtime,
+            me: me.clone(),
         });
-        let mut records = Vec::new();
-        for guard in mgr.meta.prefix(b"def/") {
-            let (_, v) = guard.into_inner()?;
-            let r: Record = serde_json::from_slice(&v).map_err(|e| IndexError::Corrupt(format!("index definition: {e}")))?;
-            records.push(r);
-        }
-        for r in records {
-            match mgr.store.collection(&r.collection).filter(|c| c.id() == r.collection_id) {
-                Some(coll) => {
-                    let index = mgr.load(&r, &coll)?;
-                    mgr.attach(&coll, index);
-                }
-                None => {
-                    tracing::info!(index = %r.def.name, collection = %r.collection, "collection gone; dropping its index");
-                    mgr.delete_storage(r.id)?;
-                }
-            }
+        for (coll, index) in indexes {
+            mgr.attach(&coll, index);
         }
         Ok(mgr)
     }
 
-    /// Flushes the index database to disk.
+    /// Flushes the index database to disk. At a clean stop the keyspaces' memtables are
+    /// written into tables first: the next start then has no journal to replay, and every
+    /// entry sits in checksummed table files.
     pub fn close(&self) -> Result<(), IndexError> {
+        let mut keyspaces = vec![self.meta.clone()];
+        for entry in self.colls.lock().values() {
+            for index in entry.indexes.iter().filter(|i| !i.dropped.load(Ordering::Acquire)) {
+                keyspaces.push(index.fwd.clone());
+                keyspaces.push(index.back.clone());
+            }
+        }
+        for ks in &keyspaces {
+            ks.rotate_memtable()?;
+        }
+        let deadline = std::time::Instant::now() + CLOSE_FLUSH_WAIT;
+        while keyspaces.iter().any(|ks| ks.sealed_memtable_count() > 0) {
+            if std::time::Instant::now() >= deadline {
+                // The journal below still holds everything; the next start replays it.
+                tracing::warn!("the index keyspaces were not flushed in time; the next start replays the journal");
+                break;
+            }
+            std::thread::sleep(CLOSE_FLUSH_POLL);
+        }
         self.db.persist(fjall::PersistMode::SyncAll)?;
         Ok(())
     }
 
-    fn open_keyspaces(&self, id: u32) -> Result<(fjall::Keyspace, fjall::Keyspace), IndexError> {
-        let opts = || fjall::KeyspaceCreateOptions::default().max_memtable_size(INDEX_MEMTABLE_MAX_BYTES);
-        Ok((self.db.keyspace(&format!("x{id}"), opts)?, self.db.keyspace(&format!("b{id}"), opts)?))
-    }
-
-    fn load(&self, r: &Record, coll: &Collection) -> Result<Arc<Index>, IndexError> {
-        let compiled = r.def.compile()?;
-        let (fwd, back) = self.open_keyspaces(r.id)?;
-        let n = usize::from(coll.partition_count());
-        let mut cursors = vec![StreamPosition::default(); n];
-        let items: Vec<AtomicI64> = (0..n).map(|_| AtomicI64::new(0)).collect();
-        for guard in self.meta.prefix(format!("cur/{:08x}/", r.id).as_bytes()) {
-            let (k, v) = guard.into_inner()?;
-            let p = std::str::from_utf8(&k[k.len().saturating_sub(4)..]).ok().and_then(|h| usize::from_str_radix(h, 16).ok());
-            if let (Some(p), Some((pos, count))) = (p, decode_cursor(&v)) {
-                if p < n {
-                    cursors[p] = pos;
-                    items[p].store(count, Ordering::Relaxed);
-                }
-            }
-        }
-        let scan = match self.meta.get(scan_key(r.id))? {
-            Some(v) => Some(ScanState::decode(&v, n)?),
-            None => None,
-        };
-        Ok(Arc::new(Index {
-            id: r.id,
-            def: r.def.clone(),
-            compiled,
-            fwd,
-            back,
-            deferred: AtomicBool::new(r.def.defer_build),
-            dropped: AtomicBool::new(false),
-            cursors: Mutex::new(cursors),
-            items,
-            target: Mutex::new(Some(coll.high_seqnos())),
-            progress: watch::channel(0).0,
-            scan: Mutex::new(scan),
-        }))
+    /// Indexes rebuilt because their storage was found damaged, since the node started.
+    pub fn rebuilds(&self) -> u64 {
+        self.rebuilds.load(Ordering::Relaxed)
     }
 
     /// Adds `index` to its collection's set, starting the collection's maintainer if needed.
@@ -392,24 +476,29 @@ impl IndexManager {
             .ok_or_else(|| IndexError::NotFound(name.to_string()))
     }
 
+    /// The next index id, recorded in the index database (the catalog and the keyspace
+    /// names keep it above every id in use even if this write is lost).
+    fn allocate_id(&self) -> Result<u32, IndexError> {
+        let mut next = self.next_id.lock();
+        let id = *next;
+        let after = id.checked_add(1).ok_or_else(|| IndexError::Invalid("index ids are exhausted".into()))?;
+        self.meta.insert(NEXT_ID_KEY, after.to_be_bytes())?;
+        *next = after;
+        Ok(id)
+    }
+
     pub async fn create(self: &Arc<Self>, coll: &Arc<Collection>, def: IndexDef) -> Result<IndexStatus, IndexError> {
         def.compile()?;
         let _ddl = self.ddl.lock().await;
         if self.find(coll, &def.name).is_ok() {
             return Err(IndexError::Exists(def.name));
         }
-        let id = match self.meta.get(NEXT_ID_KEY)? {
-            Some(v) => u32::from_be_bytes(v.as_ref().try_into().map_err(|_| IndexError::Corrupt("next index id".into()))?),
-            None => 1,
-        };
+        let id = self.allocate_id()?;
         let record = Record { id, collection_id: coll.id(), collection: coll.name().to_string(), def };
-        let json = serde_json::to_vec(&record).map_err(|e| IndexError::Corrupt(e.to_string()))?;
-        let mut batch = self.db.batch();
-        batch.insert(&self.meta, NEXT_ID_KEY, (id + 1).to_be_bytes());
-        batch.insert(&self.meta, def_key(id), json);
-        batch.commit()?;
-        self.db.persist(fjall::PersistMode::SyncAll)?;
-        let index = self.load(&record, coll)?;
+        // Durable in the store's catalog before the answer: the index database holds only
+        // what can be rebuilt from the definition and the documents.
+        self.store.put_catalog(&record.catalog_key(), &record.encode()?)?;
+        let index = load(&self.db, &self.meta, &record, coll)?;
         let status = index.status();
         self.attach(coll, index);
         Ok(status)
@@ -436,7 +525,7 @@ impl IndexManager {
             return Err(IndexError::Invalid("no index names given".into()));
         }
         for index in &indexes {
-            self.persist_built(coll, index)?;
+            self.persist_built(index)?;
         }
         {
             // Flipped under the lock that `active()` takes: the maintainer's next round
@@ -457,16 +546,11 @@ impl IndexManager {
     }
 
     /// Records that a deferred index is to be built (so a restart keeps building it).
-    fn persist_built(&self, coll: &Collection, index: &Index) -> Result<(), IndexError> {
+    fn persist_built(&self, index: &Index) -> Result<(), IndexError> {
         if index.deferred.load(Ordering::Acquire) {
-            let record = Record {
-                id: index.id,
-                collection_id: coll.id(),
-                collection: coll.name().to_string(),
-                def: IndexDef { defer_build: false, ..index.def.clone() },
-            };
-            let json = serde_json::to_vec(&record).map_err(|e| IndexError::Corrupt(e.to_string()))?;
-            self.meta.insert(def_key(index.id), json)?;
+            let mut record = index.record();
+            record.def.defer_build = false;
+            self.store.put_catalog(&record.catalog_key(), &record.encode()?)?;
         }
         Ok(())
     }
@@ -479,10 +563,11 @@ impl IndexManager {
             let pos = entry.indexes.iter().position(|i| i.def.name == name).ok_or_else(|| IndexError::NotFound(name.to_string()))?;
             let index = entry.indexes.remove(pos);
             index.dropped.store(true, Ordering::Release);
+            index.bump();
             entry.wake.notify_one();
             (index, Arc::clone(&entry.round))
         };
-        self.forget(index, round).await
+        self.forget(index, round, Forget::WithDefinition).await
     }
 
     /// Drops every index of a dropped collection.
@@ -494,27 +579,108 @@ impl IndexManager {
         entry.wake.notify_one();
         for index in entry.indexes {
             index.dropped.store(true, Ordering::Release);
-            self.forget(index, Arc::clone(&entry.round)).await?;
+            index.bump();
+            self.forget(index, Arc::clone(&entry.round), Forget::WithDefinition).await?;
         }
         Ok(())
     }
 
-    /// Deletes a dropped index's storage once no maintainer round uses it.
-    async fn forget(&self, index: Arc<Index>, round: Arc<Mutex<()>>) -> Result<(), IndexError> {
-        let id = index.id;
-        let (db, meta) = (self.db.clone(), self.meta.clone());
+    /// Deletes a dropped (or replaced) index's storage once no maintainer round uses it.
+    async fn forget(&self, index: Arc<Index>, round: Arc<Mutex<()>>, what: Forget) -> Result<(), IndexError> {
+        let (id, key) = (index.id, index.catalog_key());
+        let (store, db, meta) = (Arc::clone(&self.store), self.db.clone(), self.meta.clone());
         let (fwd, back) = (index.fwd.clone(), index.back.clone());
         drop(index);
         tokio::task::spawn_blocking(move || {
+            if what == Forget::WithDefinition {
+                // The definition goes first: a crash after it leaves only storage, which the
+                // next open removes, never an index that comes back.
+                store.delete_catalog(&key)?;
+            }
             let _round = round.lock();
             delete_index_storage(&db, &meta, id, Some((fwd, back)))
         })
         .await
-        .map_err(|e| IndexError::Corrupt(format!("drop task: {e}")))?
+        .map_err(|e| IndexError::Invalid(format!("drop task: {e}")))?
     }
 
-    fn delete_storage(&self, id: u32) -> Result<(), IndexError> {
-        delete_index_storage(&self.db, &self.meta, id, None)
+    /// Notes that a read of `index`'s storage failed a check, and starts replacing it by a
+    /// rebuild (see [`IndexManager::rebuild`]); only the first report of an index acts. The
+    /// index is set aside at once: maintainer rounds skip it and scans answer
+    /// [`IndexError::Rebuilding`] until its replacement is in place.
+    fn damaged(&self, index: &Arc<Index>, error: &IndexError) {
+        if index.corrupt.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tracing::error!(
+            index = %index.def.name,
+            collection = %index.collection,
+            %error,
+            "index storage failed a check: rebuilding the index from the documents"
+        );
+        self.health.round_failed(&format!(
+            "index {} of collection {}: its storage failed a check ({error}); rebuilding it",
+            index.def.name, index.collection
+        ));
+        let total = self.rebuilds.fetch_add(1, Ordering::Relaxed) + 1;
+        metrics::counter!(REBUILDS_METRIC).absolute(total);
+        index.bump();
+        let Some(mgr) = self.me.upgrade() else { return };
+        self.runtime.spawn(mgr.rebuild(Arc::clone(index)));
+    }
+
+    /// Passes on the result of a read of `index`'s own storage; damage found there starts
+    /// the index's rebuild, and the reader gets [`IndexError::Rebuilding`].
+    fn checked<T>(&self, index: &Arc<Index>, result: Result<T, IndexError>) -> Result<T, IndexError> {
+        match result {
+            Err(e) if is_damage(&e) => {
+                self.damaged(index, &e);
+                Err(IndexError::Rebuilding { name: index.def.name.clone() })
+            }
+            other => other,
+        }
+    }
+
+    /// Replaces the damaged index `old`, retrying until it is done or the index is gone.
+    async fn rebuild(self: Arc<Self>, old: Arc<Index>) {
+        while let Err(e) = self.replace(&old).await {
+            tracing::error!(index = %old.def.name, collection = %old.collection, error = %e, "rebuilding a damaged index failed; retrying");
+            self.health.round_failed(&format!("rebuilding index {} of collection {}: {e}", old.def.name, old.collection));
+            tokio::time::sleep(REBUILD_RETRY).await;
+        }
+    }
+
+    /// Puts a new index of `old`'s definition in its place, built from the documents like
+    /// a new index: it gets a new id, so new keyspaces (nothing of the damaged files is read
+    /// again) and no cursors; the catalog names the new id before the swap, so a restart
+    /// builds the new one too; then the damaged index's storage is deleted.
+    async fn replace(&self, old: &Arc<Index>) -> Result<(), IndexError> {
+        let _ddl = self.ddl.lock().await;
+        let coll = self.store.collection(&old.collection).filter(|c| c.id() == old.collection_id);
+        let round = coll.as_ref().and_then(|c| {
+            let colls = self.colls.lock();
+            colls.get(&c.id()).filter(|e| e.indexes.iter().any(|i| Arc::ptr_eq(i, old))).map(|e| Arc::clone(&e.round))
+        });
+        let (Some(coll), Some(round)) = (coll, round) else {
+            // Dropped meanwhile (alone or with its collection): nothing to rebuild.
+            return Ok(());
+        };
+        let record = Record { id: self.allocate_id()?, ..old.record() };
+        self.store.put_catalog(&record.catalog_key(), &record.encode()?)?;
+        let new = load(&self.db, &self.meta, &record, &coll)?;
+        {
+            let mut colls = self.colls.lock();
+            if let Some(entry) = colls.get_mut(&coll.id()) {
+                if let Some(slot) = entry.indexes.iter_mut().find(|i| Arc::ptr_eq(i, old)) {
+                    *slot = new;
+                }
+                entry.wake.notify_one();
+            }
+            old.dropped.store(true, Ordering::Release);
+        }
+        old.bump();
+        tracing::info!(index = %old.def.name, collection = %old.collection, id = record.id, "damaged index replaced; building it from the documents");
+        self.forget(Arc::clone(old), round, Forget::StorageOnly).await
     }
 
     /// Rows of `name` within the request's bounds, in index order.
@@ -522,15 +688,15 @@ impl IndexManager {
         if req.limit > SCAN_ROWS_MAX {
             return Err(IndexError::Invalid(format!("limit is at most {SCAN_ROWS_MAX}")));
         }
-        let index = self.find(coll, name)?;
-        let n = index.compiled.key_count();
+        let n = self.find(coll, name)?.compiled.key_count();
         let (lo, hi) = byte_bounds(&req.bounds, n)?;
-        self.ready(coll, &index, req.consistency, req.timeout).await?;
+        let index = self.ready(coll, name, req.consistency, req.timeout).await?;
         let (limit, descending) = (req.limit, req.descending);
         let fwd = index.fwd.clone();
-        tokio::task::spawn_blocking(move || read_range(&fwd, lo, hi, limit, descending, n))
+        let rows = tokio::task::spawn_blocking(move || read_range(&fwd, lo, hi, limit, descending, n))
             .await
-            .map_err(|e| IndexError::Corrupt(format!("scan task: {e}")))?
+            .map_err(|e| IndexError::Invalid(format!("scan task: {e}")))?;
+        self.checked(&index, rows)
     }
 
     /// A consistent read of every row of `name` within `bounds`, in pages (SQL reads an
@@ -544,47 +710,305 @@ impl IndexManager {
         consistency: Consistency,
         timeout: Duration,
     ) -> Result<IndexCursor, IndexError> {
-        let index = self.find(coll, name)?;
-        let n = index.compiled.key_count();
+        let n = self.find(coll, name)?.compiled.key_count();
         let (lo, hi) = byte_bounds(bounds, n)?;
-        self.ready(coll, &index, consistency, timeout).await?;
+        let index = self.ready(coll, name, consistency, timeout).await?;
         let empty = matches!((&lo, &hi), (Bound::Included(l) | Bound::Excluded(l), Bound::Included(h) | Bound::Excluded(h)) if l > h);
-        Ok(IndexCursor { snapshot: self.db.snapshot(), fwd: index.fwd.clone(), next: lo, hi, n, done: empty })
+        Ok(IndexCursor { snapshot: self.db.snapshot(), fwd: index.fwd.clone(), next: lo, hi, n, done: empty, index, mgr: self.me.clone() })
     }
 
-    /// Waits until `index` may be read at `consistency`: ready, and for `request_plus`
-    /// holding every change made before this call.
-    async fn ready(&self, coll: &Collection, index: &Index, consistency: Consistency, timeout: Duration) -> Result<(), IndexError> {
-        let name = &index.def.name;
-        match (index.state(), consistency) {
-            (IndexState::Deferred, _) => Err(IndexError::NotReady { name: name.clone(), state: "deferred", progress: 0.0 }),
-            (IndexState::Building, Consistency::NotBounded) => {
-                Err(IndexError::NotReady { name: name.clone(), state: "building", progress: index.progress_fraction() })
+    /// Waits until index `name` may be read at `consistency`: ready, and for `request_plus`
+    /// holding every change made before this call. Returns the index to read: a damaged
+    /// index is replaced by its rebuild, which `request_plus` waits for.
+    async fn ready(&self, coll: &Collection, name: &str, consistency: Consistency, timeout: Duration) -> Result<Arc<Index>, IndexError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let highs = coll.high_seqnos();
+        if consistency == Consistency::RequestPlus {
+            if let Some(e) = self.colls.lock().get(&coll.id()) {
+                e.wake.notify_one();
             }
-            (_, Consistency::RequestPlus) => {
-                let highs = coll.high_seqnos();
-                let mut progress = index.progress.subscribe();
-                if let Some(e) = self.colls.lock().get(&coll.id()) {
-                    e.wake.notify_one();
+        }
+        loop {
+            let index = self.find(coll, name)?;
+            let not_ready =
+                |state: &'static str| IndexError::NotReady { name: name.to_string(), state, progress: index.progress_fraction() };
+            match (index.state(), consistency) {
+                (IndexState::Deferred, _) => return Err(not_ready("deferred")),
+                (_, Consistency::NotBounded) if index.corrupt.load(Ordering::Acquire) => {
+                    return Err(IndexError::Rebuilding { name: name.to_string() })
                 }
-                let wait = async {
-                    while !(index.caught_up(&highs) && index.state() == IndexState::Ready) {
-                        if index.dropped.load(Ordering::Acquire) || progress.changed().await.is_err() {
-                            return Err(IndexError::NotFound(name.clone()));
+                (IndexState::Building, Consistency::NotBounded) => return Err(not_ready("building")),
+                (IndexState::Ready, Consistency::NotBounded) => return Ok(index),
+                (_, Consistency::RequestPlus) => {
+                    // Subscribed before looking, so no change between the look and the wait
+                    // is missed.
+                    let mut progress = index.progress.subscribe();
+                    loop {
+                        if index.dropped.load(Ordering::Acquire) {
+                            // Dropped (the next look answers `NotFound`) or replaced by its
+                            // rebuild (the next look finds the new index).
+                            break;
+                        }
+                        if index.caught_up(&highs) && index.state() == IndexState::Ready {
+                            return Ok(index);
+                        }
+                        match tokio::time::timeout_at(deadline, progress.changed()).await {
+                            Err(_) => return Err(IndexError::Timeout),
+                            Ok(Err(_)) => return Err(IndexError::NotFound(name.to_string())),
+                            Ok(Ok(())) => {}
                         }
                     }
-                    Ok(())
-                };
-                tokio::time::timeout(timeout, wait).await.map_err(|_| IndexError::Timeout)?
+                }
             }
-            (IndexState::Ready, Consistency::NotBounded) => Ok(()),
         }
     }
 
-    /// The collection's indexes that are not deferred (`None` once it has no entry).
+    /// The collection's indexes that are maintained: not deferred, not set aside as damaged
+    /// (`None` once the collection has no entry).
     fn active(&self, collection_id: u32) -> Option<Vec<Arc<Index>>> {
-        self.colls.lock().get(&collection_id).map(|e| e.indexes.iter().filter(|i| !i.deferred.load(Ordering::Acquire)).cloned().collect())
+        self.colls.lock().get(&collection_id).map(|e| {
+            e.indexes.iter().filter(|i| !i.deferred.load(Ordering::Acquire) && !i.corrupt.load(Ordering::Acquire)).cloned().collect()
+        })
     }
+}
+
+/// What [`IndexManager::forget`] deletes besides the storage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Forget {
+    /// Dropped: the definition goes too.
+    WithDefinition,
+    /// Replaced by a rebuild: the catalog already names the new index.
+    StorageOnly,
+}
+
+/// Whether an error reading an index's own storage means its stored bytes are damaged (a
+/// checksum, an entry that does not decode), so that rebuilding the index is the cure.
+fn is_damage(e: &IndexError) -> bool {
+    match e {
+        IndexError::Engine(f) => shoal_storage::is_corruption(f),
+        IndexError::Corrupt(_) => true,
+        _ => false,
+    }
+}
+
+/// Whether an error opening or reading the index database at start means its files are
+/// damaged, so that moving them aside and rebuilding is the cure. Besides failed checks,
+/// that is any engine error but those of the environment (see [`environmental`]): a missing
+/// or truncated file of the database's own is damage too.
+fn damaged_at_open(e: &IndexError) -> bool {
+    match e {
+        IndexError::Corrupt(_) => true,
+        IndexError::Engine(f) => !environmental(f),
+        _ => false,
+    }
+}
+
+/// An engine error caused by the environment rather than the database's files:
+/// permissions, a full or read-only disk, memory, another process holding the database.
+/// Moving the files aside would not help, and a fresh database would fail the same way.
+fn environmental(e: &fjall::Error) -> bool {
+    use std::io::ErrorKind as K;
+    let io = match e {
+        fjall::Error::Io(io) | fjall::Error::Storage(fjall::LsmError::Io(io)) => io,
+        fjall::Error::Locked | fjall::Error::Poisoned => return true,
+        _ => return false,
+    };
+    matches!(
+        io.kind(),
+        K::PermissionDenied
+            | K::StorageFull
+            | K::ReadOnlyFilesystem
+            | K::QuotaExceeded
+            | K::OutOfMemory
+            | K::Interrupted
+            | K::WouldBlock
+            | K::ResourceBusy
+            | K::TimedOut
+    )
+}
+
+/// Moves the index database at `path` aside to `index.quarantined-<unix seconds>` (with a
+/// counter if that exists), for inspection; the directory rename is made durable before a
+/// fresh database is created in its place.
+fn quarantine(path: &Path) -> Result<PathBuf, IndexError> {
+    let io = |source: std::io::Error| IndexError::Io { path: path.display().to_string(), source };
+    let secs = shoal_storage::unix_now_secs();
+    let mut target = path.with_file_name(format!("{INDEX_DIR}{QUARANTINE_SUFFIX}{secs}"));
+    let mut n = 1u32;
+    while target.exists() {
+        target = path.with_file_name(format!("{INDEX_DIR}{QUARANTINE_SUFFIX}{secs}-{n}"));
+        n += 1;
+    }
+    std::fs::rename(path, &target).map_err(io)?;
+    if let Some(parent) = path.parent() {
+        std::fs::File::open(parent).and_then(|d| d.sync_all()).map_err(io)?;
+    }
+    Ok(target)
+}
+
+/// Opens the fjall database at `path`. The engine asserts some invariants of its files with
+/// panics (a configuration entry that must exist, say); a damaged file must not take the
+/// node down, so a panic while opening counts as damage.
+fn open_fjall(path: &Path) -> Result<fjall::Database, IndexError> {
+    std::panic::catch_unwind(|| fjall::Database::builder(path).cache_size(INDEX_CACHE_BYTES).open())
+        .map_err(|_| IndexError::Corrupt("the storage engine failed a check opening the index database".into()))?
+        .map_err(IndexError::from)
+}
+
+/// Reads the definitions in the store's catalog. One that does not decode is left out and
+/// logged (its index cannot be served; its storage is removed as an orphan).
+fn read_catalog(store: &Store) -> Result<BTreeMap<String, Record>, IndexError> {
+    let mut out = BTreeMap::new();
+    for (key, value) in store.catalog_prefix(CATALOG_PREFIX)? {
+        match serde_json::from_slice::<Record>(&value) {
+            Ok(r) if r.catalog_key() == key => {
+                out.insert(key, r);
+            }
+            Ok(r) => tracing::error!(key, index = %r.def.name, "an index definition is stored under another name's key; ignored"),
+            Err(e) => tracing::error!(key, error = %e, "an index definition in the catalog does not decode; ignored"),
+        }
+    }
+    Ok(out)
+}
+
+/// Opens the index database, copies definitions it holds from before the catalog into the
+/// catalog, removes storage no definition owns, and loads every index. Any error here
+/// reading the database is for [`damaged_at_open`] to judge.
+fn open_database(store: &Store, path: &Path) -> Result<Opened, IndexError> {
+    let db = open_fjall(path)?;
+    let meta = db.keyspace(META_KEYSPACE, fjall::KeyspaceCreateOptions::default)?;
+    let mut records = read_catalog(store)?;
+    let mut legacy_ids = Vec::new();
+    let mut migrated = true;
+    for guard in meta.prefix(LEGACY_DEF_PREFIX) {
+        let (_, v) = guard.into_inner()?;
+        let r: Record = serde_json::from_slice(&v).map_err(|e| IndexError::Corrupt(format!("index definition: {e}")))?;
+        legacy_ids.push(r.id);
+        let key = r.catalog_key();
+        if records.contains_key(&key) {
+            // Copied by an earlier start that stopped before removing the old copy.
+            continue;
+        }
+        match r.encode().and_then(|json| Ok(store.put_catalog(&key, &json)?)) {
+            Ok(()) => tracing::info!(index = %r.def.name, collection = %r.collection, "index definition moved to the catalog"),
+            Err(e) => {
+                // Served from the old copy this time; the next start tries again.
+                tracing::warn!(index = %r.def.name, error = %e, "could not copy an index definition to the catalog");
+                migrated = false;
+            }
+        }
+        records.insert(key, r);
+    }
+    let mut indexes = Vec::new();
+    let mut live = HashSet::new();
+    for r in records.values() {
+        match store.collection(&r.collection).filter(|c| c.id() == r.collection_id) {
+            Some(coll) => {
+                indexes.push((Arc::clone(&coll), load(&db, &meta, r, &coll)?));
+                live.insert(r.id);
+            }
+            None => {
+                // Its storage goes as an orphan below; the definition now, or at a later start.
+                tracing::info!(index = %r.def.name, collection = %r.collection, "collection gone; dropping its index");
+                if let Err(e) = store.delete_catalog(&r.catalog_key()) {
+                    tracing::warn!(index = %r.def.name, error = %e, "could not remove the definition of an index whose collection is gone");
+                }
+            }
+        }
+    }
+    let mut batch = db.batch();
+    if migrated {
+        for id in legacy_ids {
+            batch.remove(&meta, legacy_def_key(id));
+        }
+    }
+    let next_id = remove_orphans(&db, &meta, &live, &mut batch)?;
+    batch.commit()?;
+    db.persist(fjall::PersistMode::SyncAll)?;
+    let stored_next = match meta.get(NEXT_ID_KEY)? {
+        Some(v) => u32::from_be_bytes(v.as_ref().try_into().map_err(|_| IndexError::Corrupt("next index id".into()))?),
+        None => 1,
+    };
+    let next_id = next_id.max(stored_next).max(live.iter().max().map_or(1, |m| m + 1));
+    debug_assert!(live.iter().all(|&id| id < next_id));
+    Ok(Opened { db, meta, indexes, next_id })
+}
+
+/// Removes the keyspaces, cursors and build positions of ids no live definition has
+/// (dropped or replaced indexes whose storage a crash left behind). Returns an id above
+/// every id the database has seen.
+fn remove_orphans(
+    db: &fjall::Database,
+    meta: &fjall::Keyspace,
+    live: &HashSet<u32>,
+    batch: &mut fjall::OwnedWriteBatch,
+) -> Result<u32, IndexError> {
+    let mut next = 1u32;
+    for name in db.list_keyspace_names() {
+        let Some(id) = name.strip_prefix(['x', 'b']).and_then(|n| n.parse::<u32>().ok()) else { continue };
+        next = next.max(id.saturating_add(1));
+        if !live.contains(&id) {
+            tracing::info!(keyspace = %&*name, "removing the storage of an index that no longer exists");
+            let ks = db.keyspace(&name, fjall::KeyspaceCreateOptions::default)?;
+            db.delete_keyspace(ks)?;
+        }
+    }
+    for prefix in [&b"cur/"[..], b"scan/"] {
+        for guard in meta.prefix(prefix) {
+            let k = guard.key()?;
+            let id = std::str::from_utf8(&k[prefix.len()..]).ok().and_then(|rest| u32::from_str_radix(rest.get(..8)?, 16).ok());
+            if id.is_some_and(|id| !live.contains(&id)) {
+                batch.remove(meta, k);
+            }
+        }
+    }
+    Ok(next)
+}
+
+fn open_keyspaces(db: &fjall::Database, id: u32) -> Result<(fjall::Keyspace, fjall::Keyspace), IndexError> {
+    let opts = || fjall::KeyspaceCreateOptions::default().max_memtable_size(INDEX_MEMTABLE_MAX_BYTES);
+    Ok((db.keyspace(&format!("x{id}"), opts)?, db.keyspace(&format!("b{id}"), opts)?))
+}
+
+/// The index of definition `r`, with its cursors and build position as persisted (none
+/// for a new index, which its maintainer then builds from the documents).
+fn load(db: &fjall::Database, meta: &fjall::Keyspace, r: &Record, coll: &Collection) -> Result<Arc<Index>, IndexError> {
+    let compiled = r.def.compile()?;
+    let (fwd, back) = open_keyspaces(db, r.id)?;
+    let n = usize::from(coll.partition_count());
+    let mut cursors = vec![StreamPosition::default(); n];
+    let items: Vec<AtomicI64> = (0..n).map(|_| AtomicI64::new(0)).collect();
+    for guard in meta.prefix(format!("cur/{:08x}/", r.id).as_bytes()) {
+        let (k, v) = guard.into_inner()?;
+        let p = std::str::from_utf8(&k[k.len().saturating_sub(4)..]).ok().and_then(|h| usize::from_str_radix(h, 16).ok());
+        if let (Some(p), Some((pos, count))) = (p, decode_cursor(&v)) {
+            if p < n {
+                cursors[p] = pos;
+                items[p].store(count, Ordering::Relaxed);
+            }
+        }
+    }
+    let scan = match meta.get(scan_key(r.id))? {
+        Some(v) => Some(ScanState::decode(&v, n)?),
+        None => None,
+    };
+    Ok(Arc::new(Index {
+        id: r.id,
+        collection_id: r.collection_id,
+        collection: r.collection.clone(),
+        def: r.def.clone(),
+        compiled,
+        fwd,
+        back,
+        deferred: AtomicBool::new(r.def.defer_build),
+        dropped: AtomicBool::new(false),
+        corrupt: AtomicBool::new(false),
+        cursors: Mutex::new(cursors),
+        items,
+        target: Mutex::new(Some(coll.high_seqnos())),
+        progress: watch::channel(0).0,
+        scan: Mutex::new(scan),
+    }))
 }
 
 fn delete_index_storage(
@@ -594,7 +1018,7 @@ fn delete_index_storage(
     open: Option<(fjall::Keyspace, fjall::Keyspace)>,
 ) -> Result<(), IndexError> {
     let mut batch = db.batch();
-    batch.remove(meta, def_key(id));
+    batch.remove(meta, legacy_def_key(id));
     batch.remove(meta, scan_key(id));
     for guard in meta.prefix(format!("cur/{id:08x}/").as_bytes()) {
         let k = guard.key()?;
@@ -603,10 +1027,7 @@ fn delete_index_storage(
     batch.commit()?;
     let (fwd, back) = match open {
         Some(ks) => ks,
-        None => {
-            let opts = fjall::KeyspaceCreateOptions::default;
-            (db.keyspace(&format!("x{id}"), opts)?, db.keyspace(&format!("b{id}"), opts)?)
-        }
+        None => open_keyspaces(db, id)?,
     };
     db.delete_keyspace(fwd)?;
     db.delete_keyspace(back)?;
@@ -664,12 +1085,24 @@ pub struct IndexCursor {
     hi: Bound<Vec<u8>>,
     n: usize,
     done: bool,
+    /// The index read, and its manager, told if the read meets damage.
+    index: Arc<Index>,
+    mgr: Weak<IndexManager>,
 }
 
 impl IndexCursor {
     /// The next at most `max` rows, in index order; empty once the range is read.
-    /// Blocking: call it off the I/O threads.
+    /// Blocking: call it off the I/O threads. Damage met in the index starts its rebuild
+    /// and answers [`IndexError::Rebuilding`].
     pub fn next_page(&mut self, max: usize) -> Result<Vec<ScanRow>, IndexError> {
+        let page = self.read_page(max);
+        match self.mgr.upgrade() {
+            Some(mgr) => mgr.checked(&self.index, page),
+            None => page,
+        }
+    }
+
+    fn read_page(&mut self, max: usize) -> Result<Vec<ScanRow>, IndexError> {
         use fjall::Readable;
         if self.done || max == 0 {
             return Ok(Vec::new());
@@ -722,6 +1155,9 @@ async fn maintain(mgr: Arc<IndexManager>, coll: Arc<Collection>, wake: Arc<Notif
     let mut changed = coll.changed();
     let _running = mgr.health.running();
     loop {
+        // Published from here too: rebuilds counted while the node opened came before the
+        // metrics recorder was installed.
+        metrics::counter!(REBUILDS_METRIC).absolute(mgr.rebuilds());
         if coll.is_dropped() {
             if let Err(e) = mgr.drop_collection(coll.id()).await {
                 tracing::warn!(error = %e, "dropping the indexes of a dropped collection");
@@ -750,6 +1186,9 @@ async fn maintain(mgr: Arc<IndexManager>, coll: Arc<Collection>, wake: Arc<Notif
                     IndexError::Changes(shoal_storage::ChangesError::CollectionDropped)
                     | IndexError::Read(shoal_storage::ReadError::CollectionDropped),
                 )) => continue,
+                // An index met damage and was set aside (reported where it was met); the
+                // others go on at once.
+                Ok(Err(IndexError::Rebuilding { .. })) => continue,
                 Ok(Err(e)) => {
                     tracing::warn!(collection = %coll.name(), error = %e, "index maintenance failed; retrying");
                     mgr.health.round_failed(&format!("collection {}: {e}", coll.name()));
@@ -1032,10 +1471,7 @@ fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[PartBatch]) -> Resu
                 let new = &per_index[k];
                 let old: Vec<Vec<u8>> = match pending.get(c.key.as_ref()) {
                     Some(v) => (*v).clone(),
-                    None => match index.back.get(&c.key)? {
-                        Some(v) => decode_list(&v)?,
-                        None => Vec::new(),
-                    },
+                    None => mgr.checked(index, read_back(index, &c.key))?,
                 };
                 if &old == new {
                     continue;
@@ -1094,15 +1530,34 @@ fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[PartBatch]) -> Resu
     Ok(())
 }
 
-/// Removes every entry that came from partition `p` and puts its cursor back to the start.
-fn reset_partition(mgr: &IndexManager, index: &Index, p: PartitionId, partitions: u16) -> Result<(), IndexError> {
-    let mut batch = mgr.db.batch();
+/// The composite keys document `key` contributed to `index`.
+fn read_back(index: &Index, key: &[u8]) -> Result<Vec<Vec<u8>>, IndexError> {
+    match index.back.get(key)? {
+        Some(v) => decode_list(&v),
+        None => Ok(Vec::new()),
+    }
+}
+
+/// A document key and the composite keys it contributed.
+type BackEntry = (fjall::Slice, Vec<Vec<u8>>);
+
+/// The back entries of the documents of partition `p`.
+fn back_entries_of(index: &Index, p: PartitionId, partitions: u16) -> Result<Vec<BackEntry>, IndexError> {
+    let mut out = Vec::new();
     for guard in index.back.iter() {
         let (doc_key, v) = guard.into_inner()?;
-        if shoal_storage::partition_of(&doc_key, partitions) != p {
-            continue;
+        if shoal_storage::partition_of(&doc_key, partitions) == p {
+            out.push((doc_key, decode_list(&v)?));
         }
-        for e in decode_list(&v)? {
+    }
+    Ok(out)
+}
+
+/// Removes every entry that came from partition `p` and puts its cursor back to the start.
+fn reset_partition(mgr: &IndexManager, index: &Arc<Index>, p: PartitionId, partitions: u16) -> Result<(), IndexError> {
+    let mut batch = mgr.db.batch();
+    for (doc_key, entries) in mgr.checked(index, back_entries_of(index, p, partitions))? {
+        for e in entries {
             batch.remove(&index.fwd, entry_key(&e, &doc_key));
         }
         batch.remove(&index.back, doc_key);

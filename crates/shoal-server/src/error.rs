@@ -3,7 +3,7 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use shoal_index::IndexError;
-use shoal_storage::{ChangesError, CollectionError, ReadError, WriteError};
+use shoal_storage::{CatalogError, ChangesError, CollectionError, ReadError, WriteError};
 
 /// An error as clients see it: `{"error": CODE, "reason": "..."}` with an HTTP status.
 #[derive(Debug)]
@@ -173,6 +173,18 @@ impl From<ChangesError> for ApiError {
     }
 }
 
+impl From<CatalogError> for ApiError {
+    fn from(e: CatalogError) -> Self {
+        let reason = e.to_string();
+        match e {
+            CatalogError::Refused(ref inner) => ApiError::from(inner),
+            CatalogError::Engine(ref inner) => ApiError::engine(inner, reason),
+            CatalogError::Corrupt(_) => ApiError::corrupt(reason),
+            CatalogError::InvalidKey(_) => ApiError::internal(reason),
+        }
+    }
+}
+
 impl From<shoal_query::QueryError> for ApiError {
     fn from(e: shoal_query::QueryError) -> Self {
         use shoal_query::QueryError;
@@ -205,6 +217,11 @@ impl From<IndexError> for ApiError {
             IndexError::Read(inner) => ApiError::from(inner),
             IndexError::Corrupt(_) => ApiError::corrupt(reason),
             IndexError::Engine(ref inner) => ApiError::engine(inner, reason),
+            // Damage in an index is contained: it is rebuilt from the documents, so the
+            // answer is "not now" rather than "corrupt".
+            IndexError::Rebuilding { .. } => ApiError::unavailable(reason),
+            IndexError::Catalog(inner) => ApiError::from(inner),
+            IndexError::Io { .. } => ApiError::unavailable(reason),
         }
     }
 }

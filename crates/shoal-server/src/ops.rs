@@ -106,6 +106,7 @@ fn describe_metrics() {
     describe_gauge!("shoal_changes", "Changes made to a collection so far: the sum of its partitions' high seqnos");
     describe_gauge!("shoal_disk_bytes", Unit::Bytes, "Bytes the storage engine holds on disk");
     describe_counter!("shoal_fsyncs_total", "Journal fsyncs done since the node started");
+    describe_counter!("shoal_index_rebuilds_total", "Indexes rebuilt from the documents because their storage was found damaged");
     describe_gauge!("shoal_uptime_seconds", Unit::Seconds, "Seconds since the node started");
     describe_gauge!("shoal_storage_writable", "1 when the storage takes writes, 0 when it is full or failed");
     describe_gauge!("shoal_queries_running", "SQL statements running now, by path");

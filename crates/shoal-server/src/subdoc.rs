@@ -172,7 +172,9 @@ pub async fn lookup(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
     let (cas, tree, large) = match state.parsed.get_unchanged(&coll, &key) {
         Some((cas, tree)) => {
             metrics::counter!("shoal_subdoc_parsed_cache_total", "result" => "unchanged").increment(1);
-            (cas, tree, false)
+            // Only large documents are cached: their answers are built on the low-priority
+            // pool too, so that a flood of them yields the cores to cheap requests.
+            (cas, tree, true)
         }
         None => {
             let (watermark, _) = coll.change_watermark(&key);

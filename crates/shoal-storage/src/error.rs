@@ -30,6 +30,20 @@ pub enum CollectionError {
     Corrupt(String),
 }
 
+/// Reading and writing catalog entries: records other crates keep durable in the store's
+/// metadata (index definitions, say), opaque to the store.
+#[derive(Debug, Error)]
+pub enum CatalogError {
+    #[error("invalid catalog key: {0}")]
+    InvalidKey(&'static str),
+    #[error("storage engine: {0}")]
+    Engine(#[from] fjall::Error),
+    #[error(transparent)]
+    Refused(#[from] WriteError),
+    #[error("corrupt catalog entry: {0}")]
+    Corrupt(String),
+}
+
 /// Reading documents.
 #[derive(Debug, Error)]
 pub enum ReadError {

@@ -21,7 +21,7 @@ pub mod changes;
 
 pub use changes::{Change, PartitionSubscription, StreamPosition};
 pub use collection::{Collection, CollectionInfo};
-pub use error::{is_corruption, ChangesError, CollectionError, OpenError, ReadError, WriteError};
+pub use error::{is_corruption, CatalogError, ChangesError, CollectionError, OpenError, ReadError, WriteError};
 pub use health::{StorageHealth, StorageState, TaskHealth, TaskReport};
 pub use partition::{Document, MutationOutcome, ReadLimit, WriteOp, WriteRequest};
 pub use store::{Store, StoreConfig};

@@ -132,12 +132,33 @@ pub(crate) struct LiveCount {
     pub bytes: i64,
 }
 
+/// Damaged records [`count_live`] steps over before it stops counting: a bound on the work
+/// (and the log) when a whole file is damaged.
+const COUNT_DAMAGED_MAX: usize = 1024;
+
 /// Counts the live documents of every partition of one `docs` keyspace in one pass
 /// (documents are keyed by key alone, so a partition's are not adjacent).
+///
+/// A record that fails a check (a damaged table block or blob) is left out and the node
+/// still opens: the other documents must stay readable, and reading a damaged one answers
+/// `corrupt`. The engine's iterator ends at a damaged table block, so the counts are then
+/// short by what follows it; they are statistics (the document gauges), not state.
 pub(crate) fn count_live(docs: &fjall::Keyspace, partitions: u16) -> Result<Vec<LiveCount>, fjall::Error> {
     let mut out = vec![LiveCount::default(); usize::from(partitions)];
+    let mut damaged = 0usize;
     for guard in docs.iter() {
-        let (k, v) = guard.into_inner()?;
+        let (k, v) = match guard.into_inner() {
+            Ok(kv) => kv,
+            Err(e) if crate::is_corruption(&e) => {
+                damaged += 1;
+                tracing::error!(error = %e, "a stored document failed a check while counting documents at open");
+                if damaged >= COUNT_DAMAGED_MAX {
+                    break;
+                }
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         if let Some((meta, body)) = codec::decode_doc_value(&v) {
             if !meta.deleted {
                 let slot = &mut out[usize::from(crate::partition_of(&k, partitions))];

@@ -15,7 +15,7 @@ use tokio::sync::watch;
 use crate::clock::CasClock;
 use crate::codec;
 use crate::collection::{Collection, CollectionInfo, Keyspaces};
-use crate::error::{CollectionError, OpenError, WriteError};
+use crate::error::{CatalogError, CollectionError, OpenError, WriteError};
 use crate::health::{StorageHealth, StorageState};
 use crate::partition::{count_live, FailoverEntry, LiveCount, Partition, PartitionParts, TailLimit};
 use crate::syncer::Syncer;
@@ -40,6 +40,11 @@ const DOCS_MEMTABLE_MAX_BYTES: u64 = 16 * 1024 * 1024;
 const INDEX_MEMTABLE_MAX_BYTES: u64 = 8 * 1024 * 1024;
 /// Longest collection name, in characters.
 pub const COLLECTION_NAME_MAX_CHARS: usize = 251;
+/// Where catalog entries live in the meta keyspace: a prefix of their own, so that no
+/// catalog key can collide with the store's own records (`coll/`, `part/`, ...).
+const CATALOG_PREFIX: &str = "cat/";
+/// Longest catalog key, in bytes.
+pub const CATALOG_KEY_MAX_BYTES: usize = 1024;
 
 #[derive(Clone, Debug)]
 pub struct StoreConfig {
@@ -276,6 +281,45 @@ impl Store {
         }
         tracing::info!(collection = name, "collection dropped");
         Ok(())
+    }
+
+    /// Stores `value` under `key` in the catalog, durably (committed and fsynced before it
+    /// returns, as collection records are). The catalog holds records that other crates keep
+    /// beside the collections (index definitions, say); the store never parses them.
+    /// Refused while the store takes no writes (a full disk, a failed fsync).
+    pub fn put_catalog(&self, key: &str, value: &[u8]) -> Result<(), CatalogError> {
+        let key = catalog_key(key)?;
+        self.health.check_writable()?;
+        let mut batch = self.paths[0].db.batch();
+        batch.insert(&self.meta, key, value);
+        batch.commit()?;
+        self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
+        Ok(())
+    }
+
+    /// Removes `key` from the catalog, durably; removing an absent key is no error. Not
+    /// refused on a full disk: removing entries is how space and state are given back.
+    pub fn delete_catalog(&self, key: &str) -> Result<(), CatalogError> {
+        let key = catalog_key(key)?;
+        let mut batch = self.paths[0].db.batch();
+        batch.remove(&self.meta, key);
+        batch.commit()?;
+        self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
+        Ok(())
+    }
+
+    /// Every catalog entry whose key starts with `prefix` (empty: all), in key order.
+    pub fn catalog_prefix(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, CatalogError> {
+        let mut out = Vec::new();
+        for guard in self.meta.prefix(format!("{CATALOG_PREFIX}{prefix}")) {
+            let (k, v) = guard.into_inner()?;
+            let key = k
+                .strip_prefix(CATALOG_PREFIX.as_bytes())
+                .and_then(|k| std::str::from_utf8(k).ok())
+                .ok_or_else(|| CatalogError::Corrupt(format!("key {:?}", String::from_utf8_lossy(&k))))?;
+            out.push((key.to_string(), v.to_vec()));
+        }
+        Ok(out)
     }
 
     /// Flushes everything to disk and marks the shutdown clean. Call once, at the end.
@@ -598,6 +642,17 @@ fn collection_key(name: &str) -> Vec<u8> {
     format!("coll/{name}").into_bytes()
 }
 
+/// The meta key of catalog entry `key`.
+fn catalog_key(key: &str) -> Result<Vec<u8>, CatalogError> {
+    if key.is_empty() {
+        return Err(CatalogError::InvalidKey("a catalog key is not empty"));
+    }
+    if key.len() > CATALOG_KEY_MAX_BYTES {
+        return Err(CatalogError::InvalidKey("a catalog key is at most 1024 bytes"));
+    }
+    Ok(format!("{CATALOG_PREFIX}{key}").into_bytes())
+}
+
 fn partition_key(collection: u32, p: PartitionId) -> Vec<u8> {
     format!("part/{collection:08x}/{p:04x}").into_bytes()
 }
@@ -626,4 +681,59 @@ pub fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result
 
 fn sync_dir(path: &Path) -> std::io::Result<()> {
     std::fs::File::open(path)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(dir: &Path) -> StoreConfig {
+        StoreConfig { data_paths: vec![dir.join("a"), dir.join("b")], partitions: Some(4), ..StoreConfig::default() }
+    }
+
+    #[test]
+    fn catalog_round_trip_survives_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = Store::open(config(dir.path())).unwrap();
+            store.create_collection("coll", 0).unwrap();
+            store.put_catalog("index/1/b", b"second").unwrap();
+            store.put_catalog("index/1/a", b"first").unwrap();
+            store.put_catalog("other/x", &[0, 159, 146, 150]).unwrap();
+            store.put_catalog("index/1/a", b"first, replaced").unwrap();
+            store.put_catalog("index/2/gone", b"soon gone").unwrap();
+            store.delete_catalog("index/2/gone").unwrap();
+            store.delete_catalog("never/there").unwrap();
+            // Not closed: every call was fsynced on its own, so a crash keeps them.
+        }
+        let store = Store::open(config(dir.path())).unwrap();
+        let entries = store.catalog_prefix("index/").unwrap();
+        assert_eq!(entries, vec![("index/1/a".to_string(), b"first, replaced".to_vec()), ("index/1/b".to_string(), b"second".to_vec())]);
+        assert_eq!(store.catalog_prefix("other/").unwrap(), vec![("other/x".to_string(), vec![0, 159, 146, 150])]);
+        assert_eq!(store.catalog_prefix("").unwrap().len(), 3);
+        // The catalog and the collections do not see each other's records.
+        assert_eq!(store.list_collections().len(), 1);
+        assert!(store.catalog_prefix("").unwrap().iter().all(|(k, _)| !k.starts_with("coll")));
+        store.close().unwrap();
+    }
+
+    #[test]
+    fn catalog_keys_are_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(config(dir.path())).unwrap();
+        assert!(matches!(store.put_catalog("", b"x"), Err(CatalogError::InvalidKey(_))));
+        let long = "k".repeat(CATALOG_KEY_MAX_BYTES + 1);
+        assert!(matches!(store.put_catalog(&long, b"x"), Err(CatalogError::InvalidKey(_))));
+        assert!(matches!(store.delete_catalog(""), Err(CatalogError::InvalidKey(_))));
+        store.put_catalog(&long[1..], b"x").unwrap();
+    }
+
+    #[test]
+    fn catalog_writes_are_refused_while_the_store_is_read_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(config(dir.path())).unwrap();
+        store.health.fail("test");
+        assert!(matches!(store.put_catalog("k", b"v"), Err(CatalogError::Refused(WriteError::ReadOnly(_)))));
+        assert!(store.catalog_prefix("").unwrap().is_empty());
+    }
 }
