@@ -129,3 +129,37 @@ async fn a_failed_write_makes_the_node_read_only_until_restart() {
     assert_read_only(&c, &node, "after the write fault ended").await;
     restart_after_power_cut(&disk, &mut node, &acked).await;
 }
+
+/// Collection and index definitions are writes too: on a read-only node they are refused
+/// with `unavailable` and change nothing (a refused drop leaves the collection in place).
+#[tokio::test]
+async fn definitions_are_refused_on_a_read_only_node() {
+    let disk = FaultDisk::mount();
+    let mut node = disk.start_node();
+    let c = node.client();
+    assert_eq!(c.put(node.u("/v1/collections/d")).send().await.unwrap().status(), 201);
+    let acked = write_acked(&c, &node, "a", 3).await;
+    disk.fs.fail_fsync(true);
+    let (code, _) = put(&c, &node, "p", "1", "persist").await;
+    assert_eq!(code, 503);
+    let code_of = |r: reqwest::Response| async move {
+        let status = r.status().as_u16();
+        (status, r.json::<Value>().await.unwrap_or(Value::Null)["error"].as_str().unwrap_or_default().to_string())
+    };
+    let unavailable = (503u16, "unavailable".to_string());
+    assert_eq!(code_of(c.put(node.u("/v1/collections/e")).send().await.unwrap()).await, unavailable, "create");
+    assert_eq!(code_of(c.delete(node.u("/v1/collections/d")).send().await.unwrap()).await, unavailable, "drop");
+    let index = c.post(node.u("/v1/collections/d/indexes")).body(r#"{"name":"i","keys":["i"]}"#).send().await.unwrap();
+    assert_eq!(code_of(index).await, unavailable, "index");
+    assert_readable(&c, &node, &acked, "after refused definitions").await;
+    let list: Value = c.get(node.u("/v1/collections")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(list.as_array().map(|l| l.len()), Some(1), "{list}");
+    node.kill9();
+    disk.fs.fail_fsync(false);
+    disk.fs.power_cut();
+    node.restart();
+    let c = node.client();
+    assert_readable(&c, &node, &acked, "after restart").await;
+    let list: Value = c.get(node.u("/v1/collections")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(list.as_array().map(|l| l.len()), Some(1), "{list}");
+}

@@ -24,6 +24,9 @@ pub enum CollectionError {
     NotFound(String),
     #[error("invalid collection name: {0}")]
     InvalidName(String),
+    /// The store takes no writes now (a full disk, a failed fsync).
+    #[error(transparent)]
+    Unwritable(#[from] WriteError),
     #[error("storage engine: {0}")]
     Engine(#[from] fjall::Error),
     #[error("corrupt metadata: {0}")]

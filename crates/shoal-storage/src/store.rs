@@ -238,6 +238,7 @@ impl Store {
         if self.collections.read().contains_key(name) {
             return Err(CollectionError::Exists(name.to_string()));
         }
+        self.health.check_writable()?;
         let id = match self.meta.get("next_collection_id")? {
             Some(v) => v
                 .get(..4)
@@ -262,11 +263,12 @@ impl Store {
         Ok(collection)
     }
 
+    /// Drops a collection: its records go first, durably; only then does it vanish from
+    /// the running node (so a drop that cannot be made durable changes nothing).
     pub fn drop_collection(&self, name: &str) -> Result<(), CollectionError> {
         let _ddl = self.ddl.lock();
-        let collection = self.collections.write().remove(name).ok_or_else(|| CollectionError::NotFound(name.to_string()))?;
-        collection.dropped.store(true, Ordering::Release);
-        collection.changed.send_modify(|n| *n = n.wrapping_add(1));
+        let collection = self.collections.read().get(name).cloned().ok_or_else(|| CollectionError::NotFound(name.to_string()))?;
+        self.health.check_writable()?;
         let mut batch = self.paths[0].db.batch();
         batch.remove(&self.meta, collection_key(name));
         for p in 0..self.partitions {
@@ -274,6 +276,9 @@ impl Store {
         }
         batch.commit()?;
         self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
+        self.collections.write().remove(name);
+        collection.dropped.store(true, Ordering::Release);
+        collection.changed.send_modify(|n| *n = n.wrapping_add(1));
         for ks in &collection.keyspaces {
             for handle in [&ks.docs, &ks.seq, &ks.exp] {
                 ks.db.delete_keyspace(handle.clone())?;
