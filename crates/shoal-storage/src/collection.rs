@@ -300,14 +300,17 @@ impl Collection {
 
 /// Where a reader at `from` must restart: on a diverged history (see
 /// `Partition::rollback_point`), or before the purge horizon, where deletions it has not
-/// seen may have been purged (then from 0, as Couchbase does).
+/// seen may have been purged (then from 0, as Couchbase does). Both apply: a reader sent
+/// back by a new history to a point before the purge seqno must start from 0 too.
 fn rollback_point(p: &Partition, from: StreamPosition) -> Option<SeqNo> {
     if from.seqno == 0 {
         return None;
     }
-    if let Some(r) = p.rollback_point(from.uuid, from.seqno) {
-        return Some(r);
-    }
+    let diverged = p.rollback_point(from.uuid, from.seqno);
+    let resume = diverged.unwrap_or(from.seqno);
     let purged = p.purge_seqno.load(Ordering::Acquire);
-    (from.seqno < purged).then_some(0)
+    if resume > 0 && resume < purged {
+        return Some(0);
+    }
+    diverged
 }

@@ -57,3 +57,60 @@ fn expiry_pager_and_tombstone_purger() {
     let (outcome, _) = coll.write(req("new", WriteOp::Upsert, 0)).unwrap();
     assert_eq!(outcome.seqno, 6);
 }
+
+/// The purge seqno is durable before any tombstone is purged: after a power cut that kept
+/// the purge (a later `persist` write fsynced the data path holding the tombstones) a
+/// reader from before the purged deletions is still sent back to the start. With two data
+/// paths the purge seqno (on path 0) and the tombstones (here on path 1) live in different
+/// journals, so only the order of the fsyncs protects the reader.
+#[test]
+fn the_purge_seqno_is_durable_before_tombstones_go() {
+    use shoal_faultfs::{FaultFs, FaultFsOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let fs = FaultFs::mount(dir.path(), FaultFsOptions::default()).expect("mount the fault filesystem (needs root and /dev/fuse)");
+    let paths = vec![fs.mountpoint().join("a"), fs.mountpoint().join("b")];
+    let config = StoreConfig {
+        data_paths: paths,
+        partitions: Some(2),
+        purge_horizon: Duration::ZERO,
+        purge_interval: Duration::from_secs(3600),
+        ..StoreConfig::default()
+    };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let store = Store::open(config.clone()).unwrap();
+    let coll = store.create_collection("c", 0).unwrap();
+    // Keys of partition 1, which lives on the second data path.
+    let keys: Vec<String> =
+        (0..100).map(|i| format!("k{i}")).filter(|k| shoal_storage::partition_of(k.as_bytes(), 2) == 1).take(4).collect();
+    for k in &keys {
+        let _ = coll.write(req(k, WriteOp::Upsert, 0)).unwrap();
+        let _ = coll.write(req(k, WriteOp::Remove, 0)).unwrap();
+    }
+    let (outcome, wait) = coll.write(req("anchor-1", WriteOp::Upsert, 0)).unwrap();
+    rt.block_on(wait.wait()).unwrap();
+    fs.sync_all();
+    let (uuid, before) = (coll.partition_uuids()[1], 1);
+    std::thread::sleep(Duration::from_millis(5));
+    assert!(store.run_purger() >= keys.len(), "the tombstones are past a zero horizon");
+    // A persist write on partition 1 makes its path's journal — with the purge — durable.
+    let key = (0..1000).map(|i| format!("p{i}")).find(|k| shoal_storage::partition_of(k.as_bytes(), 2) == 1).unwrap();
+    let (_, wait) = coll.write(req(&key, WriteOp::Upsert, 0)).unwrap();
+    rt.block_on(wait.wait()).unwrap();
+    // The machine dies.
+    fs.fail_writes(true);
+    fs.fail_fsync(true);
+    let _ = store.close();
+    drop(coll);
+    drop(store);
+    fs.power_cut();
+    fs.fail_writes(false);
+    fs.fail_fsync(false);
+    let store = Store::open(config).unwrap();
+    let coll = store.collection("c").unwrap();
+    for k in &keys {
+        assert!(coll.get(k).is_err(), "{k} stays deleted");
+    }
+    let (_, rollback) = coll.subscribe(1, StreamPosition { seqno: before, uuid }).unwrap();
+    assert_eq!(rollback, Some(0), "a reader from before the purged deletions starts again from 0");
+    assert!(outcome.seqno > 0);
+}
