@@ -46,6 +46,8 @@ const TIMEOUT_CHECK_INTERVAL: Duration = Duration::from_secs(1);
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0";
 /// `partial_since_ms` when no request head is partly read.
 const NO_PARTIAL: u64 = u64::MAX;
+/// `preface_matched` once the first bytes differ from the HTTP/2 preface.
+const PREFACE_MISMATCH: usize = usize::MAX;
 /// HTTP/2 pings an idle peer this often and closes the connection if it does not answer.
 const H2_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
 const H2_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -68,7 +70,11 @@ struct Activity {
     partial_since_ms: AtomicU64,
     /// Whether the client spoke HTTP/2 (its frames are not request heads).
     h2: std::sync::atomic::AtomicBool,
-    first_read: std::sync::atomic::AtomicBool,
+    /// How many bytes of the HTTP/2 preface the first bytes matched, or [`PREFACE_MISMATCH`]
+    /// (HTTP/1). A first read may hold as little as one byte, so a prefix proves nothing.
+    preface_matched: AtomicUsize,
+    /// Whether a write is waiting for room in the socket (the peer is not reading).
+    write_blocked: std::sync::atomic::AtomicBool,
 }
 
 impl Activity {
@@ -79,7 +85,8 @@ impl Activity {
             in_flight: AtomicUsize::new(0),
             partial_since_ms: AtomicU64::new(NO_PARTIAL),
             h2: std::sync::atomic::AtomicBool::new(false),
-            first_read: std::sync::atomic::AtomicBool::new(true),
+            preface_matched: AtomicUsize::new(0),
+            write_blocked: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -93,13 +100,37 @@ impl Activity {
 
     /// Bytes arrived: with nothing in flight on HTTP/1 they begin (or continue) a head.
     fn read(&self, bytes: &[u8]) {
-        if self.first_read.swap(false, Ordering::AcqRel) && bytes.starts_with(&H2_PREFACE[..bytes.len().min(H2_PREFACE.len())]) {
-            self.h2.store(true, Ordering::Release);
+        let matched = self.preface_matched.load(Ordering::Acquire);
+        if matched < H2_PREFACE.len() {
+            let n = bytes.len().min(H2_PREFACE.len() - matched);
+            if bytes[..n] == H2_PREFACE[matched..matched + n] {
+                self.preface_matched.store(matched + n, Ordering::Release);
+                if matched + n == H2_PREFACE.len() {
+                    self.h2.store(true, Ordering::Release);
+                    // What arrived so far was the preface, not a head.
+                    self.partial_since_ms.store(NO_PARTIAL, Ordering::Release);
+                }
+            } else {
+                self.preface_matched.store(PREFACE_MISMATCH, Ordering::Release);
+            }
         }
         self.touch();
         if !self.h2.load(Ordering::Acquire) && self.in_flight.load(Ordering::Acquire) == 0 {
             let now = self.now_ms();
             let _ = self.partial_since_ms.compare_exchange(NO_PARTIAL, now, Ordering::AcqRel, Ordering::Acquire);
+        }
+    }
+
+    /// Notes a write's outcome: bytes written are activity; a full socket means the peer is
+    /// not reading.
+    fn wrote(&self, r: &Poll<std::io::Result<usize>>) {
+        match r {
+            Poll::Ready(Ok(n)) if *n > 0 => {
+                self.write_blocked.store(false, Ordering::Relaxed);
+                self.touch();
+            }
+            Poll::Pending => self.write_blocked.store(true, Ordering::Relaxed),
+            _ => {}
         }
     }
 
@@ -136,16 +167,12 @@ impl AsyncRead for Watched {
 impl AsyncWrite for Watched {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<std::io::Result<usize>> {
         let r = Pin::new(&mut self.io).poll_write(cx, data);
-        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
-            self.activity.touch();
-        }
+        self.activity.wrote(&r);
         r
     }
     fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[std::io::IoSlice<'_>]) -> Poll<std::io::Result<usize>> {
         let r = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
-        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
-            self.activity.touch();
-        }
+        self.activity.wrote(&r);
         r
     }
     fn is_write_vectored(&self) -> bool {
@@ -303,6 +330,11 @@ async fn serve_one(tcp: TcpStream, router: Router, limits: ConnectionLimits, clo
                         tracing::debug!("closing an idle connection");
                         return;
                     }
+                } else if activity.write_blocked.load(Ordering::Relaxed) && activity.idle_for() >= limits.idle_timeout {
+                    // An answer the peer stopped reading would hold the connection, the
+                    // answer and whatever produces it (a feed) forever.
+                    tracing::debug!("closing a connection whose peer stopped reading");
+                    return;
                 }
             }
             _ = closing.wait_for(|c| *c), if !graceful => {

@@ -168,9 +168,7 @@ impl Server {
         let store = tokio::task::spawn_blocking(move || Store::open(store_config))
             .await
             .map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
-        let listener = tokio::net::TcpListener::bind(&config.listen)
-            .await
-            .map_err(|source| ServerError::Bind { addr: config.listen.clone(), source })?;
+        let listener = listen(&config.listen).await.map_err(|source| ServerError::Bind { addr: config.listen.clone(), source })?;
         let workers = config.index_workers.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2));
         let indexes = shoal_index::IndexManager::open(Arc::clone(&store), workers)?;
         let (shutdown_tx, shutdown) = watch::channel(false);
@@ -263,6 +261,23 @@ pub enum RunOutcome {
     /// The storage engine was poisoned by a full disk and space is back: start the node
     /// again (the process re-executes itself) to reopen it.
     Restart,
+}
+
+/// Pending connections the kernel queues before `accept` (capped by `net.core.somaxconn`):
+/// std's default of 128 drops connection attempts in a burst, and those clients wait a
+/// second before they try again.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds the listen address with [`LISTEN_BACKLOG`] (the first address it resolves to).
+async fn listen(addr: &str) -> std::io::Result<tokio::net::TcpListener> {
+    let addr = tokio::net::lookup_host(addr)
+        .await?
+        .next()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "the address resolves to nothing"))?;
+    let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }
 
 /// Physical memory in bytes (`/proc/meminfo`; 4 GiB where it cannot be read).
