@@ -77,6 +77,11 @@ pub struct SubdocArgs {
     /// measures the client's own queueing as much as the server's.
     #[arg(long, default_value_t = 19)]
     flood_nice: i32,
+    /// Internal: run only the flood of `--noisy-neighbour` (the lookups of the large document,
+    /// which must exist) until stdin closes, say `flood warm` once every connection is busy,
+    /// then print its report as JSON. `--noisy-neighbour` starts this as its own process.
+    #[arg(long, hide = true)]
+    flood_child: bool,
     /// Where `--sweep` writes its table and charts.
     #[arg(long, default_value = "bench/results")]
     out_dir: std::path::PathBuf,
@@ -444,6 +449,9 @@ async fn subdoc(url: &str, args: SubdocArgs) -> Result<(), CliError> {
     if args.sweep {
         return sweep(&client, url, &args).await;
     }
+    if args.flood_child {
+        return flood_child(url, &args).await;
+    }
     if args.noisy_neighbour {
         return noisy_neighbour(&client, url, &args).await;
     }
@@ -505,46 +513,125 @@ async fn sweep_point(client: &Client, url: &str, args: &SubdocArgs, keys: usize,
     Ok(report.successes as f64 / report.duration.as_secs_f64().max(1e-9))
 }
 
+/// The flood's path and body: lookups of `--search-keys` paths at `--difficulty` in the large
+/// neighbour document.
+fn flood_request(args: &SubdocArgs) -> Result<(String, Bytes), CliError> {
+    let large = format!("/v1/collections/{}/docs/neighbour-large/lookup", args.collection);
+    let specs: Vec<serde_json::Value> =
+        search_paths(args.keys, args.search_keys, &args.difficulty)?.iter().map(|p| serde_json::json!({"op": "get", "path": p})).collect();
+    Ok((large, Bytes::from(serde_json::json!({ "specs": specs }).to_string())))
+}
+
 /// Small gets alone, then the same small gets while a lookup flood runs; prints both p99s
-/// and their ratio (issue 3's target: at most 3×).
+/// and their ratio (issue 3's target: at most 3×). The flood's client is a process of its
+/// own (this binary with `--flood-child`) at `--flood-nice`, as a client on another machine
+/// would be: its queueing is not the neighbours'.
 async fn noisy_neighbour(client: &Client, url: &str, args: &SubdocArgs) -> Result<(), CliError> {
-    use std::sync::atomic::Ordering;
+    use std::io::{BufRead, Read};
     let authority = url.trim_start_matches("http://").trim_end_matches('/').to_string();
     client.put(&args.collection, "neighbour-small", seed_document("neighbour-small", 5), &PutOptions::default()).await?;
     client.put(&args.collection, "neighbour-large", seed_document("neighbour-large", args.keys), &PutOptions::default()).await?;
     let small = format!("/v1/collections/{}/docs/neighbour-small", args.collection);
-    let large = format!("/v1/collections/{}/docs/neighbour-large/lookup", args.collection);
-    let specs: Vec<serde_json::Value> =
-        search_paths(args.keys, args.search_keys, &args.difficulty)?.iter().map(|p| serde_json::json!({"op": "get", "path": p})).collect();
-    let flood_body = Bytes::from(serde_json::json!({ "specs": specs }).to_string());
+    let (large, flood_body) = flood_request(args)?;
     // Warm the large document's parsed tree, then measure the neighbours alone.
     drive(&authority, &large, hyper::Method::POST, flood_body.clone(), 4, 10).await?;
     let alone = drive(&authority, &small, hyper::Method::GET, Bytes::new(), args.neighbours, args.repeat).await?;
-    let control = std::sync::Arc::new(RunControl::default());
-    // The flood runs on its own runtime, like a second client process at `--flood-nice`.
+
+    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    cmd.args([
+        "--url",
+        url,
+        "bench",
+        "subdoc",
+        "--flood-child",
+        "--json",
+        "--collection",
+        &args.collection,
+        "--difficulty",
+        &args.difficulty,
+    ])
+    .args(["--keys", &args.keys.to_string(), "--search-keys", &args.search_keys.to_string(), "--parallel", &args.parallel.to_string()])
+    .stdin(std::process::Stdio::piped())
+    .stdout(std::process::Stdio::piped());
     let nice = args.flood_nice.clamp(0, 19);
-    let flood_rt =
-        tokio::runtime::Builder::new_multi_thread().enable_all().on_thread_start(move || shoal_server::lower_this_thread(nice)).build()?;
-    let flood = {
-        let (authority, large, body, control) = (authority.clone(), large.clone(), flood_body.clone(), control.clone());
-        let parallel = args.parallel;
-        flood_rt.spawn(async move { drive_until(&authority, &large, hyper::Method::POST, body, parallel, usize::MAX, Some(control)).await })
+    #[cfg(unix)]
+    {
+        // SAFETY: runs in the forked child before exec; setpriority is async-signal-safe and
+        // takes no pointers. The nice value is inherited by every thread the child starts.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                libc::setpriority(libc::PRIO_PROCESS, 0, nice);
+                Ok(())
+            });
+        }
+    }
+    let mut child = KillOnDrop(cmd.spawn()?);
+    let (Some(stdin), Some(stdout)) = (child.0.stdin.take(), child.0.stdout.take()) else {
+        return Err(CliError::Usage("the flood process has no pipes".into()));
     };
-    // Measure only once every flood connection is busy.
-    let warm = (args.parallel as u64).saturating_mul(10);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while control.requests.load(Ordering::Relaxed) < warm && !flood.is_finished() && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    // Measure only once every flood connection is busy (the child says so).
+    let (mut stdout, line) = tokio::task::spawn_blocking(move || {
+        let mut stdout = std::io::BufReader::new(stdout);
+        let mut line = String::new();
+        stdout.read_line(&mut line).map(|_| (stdout, line))
+    })
+    .await
+    .map_err(|e| CliError::Usage(format!("flood reader: {e}")))??;
+    if line.trim() != "flood warm" {
+        return Err(CliError::Usage(format!("the flood process did not start: {line:?}")));
     }
     let crowded = drive(&authority, &small, hyper::Method::GET, Bytes::new(), args.neighbours, args.repeat).await?;
-    control.stop.store(true, Ordering::Relaxed);
-    let flood = flood.await.map_err(|e| CliError::Usage(format!("flood failed: {e}")))??;
-    flood_rt.shutdown_background();
+    drop(stdin);
+    let rest = tokio::task::spawn_blocking(move || {
+        let mut rest = String::new();
+        stdout.read_to_string(&mut rest).map(|_| rest)
+    })
+    .await
+    .map_err(|e| CliError::Usage(format!("flood reader: {e}")))??;
+    child.0.wait()?;
+    let flood: serde_json::Value =
+        serde_json::from_str(rest.trim()).map_err(|e| CliError::Usage(format!("the flood process answered {rest:?}: {e}")))?;
     print_report("neighbours alone", &alone, args.json);
     print_report("neighbours during flood", &crowded, args.json);
-    print_report("flood", &flood, args.json);
+    println!("{}", if args.json { flood.to_string() } else { format!("flood report (own process, nice {nice}): {flood}") });
     let (p_alone, p_crowded) = (percentile(&alone.latencies_us, 0.99), percentile(&crowded.latencies_us, 0.99));
     println!("noisy neighbour: p99 {p_alone:.3} ms alone, {p_crowded:.3} ms during the flood: {:.2}x", p_crowded / p_alone.max(1e-9));
+    Ok(())
+}
+
+/// A child process that is killed if the bench stops early.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// The flood of [`noisy_neighbour`], in its own process: runs until stdin closes.
+async fn flood_child(url: &str, args: &SubdocArgs) -> Result<(), CliError> {
+    use std::sync::atomic::Ordering;
+    let authority = url.trim_start_matches("http://").trim_end_matches('/').to_string();
+    let (large, body) = flood_request(args)?;
+    let control = std::sync::Arc::new(RunControl::default());
+    let flood = {
+        let (authority, control) = (authority.clone(), control.clone());
+        let parallel = args.parallel;
+        tokio::spawn(async move { drive_until(&authority, &large, hyper::Method::POST, body, parallel, usize::MAX, Some(control)).await })
+    };
+    let warm = (args.parallel as u64).saturating_mul(10);
+    while control.requests.load(Ordering::Relaxed) < warm && !flood.is_finished() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    println!("flood warm");
+    // The parent closes stdin when it has measured.
+    let _ = tokio::task::spawn_blocking(|| std::io::Read::read_to_end(&mut std::io::stdin(), &mut Vec::new())).await;
+    control.stop.store(true, Ordering::Relaxed);
+    let report = flood.await.map_err(|e| CliError::Usage(format!("flood failed: {e}")))??;
+    print_report("flood", &report, true);
     Ok(())
 }
 

@@ -35,6 +35,7 @@ async fn send(c: &reqwest::Client, method: reqwest::Method, url: String, body: O
     let r = req.send().await.unwrap();
     let status = r.status();
     let text = r.text().await.unwrap();
+    common::assert_no_private_paths(&text);
     (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
 }
 

@@ -14,7 +14,10 @@ use serde_json::Value;
 
 async fn put(c: &reqwest::Client, node: &Node, key: &str, body: &str, durability: &str) -> (u16, Value) {
     let r = c.put(node.u(&format!("/v1/collections/d/docs/{key}?durability={durability}"))).body(body.to_string()).send().await.unwrap();
-    (r.status().as_u16(), r.json().await.unwrap())
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    common::assert_no_private_paths(&text);
+    (status, serde_json::from_str(&text).unwrap())
 }
 
 /// Writes `count` documents with `persist`, all acknowledged: key -> body.

@@ -44,7 +44,10 @@ impl FaultDisk {
 /// `GET /v1/health`: status code and body.
 pub async fn health(c: &reqwest::Client, node: &Node) -> (u16, Value) {
     let r = c.get(node.u("/v1/health")).send().await.expect("health");
-    (r.status().as_u16(), r.json().await.expect("health body"))
+    let status = r.status().as_u16();
+    let text = r.text().await.expect("health body");
+    super::assert_no_private_paths(&text);
+    (status, serde_json::from_str(&text).expect("health is JSON"))
 }
 
 /// The value of an unlabelled metric in `GET /metrics`.

@@ -180,3 +180,10 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Fails if an answer names a file of a test node's data directory (they all live in
+/// tempfile's `.tmp*` folders under the system temp dir): error reasons must not.
+pub fn assert_no_private_paths(answer: &str) {
+    let private = format!("{}/.tmp", std::env::temp_dir().display());
+    assert!(!answer.contains(&private), "an answer names an internal file: {answer}");
+}

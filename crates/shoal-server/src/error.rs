@@ -70,13 +70,64 @@ impl ApiError {
     }
 
     /// The error as a JSON object, for answers that carry errors inline (`_get`, `_bulk`).
+    /// Files of the node's data paths are not named in it (see [`hide_paths_under`]).
     pub fn to_json(&self) -> serde_json::Value {
-        let mut out = serde_json::json!({"error": self.code, "reason": self.reason});
+        let mut out = serde_json::json!({"error": self.code, "reason": public_reason(&self.reason)});
         for (k, v) in &self.details {
             out[*k] = v.clone();
         }
         out
     }
+}
+
+/// The roots whose files error answers never name: the node's data paths (and so the spill
+/// folder, the index databases and the analytics shadow under them). Storage, index and
+/// shadow errors carry their file for the log; the answer says only that a file of the node
+/// failed. Kept process-wide because errors are built far from the server's state.
+static PRIVATE_ROOTS: std::sync::RwLock<Vec<String>> = std::sync::RwLock::new(Vec::new());
+
+/// What an answer says in place of a file of a data path.
+const HIDDEN_PATH: &str = "<a file of the node's data path>";
+
+/// Registers `root` so that error answers never name it or a file under it.
+pub fn hide_paths_under(root: &std::path::Path) {
+    let mut forms = vec![root.to_string_lossy().into_owned()];
+    if let Ok(canonical) = root.canonicalize() {
+        forms.push(canonical.to_string_lossy().into_owned());
+    }
+    let mut roots = PRIVATE_ROOTS.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+    for form in forms {
+        let form = form.trim_end_matches('/');
+        // "/" or "." would hide every path. A relative root ("shoal-data") is only matched
+        // with its slash, so that a word of an answer that is no path is left alone.
+        if matches!(form, "" | "." | "..") {
+            continue;
+        }
+        let form = if form.starts_with('/') { form.to_string() } else { format!("{form}/") };
+        if !roots.contains(&form) {
+            roots.push(form);
+        }
+    }
+    // Longest first, so that a root inside another is replaced whole.
+    roots.sort_by_key(|r| std::cmp::Reverse(r.len()));
+}
+
+/// `reason` with every path under a registered root replaced by [`HIDDEN_PATH`]: the root and
+/// the rest of its path, up to a space, quote, colon, comma or bracket.
+pub(crate) fn public_reason(reason: &str) -> std::borrow::Cow<'_, str> {
+    let roots = PRIVATE_ROOTS.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if !roots.iter().any(|r| reason.contains(r.as_str())) {
+        return std::borrow::Cow::Borrowed(reason);
+    }
+    let mut out = reason.to_string();
+    for root in roots.iter() {
+        while let Some(at) = out.find(root.as_str()) {
+            let rest = &out[at + root.len()..];
+            let end = rest.find(|c: char| c.is_whitespace() || matches!(c, '"' | '\'' | ':' | ',' | ')' | ']' | '}')).unwrap_or(rest.len());
+            out.replace_range(at..at + root.len() + end, HIDDEN_PATH);
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 impl IntoResponse for ApiError {
@@ -224,6 +275,37 @@ impl From<IndexError> for ApiError {
             IndexError::Rebuilding { .. } => ApiError::unavailable(reason),
             IndexError::Catalog(inner) => ApiError::from(inner),
             IndexError::Io { .. } => ApiError::unavailable(reason),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_never_name_a_file_of_a_data_path() {
+        let dir = std::env::temp_dir().join("shoal-error-paths-test").join("data0");
+        hide_paths_under(&dir);
+        hide_paths_under(std::path::Path::new("rel-data"));
+        let root = dir.to_string_lossy();
+        let cases = [
+            (
+                format!("index database at {root}/index/7: Input/output error (os error 5)"),
+                "index database at <a file of the node's data path>: Input/output error (os error 5)".to_string(),
+            ),
+            (
+                format!("analytics shadow file \"{root}/shadow/c/3/seg-1.arrow\" is damaged"),
+                format!("analytics shadow file \"{HIDDEN_PATH}\" is damaged"),
+            ),
+            (format!("two: {root} and {root}/tmp/x"), format!("two: {HIDDEN_PATH} and {HIDDEN_PATH}")),
+            ("nothing private: /etc/hosts".to_string(), "nothing private: /etc/hosts".to_string()),
+            ("relative: rel-data/index/3: gone".to_string(), format!("relative: {HIDDEN_PATH}: gone")),
+            ("collection \"rel-data\" does not exist".to_string(), "collection \"rel-data\" does not exist".to_string()),
+        ];
+        for (reason, want) in cases {
+            let e = ApiError::unavailable(reason.clone());
+            assert_eq!(e.to_json()["reason"], want, "{reason}");
         }
     }
 }

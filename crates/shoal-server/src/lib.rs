@@ -170,6 +170,9 @@ impl Server {
             .map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
         let listener = listen(&config.listen).await.map_err(|source| ServerError::Bind { addr: config.listen.clone(), source })?;
         let workers = config.index_workers.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2));
+        for path in store.data_paths() {
+            error::hide_paths_under(path);
+        }
         let indexes = shoal_index::IndexManager::open(Arc::clone(&store), workers)?;
         let (shutdown_tx, shutdown) = watch::channel(false);
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);

@@ -119,7 +119,7 @@ fn describe_metrics() {
 /// maintainers are doing. 503 when the node cannot serve writes (disk full, read-only).
 pub async fn health(State(state): State<AppState>) -> Response {
     let storage = state.store.health();
-    let tasks = |r: shoal_storage::TaskReport| serde_json::json!({"maintainers": r.running, "failing": r.failing, "errors": r.errors, "last_error": r.last_error});
+    let tasks = |r: shoal_storage::TaskReport| serde_json::json!({"maintainers": r.running, "failing": r.failing, "errors": r.errors, "last_error": r.last_error.as_deref().map(crate::error::public_reason)});
     let (indexes, analytics) = (state.indexes.health.report(), state.shadows.health.report());
     let degraded = indexes.failing || analytics.failing;
     let status = match (storage.writable(), degraded) {
@@ -137,7 +137,7 @@ pub async fn health(State(state): State<AppState>) -> Response {
         shoal_storage::StorageState::Restart => {
             storage_json["reason"] = "restarting to reopen the storage engine after a full disk".into();
         }
-        shoal_storage::StorageState::Failed { reason } => storage_json["reason"] = reason.clone().into(),
+        shoal_storage::StorageState::Failed { reason } => storage_json["reason"] = crate::error::public_reason(reason).into(),
     }
     let body = serde_json::json!({
         "status": status,
