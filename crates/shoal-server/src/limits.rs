@@ -54,7 +54,11 @@ impl Class {
     }
 
     /// Requests of the class that run at once on a node with `cores` cores. Sub-document
-    /// work is CPU on the low-priority pool, so a few per core keep it busy; SQL spreads
+    /// work is CPU on the low-priority pool, so a few per core keep it busy. This is a
+    /// trade measured in bench/results/2026-11-23-issue11-speed.md: 2 per core holds a small
+    /// get's p99 within 1.3–1.9× of its value alone during a HARD lookup flood but halves
+    /// the flood's own rate; 16 per core gives the flood a third more and the gets 2.3–4.1×.
+    /// SQL spreads
     /// over every core by itself; analytics even more so; writes mostly wait for the
     /// engine.
     fn slots(self, cores: usize) -> usize {
