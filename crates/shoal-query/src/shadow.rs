@@ -1119,6 +1119,28 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_flush_keeps_its_rows_for_the_next_checkpoint() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("0");
+        std::fs::create_dir_all(&dir).unwrap();
+        // A "directory" that is a file: every segment write under it fails, as on a full disk.
+        let broken = root.path().join("broken");
+        std::fs::write(&broken, b"not a directory").unwrap();
+        let mut st = ApState::fresh(vec![(0, StreamPosition::default())]);
+        for i in 0..10 {
+            let text = serde_json::json!({"n": i}).to_string();
+            st.upsert(format!("k{i}"), ParsedDoc::parse(text.as_bytes()), &dir).unwrap();
+        }
+        st.cursors[0].1 = StreamPosition { seqno: 10, uuid: 7 };
+        assert!(st.checkpoint(&broken, 1, 1).is_err(), "a checkpoint that cannot write is an error");
+        st.checkpoint(&dir, 1, 1).unwrap();
+        let ap = Ap::open(0, dir.clone(), 1, 1).unwrap();
+        let st = ap.state.lock();
+        assert_eq!(st.keys.len(), 10, "the rows buffered when the flush failed were written by the next checkpoint");
+        assert_eq!(st.cursors[0].1, StreamPosition { seqno: 10, uuid: 7 });
+    }
+
+    #[test]
     fn dead_rows_are_masked_and_counted() {
         let schema = crate::schema::Obj::default().table_schema();
         let rows: Vec<(String, Value)> = (0..130).map(|i| (format!("k{i}"), serde_json::json!({}))).collect();
