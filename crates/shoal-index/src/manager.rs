@@ -478,9 +478,17 @@ impl IndexManager {
 
     /// The next index id, recorded in the index database (the catalog and the keyspace
     /// names keep it above every id in use even if this write is lost).
-    fn allocate_id(&self) -> Result<u32, IndexError> {
+    /// With `given`, that id instead (a cluster's metadata log assigns ids): it must be at
+    /// least the next free one, which then moves past it — ids are never reused. A rebuild
+    /// takes a fresh id from this counter too; a cluster must keep such local ids apart
+    /// from the ones it assigns (issue 13).
+    fn allocate_id(&self, given: Option<u32>) -> Result<u32, IndexError> {
         let mut next = self.next_id.lock();
-        let id = *next;
+        let id = match given {
+            None => *next,
+            Some(id) if id >= *next => id,
+            Some(id) => return Err(IndexError::Invalid(format!("index id {id} is taken: ids from {} on are free", *next))),
+        };
         let after = id.checked_add(1).ok_or_else(|| IndexError::Invalid("index ids are exhausted".into()))?;
         self.meta.insert(NEXT_ID_KEY, after.to_be_bytes())?;
         *next = after;
@@ -488,12 +496,17 @@ impl IndexManager {
     }
 
     pub async fn create(self: &Arc<Self>, coll: &Arc<Collection>, def: IndexDef) -> Result<IndexStatus, IndexError> {
+        self.create_as(coll, def, None).await
+    }
+
+    /// [`IndexManager::create`] with the index id given by the caller (see `allocate_id`).
+    pub async fn create_as(self: &Arc<Self>, coll: &Arc<Collection>, def: IndexDef, id: Option<u32>) -> Result<IndexStatus, IndexError> {
         def.compile()?;
         let _ddl = self.ddl.lock().await;
         if self.find(coll, &def.name).is_ok() {
             return Err(IndexError::Exists(def.name));
         }
-        let id = self.allocate_id()?;
+        let id = self.allocate_id(id)?;
         let record = Record { id, collection_id: coll.id(), collection: coll.name().to_string(), def };
         // Durable in the store's catalog before the answer: the index database holds only
         // what can be rebuilt from the definition and the documents.
@@ -665,7 +678,7 @@ impl IndexManager {
             // Dropped meanwhile (alone or with its collection): nothing to rebuild.
             return Ok(());
         };
-        let record = Record { id: self.allocate_id()?, ..old.record() };
+        let record = Record { id: self.allocate_id(None)?, ..old.record() };
         self.store.put_catalog(&record.catalog_key(), &record.encode()?)?;
         let new = load(&self.db, &self.meta, &record, &coll)?;
         {

@@ -133,3 +133,32 @@ fn an_unreadable_index_database_is_moved_aside_and_rebuilt() {
     assert_eq!(quarantined.len(), 1, "{quarantined:?}");
     assert_eq!(std::fs::read(dir.path().join("data").join(&quarantined[0]).join("version")).unwrap(), b"not a version");
 }
+
+#[test]
+fn index_ids_given_by_the_caller_are_kept_and_never_reused() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path());
+    let coll = store.create_collection("c", 0).unwrap();
+    fill(&coll);
+    life(&store, |mgr| {
+        let coll = Arc::clone(&coll);
+        async move {
+            mgr.create_as(&coll, def("given", "a", true), Some(50)).await.unwrap();
+            mgr.create(&coll, def("local", "b", true)).await.unwrap();
+            for id in [50, 51, 3] {
+                let refused = mgr.create_as(&coll, def(&format!("x{id}"), "a", true), Some(id)).await;
+                assert!(matches!(refused, Err(shoal_index::IndexError::Invalid(_))), "id {id}: {refused:?}");
+            }
+        }
+    });
+    let mut ids = catalog(&store);
+    ids.sort();
+    assert_eq!(ids, [("given".to_string(), 50), ("local".to_string(), 51)]);
+    life(&store, |mgr| {
+        let coll = Arc::clone(&coll);
+        async move {
+            mgr.create(&coll, def("after_restart", "a", true)).await.unwrap();
+        }
+    });
+    assert!(catalog(&store).contains(&("after_restart".to_string(), 52)), "{:?}", catalog(&store));
+}

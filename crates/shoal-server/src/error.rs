@@ -206,6 +206,7 @@ impl From<CollectionError> for ApiError {
             CollectionError::Exists(_) => ApiError::new(StatusCode::CONFLICT, "collection_exists", reason),
             CollectionError::NotFound(_) => ApiError::new(StatusCode::NOT_FOUND, "collection_not_found", reason),
             CollectionError::InvalidName(_) => ApiError::bad_request(reason),
+            CollectionError::IdTaken { .. } => ApiError::new(StatusCode::CONFLICT, "collection_exists", reason),
             CollectionError::Unwritable(ref w) => ApiError::from(w),
             CollectionError::Corrupt(_) => ApiError::corrupt(reason),
             CollectionError::Engine(ref inner) => ApiError::engine(inner, reason),

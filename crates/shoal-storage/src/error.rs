@@ -24,6 +24,9 @@ pub enum CollectionError {
     NotFound(String),
     #[error("invalid collection name: {0}")]
     InvalidName(String),
+    /// A caller-given id that is in use or was used (ids are never reused).
+    #[error("collection id {id} is taken: ids from {next} on are free")]
+    IdTaken { id: u32, next: u32 },
     /// The store takes no writes now (a full disk, a failed fsync).
     #[error(transparent)]
     Unwritable(#[from] WriteError),

@@ -232,14 +232,23 @@ impl Store {
         self.collections.read().values().map(|c| c.info()).collect()
     }
 
+    /// Creates a collection with the next id of this store's own counter.
     pub fn create_collection(&self, name: &str, max_ttl: u32) -> Result<Arc<Collection>, CollectionError> {
+        self.create_collection_as(name, max_ttl, None)
+    }
+
+    /// Creates a collection; `id`, when given, is its id instead of the next of this store's
+    /// counter (a cluster's metadata log assigns ids so that every node agrees on them).
+    /// Ids are never reused — caches and derived state are keyed by them — so a given id
+    /// must be at least the counter, which then moves past it.
+    pub fn create_collection_as(&self, name: &str, max_ttl: u32, id: Option<u32>) -> Result<Arc<Collection>, CollectionError> {
         validate_collection_name(name)?;
         let _ddl = self.ddl.lock();
         if self.collections.read().contains_key(name) {
             return Err(CollectionError::Exists(name.to_string()));
         }
         self.health.check_writable()?;
-        let id = match self.meta.get("next_collection_id")? {
+        let next = match self.meta.get("next_collection_id")? {
             Some(v) => v
                 .get(..4)
                 .and_then(|b| b.try_into().ok())
@@ -247,6 +256,12 @@ impl Store {
                 .ok_or_else(|| CollectionError::Corrupt("next_collection_id".into()))?,
             None => 1,
         };
+        let id = match id {
+            None => next,
+            Some(given) if given >= next && given < u32::MAX => given,
+            Some(given) => return Err(CollectionError::IdTaken { id: given, next }),
+        };
+        debug_assert!(self.collections.read().values().all(|c| c.id != id), "a live collection has id {id}");
         let record = CollectionRecord { id, max_ttl };
         let collection = self.open_collection(name, &record, true)?;
         let mut batch = self.paths[0].db.batch();
