@@ -88,9 +88,7 @@ async fn restart_after_power_cut(disk: &FaultDisk, node: &mut Node, acked: &BTre
 #[tokio::test]
 async fn a_failed_fsync_makes_the_node_read_only_until_restart() {
     let disk = FaultDisk::mount();
-    let mut node = disk.start_node();
-    let c = node.client();
-    assert_eq!(c.put(node.u("/v1/collections/d")).send().await.unwrap().status(), 201);
+    let (mut node, c) = disk.start_node_with_collection("d").await;
     let acked = write_acked(&c, &node, "a", 20).await;
     let (code, _) = put(&c, &node, "loose", "1", "none").await;
     assert_eq!(code, 200);
@@ -115,9 +113,7 @@ async fn a_failed_fsync_makes_the_node_read_only_until_restart() {
 #[tokio::test]
 async fn a_failed_write_makes_the_node_read_only_until_restart() {
     let disk = FaultDisk::mount();
-    let mut node = disk.start_node();
-    let c = node.client();
-    assert_eq!(c.put(node.u("/v1/collections/d")).send().await.unwrap().status(), 201);
+    let (mut node, c) = disk.start_node_with_collection("d").await;
     let acked = write_acked(&c, &node, "a", 20).await;
 
     disk.fs.fail_writes(true);
@@ -138,9 +134,7 @@ async fn a_failed_write_makes_the_node_read_only_until_restart() {
 #[tokio::test]
 async fn definitions_are_refused_on_a_read_only_node() {
     let disk = FaultDisk::mount();
-    let mut node = disk.start_node();
-    let c = node.client();
-    assert_eq!(c.put(node.u("/v1/collections/d")).send().await.unwrap().status(), 201);
+    let (mut node, c) = disk.start_node_with_collection("d").await;
     let acked = write_acked(&c, &node, "a", 3).await;
     disk.fs.fail_fsync(true);
     let (code, _) = put(&c, &node, "p", "1", "persist").await;

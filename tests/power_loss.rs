@@ -349,9 +349,7 @@ async fn verify(c: &reqwest::Client, node: &Node, writers: &mut [Writer], round:
 #[tokio::test]
 async fn acknowledged_persist_writes_survive_power_loss() {
     let disk = FaultDisk::mount();
-    let mut node = disk.start_node();
-    let c = node.client();
-    assert_eq!(c.put(node.u("/v1/collections/d")).send().await.unwrap().status(), 201);
+    let (mut node, c) = disk.start_node_with_collection("d").await;
     let seed: u64 = rand::rng().random();
     eprintln!("power_loss seed {seed}");
     let mut rng = StdRng::seed_from_u64(seed);
@@ -441,9 +439,7 @@ async fn acknowledged_persist_writes_survive_power_loss() {
 async fn writes_without_persist_are_lost_in_a_power_cut() {
     const NONE_WRITES: usize = 20;
     let disk = FaultDisk::mount();
-    let mut node = disk.start_node();
-    let c = node.client();
-    assert_eq!(c.put(node.u("/v1/collections/d")).send().await.unwrap().status(), 201);
+    let (mut node, c) = disk.start_node_with_collection("d").await;
     let r = c.put(node.u("/v1/collections/d/docs/durable?durability=persist")).body("1").send().await.unwrap();
     assert_eq!(r.status(), 200);
 
@@ -492,9 +488,7 @@ async fn writes_without_persist_are_lost_in_a_power_cut() {
 #[tokio::test]
 async fn a_bulk_line_acknowledged_before_refused_repeats_survives_power_loss() {
     let disk = FaultDisk::mount();
-    let mut node = disk.start_node();
-    let c = node.client();
-    assert_eq!(c.put(node.u("/v1/collections/d")).send().await.unwrap().status(), 201);
+    let (mut node, c) = disk.start_node_with_collection("d").await;
     let body = [
         json!({"op": "upsert", "key": "x", "value": 1}),
         json!({"op": "insert", "key": "x", "value": 2}),

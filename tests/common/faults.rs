@@ -39,6 +39,15 @@ impl FaultDisk {
     pub fn start_node(&self) -> Node {
         Node::start_in(self.data(), NODE_ARGS)
     }
+
+    /// Starts a node on this disk with a fresh collection `name`, and a client for it.
+    pub async fn start_node_with_collection(&self, name: &str) -> (Node, reqwest::Client) {
+        let node = self.start_node();
+        let c = node.client();
+        let r = c.put(node.u(&format!("/v1/collections/{name}"))).send().await.expect("create the collection");
+        assert_eq!(r.status(), 201, "create collection {name}");
+        (node, c)
+    }
 }
 
 /// `GET /v1/health`: status code and body.

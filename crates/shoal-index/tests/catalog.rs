@@ -12,10 +12,7 @@ use shoal_index::IndexState;
 
 #[test]
 fn definitions_survive_losing_the_index_database() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open_store(dir.path());
-    let coll = store.create_collection("c", 0).unwrap();
-    fill(&coll);
+    let (dir, store, coll) = filled_store();
     life(&store, |mgr| {
         let coll = Arc::clone(&coll);
         async move {
@@ -56,10 +53,7 @@ fn definitions_survive_losing_the_index_database() {
 
 #[test]
 fn definitions_of_an_older_node_move_to_the_catalog() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open_store(dir.path());
-    let coll = store.create_collection("c", 0).unwrap();
-    fill(&coll);
+    let (dir, store, coll) = filled_store();
     // An index database as nodes before the catalog left it: the definition in its meta
     // keyspace (this JSON is that format), and the next id.
     {
@@ -101,10 +95,7 @@ fn definitions_of_an_older_node_move_to_the_catalog() {
 
 #[test]
 fn an_unreadable_index_database_is_moved_aside_and_rebuilt() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open_store(dir.path());
-    let coll = store.create_collection("c", 0).unwrap();
-    fill(&coll);
+    let (dir, store, coll) = filled_store();
     life(&store, |mgr| {
         let coll = Arc::clone(&coll);
         async move {
@@ -136,10 +127,7 @@ fn an_unreadable_index_database_is_moved_aside_and_rebuilt() {
 
 #[test]
 fn index_ids_given_by_the_caller_are_kept_and_never_reused() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open_store(dir.path());
-    let coll = store.create_collection("c", 0).unwrap();
-    fill(&coll);
+    let (_dir, store, coll) = filled_store();
     life(&store, |mgr| {
         let coll = Arc::clone(&coll);
         async move {

@@ -19,6 +19,15 @@ pub fn open_store(dir: &Path) -> Arc<Store> {
     Store::open(StoreConfig { data_paths: vec![dir.join("data")], partitions: Some(4), ..StoreConfig::default() }).unwrap()
 }
 
+/// A fresh store (in the returned directory) with collection `c` holding [`fill`]'s documents.
+pub fn filled_store() -> (tempfile::TempDir, Arc<Store>, Arc<Collection>) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path());
+    let coll = store.create_collection("c", 0).unwrap();
+    fill(&coll);
+    (dir, store, coll)
+}
+
 pub fn index_dir(dir: &Path) -> PathBuf {
     dir.join("data").join("index")
 }
