@@ -1,19 +1,28 @@
-//! On-disk encodings of the three keyspaces every collection has in each data path.
+//! On-disk encodings. A partition is one fjall keyspace (`p0000`, `p0001`, …, in the
+//! database of data path `p mod n`) shared by every collection: a unit that can be exported
+//! in key order, ingested as files and dropped in O(1) (see ARCHITECTURE.md, "Why a
+//! partition is a keyspace").
 //!
 //! All integers are big-endian so that byte order equals numeric order in the LSM tree.
+//! Every key starts with the collection id and a tag, so a collection's documents, its
+//! by-sequence index and its expiry index are each one contiguous range of the keyspace:
 //!
-//! Documents are keyed by their key alone, not by partition: neighbouring keys stay
-//! neighbours in the tree whatever the partition count, so reading a run of related
-//! documents (an index scan with `include_docs`) touches the same blocks at 16 partitions
-//! as at 256. A document's partition is a hash of its key and is kept in the `seq` entry.
-//!
-//! | keyspace | key | value |
+//! | tag | key | value |
 //! |---|---|---|
-//! | `docs` | document key | [`DocMeta`] header (with the body's length and checksum) · document bytes |
-//! | `seq`  | partition `u16` · seqno `u64`  | flags `u8` · cas `u64` · document key |
-//! | `exp`  | expiry `u32` · partition `u16` · document key | empty |
+//! | `d` | collection `u32` · `d` · document key | [`DocMeta`] header (with the body's length and checksum) · document bytes |
+//! | `e` | collection `u32` · `e` · expiry `u32` · document key | empty |
+//! | `s` | collection `u32` · `s` · seqno `u64` | flags `u8` · cas `u64` · document key |
 
-use crate::{Cas, PartitionId, SeqNo};
+use crate::{Cas, SeqNo};
+
+/// Tag of a document record.
+pub const TAG_DOC: u8 = b'd';
+/// Tag of an expiry entry.
+pub const TAG_EXP: u8 = b'e';
+/// Tag of a by-sequence entry.
+pub const TAG_SEQ: u8 = b's';
+/// Bytes before a key's own part: collection id and tag.
+pub const PREFIX_BYTES: usize = 5;
 
 /// Version byte that leads every `docs` value; bump when the layout changes.
 /// 2 adds the body's length and a checksum of the record; 1 (no check) is still read.
@@ -80,18 +89,49 @@ pub fn decode_doc_value(raw: &[u8]) -> Option<(DocMeta, std::ops::Range<usize>)>
     }
 }
 
-pub fn seq_key(partition: PartitionId, seqno: SeqNo) -> [u8; 10] {
-    let mut out = [0u8; 10];
-    out[..2].copy_from_slice(&partition.to_be_bytes());
-    out[2..].copy_from_slice(&seqno.to_be_bytes());
+/// Collection id and tag: the first bytes of every key of that kind.
+pub fn prefix(collection: u32, tag: u8) -> [u8; PREFIX_BYTES] {
+    let mut out = [0u8; PREFIX_BYTES];
+    out[..4].copy_from_slice(&collection.to_be_bytes());
+    out[4] = tag;
     out
 }
 
-pub fn decode_seq_key(raw: &[u8]) -> Option<(PartitionId, SeqNo)> {
-    if raw.len() != 10 {
+/// The keys of one kind of one collection: `[prefix(collection, tag), prefix(collection, tag + 1))`.
+pub fn tag_range(collection: u32, tag: u8) -> std::ops::Range<[u8; PREFIX_BYTES]> {
+    prefix(collection, tag)..prefix(collection, tag + 1)
+}
+
+/// Every key of one collection in a partition: `[collection, collection + 1)` (ids are below `u32::MAX`).
+pub fn collection_range(collection: u32) -> std::ops::Range<[u8; 4]> {
+    debug_assert!(collection < u32::MAX);
+    collection.to_be_bytes()..collection.saturating_add(1).to_be_bytes()
+}
+
+pub fn doc_key(collection: u32, key: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(PREFIX_BYTES + key.len());
+    out.extend_from_slice(&prefix(collection, TAG_DOC));
+    out.extend_from_slice(key);
+    out
+}
+
+/// The document key of a stored `d` key.
+pub fn decode_doc_key(raw: &[u8]) -> Option<&[u8]> {
+    (raw.get(4) == Some(&TAG_DOC)).then(|| &raw[PREFIX_BYTES..])
+}
+
+pub fn seq_key(collection: u32, seqno: SeqNo) -> [u8; PREFIX_BYTES + 8] {
+    let mut out = [0u8; PREFIX_BYTES + 8];
+    out[..PREFIX_BYTES].copy_from_slice(&prefix(collection, TAG_SEQ));
+    out[PREFIX_BYTES..].copy_from_slice(&seqno.to_be_bytes());
+    out
+}
+
+pub fn decode_seq_key(raw: &[u8]) -> Option<SeqNo> {
+    if raw.len() != PREFIX_BYTES + 8 || raw[4] != TAG_SEQ {
         return None;
     }
-    Some((u16::from_be_bytes(raw[..2].try_into().ok()?), u64::from_be_bytes(raw[2..].try_into().ok()?)))
+    Some(u64::from_be_bytes(raw[PREFIX_BYTES..].try_into().ok()?))
 }
 
 pub fn seq_value(cas: Cas, deleted: bool, key: &[u8]) -> Vec<u8> {
@@ -109,19 +149,21 @@ pub fn decode_seq_value(raw: &[u8]) -> Option<(Cas, bool, &[u8])> {
     Some((cas, flags & FLAG_DELETED != 0, raw.get(9..)?))
 }
 
-pub fn exp_key(expiry: u32, partition: PartitionId, key: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(6 + key.len());
+pub fn exp_key(collection: u32, expiry: u32, key: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(PREFIX_BYTES + 4 + key.len());
+    out.extend_from_slice(&prefix(collection, TAG_EXP));
     out.extend_from_slice(&expiry.to_be_bytes());
-    out.extend_from_slice(&partition.to_be_bytes());
     out.extend_from_slice(key);
     out
 }
 
-/// (expiry, partition, document key)
-pub fn decode_exp_key(raw: &[u8]) -> Option<(u32, PartitionId, &[u8])> {
-    let expiry = u32::from_be_bytes(raw.get(..4)?.try_into().ok()?);
-    let partition = u16::from_be_bytes(raw.get(4..6)?.try_into().ok()?);
-    Some((expiry, partition, raw.get(6..)?))
+/// (expiry, document key)
+pub fn decode_exp_key(raw: &[u8]) -> Option<(u32, &[u8])> {
+    if raw.get(4) != Some(&TAG_EXP) {
+        return None;
+    }
+    let expiry = u32::from_be_bytes(raw.get(PREFIX_BYTES..PREFIX_BYTES + 4)?.try_into().ok()?);
+    Some((expiry, raw.get(PREFIX_BYTES + 4..)?))
 }
 
 #[cfg(test)]
@@ -171,14 +213,27 @@ mod tests {
     fn seq_keys_sort_by_seqno() {
         assert!(seq_key(1, 255) < seq_key(1, 256));
         assert!(seq_key(1, u64::MAX) < seq_key(2, 0));
-        assert_eq!(decode_seq_key(&seq_key(3, 99)), Some((3, 99)));
+        assert_eq!(decode_seq_key(&seq_key(3, 99)), Some(99));
+        assert_eq!(decode_seq_key(&doc_key(3, b"12345678")), None);
         let v = seq_value(5, true, b"k");
         assert_eq!(decode_seq_value(&v), Some((5, true, &b"k"[..])));
     }
 
     #[test]
     fn exp_keys_sort_by_time() {
-        assert!(exp_key(5, 9, b"z") < exp_key(6, 0, b"a"));
-        assert_eq!(decode_exp_key(&exp_key(5, 9, b"z")), Some((5, 9, &b"z"[..])));
+        assert!(exp_key(9, 5, b"z") < exp_key(9, 6, b"a"));
+        assert_eq!(decode_exp_key(&exp_key(9, 5, b"z")), Some((5, &b"z"[..])));
+    }
+
+    #[test]
+    fn each_kind_of_each_collection_is_one_range() {
+        let keys = [doc_key(7, b"a"), doc_key(7, &[0xff; 250]), exp_key(7, u32::MAX, b"z"), seq_key(7, u64::MAX).to_vec()];
+        for k in &keys {
+            assert!(collection_range(7).contains(&k[..4].try_into().unwrap()));
+            assert!(!collection_range(8).contains(&k[..4].try_into().unwrap()));
+        }
+        assert!(tag_range(7, TAG_DOC).start[..] <= keys[0][..] && keys[1][..] < tag_range(7, TAG_DOC).end[..]);
+        assert_eq!(decode_doc_key(&keys[0]), Some(&b"a"[..]));
+        assert_eq!(decode_doc_key(&keys[2]), None);
     }
 }

@@ -22,21 +22,11 @@ pub struct CollectionInfo {
     pub max_ttl: u32,
 }
 
-/// The keyspaces of one collection in one data path.
-pub(crate) struct Keyspaces {
-    pub db: fjall::Database,
-    pub docs: fjall::Keyspace,
-    pub seq: fjall::Keyspace,
-    pub exp: fjall::Keyspace,
-    pub syncer: Arc<Syncer>,
-}
-
 pub struct Collection {
     pub(crate) name: String,
     pub(crate) id: u32,
     pub(crate) max_ttl: u32,
     pub(crate) partitions: Vec<Arc<Partition>>,
-    pub(crate) keyspaces: Vec<Keyspaces>,
     pub(crate) changed: Arc<watch::Sender<u64>>,
     pub(crate) dropped: Arc<AtomicBool>,
 }
@@ -106,12 +96,12 @@ impl Collection {
     }
 
     /// Live documents in key order after `after` (from the start when `None`), at most
-    /// `max`, merged over all data paths: `(key, body)`.
+    /// `max`, merged over all partitions: `(key, body)`.
     ///
     /// Each call reads the store as it is now; a caller that needs every change since some
     /// point combines this with the change streams from positions taken before the first
-    /// call (the index build does). Documents are keyed by key alone, so this is one
-    /// sequential read whatever the partition count.
+    /// call (the index build does). Each partition is read in key order and the reads are
+    /// merged, so the order is the same whatever the partition count.
     pub fn scan_docs(&self, after: Option<&[u8]>, max: usize) -> Result<Vec<(Bytes, Bytes)>, ReadError> {
         let low = match after {
             Some(k) => std::ops::Bound::Excluded(k),
@@ -123,44 +113,51 @@ impl Collection {
     /// Like [`Collection::scan_docs`], over the keys from `low` up to `until` (exclusive), so
     /// that several readers can split one collection by key ranges.
     pub fn scan_docs_range(&self, low: std::ops::Bound<&[u8]>, until: Option<&[u8]>, max: usize) -> Result<Vec<(Bytes, Bytes)>, ReadError> {
+        use std::cmp::Reverse;
         use std::ops::Bound;
         if self.is_dropped() {
             return Err(ReadError::CollectionDropped);
         }
-        let low: Bound<Vec<u8>> = low.map(<[u8]>::to_vec);
-        let high: Bound<Vec<u8>> = match until {
-            Some(k) => Bound::Excluded(k.to_vec()),
-            None => Bound::Unbounded,
-        };
-        if let (Bound::Included(l) | Bound::Excluded(l), Bound::Excluded(h)) = (&low, &high) {
+        if let (Bound::Included(l) | Bound::Excluded(l), Some(h)) = (low, until) {
             if l >= h {
                 return Ok(Vec::new());
             }
         }
+        let low: Bound<Vec<u8>> = match low {
+            Bound::Included(k) => Bound::Included(codec::doc_key(self.id, k)),
+            Bound::Excluded(k) => Bound::Excluded(codec::doc_key(self.id, k)),
+            Bound::Unbounded => Bound::Included(codec::prefix(self.id, codec::TAG_DOC).to_vec()),
+        };
+        let high: Bound<Vec<u8>> = Bound::Excluded(match until {
+            Some(k) => codec::doc_key(self.id, k),
+            None => codec::tag_range(self.id, codec::TAG_DOC).end.to_vec(),
+        });
         let now = crate::unix_now_secs();
-        let mut out: Vec<(Bytes, Bytes)> = Vec::with_capacity(max.min(64 * 1024));
-        for ks in &self.keyspaces {
-            let mut taken = 0;
-            for guard in ks.docs.range::<Vec<u8>, _>((low.clone(), high.clone())) {
-                if taken >= max {
-                    break;
-                }
+        let mut iters: Vec<fjall::Iter> = self.partitions.iter().map(|p| p.ks.range((low.clone(), high.clone()))).collect();
+        // One head per partition, smallest key first: a k-way merge that reads each
+        // partition only as far as the answer needs.
+        let mut heads = std::collections::BinaryHeap::with_capacity(iters.len());
+        for (i, it) in iters.iter_mut().enumerate() {
+            if let Some(guard) = it.next() {
                 let (k, v) = guard.into_inner()?;
-                let v = Bytes::from(v);
-                let Some((meta, body)) = codec::decode_doc_value(&v) else {
-                    return Err(ReadError::Corrupt);
-                };
-                if meta.deleted || (meta.expiry != 0 && u64::from(meta.expiry) <= now) {
-                    continue;
-                }
-                out.push((Bytes::from(k), v.slice(body)));
-                taken += 1;
+                heads.push(Reverse((k, i, v)));
             }
         }
-        if self.keyspaces.len() > 1 {
-            // Each path gave its first `max`; the first `max` of the union are exact.
-            out.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-            out.truncate(max);
+        let mut out: Vec<(Bytes, Bytes)> = Vec::with_capacity(max.min(64 * 1024));
+        while out.len() < max {
+            let Some(Reverse((k, i, v))) = heads.pop() else { break };
+            if let Some(guard) = iters[i].next() {
+                let (k, v) = guard.into_inner()?;
+                heads.push(Reverse((k, i, v)));
+            }
+            let v = Bytes::from(v);
+            let (Some(key), Some((meta, body))) = (codec::decode_doc_key(&k), codec::decode_doc_value(&v)) else {
+                return Err(ReadError::Corrupt);
+            };
+            if meta.deleted || (meta.expiry != 0 && u64::from(meta.expiry) <= now) {
+                continue;
+            }
+            out.push((Bytes::copy_from_slice(key), v.slice(body)));
         }
         Ok(out)
     }
@@ -171,7 +168,7 @@ impl Collection {
     }
 
     fn syncer_of(&self, p: PartitionId) -> &Arc<Syncer> {
-        &self.keyspaces[usize::from(p) % self.keyspaces.len()].syncer
+        &self.partitions[usize::from(p)].syncer
     }
 
     pub fn get(&self, key: &str) -> Result<Document, ReadError> {

@@ -37,8 +37,8 @@ pub type Cas = u64;
 pub const KEY_MAX_BYTES: usize = 250;
 /// Largest document body in bytes.
 pub const DOC_MAX_BYTES: usize = 20 * 1024 * 1024;
-/// Most partitions a store may be created with.
-pub const PARTITIONS_MAX: u16 = 4096;
+/// Most partitions a store may be created with (Couchbase's vBucket count): each is a keyspace.
+pub const PARTITIONS_MAX: u16 = 1024;
 /// Default number of partitions.
 pub const PARTITIONS_DEFAULT: u16 = 128;
 /// Longest a document may stay locked, in seconds.

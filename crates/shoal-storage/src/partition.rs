@@ -90,10 +90,11 @@ struct Sequencer {
 
 pub(crate) struct PartitionParts {
     pub id: PartitionId,
+    /// The collection's id: the first bytes of each of its keys in the partition's keyspace.
+    pub coll: u32,
     pub db: fjall::Database,
-    pub docs: fjall::Keyspace,
-    pub seq: fjall::Keyspace,
-    pub exp: fjall::Keyspace,
+    /// The partition's keyspace, shared by every collection (see `codec`).
+    pub ks: fjall::Keyspace,
     pub syncer: Arc<Syncer>,
     pub clock: Arc<CasClock>,
     pub health: Arc<StorageHealth>,
@@ -136,19 +137,18 @@ pub(crate) struct LiveCount {
 /// (and the log) when a whole file is damaged.
 const COUNT_DAMAGED_MAX: usize = 1024;
 
-/// Counts the live documents of every partition of one `docs` keyspace in one pass
-/// (documents are keyed by key alone, so a partition's are not adjacent).
+/// Counts the live documents of collection `coll` in one partition's keyspace.
 ///
 /// A record that fails a check (a damaged table block or blob) is left out and the node
 /// still opens: the other documents must stay readable, and reading a damaged one answers
 /// `corrupt`. The engine's iterator ends at a damaged table block, so the counts are then
 /// short by what follows it; they are statistics (the document gauges), not state.
-pub(crate) fn count_live(docs: &fjall::Keyspace, partitions: u16) -> Result<Vec<LiveCount>, fjall::Error> {
-    let mut out = vec![LiveCount::default(); usize::from(partitions)];
+pub(crate) fn count_live(ks: &fjall::Keyspace, coll: u32) -> Result<LiveCount, fjall::Error> {
+    let mut out = LiveCount::default();
     let mut damaged = 0usize;
-    for guard in docs.iter() {
-        let (k, v) = match guard.into_inner() {
-            Ok(kv) => kv,
+    for guard in ks.range(codec::tag_range(coll, codec::TAG_DOC)) {
+        let v = match guard.value() {
+            Ok(v) => v,
             Err(e) if crate::is_corruption(&e) => {
                 damaged += 1;
                 tracing::error!(error = %e, "a stored document failed a check while counting documents at open");
@@ -161,9 +161,8 @@ pub(crate) fn count_live(docs: &fjall::Keyspace, partitions: u16) -> Result<Vec<
         };
         if let Some((meta, body)) = codec::decode_doc_value(&v) {
             if !meta.deleted {
-                let slot = &mut out[usize::from(crate::partition_of(&k, partitions))];
-                slot.count += 1;
-                slot.bytes += body.len() as i64;
+                out.count += 1;
+                out.bytes += body.len() as i64;
             }
         }
     }
@@ -172,11 +171,10 @@ pub(crate) fn count_live(docs: &fjall::Keyspace, partitions: u16) -> Result<Vec<
 
 pub struct Partition {
     pub(crate) id: PartitionId,
+    pub(crate) coll: u32,
     pub(crate) db: fjall::Database,
-    pub(crate) docs: fjall::Keyspace,
-    pub(crate) seq: fjall::Keyspace,
-    pub(crate) exp: fjall::Keyspace,
-    syncer: Arc<Syncer>,
+    pub(crate) ks: fjall::Keyspace,
+    pub(crate) syncer: Arc<Syncer>,
     clock: Arc<CasClock>,
     health: Arc<StorageHealth>,
     failover: Vec<FailoverEntry>,
@@ -199,10 +197,10 @@ struct Current {
 
 impl Partition {
     pub(crate) fn open(parts: PartitionParts) -> Result<Partition, fjall::Error> {
-        let (high, max_cas) = match parts.seq.range(codec::seq_key(parts.id, 0)..=codec::seq_key(parts.id, SeqNo::MAX)).next_back() {
+        let (high, max_cas) = match parts.ks.range(codec::seq_key(parts.coll, 0)..=codec::seq_key(parts.coll, SeqNo::MAX)).next_back() {
             Some(guard) => {
                 let (k, v) = guard.into_inner()?;
-                let seqno = codec::decode_seq_key(&k).map(|(_, s)| s).unwrap_or(0);
+                let seqno = codec::decode_seq_key(&k).unwrap_or(0);
                 let cas = codec::decode_seq_value(&v).map(|(c, _, _)| c).unwrap_or(0);
                 (seqno, cas)
             }
@@ -212,10 +210,9 @@ impl Partition {
         let high = high.max(parts.purge_seqno);
         Ok(Partition {
             id: parts.id,
+            coll: parts.coll,
             db: parts.db,
-            docs: parts.docs,
-            seq: parts.seq,
-            exp: parts.exp,
+            ks: parts.ks,
             syncer: parts.syncer,
             clock: parts.clock,
             health: parts.health,
@@ -294,7 +291,7 @@ impl Partition {
     /// The stored record of `dk`. A record that does not decode is an error, never
     /// "absent": treating it as absent would let a write overwrite it and hide the damage.
     fn read_current(&self, dk: &[u8]) -> Result<Option<Current>, ReadError> {
-        let Some(raw) = self.docs.get(dk)? else { return Ok(None) };
+        let Some(raw) = self.ks.get(codec::doc_key(self.coll, dk))? else { return Ok(None) };
         let raw = Bytes::from(raw);
         match codec::decode_doc_value(&raw) {
             Some((meta, body)) => Ok(Some(Current { meta, body: raw.slice(body) })),
@@ -495,17 +492,17 @@ impl Partition {
 
     /// Adds the writes that replace `old` with `new` in all three keyspaces.
     fn stage(&self, batch: &mut fjall::OwnedWriteBatch, key: &[u8], old: Option<(&DocMeta, usize)>, new: DocMeta, body: &[u8]) {
-        let p = self.id;
-        batch.insert(&self.docs, key, codec::doc_value(&new, body));
-        batch.insert(&self.seq, codec::seq_key(p, new.seqno), codec::seq_value(new.cas, new.deleted, key));
+        let c = self.coll;
+        batch.insert(&self.ks, codec::doc_key(c, key), codec::doc_value(&new, body));
+        batch.insert(&self.ks, codec::seq_key(c, new.seqno), codec::seq_value(new.cas, new.deleted, key));
         if new.expiry != 0 && !new.deleted {
-            batch.insert(&self.exp, codec::exp_key(new.expiry, p, key), Vec::new());
+            batch.insert(&self.ks, codec::exp_key(c, new.expiry, key), Vec::new());
         }
         let (mut count_delta, mut bytes_delta) = (0i64, 0i64);
         if let Some((old, old_len)) = old {
-            batch.remove(&self.seq, codec::seq_key(p, old.seqno));
+            batch.remove(&self.ks, codec::seq_key(c, old.seqno));
             if old.expiry != 0 && !old.deleted && (old.expiry != new.expiry || new.deleted) {
-                batch.remove(&self.exp, codec::exp_key(old.expiry, p, key));
+                batch.remove(&self.ks, codec::exp_key(c, old.expiry, key));
             }
             if !old.deleted {
                 count_delta -= 1;
@@ -554,7 +551,7 @@ impl Partition {
         }
         let current = self.read_current(key)?;
         let Some(current) = current.filter(|c| !c.meta.deleted && c.meta.expiry == expiry && u64::from(expiry) <= now) else {
-            self.exp.remove(codec::exp_key(expiry, self.id, key))?;
+            self.ks.remove(codec::exp_key(self.coll, expiry, key))?;
             return Ok(false);
         };
         if state.locks.remove(key).is_some() {
@@ -574,12 +571,12 @@ impl Partition {
     /// `cutoff_cas`, oldest first: `(seqno, key)`. The caller makes the purge seqno durable
     /// past them before [`Partition::purge`] removes them.
     pub(crate) fn purge_candidates(&self, cutoff_cas: Cas, max: usize) -> Result<Vec<(SeqNo, Bytes)>, ReadError> {
-        let p = self.id;
+        let c = self.coll;
         let mut victims = Vec::new();
         // CAS grows with seqno inside a partition, so the scan stops at the first young entry.
-        for guard in self.seq.range(codec::seq_key(p, 0)..=codec::seq_key(p, SeqNo::MAX)) {
+        for guard in self.ks.range(codec::seq_key(c, 0)..=codec::seq_key(c, SeqNo::MAX)) {
             let (k, v) = guard.into_inner()?;
-            let (Some((_, seqno)), Some((cas, deleted, key))) = (codec::decode_seq_key(&k), codec::decode_seq_value(&v)) else {
+            let (Some(seqno), Some((cas, deleted, key))) = (codec::decode_seq_key(&k), codec::decode_seq_value(&v)) else {
                 return Err(ReadError::Corrupt);
             };
             if cas >= cutoff_cas || victims.len() >= max {
@@ -601,7 +598,7 @@ impl Partition {
     /// Removes the tombstones of `victims` that are still current. Every victim's seqno must
     /// be at or below the (durable) purge seqno. Returns how many were purged.
     pub(crate) fn purge(&self, victims: &[(SeqNo, Bytes)]) -> Result<usize, WriteError> {
-        let p = self.id;
+        let c = self.coll;
         let mut purged = 0;
         for (seqno, key) in victims {
             debug_assert!(*seqno <= self.purge_seqno.load(Ordering::Acquire), "purge before the purge seqno is durable");
@@ -610,8 +607,8 @@ impl Partition {
             let still_tombstone = self.read_current(key)?.is_some_and(|c| c.meta.deleted && c.meta.seqno == *seqno);
             if still_tombstone {
                 let mut batch = self.db.batch();
-                batch.remove(&self.docs, &key[..]);
-                batch.remove(&self.seq, codec::seq_key(p, *seqno));
+                batch.remove(&self.ks, codec::doc_key(c, key));
+                batch.remove(&self.ks, codec::seq_key(c, *seqno));
                 batch.commit()?;
                 purged += 1;
             }
@@ -654,14 +651,15 @@ impl Partition {
         use fjall::Readable;
         let p = self.id;
         let mut out = Vec::new();
-        for guard in snapshot.range(&self.seq, codec::seq_key(p, since + 1)..=codec::seq_key(p, high)) {
+        let c = self.coll;
+        for guard in snapshot.range(&self.ks, codec::seq_key(c, since + 1)..=codec::seq_key(c, high)) {
             let (k, v) = guard.into_inner()?;
-            let (Some((_, seqno)), Some((cas, deleted, key))) = (codec::decode_seq_key(&k), codec::decode_seq_value(&v)) else {
+            let (Some(seqno), Some((cas, deleted, key))) = (codec::decode_seq_key(&k), codec::decode_seq_value(&v)) else {
                 return Err(ReadError::Corrupt);
             };
             let mut change = Change { partition: p, seqno, key: Bytes::copy_from_slice(key), cas, deleted, expiry: 0, value: None };
             if !deleted {
-                if let Some(raw) = snapshot.get(&self.docs, key)? {
+                if let Some(raw) = snapshot.get(&self.ks, codec::doc_key(c, key))? {
                     let raw = Bytes::from(raw);
                     let (meta, body) = codec::decode_doc_value(&raw).ok_or(ReadError::Corrupt)?;
                     change.expiry = meta.expiry;

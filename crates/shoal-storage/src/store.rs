@@ -14,7 +14,7 @@ use tokio::sync::watch;
 
 use crate::clock::CasClock;
 use crate::codec;
-use crate::collection::{Collection, CollectionInfo, Keyspaces};
+use crate::collection::{Collection, CollectionInfo};
 use crate::error::{CatalogError, CollectionError, OpenError, WriteError};
 use crate::health::{StorageHealth, StorageState};
 use crate::partition::{count_live, FailoverEntry, LiveCount, Partition, PartitionParts, TailLimit};
@@ -25,19 +25,25 @@ const PATH_FILE: &str = "shoal-path.json";
 const CLEAN_SHUTDOWN_FILE: &str = "clean-shutdown";
 const DB_DIR: &str = "db";
 const META_KEYSPACE: &str = "meta";
-/// Layout version of a data path; 2 keys documents by key alone (1 led with the partition).
-const PATH_FORMAT: u32 = 2;
+/// Layout version of a data path: 3 keeps each partition in a keyspace of its own, shared
+/// by the collections (2 had three keyspaces per collection, keyed by key alone; 1 led with
+/// the partition).
+const PATH_FORMAT: u32 = 3;
 /// Tombstones purged per partition per purger round.
 const PURGE_BATCH_MAX: usize = 10_000;
 /// Expired documents deleted per collection per pager round, so a round stays short.
 const EXPIRY_PAGER_BATCH_MAX: usize = 10_000;
 /// How often the expiry pager runs.
 const EXPIRY_PAGER_INTERVAL: Duration = Duration::from_secs(1);
-/// Memtable of a collection's documents in one data path, before it is flushed to disk.
-/// Small enough that memory stays near the block cache size (fjall's default is 64 MiB).
-const DOCS_MEMTABLE_MAX_BYTES: u64 = 16 * 1024 * 1024;
-/// Memtable of the by-sequence and expiry keyspaces.
-const INDEX_MEMTABLE_MAX_BYTES: u64 = 8 * 1024 * 1024;
+/// Memtables of all the partitions of one data path together, before they are flushed:
+/// each partition's memtable is its share of this, within the bounds below.
+const PATH_MEMTABLES_BYTES: u64 = 256 * 1024 * 1024;
+const PARTITION_MEMTABLE_MIN_BYTES: u64 = 2 * 1024 * 1024;
+const PARTITION_MEMTABLE_MAX_BYTES: u64 = 16 * 1024 * 1024;
+/// Keys of dropped collections deleted per fjall batch by the reclaimer.
+const RECLAIM_BATCH_MAX: usize = 10_000;
+/// Meta records of dropped collections whose keys are still being reclaimed.
+const GONE_PREFIX: &str = "gone/";
 /// Longest collection name, in characters.
 pub const COLLECTION_NAME_MAX_CHARS: usize = 251;
 /// Where catalog entries live in the meta keyspace: a prefix of their own, so that no
@@ -101,10 +107,23 @@ struct DataPath {
     syncer: Arc<Syncer>,
 }
 
+/// One partition's keyspace (see `codec`), in the database of data path `p mod n`.
+struct PartitionUnit {
+    db: fjall::Database,
+    ks: fjall::Keyspace,
+    syncer: Arc<Syncer>,
+}
+
+/// The name of partition `p`'s keyspace.
+fn partition_keyspace_name(p: PartitionId) -> String {
+    format!("p{p:04}")
+}
+
 pub struct Store {
     config: StoreConfig,
     partitions: u16,
     paths: Vec<DataPath>,
+    units: Vec<PartitionUnit>,
     meta: fjall::Keyspace,
     clock: Arc<CasClock>,
     health: Arc<StorageHealth>,
@@ -139,10 +158,23 @@ impl Store {
             paths.push(DataPath { db, syncer });
         }
         let meta = paths[0].db.keyspace(META_KEYSPACE, fjall::KeyspaceCreateOptions::default)?;
+        let per_path = u64::from(partitions).div_ceil(paths.len() as u64).max(1);
+        let memtable = (PATH_MEMTABLES_BYTES / per_path).clamp(PARTITION_MEMTABLE_MIN_BYTES, PARTITION_MEMTABLE_MAX_BYTES);
+        let mut units = Vec::with_capacity(usize::from(partitions));
+        for p in 0..partitions {
+            let path = &paths[usize::from(p) % paths.len()];
+            let ks = path.db.keyspace(&partition_keyspace_name(p), || {
+                fjall::KeyspaceCreateOptions::default()
+                    .max_memtable_size(memtable)
+                    .with_kv_separation(Some(fjall::KvSeparationOptions::default()))
+            })?;
+            units.push(PartitionUnit { db: path.db.clone(), ks, syncer: Arc::clone(&path.syncer) });
+        }
         let store = Store {
             config: config.clone(),
             partitions,
             paths,
+            units,
             meta,
             clock: Arc::new(CasClock::default()),
             health,
@@ -289,18 +321,70 @@ impl Store {
         for p in 0..self.partitions {
             batch.remove(&self.meta, partition_key(collection.id, p));
         }
+        // Its keys go in the background (`run_reclaimer`): they share the partitions'
+        // keyspaces with the other collections, and its id is never used again.
+        batch.insert(&self.meta, gone_key(collection.id), Vec::new());
         batch.commit()?;
         self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
         self.collections.write().remove(name);
         collection.dropped.store(true, Ordering::Release);
         collection.changed.send_modify(|n| *n = n.wrapping_add(1));
-        for ks in &collection.keyspaces {
-            for handle in [&ks.docs, &ks.seq, &ks.exp] {
-                ks.db.delete_keyspace(handle.clone())?;
-            }
-        }
         tracing::info!(collection = name, "collection dropped");
         Ok(())
+    }
+
+    /// Deletes the keys of dropped collections, a batch at a time, and forgets a collection
+    /// once none is left. Returns how many keys were deleted. A crash part-way leaves the
+    /// record, and the next round goes on.
+    pub fn run_reclaimer(&self) -> usize {
+        let mut gone = Vec::new();
+        for guard in self.meta.prefix(GONE_PREFIX) {
+            match guard.key() {
+                Ok(k) => match std::str::from_utf8(&k[GONE_PREFIX.len()..]).ok().and_then(|h| u32::from_str_radix(h, 16).ok()) {
+                    Some(id) => gone.push(id),
+                    None => tracing::warn!(key = %String::from_utf8_lossy(&k), "a malformed record of a dropped collection"),
+                },
+                Err(err) => {
+                    tracing::warn!(%err, "reclaimer");
+                    return 0;
+                }
+            }
+        }
+        let mut deleted = 0;
+        for id in gone {
+            match self.reclaim_collection(id) {
+                Ok(n) => deleted += n,
+                Err(err) => tracing::warn!(%err, collection = id, "reclaimer"),
+            }
+        }
+        deleted
+    }
+
+    fn reclaim_collection(&self, id: u32) -> Result<usize, WriteError> {
+        let mut deleted = 0;
+        for unit in &self.units {
+            loop {
+                self.health.check_writable()?;
+                let mut batch = unit.db.batch();
+                let mut n = 0;
+                for guard in unit.ks.range(codec::collection_range(id)).take(RECLAIM_BATCH_MAX) {
+                    batch.remove(&unit.ks, guard.key()?);
+                    n += 1;
+                }
+                if n == 0 {
+                    break;
+                }
+                batch.commit()?;
+                deleted += n;
+            }
+        }
+        let mut batch = self.paths[0].db.batch();
+        batch.remove(&self.meta, gone_key(id));
+        batch.commit()?;
+        if deleted > 0 {
+            tracing::info!(collection = id, keys = deleted, "a dropped collection's keys are deleted");
+        }
+        Ok(deleted)
     }
 
     /// Stores `value` under `key` in the catalog, durably (committed and fsynced before it
@@ -383,36 +467,13 @@ impl Store {
     }
 
     fn open_collection(&self, name: &str, record: &CollectionRecord, new: bool) -> Result<Arc<Collection>, CollectionError> {
-        let mut keyspaces = Vec::new();
-        for path in &self.paths {
-            let ks = |kind: &str| {
-                path.db.keyspace(&format!("c{}_{kind}", record.id), || {
-                    fjall::KeyspaceCreateOptions::default().max_memtable_size(INDEX_MEMTABLE_MAX_BYTES)
-                })
-            };
-            keyspaces.push(Keyspaces {
-                db: path.db.clone(),
-                docs: path.db.keyspace(&format!("c{}_docs", record.id), || {
-                    fjall::KeyspaceCreateOptions::default()
-                        .max_memtable_size(DOCS_MEMTABLE_MAX_BYTES)
-                        .with_kv_separation(Some(fjall::KvSeparationOptions::default()))
-                })?,
-                seq: ks("seq")?,
-                exp: ks("exp")?,
-                syncer: Arc::clone(&path.syncer),
-            });
-        }
         let changed = Arc::new(watch::channel(0u64).0);
         let dropped = Arc::new(AtomicBool::new(false));
         let mut partitions = Vec::with_capacity(usize::from(self.partitions));
         let mut renewed = Vec::new();
-        let mut live = Vec::with_capacity(keyspaces.len());
-        for ks in &keyspaces {
-            live.push(if new { vec![LiveCount::default(); usize::from(self.partitions)] } else { count_live(&ks.docs, self.partitions)? });
-        }
         for p in 0..self.partitions {
-            let path = usize::from(p) % keyspaces.len();
-            let ks = &keyspaces[path];
+            let unit = &self.units[usize::from(p)];
+            let live = if new { LiveCount::default() } else { count_live(&unit.ks, record.id)? };
             let (mut failover, purge_seqno) = if new {
                 (Vec::new(), 0)
             } else {
@@ -428,18 +489,17 @@ impl Store {
             let needs_new_uuid = failover.is_empty() || self.recovered_unclean;
             let parts = PartitionParts {
                 id: p,
-                db: ks.db.clone(),
-                docs: ks.docs.clone(),
-                seq: ks.seq.clone(),
-                exp: ks.exp.clone(),
-                syncer: Arc::clone(&ks.syncer),
+                coll: record.id,
+                db: unit.db.clone(),
+                ks: unit.ks.clone(),
+                syncer: Arc::clone(&unit.syncer),
                 clock: Arc::clone(&self.clock),
                 health: Arc::clone(&self.health),
                 failover: failover.clone(),
                 purge_seqno,
                 collection_changed: Arc::clone(&changed),
                 dropped: Arc::clone(&dropped),
-                live: live[path][usize::from(p)],
+                live,
                 tail_limit: TailLimit::share(self.partitions),
             };
             let mut partition = Partition::open(parts)?;
@@ -459,7 +519,7 @@ impl Store {
             batch.commit()?;
             self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
         }
-        Ok(Arc::new(Collection { name: name.to_string(), id: record.id, max_ttl: record.max_ttl, partitions, keyspaces, changed, dropped }))
+        Ok(Arc::new(Collection { name: name.to_string(), id: record.id, max_ttl: record.max_ttl, partitions, changed, dropped }))
     }
 
     /// Deletes documents whose expiry has passed (each becomes a deletion in the change
@@ -469,21 +529,20 @@ impl Store {
         let collections: Vec<_> = self.collections.read().values().cloned().collect();
         let mut expired = 0;
         for collection in collections {
-            for ks in &collection.keyspaces {
+            for partition in &collection.partitions {
                 let mut due = Vec::new();
-                for guard in ks.exp.iter() {
+                for guard in partition.ks.range(codec::tag_range(collection.id, codec::TAG_EXP)) {
                     let Ok(k) = guard.key() else { break };
                     match codec::decode_exp_key(&k) {
-                        Some((expiry, _, _)) if u64::from(expiry) > now => break,
-                        Some((expiry, p, key)) => due.push((expiry, p, bytes::Bytes::copy_from_slice(key))),
+                        Some((expiry, _)) if u64::from(expiry) > now => break,
+                        Some((expiry, key)) => due.push((expiry, bytes::Bytes::copy_from_slice(key))),
                         None => continue,
                     }
                     if due.len() >= EXPIRY_PAGER_BATCH_MAX {
                         break;
                     }
                 }
-                for (expiry, p, key) in due {
-                    let Some(partition) = collection.partitions.get(usize::from(p)) else { continue };
+                for (expiry, key) in due {
                     match partition.expire(&key, expiry, now) {
                         Ok(true) => expired += 1,
                         Ok(false) => {}
@@ -560,6 +619,7 @@ fn background_loop(store: std::sync::Weak<Store>, stop: Arc<AtomicBool>) {
         if n > 0 {
             tracing::debug!(expired = n, "expiry pager");
         }
+        store.run_reclaimer();
         since_purge += EXPIRY_PAGER_INTERVAL;
         if since_purge >= store.config.purge_interval {
             since_purge = Duration::ZERO;
@@ -673,6 +733,10 @@ fn catalog_key(key: &str) -> Result<Vec<u8>, CatalogError> {
     Ok(format!("{CATALOG_PREFIX}{key}").into_bytes())
 }
 
+fn gone_key(collection: u32) -> Vec<u8> {
+    format!("{GONE_PREFIX}{collection:08x}").into_bytes()
+}
+
 fn partition_key(collection: u32, p: PartitionId) -> Vec<u8> {
     format!("part/{collection:08x}/{p:04x}").into_bytes()
 }
@@ -706,6 +770,18 @@ fn sync_dir(path: &Path) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use crate::partition::{WriteOp, WriteRequest};
+
+    fn upsert(key: &str, value: &'static [u8]) -> WriteRequest {
+        WriteRequest {
+            key: bytes::Bytes::copy_from_slice(key.as_bytes()),
+            op: WriteOp::Upsert,
+            value: Some(bytes::Bytes::from_static(value)),
+            cas: None,
+            expiry: 0,
+        }
+    }
 
     fn config(dir: &Path) -> StoreConfig {
         StoreConfig { data_paths: vec![dir.join("a"), dir.join("b")], partitions: Some(4), ..StoreConfig::default() }
@@ -755,5 +831,90 @@ mod tests {
         store.health.fail("test");
         assert!(matches!(store.put_catalog("k", b"v"), Err(CatalogError::Refused(WriteError::ReadOnly(_)))));
         assert!(store.catalog_prefix("").unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_dropped_collections_keys_are_reclaimed_and_the_others_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(config(dir.path())).unwrap();
+        let (gone, kept) = (store.create_collection("gone", 0).unwrap(), store.create_collection("kept", 0).unwrap());
+        for i in 0..200 {
+            for c in [&gone, &kept] {
+                let req = upsert(&format!("k{i}"), b"{}");
+                let _ = c.write(WriteRequest { expiry: if i % 2 == 0 { u32::MAX - 1 } else { 0 }, ..req }).unwrap();
+            }
+        }
+        let count = |id: u32| store.units.iter().map(|u| u.ks.range(codec::collection_range(id)).count()).sum::<usize>();
+        // A document, a by-sequence entry and (for half of them) an expiry entry each.
+        assert_eq!(count(gone.id()), 500);
+        store.drop_collection("gone").unwrap();
+        assert_eq!(store.run_reclaimer(), 500);
+        assert_eq!(count(gone.id()), 0);
+        assert_eq!(count(kept.id()), 500);
+        assert!(store.meta.prefix(GONE_PREFIX).next().is_none(), "the drop record goes once the keys are gone");
+        assert_eq!(store.run_reclaimer(), 0);
+        assert_eq!(kept.get("k7").unwrap().value, bytes::Bytes::from_static(b"{}"));
+    }
+
+    #[test]
+    fn a_drop_record_left_by_a_crash_is_finished_after_the_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = {
+            let store = Store::open(config(dir.path())).unwrap();
+            let c = store.create_collection("c", 0).unwrap();
+            for i in 0..50 {
+                let _ = c.write(upsert(&format!("k{i}"), b"1")).unwrap();
+            }
+            store.drop_collection("c").unwrap();
+            c.id()
+            // Dropped without `close` and before any reclaimer round: a crash.
+        };
+        let store = Store::open(config(dir.path())).unwrap();
+        assert!(store.collection("c").is_none());
+        assert_eq!(store.run_reclaimer(), 100);
+        assert_eq!(store.units.iter().map(|u| u.ks.range(codec::collection_range(id)).count()).sum::<usize>(), 0);
+    }
+
+    /// Stock fjall 3.1.13 never returns from `Database::open` with more than ~1,000
+    /// keyspaces holding tables (vendor/fjall/SHOAL-PATCH.md); a store of `PARTITIONS_MAX`
+    /// partitions on one data path has that many.
+    #[test]
+    fn a_store_of_the_most_partitions_with_tables_in_each_reopens() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = StoreConfig { data_paths: vec![dir.path().join("a")], partitions: Some(PARTITIONS_MAX), ..StoreConfig::default() };
+        let mut keys = vec![None; usize::from(PARTITIONS_MAX)];
+        for i in 0.. {
+            let key = format!("k{i}");
+            let slot = &mut keys[usize::from(crate::partition_of(key.as_bytes(), PARTITIONS_MAX))];
+            if slot.is_none() {
+                *slot = Some(key);
+                if keys.iter().all(Option::is_some) {
+                    break;
+                }
+            }
+        }
+        {
+            let store = Store::open(config.clone()).unwrap();
+            let c = store.create_collection("c", 0).unwrap();
+            // Three rounds of writes, each flushed: the first table of a keyspace lands in
+            // its last level, the later ones stay in L0 (what a live node has).
+            for _ in 0..3 {
+                for key in keys.iter().flatten() {
+                    let _ = c.write(upsert(key, b"{}")).unwrap();
+                }
+                for unit in &store.units {
+                    unit.ks.rotate_memtable_and_wait().unwrap();
+                }
+            }
+            assert!(store.units.iter().all(|u| u.ks.l0_table_count() > 0), "every partition holds L0 tables");
+            store.close().unwrap();
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reopen = config.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(Store::open(reopen).map(|s| s.collection("c").map(|c| c.info().docs)));
+        });
+        let docs = rx.recv_timeout(Duration::from_secs(300)).expect("the store reopens (no recovery hang)").unwrap();
+        assert_eq!(docs, Some(u64::from(PARTITIONS_MAX)));
     }
 }
