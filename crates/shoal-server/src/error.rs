@@ -54,6 +54,15 @@ impl ApiError {
     }
     /// The node cannot do this now (busy, read-only, a storage fault); retrying later or
     /// elsewhere may work.
+    /// A partition this node does not hold as the request needs (Couchbase's
+    /// NOT_MY_VBUCKET): the client refreshes its partition map if older than `map_version`.
+    pub fn not_my_partition(n: &shoal_storage::NotMine, reason: impl Into<String>) -> Self {
+        let mut e = ApiError::new(StatusCode::MISDIRECTED_REQUEST, "not_my_partition", reason);
+        e.details.push(("partition", serde_json::Value::from(n.partition)));
+        e.details.push(("map_version", serde_json::Value::from(n.map_version)));
+        e
+    }
+
     pub fn unavailable(reason: impl Into<String>) -> Self {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", reason)
     }
@@ -164,6 +173,7 @@ impl From<ReadError> for ApiError {
             ReadError::InvalidLockTime => ApiError::bad_request(reason),
             ReadError::CollectionDropped => ApiError::new(StatusCode::NOT_FOUND, "collection_not_found", reason),
             ReadError::Busy => ApiError::unavailable(reason),
+            ReadError::NotMyPartition(ref n) => ApiError::not_my_partition(n, reason),
             ReadError::Corrupt => ApiError::corrupt(reason),
             ReadError::Engine(ref inner) => ApiError::engine(inner, reason),
         }
@@ -193,6 +203,9 @@ impl From<&WriteError> for ApiError {
                 ApiError::unavailable(reason)
             }
             WriteError::DiskFull => ApiError::insufficient_storage(reason),
+            WriteError::NotMyPartition(n) => ApiError::not_my_partition(n, reason),
+            // Only replication applies changes made elsewhere; a client cannot send one.
+            WriteError::OutOfOrder { .. } => ApiError::bad_request(reason),
             WriteError::Corrupt => ApiError::corrupt(reason),
             WriteError::Engine(inner) => ApiError::engine(inner, reason),
         }
@@ -221,6 +234,7 @@ impl From<ChangesError> for ApiError {
             ChangesError::InvalidToken(_) => ApiError::bad_request(reason),
             ChangesError::CollectionDropped => ApiError::new(StatusCode::NOT_FOUND, "collection_not_found", reason),
             ChangesError::Busy => ApiError::unavailable(reason),
+            ChangesError::NotMyPartition(ref n) => ApiError::not_my_partition(n, reason),
             ChangesError::Corrupt => ApiError::corrupt(reason),
             ChangesError::Engine(ref inner) => ApiError::engine(inner, reason),
         }

@@ -86,6 +86,7 @@ pub(crate) fn changes_error(e: ReadError) -> ChangesError {
     match e {
         ReadError::CollectionDropped => ChangesError::CollectionDropped,
         ReadError::Busy => ChangesError::Busy,
+        ReadError::NotMyPartition(n) => ChangesError::NotMyPartition(n),
         ReadError::Engine(e) => ChangesError::Engine(e),
         _ => ChangesError::Corrupt,
     }

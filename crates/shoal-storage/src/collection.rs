@@ -3,6 +3,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use bytes::Bytes;
 use tokio::sync::watch;
 
@@ -26,7 +27,8 @@ pub struct Collection {
     pub(crate) name: String,
     pub(crate) id: u32,
     pub(crate) max_ttl: u32,
-    pub(crate) partitions: Vec<Arc<Partition>>,
+    /// One copy per partition, replaced whole when the partition is dropped or ingested.
+    pub(crate) partitions: Vec<ArcSwap<Partition>>,
     pub(crate) changed: Arc<watch::Sender<u64>>,
     pub(crate) dropped: Arc<AtomicBool>,
 }
@@ -36,6 +38,12 @@ pub struct Collection {
 #[derive(Default)]
 pub struct DurableWait {
     waits: Vec<(Arc<Syncer>, u64)>,
+}
+
+impl std::fmt::Debug for DurableWait {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DurableWait").field("tickets", &self.waits.iter().map(|(_, t)| *t).collect::<Vec<_>>()).finish()
+    }
 }
 
 impl DurableWait {
@@ -76,23 +84,30 @@ impl Collection {
         let (docs, bytes) = self
             .partitions
             .iter()
+            .map(|slot| slot.load())
             .fold((0i64, 0i64), |(d, b), p| (d + p.docs_count.load(Ordering::Relaxed), b + p.docs_bytes.load(Ordering::Relaxed)));
         CollectionInfo { name: self.name.clone(), docs: docs.max(0) as u64, bytes: bytes.max(0) as u64, max_ttl: self.max_ttl }
     }
 
     /// The high seqno of every partition, in partition order.
     pub fn high_seqnos(&self) -> Vec<SeqNo> {
-        self.partitions.iter().map(|p| p.high_seqno()).collect()
+        self.partitions.iter().map(|p| p.load().high_seqno()).collect()
     }
 
     pub fn partition_uuids(&self) -> Vec<u64> {
-        self.partitions.iter().map(|p| p.uuid()).collect()
+        self.partitions.iter().map(|p| p.load().uuid()).collect()
     }
 
     /// Every partition's change-stream position now (high seqno and history UUID): where
     /// a reader that has seen everything up to this moment goes on from.
     pub fn positions(&self) -> Vec<StreamPosition> {
-        self.partitions.iter().map(|p| StreamPosition { seqno: p.high_seqno(), uuid: p.uuid() }).collect()
+        self.partitions
+            .iter()
+            .map(|p| {
+                let p = p.load();
+                StreamPosition { seqno: p.high_seqno(), uuid: p.uuid() }
+            })
+            .collect()
     }
 
     /// Live documents in key order after `after` (from the start when `None`), at most
@@ -133,7 +148,7 @@ impl Collection {
             None => codec::tag_range(self.id, codec::TAG_DOC).end.to_vec(),
         });
         let now = crate::unix_now_secs();
-        let mut iters: Vec<fjall::Iter> = self.partitions.iter().map(|p| p.ks.range((low.clone(), high.clone()))).collect();
+        let mut iters: Vec<fjall::Iter> = self.partitions.iter().map(|p| p.load().ks.range((low.clone(), high.clone()))).collect();
         // One head per partition, smallest key first: a k-way merge that reads each
         // partition only as far as the answer needs.
         let mut heads = std::collections::BinaryHeap::with_capacity(iters.len());
@@ -162,13 +177,34 @@ impl Collection {
         Ok(out)
     }
 
-    fn partition_for(&self, key: &[u8]) -> &Arc<Partition> {
+    fn partition_for(&self, key: &[u8]) -> arc_swap::Guard<Arc<Partition>> {
         let p = partition_of(key, self.partition_count());
-        &self.partitions[usize::from(p)]
+        self.partitions[usize::from(p)].load()
     }
 
-    fn syncer_of(&self, p: PartitionId) -> &Arc<Syncer> {
-        &self.partitions[usize::from(p)].syncer
+    /// The current copy of partition `p` (`p` below the partition count).
+    pub(crate) fn partition_arc(&self, p: PartitionId) -> Arc<Partition> {
+        self.partitions[usize::from(p)].load_full()
+    }
+
+    /// Puts `new` in place of partition `p`'s copy, closing the old one first (its holders
+    /// are refused from then on and look the partition up again).
+    pub(crate) fn replace_partition(&self, p: PartitionId, new: Arc<Partition>) -> Result<(), ReadError> {
+        debug_assert_eq!(new.id(), p);
+        self.partitions[usize::from(p)].load().close()?;
+        self.partitions[usize::from(p)].store(new);
+        self.changed.send_modify(|n| *n = n.wrapping_add(1));
+        Ok(())
+    }
+
+    /// Applies changes made on another copy of partition `partition` (a replica's write
+    /// path; see `Partition::apply`). Await the [`DurableWait`] for `persist` durability.
+    pub fn apply(&self, partition: PartitionId, changes: &[Change]) -> Result<DurableWait, WriteError> {
+        let p = self.partitions.get(usize::from(partition)).ok_or(WriteError::InvalidKey("no such partition"))?.load();
+        let ticket = p.apply(changes)?;
+        let mut wait = DurableWait::default();
+        wait.add(&p.syncer, ticket);
+        Ok(wait)
     }
 
     pub fn get(&self, key: &str) -> Result<Document, ReadError> {
@@ -211,7 +247,7 @@ impl Collection {
         let partition = self.partition_for(&req.key);
         let (outcome, ticket) = partition.write(&req)?;
         let mut wait = DurableWait::default();
-        wait.add(self.syncer_of(partition.id()), ticket);
+        wait.add(&partition.syncer, ticket);
         Ok((outcome, wait))
     }
 
@@ -231,8 +267,9 @@ impl Collection {
                 continue;
             }
             let group: Vec<&WriteRequest> = indexes.iter().map(|&i| &reqs[i]).collect();
-            let (outcomes, ticket) = self.partitions[p].write_many(&group);
-            wait.add(self.syncer_of(p as PartitionId), ticket);
+            let partition = self.partitions[p].load();
+            let (outcomes, ticket) = partition.write_many(&group);
+            wait.add(&partition.syncer, ticket);
             for (&i, outcome) in indexes.iter().zip(outcomes) {
                 results[i] = Some(outcome);
             }
@@ -244,10 +281,10 @@ impl Collection {
     /// Subscribes to one partition's changes after `from`. When the partition's history
     /// diverged from `from`, the subscription starts at the rollback point, which is returned.
     pub fn subscribe(&self, partition: PartitionId, from: StreamPosition) -> Result<(PartitionSubscription, Option<SeqNo>), ChangesError> {
-        let p = self.partitions.get(usize::from(partition)).ok_or(ChangesError::InvalidToken("no such partition"))?;
-        let rollback = rollback_point(p, from);
+        let p = self.partitions.get(usize::from(partition)).ok_or(ChangesError::InvalidToken("no such partition"))?.load_full();
+        let rollback = rollback_point(&p, from);
         let since = rollback.unwrap_or(from.seqno);
-        Ok((PartitionSubscription::new(Arc::clone(p), since), rollback))
+        Ok((PartitionSubscription::new(p, since), rollback))
     }
 
     /// Parses a feed token (none = from the beginning) and applies rollbacks where a
@@ -259,7 +296,8 @@ impl Collection {
         };
         let mut rollbacks = Vec::new();
         for (partition, slot) in self.partitions.iter().zip(pos.partitions.iter_mut()) {
-            if let Some(seqno) = rollback_point(partition, *slot) {
+            let partition = partition.load();
+            if let Some(seqno) = rollback_point(&partition, *slot) {
                 rollbacks.push(Rollback { partition: partition.id(), seqno });
                 slot.seqno = seqno;
             }
@@ -276,6 +314,7 @@ impl Collection {
             if out.len() >= limit.items || bytes >= limit.bytes {
                 break;
             }
+            let partition = partition.load();
             let left = ReadLimit { items: limit.items - out.len(), bytes: limit.bytes - bytes };
             let (changes, next) = partition.read_changes(slot.seqno, left, include_docs).map_err(crate::changes::changes_error)?;
             slot.seqno = next;

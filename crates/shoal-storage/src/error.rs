@@ -65,10 +65,56 @@ pub enum ReadError {
     CollectionDropped,
     #[error("the partition is busy: its sequencer was held for longer than the wait limit")]
     Busy,
+    #[error(transparent)]
+    NotMyPartition(NotMine),
     #[error("storage engine: {0}")]
     Engine(#[from] fjall::Error),
     #[error("corrupt document record")]
     Corrupt,
+}
+
+/// A request for a partition this node does not hold in the state the request needs (a
+/// write or read to a copy that is not active, a replicated change to one that is):
+/// Couchbase's NOT_MY_VBUCKET. The caller refreshes its map if it is older than `map_version`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
+#[error("partition {partition} is {state} on this node, not {wanted} (partition map version {map_version})")]
+pub struct NotMine {
+    pub partition: crate::PartitionId,
+    pub state: crate::PartitionState,
+    pub wanted: &'static str,
+    pub map_version: u64,
+}
+
+/// Partition-level operations: export, ingest, drop, state changes.
+#[derive(Debug, Error)]
+pub enum PartitionError {
+    #[error("no partition {0}")]
+    NoSuchPartition(crate::PartitionId),
+    #[error(transparent)]
+    NotMine(NotMine),
+    #[error("partition {0} holds data: a copy is ingested only into an empty partition")]
+    NotEmpty(crate::PartitionId),
+    #[error("collection id {0} of the copy does not exist on this node")]
+    UnknownCollection(u32),
+    #[error("the copy is malformed: {0}")]
+    Malformed(String),
+    #[error("the partition is busy: its sequencer was held for longer than the wait limit")]
+    Busy,
+    #[error(transparent)]
+    Refused(#[from] WriteError),
+    #[error("storage engine: {0}")]
+    Engine(#[from] fjall::Error),
+}
+
+impl From<ReadError> for PartitionError {
+    fn from(e: ReadError) -> Self {
+        match e {
+            ReadError::Busy => PartitionError::Busy,
+            ReadError::NotMyPartition(n) => PartitionError::NotMine(n),
+            ReadError::Engine(e) => PartitionError::Engine(e),
+            other => PartitionError::Malformed(other.to_string()),
+        }
+    }
 }
 
 impl ReadError {
@@ -138,6 +184,10 @@ pub enum WriteError {
     Busy,
     #[error("the write could not be committed: {0}")]
     CommitFailed(String),
+    #[error(transparent)]
+    NotMyPartition(NotMine),
+    #[error("a replicated change must follow seqno {high}, and has {seqno}")]
+    OutOfOrder { seqno: crate::SeqNo, high: crate::SeqNo },
     #[error("storage engine: {0}")]
     Engine(#[from] fjall::Error),
     #[error("corrupt document record")]
@@ -153,6 +203,7 @@ impl WriteError {
             WriteError::Busy => WriteError::Busy,
             WriteError::Restarting => WriteError::Restarting,
             WriteError::CollectionDropped => WriteError::CollectionDropped,
+            WriteError::NotMyPartition(n) => WriteError::NotMyPartition(*n),
             other => WriteError::CommitFailed(other.to_string()),
         }
     }
@@ -166,6 +217,7 @@ impl From<ReadError> for WriteError {
             ReadError::InvalidKey(r) => WriteError::InvalidKey(r),
             ReadError::CollectionDropped => WriteError::CollectionDropped,
             ReadError::Busy => WriteError::Busy,
+            ReadError::NotMyPartition(n) => WriteError::NotMyPartition(n),
             ReadError::Engine(e) => WriteError::Engine(e),
             ReadError::Corrupt | ReadError::InvalidLockTime => WriteError::Corrupt,
         }
@@ -181,6 +233,8 @@ pub enum ChangesError {
     CollectionDropped,
     #[error("the partition is busy: its sequencer was held for longer than the wait limit")]
     Busy,
+    #[error(transparent)]
+    NotMyPartition(NotMine),
     #[error("storage engine: {0}")]
     Engine(#[from] fjall::Error),
     #[error("corrupt change record")]

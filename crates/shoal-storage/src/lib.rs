@@ -16,15 +16,17 @@ pub mod health;
 mod partition;
 mod store;
 mod syncer;
+mod unit;
 
 pub mod changes;
 
 pub use changes::{Change, PartitionSubscription, StreamPosition};
 pub use collection::{Collection, CollectionInfo};
-pub use error::{is_corruption, CatalogError, ChangesError, CollectionError, OpenError, ReadError, WriteError};
+pub use error::{is_corruption, CatalogError, ChangesError, CollectionError, NotMine, OpenError, PartitionError, ReadError, WriteError};
 pub use health::{StorageHealth, StorageState, TaskHealth, TaskReport};
-pub use partition::{Document, MutationOutcome, ReadLimit, WriteOp, WriteRequest};
+pub use partition::{Document, FailoverEntry, MutationOutcome, ReadLimit, WriteOp, WriteRequest};
 pub use store::{Store, StoreConfig};
+pub use unit::{ExportHeader, ExportedCollection, IngestStats, PartitionExport, PartitionState};
 
 /// Index of a virtual partition (vBucket).
 pub type PartitionId = u16;

@@ -13,9 +13,10 @@ use tokio::sync::watch;
 use crate::changes::Change;
 use crate::clock::CasClock;
 use crate::codec::{self, DocMeta};
-use crate::error::{ReadError, WriteError};
+use crate::error::{NotMine, ReadError, WriteError};
 use crate::health::StorageHealth;
 use crate::syncer::Syncer;
+use crate::unit::{Ownership, PartitionState};
 use crate::{Cas, PartitionId, SeqNo};
 use crate::{DOC_MAX_BYTES, KEY_MAX_BYTES, LOCK_MAX_SECS, SEQUENCER_WAIT_MAX};
 
@@ -81,8 +82,11 @@ struct DocLock {
 /// Everything that changes under the partition's sequencer lock.
 struct Sequencer {
     high: SeqNo,
-    /// Changes `tail[0].seqno ..= high`, contiguous, newest last.
+    /// Every change after `tail_from` up to `high`, newest last. Seqnos rise; on the
+    /// active they are contiguous, a replica's may skip (a backfill has each key's latest
+    /// change only).
     tail: VecDeque<Change>,
+    tail_from: SeqNo,
     tail_bytes: usize,
     tail_limit: TailLimit,
     locks: HashMap<Bytes, DocLock>,
@@ -102,6 +106,11 @@ pub(crate) struct PartitionParts {
     pub purge_seqno: SeqNo,
     pub collection_changed: Arc<watch::Sender<u64>>,
     pub dropped: Arc<AtomicBool>,
+    /// The partition's state on this node, shared by every collection's copy of it.
+    pub owner: Arc<Ownership>,
+    /// The high seqno when it is known (an ingested copy: its export's position), else
+    /// the newest by-sequence entry's.
+    pub high: Option<SeqNo>,
     /// Live documents found at open (see [`count_live`]).
     pub live: LiveCount,
     pub tail_limit: TailLimit,
@@ -182,6 +191,10 @@ pub struct Partition {
     high_tx: watch::Sender<SeqNo>,
     collection_changed: Arc<watch::Sender<u64>>,
     dropped: Arc<AtomicBool>,
+    owner: Arc<Ownership>,
+    /// Set when this object is replaced (the partition was dropped or ingested): holders
+    /// of the old one are refused and must look the partition up again.
+    closed: AtomicBool,
     /// Locks currently held; lets reads skip the sequencer lock when there are none.
     locked_docs: AtomicUsize,
     pub(crate) purge_seqno: AtomicU64,
@@ -207,7 +220,8 @@ impl Partition {
             None => (0, 0),
         };
         parts.clock.observe(max_cas);
-        let high = high.max(parts.purge_seqno);
+        debug_assert!(parts.high.is_none_or(|h| h >= high), "an ingested copy's position is behind its own entries");
+        let high = parts.high.unwrap_or(high).max(parts.purge_seqno);
         Ok(Partition {
             id: parts.id,
             coll: parts.coll,
@@ -220,6 +234,7 @@ impl Partition {
             state: Mutex::new(Sequencer {
                 high,
                 tail: VecDeque::new(),
+                tail_from: high,
                 tail_bytes: 0,
                 tail_limit: parts.tail_limit,
                 locks: HashMap::new(),
@@ -227,6 +242,8 @@ impl Partition {
             high_tx: watch::channel(high).0,
             collection_changed: parts.collection_changed,
             dropped: parts.dropped,
+            owner: parts.owner,
+            closed: AtomicBool::new(false),
             locked_docs: AtomicUsize::new(0),
             purge_seqno: AtomicU64::new(parts.purge_seqno),
             docs_count: AtomicI64::new(parts.live.count),
@@ -266,6 +283,37 @@ impl Partition {
 
     pub(crate) fn is_dropped(&self) -> bool {
         self.dropped.load(Ordering::Acquire)
+    }
+
+    /// Refuses unless this copy is current and its state is one of `wanted`.
+    fn check_state(&self, wanted: &[PartitionState], name: &'static str) -> Result<(), NotMine> {
+        let state = self.owner.state();
+        if self.closed.load(Ordering::Acquire) || !wanted.contains(&state) {
+            let state = if self.closed.load(Ordering::Acquire) { PartitionState::Dead } else { state };
+            return Err(NotMine { partition: self.id, state, wanted: name, map_version: self.owner.map_version() });
+        }
+        Ok(())
+    }
+
+    /// Reads and writes from clients go to the active copy only.
+    fn check_active(&self) -> Result<(), NotMine> {
+        self.check_state(&[PartitionState::Active], "active")
+    }
+
+    /// Closes this copy (it is being replaced): waits for the sequencer, so no writer is
+    /// inside afterwards, and refuses everyone from then on.
+    pub(crate) fn close(&self) -> Result<(), ReadError> {
+        let _state = self.lock_sequencer()?;
+        self.closed.store(true, Ordering::Release);
+        self.high_tx.send_modify(|_| {});
+        Ok(())
+    }
+
+    /// The high seqno with the sequencer held until the returned guard drops: a position
+    /// that no commit can pass meanwhile (an export takes its snapshot inside).
+    pub(crate) fn hold(&self) -> Result<(SeqNo, impl Drop + '_), ReadError> {
+        let state = self.lock_sequencer()?;
+        Ok((state.high, state))
     }
 
     /// The sequencer, waited for at most [`SEQUENCER_WAIT_MAX`]: a request never waits
@@ -309,6 +357,7 @@ impl Partition {
         if self.is_dropped() {
             return Err(ReadError::CollectionDropped);
         }
+        self.check_active().map_err(ReadError::NotMyPartition)?;
         let now = crate::unix_now_secs();
         let current = self.read_current(key)?;
         let Some(current) = current.filter(|c| is_live(&c.meta, now)) else {
@@ -334,6 +383,7 @@ impl Partition {
         if self.is_dropped() {
             return Err(ReadError::CollectionDropped);
         }
+        self.check_active().map_err(ReadError::NotMyPartition)?;
         let now = crate::unix_now_secs();
         let current = self.read_current(key)?;
         let Some(current) = current.filter(|c| is_live(&c.meta, now)) else {
@@ -354,6 +404,7 @@ impl Partition {
     pub fn unlock(&self, key: &[u8], cas: Cas) -> Result<(), WriteError> {
         validate_key(key).map_err(WriteError::InvalidKey)?;
         let mut state = self.lock_sequencer()?;
+        self.check_active().map_err(WriteError::NotMyPartition)?;
         let now = crate::unix_now_secs();
         let current = self.read_current(key)?;
         if !current.is_some_and(|c| is_live(&c.meta, now)) {
@@ -431,6 +482,7 @@ impl Partition {
         if self.is_dropped() {
             return Err(WriteError::CollectionDropped);
         }
+        self.check_active().map_err(WriteError::NotMyPartition)?;
         let value = match req.op {
             WriteOp::Upsert | WriteOp::Insert | WriteOp::Replace => {
                 let v = req.value.as_ref().ok_or(WriteError::MissingValue)?;
@@ -528,7 +580,7 @@ impl Partition {
         }
         let ticket = self.syncer.ticket();
         for change in changes {
-            debug_assert_eq!(change.seqno, state.high + 1);
+            debug_assert!(change.seqno > state.high, "seqnos rise within a partition");
             state.high = change.seqno;
             push_tail(state, change);
         }
@@ -541,12 +593,59 @@ impl Partition {
         Ok(ticket)
     }
 
+    /// Applies changes made on another copy of this partition — the replica write path:
+    /// each keeps its seqno, CAS, expiry and deleted flag. Seqnos must rise past the high
+    /// seqno (gaps are fine: a backfill carries each key's latest change only). Only a
+    /// replica or pending copy takes them. Returns the durability ticket.
+    pub fn apply(&self, changes: &[Change]) -> Result<u64, WriteError> {
+        self.health.check_writable()?;
+        let mut state = self.lock_sequencer()?;
+        if self.is_dropped() {
+            return Err(WriteError::CollectionDropped);
+        }
+        self.check_state(&[PartitionState::Replica, PartitionState::Pending], "replica or pending").map_err(WriteError::NotMyPartition)?;
+        let mut batch = self.db.batch();
+        let mut staged: Vec<Change> = Vec::new();
+        let mut in_batch: HashSet<&[u8]> = HashSet::new();
+        let mut ticket = 0;
+        let mut last = state.high;
+        for c in changes {
+            validate_key(&c.key).map_err(WriteError::InvalidKey)?;
+            if c.seqno <= last {
+                return Err(WriteError::OutOfOrder { seqno: c.seqno, high: last });
+            }
+            let body = match (&c.value, c.deleted) {
+                (_, true) => Bytes::new(),
+                (Some(v), false) if v.len() <= DOC_MAX_BYTES => v.clone(),
+                (Some(_), false) => return Err(WriteError::TooLarge),
+                (None, false) => return Err(WriteError::MissingValue),
+            };
+            // A key already in the uncommitted batch: commit first, so that its record is
+            // read back below (a batch writes each key once).
+            if !in_batch.insert(&c.key[..]) {
+                let full = std::mem::replace(&mut batch, self.db.batch());
+                ticket = ticket.max(self.commit(&mut state, full, std::mem::take(&mut staged))?);
+                in_batch.clear();
+                in_batch.insert(&c.key[..]);
+            }
+            let current = self.read_current(&c.key)?;
+            let meta = DocMeta { cas: c.cas, seqno: c.seqno, expiry: if c.deleted { 0 } else { c.expiry }, deleted: c.deleted };
+            self.stage(&mut batch, &c.key, current.as_ref().map(|x| (&x.meta, x.body.len())), meta, &body);
+            self.clock.observe(c.cas);
+            staged.push(Change { partition: self.id, value: (!c.deleted).then_some(body), expiry: meta.expiry, ..c.clone() });
+            last = c.seqno;
+        }
+        ticket = ticket.max(self.commit(&mut state, batch, staged)?);
+        Ok(ticket)
+    }
+
     /// Deletes `key` if it is still the document that expired at `expiry`; called by the
     /// expiry pager. Stale index entries are removed either way.
     pub(crate) fn expire(&self, key: &[u8], expiry: u32, now: u64) -> Result<bool, WriteError> {
         self.health.check_writable()?;
         let mut state = self.lock_sequencer()?;
-        if self.is_dropped() {
+        // A replica's documents expire when the active's deletions arrive.
+        if self.is_dropped() || self.check_active().is_err() {
             return Ok(false);
         }
         let current = self.read_current(key)?;
@@ -624,13 +723,14 @@ impl Partition {
         if self.is_dropped() {
             return Err(ReadError::CollectionDropped);
         }
+        self.check_state(&[PartitionState::Active, PartitionState::Replica], "active or replica").map_err(ReadError::NotMyPartition)?;
         if since >= state.high || limit.items == 0 {
             return Ok((Vec::new(), since));
         }
         let mut taken = Taken::default();
-        if let Some(first) = state.tail.front() {
-            if first.seqno <= since + 1 {
-                let skip = (since + 1 - first.seqno) as usize;
+        if since >= state.tail_from {
+            {
+                let skip = state.tail.partition_point(|c| c.seqno <= since);
                 let mut out = Vec::new();
                 for c in state.tail.iter().skip(skip) {
                     let change = if include_docs { c.clone() } else { Change { value: None, ..c.clone() } };
@@ -721,13 +821,17 @@ fn push_tail(state: &mut Sequencer, change: Change) {
         // Too large to keep: the tail restarts after it, readers of it go to disk.
         state.tail.clear();
         state.tail_bytes = 0;
+        state.tail_from = change.seqno;
         return;
     }
     state.tail_bytes += size;
     state.tail.push_back(change);
     while state.tail.len() > limit.items || state.tail_bytes > limit.bytes {
         match state.tail.pop_front() {
-            Some(old) => state.tail_bytes -= old.value.as_ref().map_or(0, |v| v.len()) + old.key.len(),
+            Some(old) => {
+                state.tail_bytes -= old.value.as_ref().map_or(0, |v| v.len()) + old.key.len();
+                state.tail_from = old.seqno;
+            }
             None => break,
         }
     }

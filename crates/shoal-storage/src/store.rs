@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,6 +19,7 @@ use crate::error::{CatalogError, CollectionError, OpenError, WriteError};
 use crate::health::{StorageHealth, StorageState};
 use crate::partition::{count_live, FailoverEntry, LiveCount, Partition, PartitionParts, TailLimit};
 use crate::syncer::Syncer;
+use crate::unit::{Ownership, PartitionState};
 use crate::{PartitionId, SeqNo, PARTITIONS_DEFAULT, PARTITIONS_MAX};
 
 const PATH_FILE: &str = "shoal-path.json";
@@ -97,21 +98,29 @@ struct CollectionRecord {
 }
 
 #[derive(Debug, Serialize, Deserialize)]
-struct PartitionRecord {
-    failover: Vec<FailoverEntry>,
-    purge_seqno: SeqNo,
+pub(crate) struct PartitionRecord {
+    pub failover: Vec<FailoverEntry>,
+    pub purge_seqno: SeqNo,
 }
 
-struct DataPath {
-    db: fjall::Database,
+/// A partition's state on this node, kept across restarts.
+#[derive(Debug, Serialize, Deserialize)]
+struct StateRecord {
+    state: PartitionState,
+}
+
+pub(crate) struct DataPath {
+    pub db: fjall::Database,
     syncer: Arc<Syncer>,
 }
 
-/// One partition's keyspace (see `codec`), in the database of data path `p mod n`.
-struct PartitionUnit {
-    db: fjall::Database,
-    ks: fjall::Keyspace,
+/// One partition on this node: its keyspace (see `codec`) in the database of data path
+/// `p mod n` — replaced when the partition is dropped — and its state.
+pub(crate) struct PartitionUnit {
+    pub db: fjall::Database,
+    pub ks: RwLock<fjall::Keyspace>,
     syncer: Arc<Syncer>,
+    pub owner: Arc<Ownership>,
 }
 
 /// The name of partition `p`'s keyspace.
@@ -122,14 +131,18 @@ fn partition_keyspace_name(p: PartitionId) -> String {
 pub struct Store {
     config: StoreConfig,
     partitions: u16,
-    paths: Vec<DataPath>,
-    units: Vec<PartitionUnit>,
-    meta: fjall::Keyspace,
+    pub(crate) paths: Vec<DataPath>,
+    pub(crate) units: Vec<PartitionUnit>,
+    /// Memtable size of every partition's keyspace (fixed when a keyspace is created).
+    memtable_bytes: u64,
+    pub(crate) meta: fjall::Keyspace,
     clock: Arc<CasClock>,
-    health: Arc<StorageHealth>,
+    pub(crate) health: Arc<StorageHealth>,
     collections: RwLock<BTreeMap<String, Arc<Collection>>>,
-    /// Serialises collection creation and drop.
-    ddl: Mutex<()>,
+    /// The partition map version this node knows, carried by `not_my_partition` refusals.
+    pub(crate) map_version: Arc<AtomicU64>,
+    /// Serialises collection creation and drop, and partition-level operations.
+    pub(crate) ddl: Mutex<()>,
     recovered_unclean: bool,
     stop: Arc<AtomicBool>,
     background: Mutex<Vec<std::thread::JoinHandle<()>>>,
@@ -159,22 +172,29 @@ impl Store {
         }
         let meta = paths[0].db.keyspace(META_KEYSPACE, fjall::KeyspaceCreateOptions::default)?;
         let per_path = u64::from(partitions).div_ceil(paths.len() as u64).max(1);
-        let memtable = (PATH_MEMTABLES_BYTES / per_path).clamp(PARTITION_MEMTABLE_MIN_BYTES, PARTITION_MEMTABLE_MAX_BYTES);
+        let memtable_bytes = (PATH_MEMTABLES_BYTES / per_path).clamp(PARTITION_MEMTABLE_MIN_BYTES, PARTITION_MEMTABLE_MAX_BYTES);
+        let map_version = Arc::new(AtomicU64::new(0));
         let mut units = Vec::with_capacity(usize::from(partitions));
         for p in 0..partitions {
             let path = &paths[usize::from(p) % paths.len()];
-            let ks = path.db.keyspace(&partition_keyspace_name(p), || {
-                fjall::KeyspaceCreateOptions::default()
-                    .max_memtable_size(memtable)
-                    .with_kv_separation(Some(fjall::KvSeparationOptions::default()))
-            })?;
-            units.push(PartitionUnit { db: path.db.clone(), ks, syncer: Arc::clone(&path.syncer) });
+            let ks = create_partition_keyspace(&path.db, p, memtable_bytes)?;
+            // A node's partitions are active until it is told otherwise (one node is a whole cluster).
+            let state = match meta.get(state_key(p))? {
+                Some(v) => {
+                    serde_json::from_slice::<StateRecord>(&v).map_err(|e| OpenError::Corrupt(format!("state of partition {p}: {e}")))?.state
+                }
+                None => PartitionState::Active,
+            };
+            let owner = Arc::new(Ownership::new(state, Arc::clone(&map_version)));
+            units.push(PartitionUnit { db: path.db.clone(), ks: RwLock::new(ks), syncer: Arc::clone(&path.syncer), owner });
         }
         let store = Store {
             config: config.clone(),
             partitions,
             paths,
             units,
+            memtable_bytes,
+            map_version,
             meta,
             clock: Arc::new(CasClock::default()),
             health,
@@ -299,7 +319,8 @@ impl Store {
         let mut batch = self.paths[0].db.batch();
         batch.insert(&self.meta, "next_collection_id", (id + 1).to_be_bytes().to_vec());
         batch.insert(&self.meta, collection_key(name), json_bytes(&record));
-        for p in &collection.partitions {
+        for slot in &collection.partitions {
+            let p = slot.load();
             let rec = PartitionRecord { failover: p.failover_log().to_vec(), purge_seqno: 0 };
             batch.insert(&self.meta, partition_key(id, p.id()), json_bytes(&rec));
         }
@@ -363,12 +384,13 @@ impl Store {
     fn reclaim_collection(&self, id: u32) -> Result<usize, WriteError> {
         let mut deleted = 0;
         for unit in &self.units {
+            let ks = unit.ks.read().clone();
             loop {
                 self.health.check_writable()?;
                 let mut batch = unit.db.batch();
                 let mut n = 0;
-                for guard in unit.ks.range(codec::collection_range(id)).take(RECLAIM_BATCH_MAX) {
-                    batch.remove(&unit.ks, guard.key()?);
+                for guard in ks.range(codec::collection_range(id)).take(RECLAIM_BATCH_MAX) {
+                    batch.remove(&ks, guard.key()?);
                     n += 1;
                 }
                 if n == 0 {
@@ -473,7 +495,7 @@ impl Store {
         let mut renewed = Vec::new();
         for p in 0..self.partitions {
             let unit = &self.units[usize::from(p)];
-            let live = if new { LiveCount::default() } else { count_live(&unit.ks, record.id)? };
+            let live = if new { LiveCount::default() } else { count_live(&unit.ks.read(), record.id)? };
             let (mut failover, purge_seqno) = if new {
                 (Vec::new(), 0)
             } else {
@@ -487,21 +509,7 @@ impl Store {
                 }
             };
             let needs_new_uuid = failover.is_empty() || self.recovered_unclean;
-            let parts = PartitionParts {
-                id: p,
-                coll: record.id,
-                db: unit.db.clone(),
-                ks: unit.ks.clone(),
-                syncer: Arc::clone(&unit.syncer),
-                clock: Arc::clone(&self.clock),
-                health: Arc::clone(&self.health),
-                failover: failover.clone(),
-                purge_seqno,
-                collection_changed: Arc::clone(&changed),
-                dropped: Arc::clone(&dropped),
-                live,
-                tail_limit: TailLimit::share(self.partitions),
-            };
+            let parts = self.partition_parts(record.id, &changed, &dropped, p, failover.clone(), purge_seqno, live, None);
             let mut partition = Partition::open(parts)?;
             if needs_new_uuid {
                 let entry = FailoverEntry { uuid: new_uuid(), seqno: partition.high_seqno() };
@@ -509,7 +517,7 @@ impl Store {
                 failover.push(entry);
                 renewed.push((p, PartitionRecord { failover, purge_seqno }));
             }
-            partitions.push(Arc::new(partition));
+            partitions.push(arc_swap::ArcSwap::from_pointee(partition));
         }
         if !new && !renewed.is_empty() {
             let mut batch = self.paths[0].db.batch();
@@ -522,6 +530,76 @@ impl Store {
         Ok(Arc::new(Collection { name: name.to_string(), id: record.id, max_ttl: record.max_ttl, partitions, changed, dropped }))
     }
 
+    #[allow(clippy::too_many_arguments)]
+    fn partition_parts(
+        &self,
+        coll: u32,
+        changed: &Arc<watch::Sender<u64>>,
+        dropped: &Arc<AtomicBool>,
+        p: PartitionId,
+        failover: Vec<FailoverEntry>,
+        purge_seqno: SeqNo,
+        live: LiveCount,
+        high: Option<SeqNo>,
+    ) -> PartitionParts {
+        let unit = &self.units[usize::from(p)];
+        PartitionParts {
+            id: p,
+            coll,
+            db: unit.db.clone(),
+            ks: unit.ks.read().clone(),
+            syncer: Arc::clone(&unit.syncer),
+            clock: Arc::clone(&self.clock),
+            health: Arc::clone(&self.health),
+            failover,
+            purge_seqno,
+            collection_changed: Arc::clone(changed),
+            dropped: Arc::clone(dropped),
+            owner: Arc::clone(&unit.owner),
+            high,
+            live,
+            tail_limit: TailLimit::share(self.partitions),
+        }
+    }
+
+    /// A new copy of `collection`'s part of partition `p`, over the partition's current keyspace.
+    pub(crate) fn new_partition(
+        &self,
+        collection: &Collection,
+        p: PartitionId,
+        failover: Vec<FailoverEntry>,
+        purge_seqno: SeqNo,
+        live: LiveCount,
+        high: Option<SeqNo>,
+    ) -> Result<Arc<Partition>, fjall::Error> {
+        let parts = self.partition_parts(collection.id, &collection.changed, &collection.dropped, p, failover, purge_seqno, live, high);
+        Ok(Arc::new(Partition::open(parts)?))
+    }
+
+    pub(crate) fn unit(&self, p: PartitionId) -> Result<&PartitionUnit, crate::PartitionError> {
+        self.units.get(usize::from(p)).ok_or(crate::PartitionError::NoSuchPartition(p))
+    }
+
+    /// The live collections, in id order.
+    pub(crate) fn collections_by_id(&self) -> Vec<Arc<Collection>> {
+        let mut out: Vec<Arc<Collection>> = self.collections.read().values().cloned().collect();
+        out.sort_by_key(|c| c.id);
+        out
+    }
+
+    pub(crate) fn create_partition_keyspace(&self, db: &fjall::Database, p: PartitionId) -> Result<fjall::Keyspace, fjall::Error> {
+        create_partition_keyspace(db, p, self.memtable_bytes)
+    }
+
+    pub(crate) fn persist_state(&self, p: PartitionId, state: PartitionState) -> Result<(), crate::PartitionError> {
+        self.health.check_writable()?;
+        let mut batch = self.paths[0].db.batch();
+        batch.insert(&self.meta, state_key(p), json_bytes(&StateRecord { state }));
+        batch.commit()?;
+        self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
+        Ok(())
+    }
+
     /// Deletes documents whose expiry has passed (each becomes a deletion in the change
     /// stream). Returns how many were deleted.
     pub fn run_expiry_pager(&self) -> usize {
@@ -529,7 +607,8 @@ impl Store {
         let collections: Vec<_> = self.collections.read().values().cloned().collect();
         let mut expired = 0;
         for collection in collections {
-            for partition in &collection.partitions {
+            for slot in &collection.partitions {
+                let partition = slot.load();
                 let mut due = Vec::new();
                 for guard in partition.ks.range(codec::tag_range(collection.id, codec::TAG_EXP)) {
                     let Ok(k) = guard.key() else { break };
@@ -575,7 +654,8 @@ impl Store {
     fn purge_collection(&self, collection: &Collection, cutoff: crate::Cas) -> Result<usize, WriteError> {
         let mut plans = Vec::new();
         let mut batch = self.paths[0].db.batch();
-        for partition in &collection.partitions {
+        for slot in &collection.partitions {
+            let partition = slot.load_full();
             let victims = partition.purge_candidates(cutoff, PURGE_BATCH_MAX)?;
             let Some(max) = victims.iter().map(|(seqno, _)| *seqno).max() else { continue };
             let purge_seqno = max.max(partition.purge_seqno.load(Ordering::Acquire));
@@ -591,6 +671,7 @@ impl Store {
         self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
         let mut purged = 0;
         for (partition, purge_seqno, victims) in plans {
+            let partition = &partition;
             partition.raise_purge_seqno(purge_seqno);
             purged += partition.purge(&victims)?;
         }
@@ -733,20 +814,32 @@ fn catalog_key(key: &str) -> Result<Vec<u8>, CatalogError> {
     Ok(format!("{CATALOG_PREFIX}{key}").into_bytes())
 }
 
+fn state_key(p: PartitionId) -> Vec<u8> {
+    format!("state/{p:04x}").into_bytes()
+}
+
+fn create_partition_keyspace(db: &fjall::Database, p: PartitionId, memtable_bytes: u64) -> Result<fjall::Keyspace, fjall::Error> {
+    db.keyspace(&partition_keyspace_name(p), || {
+        fjall::KeyspaceCreateOptions::default()
+            .max_memtable_size(memtable_bytes)
+            .with_kv_separation(Some(fjall::KvSeparationOptions::default()))
+    })
+}
+
 fn gone_key(collection: u32) -> Vec<u8> {
     format!("{GONE_PREFIX}{collection:08x}").into_bytes()
 }
 
-fn partition_key(collection: u32, p: PartitionId) -> Vec<u8> {
+pub(crate) fn partition_key(collection: u32, p: PartitionId) -> Vec<u8> {
     format!("part/{collection:08x}/{p:04x}").into_bytes()
 }
 
-fn json_bytes<T: Serialize>(value: &T) -> Vec<u8> {
+pub(crate) fn json_bytes<T: Serialize>(value: &T) -> Vec<u8> {
     // Serialising these plain records cannot fail.
     serde_json::to_vec(value).unwrap_or_default()
 }
 
-fn new_uuid() -> u64 {
+pub(crate) fn new_uuid() -> u64 {
     let id = uuid::Uuid::new_v4().as_u64_pair().0;
     id.max(1)
 }
@@ -844,7 +937,7 @@ mod tests {
                 let _ = c.write(WriteRequest { expiry: if i % 2 == 0 { u32::MAX - 1 } else { 0 }, ..req }).unwrap();
             }
         }
-        let count = |id: u32| store.units.iter().map(|u| u.ks.range(codec::collection_range(id)).count()).sum::<usize>();
+        let count = |id: u32| store.units.iter().map(|u| u.ks.read().range(codec::collection_range(id)).count()).sum::<usize>();
         // A document, a by-sequence entry and (for half of them) an expiry entry each.
         assert_eq!(count(gone.id()), 500);
         store.drop_collection("gone").unwrap();
@@ -872,7 +965,7 @@ mod tests {
         let store = Store::open(config(dir.path())).unwrap();
         assert!(store.collection("c").is_none());
         assert_eq!(store.run_reclaimer(), 100);
-        assert_eq!(store.units.iter().map(|u| u.ks.range(codec::collection_range(id)).count()).sum::<usize>(), 0);
+        assert_eq!(store.units.iter().map(|u| u.ks.read().range(codec::collection_range(id)).count()).sum::<usize>(), 0);
     }
 
     /// Stock fjall 3.1.13 never returns from `Database::open` with more than ~1,000
@@ -903,10 +996,10 @@ mod tests {
                     let _ = c.write(upsert(key, b"{}")).unwrap();
                 }
                 for unit in &store.units {
-                    unit.ks.rotate_memtable_and_wait().unwrap();
+                    unit.ks.read().rotate_memtable_and_wait().unwrap();
                 }
             }
-            assert!(store.units.iter().all(|u| u.ks.l0_table_count() > 0), "every partition holds L0 tables");
+            assert!(store.units.iter().all(|u| u.ks.read().l0_table_count() > 0), "every partition holds L0 tables");
             store.close().unwrap();
         }
         let (tx, rx) = std::sync::mpsc::channel();

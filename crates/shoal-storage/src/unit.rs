@@ -1,0 +1,472 @@
+//! A partition as a unit on disk: its state on this node, and the operations that copy,
+//! move and drop it whole — [`Store::export_partition`], [`Store::ingest_partition`],
+//! [`Store::drop_partition`].
+//!
+//! A partition is one fjall keyspace shared by every collection (`codec`), so an export is
+//! one snapshot read in key order, an ingest writes sorted table files straight into an
+//! empty keyspace (fjall's ingestion: no journal, no memtable, fsynced at the end), and a
+//! drop deletes the keyspace (no tombstone per key). After an ingest the copy catches up
+//! from the source's change stream through [`crate::Collection::apply`].
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use fjall::Readable as _;
+use serde::{Deserialize, Serialize};
+
+use crate::codec;
+use crate::collection::Collection;
+use crate::error::{NotMine, PartitionError};
+use crate::partition::{FailoverEntry, LiveCount, Partition};
+use crate::store::Store;
+use crate::{PartitionId, SeqNo};
+
+/// What this node does with a partition (Couchbase's vBucket states).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PartitionState {
+    /// Serves reads and writes; its sequencer assigns seqnos and CAS.
+    Active,
+    /// Follows the active's change stream (`apply`); serves no client reads or writes.
+    Replica,
+    /// Being built (ingest, then catch-up) before it becomes active or a replica.
+    Pending,
+    /// Held no more (or never): everything is refused.
+    Dead,
+}
+
+impl PartitionState {
+    const ALL: [PartitionState; 4] = [PartitionState::Active, PartitionState::Replica, PartitionState::Pending, PartitionState::Dead];
+
+    fn code(self) -> u8 {
+        self as u8
+    }
+
+    fn from_code(code: u8) -> PartitionState {
+        PartitionState::ALL.get(usize::from(code)).copied().unwrap_or(PartitionState::Dead)
+    }
+}
+
+impl std::fmt::Display for PartitionState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PartitionState::Active => "active",
+            PartitionState::Replica => "replica",
+            PartitionState::Pending => "pending",
+            PartitionState::Dead => "dead",
+        })
+    }
+}
+
+/// A partition's state, shared by every collection's copy of it, and the partition map
+/// version this node knows (shared by all partitions), for `not_my_partition` answers.
+pub(crate) struct Ownership {
+    state: AtomicU8,
+    map_version: Arc<AtomicU64>,
+}
+
+impl Ownership {
+    pub(crate) fn new(state: PartitionState, map_version: Arc<AtomicU64>) -> Ownership {
+        Ownership { state: AtomicU8::new(state.code()), map_version }
+    }
+
+    pub(crate) fn state(&self) -> PartitionState {
+        PartitionState::from_code(self.state.load(Ordering::Acquire))
+    }
+
+    pub(crate) fn set(&self, state: PartitionState) {
+        self.state.store(state.code(), Ordering::Release);
+    }
+
+    pub(crate) fn map_version(&self) -> u64 {
+        self.map_version.load(Ordering::Acquire)
+    }
+}
+
+/// What an export is consistent at, per collection: the first thing of a copy's stream.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExportHeader {
+    pub partition: PartitionId,
+    /// In collection id order.
+    pub collections: Vec<ExportedCollection>,
+}
+
+/// One collection's part of a partition's export.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExportedCollection {
+    pub id: u32,
+    /// The high seqno the snapshot holds exactly: a copy catches up from here.
+    pub seqno: SeqNo,
+    /// The history: a copy continues it, so readers' positions stay valid.
+    pub failover: Vec<FailoverEntry>,
+    pub purge_seqno: SeqNo,
+}
+
+impl ExportedCollection {
+    /// The change-stream position the export is consistent at.
+    pub fn position(&self) -> crate::StreamPosition {
+        crate::StreamPosition { seqno: self.seqno, uuid: self.failover.last().map_or(0, |e| e.uuid) }
+    }
+}
+
+/// A consistent snapshot of everything a partition holds, as the raw records of its
+/// keyspace in key order (see `codec`); [`PartitionExport::header`] says where it stands.
+/// Holds an engine snapshot until dropped.
+pub struct PartitionExport {
+    header: ExportHeader,
+    snapshot: fjall::Snapshot,
+    ks: fjall::Keyspace,
+    /// Collections still to read, in id order (so the records come in key order).
+    todo: VecDeque<u32>,
+    iter: Option<fjall::Iter>,
+}
+
+impl PartitionExport {
+    pub fn header(&self) -> &ExportHeader {
+        &self.header
+    }
+}
+
+impl Iterator for PartitionExport {
+    type Item = Result<(Bytes, Bytes), PartitionError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            if let Some(iter) = &mut self.iter {
+                match iter.next() {
+                    Some(guard) => {
+                        return Some(guard.into_inner().map(|(k, v)| (Bytes::from(k), Bytes::from(v))).map_err(PartitionError::from))
+                    }
+                    None => self.iter = None,
+                }
+            }
+            let id = self.todo.pop_front()?;
+            self.iter = Some(self.snapshot.range(&self.ks, codec::collection_range(id)));
+        }
+    }
+}
+
+/// What an ingest loaded.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IngestStats {
+    /// Records (documents, by-sequence and expiry entries).
+    pub records: u64,
+    /// Bytes of keys and values.
+    pub bytes: u64,
+}
+
+impl Store {
+    /// The state of partition `p` on this node.
+    pub fn partition_state(&self, p: PartitionId) -> Result<PartitionState, PartitionError> {
+        Ok(self.unit(p)?.owner.state())
+    }
+
+    /// Sets partition `p`'s state on this node, durably. A copy that becomes active starts
+    /// a new history (a new UUID from its high seqno, as Couchbase's promoted replicas do), so
+    /// that readers — and a former active that comes back — can tell where histories part.
+    pub fn set_partition_state(&self, p: PartitionId, state: PartitionState) -> Result<(), PartitionError> {
+        let _ddl = self.ddl.lock();
+        let unit = self.unit(p)?;
+        let before = unit.owner.state();
+        if state == PartitionState::Active && before != PartitionState::Active {
+            self.start_histories(p)?;
+        }
+        self.persist_state(p, state)?;
+        unit.owner.set(state);
+        tracing::info!(partition = p, from = %before, to = %state, "partition state");
+        Ok(())
+    }
+
+    /// Gives every collection's copy of partition `p` a new history entry at its high seqno.
+    fn start_histories(&self, p: PartitionId) -> Result<(), PartitionError> {
+        let collections = self.collections_by_id();
+        let mut batch = self.paths[0].db.batch();
+        let mut renewed = Vec::with_capacity(collections.len());
+        for collection in &collections {
+            let part = collection.partition_arc(p);
+            let mut failover = part.failover_log().to_vec();
+            failover.push(FailoverEntry { uuid: crate::store::new_uuid(), seqno: part.high_seqno() });
+            let purge_seqno = part.purge_seqno.load(Ordering::Acquire);
+            let rec = crate::store::PartitionRecord { failover: failover.clone(), purge_seqno };
+            batch.insert(&self.meta, crate::store::partition_key(collection.id, p), crate::store::json_bytes(&rec));
+            renewed.push((collection, part, failover, purge_seqno));
+        }
+        self.health.check_writable()?;
+        batch.commit()?;
+        self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
+        for (collection, part, failover, purge_seqno) in renewed {
+            let live = LiveCount { count: part.docs_count.load(Ordering::Relaxed), bytes: part.docs_bytes.load(Ordering::Relaxed) };
+            let new = self.new_partition(collection, p, failover, purge_seqno, live, Some(part.high_seqno()))?;
+            collection.replace_partition(p, new)?;
+        }
+        Ok(())
+    }
+
+    /// Sets the partition map version that `not_my_partition` refusals carry.
+    pub fn set_map_version(&self, version: u64) {
+        self.map_version.fetch_max(version, Ordering::AcqRel);
+    }
+
+    /// Starts an export of partition `p`: a consistent snapshot of every collection's part
+    /// of it, at the positions in its header. The partition must be active or a replica.
+    pub fn export_partition(&self, p: PartitionId) -> Result<PartitionExport, PartitionError> {
+        let unit = self.unit(p)?;
+        let state = unit.owner.state();
+        if !matches!(state, PartitionState::Active | PartitionState::Replica) {
+            return Err(PartitionError::NotMine(NotMine {
+                partition: p,
+                state,
+                wanted: "active or replica",
+                map_version: self.map_version.load(Ordering::Acquire),
+            }));
+        }
+        let collections = self.collections_by_id();
+        let parts: Vec<Arc<Partition>> = collections.iter().map(|c| c.partition_arc(p)).collect();
+        // Every collection's sequencer is held while the snapshot is taken: no commit lands
+        // between the positions and the snapshot.
+        let mut held = Vec::with_capacity(parts.len());
+        for part in &parts {
+            held.push(part.hold()?);
+        }
+        let snapshot = unit.db.snapshot();
+        let header = ExportHeader {
+            partition: p,
+            collections: parts
+                .iter()
+                .zip(&held)
+                .map(|(part, (high, _))| ExportedCollection {
+                    id: part.coll,
+                    seqno: *high,
+                    failover: part.failover_log().to_vec(),
+                    purge_seqno: part.purge_seqno.load(Ordering::Acquire),
+                })
+                .collect(),
+        };
+        drop(held);
+        let todo = header.collections.iter().map(|c| c.id).collect();
+        Ok(PartitionExport { header, snapshot, ks: unit.ks.read().clone(), todo, iter: None })
+    }
+
+    /// Loads an export of partition `p` from another node (or this one) into this node's
+    /// copy, which must be `pending` and empty (a new node's, or one just dropped). The
+    /// records go straight into table files (no journal, no write path), fsynced before
+    /// this returns; then every collection's copy continues the source's history from the
+    /// header's positions, and catches up with [`crate::Collection::apply`].
+    ///
+    /// `records` must come in strictly ascending key order and belong to the header's
+    /// collections, which must exist here with the same ids; anything else is refused with
+    /// nothing loaded.
+    pub fn ingest_partition<I>(&self, header: &ExportHeader, records: I) -> Result<IngestStats, PartitionError>
+    where
+        I: IntoIterator<Item = Result<(Bytes, Bytes), PartitionError>>,
+    {
+        let p = header.partition;
+        let _ddl = self.ddl.lock();
+        let unit = self.unit(p)?;
+        let state = unit.owner.state();
+        if state != PartitionState::Pending {
+            return Err(PartitionError::NotMine(NotMine {
+                partition: p,
+                state,
+                wanted: "pending",
+                map_version: self.map_version.load(Ordering::Acquire),
+            }));
+        }
+        self.health.check_writable()?;
+        let by_id: BTreeMap<u32, Arc<Collection>> = self.collections_by_id().into_iter().map(|c| (c.id, c)).collect();
+        if !header.collections.windows(2).all(|w| w[0].id < w[1].id) {
+            return Err(PartitionError::Malformed("the header's collections are not in id order".into()));
+        }
+        for c in &header.collections {
+            if !by_id.contains_key(&c.id) {
+                return Err(PartitionError::UnknownCollection(c.id));
+            }
+            if c.failover.is_empty() {
+                return Err(PartitionError::Malformed(format!("collection {} has no history", c.id)));
+            }
+        }
+        let ks = unit.ks.read().clone();
+        if ks.iter().next().is_some() {
+            return Err(PartitionError::NotEmpty(p));
+        }
+        let mut live: BTreeMap<u32, LiveCount> = BTreeMap::new();
+        let mut stats = IngestStats::default();
+        let mut ingestion = ks.start_ingestion()?;
+        let mut prev: Option<Bytes> = None;
+        for record in records {
+            let (k, v) = record?;
+            // fjall panics on keys out of order: refuse them here instead.
+            if prev.as_ref().is_some_and(|prev| k <= *prev) {
+                return Err(PartitionError::Malformed("records out of key order".into()));
+            }
+            let coll = check_record(header, &k, &v)?;
+            if let Some((meta, body)) = (k.get(4) == Some(&codec::TAG_DOC)).then(|| codec::decode_doc_value(&v)).flatten() {
+                if !meta.deleted {
+                    let slot = live.entry(coll).or_default();
+                    slot.count += 1;
+                    slot.bytes += body.len() as i64;
+                }
+            }
+            stats.records += 1;
+            stats.bytes += (k.len() + v.len()) as u64;
+            ingestion.write(k.clone(), v)?;
+            prev = Some(k);
+        }
+        ingestion.finish()?;
+        // The records are durable; now the copies that read them.
+        let mut batch = self.paths[0].db.batch();
+        for c in &header.collections {
+            let rec = crate::store::PartitionRecord { failover: c.failover.clone(), purge_seqno: c.purge_seqno };
+            batch.insert(&self.meta, crate::store::partition_key(c.id, p), crate::store::json_bytes(&rec));
+        }
+        batch.commit()?;
+        self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
+        for (id, collection) in &by_id {
+            let exported = header.collections.iter().find(|c| c.id == *id);
+            let part = self.new_partition(
+                collection,
+                p,
+                exported.map(|c| c.failover.clone()).unwrap_or_default(),
+                exported.map_or(0, |c| c.purge_seqno),
+                live.get(id).copied().unwrap_or_default(),
+                exported.map(|c| c.seqno),
+            )?;
+            collection.replace_partition(p, part)?;
+        }
+        tracing::info!(partition = p, records = stats.records, bytes = stats.bytes, "partition ingested");
+        Ok(stats)
+    }
+
+    /// Drops this node's copy of partition `p` whole: every collection's part of it is
+    /// refused from now on, the keyspace is deleted (its files go once the last reader
+    /// lets go; no tombstone per key), and an empty one takes its place, `dead` until given
+    /// a state.
+    pub fn drop_partition(&self, p: PartitionId) -> Result<(), PartitionError> {
+        let _ddl = self.ddl.lock();
+        let unit = self.unit(p)?;
+        self.persist_state(p, PartitionState::Dead)?;
+        unit.owner.set(PartitionState::Dead);
+        let collections = self.collections_by_id();
+        for collection in &collections {
+            collection.partition_arc(p).close()?;
+        }
+        let mut batch = self.paths[0].db.batch();
+        for collection in &collections {
+            batch.remove(&self.meta, crate::store::partition_key(collection.id, p));
+        }
+        batch.commit()?;
+        self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
+        {
+            let mut ks = unit.ks.write();
+            unit.db.delete_keyspace(ks.clone())?;
+            *ks = self.create_partition_keyspace(&unit.db, p)?;
+        }
+        for collection in &collections {
+            let part = self.new_partition(collection, p, Vec::new(), 0, LiveCount::default(), None)?;
+            collection.replace_partition(p, part)?;
+        }
+        tracing::info!(partition = p, "partition dropped");
+        Ok(())
+    }
+}
+
+/// Checks one record of a copy: its collection is in the header, its tag is known and its
+/// key and value decode. Returns the collection id.
+fn check_record(header: &ExportHeader, k: &[u8], v: &[u8]) -> Result<u32, PartitionError> {
+    let bad = |why: &str| PartitionError::Malformed(format!("{why} (key {:?})", String::from_utf8_lossy(k)));
+    let coll = k.get(..4).and_then(|b| b.try_into().ok()).map(u32::from_be_bytes).ok_or_else(|| bad("a key shorter than its prefix"))?;
+    if header.collections.binary_search_by_key(&coll, |c| c.id).is_err() {
+        return Err(bad("a record of a collection the header does not name"));
+    }
+    let ok = match k.get(4).copied() {
+        Some(codec::TAG_DOC) => {
+            codec::decode_doc_key(k).is_some_and(|key| crate::partition::validate_key(key).is_ok()) && codec::decode_doc_value(v).is_some()
+        }
+        Some(codec::TAG_SEQ) => codec::decode_seq_key(k).is_some() && codec::decode_seq_value(v).is_some(),
+        Some(codec::TAG_EXP) => codec::decode_exp_key(k).is_some() && v.is_empty(),
+        _ => false,
+    };
+    if !ok {
+        return Err(bad("a record that does not decode"));
+    }
+    Ok(coll)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn states_round_trip_through_their_codes() {
+        for state in PartitionState::ALL {
+            assert_eq!(PartitionState::from_code(state.code()), state);
+        }
+        assert_eq!(PartitionState::from_code(200), PartitionState::Dead);
+    }
+
+    fn files_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                out.extend(files_under(&path));
+            } else {
+                out.push(path);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_dropped_partition_leaves_no_file_behind_and_the_others_keep_theirs() {
+        use crate::{partition_of, StoreConfig, WriteOp, WriteRequest};
+        let dir = tempfile::tempdir().unwrap();
+        let store =
+            Store::open(StoreConfig { data_paths: vec![dir.path().to_path_buf()], partitions: Some(2), ..StoreConfig::default() }).unwrap();
+        let c = store.create_collection("c", 0).unwrap();
+        for i in 0..400 {
+            // Every fourth is large enough for a blob file.
+            let body = if i % 4 == 0 { vec![b'x'; 4096] } else { b"{}".to_vec() };
+            let req = WriteRequest {
+                key: Bytes::from(format!("k{i}")),
+                op: WriteOp::Upsert,
+                value: Some(Bytes::from(body)),
+                cas: None,
+                expiry: 0,
+            };
+            let _ = c.write(req).unwrap();
+        }
+        let (old, other) = (store.units[0].ks.read().clone(), store.units[1].ks.read().clone());
+        for ks in [&old, &other] {
+            ks.rotate_memtable_and_wait().unwrap();
+        }
+        let (old_dir, other_dir) = (old.path().to_path_buf(), other.path().to_path_buf());
+        assert!(files_under(&old_dir).iter().any(|f| f.to_string_lossy().contains("blobs")), "blob files before the drop");
+        drop(old);
+
+        let export = store.export_partition(0).unwrap();
+        store.drop_partition(0).unwrap();
+        // An export taken before keeps reading the old files.
+        assert_eq!(
+            export.filter(|r| r.as_ref().is_ok_and(|(k, _)| k.get(4) == Some(&codec::TAG_DOC))).count(),
+            (0..400).filter(|i| partition_of(format!("k{i}").as_bytes(), 2) == 0).count()
+        );
+        // Its last reader gone, nothing of the old keyspace is left.
+        assert!(!old_dir.exists(), "{:?}", files_under(&old_dir));
+        // The other partition keeps its files (compaction may rewrite them) and documents.
+        assert!(!files_under(&other_dir).is_empty());
+        let docs_in = |p: u16| (0..400).filter(|i| partition_of(format!("k{i}").as_bytes(), 2) == p).count();
+        assert_eq!(other.range(codec::tag_range(c.id(), codec::TAG_DOC)).count(), docs_in(1));
+        assert!(matches!(c.get("k0"), Err(crate::ReadError::NotMyPartition(_))) || partition_of(b"k0", 2) == 1);
+        let new_dir = store.units[0].ks.read().path().to_path_buf();
+        assert_ne!(new_dir, old_dir);
+        assert_eq!(store.units[0].ks.read().iter().count(), 0);
+        // The partition comes back empty once given a state again.
+        store.set_partition_state(0, PartitionState::Active).unwrap();
+        let gone = (0..400).map(|i| format!("k{i}")).find(|k| partition_of(k.as_bytes(), 2) == 0).unwrap();
+        assert!(matches!(c.get(&gone), Err(crate::ReadError::NotFound)));
+        assert_eq!(c.high_seqnos()[0], 0);
+    }
+}
