@@ -34,6 +34,8 @@ pub enum BenchCmd {
     TpcdsGen(crate::bench_analytics::GenArgs),
     /// Write TPC-H's eight tables as NDJSON files (`bench/tpch_diff.sh` tests SQL answers on them).
     TpchGen(crate::tpch::GenArgs),
+    /// Issue 12's partition copy: export → ingest of every partition, in process (no node).
+    Copy(crate::bench_copy::CopyArgs),
 }
 
 #[derive(Args)]
@@ -137,6 +139,9 @@ pub async fn run(url: &str, cmd: BenchCmd) -> Result<(), CliError> {
         BenchCmd::TpcdsGen(args) => crate::bench_analytics::generate(args),
         BenchCmd::TpchGen(args) => crate::tpch::generate(args),
         BenchCmd::QueryPoint(args) => crate::bench_analytics::point(args).await,
+        BenchCmd::Copy(args) => {
+            tokio::task::spawn_blocking(move || crate::bench_copy::run(args)).await.map_err(|e| CliError::Bench(e.to_string()))?
+        }
     }
 }
 

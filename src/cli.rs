@@ -20,6 +20,9 @@ pub enum CliError {
     Io(#[from] std::io::Error),
     #[error("{0}")]
     Usage(String),
+    /// A benchmark that runs the engine in process failed.
+    #[error("{0}")]
+    Bench(String),
 }
 
 #[derive(Subcommand)]

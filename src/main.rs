@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_analytics;
+mod bench_copy;
 mod bench_index;
 mod chart;
 mod cli;

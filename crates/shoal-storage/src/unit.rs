@@ -167,8 +167,9 @@ impl Store {
     /// a new history (a new UUID from its high seqno, as Couchbase's promoted replicas do), so
     /// that readers — and a former active that comes back — can tell where histories part.
     pub fn set_partition_state(&self, p: PartitionId, state: PartitionState) -> Result<(), PartitionError> {
-        let _ddl = self.ddl.lock();
         let unit = self.unit(p)?;
+        let _op = unit.op.lock();
+        let _ddl = self.ddl.lock();
         let before = unit.owner.state();
         if state == PartitionState::Active && before != PartitionState::Active {
             self.start_histories(p)?;
@@ -263,8 +264,9 @@ impl Store {
         I: IntoIterator<Item = Result<(Bytes, Bytes), PartitionError>>,
     {
         let p = header.partition;
-        let _ddl = self.ddl.lock();
         let unit = self.unit(p)?;
+        // One operation at a time per partition; others' ingests run alongside.
+        let _op = unit.op.lock();
         let state = unit.owner.state();
         if state != PartitionState::Pending {
             return Err(PartitionError::NotMine(NotMine {
@@ -323,6 +325,7 @@ impl Store {
         }
         batch.commit()?;
         self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
+        let _ddl = self.ddl.lock();
         for (id, collection) in &by_id {
             let exported = header.collections.iter().find(|c| c.id == *id);
             let part = self.new_partition(
@@ -344,8 +347,9 @@ impl Store {
     /// lets go; no tombstone per key), and an empty one takes its place, `dead` until given
     /// a state.
     pub fn drop_partition(&self, p: PartitionId) -> Result<(), PartitionError> {
-        let _ddl = self.ddl.lock();
         let unit = self.unit(p)?;
+        let _op = unit.op.lock();
+        let _ddl = self.ddl.lock();
         self.persist_state(p, PartitionState::Dead)?;
         unit.owner.set(PartitionState::Dead);
         let collections = self.collections_by_id();

@@ -1,0 +1,181 @@
+//! `shoal bench copy`: issue 12's partition copy. A store is loaded with JSON-like
+//! documents, then every partition is exported and ingested into an empty store, on 1, 2, …
+//! threads (each thread copies whole partitions), in process: the storage engine's own copy
+//! ceiling, which a rebalance's network and coordination then cost a share of. A plain
+//! export (read only) is timed too, to show what the copy spends on writing.
+//! `bench/partition_copy.sh` runs it beside `dd` on the same disk.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use clap::Args;
+use shoal_storage::{PartitionState, Store, StoreConfig, WriteOp, WriteRequest};
+
+use crate::cli::CliError;
+
+#[derive(Args)]
+pub struct CopyArgs {
+    /// A fresh directory is made under this one for the stores, and removed at the end.
+    #[arg(long, default_value = ".")]
+    dir: PathBuf,
+    /// Documents to load.
+    #[arg(long, default_value_t = 1_500_000)]
+    docs: usize,
+    /// Bytes of each document (JSON text).
+    #[arg(long, default_value_t = 1000)]
+    doc_bytes: usize,
+    #[arg(long, default_value_t = 16)]
+    partitions: u16,
+    /// Thread counts to copy with; each copies every partition once into a fresh store.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    threads: Vec<usize>,
+    /// Records this large or larger go to blob files (default: the store's).
+    #[arg(long)]
+    blob_threshold: Option<u32>,
+}
+
+/// Documents per `write_many` call while loading.
+const LOAD_BATCH: usize = 2_000;
+
+const WORDS: [&str; 32] = [
+    "alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "november",
+    "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey", "xray", "yankee", "zulu", "red", "green",
+    "blue", "amber", "violet", "indigo",
+];
+
+/// A JSON document of about `bytes` bytes: a few typed fields, then prose from a small
+/// vocabulary (compressible about as much as real documents).
+fn document(i: usize, bytes: usize) -> String {
+    let mut x = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut bio = String::new();
+    let head =
+        format!(r#"{{"id":{i},"user":"user-{:06}","score":{},"active":{},"bio":""#, next() % 100_000, next() % 1000, next() % 2 == 0);
+    while head.len() + bio.len() + 2 < bytes {
+        bio.push_str(WORDS[(next() % WORDS.len() as u64) as usize]);
+        bio.push(' ');
+    }
+    bio.truncate(bytes.saturating_sub(head.len() + 2));
+    format!("{head}{bio}\"}}")
+}
+
+fn open(dir: &Path, partitions: u16, blob_threshold: Option<u32>) -> Result<Arc<Store>, CliError> {
+    let mut config = StoreConfig { data_paths: vec![dir.to_path_buf()], partitions: Some(partitions), ..StoreConfig::default() };
+    if let Some(t) = blob_threshold {
+        config.blob_threshold_bytes = t;
+    }
+    Store::open(config).map_err(|e| CliError::Bench(format!("open {}: {e}", dir.display())))
+}
+
+fn other(e: impl std::fmt::Display) -> CliError {
+    CliError::Bench(e.to_string())
+}
+
+pub fn run(args: CopyArgs) -> Result<(), CliError> {
+    let root = tempfile::Builder::new().prefix("shoal-bench-copy-").tempdir_in(&args.dir).map_err(other)?;
+    let src = open(&root.path().join("src"), args.partitions, args.blob_threshold)?;
+    let coll = src.create_collection("c", 0).map_err(other)?;
+    let started = Instant::now();
+    for start in (0..args.docs).step_by(LOAD_BATCH) {
+        let reqs = (start..(start + LOAD_BATCH).min(args.docs))
+            .map(|i| WriteRequest {
+                key: Bytes::from(format!("doc-{i:09}")),
+                op: WriteOp::Upsert,
+                value: Some(Bytes::from(document(i, args.doc_bytes))),
+                cas: None,
+                expiry: 0,
+            })
+            .collect();
+        let (results, _) = coll.write_many(reqs);
+        if let Some(Err(e)) = results.into_iter().find(Result::is_err) {
+            return Err(other(format!("load: {e}")));
+        }
+    }
+    println!(
+        "loaded {} documents of {} bytes into {} partitions in {:.1} s",
+        args.docs,
+        args.doc_bytes,
+        args.partitions,
+        started.elapsed().as_secs_f64()
+    );
+
+    // Read only: every partition exported, nothing written.
+    let started = Instant::now();
+    let mut bytes = 0u64;
+    for p in 0..args.partitions {
+        for record in src.export_partition(p).map_err(other)? {
+            let (k, v) = record.map_err(other)?;
+            bytes += (k.len() + v.len()) as u64;
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    println!("| what | threads | MB | s | MB/s |");
+    println!("|---|---|---|---|---|");
+    println!("| export only (read) | 1 | {:.0} | {secs:.2} | {:.0} |", bytes as f64 / 1e6, bytes as f64 / 1e6 / secs);
+
+    for &threads in &args.threads {
+        let dir = root.path().join(format!("dst-{threads}"));
+        let dst = open(&dir, args.partitions, args.blob_threshold)?;
+        dst.create_collection_as("c", 0, Some(coll.id())).map_err(other)?;
+        for p in 0..args.partitions {
+            dst.set_partition_state(p, PartitionState::Pending).map_err(other)?;
+        }
+        let next = AtomicUsize::new(0);
+        let started = Instant::now();
+        let copied: Result<Vec<u64>, CliError> = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..threads.max(1))
+                .map(|_| {
+                    s.spawn(|| -> Result<u64, CliError> {
+                        let mut bytes = 0;
+                        loop {
+                            let p = next.fetch_add(1, Ordering::Relaxed);
+                            let Ok(p) = u16::try_from(p) else { return Ok(bytes) };
+                            if p >= args.partitions {
+                                return Ok(bytes);
+                            }
+                            let export = src.export_partition(p).map_err(other)?;
+                            let header = export.header().clone();
+                            bytes += dst.ingest_partition(&header, export).map_err(other)?.bytes;
+                        }
+                    })
+                })
+                .collect();
+            workers.into_iter().map(|w| w.join().map_err(|_| other("a copy thread panicked"))?).collect()
+        });
+        let secs = started.elapsed().as_secs_f64();
+        let bytes: u64 = copied?.iter().sum();
+        println!("| export → ingest (fsynced) | {threads} | {:.0} | {secs:.2} | {:.0} |", bytes as f64 / 1e6, bytes as f64 / 1e6 / secs);
+        let copy = dst.collection("c").ok_or_else(|| other("the copy lost its collection"))?;
+        if copy.info().docs != args.docs as u64 {
+            return Err(other(format!("the copy holds {} documents, not {}", copy.info().docs, args.docs)));
+        }
+        dst.close().map_err(other)?;
+        drop(dst);
+        std::fs::remove_dir_all(&dir).map_err(other)?;
+    }
+    src.close().map_err(other)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn documents_are_json_of_the_asked_size() {
+        for (i, bytes) in [(0, 200), (7, 1000), (123_456, 4096)] {
+            let doc = document(i, bytes);
+            let v: serde_json::Value = serde_json::from_str(&doc).unwrap();
+            assert_eq!(v["id"], i);
+            assert!(doc.len().abs_diff(bytes) <= 2, "{} vs {bytes}", doc.len());
+        }
+    }
+}
