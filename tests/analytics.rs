@@ -231,6 +231,27 @@ fn segment_files(dir: &std::path::Path) -> Vec<(std::path::PathBuf, u64, std::ti
     out
 }
 
+/// Shadows load in the background after a start (the node serves documents at once); a
+/// stop that comes while they load must still end the process (it once waited forever for
+/// a maintainer that missed the stop signal), and analytics answers wait for the load.
+#[tokio::test]
+async fn a_node_stopped_while_its_shadows_load_stops_cleanly() {
+    let mut node = Node::start(&["--partitions", "8", "--analytics-partitions", "2"]);
+    let c = node.client();
+    assert!(c.put(node.u("/v1/collections/ev")).send().await.unwrap().status().is_success());
+    let lines: Vec<Value> = (0..30_000).map(|i| json!({"op": "upsert", "key": format!("e{i:05}"), "value": event(i)})).collect();
+    bulk(&node, &c, "ev", &lines).await;
+    let q = "SELECT count(*) FROM ev";
+    assert_eq!(sql(&node, &c, "/v1/analytics", q).await[0][0], json!(30_000));
+    for _ in 0..3 {
+        assert!(node.stop(), "clean stop");
+        node.restart();
+    }
+    let c = node.client();
+    assert_eq!(sql(&node, &c, "/v1/analytics", q).await[0][0], json!(30_000));
+    assert!(node.stop(), "clean stop");
+}
+
 #[tokio::test]
 async fn the_shadow_survives_restarts_without_a_rebuild() {
     let mut node = Node::start(&["--partitions", "8", "--analytics-partitions", "2"]);

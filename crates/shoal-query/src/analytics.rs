@@ -67,6 +67,7 @@ impl SchemaProvider for Shadows {
 
     async fn table(&self, name: &str) -> Result<Option<Arc<dyn TableProvider>>, DataFusionError> {
         let Some(coll) = self.0.store.collection(name) else { return Ok(None) };
+        self.0.shadows.wait_loaded(self.0.timeout).await.map_err(external)?;
         let shadow = self.0.shadows.shadow(coll.id()).ok_or_else(|| external(ShadowError::NotAttached(name.to_string())))?;
         if self.0.consistency == Consistency::RequestPlus {
             shadow.wait_applied(&coll.high_seqnos(), self.0.timeout).await.map_err(external)?;

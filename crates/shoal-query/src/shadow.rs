@@ -796,12 +796,18 @@ pub struct ShadowManager {
     shadows: Mutex<HashMap<u32, Arc<Shadow>>>,
     stop: watch::Sender<bool>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// True once the shadows that existed at start are loaded (they load in the
+    /// background, so that the node serves documents at once; analytics waits for this).
+    loaded: watch::Sender<bool>,
+    loader: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl ShadowManager {
     /// Opens the shadows of every collection (call within a tokio runtime; blocking).
     /// Shadow directories of collections that no longer exist are removed; with analytics
     /// off (`partitions` 0) the others stay on disk, untouched, for a later start with it on.
+    /// The shadows themselves load in the background (their segments are read into memory:
+    /// seconds for millions of rows); [`ShadowManager::wait_loaded`] waits for them.
     pub fn open(store: Arc<Store>, partitions: usize) -> Result<Arc<ShadowManager>, ShadowError> {
         let (stop, _) = watch::channel(false);
         let mgr = Arc::new(ShadowManager {
@@ -811,6 +817,8 @@ impl ShadowManager {
             shadows: Mutex::new(HashMap::new()),
             stop,
             tasks: Mutex::new(Vec::new()),
+            loaded: watch::channel(false).0,
+            loader: Mutex::new(None),
         });
         let live: std::collections::HashSet<String> =
             store.list_collections().iter().filter_map(|c| store.collection(&c.name)).map(|c| c.id().to_string()).collect();
@@ -824,14 +832,36 @@ impl ShadowManager {
                 }
             }
         }
-        if mgr.partitions > 0 {
-            for info in store.list_collections() {
-                if let Some(coll) = store.collection(&info.name) {
-                    mgr.attach(coll)?;
+        let loader = Arc::clone(&mgr);
+        let handle = tokio::runtime::Handle::current().spawn_blocking(move || {
+            if loader.partitions > 0 {
+                for info in loader.store.list_collections() {
+                    if *loader.stop.borrow() {
+                        break;
+                    }
+                    if let Some(coll) = loader.store.collection(&info.name) {
+                        if let Err(e) = loader.attach(coll) {
+                            // Its analytics answers `unavailable` (no shadow); the rest serves.
+                            tracing::error!(collection = %info.name, error = %e, "an analytics shadow failed to load");
+                            loader.health.round_failed(&format!("the analytics shadow of {} failed to load: {e}", info.name));
+                        }
+                    }
                 }
             }
-        }
+            loader.loaded.send_replace(true);
+        });
+        *mgr.loader.lock() = Some(handle);
         Ok(mgr)
+    }
+
+    /// Waits until the shadows that existed at start are loaded, at most `timeout`.
+    pub async fn wait_loaded(&self, timeout: std::time::Duration) -> Result<(), ShadowError> {
+        let mut rx = self.loaded.subscribe();
+        let loaded = tokio::time::timeout(timeout, async { rx.wait_for(|l| *l).await.is_ok() }).await;
+        match loaded {
+            Ok(_) => Ok(()),
+            Err(_) => Err(ShadowError::Timeout(timeout)),
+        }
     }
 
     /// Analytics partitions per collection (0: analytics is off).
@@ -880,7 +910,13 @@ impl ShadowManager {
 
     /// Stops the maintainers and checkpoints every shadow (a clean restart replays nothing).
     pub async fn close(&self) {
-        let _ = self.stop.send(true);
+        // `send_replace`, not `send`: `send` stores nothing when no maintainer is listening
+        // yet (shadows still loading), and one started later would never stop.
+        self.stop.send_replace(true);
+        let loader = self.loader.lock().take();
+        if let Some(loader) = loader {
+            let _ = loader.await;
+        }
         let tasks = std::mem::take(&mut *self.tasks.lock());
         for t in tasks {
             let _ = t.await;
