@@ -40,13 +40,15 @@ pub struct StreamPosition {
 pub struct PartitionSubscription {
     partition: Arc<Partition>,
     since: SeqNo,
+    /// The end of the snapshot the last read came from (see [`PartitionSubscription::consistent`]).
+    snapshot_end: SeqNo,
     high: watch::Receiver<SeqNo>,
 }
 
 impl PartitionSubscription {
     pub(crate) fn new(partition: Arc<Partition>, since: SeqNo) -> Self {
         let high = partition.high_watch();
-        PartitionSubscription { partition, since, high }
+        PartitionSubscription { partition, since, snapshot_end: since, high }
     }
 
     pub fn partition(&self) -> PartitionId {
@@ -61,9 +63,25 @@ impl PartitionSubscription {
     /// Up to `max` changes (and about [`crate::CHANGES_READ_MAX_BYTES`]) after the position,
     /// without waiting; empty when caught up.
     pub fn try_next(&mut self, max: usize, include_docs: bool) -> Result<Vec<Change>, ChangesError> {
-        let (changes, next) = self.partition.read_changes(self.since, ReadLimit::items(max), include_docs).map_err(changes_error)?;
+        let (changes, next, end) = self.partition.read_changes(self.since, ReadLimit::items(max), include_docs).map_err(changes_error)?;
+        debug_assert!(next <= end, "a read never runs past its snapshot");
         self.since = next;
+        self.snapshot_end = self.snapshot_end.max(end);
         Ok(changes)
+    }
+
+    /// The snapshot marker of what was read last: a reader that has applied every change
+    /// handed out holds a consistent state of the partition (as of seqno `snapshot_end`)
+    /// only when its position has reached it. A backfill from disk carries only each key's
+    /// latest change, so its middle is not a state the partition ever had.
+    pub fn snapshot_end(&self) -> SeqNo {
+        self.snapshot_end
+    }
+
+    /// Whether everything handed out so far makes a consistent state (see
+    /// [`PartitionSubscription::snapshot_end`]): a replica acknowledges or promotes only then.
+    pub fn consistent(&self) -> bool {
+        self.since >= self.snapshot_end
     }
 
     /// Up to `max` changes after the position, waiting until there is at least one.

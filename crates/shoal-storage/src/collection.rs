@@ -316,7 +316,7 @@ impl Collection {
             }
             let partition = partition.load();
             let left = ReadLimit { items: limit.items - out.len(), bytes: limit.bytes - bytes };
-            let (changes, next) = partition.read_changes(slot.seqno, left, include_docs).map_err(crate::changes::changes_error)?;
+            let (changes, next, _) = partition.read_changes(slot.seqno, left, include_docs).map_err(crate::changes::changes_error)?;
             slot.seqno = next;
             bytes += changes.iter().map(|c| c.key.len() + c.value.as_ref().map_or(0, |v| v.len())).sum::<usize>();
             out.extend(changes);

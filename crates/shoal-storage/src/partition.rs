@@ -715,17 +715,25 @@ impl Partition {
         Ok(purged)
     }
 
-    /// Changes after `since` within `limit`, in seqno order, and the position to read on
-    /// from. Recent changes come from memory; older ones from the by-sequence index, where
-    /// only the latest change of each key is kept.
-    pub(crate) fn read_changes(&self, since: SeqNo, limit: ReadLimit, include_docs: bool) -> Result<(Vec<Change>, SeqNo), ReadError> {
+    /// Changes after `since` within `limit`, in seqno order, the position to read on from,
+    /// and the end of the snapshot they belong to (Couchbase's snapshot marker). Recent
+    /// changes come from memory, every one of them: each prefix is consistent, so the end is
+    /// the last change. Older ones come from the by-sequence index, which keeps only each
+    /// key's latest change: a reader holds a consistent state only once it has read up to
+    /// the end, the high seqno the index was read at.
+    pub(crate) fn read_changes(
+        &self,
+        since: SeqNo,
+        limit: ReadLimit,
+        include_docs: bool,
+    ) -> Result<(Vec<Change>, SeqNo, SeqNo), ReadError> {
         let state = self.lock_sequencer()?;
         if self.is_dropped() {
             return Err(ReadError::CollectionDropped);
         }
         self.check_state(&[PartitionState::Active, PartitionState::Replica], "active or replica").map_err(ReadError::NotMyPartition)?;
         if since >= state.high || limit.items == 0 {
-            return Ok((Vec::new(), since));
+            return Ok((Vec::new(), since, since));
         }
         let mut taken = Taken::default();
         if since >= state.tail_from {
@@ -740,7 +748,7 @@ impl Partition {
                     out.push(change);
                 }
                 let next = out.last().map(|c| c.seqno).unwrap_or(since);
-                return Ok((out, next));
+                return Ok((out, next, next));
             }
         }
         // Snapshot and high seqno taken together under the lock: the snapshot holds exactly
@@ -770,11 +778,11 @@ impl Partition {
             }
             if !taken.admit(&change, limit) {
                 let next = out.last().map(|c: &Change| c.seqno).unwrap_or(since);
-                return Ok((out, next));
+                return Ok((out, next, high));
             }
             out.push(change);
         }
-        Ok((out, high))
+        Ok((out, high, high))
     }
 }
 

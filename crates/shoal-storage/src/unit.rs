@@ -432,7 +432,7 @@ mod tests {
         let c = store.create_collection("c", 0).unwrap();
         for i in 0..400 {
             // Every fourth is large enough for a blob file.
-            let body = if i % 4 == 0 { vec![b'x'; 4096] } else { b"{}".to_vec() };
+            let body = if i % 4 == 0 { vec![b'x'; crate::BLOB_THRESHOLD_DEFAULT_BYTES as usize + 1] } else { b"{}".to_vec() };
             let req = WriteRequest {
                 key: Bytes::from(format!("k{i}")),
                 op: WriteOp::Upsert,

@@ -285,3 +285,53 @@ fn an_ingest_refuses_a_bad_copy_and_loads_nothing() {
     let mine = dst.collection("a").unwrap();
     assert_eq!(state_of(&mine, 0), state_of(&a, 0));
 }
+
+#[test]
+fn a_backfill_is_consistent_only_at_its_snapshot_end_and_the_live_tail_at_every_change() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let store = open(dir.path());
+        let c = store.create_collection("c", 0).unwrap();
+        // 200 changes to 20 keys of partition 0.
+        let keys: Vec<String> =
+            (0..).map(|i| format!("k{i}")).filter(|k| shoal_storage::partition_of(k.as_bytes(), PARTITIONS) == 0).take(20).collect();
+        for i in 0..200 {
+            let req = WriteRequest {
+                key: Bytes::from(keys[i % 20].clone()),
+                op: WriteOp::Upsert,
+                value: Some(Bytes::from(format!("{i}"))),
+                cas: None,
+                expiry: 0,
+            };
+            let _ = c.write(req).unwrap();
+        }
+        store.close().unwrap();
+    }
+    // After a restart the tail is empty: a read from 0 is a backfill from disk.
+    let store = open(dir.path());
+    let c = store.collection("c").unwrap();
+    let (mut sub, _) = c.subscribe(0, StreamPosition::default()).unwrap();
+    let first = sub.try_next(5, false).unwrap();
+    assert_eq!(first.len(), 5);
+    assert_eq!(sub.snapshot_end(), 200);
+    assert!(!sub.consistent(), "five of twenty keys' latest changes are not a state the partition had");
+    while !sub.try_next(5, false).unwrap().is_empty() {}
+    assert!(sub.consistent());
+    assert_eq!(sub.position().seqno, 200);
+    // Live changes come from memory, each one a consistent step.
+    for i in 0..3 {
+        let key = (0..).map(|j| format!("n{j}")).find(|k| shoal_storage::partition_of(k.as_bytes(), PARTITIONS) == 0).unwrap();
+        let _ = c
+            .write(WriteRequest {
+                key: Bytes::from(key),
+                op: WriteOp::Upsert,
+                value: Some(Bytes::from(format!("{i}"))),
+                cas: None,
+                expiry: 0,
+            })
+            .unwrap();
+        assert_eq!(sub.try_next(1, false).unwrap().len(), 1);
+        assert!(sub.consistent());
+        assert_eq!(sub.snapshot_end(), 201 + i);
+    }
+}
