@@ -231,6 +231,13 @@ fn segment_files(dir: &std::path::Path) -> Vec<(std::path::PathBuf, u64, std::ti
     out
 }
 
+/// Collection `ev` with events `e00000`… (`event(i)`), loaded through `_bulk`.
+async fn load_events(node: &Node, c: &reqwest::Client, n: usize) {
+    assert!(c.put(node.u("/v1/collections/ev")).send().await.unwrap().status().is_success());
+    let lines: Vec<Value> = (0..n).map(|i| json!({"op": "upsert", "key": format!("e{i:05}"), "value": event(i)})).collect();
+    bulk(node, c, "ev", &lines).await;
+}
+
 /// Shadows load in the background after a start (the node serves documents at once); a
 /// stop that comes while they load must still end the process (it once waited forever for
 /// a maintainer that missed the stop signal), and analytics answers wait for the load.
@@ -238,9 +245,7 @@ fn segment_files(dir: &std::path::Path) -> Vec<(std::path::PathBuf, u64, std::ti
 async fn a_node_stopped_while_its_shadows_load_stops_cleanly() {
     let mut node = Node::start(&["--partitions", "8", "--analytics-partitions", "2"]);
     let c = node.client();
-    assert!(c.put(node.u("/v1/collections/ev")).send().await.unwrap().status().is_success());
-    let lines: Vec<Value> = (0..30_000).map(|i| json!({"op": "upsert", "key": format!("e{i:05}"), "value": event(i)})).collect();
-    bulk(&node, &c, "ev", &lines).await;
+    load_events(&node, &c, 30_000).await;
     let q = "SELECT count(*) FROM ev";
     assert_eq!(sql(&node, &c, "/v1/analytics", q).await[0][0], json!(30_000));
     for _ in 0..3 {
@@ -256,9 +261,7 @@ async fn a_node_stopped_while_its_shadows_load_stops_cleanly() {
 async fn the_shadow_survives_restarts_without_a_rebuild() {
     let mut node = Node::start(&["--partitions", "8", "--analytics-partitions", "2"]);
     let c = node.client();
-    assert!(c.put(node.u("/v1/collections/ev")).send().await.unwrap().status().is_success());
-    let lines: Vec<Value> = (0..20_000).map(|i| json!({"op": "upsert", "key": format!("e{i:05}"), "value": event(i)})).collect();
-    bulk(&node, &c, "ev", &lines).await;
+    load_events(&node, &c, 20_000).await;
     let q = "SELECT count(*), sum(price), count(DISTINCT kind) FROM ev";
     let before = sql(&node, &c, "/v1/analytics", q).await;
     assert_eq!(before[0][0], json!(20_000));
