@@ -31,6 +31,8 @@ pub struct Collection {
     pub(crate) partitions: Vec<ArcSwap<Partition>>,
     pub(crate) changed: Arc<watch::Sender<u64>>,
     pub(crate) dropped: Arc<AtomicBool>,
+    /// The store's clock: time for expiry decisions.
+    pub(crate) clock: Arc<crate::clock::CasClock>,
 }
 
 /// Durability still to wait for after a write: one fsync ticket per data path touched.
@@ -147,7 +149,7 @@ impl Collection {
             Some(k) => codec::doc_key(self.id, k),
             None => codec::tag_range(self.id, codec::TAG_DOC).end.to_vec(),
         });
-        let now = crate::unix_now_secs();
+        let now = self.clock.unix_secs();
         let mut iters: Vec<fjall::Iter> = self.partitions.iter().map(|p| p.load().ks.range((low.clone(), high.clone()))).collect();
         // One head per partition, smallest key first: a k-way merge that reads each
         // partition only as far as the answer needs.
@@ -232,7 +234,7 @@ impl Collection {
     /// an expiry get the maximum too).
     fn capped(&self, mut req: WriteRequest) -> WriteRequest {
         if self.max_ttl > 0 && matches!(req.op, WriteOp::Upsert | WriteOp::Insert | WriteOp::Replace | WriteOp::Touch) {
-            let cap = crate::absolute_expiry(u64::from(self.max_ttl), crate::unix_now_secs()).unwrap_or(u32::MAX);
+            let cap = crate::absolute_expiry(u64::from(self.max_ttl), self.clock.unix_secs()).unwrap_or(u32::MAX);
             if req.expiry == 0 || req.expiry > cap {
                 req.expiry = cap;
             }

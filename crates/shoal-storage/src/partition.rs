@@ -358,7 +358,7 @@ impl Partition {
             return Err(ReadError::CollectionDropped);
         }
         self.check_active().map_err(ReadError::NotMyPartition)?;
-        let now = crate::unix_now_secs();
+        let now = self.clock.unix_secs();
         let current = self.read_current(key)?;
         let Some(current) = current.filter(|c| is_live(&c.meta, now)) else {
             return Err(ReadError::NotFound);
@@ -384,7 +384,7 @@ impl Partition {
             return Err(ReadError::CollectionDropped);
         }
         self.check_active().map_err(ReadError::NotMyPartition)?;
-        let now = crate::unix_now_secs();
+        let now = self.clock.unix_secs();
         let current = self.read_current(key)?;
         let Some(current) = current.filter(|c| is_live(&c.meta, now)) else {
             return Err(ReadError::NotFound);
@@ -405,7 +405,7 @@ impl Partition {
         validate_key(key).map_err(WriteError::InvalidKey)?;
         let mut state = self.lock_sequencer()?;
         self.check_active().map_err(WriteError::NotMyPartition)?;
-        let now = crate::unix_now_secs();
+        let now = self.clock.unix_secs();
         let current = self.read_current(key)?;
         if !current.is_some_and(|c| is_live(&c.meta, now)) {
             return Err(WriteError::NotFound);
@@ -493,7 +493,7 @@ impl Partition {
             }
             WriteOp::Remove | WriteOp::Touch => None,
         };
-        let now = crate::unix_now_secs();
+        let now = self.clock.unix_secs();
         let dk = &req.key[..];
         let current = self.read_current(dk)?;
         let live = current.as_ref().filter(|c| is_live(&c.meta, now));

@@ -12,7 +12,7 @@ use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::clock::CasClock;
+use crate::clock::{CasClock, IdSource, RandomIds, SystemClock, TimeSource};
 use crate::codec;
 use crate::collection::{Collection, CollectionInfo};
 use crate::error::{CatalogError, CollectionError, OpenError, WriteError};
@@ -77,6 +77,10 @@ pub struct StoreConfig {
     /// key-value separation); smaller ones inline in the tables' blocks. Fixed for a
     /// partition when its keyspace is created.
     pub blob_threshold_bytes: u32,
+    /// Wall-clock time (CAS values, expiry, tombstone age): the system's, or a test's.
+    pub time: Arc<dyn TimeSource>,
+    /// New history UUIDs: random, or a test's seeded sequence.
+    pub ids: Arc<dyn IdSource>,
 }
 
 impl Default for StoreConfig {
@@ -89,6 +93,8 @@ impl Default for StoreConfig {
             purge_interval: Duration::from_secs(60),
             disk_reserve_bytes: crate::DISK_RESERVE_DEFAULT_BYTES,
             blob_threshold_bytes: BLOB_THRESHOLD_DEFAULT_BYTES,
+            time: Arc::new(SystemClock),
+            ids: Arc::new(RandomIds),
         }
     }
 }
@@ -219,7 +225,7 @@ impl Store {
             memtable_bytes,
             map_version,
             meta,
-            clock: Arc::new(CasClock::default()),
+            clock: Arc::new(CasClock::new(Arc::clone(&config.time), Arc::clone(&config.ids))),
             health,
             collections: RwLock::new(BTreeMap::new()),
             ddl: Mutex::new(()),
@@ -256,6 +262,15 @@ impl Store {
     }
 
     /// Whether the store can take writes now, and why not.
+    /// The store's clock (the configured time source): expiry is decided by it.
+    pub fn now_secs(&self) -> u64 {
+        self.clock.unix_secs()
+    }
+
+    pub(crate) fn clock(&self) -> &CasClock {
+        &self.clock
+    }
+
     pub fn health(&self) -> StorageState {
         self.health.state()
     }
@@ -553,7 +568,7 @@ impl Store {
             let parts = self.partition_parts(record.id, &changed, &dropped, p, failover.clone(), purge_seqno, live, None);
             let mut partition = Partition::open(parts)?;
             if needs_new_uuid {
-                let entry = FailoverEntry { uuid: new_uuid(), seqno: partition.high_seqno() };
+                let entry = FailoverEntry { uuid: self.clock.history_uuid(), seqno: partition.high_seqno() };
                 partition.push_failover(entry);
                 failover.push(entry);
                 renewed.push((p, PartitionRecord { failover, purge_seqno, live: None }));
@@ -568,7 +583,7 @@ impl Store {
             batch.commit()?;
             self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
         }
-        Ok(Arc::new(Collection { name: name.to_string(), id: record.id, max_ttl: record.max_ttl, partitions, changed, dropped }))
+        Ok(Arc::new(Collection { name: name.to_string(), id: record.id, max_ttl: record.max_ttl, partitions, changed, dropped, clock: Arc::clone(&self.clock) }))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -644,7 +659,7 @@ impl Store {
     /// Deletes documents whose expiry has passed (each becomes a deletion in the change
     /// stream). Returns how many were deleted.
     pub fn run_expiry_pager(&self) -> usize {
-        let now = crate::unix_now_secs();
+        let now = self.clock.unix_secs();
         let collections: Vec<_> = self.collections.read().values().cloned().collect();
         let mut expired = 0;
         for collection in collections {
@@ -677,7 +692,7 @@ impl Store {
     /// Purges tombstones older than the purge horizon. Returns how many were purged.
     pub fn run_purger(&self) -> usize {
         let horizon_nanos = u64::try_from(self.config.purge_horizon.as_nanos()).unwrap_or(u64::MAX);
-        let cutoff = crate::clock::now_nanos().saturating_sub(horizon_nanos);
+        let cutoff = self.clock.now_nanos().saturating_sub(horizon_nanos);
         let collections: Vec<_> = self.collections.read().values().cloned().collect();
         let mut total = 0;
         for collection in collections {
@@ -883,11 +898,6 @@ pub(crate) fn partition_key(collection: u32, p: PartitionId) -> Vec<u8> {
 pub(crate) fn json_bytes<T: Serialize>(value: &T) -> Vec<u8> {
     // Serialising these plain records cannot fail.
     serde_json::to_vec(value).unwrap_or_default()
-}
-
-pub(crate) fn new_uuid() -> u64 {
-    let id = uuid::Uuid::new_v4().as_u64_pair().0;
-    id.max(1)
 }
 
 /// Writes `dir/name` so that a crash leaves either the old file or the whole new one:

@@ -188,7 +188,7 @@ impl Store {
         for collection in &collections {
             let part = collection.partition_arc(p);
             let mut failover = part.failover_log().to_vec();
-            failover.push(FailoverEntry { uuid: crate::store::new_uuid(), seqno: part.high_seqno() });
+            failover.push(FailoverEntry { uuid: self.clock().history_uuid(), seqno: part.high_seqno() });
             let purge_seqno = part.purge_seqno.load(Ordering::Acquire);
             let rec = crate::store::PartitionRecord { failover: failover.clone(), purge_seqno, live: None };
             batch.insert(&self.meta, crate::store::partition_key(collection.id, p), crate::store::json_bytes(&rec));

@@ -114,3 +114,49 @@ fn the_purge_seqno_is_durable_before_tombstones_go() {
     assert_eq!(rollback, Some(0), "a reader from before the purged deletions starts again from 0");
     assert!(outcome.seqno > 0);
 }
+
+/// Time is the store's time source: a test moves it and documents expire, tombstones age
+/// and history UUIDs repeat per seed, with no sleep.
+#[test]
+fn a_manual_clock_expires_documents_and_ages_tombstones_without_waiting() {
+    use shoal_storage::{ManualClock, SeededIds};
+    let dir = tempfile::tempdir().unwrap();
+    let start = 2_000_000_000;
+    let time = ManualClock::at(start);
+    let config = StoreConfig {
+        data_paths: vec![dir.path().to_path_buf()],
+        partitions: Some(2),
+        purge_horizon: Duration::from_secs(3600),
+        purge_interval: Duration::from_secs(3600),
+        time: time.clone(),
+        ids: SeededIds::new(11),
+        ..StoreConfig::default()
+    };
+    let store = Store::open(config.clone()).unwrap();
+    assert_eq!(store.now_secs(), start);
+    let coll = store.create_collection("c", 0).unwrap();
+    let expiry = shoal_storage::absolute_expiry(10, store.now_secs()).unwrap();
+    let (written, _) = coll.write(req("short", WriteOp::Upsert, expiry)).unwrap();
+    assert_eq!(written.cas, start * 1_000_000_000, "CAS is the store's clock in nanoseconds");
+    let _ = coll.write(req("gone", WriteOp::Upsert, 0)).unwrap();
+    let _ = coll.write(req("gone", WriteOp::Remove, 0)).unwrap();
+
+    time.advance(Duration::from_secs(9));
+    assert!(coll.get("short").is_ok(), "nine seconds in, a ten-second document lives");
+    assert_eq!(store.run_expiry_pager(), 0);
+    time.advance(Duration::from_secs(2));
+    assert!(coll.get("short").is_err(), "eleven seconds in, it has expired");
+    assert_eq!(store.run_expiry_pager(), 1);
+    assert_eq!(store.run_purger(), 0, "tombstones younger than the horizon stay");
+    time.advance(Duration::from_secs(3601));
+    assert_eq!(store.run_purger(), 2, "past the horizon both tombstones (removal, expiry) go");
+
+    // The same seed gives a second store the same history UUIDs.
+    let other_dir = tempfile::tempdir().unwrap();
+    let other = Store::open(StoreConfig { data_paths: vec![other_dir.path().to_path_buf()], ids: SeededIds::new(11), ..config })
+        .unwrap();
+    let twin = other.create_collection("c", 0).unwrap();
+    assert_eq!(twin.partition_uuids(), coll.partition_uuids());
+    other.close().unwrap();
+    store.close().unwrap();
+}
