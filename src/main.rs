@@ -162,17 +162,19 @@ async fn run(args: Args) -> Result<(), cli::CliError> {
 async fn serve(args: ServeArgs) -> Result<(), cli::CliError> {
     let config = shoal_server::ServerConfig {
         listen: args.listen,
-        store: shoal_storage::StoreConfig {
-            data_paths: args.data_paths,
-            partitions: args.partitions,
-            cache_bytes: args.cache_mb.saturating_mul(1024 * 1024),
-            purge_horizon: std::time::Duration::from_secs(args.purge_horizon_secs),
-            disk_reserve_bytes: args.disk_reserve_mb.saturating_mul(1024 * 1024),
-            ..shoal_storage::StoreConfig::default()
+        engine: shoal_engine::EngineConfig {
+            store: shoal_storage::StoreConfig {
+                data_paths: args.data_paths,
+                partitions: args.partitions,
+                cache_bytes: args.cache_mb.saturating_mul(1024 * 1024),
+                purge_horizon: std::time::Duration::from_secs(args.purge_horizon_secs),
+                disk_reserve_bytes: args.disk_reserve_mb.saturating_mul(1024 * 1024),
+                ..shoal_storage::StoreConfig::default()
+            },
+            index_workers: args.index_workers,
+            analytics_partitions: args.analytics_partitions,
+            analytics_memory: args.analytics_memory_mb.map(|m| m.saturating_mul(1024 * 1024)),
         },
-        index_workers: args.index_workers,
-        analytics_partitions: args.analytics_partitions,
-        analytics_memory: args.analytics_memory_mb.map(|m| m.saturating_mul(1024 * 1024)),
         connections: shoal_server::ConnectionLimits {
             max: args.max_connections.max(1),
             header_read_timeout: std::time::Duration::from_secs(args.header_read_timeout_secs.max(1)),

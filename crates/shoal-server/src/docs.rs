@@ -27,7 +27,7 @@ pub const BULK_BODY_MAX_BYTES: usize = 256 * 1024 * 1024;
 
 pub fn collection(state: &AppState, uri: &Uri) -> Result<Arc<Collection>, ApiError> {
     let name = extract::collection_name(uri)?;
-    state.store.collection(&name).ok_or_else(|| ApiError::collection_not_found(&name))
+    state.engine.store().collection(&name).ok_or_else(|| ApiError::collection_not_found(&name))
 }
 
 #[derive(Debug, Default, Deserialize)]

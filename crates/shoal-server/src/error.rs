@@ -294,6 +294,20 @@ impl From<IndexError> for ApiError {
     }
 }
 
+impl From<shoal_engine::EngineError> for ApiError {
+    fn from(e: shoal_engine::EngineError) -> Self {
+        use shoal_engine::EngineError;
+        match e {
+            EngineError::Collection(inner) => ApiError::from(inner),
+            EngineError::Index(inner) => ApiError::from(inner),
+            EngineError::Query(inner) => ApiError::from(inner),
+            EngineError::Open(_) | EngineError::Shadow(_) => ApiError::unavailable(e.to_string()),
+            // A panic in engine code: a bug, said as such.
+            EngineError::Task(_) => ApiError::internal(e.to_string()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -42,21 +42,21 @@ pub async fn create(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
     let coll = collection(&state, &uri)?;
     let body = extract::body(&state, body, INDEX_BODY_MAX_BYTES).await?;
     let def: IndexDef = extract::json_body(&body)?;
-    let status = state.indexes.create(&coll, def).await?;
+    let status = state.engine.indexes().create(&coll, def).await?;
     Ok(json_response(StatusCode::CREATED, status_json(&status).to_string().into_bytes()))
 }
 
 pub async fn list(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
     let coll = collection(&state, &uri)?;
-    let list: Vec<Value> = state.indexes.list(&coll).iter().map(status_json).collect();
+    let list: Vec<Value> = state.engine.indexes().list(&coll).iter().map(status_json).collect();
     Ok(json_response(StatusCode::OK, Value::Array(list).to_string().into_bytes()))
 }
 
 pub async fn build(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
     let coll = collection(&state, &uri)?;
-    let status = state.indexes.build(&coll, &index_name(&uri)?).await?;
+    let status = state.engine.indexes().build(&coll, &index_name(&uri)?).await?;
     Ok(json_response(StatusCode::OK, status_json(&status).to_string().into_bytes()))
 }
 
@@ -72,14 +72,14 @@ pub async fn build_many(State(state): State<AppState>, uri: Uri, RawQuery(q): Ra
     let coll = collection(&state, &uri)?;
     let body = extract::body(&state, body, INDEX_BODY_MAX_BYTES).await?;
     let req: BuildManyBody = extract::json_body(&body)?;
-    let list: Vec<Value> = state.indexes.build_many(&coll, &req.names).await?.iter().map(status_json).collect();
+    let list: Vec<Value> = state.engine.indexes().build_many(&coll, &req.names).await?.iter().map(status_json).collect();
     Ok(json_response(StatusCode::OK, Value::Array(list).to_string().into_bytes()))
 }
 
 pub async fn drop(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
     let coll = collection(&state, &uri)?;
-    state.indexes.drop_index(&coll, &index_name(&uri)?).await?;
+    state.engine.indexes().drop_index(&coll, &index_name(&uri)?).await?;
     Ok(json_response(StatusCode::OK, b"{}".to_vec()))
 }
 
@@ -130,7 +130,7 @@ pub async fn scan(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery
         return Err(ApiError::bad_request(format!("timeout_ms is at most {}", SCAN_TIMEOUT_MAX.as_millis())));
     }
     let scan = ScanRequest { bounds, limit: req.limit.unwrap_or(SCAN_ROWS_MAX), descending: req.descending, consistency, timeout };
-    let rows = state.indexes.scan(&coll, &name, scan).await?;
+    let rows = state.engine.indexes().scan(&coll, &name, scan).await?;
     // Documents are read off the I/O threads: a scan may return up to SCAN_ROWS_MAX of them.
     let include_docs = req.include_docs;
     let out = tokio::task::spawn_blocking(move || write_rows(&coll, &rows, include_docs))

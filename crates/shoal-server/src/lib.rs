@@ -1,4 +1,4 @@
-//! Shoal's HTTP server: the API of `shared/API.md` over a [`shoal_storage::Store`].
+//! Shoal's HTTP server: the API of `shared/API.md` over a [`shoal_engine::Engine`].
 //!
 //! Only this crate knows HTTP. Handlers parse and validate their own input (see
 //! [`extract`]) so that every rejection is an API error with a code, never axum's default.
@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use axum::routing::{get, post, put};
 use axum::Router;
-use shoal_storage::{Store, StoreConfig};
+use shoal_engine::{Engine, EngineConfig};
 use thiserror::Error;
 use tokio::sync::watch;
 
@@ -35,13 +35,7 @@ pub enum ServerError {
     #[error("cannot listen on {addr}: {source}")]
     Bind { addr: String, source: std::io::Error },
     #[error(transparent)]
-    Open(#[from] shoal_storage::OpenError),
-    #[error("indexes: {0}")]
-    Index(#[from] shoal_index::IndexError),
-    #[error("analytics: {0}")]
-    Shadow(#[from] shoal_query::shadow::ShadowError),
-    #[error("SQL engine: {0}")]
-    Query(#[from] shoal_query::QueryError),
+    Engine(#[from] shoal_engine::EngineError),
     #[error("server: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -49,14 +43,8 @@ pub enum ServerError {
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
     pub listen: String,
-    pub store: StoreConfig,
-    /// Index build and maintenance workers (default: one per core).
-    pub index_workers: Option<usize>,
-    /// Analytics partitions per collection (default: min(cores, analytics memory GiB, 16));
-    /// 0 turns the analytics shadows off.
-    pub analytics_partitions: Option<usize>,
-    /// Memory for analytics in bytes (default: a quarter of the machine's).
-    pub analytics_memory: Option<u64>,
+    /// The node's database: storage, indexes, analytics, SQL.
+    pub engine: EngineConfig,
     /// Connection cap and timeouts.
     pub connections: ConnectionLimits,
 }
@@ -88,17 +76,12 @@ impl Default for ConnectionLimits {
 /// Shared by every handler.
 #[derive(Clone)]
 pub struct AppState {
-    pub store: Arc<Store>,
+    /// Storage, indexes, shadows and SQL, with every collection side effect.
+    pub engine: Arc<Engine>,
     pub started: Instant,
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
     /// Parsed trees of hot large documents, for sub-document requests.
     pub parsed: Arc<subdoc::ParsedDocs>,
-    /// Secondary indexes of every collection.
-    pub indexes: Arc<shoal_index::IndexManager>,
-    /// SQL over collections.
-    pub query: Arc<shoal_query::QueryEngine>,
-    /// The columnar shadows analytics reads.
-    pub shadows: Arc<shoal_query::shadow::ShadowManager>,
     /// Low-priority threads for CPU-heavy request work.
     pub cpu: cpu::CpuPool,
     /// Becomes `true` when the server shuts down; long feeds end then.
@@ -160,42 +143,19 @@ pub struct Server {
 }
 
 impl Server {
-    /// Opens the store (recovering it if needed) and binds the listen address.
+    /// Opens the engine (recovering the store if needed) and binds the listen address.
     pub async fn bind(config: ServerConfig) -> Result<Server, ServerError> {
         // First: what opening the store, indexes and shadows counts (rebuilds) is kept.
         let metrics = ops::prometheus();
-        let store_config = config.store.clone();
-        let store = tokio::task::spawn_blocking(move || Store::open(store_config))
-            .await
-            .map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
+        let engine = Engine::open(config.engine.clone()).await?;
         let listener = listen(&config.listen).await.map_err(|source| ServerError::Bind { addr: config.listen.clone(), source })?;
-        let workers = config.index_workers.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2));
-        for path in store.data_paths() {
+        for path in engine.store().data_paths() {
             error::hide_paths_under(path);
         }
-        let indexes = shoal_index::IndexManager::open(Arc::clone(&store), workers)?;
         let (shutdown_tx, shutdown) = watch::channel(false);
-        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
-        let memory = config.analytics_memory.unwrap_or_else(|| machine_memory() / 4);
-        let analytics = config.analytics_partitions.unwrap_or_else(|| shoal_query::shadow::default_partitions(cores, memory));
-        let s = Arc::clone(&store);
-        let shadows = tokio::task::spawn_blocking(move || shoal_query::shadow::ShadowManager::open(s, analytics))
-            .await
-            .map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
-        let query_config = shoal_query::QueryConfig {
-            threads: cores,
-            node_memory_bytes: shoal_query::QUERY_MEMORY_NODE_DEFAULT_BYTES
-                .min(usize::try_from(machine_memory() / 4).unwrap_or(usize::MAX)),
-            query_memory_bytes: shoal_query::QUERY_MEMORY_MAX_BYTES,
-            spill_dir: store.data_paths()[0].join(shoal_query::SPILL_DIR),
-            spill_max_bytes: shoal_query::QUERY_SPILL_DEFAULT_BYTES,
-        };
-        let query = Arc::new(shoal_query::QueryEngine::new(Arc::clone(&store), Arc::clone(&indexes), Arc::clone(&shadows), query_config)?);
+        let cores = engine.cores();
         let state = AppState {
-            store,
-            indexes,
-            query,
-            shadows,
+            engine,
             started: Instant::now(),
             metrics,
             parsed: Arc::default(),
@@ -216,15 +176,13 @@ impl Server {
     /// fsynced). Says whether the caller should start the node again at once.
     pub async fn run(self, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> Result<RunOutcome, ServerError> {
         let Server { listener, state, shutdown_tx, connections } = self;
-        let store = Arc::clone(&state.store);
-        let indexes = Arc::clone(&state.indexes);
-        let shadows = Arc::clone(&state.shadows);
+        let engine = Arc::clone(&state.engine);
         let restart = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let signal = {
-            let (store, restart, shutdown_tx) = (Arc::clone(&store), Arc::clone(&restart), shutdown_tx.clone());
+            let (engine, restart, shutdown_tx) = (Arc::clone(&engine), Arc::clone(&restart), shutdown_tx.clone());
             async move {
                 let engine_poisoned = async {
-                    while !store.restart_needed() {
+                    while !engine.restart_needed() {
                         tokio::time::sleep(shoal_storage::DISK_WATCH_INTERVAL).await;
                     }
                 };
@@ -240,12 +198,8 @@ impl Server {
         };
         tokio::spawn(signal);
         conn::serve(listener, router(state.clone()), connections, state.shutdown.clone()).await;
-        shadows.close().await;
-        if let Err(e) = indexes.close() {
-            tracing::warn!(error = %e, "closing the index database");
-        }
         let restart = restart.load(std::sync::atomic::Ordering::SeqCst);
-        let closed = tokio::task::spawn_blocking(move || store.close()).await.map_err(|e| ServerError::Io(std::io::Error::other(e)))?;
+        let closed = engine.close().await;
         match (closed, restart) {
             (Ok(()), false) => Ok(RunOutcome::Stopped),
             // A poisoned engine cannot flush; its journal (in the page cache) has every
@@ -281,14 +235,4 @@ async fn listen(addr: &str) -> std::io::Result<tokio::net::TcpListener> {
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;
     socket.listen(LISTEN_BACKLOG)
-}
-
-/// Physical memory in bytes (`/proc/meminfo`; 4 GiB where it cannot be read).
-fn machine_memory() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines().find(|l| l.starts_with("MemTotal:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map_or(4 << 30, |kb| kb * 1024)
 }

@@ -118,9 +118,9 @@ fn describe_metrics() {
 /// The node's real state: whether storage takes writes, and how the index and analytics
 /// maintainers are doing. 503 when the node cannot serve writes (disk full, read-only).
 pub async fn health(State(state): State<AppState>) -> Response {
-    let storage = state.store.health();
+    let storage = state.engine.store().health();
     let tasks = |r: shoal_storage::TaskReport| serde_json::json!({"maintainers": r.running, "failing": r.failing, "errors": r.errors, "last_error": r.last_error.as_deref().map(crate::error::public_reason)});
-    let (indexes, analytics) = (state.indexes.health.report(), state.shadows.health.report());
+    let (indexes, analytics) = (state.engine.indexes().health.report(), state.engine.shadows().health.report());
     let degraded = indexes.failing || analytics.failing;
     let status = match (storage.writable(), degraded) {
         (false, _) => "unavailable",
@@ -150,12 +150,12 @@ pub async fn health(State(state): State<AppState>) -> Response {
 }
 
 pub async fn node(State(state): State<AppState>) -> Response {
-    let store = &state.store;
+    let store = state.engine.store();
     let body = serde_json::json!({
         "version": env!("CARGO_PKG_VERSION"),
         "partitions": store.partitions(),
         "data_paths": store.data_paths().iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
-        "analytics_partitions": state.shadows.partitions(),
+        "analytics_partitions": state.engine.shadows().partitions(),
         "uptime_secs": state.started.elapsed().as_secs(),
         "recovered_unclean": store.recovered_unclean(),
         "collections": store.list_collections().len(),
@@ -165,7 +165,7 @@ pub async fn node(State(state): State<AppState>) -> Response {
 }
 
 pub async fn metrics(State(state): State<AppState>) -> Response {
-    let store = &state.store;
+    let store = state.engine.store();
     for c in store.list_collections() {
         metrics::gauge!("shoal_documents", "collection" => c.name.clone()).set(c.docs as f64);
         metrics::gauge!("shoal_document_bytes", "collection" => c.name.clone()).set(c.bytes as f64);

@@ -48,8 +48,8 @@ async fn run(state: AppState, q: Option<String>, headers: HeaderMap, body: Body,
     let ndjson = headers.get(axum::http::header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("application/x-ndjson"));
     let format = if ndjson { RowFormat::Ndjson } else { RowFormat::JsonArrays };
     let answer = match path {
-        Path::Operational => state.query.query(req, format).await?,
-        Path::Analytics => state.query.analytics(req, format).await?,
+        Path::Operational => state.engine.query().query(req, format).await?,
+        Path::Analytics => state.engine.query().analytics(req, format).await?,
     };
     let elapsed_ms = answer.elapsed.as_secs_f64() * 1000.0;
     let columns = json!(answer.columns).to_string();

@@ -21,11 +21,11 @@ mod unit;
 pub mod changes;
 
 pub use changes::{Change, PartitionSubscription, StreamPosition};
+pub use clock::{IdSource, ManualClock, RandomIds, SeededIds, SystemClock, TimeSource};
 pub use collection::{Collection, CollectionInfo};
 pub use error::{is_corruption, CatalogError, ChangesError, CollectionError, NotMine, OpenError, PartitionError, ReadError, WriteError};
 pub use health::{StorageHealth, StorageState, TaskHealth, TaskReport};
 pub use partition::{Document, FailoverEntry, MutationOutcome, ReadLimit, WriteOp, WriteRequest};
-pub use clock::{IdSource, ManualClock, RandomIds, SeededIds, SystemClock, TimeSource};
 pub use store::{Store, StoreConfig, BLOB_THRESHOLD_DEFAULT_BYTES};
 pub use unit::{ExportHeader, ExportedCollection, IngestStats, PartitionExport, PartitionState};
 

@@ -583,7 +583,15 @@ impl Store {
             batch.commit()?;
             self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
         }
-        Ok(Arc::new(Collection { name: name.to_string(), id: record.id, max_ttl: record.max_ttl, partitions, changed, dropped, clock: Arc::clone(&self.clock) }))
+        Ok(Arc::new(Collection {
+            name: name.to_string(),
+            id: record.id,
+            max_ttl: record.max_ttl,
+            partitions,
+            changed,
+            dropped,
+            clock: Arc::clone(&self.clock),
+        }))
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -153,8 +153,7 @@ fn a_manual_clock_expires_documents_and_ages_tombstones_without_waiting() {
 
     // The same seed gives a second store the same history UUIDs.
     let other_dir = tempfile::tempdir().unwrap();
-    let other = Store::open(StoreConfig { data_paths: vec![other_dir.path().to_path_buf()], ids: SeededIds::new(11), ..config })
-        .unwrap();
+    let other = Store::open(StoreConfig { data_paths: vec![other_dir.path().to_path_buf()], ids: SeededIds::new(11), ..config }).unwrap();
     let twin = other.create_collection("c", 0).unwrap();
     assert_eq!(twin.partition_uuids(), coll.partition_uuids());
     other.close().unwrap();
