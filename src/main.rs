@@ -10,6 +10,12 @@ mod sql;
 mod tpcds;
 mod tpch;
 
+/// mimalloc rather than glibc's malloc: under the write path's many small, short-lived
+/// allocations across threads, glibc's arenas spent ~8 % of a profile in malloc/free
+/// and consolidation (bench/results, issue 12 write path).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 

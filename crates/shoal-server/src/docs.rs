@@ -171,12 +171,14 @@ async fn apply(coll: &Arc<Collection>, req: WriteRequest, durability: Durability
     write_durably(coll, req, durability).await
 }
 
-/// Writes on the blocking pool (a write takes the partition's sequencer and may wait for
-/// the engine), then waits for the fsync if `persist` was asked for. The write class's
-/// concurrency limit bounds how many wait there.
+/// Writes on the I/O thread, as reads do, then waits for the fsync if `persist` was asked
+/// for. A single-document write is a sequencer lock, a point read and a journal append
+/// (no fsync): a few microseconds, less than handing it to the blocking pool and back
+/// (two thread wake-ups, and up to a write slot's worth of threads contending for the
+/// sequencer and journal locks on two cores — measured in bench/results: issue 12 write
+/// path). Large `_bulk` bodies still go to the blocking pool.
 pub(crate) async fn write_durably(coll: &Arc<Collection>, req: WriteRequest, durability: Durability) -> Result<MutationOutcome, ApiError> {
-    let c = Arc::clone(coll);
-    let (outcome, wait) = blocking(move || c.write(req)).await??;
+    let (outcome, wait) = coll.write(req)?;
     if durability == Durability::Persist {
         wait.wait().await?;
     }

@@ -19,6 +19,11 @@ use crate::error::ApiError;
 
 /// Requests of one class waiting for a turn, beyond which more are refused, per running slot.
 pub const QUEUE_PER_SLOT: usize = 64;
+/// Writes in flight per core. A write runs inline for microseconds, but a `persist` write
+/// then holds its slot while it waits for the group fsync: the slots bound how many share
+/// one fsync, so they must be many (at 16 per core, 32 writers per fsync capped `persist`
+/// at about 8,000 writes/s here; bench/results, issue 12 write path).
+pub const WRITE_SLOTS_PER_CORE: usize = 128;
 
 /// The classes that are limited.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,7 +71,7 @@ impl Class {
             Class::Subdoc => 2 * cores,
             Class::Query => cores,
             Class::Analytics => 2,
-            Class::Write => 16 * cores,
+            Class::Write => WRITE_SLOTS_PER_CORE * cores,
             Class::IndexScan => 2 * cores,
         }
     }

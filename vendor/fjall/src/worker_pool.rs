@@ -187,6 +187,9 @@ fn worker_tick(ctx: &WorkerState) -> crate::Result<bool> {
                 return Ok(false);
             };
 
+            // SHOAL-PATCH: the fsync of #329 runs after the journal lock is released (on a
+            // duplicate handle), still before the flush: writers do not wait for the disk.
+            let mut sync_after = None;
             {
                 log::trace!("acquiring journal lock to maybe rotate journal");
                 let mut journal_writer = ctx.supervisor.journal.get_writer()?;
@@ -224,8 +227,12 @@ fn worker_tick(ctx: &WorkerState) -> crate::Result<bool> {
                     }
                 } else {
                     // https://github.com/fjall-rs/fjall/issues/329
-                    journal_writer.persist(crate::PersistMode::SyncAll)?;
+                    journal_writer.flush_buffer()?;
+                    sync_after = Some(journal_writer.sync_handle()?);
                 }
+            }
+            if let Some(file) = sync_after {
+                file.sync_all()?;
             }
 
             run_flush(

@@ -119,9 +119,26 @@ impl Journal {
     }
 
     /// Persists the journal.
+    ///
+    /// SHOAL-PATCH: only the buffer flush runs under the writer lock; the fsync runs on a
+    /// duplicate of the file handle after the lock is released. Upstream holds the lock
+    /// through the fsync, so every write to the database waits for the disk while a
+    /// `persist` runs. Everything written before the flush is in the kernel's hands and
+    /// covered by the fsync that follows, which is all a caller of `persist` is promised.
     pub fn persist(&self, mode: PersistMode) -> crate::Result<()> {
-        let mut journal_writer = self.get_writer()?;
-        journal_writer.persist(mode).map_err(Into::into)
+        let file = {
+            let mut journal_writer = self.get_writer()?;
+            journal_writer.flush_buffer()?;
+            if mode == PersistMode::Buffer {
+                return Ok(());
+            }
+            journal_writer.sync_handle()?
+        };
+        let synced = match mode {
+            PersistMode::SyncAll => file.sync_all(),
+            _ => file.sync_data(),
+        };
+        synced.inspect_err(|e| log::error!("Failed to fsync journal file: {e:?}")).map_err(Into::into)
     }
 
     pub fn recover<P: AsRef<Path>>(

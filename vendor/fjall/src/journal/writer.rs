@@ -199,6 +199,24 @@ impl Writer {
         })
     }
 
+    /// Hands the buffered journal bytes to the kernel (no fsync). SHOAL-PATCH, see
+    /// `Journal::persist`.
+    pub(crate) fn flush_buffer(&mut self) -> std::io::Result<()> {
+        if self.is_buffer_dirty {
+            self.file.flush().inspect_err(|e| {
+                log::error!("Failed to flush journal IO buffers at {}: {e:?}", self.path.display());
+            })?;
+            self.is_buffer_dirty = false;
+        }
+        Ok(())
+    }
+
+    /// A second handle on the journal file, to fsync it without holding the writer.
+    /// SHOAL-PATCH, see `Journal::persist`.
+    pub(crate) fn sync_handle(&self) -> std::io::Result<File> {
+        self.file.get_ref().try_clone()
+    }
+
     /// Persists the journal file.
     pub(crate) fn persist(&mut self, mode: PersistMode) -> std::io::Result<()> {
         log::trace!(
