@@ -195,6 +195,9 @@ impl Store {
             renewed.push((collection, part, failover, purge_seqno));
         }
         self.health.check_writable()?;
+        // The partition's journal too: a successor starts with its high seqno as its
+        // persisted seqno, which must be true (its data path may not be the metadata's).
+        self.unit(p)?.db.persist(fjall::PersistMode::SyncAll)?;
         batch.commit()?;
         self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
         for (collection, part, failover, purge_seqno) in renewed {
