@@ -111,6 +111,9 @@ pub(crate) struct PartitionParts {
     /// The high seqno when it is known (an ingested copy: its export's position), else
     /// the newest by-sequence entry's.
     pub high: Option<SeqNo>,
+    /// A durable lower bound of the high seqno from the partition's record (see
+    /// `PartitionRecord::high`); 0 when none.
+    pub high_floor: SeqNo,
     /// Live documents found at open (see [`count_live`]).
     pub live: LiveCount,
     pub tail_limit: TailLimit,
@@ -187,6 +190,8 @@ pub struct Partition {
     clock: Arc<CasClock>,
     health: Arc<StorageHealth>,
     failover: Vec<FailoverEntry>,
+    /// See [`PartitionParts::high_floor`]; written back with every record of the partition.
+    high_floor: SeqNo,
     state: Mutex<Sequencer>,
     high_tx: watch::Sender<SeqNo>,
     /// Every change of this copy up to it is fsynced (see `syncer`).
@@ -223,7 +228,8 @@ impl Partition {
         };
         parts.clock.observe(max_cas);
         debug_assert!(parts.high.is_none_or(|h| h >= high), "an ingested copy's position is behind its own entries");
-        let high = parts.high.unwrap_or(high).max(parts.purge_seqno);
+        let high = parts.high.unwrap_or(high).max(parts.purge_seqno).max(parts.high_floor);
+        let high_floor = parts.high_floor.min(high);
         Ok(Partition {
             id: parts.id,
             coll: parts.coll,
@@ -233,6 +239,7 @@ impl Partition {
             clock: parts.clock,
             health: parts.health,
             failover: parts.failover,
+            high_floor,
             state: Mutex::new(Sequencer {
                 high,
                 tail: VecDeque::new(),
@@ -269,6 +276,11 @@ impl Partition {
     /// Starts a new history epoch (after an unclean shutdown, or for a new partition).
     pub(crate) fn push_failover(&mut self, entry: FailoverEntry) {
         self.failover.push(entry);
+    }
+
+    /// The durable lower bound of the high seqno a record of this copy carries.
+    pub(crate) fn high_floor(&self) -> Option<SeqNo> {
+        (self.high_floor > 0).then_some(self.high_floor)
     }
 
     pub fn failover_log(&self) -> &[FailoverEntry] {
@@ -342,7 +354,6 @@ impl Partition {
             })),
         }
     }
-
 
     /// The high seqno with the sequencer held until the returned guard drops: a position
     /// that no commit can pass meanwhile (an export takes its snapshot inside).

@@ -94,7 +94,9 @@ impl Store {
         let key = crate::store::partition_key(collection.id, p);
         let meta_shared = self.meta_shares_database(p);
         let record_of = |failover: &[FailoverEntry], purge_seqno: SeqNo| {
-            crate::store::json_bytes(&crate::store::PartitionRecord { failover: failover.to_vec(), purge_seqno, live: None })
+            // The high seqno goes with it: no by-sequence entry may hold `to` any more.
+            let high = failover.last().map(|e| e.seqno);
+            crate::store::json_bytes(&crate::store::PartitionRecord { failover: failover.to_vec(), purge_seqno, live: None, high })
         };
         let rolled = part.roll_back(to, crate::store::new_uuid(), |batch, failover, purge_seqno| {
             if meta_shared {
@@ -151,7 +153,7 @@ impl Store {
             return Ok(());
         }
         let purge_seqno = part.purge_seqno.load(std::sync::atomic::Ordering::Acquire);
-        let rec = crate::store::PartitionRecord { failover: history.to_vec(), purge_seqno, live: None };
+        let rec = crate::store::PartitionRecord { failover: history.to_vec(), purge_seqno, live: None, high: Some(high) };
         self.health.check_writable()?;
         // The partition's journal first, so that the successor's persisted seqno (its high)
         // is true; then the record.

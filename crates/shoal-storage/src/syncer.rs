@@ -129,8 +129,10 @@ impl Syncer {
             match self.db.persist(fjall::PersistMode::SyncData) {
                 Ok(()) => {
                     self.fsyncs.fetch_add(1, Ordering::Relaxed);
-                    self.synced.send_modify(|s| *s = (*s).max(target));
+                    // The watches first: a `persist` writer released below finds its seqno
+                    // in its copy's persisted seqno.
                     self.advance_watched(target);
+                    self.synced.send_modify(|s| *s = (*s).max(target));
                 }
                 Err(err) => {
                     // The node goes read-only: see `health` for why nothing written after a

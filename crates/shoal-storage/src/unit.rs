@@ -190,7 +190,7 @@ impl Store {
             let mut failover = part.failover_log().to_vec();
             failover.push(FailoverEntry { uuid: crate::store::new_uuid(), seqno: part.high_seqno() });
             let purge_seqno = part.purge_seqno.load(Ordering::Acquire);
-            let rec = crate::store::PartitionRecord { failover: failover.clone(), purge_seqno, live: None };
+            let rec = crate::store::PartitionRecord { failover: failover.clone(), purge_seqno, live: None, high: part.high_floor() };
             batch.insert(&self.meta, crate::store::partition_key(collection.id, p), crate::store::json_bytes(&rec));
             renewed.push((collection, part, failover, purge_seqno));
         }
@@ -323,7 +323,8 @@ impl Store {
         // The records are durable; now the copies that read them.
         let mut batch = self.paths[0].db.batch();
         for c in &header.collections {
-            let rec = crate::store::PartitionRecord { failover: c.failover.clone(), purge_seqno: c.purge_seqno, live: None };
+            let rec =
+                crate::store::PartitionRecord { failover: c.failover.clone(), purge_seqno: c.purge_seqno, live: None, high: Some(c.seqno) };
             batch.insert(&self.meta, crate::store::partition_key(c.id, p), crate::store::json_bytes(&rec));
         }
         batch.commit()?;
