@@ -209,6 +209,51 @@ impl Collection {
         Ok(wait)
     }
 
+    /// Writes versions of keys taken from the copy this one follows — the repair after
+    /// [`crate::Store::rollback_partition`]: for each key the rollback removed, the caller
+    /// fetches the new active's current version (with its seqno, CAS, expiry and deleted
+    /// flag) and passes it here. Only a replica or pending copy takes them. Returns how many
+    /// were written.
+    ///
+    /// Unlike [`Collection::apply`], a restored change keeps a seqno at or below the high
+    /// seqno, and the high seqno does not move:
+    /// - a change above the high seqno is skipped: the change stream from the high seqno
+    ///   brings it (with everything after it);
+    /// - a change no newer than what the copy holds of its key is skipped (a repeated call);
+    /// - a seqno another key holds here is refused ([`crate::PartitionError::NotInHistory`]).
+    ///
+    /// The by-sequence index keeps one entry per key: the restored change replaces the key's
+    /// entry, at its own seqno. It is not in the in-memory tail (which holds only a run of the
+    /// newest changes); if it lies inside the tail's range the tail is emptied, so readers
+    /// from before it read the index and see it. Readers already past its seqno — and that
+    /// includes readers that rolled back to the rollback point — do not get it from the
+    /// stream: the keys of the rollback report are the changes they must take again. The
+    /// restore is fsynced before it returns (the persisted seqno already covers its seqno).
+    pub fn restore(&self, partition: PartitionId, changes: &[Change]) -> Result<usize, crate::PartitionError> {
+        let p = self.partitions.get(usize::from(partition)).ok_or(crate::PartitionError::NoSuchPartition(partition))?.load();
+        p.restore(changes)
+    }
+
+    /// A receiver of the persisted seqno of this node's copy of `partition`: every change of
+    /// the copy at or below it is fsynced. It moves after the journal fsync that covers a
+    /// write — a `persist` write's group commit, or for `none` writes and [`Collection::apply`]
+    /// the next fsync of the data path that any awaited [`DurableWait`] asks for — and never
+    /// goes back. It is what majority durability and replica acknowledgements wait on.
+    ///
+    /// The channel closes when the copy is replaced (rollback, drop, ingest, promotion, a new
+    /// history) or fsyncs fail: a seqno names a change only within one copy's history, so a
+    /// waiter whose channel closed looks again (and may find its change gone).
+    pub fn persisted_watch(&self, partition: PartitionId) -> Result<watch::Receiver<SeqNo>, ReadError> {
+        let p = self.partitions.get(usize::from(partition)).ok_or(ReadError::InvalidKey("no such partition"))?.load();
+        p.persisted_watch()
+    }
+
+    /// The failover log of this node's copy of `partition`, oldest entry first: what
+    /// [`crate::rollback_seqno`] compares.
+    pub fn failover_log(&self, partition: PartitionId) -> Vec<crate::FailoverEntry> {
+        self.partitions.get(usize::from(partition)).map_or_else(Vec::new, |p| p.load().failover_log().to_vec())
+    }
+
     pub fn get(&self, key: &str) -> Result<Document, ReadError> {
         self.partition_for(key.as_bytes()).get(key.as_bytes())
     }

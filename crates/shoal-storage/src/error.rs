@@ -100,6 +100,12 @@ pub enum PartitionError {
     Malformed(String),
     #[error("the partition is busy: its sequencer was held for longer than the wait limit")]
     Busy,
+    /// A restored change whose seqno another key holds here: it is not of this copy's history.
+    #[error("seqno {seqno} belongs to another key here: the change is not of this copy's history")]
+    NotInHistory { seqno: crate::SeqNo },
+    /// The copy holds changes the history it was to take does not: it must roll back first.
+    #[error("the copy's history diverged from the one offered: roll back to seqno {rollback_to} first")]
+    Diverged { rollback_to: crate::SeqNo },
     #[error(transparent)]
     Refused(#[from] WriteError),
     #[error("storage engine: {0}")]

@@ -14,6 +14,7 @@ mod collection;
 mod error;
 pub mod health;
 mod partition;
+mod rollback;
 mod store;
 mod syncer;
 mod unit;
@@ -26,6 +27,7 @@ pub use collection::{Collection, CollectionInfo};
 pub use error::{is_corruption, CatalogError, ChangesError, CollectionError, NotMine, OpenError, PartitionError, ReadError, WriteError};
 pub use health::{StorageHealth, StorageState, TaskHealth, TaskReport};
 pub use partition::{Document, FailoverEntry, MutationOutcome, ReadLimit, WriteOp, WriteRequest};
+pub use rollback::{rollback_seqno, RollbackReport};
 pub use store::{Store, StoreConfig, BLOB_THRESHOLD_DEFAULT_BYTES};
 pub use unit::{ExportHeader, ExportedCollection, IngestStats, PartitionExport, PartitionState};
 

@@ -13,9 +13,9 @@ use tokio::sync::watch;
 use crate::changes::Change;
 use crate::clock::CasClock;
 use crate::codec::{self, DocMeta};
-use crate::error::{NotMine, ReadError, WriteError};
+use crate::error::{NotMine, PartitionError, ReadError, WriteError};
 use crate::health::StorageHealth;
-use crate::syncer::Syncer;
+use crate::syncer::{PersistedSeqno, Syncer};
 use crate::unit::{Ownership, PartitionState};
 use crate::{Cas, PartitionId, SeqNo};
 use crate::{DOC_MAX_BYTES, KEY_MAX_BYTES, LOCK_MAX_SECS, SEQUENCER_WAIT_MAX};
@@ -111,6 +111,9 @@ pub(crate) struct PartitionParts {
     /// The high seqno when it is known (an ingested copy: its export's position), else
     /// the newest by-sequence entry's.
     pub high: Option<SeqNo>,
+    /// A durable lower bound of the high seqno from the partition's record (see
+    /// `PartitionRecord::high`); 0 when none.
+    pub high_floor: SeqNo,
     /// Live documents found at open (see [`count_live`]).
     pub live: LiveCount,
     pub tail_limit: TailLimit,
@@ -187,8 +190,12 @@ pub struct Partition {
     clock: Arc<CasClock>,
     health: Arc<StorageHealth>,
     failover: Vec<FailoverEntry>,
+    /// See [`PartitionParts::high_floor`]; written back with every record of the partition.
+    high_floor: SeqNo,
     state: Mutex<Sequencer>,
     high_tx: watch::Sender<SeqNo>,
+    /// Every change of this copy up to it is fsynced (see `syncer`).
+    persisted: Arc<PersistedSeqno>,
     collection_changed: Arc<watch::Sender<u64>>,
     dropped: Arc<AtomicBool>,
     owner: Arc<Ownership>,
@@ -221,7 +228,8 @@ impl Partition {
         };
         parts.clock.observe(max_cas);
         debug_assert!(parts.high.is_none_or(|h| h >= high), "an ingested copy's position is behind its own entries");
-        let high = parts.high.unwrap_or(high).max(parts.purge_seqno);
+        let high = parts.high.unwrap_or(high).max(parts.purge_seqno).max(parts.high_floor);
+        let high_floor = parts.high_floor.min(high);
         Ok(Partition {
             id: parts.id,
             coll: parts.coll,
@@ -231,6 +239,7 @@ impl Partition {
             clock: parts.clock,
             health: parts.health,
             failover: parts.failover,
+            high_floor,
             state: Mutex::new(Sequencer {
                 high,
                 tail: VecDeque::new(),
@@ -240,6 +249,10 @@ impl Partition {
                 locks: HashMap::new(),
             }),
             high_tx: watch::channel(high).0,
+            // A copy is opened over what is on disk: a start (after a crash the store
+            // fsyncs what it recovered), an ingest (fsynced table files), a promotion or a
+            // rollback (both fsync the partition's journal before the new copy is made).
+            persisted: PersistedSeqno::new(high),
             collection_changed: parts.collection_changed,
             dropped: parts.dropped,
             owner: parts.owner,
@@ -263,6 +276,11 @@ impl Partition {
     /// Starts a new history epoch (after an unclean shutdown, or for a new partition).
     pub(crate) fn push_failover(&mut self, entry: FailoverEntry) {
         self.failover.push(entry);
+    }
+
+    /// The durable lower bound of the high seqno a record of this copy carries.
+    pub(crate) fn high_floor(&self) -> Option<SeqNo> {
+        (self.high_floor > 0).then_some(self.high_floor)
     }
 
     pub fn failover_log(&self) -> &[FailoverEntry] {
@@ -304,9 +322,37 @@ impl Partition {
     /// inside afterwards, and refuses everyone from then on.
     pub(crate) fn close(&self) -> Result<(), ReadError> {
         let _state = self.lock_sequencer()?;
-        self.closed.store(true, Ordering::Release);
-        self.high_tx.send_modify(|_| {});
+        self.mark_closed();
         Ok(())
+    }
+
+    /// Closes this copy while the caller holds its sequencer (from [`Partition::hold`]),
+    /// so that no commit lands between the caller's last look and the successor.
+    pub(crate) fn retire_held(&self) {
+        debug_assert!(self.state.is_locked(), "retired without the sequencer");
+        self.mark_closed();
+    }
+
+    /// Refuses everyone from now on and wakes the waiters; call with the sequencer held.
+    fn mark_closed(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.persisted.close();
+        self.high_tx.send_modify(|_| {});
+    }
+
+    /// A receiver of this copy's persisted seqno (every change up to it is fsynced). It
+    /// closes when the copy is replaced: a seqno names a change only within one copy's
+    /// history, so a waiter looks the partition up again.
+    pub(crate) fn persisted_watch(&self) -> Result<watch::Receiver<SeqNo>, ReadError> {
+        match self.persisted.subscribe() {
+            Some(rx) if !self.closed.load(Ordering::Acquire) => Ok(rx),
+            _ => Err(ReadError::NotMyPartition(NotMine {
+                partition: self.id,
+                state: PartitionState::Dead,
+                wanted: "a current copy",
+                map_version: self.owner.map_version(),
+            })),
+        }
     }
 
     /// The high seqno with the sequencer held until the returned guard drops: a position
@@ -585,6 +631,7 @@ impl Partition {
             push_tail(state, change);
         }
         let high = state.high;
+        self.persisted.note(&self.syncer, ticket, high);
         self.high_tx.send_replace(high);
         self.collection_changed.send_modify(|n| *n = n.wrapping_add(1));
         // An fsync that failed while this batch was being committed: the batch is in, but it
@@ -637,6 +684,173 @@ impl Partition {
         }
         ticket = ticket.max(self.commit(&mut state, batch, staged)?);
         Ok(ticket)
+    }
+
+    /// Removes every change above `to` from this copy, durably, and closes it: the caller
+    /// puts the successor in its place (see `Store::rollback_partition`). `to` below the
+    /// purge seqno becomes 0: tombstones purged above `to` would leave keys changed after it
+    /// unaccounted for. `record` adds the copy's new partition record (history, purge seqno)
+    /// to the last batch, when the caller's metadata shares this database. `None` when there
+    /// is nothing above `to`; then the copy stays open and unchanged.
+    ///
+    /// The removals go top-down in batches of [`ROLLBACK_BATCH_MAX`], so every batch boundary
+    /// is itself the state of a rollback to a lower point; a crash between two batches is an
+    /// unclean start, which gives the copy a new history entry at whatever it holds, and
+    /// rolling back again from there reaches `to`.
+    pub(crate) fn roll_back(
+        &self,
+        to: SeqNo,
+        fresh_uuid: u64,
+        record: impl FnOnce(&mut fjall::OwnedWriteBatch, &[FailoverEntry], SeqNo),
+    ) -> Result<Option<RolledBack>, PartitionError> {
+        let state = self.lock_sequencer()?;
+        if self.is_dropped() {
+            return Err(PartitionError::Refused(WriteError::CollectionDropped));
+        }
+        // An active copy assigns the seqnos others follow: it never rolls back.
+        self.check_state(&[PartitionState::Replica, PartitionState::Pending], "replica or pending").map_err(PartitionError::NotMine)?;
+        if to >= state.high {
+            return Ok(None);
+        }
+        self.health.check_writable()?;
+        let purge_seqno = self.purge_seqno.load(Ordering::Acquire);
+        let to = if to < purge_seqno { 0 } else { to };
+        let c = self.coll;
+        // Every by-sequence entry above `to`, newest first: each key's latest change is there
+        // (one entry per key), so these are exactly the keys whose latest change goes.
+        let mut victims: Vec<(SeqNo, Bytes)> = Vec::new();
+        for guard in self.ks.range(codec::seq_key(c, to + 1)..=codec::seq_key(c, SeqNo::MAX)).rev() {
+            let (k, v) = guard.into_inner()?;
+            let (Some(seqno), Some((_, _, key))) = (codec::decode_seq_key(&k), codec::decode_seq_value(&v)) else {
+                return Err(PartitionError::Refused(WriteError::Corrupt));
+            };
+            victims.push((seqno, Bytes::copy_from_slice(key)));
+        }
+        let failover: Vec<FailoverEntry> = self
+            .failover
+            .iter()
+            .copied()
+            .filter(|e| e.seqno <= to)
+            .chain(std::iter::once(FailoverEntry { uuid: fresh_uuid, seqno: to }))
+            .collect();
+        let purge_seqno = purge_seqno.min(to);
+        let (mut count_delta, mut bytes_delta) = (0i64, 0i64);
+        let batches = victims.len().div_ceil(ROLLBACK_BATCH_MAX).max(1);
+        let mut record = Some(record);
+        for (i, chunk) in victims.chunks(ROLLBACK_BATCH_MAX).map(Some).chain(std::iter::repeat(None)).take(batches).enumerate() {
+            let mut batch = self.db.batch();
+            for (seqno, key) in chunk.unwrap_or_default() {
+                batch.remove(&self.ks, codec::seq_key(c, *seqno));
+                let Some(current) = self.read_current(key)? else { continue };
+                debug_assert_eq!(current.meta.seqno, *seqno, "a key's by-sequence entry is its latest change");
+                if current.meta.seqno != *seqno {
+                    // A stale entry (never written so): the record is not this change.
+                    continue;
+                }
+                batch.remove(&self.ks, codec::doc_key(c, key));
+                if current.meta.expiry != 0 && !current.meta.deleted {
+                    batch.remove(&self.ks, codec::exp_key(c, current.meta.expiry, key));
+                }
+                if !current.meta.deleted {
+                    count_delta -= 1;
+                    bytes_delta -= current.body.len() as i64;
+                }
+            }
+            if i + 1 == batches {
+                if let Some(record) = record.take() {
+                    record(&mut batch, &failover, purge_seqno);
+                }
+            }
+            if let Err(e) = batch.commit() {
+                self.health.engine_error(&e);
+                return Err(e.into());
+            }
+        }
+        if let Err(e) = self.db.persist(fjall::PersistMode::SyncAll) {
+            // As a failed group-commit fsync: nothing is acknowledged from now on.
+            self.health.fail(format!("fsync of the journal failed during a rollback: {e}"));
+            return Err(e.into());
+        }
+        self.docs_count.fetch_add(count_delta, Ordering::Relaxed);
+        self.docs_bytes.fetch_add(bytes_delta, Ordering::Relaxed);
+        let live = LiveCount { count: self.docs_count.load(Ordering::Relaxed), bytes: self.docs_bytes.load(Ordering::Relaxed) };
+        // Closed under the sequencer: no apply lands on this copy between the removals and
+        // its successor (which starts at `to`, with an empty tail).
+        self.mark_closed();
+        drop(state);
+        tracing::info!(partition = self.id, collection = c, to, removed = victims.len(), "partition copy rolled back");
+        Ok(Some(RolledBack { to, removed: victims.into_iter().map(|(_, key)| key).collect(), failover, purge_seqno, live }))
+    }
+
+    /// Writes versions of keys from the copy this one follows, each at its own seqno at or
+    /// below the high seqno, which does not move — the repair after a rollback, for the keys
+    /// whose older version it removed (see `Collection::restore`). Returns how many were
+    /// written: a change above the high seqno is left to the change stream (which brings it),
+    /// one no newer than what the copy holds of its key is skipped.
+    pub(crate) fn restore(&self, changes: &[Change]) -> Result<usize, PartitionError> {
+        self.health.check_writable()?;
+        let mut state = self.lock_sequencer()?;
+        if self.is_dropped() {
+            return Err(PartitionError::Refused(WriteError::CollectionDropped));
+        }
+        self.check_state(&[PartitionState::Replica, PartitionState::Pending], "replica or pending").map_err(PartitionError::NotMine)?;
+        let c = self.coll;
+        let mut restored = 0;
+        let mut lowest = SeqNo::MAX;
+        let mut batch = self.db.batch();
+        let mut in_batch: HashSet<&[u8]> = HashSet::new();
+        let mut seqnos: HashSet<SeqNo> = HashSet::new();
+        for ch in changes {
+            validate_key(&ch.key).map_err(|e| PartitionError::Refused(WriteError::InvalidKey(e)))?;
+            let body = match (&ch.value, ch.deleted) {
+                (_, true) => Bytes::new(),
+                (Some(v), false) if v.len() <= DOC_MAX_BYTES => v.clone(),
+                (Some(_), false) => return Err(PartitionError::Refused(WriteError::TooLarge)),
+                (None, false) => return Err(PartitionError::Refused(WriteError::MissingValue)),
+            };
+            if ch.seqno == 0 || ch.seqno > state.high {
+                continue;
+            }
+            if !in_batch.insert(&ch.key[..]) {
+                return Err(PartitionError::Malformed(format!("key {:?} twice in one restore", String::from_utf8_lossy(&ch.key))));
+            }
+            let current = self.read_current(&ch.key)?;
+            if current.as_ref().is_some_and(|x| x.meta.seqno >= ch.seqno) {
+                continue;
+            }
+            // The seqno must be free: on the history this copy shares with the sender it
+            // was this key's change, so another key holding it means another history.
+            if !seqnos.insert(ch.seqno) || self.ks.get(codec::seq_key(c, ch.seqno))?.is_some() {
+                return Err(PartitionError::NotInHistory { seqno: ch.seqno });
+            }
+            let meta = DocMeta { cas: ch.cas, seqno: ch.seqno, expiry: if ch.deleted { 0 } else { ch.expiry }, deleted: ch.deleted };
+            self.stage(&mut batch, &ch.key, current.as_ref().map(|x| (&x.meta, x.body.len())), meta, &body);
+            self.clock.observe(ch.cas);
+            lowest = lowest.min(ch.seqno);
+            restored += 1;
+        }
+        if restored == 0 {
+            return Ok(0);
+        }
+        if let Err(e) = batch.commit() {
+            self.health.engine_error(&e);
+            return Err(e.into());
+        }
+        // The persisted seqno already covers these seqnos: the restore is fsynced before it
+        // is answered, so the watch never claims more than is on disk.
+        if let Err(e) = self.db.persist(fjall::PersistMode::SyncAll) {
+            self.health.fail(format!("fsync of the journal failed during a restore: {e}"));
+            return Err(e.into());
+        }
+        // The tail holds a contiguous run of the newest changes and a restored one is not
+        // among them: readers from before it go to the by-sequence index, which has it.
+        if lowest > state.tail_from {
+            state.tail.clear();
+            state.tail_bytes = 0;
+            state.tail_from = state.high;
+        }
+        self.collection_changed.send_modify(|n| *n = n.wrapping_add(1));
+        Ok(restored)
     }
 
     /// Deletes `key` if it is still the document that expired at `expiry`; called by the
@@ -785,6 +999,22 @@ impl Partition {
         Ok((out, high, high))
     }
 }
+
+/// What a rollback did to a copy; the caller makes its successor from it.
+pub(crate) struct RolledBack {
+    /// The new high seqno.
+    pub to: SeqNo,
+    /// Keys whose latest change was above `to` (removed, documents and tombstones alike).
+    pub removed: Vec<Bytes>,
+    /// The history: entries up to `to`, then a new one at `to`.
+    pub failover: Vec<FailoverEntry>,
+    pub purge_seqno: SeqNo,
+    pub live: LiveCount,
+}
+
+/// By-sequence entries (with their documents and expiry entries) one rollback batch removes:
+/// a bound on a batch's memory when a copy rolls back far.
+pub(crate) const ROLLBACK_BATCH_MAX: usize = 10_000;
 
 /// How much one read of a change stream may return: at most `items` changes and about
 /// `bytes` of keys and documents (always at least one change, however large, so that a

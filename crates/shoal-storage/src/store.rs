@@ -122,6 +122,11 @@ pub(crate) struct PartitionRecord {
     /// takes them instead of reading every document. Ignored after a crash.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub live: Option<[i64; 2]>,
+    /// A durable lower bound of the high seqno, kept because no by-sequence entry may hold
+    /// it: a rollback's point (the changes above it are gone, and the key changed at it may
+    /// have changed again above), an ingest's position. The high seqno at open is at least this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub high: Option<SeqNo>,
 }
 
 /// A partition's state on this node, kept across restarts.
@@ -359,7 +364,7 @@ impl Store {
         batch.insert(&self.meta, collection_key(name), json_bytes(&record));
         for slot in &collection.partitions {
             let p = slot.load();
-            let rec = PartitionRecord { failover: p.failover_log().to_vec(), purge_seqno: 0, live: None };
+            let rec = PartitionRecord { failover: p.failover_log().to_vec(), purge_seqno: 0, live: None, high: None };
             batch.insert(&self.meta, partition_key(id, p.id()), json_bytes(&rec));
         }
         batch.commit()?;
@@ -499,6 +504,7 @@ impl Store {
                     failover: p.failover_log().to_vec(),
                     purge_seqno: p.purge_seqno.load(Ordering::Acquire),
                     live: Some(live),
+                    high: p.high_floor(),
                 };
                 batch.insert(&self.meta, partition_key(collection.id, p.id()), json_bytes(&rec));
             }
@@ -548,16 +554,16 @@ impl Store {
         let mut renewed = Vec::new();
         for p in 0..self.partitions {
             let unit = &self.units[usize::from(p)];
-            let (mut failover, purge_seqno, counted) = if new {
-                (Vec::new(), 0, Some([0, 0]))
+            let (mut failover, purge_seqno, counted, floor) = if new {
+                (Vec::new(), 0, Some([0, 0]), None)
             } else {
                 match self.meta.get(partition_key(record.id, p))? {
                     Some(v) => {
                         let rec: PartitionRecord =
                             serde_json::from_slice(&v).map_err(|e| CollectionError::Corrupt(format!("partition {p}: {e}")))?;
-                        (rec.failover, rec.purge_seqno, rec.live.filter(|_| !self.recovered_unclean))
+                        (rec.failover, rec.purge_seqno, rec.live.filter(|_| !self.recovered_unclean), rec.high)
                     }
-                    None => (Vec::new(), 0, None),
+                    None => (Vec::new(), 0, None, None),
                 }
             };
             let live = match counted {
@@ -565,13 +571,14 @@ impl Store {
                 None => count_live(&unit.ks.read(), record.id)?,
             };
             let needs_new_uuid = failover.is_empty() || self.recovered_unclean;
-            let parts = self.partition_parts(record.id, &changed, &dropped, p, failover.clone(), purge_seqno, live, None);
+            let mut parts = self.partition_parts(record.id, &changed, &dropped, p, failover.clone(), purge_seqno, live, None);
+            parts.high_floor = floor.unwrap_or(0);
             let mut partition = Partition::open(parts)?;
             if needs_new_uuid {
                 let entry = FailoverEntry { uuid: self.clock.history_uuid(), seqno: partition.high_seqno() };
                 partition.push_failover(entry);
                 failover.push(entry);
-                renewed.push((p, PartitionRecord { failover, purge_seqno, live: None }));
+                renewed.push((p, PartitionRecord { failover, purge_seqno, live: None, high: partition.high_floor() }));
             }
             partitions.push(arc_swap::ArcSwap::from_pointee(partition));
         }
@@ -621,6 +628,9 @@ impl Store {
             dropped: Arc::clone(dropped),
             owner: Arc::clone(&unit.owner),
             high,
+            // A copy made with a known high seqno (ingest, promotion, rollback, new history)
+            // is made once that is durable.
+            high_floor: high.unwrap_or(0),
             live,
             tail_limit: TailLimit::share(self.partitions),
         }
@@ -723,7 +733,8 @@ impl Store {
             let victims = partition.purge_candidates(cutoff, PURGE_BATCH_MAX)?;
             let Some(max) = victims.iter().map(|(seqno, _)| *seqno).max() else { continue };
             let purge_seqno = max.max(partition.purge_seqno.load(Ordering::Acquire));
-            let rec = PartitionRecord { failover: partition.failover_log().to_vec(), purge_seqno, live: None };
+            let rec =
+                PartitionRecord { failover: partition.failover_log().to_vec(), purge_seqno, live: None, high: partition.high_floor() };
             batch.insert(&self.meta, partition_key(collection.id, partition.id()), json_bytes(&rec));
             plans.push((partition, purge_seqno, victims));
         }

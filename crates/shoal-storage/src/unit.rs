@@ -190,11 +190,14 @@ impl Store {
             let mut failover = part.failover_log().to_vec();
             failover.push(FailoverEntry { uuid: self.clock().history_uuid(), seqno: part.high_seqno() });
             let purge_seqno = part.purge_seqno.load(Ordering::Acquire);
-            let rec = crate::store::PartitionRecord { failover: failover.clone(), purge_seqno, live: None };
+            let rec = crate::store::PartitionRecord { failover: failover.clone(), purge_seqno, live: None, high: part.high_floor() };
             batch.insert(&self.meta, crate::store::partition_key(collection.id, p), crate::store::json_bytes(&rec));
             renewed.push((collection, part, failover, purge_seqno));
         }
         self.health.check_writable()?;
+        // The partition's journal too: a successor starts with its high seqno as its
+        // persisted seqno, which must be true (its data path may not be the metadata's).
+        self.unit(p)?.db.persist(fjall::PersistMode::SyncAll)?;
         batch.commit()?;
         self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
         for (collection, part, failover, purge_seqno) in renewed {
@@ -320,7 +323,8 @@ impl Store {
         // The records are durable; now the copies that read them.
         let mut batch = self.paths[0].db.batch();
         for c in &header.collections {
-            let rec = crate::store::PartitionRecord { failover: c.failover.clone(), purge_seqno: c.purge_seqno, live: None };
+            let rec =
+                crate::store::PartitionRecord { failover: c.failover.clone(), purge_seqno: c.purge_seqno, live: None, high: Some(c.seqno) };
             batch.insert(&self.meta, crate::store::partition_key(c.id, p), crate::store::json_bytes(&rec));
         }
         batch.commit()?;

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use bytes::Bytes;
 use proptest::prelude::*;
 use shoal_storage::{
-    Change, Collection, ExportHeader, PartitionError, PartitionState, ReadError, Store, StoreConfig, StreamPosition, WriteError, WriteOp,
-    WriteRequest,
+    rollback_seqno, Change, Collection, ExportHeader, PartitionError, PartitionState, ReadError, Store, StoreConfig, StreamPosition,
+    WriteError, WriteOp, WriteRequest,
 };
 
 const PARTITIONS: u16 = 4;
@@ -30,6 +30,15 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (0u8..60, any::<u16>(), any::<bool>()).prop_map(|(key, value, expires)| Op::Upsert { key, value, expires }),
         1 => (0u8..60).prop_map(|key| Op::Remove { key }),
     ]
+}
+
+/// Runs the ops whose key is in partition `p` only.
+fn run_in(coll: &Collection, ops: &[Op], p: u16) {
+    let key = |op: &Op| match op {
+        Op::Upsert { key, .. } | Op::Remove { key } => format!("k{key}"),
+    };
+    let mine: Vec<Op> = ops.iter().filter(|op| shoal_storage::partition_of(key(op).as_bytes(), PARTITIONS) == p).cloned().collect();
+    run(coll, &mine);
 }
 
 fn run(coll: &Collection, ops: &[Op]) {
@@ -94,8 +103,105 @@ fn copy_store(src: &Store, dir: &std::path::Path) -> Arc<Store> {
     dst
 }
 
+/// Makes `dst`'s copy of partition `p` a replica of `src`'s, from an export: both
+/// collections, on the source's history, at the export's positions.
+fn replicate(src: &Store, dst: &Store, p: u16) -> ExportHeader {
+    dst.drop_partition(p).unwrap();
+    dst.set_partition_state(p, PartitionState::Pending).unwrap();
+    let export = src.export_partition(p).unwrap();
+    let header = export.header().clone();
+    dst.ingest_partition(&header, export).unwrap();
+    dst.set_partition_state(p, PartitionState::Replica).unwrap();
+    header
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
+
+    /// A failover: source A writes, replica R follows it to its high seqno h, replica S only
+    /// to s < h; S becomes active (a new history), A writes more and is lost (R follows that
+    /// too). R computes its rollback point from the failover logs, rolls back, restores the
+    /// keys it removed from S's current versions, takes S's history and follows S while S
+    /// writes. At the end R holds exactly what S holds: per key (live or deleted, as S's
+    /// stream shows it) the same seqno, CAS, expiry and document, and the same high seqno.
+    #[test]
+    fn a_replica_of_a_source_that_rolls_back_ends_equal_to_the_new_active(
+        before in prop::collection::vec(op(), 0..120),
+        followed in prop::collection::vec(op(), 1..200),
+        s_share in 0.0f64..1.0,
+        lost in prop::collection::vec(op(), 0..120),
+        new_writes in prop::collection::vec(op(), 0..200),
+        p in 0u16..PARTITIONS,
+    ) {
+        let (da, dr, ds) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let a_store = open(da.path());
+        let a = a_store.create_collection("a", 0).unwrap();
+        let _ = a_store.create_collection("b", 0).unwrap();
+        let (r_store, s_store) = (copy_store(&a_store, dr.path()), copy_store(&a_store, ds.path()));
+        run(&a, &before);
+        let header = replicate(&a_store, &r_store, p);
+        let _ = replicate(&a_store, &s_store, p);
+        let (r, s) = (r_store.collection("a").unwrap(), s_store.collection("a").unwrap());
+        let start = header.collections[0].position();
+
+        // A writes; R follows all of it, S a prefix of it.
+        run(&a, &followed);
+        let from_a = changes_after(&a, p, start);
+        for chunk in from_a.chunks(37) {
+            let _ = r.apply(p, chunk).unwrap();
+        }
+        let s_len = ((from_a.len() as f64) * s_share) as usize;
+        for chunk in from_a[..s_len].chunks(37) {
+            let _ = s.apply(p, chunk).unwrap();
+        }
+        let s_high = s.high_seqnos()[usize::from(p)];
+        prop_assert_eq!(s_high, from_a[..s_len].last().map_or(start.seqno, |c| c.seqno));
+
+        // S is promoted; A writes on and fails, and R took that too.
+        s_store.set_partition_state(p, PartitionState::Active).unwrap();
+        let r_pos = StreamPosition { seqno: r.high_seqnos()[usize::from(p)], uuid: start.uuid };
+        run(&a, &lost);
+        let more = changes_after(&a, p, r_pos);
+        for chunk in more.chunks(37) {
+            let _ = r.apply(p, chunk).unwrap();
+        }
+        drop(a);
+        drop(a_store);
+        // (Only partition p: the stores' other partitions are not replicas of each other.)
+        run_in(&s, &new_writes[..new_writes.len() / 3], p);
+
+        // R's rollback decision from the two failover logs.
+        let r_high = r.high_seqnos()[usize::from(p)];
+        let decision = rollback_seqno(&r.failover_log(p), &s.failover_log(p), r_high);
+        prop_assert_eq!(decision, (s_high < r_high).then_some(s_high));
+        if let Some(to) = decision {
+            let report = r_store.rollback_partition(&r, p, to).unwrap();
+            prop_assert_eq!(report.seqno, to);
+            prop_assert_eq!(r.high_seqnos()[usize::from(p)], to);
+            prop_assert!(state_of(&r, p).values().all(|c| c.seqno <= to), "nothing above the rollback point is left");
+            // A repeated rollback does nothing.
+            prop_assert_eq!(r_store.rollback_partition(&r, p, to).unwrap().removed.len(), 0);
+            // The removed keys, from S as it is now (live or deleted).
+            let s_now = state_of(&s, p);
+            let fetched: Vec<Change> = report.removed.iter().filter_map(|k| s_now.get(k).cloned()).collect();
+            let written = r.restore(p, &fetched).unwrap();
+            prop_assert!(written <= fetched.len());
+            prop_assert_eq!(r.restore(p, &fetched).unwrap(), 0, "a repeated restore writes nothing");
+            prop_assert_eq!(r.high_seqnos()[usize::from(p)], to, "a restore does not move the high seqno");
+        }
+        prop_assert_eq!(rollback_seqno(&r.failover_log(p), &s.failover_log(p), r.high_seqnos()[usize::from(p)]), None);
+        r_store.adopt_history(&r, p, &s.failover_log(p)).unwrap();
+        prop_assert_eq!(r.failover_log(p), s.failover_log(p));
+
+        // R follows S while S writes.
+        let mut pos = StreamPosition { seqno: r.high_seqnos()[usize::from(p)], uuid: s.partition_uuids()[usize::from(p)] };
+        pos = catch_up(&s, &r, p, pos);
+        run_in(&s, &new_writes[new_writes.len() / 3..], p);
+        let _ = catch_up(&s, &r, p, pos);
+        prop_assert_eq!(r.high_seqnos()[usize::from(p)], s.high_seqnos()[usize::from(p)]);
+        prop_assert_eq!(state_of(&r, p), state_of(&s, p));
+        prop_assert_eq!(r.info().docs, s.info().docs, "the document counts follow the rollback and the restore");
+    }
 
     #[test]
     fn a_copy_equals_its_source_at_the_export_then_follows_it(
@@ -334,4 +440,164 @@ fn a_backfill_is_consistent_only_at_its_snapshot_end_and_the_live_tail_at_every_
         assert!(sub.consistent());
         assert_eq!(sub.snapshot_end(), 201 + i);
     }
+}
+
+/// `count` replicated upserts to keys of partition 0 (`n{i % keys}`), seqnos 1..=count.
+fn replicated(count: u64, keys: u64) -> Vec<Change> {
+    let key_names: Vec<String> =
+        (0..).map(|i| format!("n{i}")).filter(|k| shoal_storage::partition_of(k.as_bytes(), PARTITIONS) == 0).take(keys as usize).collect();
+    (1..=count)
+        .map(|seqno| Change {
+            partition: 0,
+            seqno,
+            key: Bytes::from(key_names[(seqno % keys) as usize].clone()),
+            cas: 1000 + seqno,
+            deleted: seqno % 7 == 0,
+            expiry: if seqno % 3 == 0 && seqno % 7 != 0 { u32::MAX - 1 } else { 0 },
+            value: (seqno % 7 != 0).then(|| Bytes::from(format!("{seqno}"))),
+        })
+        .collect()
+}
+
+#[test]
+fn an_active_copy_refuses_a_rollback_and_a_rolled_back_replica_keeps_it_across_restarts() {
+    for crash in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        // 30 keys over 40 changes: keys whose latest change is above 25 go whole.
+        let all = replicated(40, 30);
+        let latest: BTreeMap<Bytes, Change> = all.iter().map(|c| (c.key.clone(), c.clone())).collect();
+        let expected: BTreeMap<Bytes, Change> = latest.iter().filter(|(_, c)| c.seqno <= 25).map(|(k, c)| (k.clone(), c.clone())).collect();
+        let removed: Vec<Bytes> = latest.iter().filter(|(_, c)| c.seqno > 25).map(|(k, _)| k.clone()).collect();
+        assert!(expected.len() > 5 && removed.len() > 5);
+        {
+            let store = open(dir.path());
+            let c = store.create_collection("c", 0).unwrap();
+            let Err(PartitionError::NotMine(n)) = store.rollback_partition(&c, 0, 0) else { panic!("an active copy rolled back") };
+            assert_eq!(n.state, PartitionState::Active);
+            store.set_partition_state(0, PartitionState::Replica).unwrap();
+            let _ = c.apply(0, &all).unwrap();
+            let uuid = c.partition_uuids()[0];
+            let report = store.rollback_partition(&c, 0, 25).unwrap();
+            assert_eq!(report.seqno, 25);
+            let mut got = report.removed.clone();
+            got.sort();
+            assert_eq!(got, removed, "the keys whose latest change was above 25");
+            let log = c.failover_log(0);
+            assert_eq!(log.len(), 2);
+            assert_eq!((log[0].uuid, log[1].seqno), (uuid, 25), "the history goes on from 25 under a new uuid");
+            // A reader that had read past 25 on the old history is sent back to 25.
+            let (_, rollback) = c.subscribe(0, StreamPosition { seqno: 40, uuid }).unwrap();
+            assert_eq!(rollback, Some(25));
+            // Changes above 25 may come again (from the new active).
+            let _ = c.apply(0, &[Change { seqno: 26, ..all[0].clone() }]).unwrap();
+            let _ = store.rollback_partition(&c, 0, 25).unwrap();
+            if !crash {
+                store.close().unwrap();
+            }
+        }
+        let store = open(dir.path());
+        let c = store.collection("c").unwrap();
+        assert_eq!(c.high_seqnos()[0], 25, "crash {crash}");
+        assert_eq!(state_of(&c, 0), expected, "crash {crash}");
+        let live = expected.values().filter(|c| !c.deleted).count() as u64;
+        assert_eq!(c.info().docs, live, "crash {crash}");
+        assert_eq!(c.failover_log(0)[1].seqno, 25);
+        // Promoted, it serves the rolled-back documents, and the removed keys are absent.
+        store.set_partition_state(0, PartitionState::Active).unwrap();
+        for change in expected.values() {
+            let key = std::str::from_utf8(&change.key).unwrap();
+            match c.get(key) {
+                Ok(doc) => assert_eq!(
+                    (doc.seqno, doc.cas, doc.expiry, Some(doc.value)),
+                    (change.seqno, change.cas, change.expiry, change.value.clone())
+                ),
+                Err(ReadError::NotFound) => assert!(change.deleted),
+                Err(e) => panic!("{key}: {e}"),
+            }
+        }
+        for key in &removed {
+            assert!(matches!(c.get(std::str::from_utf8(key).unwrap()), Err(ReadError::NotFound)));
+        }
+    }
+}
+
+#[test]
+fn a_restore_writes_below_the_high_seqno_and_readers_from_before_it_see_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    let c = store.create_collection("c", 0).unwrap();
+    store.set_partition_state(0, PartitionState::Replica).unwrap();
+    let all = replicated(30, 30);
+    let _ = c.apply(0, &all[..20]).unwrap();
+    let report = store.rollback_partition(&c, 0, 10).unwrap();
+    assert_eq!(report.removed.len(), 10);
+    // The new active's versions: key of seqno 15 came back at seqno 8 (it had an older
+    // version there on the shared history); one at 12 is above the high seqno and skipped.
+    let restored = Change { seqno: 8, cas: 555, ..all[14].clone() };
+    let above = Change { seqno: 12, ..all[15].clone() };
+    let taken = Change { seqno: 9, ..all[16].clone() };
+    assert!(matches!(c.restore(0, &[taken]), Err(PartitionError::NotInHistory { seqno: 9 })), "seqno 9 is another key's here");
+    // (Seqno 8 was another key's too in this made-up history: free it first.)
+    let _ = store.rollback_partition(&c, 0, 7).unwrap();
+    let _ = c.apply(0, &all[8..10]).unwrap();
+    assert_eq!(c.restore(0, &[restored.clone(), above]).unwrap(), 1);
+    assert_eq!(c.high_seqnos()[0], 10);
+    let state = state_of(&c, 0);
+    assert_eq!(state.get(&restored.key), Some(&restored));
+    let (mut sub, _) = c.subscribe(0, StreamPosition { seqno: 7, uuid: c.partition_uuids()[0] }).unwrap();
+    assert!(sub.try_next(100, true).unwrap().contains(&restored), "a reader from before it sees it");
+    store.set_partition_state(0, PartitionState::Active).unwrap();
+    assert!(matches!(c.restore(0, &[restored]), Err(PartitionError::NotMine(_))), "an active copy takes no restore");
+}
+
+#[test]
+fn the_persisted_seqno_covers_persist_writes_at_once_and_none_writes_after_the_next_fsync() {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    let c = store.create_collection("c", 0).unwrap();
+    let keys: Vec<String> =
+        (0..).map(|i| format!("k{i}")).filter(|k| shoal_storage::partition_of(k.as_bytes(), PARTITIONS) == 0).take(3).collect();
+    let put = |key: &str| WriteRequest {
+        key: Bytes::from(key.to_string()),
+        op: WriteOp::Upsert,
+        value: Some(Bytes::from_static(b"1")),
+        cas: None,
+        expiry: 0,
+    };
+    let watch = c.persisted_watch(0).unwrap();
+    rt.block_on(async {
+        let (out, wait) = c.write(put(&keys[0])).unwrap();
+        wait.wait().await.unwrap();
+        assert!(out.seqno <= *watch.borrow(), "a persist write is in the persisted seqno when it is answered");
+        // A none write: not claimed before an fsync covers it (none has run)...
+        let (none, _) = c.write(put(&keys[1])).unwrap();
+        assert!(*watch.borrow() < none.seqno);
+        // ...and covered by the next one, here one a persist write of another partition asks for.
+        let other = (0..).map(|i| format!("o{i}")).find(|k| shoal_storage::partition_of(k.as_bytes(), PARTITIONS) == 1).unwrap();
+        let (_, wait) = c.write(put(&other)).unwrap();
+        wait.wait().await.unwrap();
+        let mut w = watch.clone();
+        tokio::time::timeout(std::time::Duration::from_secs(10), w.wait_for(|s| *s >= none.seqno)).await.unwrap().unwrap();
+    });
+    // Applied changes too, on a replica.
+    store.set_partition_state(0, PartitionState::Replica).unwrap();
+    let watch = c.persisted_watch(0).unwrap();
+    let high = c.high_seqnos()[0];
+    let change = Change {
+        partition: 0,
+        seqno: high + 5,
+        key: Bytes::from(keys[2].clone()),
+        cas: u64::MAX / 2,
+        deleted: false,
+        expiry: 0,
+        value: Some(Bytes::from_static(b"2")),
+    };
+    let wait = c.apply(0, &[change]).unwrap();
+    rt.block_on(wait.wait()).unwrap();
+    assert_eq!(*watch.borrow(), high + 5);
+    // A rollback replaces the copy: the old watch closes, a new one starts at the rollback point.
+    let _ = store.rollback_partition(&c, 0, high).unwrap();
+    assert!(watch.has_changed().is_err(), "the replaced copy's watch is closed");
+    assert_eq!(*c.persisted_watch(0).unwrap().borrow(), high);
 }
