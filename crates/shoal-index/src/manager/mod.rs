@@ -14,11 +14,13 @@ mod ddl;
 mod layout;
 mod maintain;
 mod read;
+mod stream;
 
 use catalog::*;
 use layout::*;
 use maintain::*;
 pub use read::IndexCursor;
+use stream::*;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Bound;
