@@ -94,6 +94,7 @@ impl ApState {
 
     pub(super) fn upsert(&mut self, key: String, doc: ParsedDoc<'_>, dir: &Path) -> Result<(), ShadowError> {
         self.remove(&key);
+        debug_assert!(!self.keys.contains_key(key.as_str()), "a key has at most one live row");
         let slot = match doc.str_field(GROUP_FIELD) {
             None => 0,
             Some(g) => match self.slots.get(g) {
@@ -211,6 +212,9 @@ impl ApState {
         for slot in 0..self.buffers.len() {
             self.flush(slot, dir)?;
         }
+        // The manifest's positions cover exactly the segments it names.
+        debug_assert!(self.buffers.iter().all(|b| b.rows.is_empty()), "every buffer becomes a segment before the manifest is written");
+        debug_assert_eq!(self.live_rows(), self.keys.len(), "a key has at most one live row");
         let manifest = Manifest {
             version: MANIFEST_VERSION,
             analytics_partitions: aps,
@@ -241,6 +245,23 @@ impl ApState {
         Ok(())
     }
 
+    /// How far storage partition `p` is applied (the start for a partition that does not
+    /// feed this analytics partition).
+    pub(super) fn cursor(&self, p: PartitionId) -> StreamPosition {
+        debug_assert!(self.cursors.iter().any(|(q, _)| *q == p), "storage partition {p} does not feed this analytics partition");
+        self.cursors.iter().find(|(q, _)| *q == p).map(|(_, c)| *c).unwrap_or_default()
+    }
+
+    /// Records that storage partition `p` is applied up to `pos`: call with the rows of
+    /// every change up to there already in the state.
+    pub(super) fn set_cursor(&mut self, p: PartitionId, pos: StreamPosition) {
+        for (q, c) in &mut self.cursors {
+            if *q == p {
+                *c = pos;
+            }
+        }
+    }
+
     /// Forgets every row of storage partition `p` (its history diverged): the partition is
     /// read again from the start.
     pub(super) fn reset_partition(&mut self, p: PartitionId, partitions: u16) {
@@ -256,6 +277,11 @@ impl ApState {
         }
     }
 
+    /// Live rows in segments and buffers: one per key in `keys`.
+    pub(super) fn live_rows(&self) -> usize {
+        self.segments.values().map(Segment::live).sum::<usize>() + self.buffers.iter().map(|b| b.rows.len()).sum::<usize>()
+    }
+
     /// The pieces a scan reads (segments, and buffers converted now), skipping those whose
     /// group is not `group`.
     pub(super) fn parts(&mut self, group: Option<&str>) -> Result<Vec<Part>, ArrowError> {
@@ -263,6 +289,7 @@ impl ApState {
             (Some(want), Some(have)) => want == have,
             _ => true,
         };
+        debug_assert_eq!(self.live_rows(), self.keys.len(), "a key has at most one live row");
         let mut out = Vec::new();
         for s in self.segments.values().filter(|s| keep(&s.group) && s.live() > 0) {
             out.push(Part { batch: s.batch.clone(), live: s.live_mask() });
