@@ -30,7 +30,9 @@ use parking_lot::Mutex;
 use serde_json::Value;
 use shoal_index::{Consistency, IndexManager};
 use shoal_storage::changes::FeedPosition;
-use shoal_storage::{Collection, Store, StreamPosition};
+use shoal_storage::{
+    follow, ChangeConsumer, ChangesError, Collection, FollowLimits, PartitionBatch, PartitionId, SeqNo, Store, StreamPosition,
+};
 
 use crate::schema::Obj;
 use crate::shadow::ShadowManager;
@@ -211,15 +213,18 @@ impl SchemaCache {
         };
         let mut inferred = slot.lock();
         let Inferred { obj, feed, keys, .. } = &mut *inferred;
-        let changes = coll
-            .read_feed(feed, shoal_storage::ReadLimit::items(SCHEMA_WIDEN_CHANGES), true)
-            .map_err(|e| QueryError::Storage(e.to_string()))?;
-        for change in changes {
-            if let Some(body) = change.value {
-                if let Ok(Value::Object(map)) = serde_json::from_slice::<Value>(&body) {
-                    obj.observe(&map, 0);
-                }
-            }
+        let now = coll.positions();
+        let behind: Vec<PartitionId> =
+            (0..coll.partition_count()).filter(|&p| feed.partitions.get(usize::from(p)) != now.get(usize::from(p))).collect();
+        if !behind.is_empty() {
+            // Every partition with news a share of each batch, the call bounded in all.
+            let limits = FollowLimits {
+                batch_changes: SCHEMA_WIDEN_CHANGES.div_ceil(behind.len()),
+                partition_changes_max: SCHEMA_WIDEN_CHANGES,
+                total_changes_max: SCHEMA_WIDEN_CHANGES,
+                include_docs: true,
+            };
+            follow(coll, &behind, limits, &mut Widening { obj, feed }).map_err(|e| QueryError::Storage(e.to_string()))?;
         }
         Ok(Shape { schema: obj.table_schema(), splits: keys.clone() })
     }
@@ -249,6 +254,43 @@ impl SchemaCache {
         let inferred = Arc::new(Mutex::new(Inferred { obj, feed, complete: true, keys }));
         self.by_collection.lock().insert(coll.id(), inferred);
         Ok(true)
+    }
+}
+
+/// A collection's schema as a consumer of its change streams. The schema only widens, so a
+/// partition whose history diverged keeps what it contributed (a wider schema still reads
+/// every document) and is read again from the start.
+struct Widening<'a> {
+    obj: &'a mut Obj,
+    feed: &'a mut FeedPosition,
+}
+
+impl ChangeConsumer for Widening<'_> {
+    type Error = ChangesError;
+
+    fn position(&self, p: PartitionId) -> StreamPosition {
+        self.feed.partitions.get(usize::from(p)).copied().unwrap_or_default()
+    }
+
+    fn rollback(&mut self, p: PartitionId, _shared: SeqNo) -> Result<(), ChangesError> {
+        if let Some(slot) = self.feed.partitions.get_mut(usize::from(p)) {
+            *slot = StreamPosition::default();
+        }
+        Ok(())
+    }
+
+    fn apply(&mut self, batch: &[PartitionBatch]) -> Result<(), ChangesError> {
+        for part in batch {
+            for body in part.changes.iter().filter_map(|c| c.value.as_ref()) {
+                if let Ok(Value::Object(map)) = serde_json::from_slice::<Value>(body) {
+                    self.obj.observe(&map, 0);
+                }
+            }
+            if let Some(slot) = self.feed.partitions.get_mut(usize::from(part.partition)) {
+                *slot = part.position;
+            }
+        }
+        Ok(())
     }
 }
 

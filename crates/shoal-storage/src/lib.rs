@@ -20,10 +20,12 @@ mod syncer;
 mod unit;
 
 pub mod changes;
+pub mod consumer;
 
 pub use changes::{Change, PartitionSubscription, StreamPosition};
 pub use clock::{IdSource, ManualClock, RandomIds, SeededIds, SystemClock, TimeSource};
 pub use collection::{Collection, CollectionInfo};
+pub use consumer::{follow, ChangeConsumer, ChangeReader, ChangeSource, FollowLimits, PartitionBatch};
 pub use error::{is_corruption, CatalogError, ChangesError, CollectionError, NotMine, OpenError, PartitionError, ReadError, WriteError};
 pub use health::{StorageHealth, StorageState, TaskHealth, TaskReport};
 pub use partition::{Document, FailoverEntry, MutationOutcome, ReadLimit, WriteOp, WriteRequest};

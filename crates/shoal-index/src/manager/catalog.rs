@@ -1,0 +1,256 @@
+//! Opening the index database: definitions from the store's catalog, a damaged database
+//! moved aside (quarantine), orphans removed, every index loaded with its cursors.
+
+use super::*;
+
+/// What [`open_database`] found: the database and the indexes to attach.
+pub(super) struct Opened {
+    pub(super) db: fjall::Database,
+    pub(super) meta: fjall::Keyspace,
+    pub(super) indexes: Vec<(Arc<Collection>, Arc<Index>)>,
+    pub(super) next_id: u32,
+}
+
+/// Whether an error opening or reading the index database at start means its files are
+/// damaged, so that moving them aside and rebuilding is the cure. Besides failed checks,
+/// that is any engine error but those of the environment (see [`environmental`]): a missing
+/// or truncated file of the database's own is damage too.
+pub(super) fn damaged_at_open(e: &IndexError) -> bool {
+    match e {
+        IndexError::Corrupt(_) => true,
+        IndexError::Engine(f) => !environmental(f),
+        _ => false,
+    }
+}
+
+/// An engine error caused by the environment rather than the database's files:
+/// permissions, a full or read-only disk, memory, another process holding the database.
+/// Moving the files aside would not help, and a fresh database would fail the same way.
+pub(super) fn environmental(e: &fjall::Error) -> bool {
+    use std::io::ErrorKind as K;
+    let io = match e {
+        fjall::Error::Io(io) | fjall::Error::Storage(fjall::LsmError::Io(io)) => io,
+        fjall::Error::Locked | fjall::Error::Poisoned => return true,
+        _ => return false,
+    };
+    matches!(
+        io.kind(),
+        K::PermissionDenied
+            | K::StorageFull
+            | K::ReadOnlyFilesystem
+            | K::QuotaExceeded
+            | K::OutOfMemory
+            | K::Interrupted
+            | K::WouldBlock
+            | K::ResourceBusy
+            | K::TimedOut
+    )
+}
+
+/// Moves the index database at `path` aside to `index.quarantined-<unix seconds>` (with a
+/// counter if that exists), for inspection; the directory rename is made durable before a
+/// fresh database is created in its place.
+pub(super) fn quarantine(path: &Path) -> Result<PathBuf, IndexError> {
+    let io = |source: std::io::Error| IndexError::Io { path: path.display().to_string(), source };
+    let secs = shoal_storage::unix_now_secs();
+    let mut target = path.with_file_name(format!("{INDEX_DIR}{QUARANTINE_SUFFIX}{secs}"));
+    let mut n = 1u32;
+    while target.exists() {
+        target = path.with_file_name(format!("{INDEX_DIR}{QUARANTINE_SUFFIX}{secs}-{n}"));
+        n += 1;
+    }
+    std::fs::rename(path, &target).map_err(io)?;
+    if let Some(parent) = path.parent() {
+        std::fs::File::open(parent).and_then(|d| d.sync_all()).map_err(io)?;
+    }
+    Ok(target)
+}
+
+/// Opens the fjall database at `path`. The engine asserts some invariants of its files with
+/// panics (a configuration entry that must exist, say); a damaged file must not take the
+/// node down, so a panic while opening counts as damage.
+pub(super) fn open_fjall(path: &Path) -> Result<fjall::Database, IndexError> {
+    std::panic::catch_unwind(|| fjall::Database::builder(path).cache_size(INDEX_CACHE_BYTES).open())
+        .map_err(|_| IndexError::Corrupt("the storage engine failed a check opening the index database".into()))?
+        .map_err(IndexError::from)
+}
+
+/// Reads the definitions in the store's catalog. One that does not decode is left out and
+/// logged (its index cannot be served; its storage is removed as an orphan).
+pub(super) fn read_catalog(store: &Store) -> Result<BTreeMap<String, Record>, IndexError> {
+    let mut out = BTreeMap::new();
+    for (key, value) in store.catalog_prefix(CATALOG_PREFIX)? {
+        match serde_json::from_slice::<Record>(&value) {
+            Ok(r) if r.catalog_key() == key => {
+                out.insert(key, r);
+            }
+            Ok(r) => tracing::error!(key, index = %r.def.name, "an index definition is stored under another name's key; ignored"),
+            Err(e) => tracing::error!(key, error = %e, "an index definition in the catalog does not decode; ignored"),
+        }
+    }
+    Ok(out)
+}
+
+/// Opens the index database, copies definitions it holds from before the catalog into the
+/// catalog, removes storage no definition owns, and loads every index. Any error here
+/// reading the database is for [`damaged_at_open`] to judge.
+pub(super) fn open_database(store: &Store, path: &Path) -> Result<Opened, IndexError> {
+    let db = open_fjall(path)?;
+    let meta = db.keyspace(META_KEYSPACE, fjall::KeyspaceCreateOptions::default)?;
+    let mut records = read_catalog(store)?;
+    let mut legacy_ids = Vec::new();
+    let mut migrated = true;
+    for guard in meta.prefix(LEGACY_DEF_PREFIX) {
+        let (_, v) = guard.into_inner()?;
+        let r: Record = serde_json::from_slice(&v).map_err(|e| IndexError::Corrupt(format!("index definition: {e}")))?;
+        legacy_ids.push(r.id);
+        let key = r.catalog_key();
+        if records.contains_key(&key) {
+            // Copied by an earlier start that stopped before removing the old copy.
+            continue;
+        }
+        match r.encode().and_then(|json| Ok(store.put_catalog(&key, &json)?)) {
+            Ok(()) => tracing::info!(index = %r.def.name, collection = %r.collection, "index definition moved to the catalog"),
+            Err(e) => {
+                // Served from the old copy this time; the next start tries again.
+                tracing::warn!(index = %r.def.name, error = %e, "could not copy an index definition to the catalog");
+                migrated = false;
+            }
+        }
+        records.insert(key, r);
+    }
+    let mut indexes = Vec::new();
+    let mut live = HashSet::new();
+    for r in records.values() {
+        match store.collection(&r.collection).filter(|c| c.id() == r.collection_id) {
+            Some(coll) => {
+                indexes.push((Arc::clone(&coll), load(&db, &meta, r, &coll)?));
+                live.insert(r.id);
+            }
+            None => {
+                // Its storage goes as an orphan below; the definition now, or at a later start.
+                tracing::info!(index = %r.def.name, collection = %r.collection, "collection gone; dropping its index");
+                if let Err(e) = store.delete_catalog(&r.catalog_key()) {
+                    tracing::warn!(index = %r.def.name, error = %e, "could not remove the definition of an index whose collection is gone");
+                }
+            }
+        }
+    }
+    let mut batch = db.batch();
+    if migrated {
+        for id in legacy_ids {
+            batch.remove(&meta, legacy_def_key(id));
+        }
+    }
+    let next_id = remove_orphans(&db, &meta, &live, &mut batch)?;
+    batch.commit()?;
+    db.persist(fjall::PersistMode::SyncAll)?;
+    let stored_next = match meta.get(NEXT_ID_KEY)? {
+        Some(v) => u32::from_be_bytes(v.as_ref().try_into().map_err(|_| IndexError::Corrupt("next index id".into()))?),
+        None => 1,
+    };
+    let next_id = next_id.max(stored_next).max(live.iter().max().map_or(1, |m| m + 1));
+    debug_assert!(live.iter().all(|&id| id < next_id));
+    Ok(Opened { db, meta, indexes, next_id })
+}
+
+/// Removes the keyspaces, cursors and build positions of ids no live definition has
+/// (dropped or replaced indexes whose storage a crash left behind). Returns an id above
+/// every id the database has seen.
+pub(super) fn remove_orphans(
+    db: &fjall::Database,
+    meta: &fjall::Keyspace,
+    live: &HashSet<u32>,
+    batch: &mut fjall::OwnedWriteBatch,
+) -> Result<u32, IndexError> {
+    let mut next = 1u32;
+    for name in db.list_keyspace_names() {
+        let Some(id) = name.strip_prefix(['x', 'b']).and_then(|n| n.parse::<u32>().ok()) else { continue };
+        next = next.max(id.saturating_add(1));
+        if !live.contains(&id) {
+            tracing::info!(keyspace = %&*name, "removing the storage of an index that no longer exists");
+            let ks = db.keyspace(&name, fjall::KeyspaceCreateOptions::default)?;
+            db.delete_keyspace(ks)?;
+        }
+    }
+    for prefix in [&b"cur/"[..], b"scan/"] {
+        for guard in meta.prefix(prefix) {
+            let k = guard.key()?;
+            let id = std::str::from_utf8(&k[prefix.len()..]).ok().and_then(|rest| u32::from_str_radix(rest.get(..8)?, 16).ok());
+            if id.is_some_and(|id| !live.contains(&id)) {
+                batch.remove(meta, k);
+            }
+        }
+    }
+    Ok(next)
+}
+
+pub(super) fn open_keyspaces(db: &fjall::Database, id: u32) -> Result<(fjall::Keyspace, fjall::Keyspace), IndexError> {
+    let opts = || fjall::KeyspaceCreateOptions::default().max_memtable_size(INDEX_MEMTABLE_MAX_BYTES);
+    Ok((db.keyspace(&format!("x{id}"), opts)?, db.keyspace(&format!("b{id}"), opts)?))
+}
+
+/// The index of definition `r`, with its cursors and build position as persisted (none
+/// for a new index, which its maintainer then builds from the documents).
+pub(super) fn load(db: &fjall::Database, meta: &fjall::Keyspace, r: &Record, coll: &Collection) -> Result<Arc<Index>, IndexError> {
+    let compiled = r.def.compile()?;
+    let (fwd, back) = open_keyspaces(db, r.id)?;
+    let n = usize::from(coll.partition_count());
+    let mut cursors = vec![StreamPosition::default(); n];
+    let items: Vec<AtomicI64> = (0..n).map(|_| AtomicI64::new(0)).collect();
+    for guard in meta.prefix(format!("cur/{:08x}/", r.id).as_bytes()) {
+        let (k, v) = guard.into_inner()?;
+        let p = std::str::from_utf8(&k[k.len().saturating_sub(4)..]).ok().and_then(|h| usize::from_str_radix(h, 16).ok());
+        if let (Some(p), Some((pos, count))) = (p, decode_cursor(&v)) {
+            if p < n {
+                cursors[p] = pos;
+                items[p].store(count, Ordering::Relaxed);
+            }
+        }
+    }
+    let scan = match meta.get(scan_key(r.id))? {
+        Some(v) => Some(ScanState::decode(&v, n)?),
+        None => None,
+    };
+    Ok(Arc::new(Index {
+        id: r.id,
+        collection_id: r.collection_id,
+        collection: r.collection.clone(),
+        def: r.def.clone(),
+        compiled,
+        fwd,
+        back,
+        deferred: AtomicBool::new(r.def.defer_build),
+        dropped: AtomicBool::new(false),
+        corrupt: AtomicBool::new(false),
+        cursors: Mutex::new(cursors),
+        items,
+        target: Mutex::new(Some(coll.high_seqnos())),
+        progress: watch::channel(0).0,
+        scan: Mutex::new(scan),
+    }))
+}
+
+pub(super) fn delete_index_storage(
+    db: &fjall::Database,
+    meta: &fjall::Keyspace,
+    id: u32,
+    open: Option<(fjall::Keyspace, fjall::Keyspace)>,
+) -> Result<(), IndexError> {
+    let mut batch = db.batch();
+    batch.remove(meta, legacy_def_key(id));
+    batch.remove(meta, scan_key(id));
+    for guard in meta.prefix(format!("cur/{id:08x}/").as_bytes()) {
+        let k = guard.key()?;
+        batch.remove(meta, k);
+    }
+    batch.commit()?;
+    let (fwd, back) = match open {
+        Some(ks) => ks,
+        None => open_keyspaces(db, id)?,
+    };
+    db.delete_keyspace(fwd)?;
+    db.delete_keyspace(back)?;
+    db.persist(fjall::PersistMode::SyncAll)?;
+    Ok(())
+}

@@ -1,0 +1,229 @@
+//! Maintenance: one task per collection running rounds on the worker pool — a build's
+//! key-order read of the documents, and the change streams applied to the indexes.
+
+use super::*;
+
+/// One collection's maintainer: rounds on the worker pool while there is news, then waits
+/// for a change, a wake-up (new index, build, scan) or the idle poll.
+pub(super) async fn maintain(mgr: Arc<IndexManager>, coll: Arc<Collection>, wake: Arc<Notify>, round: Arc<Mutex<()>>) {
+    let mut changed = coll.changed();
+    let _running = mgr.health.running();
+    loop {
+        // Published from here too: rebuilds counted while the node opened came before the
+        // metrics recorder was installed.
+        metrics::counter!(REBUILDS_METRIC).absolute(mgr.rebuilds());
+        if coll.is_dropped() {
+            if let Err(e) = mgr.drop_collection(coll.id()).await {
+                tracing::warn!(error = %e, "dropping the indexes of a dropped collection");
+            }
+            return;
+        }
+        let Some(active) = mgr.active(coll.id()) else {
+            return;
+        };
+        changed.borrow_and_update();
+        let mut progressed = false;
+        if !active.is_empty() {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let (c, r) = (Arc::clone(&coll), Arc::clone(&round));
+            let m = Arc::clone(&mgr);
+            mgr.pool.spawn(move || {
+                let _round = r.lock();
+                let _ = tx.send(run_round(&m, &c, &active));
+            });
+            match rx.await {
+                Ok(Ok(p)) => {
+                    mgr.health.round_succeeded();
+                    progressed = p;
+                }
+                Ok(Err(
+                    IndexError::Changes(shoal_storage::ChangesError::CollectionDropped)
+                    | IndexError::Read(shoal_storage::ReadError::CollectionDropped),
+                )) => continue,
+                // An index met damage and was set aside (reported where it was met); the
+                // others go on at once.
+                Ok(Err(IndexError::Rebuilding { .. })) => continue,
+                Ok(Err(e)) => {
+                    tracing::warn!(collection = %coll.name(), error = %e, "index maintenance failed; retrying");
+                    mgr.health.round_failed(&format!("collection {}: {e}", coll.name()));
+                    tokio::time::sleep(IDLE_POLL).await;
+                }
+                Err(_) => return,
+            }
+        }
+        if !progressed {
+            tokio::select! {
+                _ = changed.changed() => {}
+                _ = wake.notified() => {}
+                _ = tokio::time::sleep(IDLE_POLL) => {}
+            }
+        }
+    }
+}
+
+/// Brings every partition with news up to date (bounded per partition), in parallel on the
+/// pool; then marks indexes that reached their build target ready. True if anything moved.
+///
+/// Partitions are handled in groups whose batches are applied together (see [`group_size`]).
+pub(super) fn run_round(mgr: &IndexManager, coll: &Collection, active: &[Arc<Index>]) -> Result<bool, IndexError> {
+    let Plan { scanning, streaming } = plan_scan(mgr, coll, active)?;
+    let highs = coll.high_seqnos();
+    let behind: Vec<PartitionId> = (0..coll.partition_count())
+        .filter(|&p| streaming.iter().any(|i| i.cursors.lock()[usize::from(p)].seqno < highs[usize::from(p)]))
+        .collect();
+    let size = group_size(behind.len(), mgr.pool.current_num_threads());
+    let (scanned, streamed) = rayon::join(
+        || if scanning.is_empty() { Ok(false) } else { scan_round(mgr, coll, &scanning) },
+        || behind.par_chunks(size).map(|group| catch_up(mgr, coll, &streaming, group)).try_reduce(|| false, |a, b| Ok(a || b)),
+    );
+    let moved = scanned? | streamed?;
+    for index in active {
+        let done = index.scan.lock().is_none() && index.target.lock().as_ref().is_some_and(|t| index.caught_up(t));
+        if done {
+            *index.target.lock() = None;
+            index.progress.send_modify(|v| *v += 1);
+            tracing::info!(index = %index.def.name, "index ready");
+        }
+    }
+    Ok(moved)
+}
+
+/// Indexes built by a scan, and indexes fed from the change streams.
+pub(super) struct Plan {
+    scanning: Vec<Arc<Index>>,
+    streaming: Vec<Arc<Index>>,
+}
+
+/// Splits the active indexes into those a key-order scan of the documents builds and those
+/// fed from the change streams; starts a scan for indexes whose build has not begun.
+///
+/// A new build reads the documents once, in key order, for all indexes starting together
+/// (one sequential read whatever the partition count), then follows the change streams from
+/// positions taken before the read. Indexes whose build is asked for while a scan runs wait
+/// for the next one.
+pub(super) fn plan_scan(mgr: &IndexManager, coll: &Collection, active: &[Arc<Index>]) -> Result<Plan, IndexError> {
+    let live = || active.iter().filter(|i| !i.dropped.load(Ordering::Acquire));
+    let mut scanning: Vec<Arc<Index>> = live().filter(|i| i.scan.lock().is_some()).cloned().collect();
+    let unstarted = |i: &Index| {
+        i.scan.lock().is_none()
+            && i.target.lock().as_ref().is_some_and(|t| t.iter().any(|&h| h > 0))
+            && i.cursors.lock().iter().all(|c| c.seqno == 0)
+            && i.items.iter().all(|n| n.load(Ordering::Relaxed) == 0)
+    };
+    let waiting: Vec<Arc<Index>> = live().filter(|i| unstarted(i)).cloned().collect();
+    if scanning.is_empty() && !waiting.is_empty() {
+        let state = ScanState { start: coll.positions(), after: None, scanned: 0, total: coll.info().docs };
+        let mut batch = mgr.db.batch();
+        for index in &waiting {
+            batch.insert(&mgr.meta, scan_key(index.id), state.encode());
+        }
+        batch.commit()?;
+        for index in &waiting {
+            *index.scan.lock() = Some(state.clone());
+        }
+        tracing::info!(indexes = waiting.len(), docs = state.total, "index build: reading the documents in key order");
+        scanning = waiting.clone();
+    }
+    let streaming = active
+        .iter()
+        .filter(|i| !scanning.iter().any(|s| Arc::ptr_eq(s, i)) && !waiting.iter().any(|w| Arc::ptr_eq(w, i)))
+        .cloned()
+        .collect();
+    Ok(Plan { scanning, streaming })
+}
+
+/// Reads the next documents in key order into every scanning index (up to
+/// [`SCAN_ROUND_DOCS`] per round, so streamed indexes and drops get their turn), one write
+/// batch per [`SCAN_BATCH_DOCS`] together with the scan's position. At the end, the indexes
+/// take the scan's start positions as their cursors.
+pub(super) fn scan_round(mgr: &IndexManager, coll: &Collection, scanning: &[Arc<Index>]) -> Result<bool, IndexError> {
+    let partitions = coll.partition_count();
+    let mut done = 0;
+    while done < SCAN_ROUND_DOCS {
+        let Some(state) = scanning.iter().find_map(|i| i.scan.lock().clone()) else {
+            return Ok(done > 0);
+        };
+        let docs = coll.scan_docs(state.after.as_deref(), SCAN_BATCH_DOCS)?;
+        let mut batch = mgr.db.batch();
+        let Some(last) = docs.last().map(|d| d.0.clone()) else {
+            for index in scanning {
+                for (p, pos) in state.start.iter().enumerate() {
+                    let items = index.items[p].load(Ordering::Relaxed);
+                    batch.insert(&mgr.meta, cursor_key(index.id, p as PartitionId), encode_cursor(*pos, items));
+                }
+                batch.remove(&mgr.meta, scan_key(index.id));
+            }
+            batch.commit()?;
+            for index in scanning {
+                index.cursors.lock().clone_from_slice(&state.start);
+                *index.scan.lock() = None;
+                index.progress.send_modify(|v| *v += 1);
+            }
+            return Ok(true);
+        };
+        let computed: Vec<Vec<Vec<Vec<u8>>>> = docs
+            .par_iter()
+            .with_min_len(64)
+            .map(|(_, body)| {
+                let doc: Option<Value> = serde_json::from_slice(body).ok();
+                scanning.iter().map(|i| doc.as_ref().map(|d| i.compiled.entries(d)).unwrap_or_default()).collect()
+            })
+            .collect();
+        let next = ScanState { after: Some(last), scanned: state.scanned + docs.len() as u64, ..state };
+        let mut staged = Vec::with_capacity(scanning.len());
+        for (k, index) in scanning.iter().enumerate() {
+            let mut delta: HashMap<PartitionId, i64> = HashMap::new();
+            let mut fwd = Vec::with_capacity(docs.len());
+            for ((key, _), per_index) in docs.iter().zip(&computed) {
+                let entries = &per_index[k];
+                if entries.is_empty() {
+                    continue;
+                }
+                // Each key comes once and nothing was indexed for it before: no back read.
+                for e in entries {
+                    fwd.push(entry_key(e, key));
+                }
+                batch.insert(&index.back, key.as_ref(), encode_list(entries));
+                *delta.entry(shoal_storage::partition_of(key, partitions)).or_default() += entries.len() as i64;
+            }
+            fwd.sort_unstable();
+            for key in fwd {
+                batch.insert(&index.fwd, key, []);
+            }
+            let mut items = Vec::with_capacity(delta.len());
+            for (p, d) in delta {
+                let n = index.items[usize::from(p)].load(Ordering::Relaxed) + d;
+                batch.insert(&mgr.meta, cursor_key(index.id, p), encode_cursor(StreamPosition::default(), n));
+                items.push((usize::from(p), n));
+            }
+            batch.insert(&mgr.meta, scan_key(index.id), next.encode());
+            staged.push(items);
+        }
+        batch.commit()?;
+        for (index, items) in scanning.iter().zip(staged) {
+            for (p, n) in items {
+                index.items[p].store(n, Ordering::Relaxed);
+            }
+            *index.scan.lock() = Some(next.clone());
+            index.progress.send_modify(|v| *v += 1);
+        }
+        done += docs.len();
+    }
+    Ok(true)
+}
+
+/// Partitions per group: the partitions behind, split evenly over the workers.
+///
+/// One partition's changes are spread over the whole key space (more thinly the more
+/// partitions there are). Reading every partition of a group in lock step — a few changes
+/// of each per batch, see [`part_batch`] — and writing them as one sorted batch keeps both
+/// the document reads and the inserts into the index's memtable close together, so the cost
+/// per change does not grow with the partition count.
+pub(super) fn group_size(behind: usize, workers: usize) -> usize {
+    behind.div_ceil(workers.max(1)).max(1)
+}
+
+/// Changes read from each partition of a group per batch: about [`GROUP_CHANGES`] in all.
+pub(super) fn part_batch(group: usize) -> usize {
+    (GROUP_CHANGES / group.max(1)).clamp(PART_BATCH_MIN, BATCH_CHANGES)
+}

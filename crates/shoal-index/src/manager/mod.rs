@@ -1,0 +1,391 @@
+//! The node's indexes: definitions, maintainers (one per collection with indexes, running
+//! rounds on the shared worker pool), and scans.
+//!
+//! Everything in the index database can be rebuilt from the documents, so damage to it is
+//! contained rather than fatal. Definitions live in the store's catalog (the index database
+//! keeps only entries, back entries, cursors and build positions). A database that cannot
+//! be opened or read at start is moved aside to `index.quarantined-<unix seconds>` and every
+//! index is built again in a fresh one; an index whose storage fails a check at run time (a
+//! scan or a maintainer round meets a checksum error) is replaced by a new index of the same
+//! definition, built like a new one, while the others go on.
+
+mod catalog;
+mod ddl;
+mod layout;
+mod maintain;
+mod read;
+mod stream;
+
+use catalog::*;
+use layout::*;
+use maintain::*;
+pub use read::IndexCursor;
+use stream::*;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ops::Bound;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use shoal_storage::{Change, Collection, PartitionId, SeqNo, Store, StreamPosition};
+use tokio::sync::{watch, Notify};
+
+use crate::def::{Compiled, IndexDef};
+use crate::{
+    keycode, IndexError, BATCH_CHANGES, GROUP_CHANGES, PART_BATCH_MIN, ROUND_CHANGES_MAX, SCAN_BATCH_DOCS, SCAN_ROUND_DOCS, SCAN_ROWS_MAX,
+};
+
+const INDEX_DIR: &str = "index";
+/// A damaged index database is moved aside to `index` + this + its Unix time in seconds.
+const QUARANTINE_SUFFIX: &str = ".quarantined-";
+const META_KEYSPACE: &str = "meta";
+const NEXT_ID_KEY: &[u8] = b"next_index_id";
+/// Definitions in the index database's meta keyspace, as nodes before the catalog kept
+/// them; copied to the catalog at open (see [`open_database`]).
+const LEGACY_DEF_PREFIX: &[u8] = b"def/";
+/// Catalog keys (in the store) of the definitions: `index/{collection id:08x}/{name}`.
+const CATALOG_PREFIX: &str = "index/";
+/// Counts indexes rebuilt because their storage was found damaged.
+const REBUILDS_METRIC: &str = "shoal_index_rebuilds_total";
+/// How long a rebuild that failed (the store refusing writes, say) waits to try again.
+const REBUILD_RETRY: Duration = Duration::from_secs(5);
+/// How long a clean stop waits for the index keyspaces to be flushed into tables.
+const CLOSE_FLUSH_WAIT: Duration = Duration::from_secs(30);
+const CLOSE_FLUSH_POLL: Duration = Duration::from_millis(10);
+/// Memtable of each index keyspace (forward and back), as the storage crate's indexes.
+const INDEX_MEMTABLE_MAX_BYTES: u64 = 16 * 1024 * 1024;
+/// Block cache of the index database.
+const INDEX_CACHE_BYTES: u64 = 64 * 1024 * 1024;
+/// How long an idle maintainer sleeps before looking again without being woken.
+const IDLE_POLL: Duration = Duration::from_secs(1);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IndexState {
+    Deferred,
+    Building,
+    Ready,
+}
+
+impl IndexState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IndexState::Deferred => "deferred",
+            IndexState::Building => "building",
+            IndexState::Ready => "ready",
+        }
+    }
+}
+
+/// What `GET .../indexes` shows of one index.
+#[derive(Clone, Debug)]
+pub struct IndexStatus {
+    pub def: IndexDef,
+    pub state: IndexState,
+    pub progress: f64,
+    pub items: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Consistency {
+    NotBounded,
+    RequestPlus,
+}
+
+#[derive(Clone, Debug)]
+pub enum ScanBounds {
+    All,
+    /// A prefix of the keys, each equal.
+    Eq(Vec<Value>),
+    /// Bounds compare on their own length (a prefix of the keys); `None` is open.
+    Range {
+        low: Option<Vec<Value>>,
+        high: Option<Vec<Value>>,
+        inclusive_low: bool,
+        inclusive_high: bool,
+    },
+}
+
+#[derive(Clone, Debug)]
+pub struct ScanRequest {
+    pub bounds: ScanBounds,
+    pub limit: usize,
+    pub descending: bool,
+    pub consistency: Consistency,
+    /// How long `request_plus` may wait for the index to catch up.
+    pub timeout: Duration,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct ScanRow {
+    pub key: Vec<Value>,
+    pub id: String,
+}
+
+/// A definition as stored in the store's catalog (and, before the catalog, in the index
+/// database's meta keyspace: the same JSON). `id` names the index's keyspaces and cursors
+/// in the index database; a rebuild gives the definition a new one.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Record {
+    id: u32,
+    collection_id: u32,
+    collection: String,
+    def: IndexDef,
+}
+
+impl Record {
+    fn catalog_key(&self) -> String {
+        catalog_key(self.collection_id, &self.def.name)
+    }
+
+    fn encode(&self) -> Result<Vec<u8>, IndexError> {
+        serde_json::to_vec(self).map_err(|e| IndexError::Invalid(format!("index definition: {e}")))
+    }
+}
+
+fn catalog_key(collection_id: u32, name: &str) -> String {
+    format!("{CATALOG_PREFIX}{collection_id:08x}/{name}")
+}
+
+struct Index {
+    id: u32,
+    collection_id: u32,
+    collection: String,
+    def: IndexDef,
+    compiled: Compiled,
+    fwd: fjall::Keyspace,
+    back: fjall::Keyspace,
+    deferred: AtomicBool,
+    /// Dropped, or replaced by its rebuild: no longer in its collection's set.
+    dropped: AtomicBool,
+    /// A read of its storage failed a check: it is being replaced by a rebuild (see
+    /// [`IndexManager::damaged`]) and is neither maintained nor read meanwhile.
+    corrupt: AtomicBool,
+    /// Per partition: how far the index has applied the change stream.
+    cursors: Mutex<Vec<StreamPosition>>,
+    /// Per partition: entries contributed by the partition's documents.
+    items: Vec<AtomicI64>,
+    /// High seqnos when the build started; `None` once the index is ready.
+    target: Mutex<Option<Vec<SeqNo>>>,
+    /// Bumped whenever cursors move (request_plus waits on it).
+    progress: watch::Sender<u64>,
+    /// While a build reads the documents in key order (see [`scan_round`]).
+    scan: Mutex<Option<ScanState>>,
+}
+
+impl Index {
+    fn state(&self) -> IndexState {
+        if self.deferred.load(Ordering::Acquire) {
+            IndexState::Deferred
+        } else if self.corrupt.load(Ordering::Acquire) || self.target.lock().is_some() {
+            IndexState::Building
+        } else {
+            IndexState::Ready
+        }
+    }
+
+    fn progress_fraction(&self) -> f64 {
+        if self.corrupt.load(Ordering::Acquire) {
+            return 0.0;
+        }
+        if let Some(scan) = self.scan.lock().as_ref() {
+            // The catch-up after the scan is short; the scan is the build.
+            return (scan.scanned as f64 / scan.total.max(1) as f64).min(0.99);
+        }
+        let Some(target) = self.target.lock().clone() else {
+            return if self.deferred.load(Ordering::Acquire) { 0.0 } else { 1.0 };
+        };
+        let cursors = self.cursors.lock();
+        let total: u64 = target.iter().sum();
+        if total == 0 {
+            return 1.0;
+        }
+        let done: u64 = target.iter().zip(cursors.iter()).map(|(t, c)| c.seqno.min(*t)).sum();
+        done as f64 / total as f64
+    }
+
+    fn caught_up(&self, highs: &[SeqNo]) -> bool {
+        self.cursors.lock().iter().zip(highs).all(|(c, h)| c.seqno >= *h)
+    }
+
+    fn status(&self) -> IndexStatus {
+        let items = self.items.iter().map(|i| i.load(Ordering::Relaxed)).sum::<i64>().max(0) as u64;
+        IndexStatus { def: self.def.clone(), state: self.state(), progress: self.progress_fraction(), items }
+    }
+
+    /// The definition as the catalog holds it now.
+    fn record(&self) -> Record {
+        Record {
+            id: self.id,
+            collection_id: self.collection_id,
+            collection: self.collection.clone(),
+            def: IndexDef { defer_build: self.deferred.load(Ordering::Acquire), ..self.def.clone() },
+        }
+    }
+
+    fn catalog_key(&self) -> String {
+        catalog_key(self.collection_id, &self.def.name)
+    }
+
+    /// Wakes everyone waiting on the index (`request_plus` scans look again).
+    fn bump(&self) {
+        self.progress.send_modify(|v| *v += 1);
+    }
+}
+
+/// The indexes of one collection and its maintainer's controls.
+struct CollEntry {
+    indexes: Vec<Arc<Index>>,
+    wake: Arc<Notify>,
+    /// Held by a maintainer round; taken by drops before deleting keyspaces.
+    round: Arc<Mutex<()>>,
+}
+
+pub struct IndexManager {
+    store: Arc<Store>,
+    /// How the maintainers are doing, for `/v1/health`; damaged index storage is reported
+    /// here too.
+    pub health: shoal_storage::TaskHealth,
+    db: fjall::Database,
+    meta: fjall::Keyspace,
+    pool: Arc<rayon::ThreadPool>,
+    colls: Mutex<HashMap<u32, CollEntry>>,
+    /// Serialises create/drop/build/rebuild (each is rare and touches meta and keyspaces).
+    ddl: tokio::sync::Mutex<()>,
+    /// The next index id (never below any id in the catalog or the index database).
+    next_id: Mutex<u32>,
+    /// Indexes rebuilt because their storage was found damaged, since the node started.
+    rebuilds: AtomicU64,
+    /// Where rebuilds run: damage is met on pool threads, outside the runtime.
+    runtime: tokio::runtime::Handle,
+    /// This manager, for the rebuilds it starts from `&self`.
+    me: Weak<IndexManager>,
+}
+
+impl IndexManager {
+    /// Opens (or creates) the index database under the store's first data path, loads the
+    /// definitions from the store's catalog and resumes their maintainers. Call from within
+    /// a tokio runtime.
+    ///
+    /// A database that cannot be opened or read because its files are damaged is moved
+    /// aside (see [`quarantine`]) and a fresh one is built from the definitions: the node
+    /// starts and serves documents while the indexes build.
+    pub fn open(store: Arc<Store>, workers: usize) -> Result<Arc<IndexManager>, IndexError> {
+        let path = store.data_paths().first().cloned().ok_or_else(|| IndexError::Invalid("no data path".into()))?.join(INDEX_DIR);
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|e| IndexError::Invalid(format!("the index manager needs a tokio runtime: {e}")))?;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(workers.max(1))
+            .thread_name(|i| format!("shoal-index-{i}"))
+            .build()
+            .map_err(|e| IndexError::Invalid(format!("index worker pool: {e}")))?;
+        let health = shoal_storage::TaskHealth::default();
+        let (opened, rebuilds) = match open_database(&store, &path) {
+            Ok(opened) => (opened, 0),
+            Err(e) if damaged_at_open(&e) => {
+                let moved = quarantine(&path)?;
+                tracing::warn!(
+                    reason = %e,
+                    moved_to = %moved.display(),
+                    "the index database is damaged: moved it aside; every index is rebuilt from the documents"
+                );
+                let opened = open_database(&store, &path)?;
+                let n = opened.indexes.len();
+                health.round_failed(&format!(
+                    "the index database was damaged ({e}); moved to {} and rebuilding {n} indexes",
+                    moved.display()
+                ));
+                (opened, n as u64)
+            }
+            Err(e) => return Err(e),
+        };
+        let Opened { db, meta, indexes, next_id } = opened;
+        let mgr = Arc::new_cyclic(|me| IndexManager {
+            store,
+            health,
+            db,
+            meta,
+            pool: Arc::new(pool),
+            colls: Mutex::new(HashMap::new()),
+            ddl: tokio::sync::Mutex::new(()),
+            next_id: Mutex::new(next_id),
+            rebuilds: AtomicU64::new(rebuilds),
+            runtime,
+            me: me.clone(),
+        });
+        for (coll, index) in indexes {
+            mgr.attach(&coll, index);
+        }
+        Ok(mgr)
+    }
+
+    /// Flushes the index database to disk. At a clean stop the keyspaces' memtables are
+    /// written into tables first: the next start then has no journal to replay, and every
+    /// entry sits in checksummed table files.
+    pub fn close(&self) -> Result<(), IndexError> {
+        let mut keyspaces = vec![self.meta.clone()];
+        for entry in self.colls.lock().values() {
+            for index in entry.indexes.iter().filter(|i| !i.dropped.load(Ordering::Acquire)) {
+                keyspaces.push(index.fwd.clone());
+                keyspaces.push(index.back.clone());
+            }
+        }
+        for ks in &keyspaces {
+            ks.rotate_memtable()?;
+        }
+        let deadline = std::time::Instant::now() + CLOSE_FLUSH_WAIT;
+        while keyspaces.iter().any(|ks| ks.sealed_memtable_count() > 0) {
+            if std::time::Instant::now() >= deadline {
+                // The journal below still holds everything; the next start replays it.
+                tracing::warn!("the index keyspaces were not flushed in time; the next start replays the journal");
+                break;
+            }
+            std::thread::sleep(CLOSE_FLUSH_POLL);
+        }
+        self.db.persist(fjall::PersistMode::SyncAll)?;
+        Ok(())
+    }
+
+    /// Indexes rebuilt because their storage was found damaged, since the node started.
+    pub fn rebuilds(&self) -> u64 {
+        self.rebuilds.load(Ordering::Relaxed)
+    }
+
+    /// Adds `index` to its collection's set, starting the collection's maintainer if needed.
+    fn attach(self: &Arc<Self>, coll: &Arc<Collection>, index: Arc<Index>) {
+        let mut colls = self.colls.lock();
+        match colls.get_mut(&coll.id()) {
+            Some(entry) => {
+                entry.indexes.push(index);
+                entry.wake.notify_one();
+            }
+            None => {
+                let wake = Arc::new(Notify::new());
+                let round = Arc::new(Mutex::new(()));
+                colls.insert(coll.id(), CollEntry { indexes: vec![index], wake: Arc::clone(&wake), round: Arc::clone(&round) });
+                tokio::spawn(maintain(Arc::clone(self), Arc::clone(coll), wake, round));
+            }
+        }
+    }
+
+    fn find(&self, coll: &Collection, name: &str) -> Result<Arc<Index>, IndexError> {
+        self.colls
+            .lock()
+            .get(&coll.id())
+            .and_then(|e| e.indexes.iter().find(|i| i.def.name == name).cloned())
+            .ok_or_else(|| IndexError::NotFound(name.to_string()))
+    }
+
+    /// The collection's indexes that are maintained: not deferred, not set aside as damaged
+    /// (`None` once the collection has no entry).
+    fn active(&self, collection_id: u32) -> Option<Vec<Arc<Index>>> {
+        self.colls.lock().get(&collection_id).map(|e| {
+            e.indexes.iter().filter(|i| !i.deferred.load(Ordering::Acquire) && !i.corrupt.load(Ordering::Acquire)).cloned().collect()
+        })
+    }
+}

@@ -1,0 +1,194 @@
+//! The indexes of a collection as a consumer of its change streams (see
+//! [`shoal_storage::consumer`]): positions are the indexes' cursors, and a batch of a group of
+//! partitions is committed with the cursors in one fjall batch.
+
+use shoal_storage::{follow, ChangeConsumer, FollowLimits, PartitionBatch};
+
+use super::*;
+
+/// Brings the indexes up to date on `group` (bounded per partition), reading its
+/// partitions in lock step (see [`part_batch`]); true if anything moved.
+pub(super) fn catch_up(mgr: &IndexManager, coll: &Collection, active: &[Arc<Index>], group: &[PartitionId]) -> Result<bool, IndexError> {
+    let limits = FollowLimits {
+        batch_changes: part_batch(group.len()),
+        partition_changes_max: ROUND_CHANGES_MAX,
+        total_changes_max: usize::MAX,
+        include_docs: true,
+    };
+    let mut feed = IndexFeed { mgr, active, partitions: coll.partition_count() };
+    Ok(follow(coll, group, limits, &mut feed)? > 0)
+}
+
+/// The indexes of one collection, fed a group of its partitions.
+struct IndexFeed<'a> {
+    mgr: &'a IndexManager,
+    active: &'a [Arc<Index>],
+    partitions: u16,
+}
+
+impl ChangeConsumer for IndexFeed<'_> {
+    type Error = IndexError;
+
+    /// The slowest index's cursor: [`apply`] skips, for each index, the changes its own
+    /// cursor already covers.
+    fn position(&self, p: PartitionId) -> StreamPosition {
+        self.active.iter().map(|i| i.cursors.lock()[usize::from(p)]).min_by_key(|c| c.seqno).unwrap_or_default()
+    }
+
+    /// History diverged (unclean restart) or tombstones were purged past us: this
+    /// partition's part of every index is rebuilt from the start.
+    fn rollback(&mut self, p: PartitionId, _shared: SeqNo) -> Result<(), IndexError> {
+        for index in self.active {
+            reset_partition(self.mgr, index, p, self.partitions)?;
+        }
+        Ok(())
+    }
+
+    fn apply(&mut self, batch: &[PartitionBatch]) -> Result<(), IndexError> {
+        apply(self.mgr, self.active, batch)
+    }
+}
+
+/// What one index stages for one partition of a batch.
+pub(super) struct Staged {
+    pi: usize,
+    pos: StreamPosition,
+    items: i64,
+}
+
+/// Applies one batch of changes of several partitions to every active index, in one atomic
+/// write together with the new cursors.
+pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[PartitionBatch]) -> Result<(), IndexError> {
+    // Parse each document once, for all indexes (in parallel within the batch).
+    let all: Vec<&Change> = parts.iter().flat_map(|b| &b.changes).collect();
+    let computed: Vec<Vec<Vec<Vec<u8>>>> = all
+        .par_iter()
+        .with_min_len(64)
+        .map(|c| {
+            let doc: Option<Value> = if c.deleted { None } else { c.value.as_ref().and_then(|v| serde_json::from_slice(v).ok()) };
+            active.iter().map(|i| doc.as_ref().map(|d| i.compiled.entries(d)).unwrap_or_default()).collect()
+        })
+        .collect();
+    let mut batch = mgr.db.batch();
+    let mut staged: Vec<(&Arc<Index>, Vec<Staged>)> = Vec::with_capacity(active.len());
+    for (k, index) in active.iter().enumerate() {
+        if index.dropped.load(Ordering::Acquire) {
+            continue;
+        }
+        let mut fwd: Vec<(Vec<u8>, bool)> = Vec::with_capacity(all.len());
+        let mut per_part = Vec::with_capacity(parts.len());
+        let mut offset = 0;
+        for part in parts {
+            let pi = usize::from(part.partition);
+            let computed = &computed[offset..offset + part.changes.len()];
+            offset += part.changes.len();
+            let cursor = index.cursors.lock()[pi].seqno;
+            let mut delta = 0i64;
+            let mut pending: HashMap<&[u8], &Vec<Vec<u8>>> = HashMap::new();
+            for (c, per_index) in part.changes.iter().zip(computed) {
+                if c.seqno <= cursor {
+                    continue;
+                }
+                let new = &per_index[k];
+                let old: Vec<Vec<u8>> = match pending.get(c.key.as_ref()) {
+                    Some(v) => (*v).clone(),
+                    None => mgr.checked(index, read_back(index, &c.key))?,
+                };
+                if &old == new {
+                    continue;
+                }
+                for o in old.iter().filter(|o| new.binary_search(o).is_err()) {
+                    fwd.push((entry_key(o, &c.key), false));
+                    delta -= 1;
+                }
+                for e in new.iter().filter(|e| old.binary_search(e).is_err()) {
+                    fwd.push((entry_key(e, &c.key), true));
+                    delta += 1;
+                }
+                pending.insert(c.key.as_ref(), new);
+            }
+            // Every write of one batch shares one sequence number, so a key must appear in
+            // it once: the document's last state.
+            let mut back: Vec<(&[u8], &Vec<Vec<u8>>)> = pending.into_iter().collect();
+            back.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            for (key, entries) in back {
+                if entries.is_empty() {
+                    batch.remove(&index.back, key);
+                } else {
+                    batch.insert(&index.back, key, encode_list(entries));
+                }
+            }
+            let items = index.items[pi].load(Ordering::Relaxed) + delta;
+            // The cursor goes in the batch that holds the entries of every change it covers.
+            debug_assert!(part.changes.iter().all(|c| c.seqno <= part.position.seqno), "a cursor never runs ahead of its entries");
+            batch.insert(&mgr.meta, cursor_key(index.id, part.partition), encode_cursor(part.position, items));
+            per_part.push(Staged { pi, pos: part.position, items });
+        }
+        // In key order: sorted inserts walk the memtable's skiplist along the path of the
+        // previous one, which keeps its nodes in cache. The sort is stable and only the last
+        // operation on an entry is written: one batch's writes share a sequence number, so
+        // an entry added by one change and removed by a later one must appear once.
+        fwd.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut ops = fwd.into_iter().peekable();
+        while let Some((key, insert)) = ops.next() {
+            if ops.peek().is_some_and(|(next, _)| *next == key) {
+                continue;
+            }
+            if insert {
+                batch.insert(&index.fwd, key, []);
+            } else {
+                batch.remove(&index.fwd, key);
+            }
+        }
+        staged.push((index, per_part));
+    }
+    batch.commit()?;
+    for (index, per_part) in staged {
+        for st in per_part {
+            index.cursors.lock()[st.pi] = st.pos;
+            index.items[st.pi].store(st.items, Ordering::Relaxed);
+        }
+        index.progress.send_modify(|v| *v += 1);
+    }
+    Ok(())
+}
+
+/// The composite keys document `key` contributed to `index`.
+pub(super) fn read_back(index: &Index, key: &[u8]) -> Result<Vec<Vec<u8>>, IndexError> {
+    match index.back.get(key)? {
+        Some(v) => decode_list(&v),
+        None => Ok(Vec::new()),
+    }
+}
+
+/// A document key and the composite keys it contributed.
+pub(super) type BackEntry = (fjall::Slice, Vec<Vec<u8>>);
+
+/// The back entries of the documents of partition `p`.
+pub(super) fn back_entries_of(index: &Index, p: PartitionId, partitions: u16) -> Result<Vec<BackEntry>, IndexError> {
+    let mut out = Vec::new();
+    for guard in index.back.iter() {
+        let (doc_key, v) = guard.into_inner()?;
+        if shoal_storage::partition_of(&doc_key, partitions) == p {
+            out.push((doc_key, decode_list(&v)?));
+        }
+    }
+    Ok(out)
+}
+
+/// Removes every entry that came from partition `p` and puts its cursor back to the start.
+pub(super) fn reset_partition(mgr: &IndexManager, index: &Arc<Index>, p: PartitionId, partitions: u16) -> Result<(), IndexError> {
+    let mut batch = mgr.db.batch();
+    for (doc_key, entries) in mgr.checked(index, back_entries_of(index, p, partitions))? {
+        for e in entries {
+            batch.remove(&index.fwd, entry_key(&e, &doc_key));
+        }
+        batch.remove(&index.back, doc_key);
+    }
+    batch.insert(&mgr.meta, cursor_key(index.id, p), encode_cursor(StreamPosition::default(), 0));
+    batch.commit()?;
+    index.cursors.lock()[usize::from(p)] = StreamPosition::default();
+    index.items[usize::from(p)].store(0, Ordering::Relaxed);
+    tracing::warn!(index = %index.def.name, partition = p, "partition history changed; re-indexing it");
+    Ok(())
+}

@@ -1,0 +1,365 @@
+//! The columnar shadow of every collection: what `/v1/analytics` reads.
+//!
+//! A collection's rows are split over *analytics partitions*: storage partition `p` feeds
+//! analytics partition `p mod n`, and analytics partition `i` lives on data path
+//! `i mod paths`. Each analytics partition keeps its rows as immutable Arrow record
+//! batches (*segments*, at most [`SEGMENT_ROWS`] rows, typed from their own rows) and
+//! open *buffers* of recent documents. Buffers are kept per value of [`GROUP_FIELD`], so a
+//! segment holds one JSON "table" and a filter on that field skips whole segments.
+//!
+//! Changes come from the collection's change streams. An upsert marks the key's old row
+//! dead and appends the document to a buffer; a delete or expiry marks it dead. A full
+//! buffer becomes a segment, written as an Arrow IPC file; small or mostly dead segments
+//! of a group are merged. A checkpoint turns every buffer into a segment and then writes
+//! the manifest — segments, dead rows, change-stream positions — atomically (write,
+//! fsync, rename). A restart loads the manifest's segments and follows the streams from
+//! its positions: nothing is rebuilt. Segment files the manifest does not name are
+//! leftovers of an interrupted checkpoint and are removed.
+//!
+//! Segments are derived state and are checked like data: the manifest records each
+//! segment file's checksum (XXH3-64), and a file is read with plain reads (an I/O error is
+//! an error, never the SIGBUS a memory map would raise) and verified before it is decoded.
+//! An analytics partition whose manifest or segments fail their checks is quarantined —
+//! its files moved to `<shadow root>/quarantine/` for inspection — and rebuilt from the
+//! change streams while the rest of the node serves.
+
+mod ap;
+mod maintain;
+mod segment;
+
+use ap::*;
+use maintain::*;
+use segment::*;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use datafusion::arrow::array::{AsArray, BooleanArray, RecordBatch, StringArray};
+use datafusion::arrow::buffer::BooleanBuffer;
+use datafusion::arrow::datatypes::{Field, SchemaRef};
+use datafusion::arrow::error::ArrowError;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use shoal_storage::{ChangesError, Collection, PartitionId, SeqNo, Store, StreamPosition};
+use tokio::sync::watch;
+
+use crate::merge::{adapt_batch, merge_fields, weighted_fields};
+use crate::rows::{ColumnBuffer, ParsedDoc};
+
+/// Most rows of one segment.
+pub const SEGMENT_ROWS: usize = 32_768;
+/// Most document text one buffer holds before it becomes a segment, and most data a merge
+/// of segments produces: Arrow string columns hold at most 2 GiB.
+pub const SEGMENT_BYTES_MAX: usize = 256 * 1024 * 1024;
+/// The field whose string value groups rows into segments (one JSON "table" each).
+pub const GROUP_FIELD: &str = "table_name";
+/// Most groups buffered separately per analytics partition; rows of further groups share
+/// the ungrouped buffer (and their segments are not skipped by group filters).
+pub const GROUPS_MAX: usize = 64;
+/// Longest time between checkpoints while there are changes.
+pub const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(5);
+/// Changes read from one partition per step.
+pub const APPLY_BATCH: usize = 4096;
+/// Changes one analytics partition applies per round before it checks for a checkpoint.
+pub const ROUND_CHANGES_MAX: usize = 32_768;
+/// Most analytics partitions a node may be configured with.
+pub const ANALYTICS_PARTITIONS_MAX: usize = 64;
+/// Small segments (under half full) of one group that trigger a merge.
+pub const COMPACT_MIN_SEGMENTS: usize = 4;
+/// How often an idle maintainer looks for a due checkpoint.
+const IDLE_POLL: Duration = Duration::from_secs(1);
+/// Quiet time after which an analytics partition checkpoints early, so that scans after
+/// a load read segments rather than converting buffers.
+const QUIET_CHECKPOINT: Duration = Duration::from_millis(300);
+/// 2: segments carry checksums (a version-1 manifest is rebuilt).
+const MANIFEST_VERSION: u32 = 2;
+const MANIFEST: &str = "manifest.json";
+/// Where damaged analytics partitions go, under each shadow root.
+const QUARANTINE_DIR: &str = "quarantine";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ShadowError {
+    #[error("analytics shadow I/O at {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("analytics shadow file {path} is damaged: {reason}")]
+    Corrupt { path: PathBuf, reason: String },
+    #[error("analytics shadow: {0}")]
+    Arrow(#[from] ArrowError),
+    #[error(transparent)]
+    Changes(#[from] ChangesError),
+    #[error("the analytics shadow did not catch up within {0:?}")]
+    Timeout(Duration),
+    #[error("analytics is off on this node (started with --analytics-partitions 0)")]
+    Off,
+    #[error("collection {0} has no analytics shadow yet")]
+    NotAttached(String),
+}
+
+fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> ShadowError + '_ {
+    move |source| ShadowError::Io { path: path.to_path_buf(), source }
+}
+
+/// The default number of analytics partitions, as Couchbase chooses it:
+/// min(cores, analytics memory in GiB, 16).
+pub fn default_partitions(cores: usize, memory_bytes: u64) -> usize {
+    let gib = usize::try_from(memory_bytes >> 30).unwrap_or(usize::MAX);
+    cores.min(gib).clamp(1, 16)
+}
+
+/// One piece of an analytics partition a scan reads: a batch and, if some of its rows
+/// are dead, which rows are live.
+#[derive(Clone)]
+pub struct Part {
+    pub batch: RecordBatch,
+    pub live: Option<BooleanArray>,
+}
+
+impl Part {
+    pub fn rows(&self) -> usize {
+        self.live.as_ref().map_or(self.batch.num_rows(), BooleanArray::true_count)
+    }
+}
+
+/// The shadow of one collection.
+pub struct Shadow {
+    coll: Arc<Collection>,
+    aps: Vec<Ap>,
+    /// Per storage partition: the last seqno applied.
+    applied: Vec<AtomicU64>,
+    /// Bumped after every maintenance round.
+    progress: watch::Sender<u64>,
+    /// `<data path>/shadow/<collection id>` on each data path.
+    roots: Vec<PathBuf>,
+}
+
+impl Shadow {
+    pub fn collection(&self) -> &Arc<Collection> {
+        &self.coll
+    }
+
+    pub fn partitions(&self) -> usize {
+        self.aps.len()
+    }
+
+    /// Live rows.
+    pub fn rows(&self) -> usize {
+        self.aps.iter().map(|ap| ap.state.lock().keys.len()).sum()
+    }
+
+    /// The table's columns: the key, then every field of the rows, each typed by the kind
+    /// most of its values have.
+    pub fn schema(&self) -> SchemaRef {
+        let mut fields = Vec::new();
+        for ap in &self.aps {
+            fields.extend(ap.state.lock().fields());
+        }
+        fields.insert(0, (Field::new(crate::schema::KEY_COLUMN, datafusion::arrow::datatypes::DataType::Utf8, false), u64::MAX));
+        Arc::new(datafusion::arrow::datatypes::Schema::new(merge_fields(&fields)))
+    }
+
+    /// What a scan reads, per analytics partition, as of now.
+    pub fn snapshot(&self, group: Option<&str>) -> Result<Vec<Vec<Part>>, ShadowError> {
+        self.aps.iter().map(|ap| ap.state.lock().parts(group).map_err(ShadowError::from)).collect()
+    }
+
+    /// Waits until every change up to `highs` (one seqno per storage partition) is applied.
+    pub async fn wait_applied(&self, highs: &[SeqNo], timeout: Duration) -> Result<(), ShadowError> {
+        let mut rx = self.progress.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if highs.iter().zip(&self.applied).all(|(h, a)| a.load(Ordering::Acquire) >= *h) {
+                return Ok(());
+            }
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return Err(ShadowError::NotAttached(self.coll.name().to_string())),
+                Err(_) => return Err(ShadowError::Timeout(timeout)),
+            }
+        }
+    }
+}
+
+impl Shadow {
+    fn checkpoint_all(&self) -> Result<(), ShadowError> {
+        let partitions = self.coll.partition_count();
+        for ap in &self.aps {
+            let mut st = ap.state.lock();
+            if st.dirty {
+                st.checkpoint(&ap.dir, self.aps.len(), partitions)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn remove_files(&self) {
+        for root in &self.roots {
+            if let Err(e) = std::fs::remove_dir_all(root) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(path = %root.display(), error = %e, "removing a dropped collection's analytics shadow");
+                }
+            }
+        }
+    }
+}
+
+/// The shadows of every collection of a store.
+pub struct ShadowManager {
+    store: Arc<Store>,
+    /// How the maintainers are doing, for `/v1/health`.
+    pub health: shoal_storage::TaskHealth,
+    partitions: usize,
+    shadows: Mutex<HashMap<u32, Arc<Shadow>>>,
+    stop: watch::Sender<bool>,
+    tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// True once the shadows that existed at start are loaded (they load in the
+    /// background, so that the node serves documents at once; analytics waits for this).
+    loaded: watch::Sender<bool>,
+    loader: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl ShadowManager {
+    /// Opens the shadows of every collection (call within a tokio runtime; blocking).
+    /// Shadow directories of collections that no longer exist are removed; with analytics
+    /// off (`partitions` 0) the others stay on disk, untouched, for a later start with it on.
+    /// The shadows themselves load in the background (their segments are read into memory:
+    /// seconds for millions of rows); [`ShadowManager::wait_loaded`] waits for them.
+    pub fn open(store: Arc<Store>, partitions: usize) -> Result<Arc<ShadowManager>, ShadowError> {
+        let (stop, _) = watch::channel(false);
+        let mgr = Arc::new(ShadowManager {
+            store: Arc::clone(&store),
+            health: shoal_storage::TaskHealth::default(),
+            partitions: partitions.min(ANALYTICS_PARTITIONS_MAX),
+            shadows: Mutex::new(HashMap::new()),
+            stop,
+            tasks: Mutex::new(Vec::new()),
+            loaded: watch::channel(false).0,
+            loader: Mutex::new(None),
+        });
+        let live: std::collections::HashSet<String> =
+            store.list_collections().iter().filter_map(|c| store.collection(&c.name)).map(|c| c.id().to_string()).collect();
+        for path in store.data_paths() {
+            let root = path.join("shadow");
+            let Ok(entries) = std::fs::read_dir(&root) else { continue };
+            for entry in entries.flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if !live.contains(&name) {
+                    let _ = std::fs::remove_dir_all(entry.path());
+                }
+            }
+        }
+        let loader = Arc::clone(&mgr);
+        let handle = tokio::runtime::Handle::current().spawn_blocking(move || {
+            if loader.partitions > 0 {
+                for info in loader.store.list_collections() {
+                    if *loader.stop.borrow() {
+                        break;
+                    }
+                    if let Some(coll) = loader.store.collection(&info.name) {
+                        if let Err(e) = loader.attach(coll) {
+                            // Its analytics answers `unavailable` (no shadow); the rest serves.
+                            tracing::error!(collection = %info.name, error = %e, "an analytics shadow failed to load");
+                            loader.health.round_failed(&format!("the analytics shadow of {} failed to load: {e}", info.name));
+                        }
+                    }
+                }
+            }
+            loader.loaded.send_replace(true);
+        });
+        *mgr.loader.lock() = Some(handle);
+        Ok(mgr)
+    }
+
+    /// Waits until the shadows that existed at start are loaded, at most `timeout`.
+    pub async fn wait_loaded(&self, timeout: std::time::Duration) -> Result<(), ShadowError> {
+        let mut rx = self.loaded.subscribe();
+        let loaded = tokio::time::timeout(timeout, async { rx.wait_for(|l| *l).await.is_ok() }).await;
+        match loaded {
+            Ok(_) => Ok(()),
+            Err(_) => Err(ShadowError::Timeout(timeout)),
+        }
+    }
+
+    /// Analytics partitions per collection (0: analytics is off).
+    pub fn partitions(&self) -> usize {
+        self.partitions
+    }
+
+    /// Starts keeping `coll`'s shadow (idempotent). Blocking: loads its segments.
+    pub fn attach(self: &Arc<Self>, coll: Arc<Collection>) -> Result<Arc<Shadow>, ShadowError> {
+        if self.partitions == 0 {
+            return Err(ShadowError::Off);
+        }
+        if let Some(s) = self.shadows.lock().get(&coll.id()) {
+            return Ok(Arc::clone(s));
+        }
+        let paths = self.store.data_paths();
+        let roots: Vec<PathBuf> = paths.iter().map(|p| p.join("shadow").join(coll.id().to_string())).collect();
+        let partitions = coll.partition_count();
+        let aps = (0..self.partitions)
+            .map(|i| Ap::open(i, roots[i % roots.len()].join(i.to_string()), self.partitions, partitions))
+            .collect::<Result<Vec<_>, _>>()?;
+        let applied: Vec<AtomicU64> = (0..partitions).map(|_| AtomicU64::new(0)).collect();
+        for ap in &aps {
+            for (p, c) in &ap.state.lock().cursors {
+                applied[usize::from(*p)].store(c.seqno, Ordering::Release);
+            }
+        }
+        let shadow = Arc::new(Shadow { coll, aps, applied, progress: watch::channel(0).0, roots });
+        let rows = shadow.rows();
+        {
+            let mut map = self.shadows.lock();
+            if let Some(s) = map.get(&shadow.coll.id()) {
+                return Ok(Arc::clone(s));
+            }
+            map.insert(shadow.coll.id(), Arc::clone(&shadow));
+        }
+        tracing::info!(collection = %shadow.coll.name(), rows, partitions = self.partitions, "analytics shadow opened");
+        let task = tokio::spawn(maintain(Arc::clone(self), Arc::clone(&shadow), self.stop.subscribe()));
+        self.tasks.lock().push(task);
+        Ok(shadow)
+    }
+
+    pub fn shadow(&self, collection_id: u32) -> Option<Arc<Shadow>> {
+        self.shadows.lock().get(&collection_id).cloned()
+    }
+
+    /// Stops the maintainers and checkpoints every shadow (a clean restart replays nothing).
+    pub async fn close(&self) {
+        // `send_replace`, not `send`: `send` stores nothing when no maintainer is listening
+        // yet (shadows still loading), and one started later would never stop.
+        self.stop.send_replace(true);
+        let loader = self.loader.lock().take();
+        if let Some(loader) = loader {
+            let _ = loader.await;
+        }
+        let tasks = std::mem::take(&mut *self.tasks.lock());
+        for t in tasks {
+            let _ = t.await;
+        }
+        let shadows: Vec<Arc<Shadow>> = self.shadows.lock().values().cloned().collect();
+        for s in shadows {
+            let name = s.coll.name().to_string();
+            match tokio::task::spawn_blocking(move || s.checkpoint_all()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(collection = %name, error = %e, "analytics checkpoint at shutdown"),
+                Err(e) => tracing::warn!(collection = %name, error = %e, "analytics checkpoint at shutdown"),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_partitions_follow_couchbase() {
+        assert_eq!(default_partitions(8, 32 << 30), 8);
+        assert_eq!(default_partitions(32, 32 << 30), 16);
+        assert_eq!(default_partitions(8, 3 << 30), 3);
+        assert_eq!(default_partitions(2, 512 << 20), 1, "never zero");
+    }
+}
