@@ -98,7 +98,7 @@ impl Store {
             let high = failover.last().map(|e| e.seqno);
             crate::store::json_bytes(&crate::store::PartitionRecord { failover: failover.to_vec(), purge_seqno, live: None, high })
         };
-        let rolled = part.roll_back(to, crate::store::new_uuid(), |batch, failover, purge_seqno| {
+        let rolled = part.roll_back(to, self.clock().history_uuid(), |batch, failover, purge_seqno| {
             if meta_shared {
                 batch.insert(&self.meta, key.clone(), record_of(failover, purge_seqno));
             }
