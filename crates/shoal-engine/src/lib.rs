@@ -138,9 +138,11 @@ impl Engine {
     }
 
     /// Stops the maintainers, checkpoints shadows, closes the index database, then flushes
-    /// and fsyncs the store (a clean close: the next start reads no document).
+    /// and fsyncs the store (a clean close: the next start reads no document). Once the
+    /// engine is dropped nothing holds the store: it can be opened again in this process.
     pub async fn close(&self) -> Result<(), EngineError> {
         self.shadows.close().await;
+        self.indexes.stop().await;
         if let Err(e) = self.indexes.close() {
             tracing::warn!(error = %e, "closing the index database");
         }

@@ -80,6 +80,17 @@ async fn a_collection_with_a_given_id_gets_its_shadow_and_index_and_expires_by_t
     assert_eq!(scan(&engine, &coll, json!(1)).await, ["b"]);
     shadow.wait_applied(&coll.high_seqnos(), WAIT).await.unwrap();
     assert_eq!(shadow.rows(), 1);
+    engine.close().await.unwrap();
+    drop((coll, shadow, engine));
+
+    // Reopened in the same process: the id, the index and the shadow are all still there.
+    let engine = Engine::open(config(dir.path(), time.clone())).await.unwrap();
+    let coll = engine.store().collection("events").unwrap();
+    assert_eq!(coll.id(), 42);
+    assert_eq!(scan(&engine, &coll, json!(1)).await, ["b"]);
+    engine.shadows().wait_loaded(WAIT).await.unwrap();
+    assert!(engine.shadows().shadow(42).is_some());
+
     // A drop takes the indexes with it; the id cannot be taken twice while in use.
     assert!(engine.create_collection("other", 0, Some(42)).await.is_err(), "id 42 is taken");
     engine.drop_collection("events").await.unwrap();

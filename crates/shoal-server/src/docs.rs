@@ -53,7 +53,7 @@ pub async fn get(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery)
                 op: WriteOp::Touch,
                 value: None,
                 cas: None,
-                expiry: extract::expiry(Some(secs))?,
+                expiry: extract::expiry(Some(secs), coll.now_secs())?,
             };
             // Get-and-touch answers like a get: it does not wait for an fsync.
             let c = Arc::clone(&coll);
@@ -96,7 +96,7 @@ pub async fn put(
     let coll = collection(&state, &uri)?;
     let key = extract::doc_key(&uri)?;
     let precondition = extract::precondition(&headers)?;
-    let expiry = extract::expiry(params.expiry)?;
+    let expiry = extract::expiry(params.expiry, coll.now_secs())?;
     let value = extract::body(&state, body, DOC_MAX_BYTES).await?;
     shoal_json::validate(&value).map_err(|e| ApiError::invalid_json(e.to_string()))?;
     let (op, cas) = match precondition {
@@ -151,7 +151,8 @@ pub async fn touch(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuer
         Precondition::Cas(cas) => Some(cas),
         _ => None,
     };
-    let req = WriteRequest { key: Bytes::from(key), op: WriteOp::Touch, value: None, cas, expiry: extract::expiry(Some(secs))? };
+    let req =
+        WriteRequest { key: Bytes::from(key), op: WriteOp::Touch, value: None, cas, expiry: extract::expiry(Some(secs), coll.now_secs())? };
     let outcome = apply(&coll, req, params.durability).await?;
     Ok(mutation_response(StatusCode::OK, &outcome))
 }
@@ -306,7 +307,7 @@ pub async fn bulk(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        match parse_bulk_line(&body, line) {
+        match parse_bulk_line(&body, line, coll.now_secs()) {
             Ok((key, req)) => {
                 slots.push(Ok(requests.len()));
                 requests.push(req);
@@ -344,7 +345,7 @@ pub async fn bulk(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery
 
 type BulkLineError = (Option<String>, ApiError);
 
-fn parse_bulk_line(body: &Bytes, line: &[u8]) -> Result<(String, WriteRequest), BulkLineError> {
+fn parse_bulk_line(body: &Bytes, line: &[u8], now_secs: u64) -> Result<(String, WriteRequest), BulkLineError> {
     let parsed: BulkLine = serde_json::from_slice(line).map_err(|e| (None, ApiError::invalid_json(format!("bad NDJSON line: {e}"))))?;
     let key = parsed.key.clone();
     let fail = |e: ApiError| (Some(key.clone()), e);
@@ -379,6 +380,6 @@ fn parse_bulk_line(body: &Bytes, line: &[u8]) -> Result<(String, WriteRequest), 
         Some(CasField::Number(_)) => return Err(fail(ApiError::bad_request("cas must be positive"))),
         Some(CasField::Text(t)) => Some(extract::parse_cas(&t).map_err(fail)?),
     };
-    let expiry = extract::expiry(parsed.expiry).map_err(fail)?;
+    let expiry = extract::expiry(parsed.expiry, now_secs).map_err(fail)?;
     Ok((key.clone(), WriteRequest { key: Bytes::from(key), op, value, cas, expiry }))
 }

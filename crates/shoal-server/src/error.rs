@@ -170,7 +170,7 @@ impl From<ReadError> for ApiError {
             ReadError::NotFound => ApiError::new(StatusCode::NOT_FOUND, "doc_not_found", reason),
             ReadError::Locked => ApiError::new(StatusCode::LOCKED, "locked", reason),
             ReadError::InvalidKey(_) => ApiError::invalid_key(reason),
-            ReadError::InvalidLockTime => ApiError::bad_request(reason),
+            ReadError::InvalidLockTime | ReadError::NoSuchPartition(_) => ApiError::bad_request(reason),
             ReadError::CollectionDropped => ApiError::new(StatusCode::NOT_FOUND, "collection_not_found", reason),
             ReadError::Busy => ApiError::unavailable(reason),
             ReadError::NotMyPartition(ref n) => ApiError::not_my_partition(n, reason),
@@ -205,7 +205,7 @@ impl From<&WriteError> for ApiError {
             WriteError::DiskFull => ApiError::insufficient_storage(reason),
             WriteError::NotMyPartition(n) => ApiError::not_my_partition(n, reason),
             // Only replication applies changes made elsewhere; a client cannot send one.
-            WriteError::OutOfOrder { .. } => ApiError::bad_request(reason),
+            WriteError::OutOfOrder { .. } | WriteError::NoSuchPartition(_) => ApiError::bad_request(reason),
             WriteError::Corrupt => ApiError::corrupt(reason),
             WriteError::Engine(inner) => ApiError::engine(inner, reason),
         }

@@ -162,8 +162,9 @@ pub fn parse_cas(text: &str) -> Result<Cas, ApiError> {
     }
 }
 
-/// A query or body expiry in seconds → absolute Unix seconds (Couchbase's rule).
-pub fn expiry(secs: Option<i64>) -> Result<u32, ApiError> {
+/// A query or body expiry in seconds → absolute Unix seconds (Couchbase's rule), relative
+/// to `now_secs` (the store's clock).
+pub fn expiry(secs: Option<i64>, now_secs: u64) -> Result<u32, ApiError> {
     let Some(secs) = secs else { return Ok(0) };
     let absurd = || {
         ApiError::bad_request(format!(
@@ -171,7 +172,7 @@ pub fn expiry(secs: Option<i64>) -> Result<u32, ApiError> {
         ))
     };
     let secs = u64::try_from(secs).map_err(|_| absurd())?;
-    shoal_storage::absolute_expiry(secs, shoal_storage::unix_now_secs()).ok_or_else(absurd)
+    shoal_storage::absolute_expiry(secs, now_secs).ok_or_else(absurd)
 }
 
 /// `?durability=none|persist`.
@@ -211,10 +212,11 @@ mod tests {
 
     #[test]
     fn expiries() {
-        assert_eq!(expiry(None).unwrap(), 0);
-        assert!(expiry(Some(-1)).is_err());
-        assert!(expiry(Some(i64::MAX)).is_err());
-        assert!(expiry(Some(10)).unwrap() > 10);
+        let now = 1_700_000_000;
+        assert_eq!(expiry(None, now).unwrap(), 0);
+        assert!(expiry(Some(-1), now).is_err());
+        assert!(expiry(Some(i64::MAX), now).is_err());
+        assert_eq!(expiry(Some(10), now).unwrap(), 1_700_000_010);
     }
 
     #[test]

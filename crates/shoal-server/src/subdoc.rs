@@ -75,7 +75,7 @@ impl ParsedDocs {
     fn get_unchanged(&self, coll: &Collection, key: &str) -> Option<(Cas, Arc<Value>)> {
         let hit = self.cache.get(&(coll.id(), key.to_string()))?;
         let (watermark, locks) = coll.change_watermark(key);
-        let live = hit.expiry == 0 || u64::from(hit.expiry) > shoal_storage::unix_now_secs();
+        let live = hit.expiry == 0 || u64::from(hit.expiry) > coll.now_secs();
         (watermark == hit.watermark && !locks && live).then_some((hit.cas, hit.tree))
     }
 }
@@ -241,7 +241,7 @@ pub async fn mutate(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
     let (coll, key, request): (_, _, MutateBody) = read_request(&state, &uri, q.as_deref(), body).await?;
     check_specs(&request.specs)?;
     let want_cas = request.cas.as_deref().map(extract::parse_cas).transpose()?;
-    let expiry = request.expiry.map(|e| extract::expiry(Some(e))).transpose()?;
+    let expiry = request.expiry.map(|e| extract::expiry(Some(e), coll.now_secs())).transpose()?;
     let specs = Arc::new(request.specs);
     for _ in 0..MUTATE_RETRIES_MAX {
         let (watermark, _) = coll.change_watermark(&key);

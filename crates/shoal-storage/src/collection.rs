@@ -82,6 +82,11 @@ impl Collection {
         self.partitions.len() as u16
     }
 
+    /// Unix seconds by the store's clock (what expiry is decided by).
+    pub fn now_secs(&self) -> u64 {
+        self.clock.unix_secs()
+    }
+
     pub fn info(&self) -> CollectionInfo {
         let (docs, bytes) = self
             .partitions
@@ -202,7 +207,7 @@ impl Collection {
     /// Applies changes made on another copy of partition `partition` (a replica's write
     /// path; see `Partition::apply`). Await the [`DurableWait`] for `persist` durability.
     pub fn apply(&self, partition: PartitionId, changes: &[Change]) -> Result<DurableWait, WriteError> {
-        let p = self.partitions.get(usize::from(partition)).ok_or(WriteError::InvalidKey("no such partition"))?.load();
+        let p = self.partitions.get(usize::from(partition)).ok_or(WriteError::NoSuchPartition(partition))?.load();
         let ticket = p.apply(changes)?;
         let mut wait = DurableWait::default();
         wait.add(&p.syncer, ticket);
@@ -244,7 +249,7 @@ impl Collection {
     /// history) or fsyncs fail: a seqno names a change only within one copy's history, so a
     /// waiter whose channel closed looks again (and may find its change gone).
     pub fn persisted_watch(&self, partition: PartitionId) -> Result<watch::Receiver<SeqNo>, ReadError> {
-        let p = self.partitions.get(usize::from(partition)).ok_or(ReadError::InvalidKey("no such partition"))?.load();
+        let p = self.partitions.get(usize::from(partition)).ok_or(ReadError::NoSuchPartition(partition))?.load();
         p.persisted_watch()
     }
 

@@ -61,6 +61,8 @@ pub enum ReadError {
     InvalidKey(&'static str),
     #[error("lock time must be 1 to {max} seconds", max = crate::LOCK_MAX_SECS)]
     InvalidLockTime,
+    #[error("no partition {0}: partitions are numbered from 0 below the store's count")]
+    NoSuchPartition(crate::PartitionId),
     #[error("collection was dropped")]
     CollectionDropped,
     #[error("the partition is busy: its sequencer was held for longer than the wait limit")]
@@ -192,6 +194,8 @@ pub enum WriteError {
     CommitFailed(String),
     #[error(transparent)]
     NotMyPartition(NotMine),
+    #[error("no partition {0}: partitions are numbered from 0 below the store's count")]
+    NoSuchPartition(crate::PartitionId),
     #[error("a replicated change must follow seqno {high}, and has {seqno}")]
     OutOfOrder { seqno: crate::SeqNo, high: crate::SeqNo },
     #[error("storage engine: {0}")]
@@ -221,6 +225,7 @@ impl From<ReadError> for WriteError {
             ReadError::NotFound => WriteError::NotFound,
             ReadError::Locked => WriteError::Locked,
             ReadError::InvalidKey(r) => WriteError::InvalidKey(r),
+            ReadError::NoSuchPartition(p) => WriteError::NoSuchPartition(p),
             ReadError::CollectionDropped => WriteError::CollectionDropped,
             ReadError::Busy => WriteError::Busy,
             ReadError::NotMyPartition(n) => WriteError::NotMyPartition(n),

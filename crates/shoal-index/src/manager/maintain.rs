@@ -5,10 +5,19 @@ use super::*;
 
 /// One collection's maintainer: rounds on the worker pool while there is news, then waits
 /// for a change, a wake-up (new index, build, scan) or the idle poll.
-pub(super) async fn maintain(mgr: Arc<IndexManager>, coll: Arc<Collection>, wake: Arc<Notify>, round: Arc<Mutex<()>>) {
+pub(super) async fn maintain(
+    mgr: Arc<IndexManager>,
+    coll: Arc<Collection>,
+    wake: Arc<Notify>,
+    round: Arc<Mutex<()>>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
     let mut changed = coll.changed();
     let _running = mgr.health.running();
     loop {
+        if *stop.borrow_and_update() {
+            return;
+        }
         // Published from here too: rebuilds counted while the node opened came before the
         // metrics recorder was installed.
         metrics::counter!(REBUILDS_METRIC).absolute(mgr.rebuilds());
@@ -56,6 +65,7 @@ pub(super) async fn maintain(mgr: Arc<IndexManager>, coll: Arc<Collection>, wake
                 _ = changed.changed() => {}
                 _ = wake.notified() => {}
                 _ = tokio::time::sleep(IDLE_POLL) => {}
+                _ = stop.changed() => {}
             }
         }
     }

@@ -265,6 +265,10 @@ pub struct IndexManager {
     runtime: tokio::runtime::Handle,
     /// This manager, for the rebuilds it starts from `&self`.
     me: Weak<IndexManager>,
+    /// Becomes `true` when the maintainers must end (see [`IndexManager::stop`]).
+    stop: tokio::sync::watch::Sender<bool>,
+    /// The maintainer tasks, awaited by [`IndexManager::stop`].
+    tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
 impl IndexManager {
@@ -317,6 +321,8 @@ impl IndexManager {
             rebuilds: AtomicU64::new(rebuilds),
             runtime,
             me: me.clone(),
+            stop: tokio::sync::watch::Sender::new(false),
+            tasks: Mutex::new(Vec::new()),
         });
         for (coll, index) in indexes {
             mgr.attach(&coll, index);
@@ -327,6 +333,20 @@ impl IndexManager {
     /// Flushes the index database to disk. At a clean stop the keyspaces' memtables are
     /// written into tables first: the next start then has no journal to replay, and every
     /// entry sits in checksummed table files.
+    /// Ends the maintainers and waits for them (a round in flight finishes first), so that
+    /// nothing holds the store once the manager is dropped: an engine can be closed and
+    /// opened again in one process. Indexes are not maintained afterwards; call [`close`].
+    ///
+    /// [`close`]: IndexManager::close
+    pub async fn stop(&self) {
+        // `send_replace`: stored even when no maintainer is listening yet.
+        self.stop.send_replace(true);
+        let tasks = std::mem::take(&mut *self.tasks.lock());
+        for t in tasks {
+            let _ = t.await;
+        }
+    }
+
     pub fn close(&self) -> Result<(), IndexError> {
         let mut keyspaces = vec![self.meta.clone()];
         for entry in self.colls.lock().values() {
@@ -368,7 +388,10 @@ impl IndexManager {
                 let wake = Arc::new(Notify::new());
                 let round = Arc::new(Mutex::new(()));
                 colls.insert(coll.id(), CollEntry { indexes: vec![index], wake: Arc::clone(&wake), round: Arc::clone(&round) });
-                tokio::spawn(maintain(Arc::clone(self), Arc::clone(coll), wake, round));
+                let task = tokio::spawn(maintain(Arc::clone(self), Arc::clone(coll), wake, round, self.stop.subscribe()));
+                let mut tasks = self.tasks.lock();
+                tasks.retain(|t| !t.is_finished());
+                tasks.push(task);
             }
         }
     }
