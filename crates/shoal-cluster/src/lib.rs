@@ -1,0 +1,41 @@
+//! Shoal's cluster decisions as pure functions: where partitions live, which copies a
+//! rebalance builds and drops, and whom a failover promotes.
+//!
+//! Nothing here does I/O: no network, no disk, no clock, no async runtime, no storage. The
+//! metadata leader calls these functions, stores their answers in the metadata log, and
+//! the executors (replication, moves) act on them. Being deterministic, every decision can
+//! be replayed from its inputs and tested by tables and property tests without sockets or
+//! sleeps (STYLE.md, "etcd raft").
+//!
+//! - [`map`]: the partition map ([`PartitionMap`], [`Copies`], [`NodeId`]) and its checks.
+//! - [`placement`]: [`place`], weighted rendezvous order plus balancing, stable against a
+//!   previous map.
+//! - [`plan`]: [`plan_moves`], the minimal copies to build and drop between two maps, and
+//!   the promotions that need no data.
+//! - [`failover`]: [`failover`] (promote the most advanced replica of each partition a failed
+//!   node was active for) and [`auto_failover_allowed`].
+
+pub mod failover;
+pub mod map;
+pub mod placement;
+pub mod plan;
+
+pub use failover::{auto_failover_allowed, failover, AutoFailoverRefused, FailoverPlan, Promoted};
+pub use map::{Copies, MapError, NodeId, PartitionId, PartitionMap, SeqNo};
+pub use placement::{place, Node, PlaceError};
+pub use plan::{plan_moves, DropCopy, Move, PlanError, Promotion, RebalancePlan, Role};
+
+/// Most virtual partitions a map may have (the storage layer's `PARTITIONS_MAX`, Couchbase's
+/// vBucket count).
+pub const PARTITIONS_MAX: u16 = 1024;
+
+/// Most replica copies per partition (API.md: `replicas` is 0..3).
+pub const REPLICAS_MAX: u8 = 3;
+
+/// Most nodes a placement considers. Balancing runs shortest-path searches over the nodes,
+/// quadratic in their number; Shoal targets clusters of tens of nodes.
+pub const NODES_MAX: usize = 256;
+
+/// Largest node weight. Weights are relative (a node of weight 2 holds twice the partitions
+/// of a node of weight 1); the bound keeps the share arithmetic exact in `f64`.
+pub const NODE_WEIGHT_MAX: u32 = 1_000;
