@@ -1,14 +1,8 @@
 //! `shoal`: the server and the command-line tool. Only this crate knows the terminal.
 
 mod bench;
-mod bench_analytics;
-mod bench_copy;
-mod bench_index;
-mod chart;
 mod cli;
 mod sql;
-mod tpcds;
-mod tpch;
 
 /// mimalloc rather than glibc's malloc: under the write path's many small, short-lived
 /// allocations across threads, glibc's arenas spent ~8 % of a profile in malloc/free

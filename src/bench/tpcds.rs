@@ -129,7 +129,7 @@ pub fn sales_row(i: u64, items: u64) -> (String, Value) {
 }
 
 /// Query 3 as seed 004 prints it (N1QL for Analytics and DataFusion agree on this text).
-pub const QUERY_3: &str = include_str!("../bench/tpcds_q3.sql");
+pub const QUERY_3: &str = include_str!("../../bench/tpcds_q3.sql");
 
 #[cfg(test)]
 mod tests {

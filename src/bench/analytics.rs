@@ -13,10 +13,10 @@ use clap::Args;
 use serde_json::{json, Value};
 use shoal_client::Client;
 
+use crate::bench::index::Node;
+use crate::bench::tpcds;
 use crate::bench::{bulk_upsert, write_result, BulkPlan};
-use crate::bench_index::Node;
 use crate::cli::CliError;
-use crate::tpcds;
 
 #[derive(Args)]
 pub struct AnalyticsArgs {
@@ -198,10 +198,10 @@ async fn shadow_lag(args: &AnalyticsArgs, client: &Client) -> Result<Option<(f64
     let items = tpcds::item_rows(args.sf);
     let sales = tpcds::sales_rows(args.sf).max(1);
     let probe_client = client.clone();
-    let lag = crate::bench_index::write_lag(
+    let lag = crate::bench::index::write_lag(
         client,
         "store_sales",
-        crate::bench_index::LagRun { secs: args.lag_secs, rate: args.lag_rate },
+        crate::bench::index::LagRun { secs: args.lag_secs, rate: args.lag_rate },
         move |w, i| {
             let n = (w * 1_000_003 + i * 7919) % sales;
             (format!("store_sales_{n:08}"), tpcds::sales_row(n, items).1.to_string())
@@ -362,7 +362,7 @@ pub async fn point(args: PointArgs) -> Result<(), CliError> {
     })
     .await?;
     client.create_index("events", &json!({"name": "by_grp", "keys": ["grp"]})).await?;
-    crate::bench_index::wait_ready(&client, "events").await?;
+    crate::bench::index::wait_ready(&client, "events").await?;
     let groups = args.docs.div_ceil(per);
     let explain = client.query(&json!({"sql": "EXPLAIN SELECT * FROM events WHERE grp = $1", "params": [1]})).await?;
     let plan_text = explain["rows"].to_string();

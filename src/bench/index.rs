@@ -403,18 +403,25 @@ fn report(args: &IndexArgs, rows: &[Row], lag: Option<(f64, f64, f64, f64)>) -> 
     }
     std::fs::create_dir_all(&args.out_dir)?;
     std::fs::write(args.out_dir.join("index-seed002.md"), &table)?;
-    let mut series = vec![crate::chart::Series {
+    let mut series = vec![crate::bench::chart::Series {
         name: "build 2 indexes".into(),
         points: rows.iter().map(|r| (f64::from(r.partitions), r.build_secs)).collect(),
     }];
     for (i, u) in args.users.iter().enumerate() {
-        series.push(crate::chart::Series {
+        series.push(crate::bench::chart::Series {
             name: format!("read, {u} users"),
             points: rows.iter().filter_map(|r| r.reads.get(i).map(|x| (f64::from(r.partitions), x.1))).collect(),
         });
     }
     let png = args.out_dir.join("index-seed002.png");
-    match crate::chart::line_chart(&png, "Seed 002 on Shoal: partitions vs build and read time", "partitions", "seconds", &series, true) {
+    match crate::bench::chart::line_chart(
+        &png,
+        "Seed 002 on Shoal: partitions vs build and read time",
+        "partitions",
+        "seconds",
+        &series,
+        true,
+    ) {
         Ok(()) => println!("wrote {} and {}", args.out_dir.join("index-seed002.md").display(), png.display()),
         Err(e) => println!("chart not drawn: {e}"),
     }

@@ -1,8 +1,18 @@
-//! Load generators: `shoal bench kv` (seed 001's baseline: blocking gets of one small
-//! document from many connections) and `shoal bench load` (bulk load through `_bulk`).
+//! Load generators and experiments, all under `shoal bench`, kept apart from the server's
+//! wiring: `kv` (seed 001's baseline: blocking gets of one small document from many
+//! connections) and `load` (bulk load through `_bulk`) here; seed 002's `index`, seed 004's
+//! `analytics` (with the TPC-DS and TPC-H generators `tpcds`, `tpch`), the partition
+//! `copy`, and the charts they draw, in the submodules.
 //!
 //! The kv generator drives raw hyper HTTP/1.1 connections, one per worker, so that the
 //! client's own cost stays small next to the server's on a shared machine.
+
+pub mod analytics;
+pub mod chart;
+pub mod copy;
+pub mod index;
+pub mod tpcds;
+pub mod tpch;
 
 use std::time::{Duration, Instant};
 
@@ -25,17 +35,17 @@ pub enum BenchCmd {
     Subdoc(SubdocArgs),
     /// Seed 002's experiment: index builds and per-user reads across partition counts
     /// (starts its own nodes).
-    Index(crate::bench_index::IndexArgs),
+    Index(crate::bench::index::IndexArgs),
     /// Seed 004's experiment: TPC-DS query 3 over loaded JSON documents (starts its own node).
-    Analytics(crate::bench_analytics::AnalyticsArgs),
+    Analytics(crate::bench::analytics::AnalyticsArgs),
     /// Issue 5's point query: `/v1/query` through an index, 50 rows, one at a time.
-    QueryPoint(crate::bench_analytics::PointArgs),
+    QueryPoint(crate::bench::analytics::PointArgs),
     /// Write seed 004's TPC-DS-shaped tables as NDJSON files.
-    TpcdsGen(crate::bench_analytics::GenArgs),
+    TpcdsGen(crate::bench::analytics::GenArgs),
     /// Write TPC-H's eight tables as NDJSON files (`bench/tpch_diff.sh` tests SQL answers on them).
-    TpchGen(crate::tpch::GenArgs),
+    TpchGen(crate::bench::tpch::GenArgs),
     /// Issue 12's partition copy: export → ingest of every partition, in process (no node).
-    Copy(crate::bench_copy::CopyArgs),
+    Copy(crate::bench::copy::CopyArgs),
 }
 
 #[derive(Args)]
@@ -134,13 +144,13 @@ pub async fn run(url: &str, cmd: BenchCmd) -> Result<(), CliError> {
         BenchCmd::Kv(args) => kv(url, args).await,
         BenchCmd::Load(args) => load(url, args).await,
         BenchCmd::Subdoc(args) => subdoc(url, args).await,
-        BenchCmd::Index(args) => crate::bench_index::run(args).await,
-        BenchCmd::Analytics(args) => crate::bench_analytics::run(args).await,
-        BenchCmd::TpcdsGen(args) => crate::bench_analytics::generate(args),
-        BenchCmd::TpchGen(args) => crate::tpch::generate(args),
-        BenchCmd::QueryPoint(args) => crate::bench_analytics::point(args).await,
+        BenchCmd::Index(args) => crate::bench::index::run(args).await,
+        BenchCmd::Analytics(args) => crate::bench::analytics::run(args).await,
+        BenchCmd::TpcdsGen(args) => crate::bench::analytics::generate(args),
+        BenchCmd::TpchGen(args) => crate::bench::tpch::generate(args),
+        BenchCmd::QueryPoint(args) => crate::bench::analytics::point(args).await,
         BenchCmd::Copy(args) => {
-            tokio::task::spawn_blocking(move || crate::bench_copy::run(args)).await.map_err(|e| CliError::Bench(e.to_string()))?
+            tokio::task::spawn_blocking(move || crate::bench::copy::run(args)).await.map_err(|e| CliError::Bench(e.to_string()))?
         }
     }
 }
@@ -650,8 +660,10 @@ async fn sweep(client: &Client, url: &str, args: &SubdocArgs) -> Result<(), CliE
     table.push_str(&format!("date: {}, machine: {} cores\n\n", date_utc(), std::thread::available_parallelism().map_or(0, |n| n.get())));
     // Scenario A: document size, 10 paths (or all of a smaller document).
     table.push_str("## Scenario A: document size (sub-keys), 10 paths per lookup, requests/s\n\n| sub-keys | bytes | regular | easy | medium | hard |\n|---|---|---|---|---|---|\n");
-    let mut a_series: Vec<crate::chart::Series> =
-        ["regular", "easy", "medium", "hard"].iter().map(|n| crate::chart::Series { name: n.to_string(), points: Vec::new() }).collect();
+    let mut a_series: Vec<crate::bench::chart::Series> = ["regular", "easy", "medium", "hard"]
+        .iter()
+        .map(|n| crate::bench::chart::Series { name: n.to_string(), points: Vec::new() })
+        .collect();
     for &keys in SWEEP_SIZES {
         let mut row = vec![keys.to_string(), seed_document("sweep", keys).len().to_string()];
         for (i, level) in ["regular", "easy", "medium", "hard"].iter().enumerate() {
@@ -666,8 +678,8 @@ async fn sweep(client: &Client, url: &str, args: &SubdocArgs) -> Result<(), CliE
     table.push_str(
         "\n## Scenario B: paths per lookup, 10,000 sub-keys (~310 KB), requests/s\n\n| paths | easy | medium | hard |\n|---|---|---|---|\n",
     );
-    let mut b_series: Vec<crate::chart::Series> =
-        SWEEP_LEVELS.iter().map(|n| crate::chart::Series { name: n.to_string(), points: Vec::new() }).collect();
+    let mut b_series: Vec<crate::bench::chart::Series> =
+        SWEEP_LEVELS.iter().map(|n| crate::bench::chart::Series { name: n.to_string(), points: Vec::new() }).collect();
     for &search in SWEEP_SEARCHED {
         let mut row = vec![search.to_string()];
         for (i, level) in SWEEP_LEVELS.iter().enumerate() {
@@ -685,7 +697,7 @@ async fn sweep(client: &Client, url: &str, args: &SubdocArgs) -> Result<(), CliE
         (&a_png, "Shoal, seed 001 scenario A: document size vs requests/s (10 paths)", "sub-keys in the document (log)", &a_series, true),
         (&b_png, "Shoal, seed 001 scenario B: paths per lookup vs requests/s (310 KB doc)", "paths per lookup", &b_series, false),
     ] {
-        match crate::chart::line_chart(path, title, x, "requests/s", series, log) {
+        match crate::bench::chart::line_chart(path, title, x, "requests/s", series, log) {
             Ok(()) => table
                 .push_str(&format!("\n![{title}]({})\n", path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default())),
             Err(e) => eprintln!("chart {}: {e}", path.display()),
@@ -700,7 +712,7 @@ async fn sweep(client: &Client, url: &str, args: &SubdocArgs) -> Result<(), CliE
 
 fn date_utc() -> String {
     let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let (y, m, d) = crate::tpcds::civil((secs / 86_400) as i64);
+    let (y, m, d) = crate::bench::tpcds::civil((secs / 86_400) as i64);
     format!("{y:04}-{m:02}-{d:02}")
 }
 
