@@ -25,6 +25,11 @@
 //! `min(replicas + 1, nodes)` copies: with fewer nodes than `replicas + 1`, as many replicas
 //! as the nodes allow, and the missing ones come when nodes join.
 //!
+//! Stability is exact with equal weights (the table in `tests/placement_moves.rs` and the
+//! property test). With unequal weights the distinct-node rule can force a few moves between
+//! staying nodes: a heavy node that already holds most partitions can only take the ones it
+//! lacks, and a node whose share reaches one copy per partition must take every partition.
+//!
 //! Deterministic: the same inputs give the same map, whatever the order of `nodes`. Scores
 //! use `f64::ln`, whose last bit may differ between platforms; the map is computed once, by
 //! the metadata leader, and stored in the log, so members never recompute it.

@@ -1,0 +1,165 @@
+//! Property test: random node sets, weights and add/remove sequences. After every step the
+//! map is well formed, balanced by weight within ±1, the same whatever the order of the
+//! nodes, unchanged when placed again, and stable: copies move only onto an added node or
+//! off a removed one, never between nodes that stay.
+
+use proptest::prelude::*;
+use shoal_cluster::{place, plan_moves, Node, NodeId, PartitionMap};
+
+#[derive(Clone, Debug)]
+enum Step {
+    Add { id: u64, weight: u32 },
+    Remove { pick: usize },
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        (1u64..40, 1u32..=4).prop_map(|(id, weight)| Step::Add { id, weight }),
+        any::<usize>().prop_map(|pick| Step::Remove { pick }),
+    ]
+}
+
+/// Reference shares: `total × w / Σw`, shares above `cap` fixed at `cap` and the rest spread
+/// again; the range a node's count must fall in.
+fn share_ranges(total: u64, cap: u64, weights: &[u32]) -> Vec<(u64, u64)> {
+    let mut capped = vec![false; weights.len()];
+    loop {
+        let free_weight: u64 = weights.iter().zip(&capped).filter(|(_, c)| !**c).map(|(w, _)| u64::from(*w)).sum();
+        let free_total = total - cap * capped.iter().filter(|c| **c).count() as u64;
+        let newly: Vec<usize> =
+            (0..weights.len()).filter(|i| !capped[*i] && free_total * u64::from(weights[*i]) > cap * free_weight).collect();
+        if newly.is_empty() {
+            return weights
+                .iter()
+                .zip(&capped)
+                .map(|(w, c)| {
+                    if *c {
+                        (cap, cap)
+                    } else {
+                        ((free_total * u64::from(*w)) / free_weight, (free_total * u64::from(*w)).div_ceil(free_weight))
+                    }
+                })
+                .collect();
+        }
+        for i in newly {
+            capped[i] = true;
+        }
+    }
+}
+
+/// Whether some node's share of copies is more than one per partition, or exactly one (`copies × w ≥ Σw`).
+fn capped(nodes: &[Node], copies: usize) -> bool {
+    let total: u64 = nodes.iter().map(|n| u64::from(n.weight)).sum();
+    nodes.iter().any(|n| copies as u64 * u64::from(n.weight) >= total)
+}
+
+fn check(map: &PartitionMap, nodes: &[Node], partitions: u16, replicas: u8) -> Result<(), TestCaseError> {
+    prop_assert_eq!(map.check(), Ok(()));
+    prop_assert_eq!(map.partitions.len(), usize::from(partitions));
+    let copies = (usize::from(replicas) + 1).min(nodes.len());
+    for c in &map.partitions {
+        prop_assert_eq!(c.replicas.len() + 1, copies);
+        for n in c.nodes() {
+            prop_assert!(nodes.iter().any(|m| m.id == n), "{} is not a member", n);
+        }
+    }
+    let weights: Vec<u32> = nodes.iter().map(|n| n.weight).collect();
+    let p = u64::from(partitions);
+    let copy_ranges = share_ranges(p * copies as u64, p, &weights);
+    let active_ranges = share_ranges(p, p, &weights);
+    for (i, node) in nodes.iter().enumerate() {
+        let (active, replica) = map.load(node.id);
+        let total = (active + replica) as u64;
+        prop_assert!(
+            copy_ranges[i].0 <= total && total <= copy_ranges[i].1,
+            "{} holds {} copies, range {:?}",
+            node.id,
+            total,
+            copy_ranges[i]
+        );
+        let active = active as u64;
+        prop_assert!(
+            active_ranges[i].0 <= active && active <= active_ranges[i].1,
+            "{} holds {} actives, range {:?}",
+            node.id,
+            active,
+            active_ranges[i]
+        );
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn placement_invariants(
+        partitions in prop_oneof![Just(1u16), Just(7), Just(64), Just(128), Just(256)],
+        replicas in 0u8..=3,
+        start in prop::collection::btree_map(1u64..40, 1u32..=4, 1..6),
+        steps in prop::collection::vec(step(), 1..8),
+        uniform in any::<bool>(),
+    ) {
+        // Half the cases with equal weights, where stability is strict.
+        let weight_of = |w: u32| if uniform { 1 } else { w };
+        let mut nodes: Vec<Node> = start.into_iter().map(|(id, weight)| Node { id: NodeId(id), weight: weight_of(weight) }).collect();
+        let mut map = place(partitions, &nodes, replicas, None).unwrap();
+        check(&map, &nodes, partitions, replicas)?;
+        for step in steps {
+            let before = nodes.clone();
+            let (added, removed) = match step {
+                Step::Add { id, weight } => {
+                    if nodes.iter().any(|n| n.id.0 == id) { continue; }
+                    nodes.push(Node { id: NodeId(id), weight: weight_of(weight) });
+                    (Some(NodeId(id)), None)
+                }
+                Step::Remove { pick } => {
+                    if nodes.len() == 1 { continue; }
+                    let gone = nodes.remove(pick % nodes.len());
+                    (None, Some(gone.id))
+                }
+            };
+            let next = place(partitions, &nodes, replicas, Some(&map)).unwrap();
+            check(&next, &nodes, partitions, replicas)?;
+
+            // Deterministic whatever the order of the nodes; placing again changes nothing.
+            let mut reversed = nodes.clone();
+            reversed.reverse();
+            prop_assert_eq!(&place(partitions, &reversed, replicas, Some(&map)).unwrap(), &next);
+            prop_assert_eq!(&place(partitions, &nodes, replicas, Some(&next)).unwrap(), &next);
+
+            // Stable: nothing moves between nodes that stay, and a removal builds exactly what
+            // the node held — with equal weights. With unequal weights the distinct-node rule
+            // can force it: a heavy node that already holds most partitions can take only the
+            // few it lacks, so a lighter staying node passes it one (and a node whose share
+            // reaches one copy per partition must take every partition, from wherever).
+            let plan = plan_moves(&map, &next).unwrap();
+            let copies_before = (usize::from(replicas) + 1).min(before.len());
+            let copies_after = (usize::from(replicas) + 1).min(nodes.len());
+            let equal = nodes.iter().chain(&before).all(|n| n.weight == before[0].weight);
+            if !equal || capped(&before, copies_before) || capped(&nodes, copies_after) {
+                map = next;
+                continue;
+            }
+            let slack = 0;
+            let between_stayers = plan.moves.iter().filter(|m| !(m.from.is_none() || m.from == removed || Some(m.to) == added)).count();
+            prop_assert!(between_stayers <= slack, "{} moves between staying nodes: {:?}", between_stayers, plan.moves);
+            if let Some(added) = added {
+                if copies_before == copies_after {
+                    let onto_others = plan.moves.iter().filter(|m| m.to != added).count();
+                    prop_assert!(onto_others <= slack, "an add moves only onto the new node: {:?}", plan.moves);
+                }
+            }
+            let stayer_drops = plan.drops.iter().filter(|d| Some(d.node) != removed).count();
+            prop_assert!(stayer_drops == 0 || copies_after < copies_before, "a staying node dropped a copy: {:?}", plan.drops);
+            if let Some(removed) = removed {
+                if copies_before == copies_after {
+                    let held = map.partitions.iter().filter(|c| c.holds(removed)).count();
+                    prop_assert!(held <= plan.moves.len() && plan.moves.len() <= held + slack, "a removal of {} copies built {}", held, plan.moves.len());
+                }
+            }
+            prop_assert_eq!(next.version, map.version + u64::from(next.partitions != map.partitions));
+            map = next;
+        }
+    }
+}
