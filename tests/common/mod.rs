@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod faults;
+pub mod history;
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
