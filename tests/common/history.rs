@@ -96,7 +96,13 @@ enum Answer {
     Got(u16, String, Option<String>),
     /// No answer: the operation may or may not have happened.
     Unknown,
+    /// The connection was refused: the request never reached a server, so it did nothing.
+    Refused,
 }
+
+/// How long a client waits after a refused connection (the node is down or restarting)
+/// before it tries again.
+const REFUSED_BACKOFF: Duration = Duration::from_millis(20);
 
 async fn send(req: reqwest::RequestBuilder) -> Answer {
     match req.timeout(REQUEST_TIMEOUT).send().await {
@@ -108,20 +114,40 @@ async fn send(req: reqwest::RequestBuilder) -> Answer {
                 Err(_) => Answer::Unknown,
             }
         }
+        Err(e) if e.is_connect() => {
+            tokio::time::sleep(REFUSED_BACKOFF).await;
+            Answer::Refused
+        }
         Err(_) => Answer::Unknown,
     }
 }
 
+/// Where clients send requests: a node's URL, changed by the test when the node restarts
+/// on another port.
+pub type Target = std::sync::Arc<std::sync::RwLock<String>>;
+
+/// What a client does.
+pub struct Workload<'a> {
+    pub collection: &'a str,
+    pub keys: usize,
+    /// Query string of every write, e.g. `?durability=persist` (empty for none).
+    pub write_params: &'a str,
+    pub until: Instant,
+}
+
 /// One client: random gets, upserts, deletes and compare-and-swaps (a read, then a replace
-/// with its CAS) on `keys` of `collection` at `url` until `until`. Every value written is
-/// unique (client and counter), so comparing values is comparing versions.
-pub async fn run_client(url: String, collection: &str, client: usize, keys: usize, seed: u64, until: Instant, history: &History) {
+/// with its CAS) on `keys` of `collection` until `until`. Every value written is unique
+/// (client and counter), so comparing values is comparing versions.
+pub async fn run_client(target: Target, w: &Workload<'_>, client: usize, seed: u64, history: &History) {
     let http = reqwest::Client::new();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut n = 0u64;
-    while Instant::now() < until {
-        let key = format!("k{}", rng.random_range(0..keys));
+    let (collection, params) = (w.collection, w.write_params);
+    while Instant::now() < w.until {
+        let key = format!("k{}", rng.random_range(0..w.keys));
+        let url = target.read().unwrap().clone();
         let doc_url = format!("{url}/v1/collections/{collection}/docs/{key}");
+        let write_url = format!("{doc_url}{params}");
         n += 1;
         let value = format!("c{client}-{n}");
         let call = history.now();
@@ -134,11 +160,11 @@ pub async fn run_client(url: String, collection: &str, client: usize, keys: usiz
                 }
             }
             4..=6 => {
-                let answer = send(http.put(&doc_url).body(json!({ "v": value }).to_string())).await;
+                let answer = send(http.put(&write_url).body(json!({ "v": value }).to_string())).await;
                 let ret = history.now();
                 let outcome = match answer {
                     Answer::Got(200 | 201, ..) => "ok",
-                    Answer::Got(..) => "fail",
+                    Answer::Got(..) | Answer::Refused => "fail",
                     Answer::Unknown => "unknown",
                 };
                 history.push(
@@ -146,12 +172,12 @@ pub async fn run_client(url: String, collection: &str, client: usize, keys: usiz
                 );
             }
             7 => {
-                let answer = send(http.delete(&doc_url)).await;
+                let answer = send(http.delete(&write_url)).await;
                 let ret = history.now();
                 let (outcome, applied) = match answer {
                     Answer::Got(200, ..) => ("ok", true),
                     Answer::Got(404, ..) => ("ok", false),
-                    Answer::Got(..) => ("fail", false),
+                    Answer::Got(..) | Answer::Refused => ("fail", false),
                     Answer::Unknown => ("unknown", false),
                 };
                 history.push(json!({"client": client, "kind": "delete", "key": key, "call": call, "return": ret, "outcome": outcome, "applied": applied}));
@@ -169,12 +195,12 @@ pub async fn run_client(url: String, collection: &str, client: usize, keys: usiz
                 history.push(r);
                 let (Some(etag), Some(from)) = (etag, from) else { continue };
                 let call = history.now();
-                let answer = send(http.put(&doc_url).header("if-match", etag).body(json!({ "v": value }).to_string())).await;
+                let answer = send(http.put(&write_url).header("if-match", etag).body(json!({ "v": value }).to_string())).await;
                 let ret = history.now();
                 let (outcome, applied) = match answer {
                     Answer::Got(200, ..) => ("ok", true),
                     Answer::Got(409 | 404, ..) => ("ok", false),
-                    Answer::Got(..) => ("fail", false),
+                    Answer::Got(..) | Answer::Refused => ("fail", false),
                     Answer::Unknown => ("unknown", false),
                 };
                 history.push(json!({"client": client, "kind": "cas", "key": key, "from": from, "value": value, "call": call, "return": ret, "outcome": outcome, "applied": applied}));
