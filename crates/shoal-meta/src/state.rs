@@ -478,7 +478,8 @@ mod tests {
     fn apply_table() {
         use MetaReject as R;
         use MetaResponse as A;
-        let cases: Vec<(&str, Vec<(MetaCommand, Result<MetaResponse, MetaReject>)>)> = vec![
+        type Case = (&'static str, Vec<(MetaCommand, Result<MetaResponse, MetaReject>)>);
+        let cases: Vec<Case> = vec![
             (
                 "collection ids come from the log, in order, never reused",
                 vec![
