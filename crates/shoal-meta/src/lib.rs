@@ -8,11 +8,15 @@
 
 pub mod files;
 pub mod log_store;
+pub mod network;
+pub mod node;
 pub mod state;
 pub mod state_machine;
 
 pub use files::StoreError;
 pub use log_store::MetaLogStore;
+pub use network::{InProcessRouter, MetaNetwork, MetaTransport, RpcHandleError, RpcKind, TransportError};
+pub use node::{InitializeError, MembershipError, MetaNode, OpenError, ProposeError};
 pub use state::{
     CollectionDef, CollectionId, IndexDef, IndexId, Member, MemberState, MetaCommand, MetaReject, MetaResponse, MetaState, Settings,
     SettingsPatch,
