@@ -206,6 +206,19 @@ impl MetaNode {
         handle_rpc(&self.raft, kind, body).await
     }
 
+    /// Builds a snapshot now (Raft also builds one every `SNAPSHOT_LOGS_SINCE_LAST` entries).
+    /// Returns at once; `metrics().snapshot` moves when it is done.
+    pub async fn snapshot_now(&self) -> Result<(), String> {
+        self.raft.trigger().snapshot().await.map_err(|e| e.to_string())
+    }
+
+    /// Purges the log up to `upto`, at most to the last snapshot (Raft also purges by itself
+    /// behind each snapshot, keeping `LOGS_KEPT_AFTER_SNAPSHOT` entries). A member that lags
+    /// behind the purged part catches up from the snapshot.
+    pub async fn purge_log(&self, upto: u64) -> Result<(), String> {
+        self.raft.trigger().purge_log(upto).await.map_err(|e| e.to_string())
+    }
+
     pub(crate) fn raft(&self) -> &Raft<TypeConfig> {
         &self.raft
     }

@@ -111,3 +111,41 @@ async fn three_members_elect_commit_fail_over_and_catch_up() {
         node.shutdown().await.unwrap();
     }
 }
+
+/// A member added after the log was purged behind a snapshot catches up from the snapshot
+/// (sent over the transport), and a member restarted from a snapshot plus a log has the same
+/// state as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_member_catches_up_from_a_snapshot() {
+    let router = InProcessRouter::new();
+    let dirs: BTreeMap<u64, TempDir> = (1..=2).map(|id| (id, TempDir::new().unwrap())).collect();
+    let first = start(&router, &dirs, 1).await;
+    first.initialize(BTreeMap::from([(1, address(1))])).await.unwrap();
+    wait_for("member 1 to lead", || (first.leader() == Some(1)).then_some(())).await;
+    for i in 0..5 {
+        first.propose(create(&format!("c{i}"))).await.unwrap();
+    }
+    let applied = first.metrics().borrow().last_applied.unwrap().index;
+    first.snapshot_now().await.unwrap();
+    let metrics = first.metrics();
+    wait_for("the snapshot", || metrics.borrow().snapshot.is_some_and(|s| s.index >= applied).then_some(())).await;
+    first.purge_log(applied).await.unwrap();
+    wait_for("the purge", || metrics.borrow().purged.is_some_and(|p| p.index >= applied).then_some(())).await;
+    // One more entry after the snapshot, which a restart re-applies from the log.
+    first.propose(create("after")).await.unwrap();
+
+    let second = start(&router, &dirs, 2).await;
+    first.add_learner(2, address(2)).await.unwrap();
+    first.change_membership([1, 2].into()).await.unwrap();
+    wait_applied(&second, "every collection", |s| s.collections.len() == 6).await;
+    assert_eq!(*second.state(), *first.state());
+
+    let before = (*first.state()).clone();
+    router.unplug(&address(1));
+    first.shutdown().await.unwrap();
+    drop(first);
+    let first = start(&router, &dirs, 1).await;
+    wait_applied(&first, "its state again", |s| *s == before).await;
+    first.shutdown().await.unwrap();
+    second.shutdown().await.unwrap();
+}
