@@ -1,0 +1,231 @@
+//! `MetaNode`: one member of the metadata Raft group, as the engine and server see it —
+//! propose a command, read or watch the applied state, change membership, answer messages
+//! from other members.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::Arc;
+
+use openraft::error::{ClientWriteError, RaftError};
+use openraft::{BasicNode, Config, Raft, RaftMetrics, SnapshotPolicy};
+use thiserror::Error;
+use tokio::sync::watch;
+
+use crate::network::{handle_rpc, MetaNetwork, MetaTransport, RpcHandleError, RpcKind};
+use crate::state::{MetaCommand, MetaReject, MetaResponse, MetaState};
+use crate::{open_storage, StoreError, TypeConfig};
+
+/// A leader sends a heartbeat this often. Metadata changes are rare; the heartbeat is what
+/// keeps followers from electing, so it is well below the election timeout.
+pub const HEARTBEAT_INTERVAL_MS: u64 = 250;
+/// A follower that hears nothing for a random time in this range starts an election. Wide
+/// enough for a shared 2-core machine under load not to elect on a scheduling hiccup, short
+/// enough that a lost metadata leader is replaced well within the 5 s auto-failover timeout.
+pub const ELECTION_TIMEOUT_MIN_MS: u64 = 1_000;
+pub const ELECTION_TIMEOUT_MAX_MS: u64 = 2_000;
+/// A snapshot is built after this many entries since the last one; the log behind it is purged.
+pub const SNAPSHOT_LOGS_SINCE_LAST: u64 = 1_000;
+/// Entries kept behind a snapshot, so a briefly lagging member catches up from the log rather
+/// than from a whole snapshot.
+pub const LOGS_KEPT_AFTER_SNAPSHOT: u64 = 200;
+/// Snapshot chunk size on the wire (a whole `MetaState` is usually one chunk).
+pub const SNAPSHOT_CHUNK_MAX_BYTES: u64 = 1024 * 1024;
+/// How long a member waits for one snapshot chunk to be installed.
+pub const INSTALL_SNAPSHOT_TIMEOUT_MS: u64 = 10_000;
+/// Entries sent in one append-entries message.
+pub const APPEND_ENTRIES_MAX: u64 = 300;
+
+/// Why a member could not start.
+#[derive(Debug, Error)]
+pub enum OpenError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("invalid Raft configuration: {0}")]
+    Config(String),
+    #[error("Raft failed to start: {0}")]
+    Raft(String),
+}
+
+/// Why a proposal was not applied.
+#[derive(Debug, Error)]
+pub enum ProposeError {
+    /// Committed and applied, but every member refused it the same way.
+    #[error(transparent)]
+    Rejected(MetaReject),
+    /// This member is not the leader; `leader` (with its address) is, if known. The caller
+    /// forwards the command there.
+    #[error("not the metadata leader; the leader is {leader:?} at {address:?}")]
+    NotLeader { leader: Option<u64>, address: Option<String> },
+    /// Raft stopped or failed (shut down, storage error).
+    #[error("the metadata log is unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// Why a membership change failed.
+#[derive(Debug, Error)]
+pub enum MembershipError {
+    #[error("not the metadata leader; the leader is {leader:?} at {address:?}")]
+    NotLeader { leader: Option<u64>, address: Option<String> },
+    #[error("membership change refused: {0}")]
+    Refused(String),
+    #[error("the metadata log is unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// Why `initialize` failed.
+#[derive(Debug, Error)]
+pub enum InitializeError {
+    /// The member already has a log (it was initialized, or joined a cluster).
+    #[error("already initialized")]
+    AlreadyInitialized,
+    #[error("cannot initialize: {0}")]
+    Failed(String),
+}
+
+fn write_error<F>(
+    e: RaftError<u64, ClientWriteError<u64, BasicNode>>,
+    unavailable: impl FnOnce(String) -> F,
+    not_leader: impl FnOnce(Option<u64>, Option<String>) -> F,
+    refused: impl FnOnce(String) -> F,
+) -> F {
+    match e {
+        RaftError::APIError(ClientWriteError::ForwardToLeader(f)) => not_leader(f.leader_id, f.leader_node.map(|n| n.addr)),
+        RaftError::APIError(ClientWriteError::ChangeMembershipError(c)) => refused(c.to_string()),
+        RaftError::Fatal(fatal) => unavailable(fatal.to_string()),
+    }
+}
+
+/// One member of the metadata Raft group.
+pub struct MetaNode {
+    id: u64,
+    raft: Raft<TypeConfig>,
+    applied: watch::Receiver<Arc<MetaState>>,
+}
+
+impl MetaNode {
+    /// Opens the member `id` with its log in `dir` (a directory of its own, never the
+    /// document store's), talking to the others through `transport`. A member that has a log
+    /// rejoins its cluster by itself; a new one waits for `initialize` or for a leader to add it.
+    pub async fn open<T: MetaTransport>(dir: &Path, id: u64, transport: Arc<T>) -> Result<MetaNode, OpenError> {
+        let (log, sm) = open_storage(dir)?;
+        let applied = sm.subscribe();
+        let config = Config {
+            cluster_name: "shoal-meta".into(),
+            heartbeat_interval: HEARTBEAT_INTERVAL_MS,
+            election_timeout_min: ELECTION_TIMEOUT_MIN_MS,
+            election_timeout_max: ELECTION_TIMEOUT_MAX_MS,
+            install_snapshot_timeout: INSTALL_SNAPSHOT_TIMEOUT_MS,
+            snapshot_policy: SnapshotPolicy::LogsSinceLast(SNAPSHOT_LOGS_SINCE_LAST),
+            max_in_snapshot_log_to_keep: LOGS_KEPT_AFTER_SNAPSHOT,
+            snapshot_max_chunk_size: SNAPSHOT_CHUNK_MAX_BYTES,
+            max_payload_entries: APPEND_ENTRIES_MAX,
+            ..Config::default()
+        };
+        let config = Arc::new(config.validate().map_err(|e| OpenError::Config(e.to_string()))?);
+        let raft = Raft::new(id, config, MetaNetwork::new(transport), log, sm).await.map_err(|e| OpenError::Raft(e.to_string()))?;
+        Ok(MetaNode { id, raft, applied })
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Starts a new cluster whose voters are `members` (id → address). Done once, on one
+    /// member, for a cluster's first start; a member with a log refuses.
+    pub async fn initialize(&self, members: BTreeMap<u64, String>) -> Result<(), InitializeError> {
+        let nodes: BTreeMap<u64, BasicNode> = members.into_iter().map(|(id, addr)| (id, BasicNode { addr })).collect();
+        match self.raft.initialize(nodes).await {
+            Ok(()) => Ok(()),
+            Err(RaftError::APIError(openraft::error::InitializeError::NotAllowed(_))) => Err(InitializeError::AlreadyInitialized),
+            Err(e) => Err(InitializeError::Failed(e.to_string())),
+        }
+    }
+
+    /// Commits `cmd` through the log (on the leader) and returns its answer once this member
+    /// has applied it.
+    pub async fn propose(&self, cmd: MetaCommand) -> Result<MetaResponse, ProposeError> {
+        match self.raft.client_write(cmd).await {
+            Ok(written) => written.data.map_err(ProposeError::Rejected),
+            Err(e) => Err(write_error(
+                e,
+                ProposeError::Unavailable,
+                |leader, address| ProposeError::NotLeader { leader, address },
+                ProposeError::Unavailable,
+            )),
+        }
+    }
+
+    /// The state this member has applied (a follower's may lag the leader's).
+    pub fn state(&self) -> Arc<MetaState> {
+        Arc::clone(&self.applied.borrow())
+    }
+
+    /// The applied state now and after every change, for the engine to react to.
+    pub fn watch(&self) -> watch::Receiver<Arc<MetaState>> {
+        self.applied.clone()
+    }
+
+    /// Raft's view: role, term, leader, membership, applied index.
+    pub fn metrics(&self) -> watch::Receiver<RaftMetrics<u64, BasicNode>> {
+        self.raft.metrics()
+    }
+
+    /// The leader this member knows of.
+    pub fn leader(&self) -> Option<u64> {
+        self.raft.metrics().borrow().current_leader
+    }
+
+    /// Adds `id` at `address` as a learner (it receives the log but does not vote) and waits
+    /// until it has caught up. Leader only.
+    pub async fn add_learner(&self, id: u64, address: String) -> Result<(), MembershipError> {
+        self.raft.add_learner(id, BasicNode { addr: address }, true).await.map(|_| ()).map_err(|e| {
+            write_error(
+                e,
+                MembershipError::Unavailable,
+                |leader, address| MembershipError::NotLeader { leader, address },
+                MembershipError::Refused,
+            )
+        })
+    }
+
+    /// Makes `voters` the voting members (each must be a member or learner already); members
+    /// left out stay learners. Leader only.
+    pub async fn change_membership(&self, voters: BTreeSet<u64>) -> Result<(), MembershipError> {
+        self.raft.change_membership(voters, true).await.map(|_| ()).map_err(|e| {
+            write_error(
+                e,
+                MembershipError::Unavailable,
+                |leader, address| MembershipError::NotLeader { leader, address },
+                MembershipError::Refused,
+            )
+        })
+    }
+
+    /// Answers a message from another member (the server's end of `MetaTransport`).
+    pub async fn handle_rpc(&self, kind: RpcKind, body: &[u8]) -> Result<Vec<u8>, RpcHandleError> {
+        handle_rpc(&self.raft, kind, body).await
+    }
+
+    /// Builds a snapshot now (Raft also builds one every `SNAPSHOT_LOGS_SINCE_LAST` entries).
+    /// Returns at once; `metrics().snapshot` moves when it is done.
+    pub async fn snapshot_now(&self) -> Result<(), String> {
+        self.raft.trigger().snapshot().await.map_err(|e| e.to_string())
+    }
+
+    /// Purges the log up to `upto`, at most to the last snapshot (Raft also purges by itself
+    /// behind each snapshot, keeping `LOGS_KEPT_AFTER_SNAPSHOT` entries). A member that lags
+    /// behind the purged part catches up from the snapshot.
+    pub async fn purge_log(&self, upto: u64) -> Result<(), String> {
+        self.raft.trigger().purge_log(upto).await.map_err(|e| e.to_string())
+    }
+
+    pub(crate) fn raft(&self) -> &Raft<TypeConfig> {
+        &self.raft
+    }
+
+    /// Stops Raft; the log files are closed when its tasks end. What was acknowledged is on
+    /// disk already, so a member that is never shut down (a crash) loses nothing either.
+    pub async fn shutdown(&self) -> Result<(), String> {
+        self.raft.shutdown().await.map_err(|e| e.to_string())
+    }
+}

@@ -1,0 +1,628 @@
+//! The cluster's metadata and the commands that change it. `MetaState::apply` is pure and
+//! deterministic: every member applies the same committed commands in the same order and
+//! reaches the same state, ids included (they are assigned here, never by a proposer).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use shoal_cluster::{NodeId, PartitionMap, REPLICAS_MAX};
+use thiserror::Error;
+
+/// A name (collection, index) longer than this is refused by the log. The server checks the
+/// finer rules (characters, storage's 251-character limit) before it proposes; the log only
+/// keeps a bad proposal from bloating every member's state.
+pub const NAME_MAX_BYTES: usize = 1_024;
+/// A member's address (`host:port`) longer than this is refused.
+pub const ADDRESS_MAX_BYTES: usize = 256;
+/// An index definition's JSON text longer than this is refused.
+pub const INDEX_DEFINITION_MAX_BYTES: usize = 64 * 1024;
+/// At most this many collections in a cluster (ids are `u32`; the bound keeps the state small).
+pub const COLLECTIONS_MAX: usize = 10_000;
+/// At most this many indexes per collection.
+pub const INDEXES_PER_COLLECTION_MAX: usize = 256;
+
+/// `auto_failover_timeout_s` bounds (API.md: 2..3600) and default (issue 13: 5 s).
+pub const AUTO_FAILOVER_TIMEOUT_MIN_S: u32 = 2;
+pub const AUTO_FAILOVER_TIMEOUT_MAX_S: u32 = 3_600;
+pub const AUTO_FAILOVER_TIMEOUT_DEFAULT_S: u32 = 5;
+/// How many nodes may be failed over automatically before an operator steps in.
+pub const AUTO_FAILOVER_MAX_COUNT_DEFAULT: u32 = shoal_cluster::failover::AUTO_FAILOVER_MAX_COUNT_DEFAULT as u32;
+pub const AUTO_FAILOVER_MAX_COUNT_MAX: u32 = 16;
+/// Replica copies per partition by default (issue 13).
+pub const REPLICAS_DEFAULT: u8 = 1;
+/// Rebalance budget defaults and bounds.
+pub const REBALANCE_MB_PER_S_DEFAULT: u32 = 100;
+pub const REBALANCE_MB_PER_S_MAX: u32 = 100_000;
+pub const REBALANCE_MOVES_PER_NODE_DEFAULT: u32 = 4;
+pub const REBALANCE_MOVES_PER_NODE_MAX: u32 = 64;
+
+/// A collection's id, as the storage engine keys it.
+pub type CollectionId = u32;
+/// An index's id, as the index manager keys it.
+pub type IndexId = u32;
+
+/// Where a member is in its life (API.md's states, plus `ejected`: removed by a rebalance and
+/// never to hold data again under this id).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemberState {
+    /// Joined, holds nothing until a rebalance brings it in.
+    Added,
+    /// Holds partitions.
+    Active,
+    /// Being rebalanced out.
+    Leaving,
+    /// Failed over: its copies were promoted elsewhere; `recover` makes it `added` again.
+    Failed,
+    /// Rebalanced out.
+    Ejected,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Member {
+    pub address: String,
+    pub state: MemberState,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CollectionDef {
+    pub id: CollectionId,
+    /// Maximum document TTL in seconds, 0 for none (as `shoal-storage`).
+    pub max_ttl: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexDef {
+    pub collection: String,
+    pub name: String,
+    pub id: IndexId,
+    /// The definition as the API received it; `shoal-index` parses it.
+    pub definition: serde_json::Value,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Settings {
+    pub auto_failover_timeout_s: u32,
+    pub auto_failover_max_count: u32,
+    pub replicas: u8,
+    pub rebalance_mb_per_s: u32,
+    pub rebalance_moves_per_node: u32,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            auto_failover_timeout_s: AUTO_FAILOVER_TIMEOUT_DEFAULT_S,
+            auto_failover_max_count: AUTO_FAILOVER_MAX_COUNT_DEFAULT,
+            replicas: REPLICAS_DEFAULT,
+            rebalance_mb_per_s: REBALANCE_MB_PER_S_DEFAULT,
+            rebalance_moves_per_node: REBALANCE_MOVES_PER_NODE_DEFAULT,
+        }
+    }
+}
+
+/// A change to some settings; `None` leaves a setting as it is.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SettingsPatch {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto_failover_timeout_s: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto_failover_max_count: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<u8>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebalance_mb_per_s: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebalance_moves_per_node: Option<u32>,
+}
+
+/// The cluster's metadata as every member holds it after applying the log.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetaState {
+    pub members: BTreeMap<NodeId, Member>,
+    pub collections: BTreeMap<String, CollectionDef>,
+    /// Index definitions by collection name, then index name.
+    pub indexes: BTreeMap<String, BTreeMap<String, IndexDef>>,
+    /// The partition map; `None` until the first one is committed (version 1).
+    pub map: Option<PartitionMap>,
+    pub settings: Settings,
+    pub next_collection_id: CollectionId,
+    pub next_index_id: IndexId,
+}
+
+impl Default for MetaState {
+    fn default() -> Self {
+        MetaState {
+            members: BTreeMap::new(),
+            collections: BTreeMap::new(),
+            indexes: BTreeMap::new(),
+            map: None,
+            settings: Settings::default(),
+            // Collection id 0 is never handed out, so "no id" is never confused with one.
+            next_collection_id: 1,
+            next_index_id: 1,
+        }
+    }
+}
+
+/// A change to the metadata, proposed to the leader and applied by every member.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum MetaCommand {
+    AddMember {
+        node: NodeId,
+        address: String,
+    },
+    SetMemberState {
+        node: NodeId,
+        state: MemberState,
+    },
+    /// Forgets a member; refused while the map places a copy on it.
+    RemoveMember {
+        node: NodeId,
+    },
+    CreateCollection {
+        name: String,
+        max_ttl: u32,
+    },
+    /// Drops the collection and its index definitions.
+    DropCollection {
+        name: String,
+    },
+    CreateIndex {
+        collection: String,
+        name: String,
+        definition: serde_json::Value,
+    },
+    DropIndex {
+        collection: String,
+        name: String,
+    },
+    /// Compare-and-set: `map.version` must be the current version + 1 (0 before any map).
+    SetMap {
+        map: PartitionMap,
+    },
+    UpdateSettings {
+        patch: SettingsPatch,
+    },
+}
+
+/// What an applied command answers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum MetaResponse {
+    /// Applied; nothing to report (also the answer to Raft's own blank and membership entries).
+    Done,
+    CollectionCreated {
+        id: CollectionId,
+    },
+    IndexCreated {
+        id: IndexId,
+    },
+    MapSet {
+        version: u64,
+    },
+}
+
+/// Why a committed command changed nothing. The command is still in the log: every member
+/// refuses it the same way.
+#[derive(Clone, Debug, PartialEq, Eq, Error, Serialize, Deserialize)]
+#[serde(tag = "reject", rename_all = "snake_case")]
+pub enum MetaReject {
+    #[error("node {node} is already a member")]
+    MemberExists { node: NodeId },
+    #[error("address {address} is already used by node {node}")]
+    AddressInUse { address: String, node: NodeId },
+    #[error("node {node} is not a member")]
+    NoSuchMember { node: NodeId },
+    #[error("node {node} still holds copies in the partition map")]
+    MemberHoldsCopies { node: NodeId },
+    #[error("collection {name} exists")]
+    CollectionExists { name: String },
+    #[error("no collection {name}")]
+    NoSuchCollection { name: String },
+    #[error("index {name} exists on collection {collection}")]
+    IndexExists { collection: String, name: String },
+    #[error("no index {name} on collection {collection}")]
+    NoSuchIndex { collection: String, name: String },
+    #[error("map version {got} is not the next one ({expected})")]
+    MapVersion { expected: u64, got: u64 },
+    #[error("the map is not well formed: {why}")]
+    InvalidMap { why: String },
+    #[error("the map places a copy on node {node}, which is not an active or added member")]
+    MapNodeNotMember { node: NodeId },
+    #[error("the map has {got} partitions; the cluster has {expected}")]
+    PartitionCountChanged { expected: u16, got: u16 },
+    #[error("{what} is out of range: {why}")]
+    OutOfRange { what: String, why: String },
+    #[error("limit reached: {what}")]
+    LimitReached { what: String },
+}
+
+fn check_name(what: &str, name: &str) -> Result<(), MetaReject> {
+    if name.is_empty() || name.len() > NAME_MAX_BYTES {
+        return Err(MetaReject::OutOfRange { what: what.into(), why: format!("a name has 1 to {NAME_MAX_BYTES} bytes") });
+    }
+    Ok(())
+}
+
+fn check_range(what: &str, value: u64, min: u64, max: u64) -> Result<(), MetaReject> {
+    if value < min || value > max {
+        return Err(MetaReject::OutOfRange { what: what.into(), why: format!("{value} is not in {min}..={max}") });
+    }
+    Ok(())
+}
+
+impl MetaState {
+    /// The current map version, 0 before the first map.
+    pub fn map_version(&self) -> u64 {
+        self.map.as_ref().map_or(0, |m| m.version)
+    }
+
+    /// Applies one committed command. Pure: the same state and command give the same answer
+    /// on every member. A refused command leaves the state exactly as it was.
+    pub fn apply(&mut self, cmd: MetaCommand) -> Result<MetaResponse, MetaReject> {
+        let answer = match cmd {
+            MetaCommand::AddMember { node, address } => self.add_member(node, address),
+            MetaCommand::SetMemberState { node, state } => {
+                let member = self.members.get_mut(&node).ok_or(MetaReject::NoSuchMember { node })?;
+                member.state = state;
+                Ok(MetaResponse::Done)
+            }
+            MetaCommand::RemoveMember { node } => {
+                if !self.members.contains_key(&node) {
+                    return Err(MetaReject::NoSuchMember { node });
+                }
+                if self.map.as_ref().is_some_and(|m| m.partitions.iter().any(|c| c.holds(node))) {
+                    return Err(MetaReject::MemberHoldsCopies { node });
+                }
+                self.members.remove(&node);
+                Ok(MetaResponse::Done)
+            }
+            MetaCommand::CreateCollection { name, max_ttl } => self.create_collection(name, max_ttl),
+            MetaCommand::DropCollection { name } => {
+                if self.collections.remove(&name).is_none() {
+                    return Err(MetaReject::NoSuchCollection { name });
+                }
+                self.indexes.remove(&name);
+                Ok(MetaResponse::Done)
+            }
+            MetaCommand::CreateIndex { collection, name, definition } => self.create_index(collection, name, definition),
+            MetaCommand::DropIndex { collection, name } => {
+                let removed = self.indexes.get_mut(&collection).and_then(|by_name| by_name.remove(&name));
+                if removed.is_none() {
+                    return Err(MetaReject::NoSuchIndex { collection, name });
+                }
+                if self.indexes.get(&collection).is_some_and(BTreeMap::is_empty) {
+                    self.indexes.remove(&collection);
+                }
+                Ok(MetaResponse::Done)
+            }
+            MetaCommand::SetMap { map } => self.set_map(map),
+            MetaCommand::UpdateSettings { patch } => self.update_settings(patch),
+        };
+        debug_assert!(self.check().is_ok(), "apply broke an invariant: {:?}", self.check());
+        answer
+    }
+
+    fn add_member(&mut self, node: NodeId, address: String) -> Result<MetaResponse, MetaReject> {
+        if address.is_empty() || address.len() > ADDRESS_MAX_BYTES {
+            return Err(MetaReject::OutOfRange { what: "address".into(), why: format!("an address has 1 to {ADDRESS_MAX_BYTES} bytes") });
+        }
+        if self.members.contains_key(&node) {
+            return Err(MetaReject::MemberExists { node });
+        }
+        if let Some((other, _)) = self.members.iter().find(|(_, m)| m.address == address && m.state != MemberState::Ejected) {
+            return Err(MetaReject::AddressInUse { address, node: *other });
+        }
+        if self.members.len() >= shoal_cluster::NODES_MAX {
+            return Err(MetaReject::LimitReached { what: format!("at most {} members", shoal_cluster::NODES_MAX) });
+        }
+        self.members.insert(node, Member { address, state: MemberState::Added });
+        Ok(MetaResponse::Done)
+    }
+
+    fn create_collection(&mut self, name: String, max_ttl: u32) -> Result<MetaResponse, MetaReject> {
+        check_name("collection name", &name)?;
+        if self.collections.contains_key(&name) {
+            return Err(MetaReject::CollectionExists { name });
+        }
+        if self.collections.len() >= COLLECTIONS_MAX {
+            return Err(MetaReject::LimitReached { what: format!("at most {COLLECTIONS_MAX} collections") });
+        }
+        let id = self.next_collection_id;
+        let next = id.checked_add(1).ok_or_else(|| MetaReject::LimitReached { what: "collection ids".into() })?;
+        self.next_collection_id = next;
+        self.collections.insert(name, CollectionDef { id, max_ttl });
+        Ok(MetaResponse::CollectionCreated { id })
+    }
+
+    fn create_index(&mut self, collection: String, name: String, definition: serde_json::Value) -> Result<MetaResponse, MetaReject> {
+        check_name("index name", &name)?;
+        if !self.collections.contains_key(&collection) {
+            return Err(MetaReject::NoSuchCollection { name: collection });
+        }
+        // The definition came through JSON, so serialising it again cannot fail; a failure
+        // would be refused rather than stored.
+        let size = serde_json::to_vec(&definition).map(|v| v.len()).unwrap_or(usize::MAX);
+        if size > INDEX_DEFINITION_MAX_BYTES {
+            return Err(MetaReject::OutOfRange {
+                what: "index definition".into(),
+                why: format!("at most {INDEX_DEFINITION_MAX_BYTES} bytes"),
+            });
+        }
+        let existing = self.indexes.get(&collection);
+        if existing.is_some_and(|by_name| by_name.contains_key(&name)) {
+            return Err(MetaReject::IndexExists { collection, name });
+        }
+        if existing.is_some_and(|by_name| by_name.len() >= INDEXES_PER_COLLECTION_MAX) {
+            return Err(MetaReject::LimitReached { what: format!("at most {INDEXES_PER_COLLECTION_MAX} indexes per collection") });
+        }
+        let id = self.next_index_id;
+        let next = id.checked_add(1).ok_or_else(|| MetaReject::LimitReached { what: "index ids".into() })?;
+        self.next_index_id = next;
+        let def = IndexDef { collection: collection.clone(), name: name.clone(), id, definition };
+        self.indexes.entry(collection).or_default().insert(name, def);
+        Ok(MetaResponse::IndexCreated { id })
+    }
+
+    fn set_map(&mut self, map: PartitionMap) -> Result<MetaResponse, MetaReject> {
+        let expected = self.map_version() + 1;
+        if map.version != expected {
+            return Err(MetaReject::MapVersion { expected, got: map.version });
+        }
+        map.check().map_err(|e| MetaReject::InvalidMap { why: e.to_string() })?;
+        if let Some(old) = &self.map {
+            if old.partition_count() != map.partition_count() {
+                return Err(MetaReject::PartitionCountChanged { expected: old.partition_count(), got: map.partition_count() });
+            }
+        }
+        for node in map.nodes() {
+            let usable =
+                self.members.get(&node).is_some_and(|m| matches!(m.state, MemberState::Active | MemberState::Added | MemberState::Leaving));
+            if !usable {
+                return Err(MetaReject::MapNodeNotMember { node });
+            }
+        }
+        let version = map.version;
+        self.map = Some(map);
+        Ok(MetaResponse::MapSet { version })
+    }
+
+    fn update_settings(&mut self, patch: SettingsPatch) -> Result<MetaResponse, MetaReject> {
+        // Check every field before changing any, so a refused patch changes nothing.
+        if let Some(v) = patch.auto_failover_timeout_s {
+            check_range("auto_failover_timeout_s", v.into(), AUTO_FAILOVER_TIMEOUT_MIN_S.into(), AUTO_FAILOVER_TIMEOUT_MAX_S.into())?;
+        }
+        if let Some(v) = patch.auto_failover_max_count {
+            check_range("auto_failover_max_count", v.into(), 0, AUTO_FAILOVER_MAX_COUNT_MAX.into())?;
+        }
+        if let Some(v) = patch.replicas {
+            check_range("replicas", v.into(), 0, REPLICAS_MAX.into())?;
+        }
+        if let Some(v) = patch.rebalance_mb_per_s {
+            check_range("rebalance_mb_per_s", v.into(), 1, REBALANCE_MB_PER_S_MAX.into())?;
+        }
+        if let Some(v) = patch.rebalance_moves_per_node {
+            check_range("rebalance_moves_per_node", v.into(), 1, REBALANCE_MOVES_PER_NODE_MAX.into())?;
+        }
+        let s = &mut self.settings;
+        s.auto_failover_timeout_s = patch.auto_failover_timeout_s.unwrap_or(s.auto_failover_timeout_s);
+        s.auto_failover_max_count = patch.auto_failover_max_count.unwrap_or(s.auto_failover_max_count);
+        s.replicas = patch.replicas.unwrap_or(s.replicas);
+        s.rebalance_mb_per_s = patch.rebalance_mb_per_s.unwrap_or(s.rebalance_mb_per_s);
+        s.rebalance_moves_per_node = patch.rebalance_moves_per_node.unwrap_or(s.rebalance_moves_per_node);
+        Ok(MetaResponse::Done)
+    }
+
+    /// The invariants `apply` keeps: ids below their next id and unique, index entries under
+    /// their own collection, a map that is well formed.
+    pub fn check(&self) -> Result<(), String> {
+        let mut ids: Vec<CollectionId> = self.collections.values().map(|c| c.id).collect();
+        ids.sort_unstable();
+        if ids.windows(2).any(|w| w[0] == w[1]) || ids.last().is_some_and(|&id| id >= self.next_collection_id) {
+            return Err("collection ids are not unique or not below next_collection_id".into());
+        }
+        for (collection, by_name) in &self.indexes {
+            if !self.collections.contains_key(collection) {
+                return Err(format!("indexes of a missing collection {collection}"));
+            }
+            for (name, def) in by_name {
+                if &def.collection != collection || &def.name != name || def.id >= self.next_index_id {
+                    return Err(format!("index {collection}.{name} is filed wrongly"));
+                }
+            }
+        }
+        if let Some(map) = &self.map {
+            map.check().map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use shoal_cluster::Copies;
+
+    fn n(id: u64) -> NodeId {
+        NodeId(id)
+    }
+
+    fn map(version: u64, rows: &[(u64, &[u64])]) -> PartitionMap {
+        PartitionMap {
+            version,
+            partitions: rows.iter().map(|(a, r)| Copies { active: n(*a), replicas: r.iter().map(|&x| n(x)).collect() }).collect(),
+        }
+    }
+
+    fn add(node: u64, address: &str) -> MetaCommand {
+        MetaCommand::AddMember { node: n(node), address: address.into() }
+    }
+
+    fn create(name: &str) -> MetaCommand {
+        MetaCommand::CreateCollection { name: name.into(), max_ttl: 0 }
+    }
+
+    fn index(collection: &str, name: &str) -> MetaCommand {
+        MetaCommand::CreateIndex { collection: collection.into(), name: name.into(), definition: json!({"keys": ["a"]}) }
+    }
+
+    fn settings(patch: SettingsPatch) -> MetaCommand {
+        MetaCommand::UpdateSettings { patch }
+    }
+
+    /// Each case: commands applied in order from an empty state, and the answer of each.
+    #[test]
+    fn apply_table() {
+        use MetaReject as R;
+        use MetaResponse as A;
+        type Case = (&'static str, Vec<(MetaCommand, Result<MetaResponse, MetaReject>)>);
+        let cases: Vec<Case> = vec![
+            (
+                "collection ids come from the log, in order, never reused",
+                vec![
+                    (create("a"), Ok(A::CollectionCreated { id: 1 })),
+                    (create("b"), Ok(A::CollectionCreated { id: 2 })),
+                    (create("a"), Err(R::CollectionExists { name: "a".into() })),
+                    (MetaCommand::DropCollection { name: "a".into() }, Ok(A::Done)),
+                    (create("a"), Ok(A::CollectionCreated { id: 3 })),
+                    (MetaCommand::DropCollection { name: "zz".into() }, Err(R::NoSuchCollection { name: "zz".into() })),
+                    (
+                        create(""),
+                        Err(R::OutOfRange { what: "collection name".into(), why: format!("a name has 1 to {NAME_MAX_BYTES} bytes") }),
+                    ),
+                ],
+            ),
+            (
+                "indexes need their collection and go with it",
+                vec![
+                    (index("c", "i"), Err(R::NoSuchCollection { name: "c".into() })),
+                    (create("c"), Ok(A::CollectionCreated { id: 1 })),
+                    (index("c", "i"), Ok(A::IndexCreated { id: 1 })),
+                    (index("c", "i"), Err(R::IndexExists { collection: "c".into(), name: "i".into() })),
+                    (index("c", "j"), Ok(A::IndexCreated { id: 2 })),
+                    (MetaCommand::DropIndex { collection: "c".into(), name: "j".into() }, Ok(A::Done)),
+                    (
+                        MetaCommand::DropIndex { collection: "c".into(), name: "j".into() },
+                        Err(R::NoSuchIndex { collection: "c".into(), name: "j".into() }),
+                    ),
+                    (MetaCommand::DropCollection { name: "c".into() }, Ok(A::Done)),
+                    (create("c"), Ok(A::CollectionCreated { id: 2 })),
+                    (
+                        MetaCommand::DropIndex { collection: "c".into(), name: "i".into() },
+                        Err(R::NoSuchIndex { collection: "c".into(), name: "i".into() }),
+                    ),
+                    (index("c", "i"), Ok(A::IndexCreated { id: 3 })),
+                ],
+            ),
+            (
+                "members: join once, one address each, removed only when they hold nothing",
+                vec![
+                    (add(1, "h1:1"), Ok(A::Done)),
+                    (add(1, "h1:1"), Err(R::MemberExists { node: n(1) })),
+                    (add(2, "h1:1"), Err(R::AddressInUse { address: "h1:1".into(), node: n(1) })),
+                    (add(2, "h2:1"), Ok(A::Done)),
+                    (MetaCommand::SetMemberState { node: n(3), state: MemberState::Active }, Err(R::NoSuchMember { node: n(3) })),
+                    (MetaCommand::SetMemberState { node: n(1), state: MemberState::Active }, Ok(A::Done)),
+                    (MetaCommand::SetMap { map: map(1, &[(1, &[2]), (2, &[1])]) }, Ok(A::MapSet { version: 1 })),
+                    (MetaCommand::RemoveMember { node: n(2) }, Err(R::MemberHoldsCopies { node: n(2) })),
+                    (MetaCommand::SetMap { map: map(2, &[(1, &[]), (1, &[])]) }, Ok(A::MapSet { version: 2 })),
+                    (MetaCommand::RemoveMember { node: n(2) }, Ok(A::Done)),
+                    (MetaCommand::RemoveMember { node: n(2) }, Err(R::NoSuchMember { node: n(2) })),
+                ],
+            ),
+            (
+                "the map is compare-and-set on its version",
+                vec![
+                    (add(1, "h1:1"), Ok(A::Done)),
+                    (add(2, "h2:1"), Ok(A::Done)),
+                    (MetaCommand::SetMap { map: map(2, &[(1, &[2])]) }, Err(R::MapVersion { expected: 1, got: 2 })),
+                    (MetaCommand::SetMap { map: map(0, &[(1, &[2])]) }, Err(R::MapVersion { expected: 1, got: 0 })),
+                    (MetaCommand::SetMap { map: map(1, &[(1, &[2]), (2, &[1])]) }, Ok(A::MapSet { version: 1 })),
+                    (MetaCommand::SetMap { map: map(1, &[(2, &[1]), (1, &[2])]) }, Err(R::MapVersion { expected: 2, got: 1 })),
+                    (MetaCommand::SetMap { map: map(2, &[(2, &[1])]) }, Err(R::PartitionCountChanged { expected: 2, got: 1 })),
+                    (
+                        MetaCommand::SetMap { map: map(2, &[(1, &[1]), (2, &[])]) },
+                        Err(R::InvalidMap { why: "partition 0 has two copies on node n1".into() }),
+                    ),
+                    (MetaCommand::SetMap { map: map(2, &[(1, &[3]), (2, &[])]) }, Err(R::MapNodeNotMember { node: n(3) })),
+                    (MetaCommand::SetMemberState { node: n(2), state: MemberState::Failed }, Ok(A::Done)),
+                    (MetaCommand::SetMap { map: map(2, &[(2, &[]), (1, &[])]) }, Err(R::MapNodeNotMember { node: n(2) })),
+                    (MetaCommand::SetMap { map: map(2, &[(1, &[]), (1, &[])]) }, Ok(A::MapSet { version: 2 })),
+                ],
+            ),
+            (
+                "settings: ranges checked, a refused patch changes nothing",
+                vec![
+                    (
+                        settings(SettingsPatch { replicas: Some(4), ..Default::default() }),
+                        Err(R::OutOfRange { what: "replicas".into(), why: "4 is not in 0..=3".into() }),
+                    ),
+                    (
+                        settings(SettingsPatch { auto_failover_timeout_s: Some(1), ..Default::default() }),
+                        Err(R::OutOfRange { what: "auto_failover_timeout_s".into(), why: "1 is not in 2..=3600".into() }),
+                    ),
+                    (
+                        settings(SettingsPatch { replicas: Some(2), rebalance_moves_per_node: Some(0), ..Default::default() }),
+                        Err(R::OutOfRange { what: "rebalance_moves_per_node".into(), why: "0 is not in 1..=64".into() }),
+                    ),
+                    (settings(SettingsPatch { replicas: Some(2), auto_failover_timeout_s: Some(30), ..Default::default() }), Ok(A::Done)),
+                ],
+            ),
+        ];
+        for (name, steps) in cases {
+            let mut state = MetaState::default();
+            for (i, (cmd, want)) in steps.into_iter().enumerate() {
+                let before = state.clone();
+                let got = state.apply(cmd.clone());
+                assert_eq!(got, want, "{name}: step {i} {cmd:?}");
+                if got.is_err() {
+                    assert_eq!(state, before, "{name}: step {i} refused but changed the state");
+                }
+                state.check().unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn settings_have_their_defaults_and_patches_apply() {
+        let mut state = MetaState::default();
+        assert_eq!(state.settings.auto_failover_timeout_s, 5);
+        assert_eq!(state.settings.auto_failover_max_count, 1);
+        assert_eq!(state.settings.replicas, 1);
+        state.apply(settings(SettingsPatch { replicas: Some(2), auto_failover_timeout_s: Some(30), ..Default::default() })).unwrap();
+        assert_eq!(state.settings.replicas, 2);
+        assert_eq!(state.settings.auto_failover_timeout_s, 30);
+        assert_eq!(state.settings.rebalance_mb_per_s, REBALANCE_MB_PER_S_DEFAULT);
+    }
+
+    /// Two members applying the same commands agree, and a state survives its JSON form
+    /// (the snapshot) unchanged.
+    #[test]
+    fn apply_is_deterministic_and_round_trips_through_json() {
+        let cmds = vec![
+            add(7, "h7:1"),
+            create("users"),
+            create("users"),
+            index("users", "by_age"),
+            MetaCommand::SetMemberState { node: n(7), state: MemberState::Active },
+            MetaCommand::SetMap { map: map(1, &[(7, &[]), (7, &[])]) },
+            settings(SettingsPatch { replicas: Some(0), ..Default::default() }),
+        ];
+        let (mut a, mut b) = (MetaState::default(), MetaState::default());
+        for cmd in &cmds {
+            assert_eq!(a.apply(cmd.clone()), b.apply(cmd.clone()));
+        }
+        assert_eq!(a, b);
+        let text = serde_json::to_vec(&a).unwrap();
+        let back: MetaState = serde_json::from_slice(&text).unwrap();
+        assert_eq!(back, a);
+        // Commands travel as JSON in the log.
+        for cmd in cmds {
+            let text = serde_json::to_string(&cmd).unwrap();
+            assert_eq!(serde_json::from_str::<MetaCommand>(&text).unwrap(), cmd);
+        }
+    }
+}
