@@ -1,7 +1,18 @@
 //! Opening the index database: definitions from the store's catalog, a damaged database
 //! moved aside (quarantine), orphans removed, every index loaded with its cursors.
 
-use super::*;
+use super::{
+    decode_cursor, legacy_def_key, scan_key, Index, Record, ScanState, CATALOG_PREFIX, INDEX_CACHE_BYTES, INDEX_DIR,
+    INDEX_MEMTABLE_MAX_BYTES, LEGACY_DEF_PREFIX, META_KEYSPACE, NEXT_ID_KEY, QUARANTINE_SUFFIX,
+};
+use crate::IndexError;
+use parking_lot::Mutex;
+use shoal_storage::{Collection, Store, StreamPosition};
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::Arc;
+use tokio::sync::watch;
 
 /// What [`open_database`] found: the database and the indexes to attach.
 pub(super) struct Opened {

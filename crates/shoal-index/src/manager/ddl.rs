@@ -1,7 +1,13 @@
 //! Creating, building, dropping and rebuilding indexes (each serialised by the `ddl` lock),
 //! and setting aside an index whose storage fails a check.
 
-use super::*;
+use super::{delete_index_storage, load, Index, IndexManager, IndexStatus, Record, NEXT_ID_KEY, REBUILDS_METRIC, REBUILD_RETRY};
+use crate::def::IndexDef;
+use crate::IndexError;
+use parking_lot::Mutex;
+use shoal_storage::Collection;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 impl IndexManager {
     /// The next index id, recorded in the index database (the catalog and the keyspace

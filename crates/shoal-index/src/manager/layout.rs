@@ -1,7 +1,9 @@
 //! How the index database stores what it keeps besides definitions: cursor and build-scan
 //! records under `meta`, back-index values, and entry keys.
 
-use super::*;
+use crate::IndexError;
+use serde::{Deserialize, Serialize};
+use shoal_storage::{PartitionId, SeqNo, StreamPosition};
 
 pub(super) fn legacy_def_key(id: u32) -> Vec<u8> {
     format!("def/{id:08x}").into_bytes()

@@ -1,7 +1,18 @@
 //! Maintenance: one task per collection running rounds on the worker pool — a build's
 //! key-order read of the documents, and the change streams applied to the indexes.
 
-use super::*;
+use super::{
+    catch_up, cursor_key, encode_cursor, encode_list, entry_key, scan_key, Index, IndexManager, ScanState, IDLE_POLL, REBUILDS_METRIC,
+};
+use crate::{IndexError, BATCH_CHANGES, GROUP_CHANGES, PART_BATCH_MIN, SCAN_BATCH_DOCS, SCAN_ROUND_DOCS};
+use parking_lot::Mutex;
+use rayon::prelude::*;
+use serde_json::Value;
+use shoal_storage::{Collection, PartitionId, StreamPosition};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use tokio::sync::Notify;
 
 /// One collection's maintainer: rounds on the worker pool while there is news, then waits
 /// for a change, a wake-up (new index, build, scan) or the idle poll.

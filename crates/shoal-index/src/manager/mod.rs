@@ -22,24 +22,19 @@ use maintain::*;
 pub use read::IndexCursor;
 use stream::*;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::ops::Bound;
-use std::path::{Path, PathBuf};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use shoal_storage::{Change, Collection, PartitionId, SeqNo, Store, StreamPosition};
+use shoal_storage::{Collection, SeqNo, Store, StreamPosition};
 use tokio::sync::{watch, Notify};
 
 use crate::def::{Compiled, IndexDef};
-use crate::{
-    keycode, IndexError, BATCH_CHANGES, GROUP_CHANGES, PART_BATCH_MIN, ROUND_CHANGES_MAX, SCAN_BATCH_DOCS, SCAN_ROUND_DOCS, SCAN_ROWS_MAX,
-};
+use crate::IndexError;
 
 const INDEX_DIR: &str = "index";
 /// A damaged index database is moved aside to `index` + this + its Unix time in seconds.

@@ -1,7 +1,14 @@
 //! Reads of an index: bounded scans, paged consistent cursors for SQL, and waiting until
 //! an index may be read at a consistency.
 
-use super::*;
+use super::{Consistency, Index, IndexManager, IndexState, ScanBounds, ScanRequest, ScanRow};
+use crate::{keycode, IndexError, SCAN_ROWS_MAX};
+use serde_json::Value;
+use shoal_storage::Collection;
+use std::ops::Bound;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 impl IndexManager {
     /// Rows of `name` within the request's bounds, in index order.

@@ -4,7 +4,14 @@
 
 use shoal_storage::{follow, ChangeConsumer, FollowLimits, PartitionBatch};
 
-use super::*;
+use super::{cursor_key, decode_list, encode_cursor, encode_list, entry_key, part_batch, Index, IndexManager};
+use crate::{IndexError, ROUND_CHANGES_MAX};
+use rayon::prelude::*;
+use serde_json::Value;
+use shoal_storage::{Change, Collection, PartitionId, SeqNo, StreamPosition};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 /// Brings the indexes up to date on `group` (bounded per partition), reading its
 /// partitions in lock step (see [`part_batch`]); true if anything moved.
