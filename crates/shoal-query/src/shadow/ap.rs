@@ -1,7 +1,24 @@
 //! One analytics partition: its segments, open buffers and the key → live row map, how
 //! changes land in it, merges, checkpoints, and opening it from its manifest.
 
-use super::*;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use datafusion::arrow::array::RecordBatch;
+use datafusion::arrow::datatypes::Field;
+use datafusion::arrow::error::ArrowError;
+use parking_lot::Mutex;
+use shoal_storage::{PartitionId, StreamPosition};
+
+use crate::merge::{adapt_batch, merge_fields, weighted_fields};
+use crate::rows::{ColumnBuffer, ParsedDoc};
+
+use super::{
+    io_at, key_column, quarantine, read_segment, segment_path, write_atomically, write_segment, Manifest, Part, Segment, SegmentMeta,
+    ShadowError, COMPACT_MIN_SEGMENTS, GROUPS_MAX, GROUP_FIELD, MANIFEST, MANIFEST_VERSION, SEGMENT_BYTES_MAX, SEGMENT_ROWS,
+};
 
 /// Recent documents of one group, not yet a segment.
 #[derive(Default)]
@@ -380,6 +397,7 @@ impl Ap {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::shadow::QUARANTINE_DIR;
     use serde_json::Value;
 
     use proptest::prelude::*;

@@ -1,9 +1,16 @@
 //! Maintenance: one task per collection applying the change streams to every analytics
 //! partition (one blocking round each, in parallel) and checkpointing when due.
 
-use shoal_storage::{follow, ChangeConsumer, FollowLimits, PartitionBatch};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
 
-use super::*;
+use shoal_storage::{follow, ChangeConsumer, ChangesError, FollowLimits, PartitionBatch, PartitionId, SeqNo, StreamPosition};
+use tokio::sync::watch;
+
+use crate::rows::ParsedDoc;
+
+use super::{Ap, Shadow, ShadowError, ShadowManager, APPLY_BATCH, CHECKPOINT_INTERVAL, IDLE_POLL, QUIET_CHECKPOINT, ROUND_CHANGES_MAX};
 
 impl Shadow {
     /// Applies the news of analytics partition `i`; checkpoints when due. True if

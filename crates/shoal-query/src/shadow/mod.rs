@@ -31,23 +31,20 @@ use ap::*;
 use maintain::*;
 use segment::*;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use datafusion::arrow::array::{AsArray, BooleanArray, RecordBatch, StringArray};
-use datafusion::arrow::buffer::BooleanBuffer;
+use datafusion::arrow::array::{BooleanArray, RecordBatch};
 use datafusion::arrow::datatypes::{Field, SchemaRef};
 use datafusion::arrow::error::ArrowError;
 use parking_lot::Mutex;
-use serde::{Deserialize, Serialize};
-use shoal_storage::{ChangesError, Collection, PartitionId, SeqNo, Store, StreamPosition};
+use shoal_storage::{ChangesError, Collection, SeqNo, Store};
 use tokio::sync::watch;
 
-use crate::merge::{adapt_batch, merge_fields, weighted_fields};
-use crate::rows::{ColumnBuffer, ParsedDoc};
+use crate::merge::merge_fields;
 
 /// Most rows of one segment.
 pub const SEGMENT_ROWS: usize = 32_768;

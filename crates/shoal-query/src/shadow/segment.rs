@@ -1,7 +1,15 @@
 //! Segments and their files: the immutable batches an analytics partition keeps, the
 //! manifest that names them, and writing, reading, checking and quarantining files.
 
-use super::*;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use datafusion::arrow::array::{AsArray, BooleanArray, RecordBatch, StringArray};
+use datafusion::arrow::buffer::BooleanBuffer;
+use serde::{Deserialize, Serialize};
+use shoal_storage::{PartitionId, SeqNo};
+
+use super::{io_at, ShadowError, QUARANTINE_DIR};
 
 /// What the manifest of one analytics partition records.
 #[derive(Serialize, Deserialize)]
