@@ -25,6 +25,16 @@ enum Op {
     Remove { key: u8 },
 }
 
+/// An upsert of `key` with the value `1`.
+fn put(key: &str) -> WriteRequest {
+    WriteRequest { key: Bytes::from(key.to_string()), op: WriteOp::Upsert, value: Some(Bytes::from_static(b"1")), cas: None, expiry: 0 }
+}
+
+/// The first `n` keys `{prefix}0`, `{prefix}1`, … that fall in partition `p`.
+fn keys_in(p: u16, prefix: &str, n: usize) -> Vec<String> {
+    (0..).map(|i| format!("{prefix}{i}")).filter(|k| shoal_storage::partition_of(k.as_bytes(), PARTITIONS) == p).take(n).collect()
+}
+
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (0u8..60, any::<u16>(), any::<bool>()).prop_map(|(key, value, expires)| Op::Upsert { key, value, expires }),
@@ -277,17 +287,8 @@ proptest! {
 #[test]
 fn states_refuse_what_they_must_and_survive_a_restart() {
     let dir = tempfile::tempdir().unwrap();
-    let put = |key: &str| WriteRequest {
-        key: Bytes::from(key.to_string()),
-        op: WriteOp::Upsert,
-        value: Some(Bytes::from_static(b"1")),
-        cas: None,
-        expiry: 0,
-    };
     // One key per partition.
-    let keys: Vec<String> = (0..PARTITIONS)
-        .map(|p| (0..).map(|i| format!("k{i}")).find(|k| shoal_storage::partition_of(k.as_bytes(), PARTITIONS) == p).unwrap())
-        .collect();
+    let keys: Vec<String> = (0..PARTITIONS).map(|p| keys_in(p, "k", 1).remove(0)).collect();
     let states = [PartitionState::Active, PartitionState::Replica, PartitionState::Pending, PartitionState::Dead];
     {
         let store = open(dir.path());
@@ -399,8 +400,7 @@ fn a_backfill_is_consistent_only_at_its_snapshot_end_and_the_live_tail_at_every_
         let store = open(dir.path());
         let c = store.create_collection("c", 0).unwrap();
         // 200 changes to 20 keys of partition 0.
-        let keys: Vec<String> =
-            (0..).map(|i| format!("k{i}")).filter(|k| shoal_storage::partition_of(k.as_bytes(), PARTITIONS) == 0).take(20).collect();
+        let keys: Vec<String> = keys_in(0, "k", 20);
         for i in 0..200 {
             let req = WriteRequest {
                 key: Bytes::from(keys[i % 20].clone()),
@@ -426,7 +426,7 @@ fn a_backfill_is_consistent_only_at_its_snapshot_end_and_the_live_tail_at_every_
     assert_eq!(sub.position().seqno, 200);
     // Live changes come from memory, each one a consistent step.
     for i in 0..3 {
-        let key = (0..).map(|j| format!("n{j}")).find(|k| shoal_storage::partition_of(k.as_bytes(), PARTITIONS) == 0).unwrap();
+        let key = keys_in(0, "n", 1).remove(0);
         let _ = c
             .write(WriteRequest {
                 key: Bytes::from(key),
@@ -444,8 +444,7 @@ fn a_backfill_is_consistent_only_at_its_snapshot_end_and_the_live_tail_at_every_
 
 /// `count` replicated upserts to keys of partition 0 (`n{i % keys}`), seqnos 1..=count.
 fn replicated(count: u64, keys: u64) -> Vec<Change> {
-    let key_names: Vec<String> =
-        (0..).map(|i| format!("n{i}")).filter(|k| shoal_storage::partition_of(k.as_bytes(), PARTITIONS) == 0).take(keys as usize).collect();
+    let key_names: Vec<String> = keys_in(0, "n", keys as usize);
     (1..=count)
         .map(|seqno| Change {
             partition: 0,
@@ -556,15 +555,7 @@ fn the_persisted_seqno_covers_persist_writes_at_once_and_none_writes_after_the_n
     let dir = tempfile::tempdir().unwrap();
     let store = open(dir.path());
     let c = store.create_collection("c", 0).unwrap();
-    let keys: Vec<String> =
-        (0..).map(|i| format!("k{i}")).filter(|k| shoal_storage::partition_of(k.as_bytes(), PARTITIONS) == 0).take(3).collect();
-    let put = |key: &str| WriteRequest {
-        key: Bytes::from(key.to_string()),
-        op: WriteOp::Upsert,
-        value: Some(Bytes::from_static(b"1")),
-        cas: None,
-        expiry: 0,
-    };
+    let keys: Vec<String> = keys_in(0, "k", 3);
     let watch = c.persisted_watch(0).unwrap();
     rt.block_on(async {
         let (out, wait) = c.write(put(&keys[0])).unwrap();
@@ -574,7 +565,7 @@ fn the_persisted_seqno_covers_persist_writes_at_once_and_none_writes_after_the_n
         let (none, _) = c.write(put(&keys[1])).unwrap();
         assert!(*watch.borrow() < none.seqno);
         // ...and covered by the next one, here one a persist write of another partition asks for.
-        let other = (0..).map(|i| format!("o{i}")).find(|k| shoal_storage::partition_of(k.as_bytes(), PARTITIONS) == 1).unwrap();
+        let other = keys_in(1, "o", 1).remove(0);
         let (_, wait) = c.write(put(&other)).unwrap();
         wait.wait().await.unwrap();
         let mut w = watch.clone();
