@@ -116,28 +116,10 @@ fn matches_route(route: &str, path: &str) -> bool {
     r.len() == p.len() && r.iter().zip(&p).all(|(r, p)| (r.starts_with('{') && !p.is_empty()) || r == p)
 }
 
-/// Builds the linter once per test run (Go's build cache makes later builds quick; the
-/// modules are downloaded on the first build only).
+/// Builds the linter once per test run.
 fn promlint() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BUILT.get_or_init(build_promlint).clone()
-}
-
-fn build_promlint() -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/promlint");
-    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("promlint");
-    let build = Command::new("go")
-        .args(["build", "-o"])
-        .arg(&out)
-        .arg(".")
-        .current_dir(&dir)
-        // The toolchain on the machine, the versions go.sum pins, and no git stamp.
-        .env("GOTOOLCHAIN", "local")
-        .env("GOFLAGS", "-mod=readonly -buildvcs=false")
-        .output()
-        .expect("run `go build` (Go must be installed)");
-    assert!(build.status.success(), "building tests/promlint failed:\n{}", String::from_utf8_lossy(&build.stderr));
-    out
+    BUILT.get_or_init(|| common::go_build("promlint", "promlint")).clone()
 }
 
 fn lint(text: &str) -> (bool, String) {

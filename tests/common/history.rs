@@ -51,26 +51,10 @@ impl History {
     }
 }
 
-/// Builds the checker once per test run (Go's build cache makes later builds quick).
+/// Builds the checker once per test run.
 pub fn checker() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/porcupine");
-            let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("porcupine-check");
-            let build = Command::new("go")
-                .args(["build", "-o"])
-                .arg(&out)
-                .arg(".")
-                .current_dir(&dir)
-                .env("GOTOOLCHAIN", "local")
-                .env("GOFLAGS", "-mod=readonly -buildvcs=false")
-                .output()
-                .expect("run `go build` (Go must be installed)");
-            assert!(build.status.success(), "building tests/porcupine failed:\n{}", String::from_utf8_lossy(&build.stderr));
-            out
-        })
-        .clone()
+    BUILT.get_or_init(|| super::go_build("porcupine", "porcupine-check")).clone()
 }
 
 /// Runs Porcupine over `lines`: (linearizable, what it printed). A history it cannot

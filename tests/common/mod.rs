@@ -188,3 +188,22 @@ pub fn assert_no_private_paths(answer: &str) {
     let private = format!("{}/.tmp", std::env::temp_dir().display());
     assert!(!answer.contains(&private), "an answer names an internal file: {answer}");
 }
+
+/// Builds the Go program in `tests/<dir>` to `<target tmp>/<name>` (the toolchain on the
+/// machine, the versions its go.sum pins, no git stamp). Go's build cache makes later
+/// builds quick; modules are downloaded on the first build only.
+pub fn go_build(dir: &str, name: &str) -> PathBuf {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests").join(dir);
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let build = Command::new("go")
+        .args(["build", "-o"])
+        .arg(&out)
+        .arg(".")
+        .current_dir(&src)
+        .env("GOTOOLCHAIN", "local")
+        .env("GOFLAGS", "-mod=readonly -buildvcs=false")
+        .output()
+        .expect("run `go build` (Go must be installed)");
+    assert!(build.status.success(), "building tests/{dir} failed:\n{}", String::from_utf8_lossy(&build.stderr));
+    out
+}
