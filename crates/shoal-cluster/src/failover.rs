@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::map::{NodeId, PartitionId, PartitionMap, SeqNo};
+use crate::map::{Copies, NodeId, PartitionId, PartitionMap, SeqNo};
 
 /// Nodes failed over automatically before an operator must step in (issue 13: one at a
 /// time unless the settings allow more).
@@ -42,7 +42,39 @@ pub struct FailoverPlan {
 /// active, or `None` when the copy cannot be promoted (still being built, or its node is
 /// down too). With replication of every `majority` write to a majority of copies, the most
 /// advanced replica holds every write acknowledged at `majority`.
+///
+/// Seqnos alone order copies only when they are on one history — acknowledged to the
+/// current active. A copy's *reported* high seqno may end in changes of an older active
+/// that the current one never had (a replica that was not fenced at the previous failover
+/// and has not rolled back yet); compare those with [`failover_fenced`] and [`HistoryEnd`].
 pub fn failover(map: &PartitionMap, failed: NodeId, replica_progress: &dyn Fn(PartitionId, NodeId) -> Option<SeqNo>) -> FailoverPlan {
+    failover_fenced(map, failed, &|p, n| replica_progress(p, n).map(|seqno| HistoryEnd { epoch: 0, seqno }))
+}
+
+/// Where a copy's history ends: the epoch of its last change and its seqno.
+///
+/// The epoch is the map version under which the active that sequenced the change was
+/// active (a failover log entry's map version). One node is active per partition per map
+/// version, so `(epoch, seqno)` names one change; and a copy whose last change is of a
+/// later epoch holds everything the active of that epoch held when it was promoted, which
+/// includes every write acknowledged before. So copies compare by epoch first, then seqno
+/// — Raft's "last term, then last index" — never by seqno alone: a copy left behind on an
+/// older active's history can have the higher seqno while lacking acknowledged writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct HistoryEnd {
+    pub epoch: u64,
+    pub seqno: SeqNo,
+}
+
+/// [`failover`] with copies compared by where their history ends: for each partition
+/// `failed` was active for, the fenced replica with the greatest [`HistoryEnd`] becomes
+/// active (ties to the replica listed first).
+///
+/// `reported(partition, node)` is the history end a surviving replica reported after it
+/// applied the fence ("`failed` is Failed"), or `None` when it has not (it may still be
+/// following `failed`). Call it only when [`promotion_ready`] holds for every partition
+/// `failed` was active for; a partition whose fence quorum is not reached must wait.
+pub fn failover_fenced(map: &PartitionMap, failed: NodeId, reported: &dyn Fn(PartitionId, NodeId) -> Option<HistoryEnd>) -> FailoverPlan {
     debug_assert_eq!(map.check(), Ok(()));
     let mut next = map.clone();
     next.version = map.version + 1;
@@ -62,20 +94,20 @@ pub fn failover(map: &PartitionMap, failed: NodeId, replica_progress: &dyn Fn(Pa
         if copies.active != failed {
             continue;
         }
-        let mut best: Option<(usize, SeqNo)> = None;
+        let mut best: Option<(usize, HistoryEnd)> = None;
         for (i, replica) in copies.replicas.iter().enumerate() {
-            if let Some(seqno) = replica_progress(partition, *replica) {
-                // Strictly greater: an equal seqno later in the list does not win.
-                if best.is_none_or(|(_, s)| seqno > s) {
-                    best = Some((i, seqno));
+            if let Some(end) = reported(partition, *replica) {
+                // Strictly greater: an equal end later in the list does not win.
+                if best.is_none_or(|(_, b)| end > b) {
+                    best = Some((i, end));
                 }
             }
         }
         match best {
-            Some((i, seqno)) => {
+            Some((i, end)) => {
                 let to = copies.replicas.remove(i);
                 copies.active = to;
-                plan.promotions.push(Promoted { partition, to, seqno });
+                plan.promotions.push(Promoted { partition, to, seqno: end.seqno });
             }
             None => plan.unavailable.push(partition),
         }
@@ -84,6 +116,48 @@ pub fn failover(map: &PartitionMap, failed: NodeId, replica_progress: &dyn Fn(Pa
     debug_assert!(next.partitions.iter().all(|c| !c.replicas.contains(&failed)));
     plan.map = next;
     plan
+}
+
+/// Copies that must hold a write before it is acknowledged at `majority`: ⌊n/2⌋ + 1 of the
+/// `n_copies`, the active counting itself. `n_copies` is the configured count (replicas + 1),
+/// a failed-over node's slot counting as a copy that never acknowledges
+/// ([`promotion_ready`] says why).
+pub fn majority(n_copies: usize) -> usize {
+    n_copies / 2 + 1
+}
+
+/// Surviving replicas that must be fenced (have applied "the active is Failed", stopped
+/// acknowledging it, and reported their history end) before a partition's replica may be
+/// promoted: `n - majority(n) + 1`, the smallest set that meets every majority of the
+/// `n_copies`. Each majority the old active could still gather — for a write or for a
+/// read's confirmation — then needs a fenced copy, which no longer answers it; and the
+/// most advanced fenced copy holds every write that was acknowledged.
+pub fn fence_quorum(n_copies: usize) -> usize {
+    debug_assert!(n_copies >= 1);
+    n_copies - majority(n_copies) + 1
+}
+
+/// Whether a partition whose active `failed` is fenced may be given a new active: the
+/// replicas for which `fenced` holds are at least [`fence_quorum`] of `copies_configured`
+/// (the partition's replicas setting + 1; the failed active is never fenced). Below it the
+/// partition stays unavailable, which loses nothing. A partition `failed` is not active for
+/// needs no fence and is always ready.
+///
+/// `copies_configured`, not the copies in the map: a failover takes the failed node's copy
+/// out of the map, and a write acknowledged by a majority that included it is then on one
+/// copy fewer — with 3 copies, on 1 of the 2 left, not a majority of them. Counting the map's
+/// copies, the next failover would fence and promote the other one and lose that write. So
+/// the failed node's slot stays vacant (it never acknowledges, is never fenced) for
+/// majorities and fence quorums alike, until a rebalance fills it with a copy that has
+/// caught up. For the same reason `copies` must be the largest copy set the old active may
+/// still be counting acknowledgements from.
+pub fn promotion_ready(copies: &Copies, copies_configured: usize, failed: NodeId, fenced: &dyn Fn(NodeId) -> bool) -> bool {
+    debug_assert!(copies.nodes().count() <= copies_configured);
+    if copies.active != failed {
+        return true;
+    }
+    let fenced = copies.replicas.iter().filter(|r| **r != failed && fenced(**r)).count();
+    fenced >= fence_quorum(copies_configured)
 }
 
 /// Why the metadata leader must not fail a node over by itself.

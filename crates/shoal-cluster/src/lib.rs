@@ -13,14 +13,23 @@
 //! - [`plan`]: [`plan_moves`], the minimal copies to build and drop between two maps, and
 //!   the promotions that need no data.
 //! - [`failover`]: [`failover`] (promote the most advanced replica of each partition a failed
-//!   node was active for) and [`auto_failover_allowed`].
+//!   node was active for) and [`auto_failover_allowed`]; for the fenced protocol,
+//!   [`fence_quorum`], [`promotion_ready`] and [`failover_fenced`], which orders copies by
+//!   [`HistoryEnd`] (epoch, then seqno).
+//! - [`sim`]: a seeded, deterministic simulation of one partition's replication and
+//!   failover protocol (lossy network, crashes, false suspicions) with a checker for lost
+//!   acknowledged writes and linearizability; `tests/failover_sim.rs` drives it.
 
 pub mod failover;
 pub mod map;
 pub mod placement;
 pub mod plan;
+pub mod sim;
 
-pub use failover::{auto_failover_allowed, failover, AutoFailoverRefused, FailoverPlan, Promoted};
+pub use failover::{
+    auto_failover_allowed, failover, failover_fenced, fence_quorum, majority, promotion_ready, AutoFailoverRefused, FailoverPlan,
+    HistoryEnd, Promoted,
+};
 pub use map::{Copies, MapError, NodeId, PartitionId, PartitionMap, SeqNo};
 pub use placement::{place, Node, PlaceError};
 pub use plan::{plan_moves, DropCopy, Move, PlanError, Promotion, RebalancePlan, Role};

@@ -169,3 +169,54 @@ fn restoring_replicas_builds_only_missing_copies() {
         );
     }
 }
+
+#[test]
+fn fence_quorum_meets_every_majority() {
+    // (copies, majority, fence quorum): fenced + majority > copies, and no smaller fence does.
+    for (copies, majority, fence) in [(1, 1, 1), (2, 2, 1), (3, 2, 2), (4, 3, 2)] {
+        assert_eq!(shoal_cluster::majority(copies), majority, "copies {copies}");
+        assert_eq!(shoal_cluster::fence_quorum(copies), fence, "copies {copies}");
+        assert!(fence + majority > copies && fence - 1 + majority <= copies, "copies {copies}");
+    }
+}
+
+#[test]
+fn promotion_ready_table() {
+    let copies = |active: u64, replicas: &[u64]| Copies { active: NodeId(active), replicas: replicas.iter().map(|n| NodeId(*n)).collect() };
+    // (name, copies, configured copies, failed, fenced replicas, ready)
+    type Case = (&'static str, Copies, usize, u64, &'static [u64], bool);
+    let cases: [Case; 10] = [
+        ("2 copies: the one replica fenced", copies(1, &[2]), 2, 1, &[2], true),
+        ("2 copies: not fenced yet", copies(1, &[2]), 2, 1, &[], false),
+        ("3 copies: both replicas fenced", copies(1, &[2, 3]), 3, 1, &[2, 3], true),
+        ("3 copies: one fenced is not enough (the other may still ack the old active)", copies(1, &[2, 3]), 3, 1, &[3], false),
+        ("4 copies: two of three fenced", copies(1, &[2, 3, 4]), 4, 1, &[2, 4], true),
+        ("4 copies: one of three fenced", copies(1, &[2, 3, 4]), 4, 1, &[4], false),
+        ("3 configured, 2 left after a failover: the vacant slot never counts", copies(3, &[2]), 3, 3, &[2], false),
+        ("4 configured, 3 left after a failover: two fenced", copies(2, &[3, 4]), 4, 2, &[3, 4], true),
+        ("no replica: stays unavailable", copies(1, &[]), 1, 1, &[], false),
+        ("the failed node is only a replica: nothing to fence", copies(2, &[1, 3]), 3, 1, &[], true),
+    ];
+    for (name, copies, configured, failed, fenced, ready) in cases {
+        let fenced_fn = |n: NodeId| fenced.contains(&n.0);
+        assert_eq!(shoal_cluster::promotion_ready(&copies, configured, NodeId(failed), &fenced_fn), ready, "{name}");
+    }
+}
+
+#[test]
+fn failover_fenced_orders_by_epoch_then_seqno() {
+    use shoal_cluster::{failover_fenced, HistoryEnd};
+    // Replica 3 was left unfenced at the previous failover: its seqno is the highest, but
+    // on the old active's history (epoch 1). Replica 2 followed the active of epoch 2.
+    let before = map(&[(1, &[2, 3])]);
+    let reported = |_, n: NodeId| match n.0 {
+        2 => Some(HistoryEnd { epoch: 2, seqno: 6 }),
+        3 => Some(HistoryEnd { epoch: 1, seqno: 9 }),
+        _ => None,
+    };
+    let plan = failover_fenced(&before, NodeId(1), &reported);
+    assert_eq!(plan.promotions, vec![Promoted { partition: 0, to: NodeId(2), seqno: 6 }]);
+    // Seqnos alone would pick replica 3 and lose epoch 2's acknowledged writes.
+    let by_seqno = failover(&before, NodeId(1), &|p, n| reported(p, n).map(|e| e.seqno));
+    assert_eq!(by_seqno.promotions, vec![Promoted { partition: 0, to: NodeId(3), seqno: 9 }]);
+}
