@@ -38,7 +38,7 @@ pub enum Output {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Start a single node.
+    /// Start a node: alone it founds a one-node cluster; `--join` adds it to a cluster.
     Serve(ServeArgs),
     /// Create, list and drop collections.
     #[command(subcommand)]
@@ -109,6 +109,19 @@ struct ServeArgs {
     /// Seconds a request body has to start arriving; each 500 bytes received add one.
     #[arg(long, default_value_t = shoal_server::BODY_READ_TIMEOUT.as_secs())]
     body_read_timeout_secs: u64,
+    /// A member of the cluster to join (`host:port`). Ignored once the node is a member:
+    /// a restarted member rejoins by itself.
+    #[arg(long)]
+    join: Option<String>,
+    /// The cluster secret members authenticate each other with (8 to 256 printable
+    /// characters). A founding node makes one and keeps it in `cluster-secret` beside its
+    /// data; a joining node must be given it.
+    #[arg(long, env = "SHOAL_CLUSTER_SECRET")]
+    cluster_secret: Option<String>,
+    /// The address other members and clients reach this node at (default: the listen
+    /// address; set it when listening on 0.0.0.0).
+    #[arg(long)]
+    advertise: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -181,6 +194,7 @@ async fn serve(args: ServeArgs) -> Result<(), cli::CliError> {
             idle_timeout: std::time::Duration::from_secs(args.idle_timeout_secs.max(1)),
             body_read_timeout: std::time::Duration::from_secs(args.body_read_timeout_secs.max(1)),
         },
+        cluster: shoal_node::ClusterConfig { advertise: args.advertise.unwrap_or_default(), join: args.join, secret: args.cluster_secret },
     };
     let signal = shutdown_signal()?;
     let server = shoal_server::Server::bind(config).await?;

@@ -119,6 +119,10 @@ pub struct SettingsPatch {
 /// The cluster's metadata as every member holds it after applying the log.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MetaState {
+    /// Set once, by the first member (`InitCluster`); a data directory from another cluster
+    /// is refused by comparing it.
+    #[serde(default)]
+    pub cluster_id: String,
     pub members: BTreeMap<NodeId, Member>,
     pub collections: BTreeMap<String, CollectionDef>,
     /// Index definitions by collection name, then index name.
@@ -133,6 +137,7 @@ pub struct MetaState {
 impl Default for MetaState {
     fn default() -> Self {
         MetaState {
+            cluster_id: String::new(),
             members: BTreeMap::new(),
             collections: BTreeMap::new(),
             indexes: BTreeMap::new(),
@@ -149,6 +154,10 @@ impl Default for MetaState {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum MetaCommand {
+    /// Names the cluster; the first command of its log, refused once it has a name.
+    InitCluster {
+        cluster_id: String,
+    },
     AddMember {
         node: NodeId,
         address: String,
@@ -164,6 +173,10 @@ pub enum MetaCommand {
     CreateCollection {
         name: String,
         max_ttl: u32,
+        /// The id to use: a node that becomes a cluster brings its collections in under the
+        /// ids its data is stored under. `None` takes the next free id.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        id: Option<CollectionId>,
     },
     /// Drops the collection and its index definitions.
     DropCollection {
@@ -229,7 +242,7 @@ pub enum MetaReject {
     MapVersion { expected: u64, got: u64 },
     #[error("the map is not well formed: {why}")]
     InvalidMap { why: String },
-    #[error("the map places a copy on node {node}, which is not an active or added member")]
+    #[error("the map places a copy on node {node}, which is not an active or added member (a failed one may only stay active)")]
     MapNodeNotMember { node: NodeId },
     #[error("the map has {got} partitions; the cluster has {expected}")]
     PartitionCountChanged { expected: u16, got: u16 },
@@ -237,6 +250,10 @@ pub enum MetaReject {
     OutOfRange { what: String, why: String },
     #[error("limit reached: {what}")]
     LimitReached { what: String },
+    #[error("the cluster is named {cluster_id} already")]
+    ClusterNamed { cluster_id: String },
+    #[error("collection id {id} is in use")]
+    CollectionIdInUse { id: CollectionId },
 }
 
 fn check_name(what: &str, name: &str) -> Result<(), MetaReject> {
@@ -263,6 +280,14 @@ impl MetaState {
     /// on every member. A refused command leaves the state exactly as it was.
     pub fn apply(&mut self, cmd: MetaCommand) -> Result<MetaResponse, MetaReject> {
         let answer = match cmd {
+            MetaCommand::InitCluster { cluster_id } => {
+                if !self.cluster_id.is_empty() {
+                    return Err(MetaReject::ClusterNamed { cluster_id: self.cluster_id.clone() });
+                }
+                check_name("cluster id", &cluster_id)?;
+                self.cluster_id = cluster_id;
+                Ok(MetaResponse::Done)
+            }
             MetaCommand::AddMember { node, address } => self.add_member(node, address),
             MetaCommand::SetMemberState { node, state } => {
                 let member = self.members.get_mut(&node).ok_or(MetaReject::NoSuchMember { node })?;
@@ -279,7 +304,7 @@ impl MetaState {
                 self.members.remove(&node);
                 Ok(MetaResponse::Done)
             }
-            MetaCommand::CreateCollection { name, max_ttl } => self.create_collection(name, max_ttl),
+            MetaCommand::CreateCollection { name, max_ttl, id } => self.create_collection(name, max_ttl, id),
             MetaCommand::DropCollection { name } => {
                 if self.collections.remove(&name).is_none() {
                     return Err(MetaReject::NoSuchCollection { name });
@@ -322,7 +347,7 @@ impl MetaState {
         Ok(MetaResponse::Done)
     }
 
-    fn create_collection(&mut self, name: String, max_ttl: u32) -> Result<MetaResponse, MetaReject> {
+    fn create_collection(&mut self, name: String, max_ttl: u32, id: Option<CollectionId>) -> Result<MetaResponse, MetaReject> {
         check_name("collection name", &name)?;
         if self.collections.contains_key(&name) {
             return Err(MetaReject::CollectionExists { name });
@@ -330,9 +355,14 @@ impl MetaState {
         if self.collections.len() >= COLLECTIONS_MAX {
             return Err(MetaReject::LimitReached { what: format!("at most {COLLECTIONS_MAX} collections") });
         }
-        let id = self.next_collection_id;
+        let id = match id {
+            Some(0) => return Err(MetaReject::OutOfRange { what: "collection id".into(), why: "ids start at 1".into() }),
+            Some(id) if self.collections.values().any(|c| c.id == id) => return Err(MetaReject::CollectionIdInUse { id }),
+            Some(id) => id,
+            None => self.next_collection_id,
+        };
         let next = id.checked_add(1).ok_or_else(|| MetaReject::LimitReached { what: "collection ids".into() })?;
-        self.next_collection_id = next;
+        self.next_collection_id = self.next_collection_id.max(next);
         self.collections.insert(name, CollectionDef { id, max_ttl });
         Ok(MetaResponse::CollectionCreated { id })
     }
@@ -377,11 +407,20 @@ impl MetaState {
                 return Err(MetaReject::PartitionCountChanged { expected: old.partition_count(), got: map.partition_count() });
             }
         }
-        for node in map.nodes() {
-            let usable =
-                self.members.get(&node).is_some_and(|m| matches!(m.state, MemberState::Active | MemberState::Added | MemberState::Leaving));
-            if !usable {
-                return Err(MetaReject::MapNodeNotMember { node });
+        for copies in &map.partitions {
+            for node in copies.nodes() {
+                // A failed member stays named as the active of partitions no replica could
+                // take (failover leaves them with their only copy until the node is
+                // recovered); it is never given a replica.
+                let failed_ok = node == copies.active;
+                let usable = self.members.get(&node).is_some_and(|m| match m.state {
+                    MemberState::Active | MemberState::Added | MemberState::Leaving => true,
+                    MemberState::Failed => failed_ok,
+                    MemberState::Ejected => false,
+                });
+                if !usable {
+                    return Err(MetaReject::MapNodeNotMember { node });
+                }
             }
         }
         let version = map.version;
@@ -462,7 +501,7 @@ mod tests {
     }
 
     fn create(name: &str) -> MetaCommand {
-        MetaCommand::CreateCollection { name: name.into(), max_ttl: 0 }
+        MetaCommand::CreateCollection { name: name.into(), max_ttl: 0, id: None }
     }
 
     fn index(collection: &str, name: &str) -> MetaCommand {
@@ -493,6 +532,27 @@ mod tests {
                         create(""),
                         Err(R::OutOfRange { what: "collection name".into(), why: format!("a name has 1 to {NAME_MAX_BYTES} bytes") }),
                     ),
+                ],
+            ),
+            (
+                "a collection brought in keeps its id; ids handed out later skip it",
+                vec![
+                    (MetaCommand::CreateCollection { name: "old".into(), max_ttl: 0, id: Some(5) }, Ok(A::CollectionCreated { id: 5 })),
+                    (MetaCommand::CreateCollection { name: "x".into(), max_ttl: 0, id: Some(5) }, Err(R::CollectionIdInUse { id: 5 })),
+                    (
+                        MetaCommand::CreateCollection { name: "x".into(), max_ttl: 0, id: Some(0) },
+                        Err(R::OutOfRange { what: "collection id".into(), why: "ids start at 1".into() }),
+                    ),
+                    (create("new"), Ok(A::CollectionCreated { id: 6 })),
+                    (MetaCommand::CreateCollection { name: "older".into(), max_ttl: 0, id: Some(2) }, Ok(A::CollectionCreated { id: 2 })),
+                    (create("newer"), Ok(A::CollectionCreated { id: 7 })),
+                ],
+            ),
+            (
+                "the cluster is named once",
+                vec![
+                    (MetaCommand::InitCluster { cluster_id: "c1".into() }, Ok(A::Done)),
+                    (MetaCommand::InitCluster { cluster_id: "c2".into() }, Err(R::ClusterNamed { cluster_id: "c1".into() })),
                 ],
             ),
             (
@@ -549,8 +609,10 @@ mod tests {
                     ),
                     (MetaCommand::SetMap { map: map(2, &[(1, &[3]), (2, &[])]) }, Err(R::MapNodeNotMember { node: n(3) })),
                     (MetaCommand::SetMemberState { node: n(2), state: MemberState::Failed }, Ok(A::Done)),
-                    (MetaCommand::SetMap { map: map(2, &[(2, &[]), (1, &[])]) }, Err(R::MapNodeNotMember { node: n(2) })),
+                    (MetaCommand::SetMap { map: map(2, &[(1, &[2]), (1, &[])]) }, Err(R::MapNodeNotMember { node: n(2) })),
                     (MetaCommand::SetMap { map: map(2, &[(1, &[]), (1, &[])]) }, Ok(A::MapSet { version: 2 })),
+                    // The only copy of a partition stays with its failed node until it is recovered.
+                    (MetaCommand::SetMap { map: map(3, &[(1, &[]), (2, &[])]) }, Ok(A::MapSet { version: 3 })),
                 ],
             ),
             (

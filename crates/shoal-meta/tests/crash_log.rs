@@ -14,7 +14,7 @@ use tempfile::TempDir;
 fn entry(index: u64) -> Entry<TypeConfig> {
     Entry {
         log_id: LogId::new(CommittedLeaderId::new(1, 0), index),
-        payload: EntryPayload::Normal(MetaCommand::CreateCollection { name: format!("c{index}"), max_ttl: 0 }),
+        payload: EntryPayload::Normal(MetaCommand::CreateCollection { name: format!("c{index}"), max_ttl: 0, id: None }),
     }
 }
 

@@ -52,7 +52,7 @@ async fn wait_applied(node: &MetaNode, what: &str, check: impl Fn(&MetaState) ->
 }
 
 fn create(name: &str) -> MetaCommand {
-    MetaCommand::CreateCollection { name: name.into(), max_ttl: 0 }
+    MetaCommand::CreateCollection { name: name.into(), max_ttl: 0, id: None }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

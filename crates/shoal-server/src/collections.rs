@@ -26,8 +26,11 @@ pub async fn create(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
     let name = extract::collection_name(&uri)?;
     let body = extract::body(&state, body, COLLECTION_BODY_MAX_BYTES).await?;
     let spec: CreateBody = if body.iter().all(u8::is_ascii_whitespace) { CreateBody::default() } else { extract::json_body(&body)? };
-    let created = state.engine.create_collection(&name, spec.max_ttl, None).await?;
-    let out = serde_json::json!({"name": created.name, "max_ttl": created.max_ttl});
+    // Checked before it goes to the cluster's log: a name every member would refuse is never
+    // committed.
+    shoal_storage::validate_collection_name(&name)?;
+    state.cluster.create_collection(&name, spec.max_ttl).await.map_err(crate::cluster::cluster_error)?;
+    let out = serde_json::json!({"name": name, "max_ttl": spec.max_ttl});
     Ok(json_response(StatusCode::CREATED, out.to_string().into_bytes()))
 }
 
@@ -46,6 +49,9 @@ pub async fn list(State(state): State<AppState>, RawQuery(q): RawQuery) -> Resul
 pub async fn drop(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
     let name = extract::collection_name(&uri)?;
-    state.engine.drop_collection(&name).await?;
+    if state.engine.store().collection(&name).is_none() && !state.cluster.state().collections.contains_key(&name) {
+        return Err(ApiError::collection_not_found(&name));
+    }
+    state.cluster.drop_collection(&name).await.map_err(crate::cluster::cluster_error)?;
     Ok(json_response(StatusCode::OK, b"{}".to_vec()))
 }

@@ -12,7 +12,7 @@ use serde::Deserialize;
 use shoal_storage::{Collection, MutationOutcome, WriteOp, WriteRequest, DOC_MAX_BYTES};
 
 use crate::error::ApiError;
-use crate::extract::{self, Durability, Precondition};
+use crate::extract::{self, Consistency, Durability, Precondition};
 use crate::AppState;
 
 /// Most keys in one `_get`.
@@ -35,6 +35,8 @@ pub fn collection(state: &AppState, uri: &Uri) -> Result<Arc<Collection>, ApiErr
 struct GetParams {
     lock: Option<u32>,
     touch: Option<i64>,
+    #[serde(default)]
+    consistency: Consistency,
 }
 
 pub async fn get(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery) -> Result<Response, ApiError> {
@@ -60,8 +62,20 @@ pub async fn get(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery)
             let (_, _not_awaited) = blocking(move || c.write(req)).await??;
             coll.get(&key)?
         }
-        (None, None) => coll.get(&key)?,
+        (None, None) => match coll.get(&key) {
+            Ok(doc) => doc,
+            Err(e) => {
+                let e = ApiError::from(e);
+                if params.consistency == Consistency::Majority && e.code == "doc_not_found" {
+                    confirm(&state, &coll, key.as_bytes()).await?;
+                }
+                return Err(e);
+            }
+        },
     };
+    if params.consistency == Consistency::Majority {
+        confirm(&state, &coll, key.as_bytes()).await?;
+    }
     let mut response = Response::new(Body::from(doc.value));
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
@@ -106,7 +120,7 @@ pub async fn put(
         Precondition::Cas(cas) => (WriteOp::Replace, Some(cas)),
     };
     let req = WriteRequest { key: Bytes::from(key), op, value: Some(value), cas, expiry };
-    let outcome = apply(&coll, req, params.durability).await?;
+    let outcome = write_durably(&state, &coll, req, params.durability).await?;
     let status = if op == WriteOp::Insert { StatusCode::CREATED } else { StatusCode::OK };
     Ok(mutation_response(status, &outcome))
 }
@@ -128,7 +142,7 @@ pub async fn remove(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
         Precondition::MustNotExist => return Err(ApiError::bad_request("If-None-Match makes no sense on a remove")),
     };
     let req = WriteRequest { key: Bytes::from(key), op: WriteOp::Remove, value: None, cas, expiry: 0 };
-    let outcome = apply(&coll, req, params.durability).await?;
+    let outcome = write_durably(&state, &coll, req, params.durability).await?;
     Ok(mutation_response(StatusCode::OK, &outcome))
 }
 
@@ -153,7 +167,7 @@ pub async fn touch(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuer
     };
     let req =
         WriteRequest { key: Bytes::from(key), op: WriteOp::Touch, value: None, cas, expiry: extract::expiry(Some(secs), coll.now_secs())? };
-    let outcome = apply(&coll, req, params.durability).await?;
+    let outcome = write_durably(&state, &coll, req, params.durability).await?;
     Ok(mutation_response(StatusCode::OK, &outcome))
 }
 
@@ -168,22 +182,76 @@ pub async fn unlock(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
     Ok(json_response(StatusCode::OK, b"{}".to_vec()))
 }
 
-async fn apply(coll: &Arc<Collection>, req: WriteRequest, durability: Durability) -> Result<MutationOutcome, ApiError> {
-    write_durably(coll, req, durability).await
-}
-
 /// Writes on the I/O thread, as reads do, then waits for the fsync if `persist` was asked
 /// for. A single-document write is a sequencer lock, a point read and a journal append
 /// (no fsync): a few microseconds, less than handing it to the blocking pool and back
 /// (two thread wake-ups, and up to a write slot's worth of threads contending for the
 /// sequencer and journal locks on two cores — measured in bench/results: issue 12 write
 /// path). Large `_bulk` bodies still go to the blocking pool.
-pub(crate) async fn write_durably(coll: &Arc<Collection>, req: WriteRequest, durability: Durability) -> Result<MutationOutcome, ApiError> {
-    let (outcome, wait) = coll.write(req)?;
-    if durability == Durability::Persist {
+pub(crate) async fn write_durably(
+    state: &AppState,
+    coll: &Arc<Collection>,
+    req: WriteRequest,
+    durability: Durability,
+) -> Result<MutationOutcome, ApiError> {
+    let level = durability.majority();
+    let partition = shoal_storage::partition_of(&req.key, coll.partition_count());
+    if level.is_some() {
+        // Refused before anything is written: `durability_impossible` means "not done".
+        state.cluster.majority_possible(coll.id(), partition).map_err(majority_error)?;
+    }
+    let (outcome, wait) = match coll.write(req) {
+        Ok(written) => written,
+        Err(e) => {
+            let e = ApiError::from(e);
+            // A failed condition is an observation of the document: at a majority level it
+            // must be of a version a majority holds, seen by a node still active.
+            if level.is_some() && matches!(e.code, "cas_mismatch" | "doc_not_found" | "doc_exists" | "locked") {
+                state.cluster.confirm(coll, partition).await.map_err(majority_error)?;
+            }
+            return Err(e);
+        }
+    };
+    if durability.fsync_here() {
         wait.wait().await?;
     }
+    if let Some(level) = level {
+        // Written here: from now on a failure is ambiguous.
+        state.cluster.await_majority(coll.id(), outcome.partition, outcome.seqno, outcome.uuid, level).await.map_err(|e| {
+            let mut err = ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "timeout",
+                format!("the write is on this node but not yet confirmed on a majority: {e:?}"),
+            );
+            err.details.push(("ambiguous", serde_json::Value::Bool(true)));
+            err
+        })?;
+    }
     Ok(outcome)
+}
+
+/// A majority read's or failed condition's confirmation (see `ClusterNode::confirm`).
+async fn confirm(state: &AppState, coll: &Arc<Collection>, key: &[u8]) -> Result<(), ApiError> {
+    let partition = shoal_storage::partition_of(key, coll.partition_count());
+    state.cluster.confirm(coll, partition).await.map_err(majority_error)
+}
+
+/// How a majority wait that did not happen answers (nothing was written).
+fn majority_error(e: shoal_node::node::MajorityError) -> ApiError {
+    use shoal_node::node::MajorityError as M;
+    match e {
+        M::Impossible { healthy, needed } => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "durability_impossible",
+            format!("{healthy} of the partition's copies are healthy; a majority needs {needed}"),
+        ),
+        M::Timeout => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "a majority of the partition's copies did not confirm in time")
+        }
+        M::NotActive => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "this node stopped being the partition's active copy")
+        }
+    }
 }
 
 /// Runs storage work that may block off the I/O threads.
@@ -297,6 +365,9 @@ enum CasField {
 
 pub async fn bulk(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
     let params: RemoveParams = extract::query(q.as_deref())?;
+    if params.durability.majority().is_some() {
+        return Err(ApiError::bad_request("_bulk takes durability none or persist; majority levels are per document"));
+    }
     let coll = collection(&state, &uri)?;
     let body = extract::body(&state, body, BULK_BODY_MAX_BYTES).await?;
     // Parse every line first; only the valid ones reach the store, in order.

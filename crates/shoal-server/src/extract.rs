@@ -175,13 +175,43 @@ pub fn expiry(secs: Option<i64>, now_secs: u64) -> Result<u32, ApiError> {
     shoal_storage::absolute_expiry(secs, now_secs).ok_or_else(absurd)
 }
 
-/// `?durability=none|persist`.
+/// `?durability=none|persist|majority|persist_majority`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum Durability {
     #[default]
     None,
     Persist,
+    /// In memory on a majority of the partition's copies.
+    Majority,
+    /// Fsynced on a majority of the partition's copies.
+    PersistMajority,
+}
+
+impl Durability {
+    /// The majority level this asks for, if any.
+    pub fn majority(self) -> Option<shoal_node::Durable> {
+        match self {
+            Durability::Majority => Some(shoal_node::Durable::Majority),
+            Durability::PersistMajority => Some(shoal_node::Durable::PersistMajority),
+            Durability::None | Durability::Persist => None,
+        }
+    }
+
+    /// Whether this node fsyncs the write before answering.
+    pub fn fsync_here(self) -> bool {
+        matches!(self, Durability::Persist | Durability::PersistMajority)
+    }
+}
+
+/// `?consistency=local|majority` on reads: `majority` answers only what a majority of the
+/// partition's copies hold, confirmed by them after the read (a linearizable read).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Consistency {
+    #[default]
+    Local,
+    Majority,
 }
 
 /// Parses a JSON body into `T`, mapping errors to `invalid_json`.

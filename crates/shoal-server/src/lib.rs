@@ -4,6 +4,7 @@
 //! [`extract`]) so that every rejection is an API error with a code, never axum's default.
 
 mod changes;
+pub mod cluster;
 mod collections;
 mod conn;
 mod cpu;
@@ -23,6 +24,7 @@ use std::time::Instant;
 use axum::routing::{get, post, put};
 use axum::Router;
 use shoal_engine::{Engine, EngineConfig};
+use shoal_node::{ClusterConfig, ClusterNode};
 use thiserror::Error;
 use tokio::sync::watch;
 
@@ -36,6 +38,10 @@ pub enum ServerError {
     Bind { addr: String, source: std::io::Error },
     #[error(transparent)]
     Engine(#[from] shoal_engine::EngineError),
+    #[error("cluster: {0}")]
+    Cluster(#[from] shoal_node::ClusterError),
+    #[error("HTTP client: {0}")]
+    Client(#[from] reqwest::Error),
     #[error("server: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -47,6 +53,8 @@ pub struct ServerConfig {
     pub engine: EngineConfig,
     /// Connection cap and timeouts.
     pub connections: ConnectionLimits,
+    /// How the node takes part in its cluster (an empty `advertise` means the bound address).
+    pub cluster: ClusterConfig,
 }
 
 /// How many client connections the node holds and how long it waits for slow or idle ones.
@@ -90,21 +98,38 @@ pub struct AppState {
     pub body_timeout: std::time::Duration,
     /// Per-class concurrency limits.
     pub limits: limits::Limits,
+    /// This node as a cluster member: metadata, routing, replication, failover.
+    pub cluster: Arc<ClusterNode>,
+    /// The HTTP client that forwards requests to the node holding a key.
+    pub forwarder: reqwest::Client,
 }
 
 pub fn router(state: AppState) -> Router {
+    // Key requests go where the key's active copy is (see `cluster::route`).
+    let keyed = Router::new()
+        .route("/v1/collections/{c}/docs/{key}", get(docs::get).put(docs::put).delete(docs::remove))
+        .route("/v1/collections/{c}/docs/{key}/touch", post(docs::touch))
+        .route("/v1/collections/{c}/docs/{key}/unlock", post(docs::unlock))
+        .route("/v1/collections/{c}/docs/{key}/lookup", post(subdoc::lookup))
+        .route("/v1/collections/{c}/docs/{key}/mutate", post(subdoc::mutate))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), cluster::route));
+    // Calls between members and the cluster API: not limited by the client classes.
+    let cluster = Router::new()
+        .route("/v1/_internal/{op}", post(cluster::internal))
+        .route("/v1/cluster", get(cluster::info))
+        .route("/v1/cluster/map", get(cluster::map))
+        .route("/v1/cluster/settings", put(cluster::settings))
+        .route("/v1/cluster/failover", post(cluster::failover))
+        .route("/v1/cluster/recover", post(cluster::recover))
+        .route("/v1/cluster/rebalance", post(cluster::rebalance).get(cluster::rebalance_status));
     Router::new()
+        .merge(keyed)
         .route("/v1/health", get(ops::health))
         .route("/v1/node", get(ops::node))
         .route("/metrics", get(ops::metrics))
         .route("/v1/collections", get(collections::list))
         .route("/v1/collections/{c}", put(collections::create).delete(collections::drop))
-        .route("/v1/collections/{c}/docs/{key}", get(docs::get).put(docs::put).delete(docs::remove))
         .route("/v1/collections/{c}/docs/", get(empty_key).put(empty_key).delete(empty_key))
-        .route("/v1/collections/{c}/docs/{key}/touch", post(docs::touch))
-        .route("/v1/collections/{c}/docs/{key}/unlock", post(docs::unlock))
-        .route("/v1/collections/{c}/docs/{key}/lookup", post(subdoc::lookup))
-        .route("/v1/collections/{c}/docs/{key}/mutate", post(subdoc::mutate))
         .route("/v1/collections/{c}/_get", post(docs::multi_get))
         .route("/v1/collections/{c}/_bulk", post(docs::bulk))
         .route("/v1/collections/{c}/changes", get(changes::changes))
@@ -116,6 +141,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/query", post(query::query))
         .route("/v1/analytics", post(query::analytics))
         .route_layer(axum::middleware::from_fn_with_state(state.limits.clone(), limits::limit))
+        .merge(cluster)
         .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn(ops::telemetry))
@@ -154,6 +180,16 @@ impl Server {
         }
         let (shutdown_tx, shutdown) = watch::channel(false);
         let cores = engine.cores();
+        let mut cluster_config = config.cluster.clone();
+        if cluster_config.advertise.is_empty() {
+            cluster_config.advertise = listener.local_addr()?.to_string();
+        }
+        let cluster = ClusterNode::open(Arc::clone(&engine), cluster_config, |secret| {
+            cluster::HttpPeers::new(secret)
+                .map(|p| Arc::new(p) as Arc<dyn shoal_node::Peers>)
+                .map_err(|e| shoal_node::ClusterError::Identity(e.to_string()))
+        })
+        .await?;
         let state = AppState {
             engine,
             started: Instant::now(),
@@ -163,6 +199,8 @@ impl Server {
             shutdown,
             body_timeout: config.connections.body_read_timeout,
             limits: limits::Limits::new(cores),
+            cluster,
+            forwarder: cluster::forwarder()?,
         };
         Ok(Server { listener, state, shutdown_tx, connections: config.connections })
     }
@@ -197,8 +235,10 @@ impl Server {
             }
         };
         tokio::spawn(signal);
+        state.cluster.start();
         conn::serve(listener, router(state.clone()), connections, state.shutdown.clone()).await;
         let restart = restart.load(std::sync::atomic::Ordering::SeqCst);
+        state.cluster.shutdown().await;
         let closed = engine.close().await;
         match (closed, restart) {
             (Ok(()), false) => Ok(RunOutcome::Stopped),

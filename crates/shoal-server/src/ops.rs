@@ -82,6 +82,14 @@ pub const ROUTES: &[(&str, &str, &str)] = &[
     ("POST", "/v1/collections/{c}/indexes/{name}/scan", "index_scan"),
     ("POST", "/v1/query", "query"),
     ("POST", "/v1/analytics", "analytics"),
+    ("POST", "/v1/_internal/{op}", "internal"),
+    ("GET", "/v1/cluster", "cluster_info"),
+    ("GET", "/v1/cluster/map", "cluster_map"),
+    ("PUT", "/v1/cluster/settings", "cluster_settings"),
+    ("POST", "/v1/cluster/failover", "cluster_failover"),
+    ("POST", "/v1/cluster/recover", "cluster_recover"),
+    ("POST", "/v1/cluster/rebalance", "cluster_rebalance"),
+    ("GET", "/v1/cluster/rebalance", "cluster_rebalance_status"),
 ];
 
 pub(crate) fn operation_name(method: &str, route: Option<&str>) -> &'static str {

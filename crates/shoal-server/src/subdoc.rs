@@ -278,7 +278,7 @@ pub async fn mutate(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
         };
         let expiry = expiry.unwrap_or_else(|| current.as_ref().map_or(0, |d| d.expiry));
         let req = WriteRequest { key: Bytes::from(key.clone()), op, value: Some(Bytes::from(bytes)), cas, expiry };
-        match write_durably(&coll, req, request.durability).await {
+        match write_durably(&state, &coll, req, request.durability).await {
             Ok(outcome) => {
                 let results: Vec<Value> = results
                     .into_iter()

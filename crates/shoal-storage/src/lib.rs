@@ -30,7 +30,7 @@ pub use error::{is_corruption, CatalogError, ChangesError, CollectionError, NotM
 pub use health::{StorageHealth, StorageState, TaskHealth, TaskReport};
 pub use partition::{Document, FailoverEntry, MutationOutcome, ReadLimit, WriteOp, WriteRequest};
 pub use rollback::{rollback_seqno, RollbackReport};
-pub use store::{Store, StoreConfig, BLOB_THRESHOLD_DEFAULT_BYTES};
+pub use store::{validate_collection_name, write_atomically, Store, StoreConfig, BLOB_THRESHOLD_DEFAULT_BYTES};
 pub use unit::{ExportHeader, ExportedCollection, IngestStats, PartitionExport, PartitionState};
 
 /// Index of a virtual partition (vBucket).

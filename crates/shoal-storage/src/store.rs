@@ -860,7 +860,8 @@ fn check_paths(config: &StoreConfig) -> Result<(u16, bool), OpenError> {
     Ok((partitions, found.is_some()))
 }
 
-fn validate_collection_name(name: &str) -> Result<(), CollectionError> {
+/// Checks a collection name against the rules (API.md): what is refused here is never stored.
+pub fn validate_collection_name(name: &str) -> Result<(), CollectionError> {
     let bad = |why: &str| Err(CollectionError::InvalidName(why.to_string()));
     if name.is_empty() || name.chars().count() > COLLECTION_NAME_MAX_CHARS {
         return bad("a name has 1 to 251 characters");

@@ -1,0 +1,66 @@
+//! One member of a Shoal cluster at run time: the metadata log (`shoal-meta`) applied to
+//! this node's engine, replication between copies, majority durability, routing answers,
+//! failover and rebalance — the executors of the decisions `shoal-cluster` makes.
+//!
+//! The node reaches storage only through its [`shoal_engine::Engine`], and other members
+//! only through [`Peers`] (the server carries those calls over its one HTTP port with the
+//! cluster secret). Decisions stay pure in `shoal-cluster`; this crate is the I/O around them.
+//!
+//! - [`identity`]: the node's id, its cluster's id and the cluster secret, beside the data.
+//! - [`peers`]: the calls between members; [`wire`]: their messages.
+//! - [`node`]: [`ClusterNode`] — founding or joining a cluster, proposals, the reconcile loop
+//!   that applies the metadata (collections, the partition map) to the engine, routing.
+//! - [`acks`]: what the active copy knows of its replicas; majority waits.
+//! - [`replica`]: replicas pulling the active's change stream; the active serving pulls.
+//! - [`failover`]: the leader's health checks, leases, fencing and promotion.
+//! - [`rebalance`]: bringing nodes in and out by streaming copies, with a hand-over.
+
+pub mod acks;
+pub mod failover;
+pub mod identity;
+pub mod node;
+pub mod peers;
+pub mod rebalance;
+pub mod replica;
+pub mod wire;
+
+pub use node::{ClusterConfig, ClusterNode, Durable, Route};
+pub use peers::{Op, PeerError, PeerFuture, Peers};
+
+use thiserror::Error;
+
+/// Why a cluster operation failed.
+#[derive(Debug, Error)]
+pub enum ClusterError {
+    #[error("cluster identity: {0}")]
+    Identity(String),
+    #[error("metadata log: {0}")]
+    Meta(String),
+    /// The metadata log refused the command (every member refuses it the same way).
+    #[error(transparent)]
+    Rejected(#[from] shoal_meta::MetaReject),
+    /// No metadata leader could be reached in time (an election, or too few members up).
+    #[error("no metadata leader answered within {0:?}; too few members may be up")]
+    NoLeader(std::time::Duration),
+    #[error(transparent)]
+    Peer(#[from] PeerError),
+    #[error(transparent)]
+    Engine(#[from] shoal_engine::EngineError),
+    #[error("storage: {0}")]
+    Storage(String),
+    #[error("no member {0}")]
+    NodeNotFound(u64),
+    /// A request the cluster cannot do in its current state (the reason says why).
+    #[error("{0}")]
+    Refused(String),
+    /// A malformed message from another member.
+    #[error("bad message: {0}")]
+    BadMessage(String),
+    #[error("not the metadata leader")]
+    NotLeader { address: Option<String> },
+    #[error("a rebalance is running")]
+    RebalanceRunning,
+    /// The node is shutting down.
+    #[error("the node is shutting down")]
+    ShuttingDown,
+}

@@ -1,0 +1,755 @@
+//! `ClusterNode`: this node as a cluster member. It founds a cluster (`shoal serve` alone)
+//! or joins one (`--join`), proposes metadata changes to the leader, and applies every
+//! committed change to its engine in one reconcile loop: collections with the ids the log
+//! gave them, the partition map as partition states, and the replication streams those
+//! states need.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use shoal_cluster::{NodeId, PartitionMap};
+use shoal_engine::Engine;
+use shoal_meta::{MemberState, MetaCommand, MetaNode, MetaReject, MetaResponse, MetaState, ProposeError};
+use shoal_storage::{PartitionState, StreamPosition};
+use tokio::sync::watch;
+
+use crate::acks::{Acks, Need};
+use crate::identity::{self, Identity};
+use crate::peers::{MetaPeers, Op, PeerError, Peers};
+use crate::wire::{self, JoinAnswer, JoinRequest, ProposeAnswer};
+use crate::ClusterError;
+use shoal_cluster::{majority, Copies};
+
+/// How long a proposal looks for a leader before it gives up.
+pub const PROPOSE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a joining node keeps asking (the member it names may still be starting).
+pub const JOIN_TIMEOUT: Duration = Duration::from_secs(60);
+/// Voting members of the metadata log; members beyond it are learners (they receive the
+/// log but do not vote), so elections stay quick in a large cluster.
+pub const META_VOTERS_MAX: usize = 5;
+/// A majority write or read waits this long for the replicas by default; then it answers
+/// `timeout`, ambiguous (the write may yet be on a majority).
+pub const DURABLE_TIMEOUT: Duration = Duration::from_secs(5);
+/// A replica that acknowledged nothing for this long is not counted as able to take part
+/// in a majority: a write that needs it answers `durability_impossible` at once.
+pub const HEALTHY_ACK_WINDOW: Duration = Duration::from_secs(3);
+/// The reconcile loop tries again after a failure this often.
+const RECONCILE_RETRY: Duration = Duration::from_secs(1);
+/// Time between looks when a caller waits for this node to apply something.
+const APPLY_POLL: Duration = Duration::from_millis(10);
+
+/// How this node takes part in a cluster.
+#[derive(Clone, Debug, Default)]
+pub struct ClusterConfig {
+    /// The address other members and smart clients reach this node at (`host:port`).
+    pub advertise: String,
+    /// A member to ask for admission (`--join`); `None` founds a cluster on first start.
+    pub join: Option<String>,
+    /// The cluster secret (`--cluster-secret`); else the one stored beside the data.
+    pub secret: Option<String>,
+}
+
+/// Where a request for a key goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// This node holds the active copy.
+    Local,
+    /// Another node does, at this address.
+    Forward { node: u64, address: String },
+    /// No node serves the partition now (its active was failed over and no replica could
+    /// take it, or a failover is in progress).
+    Unavailable { partition: u16, map_version: u64 },
+}
+
+/// How durable a write must be before it is acknowledged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durable {
+    /// In memory on a majority of the partition's copies.
+    Majority,
+    /// Fsynced on a majority of the partition's copies.
+    PersistMajority,
+}
+
+/// Why a majority wait failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MajorityError {
+    /// Too few copies are healthy to make a majority: nothing was waited for.
+    Impossible { healthy: usize, needed: usize },
+    /// The copies did not answer in time: the write may or may not reach a majority.
+    Timeout,
+    /// This node stopped being the partition's active while waiting.
+    NotActive,
+}
+
+/// One member of the cluster; see the module documentation.
+pub struct ClusterNode {
+    pub(crate) engine: Arc<Engine>,
+    pub(crate) id: u64,
+    dir: PathBuf,
+    identity: Mutex<Identity>,
+    pub(crate) advertise: String,
+    join: Option<String>,
+    secret: String,
+    pub(crate) meta: MetaNode,
+    pub(crate) peers: Arc<dyn Peers>,
+    pub(crate) acks: Acks,
+    /// Held while a replication batch is applied, and by a fence report: once a member has
+    /// reported its progress to the leader, no batch from the fenced node lands after it.
+    pub(crate) apply_lock: tokio::sync::Mutex<()>,
+    /// Running replication streams, by the node they pull from.
+    replicators: Mutex<HashMap<u64, watch::Sender<bool>>>,
+    /// Partitions this node holds active but was asked to hand over (a rebalance): writes
+    /// stop until the new map is in.
+    pub(crate) frozen: Mutex<HashMap<u16, Instant>>,
+    /// Until when this node may serve its active partitions (see `failover::Lease`).
+    pub(crate) lease: crate::failover::Lease,
+    /// Set once the node founded, joined or rejoined its cluster.
+    ready: watch::Sender<bool>,
+    pub(crate) stop: watch::Sender<bool>,
+    /// The leader's view of members' health (auto-failover), and serialises failovers.
+    pub(crate) monitor: crate::failover::Monitor,
+    pub(crate) rebalancer: crate::rebalance::Rebalancer,
+}
+
+impl ClusterNode {
+    /// Opens the metadata log of the node whose engine is `engine`. A node that has never
+    /// been in a cluster and is to join one holds nothing until the map gives it copies: its
+    /// partitions are set dead here, before it serves anything.
+    /// `peers` makes the transport to other members from the cluster secret.
+    pub async fn open(
+        engine: Arc<Engine>,
+        config: ClusterConfig,
+        peers: impl FnOnce(&str) -> Result<Arc<dyn Peers>, ClusterError>,
+    ) -> Result<Arc<ClusterNode>, ClusterError> {
+        let dir = engine.store().data_paths()[0].clone();
+        let identity = Identity::load_or_create(&dir)?;
+        let founding = identity.cluster_id.is_none() && config.join.is_none();
+        let secret = identity::secret(&dir, config.secret.as_deref(), founding)?;
+        let peers = peers(&secret)?;
+        if identity.cluster_id.is_none() && config.join.is_some() {
+            let store = Arc::clone(engine.store());
+            blocking(move || {
+                for p in 0..store.partitions() {
+                    store.set_partition_state(p, PartitionState::Dead).map_err(|e| ClusterError::Storage(e.to_string()))?;
+                }
+                Ok::<_, ClusterError>(())
+            })
+            .await??;
+        }
+        let meta_dir = dir.join("meta");
+        std::fs::create_dir_all(&meta_dir).map_err(|e| ClusterError::Meta(format!("cannot create {}: {e}", meta_dir.display())))?;
+        let meta = MetaNode::open(&meta_dir, identity.node_id, Arc::new(MetaPeers(Arc::clone(&peers))))
+            .await
+            .map_err(|e| ClusterError::Meta(e.to_string()))?;
+        Ok(Arc::new(ClusterNode {
+            engine,
+            id: identity.node_id,
+            dir,
+            identity: Mutex::new(identity),
+            advertise: config.advertise,
+            join: config.join,
+            secret,
+            meta,
+            peers,
+            acks: Acks::default(),
+            apply_lock: tokio::sync::Mutex::new(()),
+            replicators: Mutex::new(HashMap::new()),
+            frozen: Mutex::new(HashMap::new()),
+            rebalancer: crate::rebalance::Rebalancer::default(),
+            lease: crate::failover::Lease::default(),
+            ready: watch::channel(false).0,
+            stop: watch::channel(false).0,
+            monitor: crate::failover::Monitor::default(),
+        }))
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    pub fn secret(&self) -> &str {
+        &self.secret
+    }
+
+    pub fn address(&self) -> &str {
+        &self.advertise
+    }
+
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
+    /// The metadata this node has applied.
+    pub fn state(&self) -> Arc<MetaState> {
+        self.meta.state()
+    }
+
+    /// The metadata leader this node knows of, with its address.
+    pub fn leader(&self) -> Option<(u64, String)> {
+        let id = self.meta.leader()?;
+        let metrics = self.meta.metrics();
+        let m = metrics.borrow();
+        let address = m.membership_config.membership().get_node(&id).map(|n| n.addr.clone())?;
+        Some((id, address))
+    }
+
+    pub fn is_leader(&self) -> bool {
+        self.meta.leader() == Some(self.id)
+    }
+
+    /// Whether the node has founded, joined or rejoined its cluster.
+    pub fn is_ready(&self) -> bool {
+        *self.ready.borrow()
+    }
+
+    /// Founds, joins or rejoins the cluster, then keeps the engine in step with the
+    /// metadata until `shutdown`. Runs in the background; the server serves meanwhile (it
+    /// must: a leader admitting this node sends it the log).
+    pub fn start(self: &Arc<Self>) {
+        let node = Arc::clone(self);
+        tokio::spawn(async move {
+            let mut stop = node.stop.subscribe();
+            let started = tokio::select! {
+                r = node.enter() => r,
+                _ = stop.wait_for(|s| *s) => return,
+            };
+            if let Err(e) = started {
+                tracing::error!(error = %e, "cannot take part in the cluster; this node serves nothing until restarted");
+                return;
+            }
+            node.ready.send_replace(true);
+            tracing::info!(node = node.id, address = %node.advertise, "in the cluster");
+            tokio::spawn(crate::failover::run_monitor(Arc::clone(&node)));
+            node.reconcile_loop().await;
+        });
+    }
+
+    /// Stops the background work (replication, the monitor) and the metadata log.
+    pub async fn shutdown(&self) {
+        self.stop.send_replace(true);
+        for (_, stop) in self.replicators.lock().drain() {
+            stop.send_replace(true);
+        }
+        if let Err(e) = self.meta.shutdown().await {
+            tracing::warn!(error = %e, "stopping the metadata log");
+        }
+    }
+
+    async fn enter(&self) -> Result<(), ClusterError> {
+        let known = self.identity.lock().cluster_id.clone();
+        if let Some(cluster) = known {
+            if let Some(join) = &self.join {
+                tracing::info!(%join, cluster, "already a member; --join is ignored");
+            }
+            return Ok(());
+        }
+        match self.join.clone() {
+            Some(address) => self.join_cluster(&address).await,
+            None => self.found().await,
+        }
+    }
+
+    /// Founds a one-node cluster: this node votes alone, is `active`, holds every partition
+    /// active, and brings its existing collections in under their ids.
+    async fn found(&self) -> Result<(), ClusterError> {
+        match self.meta.initialize(BTreeMap::from([(self.id, self.advertise.clone())])).await {
+            Ok(()) | Err(shoal_meta::InitializeError::AlreadyInitialized) => {}
+            Err(e) => return Err(ClusterError::Meta(e.to_string())),
+        }
+        let cluster_id = format!("{:016x}", rand::random::<u64>());
+        ignore_repeat(self.propose(MetaCommand::InitCluster { cluster_id }).await)?;
+        ignore_repeat(self.propose(MetaCommand::AddMember { node: NodeId(self.id), address: self.advertise.clone() }).await)?;
+        self.propose(MetaCommand::SetMemberState { node: NodeId(self.id), state: MemberState::Active }).await?;
+        let store = self.engine.store();
+        for info in store.list_collections() {
+            if let Some(coll) = store.collection(&info.name) {
+                let cmd = MetaCommand::CreateCollection { name: info.name.clone(), max_ttl: info.max_ttl, id: Some(coll.id()) };
+                ignore_repeat(self.propose(cmd).await)?;
+            }
+        }
+        let state = self.state();
+        if state.map.is_none() {
+            let nodes = [shoal_cluster::Node { id: NodeId(self.id), weight: 1 }];
+            let mut map = shoal_cluster::place(store.partitions(), &nodes, state.settings.replicas, None)
+                .map_err(|e| ClusterError::Refused(format!("cannot place partitions: {e}")))?;
+            map.version = 1;
+            ignore_repeat(self.propose(MetaCommand::SetMap { map }).await)?;
+        }
+        let cluster_id = self.state().cluster_id.clone();
+        self.remember_cluster(cluster_id)
+    }
+
+    async fn join_cluster(&self, address: &str) -> Result<(), ClusterError> {
+        let request = serde_json::to_vec(&JoinRequest { node: self.id, address: self.advertise.clone() })
+            .map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+        let deadline = Instant::now() + JOIN_TIMEOUT;
+        loop {
+            match self.peers.call(address, Op::Join, request.clone(), JOIN_TIMEOUT).await {
+                Ok(bytes) => {
+                    let answer: JoinAnswer = serde_json::from_slice(&bytes).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+                    tracing::info!(cluster = %answer.cluster_id, via = address, "joined");
+                    return self.remember_cluster(answer.cluster_id);
+                }
+                Err(e @ PeerError::Refused { .. }) => return Err(ClusterError::Peer(e)),
+                Err(e) if Instant::now() >= deadline => return Err(ClusterError::Peer(e)),
+                Err(e) => {
+                    tracing::info!(error = %e, "waiting for {address} to admit this node");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+        }
+    }
+
+    fn remember_cluster(&self, cluster_id: String) -> Result<(), ClusterError> {
+        let mut identity = self.identity.lock();
+        identity.cluster_id = Some(cluster_id);
+        identity.store(&self.dir)
+    }
+
+    /// Commits `cmd` through the metadata leader (forwarding it there) and answers the
+    /// leader's result. This node may apply it a moment later; see [`ClusterNode::wait_applied`].
+    pub async fn propose(&self, cmd: MetaCommand) -> Result<MetaResponse, ClusterError> {
+        let deadline = Instant::now() + PROPOSE_TIMEOUT;
+        loop {
+            let address = match self.meta.propose(cmd.clone()).await {
+                Ok(r) => return Ok(r),
+                Err(ProposeError::Rejected(r)) => return Err(ClusterError::Rejected(r)),
+                Err(ProposeError::NotLeader { address, .. }) => address,
+                Err(ProposeError::Unavailable(why)) => {
+                    tracing::debug!(why, "metadata log unavailable; retrying");
+                    None
+                }
+            };
+            if let Some(address) = address.filter(|a| *a != self.advertise) {
+                let body = serde_json::to_vec(&cmd).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+                match self.peers.call(&address, Op::Propose, body, PROPOSE_TIMEOUT).await {
+                    Ok(bytes) => match serde_json::from_slice::<ProposeAnswer>(&bytes) {
+                        Ok(ProposeAnswer::Applied(r)) => return Ok(r),
+                        Ok(ProposeAnswer::Rejected(r)) => return Err(ClusterError::Rejected(r)),
+                        Ok(_) => {}
+                        Err(e) => return Err(ClusterError::BadMessage(e.to_string())),
+                    },
+                    Err(e) => tracing::debug!(error = %e, "forwarding a proposal"),
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(ClusterError::NoLeader(PROPOSE_TIMEOUT));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits until this node's applied metadata satisfies `done` (bounded by `PROPOSE_TIMEOUT`).
+    pub async fn wait_applied(&self, done: impl Fn(&MetaState) -> bool) -> Result<(), ClusterError> {
+        let mut rx = self.meta.watch();
+        let wait = async move { rx.wait_for(|s| done(s)).await.map(|_| ()) };
+        match tokio::time::timeout(PROPOSE_TIMEOUT, wait).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(_)) => Err(ClusterError::ShuttingDown),
+            Err(_) => Err(ClusterError::NoLeader(PROPOSE_TIMEOUT)),
+        }
+    }
+
+    /// Creates a collection cluster-wide and waits until this node has it.
+    pub async fn create_collection(&self, name: &str, max_ttl: u32) -> Result<(), ClusterError> {
+        let r = self.propose(MetaCommand::CreateCollection { name: name.into(), max_ttl, id: None }).await?;
+        let MetaResponse::CollectionCreated { id } = r else { return Err(ClusterError::Meta(format!("unexpected answer {r:?}"))) };
+        self.wait_local(|| self.engine.store().collection(name).is_some_and(|c| c.id() == id)).await
+    }
+
+    /// Drops a collection cluster-wide and waits until this node has dropped it.
+    pub async fn drop_collection(&self, name: &str) -> Result<(), ClusterError> {
+        self.propose(MetaCommand::DropCollection { name: name.into() }).await?;
+        self.wait_local(|| self.engine.store().collection(name).is_none()).await
+    }
+
+    async fn wait_local(&self, done: impl Fn() -> bool) -> Result<(), ClusterError> {
+        let deadline = Instant::now() + PROPOSE_TIMEOUT;
+        while !done() {
+            if Instant::now() >= deadline {
+                return Err(ClusterError::Refused("the change is committed but this node has not applied it yet".into()));
+            }
+            tokio::time::sleep(APPLY_POLL).await;
+        }
+        Ok(())
+    }
+
+    /// Answers a call from another member (the server checked the cluster secret).
+    pub async fn handle(self: &Arc<Self>, op: Op, body: &[u8]) -> Result<Vec<u8>, ClusterError> {
+        match op {
+            Op::Raft(kind) => self.meta.handle_rpc(kind, body).await.map_err(|e| ClusterError::BadMessage(e.to_string())),
+            Op::Join => {
+                let req: JoinRequest = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+                let answer = self.admit(req).await?;
+                serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
+            }
+            Op::Propose => {
+                let cmd: MetaCommand = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+                let answer = match self.meta.propose(cmd).await {
+                    Ok(r) => ProposeAnswer::Applied(r),
+                    Err(ProposeError::Rejected(r)) => ProposeAnswer::Rejected(r),
+                    Err(ProposeError::NotLeader { address, .. }) => ProposeAnswer::NotLeader { address },
+                    Err(ProposeError::Unavailable(why)) => ProposeAnswer::Unavailable(why),
+                };
+                serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
+            }
+            Op::Pull => {
+                let req = wire::decode(body).map_err(ClusterError::BadMessage)?;
+                let answer = crate::replica::serve_pull(self, req).await?;
+                Ok(wire::encode(&answer))
+            }
+            Op::Versions => {
+                let req = wire::decode(body).map_err(ClusterError::BadMessage)?;
+                let answer = crate::replica::serve_versions(self, req).await?;
+                Ok(wire::encode(&answer))
+            }
+            Op::Fence => {
+                let req = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+                let answer = crate::failover::serve_fence(self, req).await?;
+                serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
+            }
+            Op::Progress => {
+                let answer = crate::rebalance::serve_progress(self);
+                serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
+            }
+            Op::Handover => {
+                let req = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+                crate::rebalance::serve_handover(self, req).await?;
+                Ok(b"{}".to_vec())
+            }
+            Op::Ping => {
+                let answer = crate::failover::serve_ping(self, body)?;
+                serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
+            }
+        }
+    }
+
+    /// Admits a joining node: on the leader, adds it to the metadata (state `added`), as a
+    /// learner of the log, and as a voter while there are fewer than `META_VOTERS_MAX`.
+    /// Another member forwards the request to the leader.
+    async fn admit(&self, req: JoinRequest) -> Result<JoinAnswer, ClusterError> {
+        if !self.is_ready() {
+            return Err(ClusterError::Refused("this member is still starting".into()));
+        }
+        if !self.is_leader() {
+            let (_, address) = self.leader().ok_or(ClusterError::NoLeader(Duration::ZERO))?;
+            let body = serde_json::to_vec(&req).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+            let bytes = self.peers.call(&address, Op::Join, body, JOIN_TIMEOUT).await?;
+            return serde_json::from_slice(&bytes).map_err(|e| ClusterError::BadMessage(e.to_string()));
+        }
+        let state = self.state();
+        match state.members.get(&NodeId(req.node)) {
+            Some(m) if m.address == req.address => tracing::info!(node = req.node, "joining again; resuming its admission"),
+            Some(m) => {
+                return Err(ClusterError::Refused(format!(
+                    "node id {} is already a member at {}: the joining node's data directory belongs to another node",
+                    req.node, m.address
+                )))
+            }
+            None => {
+                self.propose(MetaCommand::AddMember { node: NodeId(req.node), address: req.address.clone() }).await?;
+            }
+        }
+        self.meta.add_learner(req.node, req.address.clone()).await.map_err(|e| ClusterError::Meta(e.to_string()))?;
+        let voters: BTreeSet<u64> = {
+            let metrics = self.meta.metrics();
+            let m = metrics.borrow();
+            m.membership_config.membership().voter_ids().collect()
+        };
+        if voters.len() < META_VOTERS_MAX && !voters.contains(&req.node) {
+            let mut next = voters;
+            next.insert(req.node);
+            self.meta.change_membership(next).await.map_err(|e| ClusterError::Meta(e.to_string()))?;
+        }
+        Ok(JoinAnswer { cluster_id: state.cluster_id.clone() })
+    }
+
+    /// Where a request for `key` goes.
+    pub fn route(&self, key: &[u8]) -> Route {
+        let state = self.state();
+        let Some(map) = &state.map else { return Route::Local };
+        let p = shoal_storage::partition_of(key, map.partition_count());
+        self.route_partition(&state, map, p)
+    }
+
+    fn route_partition(&self, state: &MetaState, map: &PartitionMap, p: u16) -> Route {
+        let Some(copies) = map.partitions.get(usize::from(p)) else { return Route::Local };
+        let unavailable = Route::Unavailable { partition: p, map_version: map.version };
+        let active = copies.active.0;
+        match state.members.get(&copies.active) {
+            Some(m) if m.state == MemberState::Failed => unavailable,
+            _ if active == self.id => Route::Local,
+            Some(m) => Route::Forward { node: active, address: m.address.clone() },
+            None => unavailable,
+        }
+    }
+
+    /// Whether this node may serve its active copies now: it holds a lease (it heard from
+    /// the metadata leader recently, or is the leader with a quorum). A node cut off from the
+    /// leader stops serving before any failover can promote another copy.
+    pub fn serving(&self) -> bool {
+        if !self.is_ready() {
+            return false;
+        }
+        self.lease.valid(&self.meta)
+    }
+
+    /// The replicas of partition `p` in the current map, and how many replica
+    /// acknowledgements a majority needs (see [`copies_counted`]).
+    fn replicas_of(&self, p: u16) -> (Vec<u64>, usize) {
+        let state = self.state();
+        let Some(copies) = state.map.as_ref().and_then(|m| m.partitions.get(usize::from(p))) else { return (Vec::new(), 0) };
+        let wanted = majority(copies_counted(&state, copies)) - 1;
+        (copies.replicas.iter().map(|n| n.0).collect(), wanted)
+    }
+
+    /// Whether enough of partition `p`'s copies are healthy for a majority write of
+    /// `collection` now (checked before writing, so a refusal means nothing was written).
+    pub fn majority_possible(&self, collection: u32, p: u16) -> Result<(), MajorityError> {
+        let (replicas, wanted) = self.replicas_of(p);
+        let healthy = self.acks.healthy(collection, p, &replicas, HEALTHY_ACK_WINDOW);
+        if healthy < wanted {
+            return Err(MajorityError::Impossible { healthy: healthy + 1, needed: wanted + 1 });
+        }
+        Ok(())
+    }
+
+    /// Waits until the change `seqno` of `collection`'s partition `p` (on history `uuid`) is
+    /// held (`Majority`) or fsynced (`PersistMajority`) by a majority of the partition's
+    /// copies, this one counting for itself (for `PersistMajority` the caller has fsynced it
+    /// here first).
+    pub async fn await_majority(&self, collection: u32, p: u16, seqno: u64, uuid: u64, level: Durable) -> Result<(), MajorityError> {
+        let (replicas, wanted) = self.replicas_of(p);
+        if wanted == 0 {
+            return Ok(());
+        }
+        let need = match level {
+            Durable::Majority => Need::Received(seqno),
+            Durable::PersistMajority => Need::Persisted(seqno),
+        };
+        if self.acks.wait(collection, p, uuid, &replicas, wanted, need, Instant::now() + DURABLE_TIMEOUT).await {
+            Ok(())
+        } else {
+            Err(MajorityError::Timeout)
+        }
+    }
+
+    /// Confirms that what this node answers for `collection`'s partition `p` now is what a
+    /// majority holds and that it is still the active (ReadIndex): everything up to the
+    /// partition's high seqno is on a majority, and a majority acknowledged in a round that
+    /// began after the caller read. A majority read calls it after reading; a majority write
+    /// whose condition failed calls it before saying so.
+    pub async fn confirm(&self, collection: &shoal_storage::Collection, p: u16) -> Result<(), MajorityError> {
+        let (replicas, wanted) = self.replicas_of(p);
+        if wanted == 0 {
+            return Ok(());
+        }
+        let Some(StreamPosition { seqno, uuid }) = collection.positions().get(usize::from(p)).copied() else {
+            return Err(MajorityError::NotActive);
+        };
+        let healthy = self.acks.healthy(collection.id(), p, &replicas, HEALTHY_ACK_WINDOW);
+        if healthy < wanted {
+            return Err(MajorityError::Impossible { healthy: healthy + 1, needed: wanted + 1 });
+        }
+        let round = self.acks.start_round();
+        let need = Need::Confirmed { seqno, round };
+        if !self.acks.wait(collection.id(), p, uuid, &replicas, wanted, need, Instant::now() + DURABLE_TIMEOUT).await {
+            return Err(MajorityError::Timeout);
+        }
+        // Still the active of the same history: nothing was promoted meanwhile.
+        match collection.positions().get(usize::from(p)) {
+            Some(pos) if pos.uuid == uuid && self.serving() => Ok(()),
+            _ => Err(MajorityError::NotActive),
+        }
+    }
+
+    async fn reconcile_loop(self: &Arc<Self>) {
+        let mut rx = self.meta.watch();
+        let mut stop = self.stop.subscribe();
+        loop {
+            let state = Arc::clone(&rx.borrow_and_update());
+            let failed = match self.reconcile(&state).await {
+                Ok(()) => false,
+                Err(e) => {
+                    tracing::warn!(error = %e, "applying the cluster metadata; will try again");
+                    true
+                }
+            };
+            tokio::select! {
+                r = rx.changed() => if r.is_err() { return },
+                _ = stop.wait_for(|s| *s) => return,
+                _ = tokio::time::sleep(RECONCILE_RETRY), if failed || !self.frozen.lock().is_empty() => {}
+            }
+        }
+    }
+
+    /// Applies the metadata to this node: collections, then the map.
+    async fn reconcile(self: &Arc<Self>, state: &MetaState) -> Result<(), ClusterError> {
+        if state.cluster_id.is_empty() {
+            return Ok(());
+        }
+        let store = Arc::clone(self.engine.store());
+        for (name, def) in &state.collections {
+            match store.collection(name) {
+                Some(c) if c.id() == def.id => {}
+                Some(c) => {
+                    tracing::warn!(collection = %name, local = c.id(), cluster = def.id, "a local collection has another id than the cluster's; replacing it");
+                    self.engine.drop_collection(name).await?;
+                    self.engine.create_collection(name, def.max_ttl, Some(def.id)).await?;
+                }
+                None => {
+                    self.engine.create_collection(name, def.max_ttl, Some(def.id)).await?;
+                }
+            }
+        }
+        for info in store.list_collections() {
+            if !state.collections.contains_key(&info.name) {
+                self.engine.drop_collection(&info.name).await?;
+            }
+        }
+        if let Some(map) = &state.map {
+            self.apply_map(state, map).await?;
+        }
+        Ok(())
+    }
+
+    /// Applies the current map again now (a freeze changed).
+    pub(crate) async fn apply_current_map(self: &Arc<Self>) -> Result<(), ClusterError> {
+        let state = self.state();
+        match &state.map {
+            Some(map) => self.apply_map(&state, map).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Whether partition `p` is frozen for a hand-over here.
+    pub(crate) fn is_frozen(&self, p: u16) -> bool {
+        self.frozen.lock().get(&p).is_some_and(|until| *until > Instant::now())
+    }
+
+    /// Members' health as the metadata leader sees it; `None` on other members.
+    pub fn member_health(&self) -> Option<HashMap<u64, bool>> {
+        let state = self.state();
+        self.monitor.health(self.id, state.members.keys().map(|id| id.0))
+    }
+
+    /// The rebalance this node (as leader) runs or ran last.
+    pub fn rebalance_status(&self) -> crate::rebalance::RebalanceStatus {
+        self.rebalancer.status()
+    }
+
+    /// Sets every partition's state from the map and starts or stops replication streams.
+    async fn apply_map(self: &Arc<Self>, state: &MetaState, map: &PartitionMap) -> Result<(), ClusterError> {
+        let me = NodeId(self.id);
+        let failed = state.members.get(&me).is_none_or(|m| m.state == MemberState::Failed);
+        let frozen: HashSet<u16> = {
+            let mut frozen = self.frozen.lock();
+            let now = Instant::now();
+            // A freeze ends when the map moves the role away, or when it times out.
+            frozen.retain(|p, until| *until > now && map.partitions.get(usize::from(*p)).is_some_and(|c| c.active == me));
+            frozen.keys().copied().collect()
+        };
+        let desired: Vec<(u16, PartitionState)> = map
+            .iter()
+            .map(|(p, copies)| {
+                let s = if failed {
+                    PartitionState::Dead
+                } else if copies.active == me {
+                    if frozen.contains(&p) {
+                        PartitionState::Replica
+                    } else {
+                        PartitionState::Active
+                    }
+                } else if copies.replicas.contains(&me) {
+                    PartitionState::Replica
+                } else {
+                    PartitionState::Dead
+                };
+                (p, s)
+            })
+            .collect();
+        let store = Arc::clone(self.engine.store());
+        let version = map.version;
+        let changed = blocking(move || {
+            let mut changed = 0usize;
+            for (p, s) in desired {
+                if store.partition_state(p).map_err(|e| ClusterError::Storage(e.to_string()))? != s {
+                    store.set_partition_state(p, s).map_err(|e| ClusterError::Storage(e.to_string()))?;
+                    changed += 1;
+                }
+            }
+            store.set_map_version(version);
+            Ok::<_, ClusterError>(changed)
+        })
+        .await??;
+        if changed > 0 {
+            tracing::info!(map_version = version, changed, "partition states follow the map");
+        }
+        // Replication: one stream per node this one holds replicas of.
+        let sources: HashSet<u64> = if failed {
+            HashSet::new()
+        } else {
+            map.partitions
+                .iter()
+                .filter(|c| c.replicas.contains(&me))
+                .map(|c| c.active.0)
+                .filter(|a| state.members.get(&NodeId(*a)).is_some_and(|m| m.state != MemberState::Failed))
+                .collect()
+        };
+        let mut running = self.replicators.lock();
+        running.retain(|source, stop| {
+            let keep = sources.contains(source) && !*stop.borrow();
+            if !keep {
+                stop.send_replace(true);
+            }
+            keep
+        });
+        for source in sources {
+            if !running.contains_key(&source) {
+                let (tx, rx) = watch::channel(false);
+                running.insert(source, tx);
+                tokio::spawn(crate::replica::replicate_from(Arc::clone(self), source, rx));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How many copies a partition's majorities and fence quorums are counted over: the
+/// configured count (replicas + 1, at most the data nodes the cluster has, failed ones
+/// included), or the copies in the map when a rebalance holds more. Not the map's copies
+/// alone: a failover takes the failed copy out of the map, and a write a majority
+/// acknowledged with it is then on fewer than a majority of the rest — the next failover
+/// could promote a copy without it (`shoal_cluster::promotion_ready`; the seeded simulation
+/// in `shoal_cluster::sim` finds that loss). The failed copy's slot stays counted, never
+/// acknowledging, until a rebalance fills it; so after one failover with one replica,
+/// majority writes answer `durability_impossible` until then.
+pub fn copies_counted(state: &MetaState, copies: &Copies) -> usize {
+    let data_nodes =
+        state.members.values().filter(|m| matches!(m.state, MemberState::Active | MemberState::Leaving | MemberState::Failed)).count();
+    let configured = (usize::from(state.settings.replicas) + 1).min(data_nodes.max(1));
+    configured.max(copies.nodes().count())
+}
+
+/// A command repeated after a restart (this node founded the cluster but crashed before it
+/// recorded so) finds its effect there already.
+fn ignore_repeat(r: Result<MetaResponse, ClusterError>) -> Result<(), ClusterError> {
+    match r {
+        Ok(_)
+        | Err(ClusterError::Rejected(
+            MetaReject::ClusterNamed { .. }
+            | MetaReject::MemberExists { .. }
+            | MetaReject::CollectionExists { .. }
+            | MetaReject::MapVersion { .. },
+        )) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Runs storage work off the async threads.
+pub(crate) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, ClusterError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| ClusterError::Storage(format!("storage task failed: {e}")))
+}

@@ -1,0 +1,130 @@
+//! How a member reaches the others: the `Peers` trait (one call = one request to a member's
+//! address and its answer, as bytes), which the server implements over its one HTTP port
+//! with the cluster secret. Everything the cluster sends between members goes through it,
+//! so a test can cut or slow one link by wrapping it.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use shoal_meta::{MetaTransport, RpcKind, TransportError};
+use thiserror::Error;
+
+/// What a call asks of the member it reaches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// A Raft message of the metadata log.
+    Raft(RpcKind),
+    /// A node asks to join (any member forwards it to the metadata leader).
+    Join,
+    /// A metadata command for the leader to commit.
+    Propose,
+    /// A replica pulls changes from the active copy and acknowledges what it holds.
+    Pull,
+    /// The metadata leader asks a member how far its copies are, once it has fenced a node.
+    Fence,
+    /// The metadata leader checks that a member is up.
+    Ping,
+    /// The current versions of some keys (a replica repairing after a rollback).
+    Versions,
+    /// How far this member's copies are (a rebalance waits for new copies to catch up).
+    Progress,
+    /// An active gives up partitions to new actives (a rebalance's hand-over).
+    Handover,
+}
+
+impl Op {
+    /// The op's name on the wire (one path segment).
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Raft(RpcKind::AppendEntries) => "raft-append",
+            Op::Raft(RpcKind::Vote) => "raft-vote",
+            Op::Raft(RpcKind::InstallSnapshot) => "raft-snapshot",
+            Op::Join => "join",
+            Op::Propose => "propose",
+            Op::Pull => "pull",
+            Op::Fence => "fence",
+            Op::Ping => "ping",
+            Op::Versions => "versions",
+            Op::Progress => "progress",
+            Op::Handover => "handover",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Op> {
+        Some(match name {
+            "raft-append" => Op::Raft(RpcKind::AppendEntries),
+            "raft-vote" => Op::Raft(RpcKind::Vote),
+            "raft-snapshot" => Op::Raft(RpcKind::InstallSnapshot),
+            "join" => Op::Join,
+            "propose" => Op::Propose,
+            "pull" => Op::Pull,
+            "fence" => Op::Fence,
+            "ping" => Op::Ping,
+            "versions" => Op::Versions,
+            "progress" => Op::Progress,
+            "handover" => Op::Handover,
+            _ => return None,
+        })
+    }
+}
+
+/// Why a call to another member failed.
+#[derive(Clone, Debug, Error)]
+pub enum PeerError {
+    /// Nothing answered (refused, reset, no route, no answer in time).
+    #[error("member at {address} is unreachable: {why}")]
+    Unreachable { address: String, why: String },
+    /// The member answered with an error (its code and message).
+    #[error("member at {address} refused: {code}: {message}")]
+    Refused { address: String, code: String, message: String },
+}
+
+pub type PeerFuture = Pin<Box<dyn Future<Output = Result<Vec<u8>, PeerError>> + Send>>;
+
+/// Sends one request to the member at `address` and returns its answer body.
+pub trait Peers: Send + Sync + 'static {
+    fn call(&self, address: &str, op: Op, body: Vec<u8>, timeout: Duration) -> PeerFuture;
+}
+
+/// Raft's transport over `Peers`.
+pub(crate) struct MetaPeers(pub Arc<dyn Peers>);
+
+/// A Raft message has this long; openraft's own TTLs bound it further.
+const RAFT_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl MetaTransport for MetaPeers {
+    async fn send(&self, _target: u64, address: &str, kind: RpcKind, body: Vec<u8>) -> Result<Vec<u8>, TransportError> {
+        self.0.call(address, Op::Raft(kind), body, RAFT_CALL_TIMEOUT).await.map_err(|e| match e {
+            PeerError::Unreachable { address, why } => TransportError::Unreachable { address, why },
+            PeerError::Refused { address, code, message } => TransportError::Failed { address, why: format!("{code}: {message}") },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn op_names_round_trip() {
+        let ops = [
+            Op::Raft(RpcKind::AppendEntries),
+            Op::Raft(RpcKind::Vote),
+            Op::Raft(RpcKind::InstallSnapshot),
+            Op::Join,
+            Op::Propose,
+            Op::Pull,
+            Op::Fence,
+            Op::Ping,
+            Op::Versions,
+            Op::Progress,
+            Op::Handover,
+        ];
+        for op in ops {
+            assert_eq!(Op::from_name(op.name()), Some(op));
+        }
+        assert_eq!(Op::from_name("nope"), None);
+    }
+}

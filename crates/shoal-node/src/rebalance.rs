@@ -1,0 +1,331 @@
+//! Rebalance by streaming (the `"stream"` method; file-based moves are the next issue's):
+//! bring `added` nodes in, move ejected nodes' copies off, restore replica counts.
+//!
+//! The metadata leader computes the target map (`shoal_cluster::place`, stable against the
+//! current one, so only the copies that must move do) and goes there in three steps:
+//! 1. **build**: a map whose copies are the current ones plus every new copy as a replica;
+//!    new replicas backfill from the active's change stream and then follow it;
+//! 2. **catch up**: wait until each new copy is close to its active;
+//! 3. **hand over**: each active that loses its role is asked to freeze the partitions it
+//!    gives up (it refuses writes, so nothing is acknowledged that the new active lacks) and
+//!    to answer once the new active holds everything it has; then the target map is
+//!    committed, the new active starts a new history on top, and copies that are no longer
+//!    in the map stop. A freeze that sees no new map within `FREEZE_MAX` thaws by itself
+//!    (the leader died mid-move): the old map stays, and nothing was lost.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use shoal_cluster::{NodeId, PartitionId, PartitionMap};
+use shoal_meta::{MemberState, MetaCommand};
+
+use crate::acks::Need;
+use crate::node::ClusterNode;
+use crate::peers::Op;
+use crate::ClusterError;
+
+/// A new copy counts as caught up (ready for the hand-over) this close to its active, in
+/// changes summed over collections; the hand-over waits for the rest with writes frozen.
+pub const CATCH_UP_SLACK: u64 = 1_000;
+/// Longest a rebalance waits for its new copies to catch up.
+pub const CATCH_UP_MAX: Duration = Duration::from_secs(3_600);
+/// Longest an active keeps partitions frozen for a hand-over before it thaws them.
+pub const FREEZE_MAX: Duration = Duration::from_secs(30);
+/// How often the leader looks at the copies' progress.
+const PROGRESS_POLL: Duration = Duration::from_millis(200);
+/// A progress or hand-over call's timeout.
+const CALL_TIMEOUT: Duration = Duration::from_secs(40);
+
+/// What `GET /v1/cluster/rebalance` shows.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct RebalanceStatus {
+    /// `none` (never ran here), `running`, `done`, `failed`.
+    pub state: String,
+    pub moves_total: usize,
+    pub moves_done: usize,
+    pub message: String,
+    pub moves: Vec<MoveStatus>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct MoveStatus {
+    pub kind: String,
+    pub id: PartitionId,
+    pub from: Option<u64>,
+    pub to: u64,
+    pub method: String,
+    pub state: String,
+}
+
+#[derive(Default)]
+pub struct Rebalancer {
+    status: Mutex<RebalanceStatus>,
+}
+
+impl Rebalancer {
+    pub fn status(&self) -> RebalanceStatus {
+        let s = self.status.lock().clone();
+        if s.state.is_empty() {
+            RebalanceStatus { state: "none".into(), ..s }
+        } else {
+            s
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+pub(crate) struct HandoverRequest {
+    /// Partition → the node that takes its active role.
+    pub partitions: Vec<(PartitionId, u64)>,
+}
+
+#[derive(Serialize, Deserialize)]
+pub(crate) struct ProgressAnswer {
+    /// Per partition this node holds a copy of: its seqnos summed over collections.
+    pub partitions: Vec<(PartitionId, u64)>,
+}
+
+/// Starts a rebalance (leader only); answers how many copies it builds.
+pub async fn start(node: &Arc<ClusterNode>, eject: Vec<u64>) -> Result<usize, ClusterError> {
+    if !node.is_leader() {
+        return Err(ClusterError::NotLeader { address: node.leader().map(|(_, a)| a) });
+    }
+    if node.rebalancer.status.lock().state == "running" {
+        return Err(ClusterError::RebalanceRunning);
+    }
+    let state = node.state();
+    for id in &eject {
+        if !state.members.contains_key(&NodeId(*id)) {
+            return Err(ClusterError::NodeNotFound(*id));
+        }
+    }
+    let (current, target) = target_map(node, &eject)?;
+    let moves = moves(&current, &target);
+    *node.rebalancer.status.lock() =
+        RebalanceStatus { state: "running".into(), moves_total: moves.len(), moves_done: 0, message: String::new(), moves: moves.clone() };
+    let n = Arc::clone(node);
+    tokio::spawn(async move {
+        let outcome = run(&n, eject).await;
+        let mut status = n.rebalancer.status.lock();
+        match outcome {
+            Ok(()) => {
+                status.state = "done".into();
+                status.moves_done = status.moves_total;
+                for m in &mut status.moves {
+                    m.state = "done".into();
+                }
+                tracing::info!(moves = status.moves_total, "rebalance done");
+            }
+            Err(e) => {
+                status.state = "failed".into();
+                status.message = e.to_string();
+                tracing::warn!(error = %e, "rebalance failed");
+            }
+        }
+    });
+    Ok(moves.len())
+}
+
+/// The current map and where a rebalance ejecting `eject` goes.
+fn target_map(node: &ClusterNode, eject: &[u64]) -> Result<(PartitionMap, PartitionMap), ClusterError> {
+    let state = node.state();
+    let current = state.map.clone().ok_or_else(|| ClusterError::Refused("no partition map yet".into()))?;
+    let nodes: Vec<shoal_cluster::Node> = state
+        .members
+        .iter()
+        .filter(|(id, m)| matches!(m.state, MemberState::Active | MemberState::Added) && !eject.contains(&id.0))
+        .map(|(id, _)| shoal_cluster::Node { id: *id, weight: 1 })
+        .collect();
+    if nodes.is_empty() {
+        return Err(ClusterError::Refused("no node would be left to hold the data".into()));
+    }
+    let mut target = shoal_cluster::place(current.partition_count(), &nodes, state.settings.replicas, Some(&current))
+        .map_err(|e| ClusterError::Refused(format!("cannot place partitions: {e}")))?;
+    // A partition whose only copy is on a failed node stays there (nothing else has it).
+    for (p, copies) in current.iter() {
+        if state.members.get(&copies.active).is_some_and(|m| m.state == MemberState::Failed) {
+            target.partitions[usize::from(p)] = copies.clone();
+        }
+    }
+    Ok((current, target))
+}
+
+/// The copies a rebalance builds (`from` is the active they stream from).
+fn moves(current: &PartitionMap, target: &PartitionMap) -> Vec<MoveStatus> {
+    let mut out = Vec::new();
+    for ((p, cur), want) in current.iter().zip(&target.partitions) {
+        for n in want.nodes() {
+            if !cur.holds(n) {
+                out.push(MoveStatus {
+                    kind: "partition".into(),
+                    id: p,
+                    from: Some(cur.active.0),
+                    to: n.0,
+                    method: "stream".into(),
+                    state: "waiting".into(),
+                });
+            }
+        }
+    }
+    out
+}
+
+async fn run(node: &Arc<ClusterNode>, eject: Vec<u64>) -> Result<(), ClusterError> {
+    let _one = node.monitor.lock.lock().await;
+    let state = node.state();
+    for (id, m) in &state.members {
+        if m.state == MemberState::Added && !eject.contains(&id.0) {
+            node.propose(MetaCommand::SetMemberState { node: *id, state: MemberState::Active }).await?;
+        }
+    }
+    for id in &eject {
+        if state.members.get(&NodeId(*id)).is_some_and(|m| m.state == MemberState::Active) {
+            node.propose(MetaCommand::SetMemberState { node: NodeId(*id), state: MemberState::Leaving }).await?;
+        }
+    }
+    let (current, target) = target_map(node, &eject)?;
+    // 1. Build: every new copy joins as a replica.
+    let mut build = current.clone();
+    for (copies, want) in build.partitions.iter_mut().zip(&target.partitions) {
+        for n in want.nodes() {
+            if !copies.holds(n) {
+                copies.replicas.push(n);
+            }
+        }
+    }
+    let mut map = current.clone();
+    if build.partitions != current.partitions {
+        build.version = current.version + 1;
+        node.propose(MetaCommand::SetMap { map: build.clone() }).await?;
+        set_moves(node, "building");
+        map = build;
+    }
+    // 2. Catch up.
+    let new_copies: Vec<(PartitionId, NodeId, NodeId)> = current
+        .iter()
+        .zip(&target.partitions)
+        .flat_map(|((p, cur), want)| want.nodes().filter(|n| !cur.holds(*n)).map(move |n| (p, n, cur.active)).collect::<Vec<_>>())
+        .collect();
+    let deadline = Instant::now() + CATCH_UP_MAX;
+    loop {
+        let progress = progress_of(node, &map).await;
+        let behind = new_copies
+            .iter()
+            .filter(|(p, n, active)| {
+                let have = progress.get(&(*p, *n)).copied();
+                let want = progress.get(&(*p, *active)).copied().unwrap_or(0);
+                have.is_none_or(|h| h + CATCH_UP_SLACK < want)
+            })
+            .count();
+        {
+            let mut status = node.rebalancer.status.lock();
+            status.moves_done = new_copies.len() - behind;
+        }
+        if behind == 0 {
+            break;
+        }
+        if Instant::now() >= deadline {
+            return Err(ClusterError::Refused(format!("{behind} new copies did not catch up in {CATCH_UP_MAX:?}")));
+        }
+        tokio::time::sleep(PROGRESS_POLL).await;
+    }
+    set_moves(node, "handing over");
+    // 3. Hand over the active roles that move, then commit the target.
+    let mut handovers: BTreeMap<u64, Vec<(PartitionId, u64)>> = BTreeMap::new();
+    for ((p, cur), want) in map.iter().zip(&target.partitions) {
+        if cur.active != want.active {
+            handovers.entry(cur.active.0).or_default().push((p, want.active.0));
+        }
+    }
+    let state = node.state();
+    for (from, partitions) in &handovers {
+        let address = state.members.get(&NodeId(*from)).map(|m| m.address.clone()).ok_or(ClusterError::NodeNotFound(*from))?;
+        let body = serde_json::to_vec(&HandoverRequest { partitions: partitions.clone() }).unwrap_or_default();
+        node.peers.call(&address, Op::Handover, body, CALL_TIMEOUT).await?;
+    }
+    let mut last = target.clone();
+    last.version = node.state().map_version() + 1;
+    node.propose(MetaCommand::SetMap { map: last }).await?;
+    for id in &eject {
+        node.propose(MetaCommand::SetMemberState { node: NodeId(*id), state: MemberState::Ejected }).await?;
+    }
+    Ok(())
+}
+
+fn set_moves(node: &ClusterNode, state: &str) {
+    for m in &mut node.rebalancer.status.lock().moves {
+        m.state = state.into();
+    }
+}
+
+/// Every copy's progress in `map`, asked of each node that holds one (missing when a node
+/// does not answer).
+async fn progress_of(node: &Arc<ClusterNode>, map: &PartitionMap) -> HashMap<(PartitionId, NodeId), u64> {
+    let state = node.state();
+    let holders: HashSet<NodeId> = map.nodes().into_iter().collect();
+    let mut calls = Vec::new();
+    for holder in holders {
+        let Some(m) = state.members.get(&holder) else { continue };
+        let call = node.peers.call(&m.address, Op::Progress, Vec::new(), CALL_TIMEOUT);
+        calls.push(async move { (holder, call.await) });
+    }
+    let mut out = HashMap::new();
+    for (holder, answer) in futures::future::join_all(calls).await {
+        if let Ok(a) =
+            answer.map_err(|e| e.to_string()).and_then(|b| serde_json::from_slice::<ProgressAnswer>(&b).map_err(|e| e.to_string()))
+        {
+            for (p, s) in a.partitions {
+                out.insert((p, holder), s);
+            }
+        }
+    }
+    out
+}
+
+/// A node's copies' progress: per partition, seqnos summed over collections.
+pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
+    let state = node.state();
+    let store = node.engine.store();
+    let mut sums: BTreeMap<PartitionId, u64> = BTreeMap::new();
+    for (name, def) in &state.collections {
+        let Some(coll) = store.collection(name).filter(|c| c.id() == def.id) else { continue };
+        for (p, pos) in coll.positions().iter().enumerate() {
+            if let Ok(p) = PartitionId::try_from(p) {
+                *sums.entry(p).or_default() += pos.seqno;
+            }
+        }
+    }
+    ProgressAnswer { partitions: sums.into_iter().collect() }
+}
+
+/// An active's side of a hand-over: freezes the partitions (writes refused), waits until
+/// each new active holds everything this copy has, and answers. The freeze ends when the map
+/// that moves the role is applied, or after `FREEZE_MAX`.
+pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest) -> Result<(), ClusterError> {
+    let until = Instant::now() + FREEZE_MAX;
+    {
+        let mut frozen = node.frozen.lock();
+        for (p, _) in &req.partitions {
+            frozen.insert(*p, until);
+        }
+    }
+    node.apply_current_map().await?;
+    let state = node.state();
+    let store = node.engine.store();
+    for (p, to) in &req.partitions {
+        for (name, def) in &state.collections {
+            let Some(coll) = store.collection(name).filter(|c| c.id() == def.id) else { continue };
+            let Some(pos) = coll.positions().get(usize::from(*p)).copied() else { continue };
+            let reached = node.acks.wait(def.id, *p, pos.uuid, &[*to], 1, Need::Received(pos.seqno), until).await;
+            if !reached {
+                node.frozen.lock().remove(p);
+                node.apply_current_map().await?;
+                return Err(ClusterError::Refused(format!("node {to} did not catch up on partition {p} of {name} in time")));
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,358 @@
+//! Replication: a replica pulls the active copy's change stream, one stream per node it
+//! follows carrying every partition and collection it holds replicas of from that node, and
+//! applies the changes with their seqno, CAS, expiry and deleted flag
+//! (`Collection::apply`). Each pull acknowledges what the replica holds and has fsynced;
+//! the active records that (`acks`) and holds a pull with nothing to send for up to
+//! `PULL_WAIT` (a long poll), so a change reaches the replica one round trip after commit.
+//!
+//! A new replica starts from seqno 0: its first pulls are a backfill from the active's disk
+//! (each key's latest change, consistent only at its end — the snapshot marker), then it
+//! follows live. A replica whose history parted from the active's (it followed a copy that
+//! was failed over) rolls back to where they part, fetches the active's versions of the keys
+//! the rollback removed, and goes on.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use shoal_cluster::NodeId;
+use shoal_meta::{MemberState, MetaState};
+use shoal_storage::{Change, Collection, PartitionError, PartitionState, StreamPosition};
+use tokio::sync::watch;
+
+use crate::node::{blocking, ClusterNode};
+use crate::peers::Op;
+use crate::wire::{self, PartAnswer, PartKind, PullAnswer, PullPart, PullRequest, VersionsAnswer, VersionsRequest, WireChange};
+use crate::ClusterError;
+
+/// Longest the active holds a pull that has nothing to send.
+pub const PULL_WAIT: Duration = Duration::from_millis(500);
+/// A pull gets no answer in this long: the replica tries again (the link or the active is
+/// down).
+pub const PULL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Changes of one part in one answer.
+pub const PULL_BATCH_CHANGES: usize = 512;
+/// Wait before pulling again after a failed pull.
+const PULL_RETRY: Duration = Duration::from_millis(200);
+/// Keys asked for in one versions call (a rollback's repairs).
+pub const VERSIONS_KEYS_MAX: usize = 1_000;
+
+/// Pulls from `source` until `stop`, the source is failed, or this node follows it no more.
+pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop: watch::Receiver<bool>) {
+    tracing::info!(source, "replicating");
+    let mut round = 0u64;
+    // Where each part's last answer said its snapshot ends: the part is consistent once its
+    // position reaches it. Unknown (the first pull) counts as not consistent.
+    let mut snapshot_end: HashMap<(u32, u16), u64> = HashMap::new();
+    loop {
+        if *stop.borrow() {
+            break;
+        }
+        let state = node.state();
+        let Some(address) = following(&node, &state, source) else { break };
+        let parts = parts_from(&node, &state, source, &snapshot_end);
+        if parts.is_empty() {
+            // Nothing to follow yet (no collections): look again later.
+            tokio::select! {
+                _ = tokio::time::sleep(PULL_WAIT) => continue,
+                _ = stop.changed() => continue,
+            }
+        }
+        let first = parts.iter().any(|p| !snapshot_end.contains_key(&(p.collection, p.partition)));
+        let map_version = state.map.as_ref().map_or(0, |m| m.version);
+        let wait_ms = if first { 0 } else { u32::try_from(PULL_WAIT.as_millis()).unwrap_or(u32::MAX) };
+        let request = PullRequest { from: node.id, map_version, round, wait_ms, parts };
+        let call = node.peers.call(&address, Op::Pull, wire::encode(&request), PULL_TIMEOUT);
+        let answer = tokio::select! {
+            a = call => a,
+            _ = stop.changed() => continue,
+        };
+        let answer: PullAnswer = match answer.map_err(ClusterError::from).and_then(|b| wire::decode(&b).map_err(ClusterError::BadMessage)) {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::debug!(source, error = %e, "pull failed");
+                tokio::time::sleep(PULL_RETRY).await;
+                continue;
+            }
+        };
+        let _applying = node.apply_lock.lock().await;
+        // The fence: once this node has applied that `source` failed (and reported its
+        // progress under this lock), nothing more from it lands.
+        if following(&node, &node.state(), source).is_none() {
+            break;
+        }
+        round = answer.round;
+        for part in answer.parts {
+            let key = (part.collection, part.partition);
+            match apply_part(&node, &address, part).await {
+                Ok(Some(end)) => {
+                    snapshot_end.insert(key, end);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(source, collection = key.0, partition = key.1, error = %e, "applying replicated changes");
+                    snapshot_end.remove(&key);
+                }
+            }
+        }
+    }
+    tracing::info!(source, "replication stopped");
+}
+
+/// The address of `source` if this node should follow it now.
+fn following(node: &ClusterNode, state: &MetaState, source: u64) -> Option<String> {
+    let member = state.members.get(&NodeId(source))?;
+    if member.state == MemberState::Failed || *node.stop.borrow() {
+        return None;
+    }
+    let me = NodeId(node.id);
+    let map = state.map.as_ref()?;
+    map.partitions.iter().any(|c| c.active.0 == source && c.replicas.contains(&me)).then(|| member.address.clone())
+}
+
+/// Every collection's copy of every partition this node follows `source` for.
+fn parts_from(node: &ClusterNode, state: &MetaState, source: u64, snapshot_end: &HashMap<(u32, u16), u64>) -> Vec<PullPart> {
+    let me = NodeId(node.id);
+    let Some(map) = &state.map else { return Vec::new() };
+    let partitions: Vec<u16> = map.iter().filter(|(_, c)| c.active.0 == source && c.replicas.contains(&me)).map(|(p, _)| p).collect();
+    let store = node.engine.store();
+    let mut parts = Vec::new();
+    for (name, def) in &state.collections {
+        let Some(coll) = store.collection(name).filter(|c| c.id() == def.id) else { continue };
+        let positions = coll.positions();
+        for &p in &partitions {
+            let Some(pos) = positions.get(usize::from(p)) else { continue };
+            let persisted = coll.persisted_watch(p).map(|w| *w.borrow()).unwrap_or(0);
+            let consistent = snapshot_end.get(&(def.id, p)).is_some_and(|end| pos.seqno >= *end);
+            parts.push(PullPart { collection: def.id, partition: p, seqno: pos.seqno, uuid: pos.uuid, persisted, consistent });
+        }
+    }
+    parts
+}
+
+/// Applies one part of an answer; answers the part's snapshot end when it carried changes.
+async fn apply_part(node: &Arc<ClusterNode>, source_address: &str, part: PartAnswer) -> Result<Option<u64>, ClusterError> {
+    let Some(coll) = node.collection_by_id(part.collection) else { return Ok(None) };
+    let p = part.partition;
+    match part.kind {
+        PartKind::Refused { why } => {
+            tracing::debug!(collection = part.collection, partition = p, why, "the active does not serve this copy yet");
+            Ok(None)
+        }
+        PartKind::Rollback { to, history } => {
+            roll_back(node, source_address, &coll, p, to).await?;
+            adopt(node, source_address, &coll, p, history).await?;
+            Ok(None)
+        }
+        PartKind::Changes { history, changes, snapshot_end } => {
+            if let Some(history) = history {
+                adopt(node, source_address, &coll, p, history).await?;
+            }
+            if !changes.is_empty() {
+                let c = Arc::clone(&coll);
+                let wait = blocking(move || {
+                    let changes: Vec<Change> = changes.into_iter().map(|w| w.into_change(p)).collect();
+                    c.apply(p, &changes)
+                })
+                .await?
+                .map_err(|e| ClusterError::Storage(e.to_string()))?;
+                // The persisted seqno moves only when someone waits for an fsync; the next
+                // pull reports it (persist_majority writes wait for that).
+                tokio::spawn(async move {
+                    if let Err(e) = wait.wait().await {
+                        tracing::warn!(error = %e, "fsync of replicated changes");
+                    }
+                });
+            }
+            Ok(Some(snapshot_end))
+        }
+    }
+}
+
+/// Takes the active's history; when this copy holds changes that history does not have,
+/// rolls back to where they part first.
+async fn adopt(
+    node: &Arc<ClusterNode>,
+    source_address: &str,
+    coll: &Arc<Collection>,
+    p: u16,
+    history: Vec<shoal_storage::FailoverEntry>,
+) -> Result<(), ClusterError> {
+    let store = Arc::clone(node.engine.store());
+    let c = Arc::clone(coll);
+    let h = history.clone();
+    match blocking(move || store.adopt_history(&c, p, &h)).await? {
+        Ok(()) => Ok(()),
+        Err(PartitionError::Diverged { rollback_to }) => {
+            roll_back(node, source_address, coll, p, rollback_to).await?;
+            let store = Arc::clone(node.engine.store());
+            let c = Arc::clone(coll);
+            blocking(move || store.adopt_history(&c, p, &history)).await?.map_err(|e| ClusterError::Storage(e.to_string()))
+        }
+        Err(e) => Err(ClusterError::Storage(e.to_string())),
+    }
+}
+
+/// Rolls this copy back to `to` and restores the keys that removed from the active's
+/// current versions.
+async fn roll_back(node: &Arc<ClusterNode>, source_address: &str, coll: &Arc<Collection>, p: u16, to: u64) -> Result<(), ClusterError> {
+    let store = Arc::clone(node.engine.store());
+    let c = Arc::clone(coll);
+    let report = blocking(move || store.rollback_partition(&c, p, to)).await?.map_err(|e| ClusterError::Storage(e.to_string()))?;
+    tracing::info!(collection = coll.name(), partition = p, to = report.seqno, removed = report.removed.len(), "rolled back");
+    for keys in report.removed.chunks(VERSIONS_KEYS_MAX) {
+        let req = VersionsRequest { collection: coll.id(), partition: p, keys: keys.to_vec() };
+        let bytes = node.peers.call(source_address, Op::Versions, wire::encode(&req), PULL_TIMEOUT).await?;
+        let answer: VersionsAnswer = wire::decode(&bytes).map_err(ClusterError::BadMessage)?;
+        let c = Arc::clone(coll);
+        blocking(move || {
+            let changes: Vec<Change> = answer.changes.into_iter().map(|w| w.into_change(p)).collect();
+            c.restore(p, &changes)
+        })
+        .await?
+        .map_err(|e| ClusterError::Storage(e.to_string()))?;
+    }
+    Ok(())
+}
+
+/// The active's side of a pull: records the acknowledgements, then answers what follows
+/// each part's position, holding the request up to its wait when there is nothing.
+pub(crate) async fn serve_pull(node: &Arc<ClusterNode>, req: PullRequest) -> Result<PullAnswer, ClusterError> {
+    let state = node.state();
+    let map = state.map.as_ref().ok_or_else(|| ClusterError::Refused("no partition map yet".into()))?;
+    let from = NodeId(req.from);
+    let store = node.engine.store();
+    // Only parts this node is active for and `from` is a replica of count as acknowledgements.
+    let (served, refused): (Vec<PullPart>, Vec<PullPart>) = req.parts.into_iter().partition(|part| {
+        map.partitions.get(usize::from(part.partition)).is_some_and(|c| c.active.0 == node.id && c.replicas.contains(&from))
+            && store
+                .partition_state(part.partition)
+                .is_ok_and(|s| s == PartitionState::Active || (s == PartitionState::Replica && node.is_frozen(part.partition)))
+            && node.collection_by_id(part.collection).is_some()
+    });
+    node.acks.record(req.from, req.round, &served);
+    let mut answer = PullAnswer {
+        round: node.acks.round(),
+        parts: refused
+            .iter()
+            .map(|part| PartAnswer {
+                collection: part.collection,
+                partition: part.partition,
+                kind: PartKind::Refused {
+                    why: format!("not the active of partition {} for node {} at map version {}", part.partition, req.from, map.version),
+                },
+            })
+            .collect(),
+    };
+    let deadline = Instant::now() + Duration::from_millis(u64::from(req.wait_ms)).min(PULL_WAIT);
+    let mut poke = node.acks.poked();
+    poke.borrow_and_update();
+    let colls: Vec<Arc<Collection>> = {
+        let mut ids: Vec<u32> = served.iter().map(|p| p.collection).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids.into_iter().filter_map(|id| node.collection_by_id(id)).collect()
+    };
+    let mut changed: Vec<watch::Receiver<u64>> = colls.iter().map(|c| c.changed()).collect();
+    loop {
+        for rx in &mut changed {
+            rx.borrow_and_update();
+        }
+        let n = Arc::clone(node);
+        let parts = served.clone();
+        let read = blocking(move || read_parts(&n, &parts)).await?;
+        let any = read.iter().any(|p| !matches!(&p.kind, PartKind::Changes { history: None, changes, .. } if changes.is_empty()));
+        if any || Instant::now() >= deadline || !answer.parts.is_empty() {
+            answer.round = node.acks.round();
+            answer.parts.extend(read);
+            return Ok(answer);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        let any_change = async {
+            if changed.is_empty() {
+                std::future::pending::<()>().await;
+            }
+            let _ = futures::future::select_all(changed.iter_mut().map(|rx| Box::pin(rx.changed()))).await;
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(left) => {}
+            _ = poke.changed() => {}
+            _ = any_change => {}
+        }
+    }
+}
+
+/// Reads what follows each part (blocking storage reads).
+fn read_parts(node: &ClusterNode, parts: &[PullPart]) -> Vec<PartAnswer> {
+    parts
+        .iter()
+        .map(|part| {
+            let kind = match node.collection_by_id(part.collection) {
+                None => PartKind::Refused { why: format!("no collection {}", part.collection) },
+                Some(coll) => read_part(&coll, part),
+            };
+            PartAnswer { collection: part.collection, partition: part.partition, kind }
+        })
+        .collect()
+}
+
+fn read_part(coll: &Collection, part: &PullPart) -> PartKind {
+    let p = part.partition;
+    let from = StreamPosition { seqno: part.seqno, uuid: part.uuid };
+    let refused = |e: &dyn std::fmt::Display| PartKind::Refused { why: e.to_string() };
+    let (mut reader, rollback) = match coll.subscribe(p, from) {
+        Ok(r) => r,
+        Err(e) => return refused(&e),
+    };
+    if let Some(to) = rollback.filter(|&to| to < part.seqno) {
+        return PartKind::Rollback { to, history: coll.failover_log(p) };
+    }
+    let mine = coll.positions().get(usize::from(p)).map_or(0, |pos| pos.uuid);
+    let history = (part.uuid != mine).then(|| coll.failover_log(p));
+    match reader.try_next(PULL_BATCH_CHANGES, true) {
+        Ok(changes) => PartKind::Changes {
+            history,
+            changes: changes.into_iter().map(WireChange::from_change).collect(),
+            snapshot_end: reader.snapshot_end(),
+        },
+        Err(e) => refused(&e),
+    }
+}
+
+/// The active's current version of each key asked for (a replica repairing a rollback).
+pub(crate) async fn serve_versions(node: &Arc<ClusterNode>, req: VersionsRequest) -> Result<VersionsAnswer, ClusterError> {
+    if req.keys.len() > VERSIONS_KEYS_MAX {
+        return Err(ClusterError::BadMessage(format!("at most {VERSIONS_KEYS_MAX} keys per versions call")));
+    }
+    let coll = node.collection_by_id(req.collection).ok_or_else(|| ClusterError::Refused(format!("no collection {}", req.collection)))?;
+    blocking(move || {
+        let mut changes = Vec::with_capacity(req.keys.len());
+        for key in req.keys {
+            let Ok(k) = std::str::from_utf8(&key) else { continue };
+            // A key the active no longer has (deleted, then purged or not) is left out: the
+            // replica does not have it either after its rollback. Its tombstone is not
+            // restored; a reader of the key sees the same "not found".
+            if let Ok(doc) = coll.get(k) {
+                changes.push(WireChange {
+                    seqno: doc.seqno,
+                    key,
+                    cas: doc.cas,
+                    deleted: false,
+                    expiry: doc.expiry,
+                    value: Some(doc.value),
+                });
+            }
+        }
+        VersionsAnswer { changes }
+    })
+    .await
+}
+
+impl ClusterNode {
+    /// This node's collection with the cluster id `id`.
+    pub(crate) fn collection_by_id(&self, id: u32) -> Option<Arc<Collection>> {
+        let state = self.state();
+        let name = state.collections.iter().find(|(_, d)| d.id == id).map(|(n, _)| n.clone())?;
+        self.engine.store().collection(&name).filter(|c| c.id() == id)
+    }
+}

@@ -1,0 +1,147 @@
+//! The messages members send each other (besides Raft's own). Control messages are JSON;
+//! replication batches are postcard (documents travel as raw bytes).
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use shoal_meta::{MetaReject, MetaResponse};
+use shoal_storage::{Change, FailoverEntry};
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct JoinRequest {
+    pub node: u64,
+    pub address: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct JoinAnswer {
+    pub cluster_id: String,
+}
+
+/// The leader's answer to a forwarded proposal.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum ProposeAnswer {
+    Applied(MetaResponse),
+    Rejected(MetaReject),
+    NotLeader { address: Option<String> },
+    Unavailable(String),
+}
+
+/// A replica's pull: it acknowledges what it holds of every part and asks for what follows.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PullRequest {
+    /// The pulling replica's node id.
+    pub from: u64,
+    /// The map version the replica pulls under.
+    pub map_version: u64,
+    /// The confirmation round of the active's last answer, echoed: a pull that echoes round
+    /// `r` was sent after the active started round `r` (see `acks`).
+    pub round: u64,
+    /// How long the active may hold the request when it has nothing to send.
+    pub wait_ms: u32,
+    pub parts: Vec<PullPart>,
+}
+
+/// One collection's copy of one partition, as the replica holds it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PullPart {
+    pub collection: u32,
+    pub partition: u16,
+    /// Everything up to `seqno` on history `uuid` is applied.
+    pub seqno: u64,
+    pub uuid: u64,
+    /// Everything up to this seqno is fsynced.
+    pub persisted: u64,
+    /// Whether the copy holds a state the partition really had (not the middle of a
+    /// backfill): only then does it count towards a majority.
+    pub consistent: bool,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PullAnswer {
+    /// The active's confirmation round now (the replica echoes it in its next pull).
+    pub round: u64,
+    pub parts: Vec<PartAnswer>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PartAnswer {
+    pub collection: u32,
+    pub partition: u16,
+    pub kind: PartKind,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum PartKind {
+    /// Changes after the replica's position. `history` is the active's failover log when the
+    /// replica's position is not on its current history (the replica adopts it first).
+    Changes { history: Option<Vec<FailoverEntry>>, changes: Vec<WireChange>, snapshot_end: u64 },
+    /// The replica holds changes the active's history does not: roll back to `to`, adopt
+    /// `history`, then pull again.
+    Rollback { to: u64, history: Vec<FailoverEntry> },
+    /// Not served here: the active does not hold the partition active, or does not see the
+    /// replica in its map. The replica waits for the map to settle.
+    Refused { why: String },
+}
+
+/// A change as it travels between copies.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireChange {
+    pub seqno: u64,
+    pub key: Bytes,
+    pub cas: u64,
+    pub deleted: bool,
+    pub expiry: u32,
+    pub value: Option<Bytes>,
+}
+
+impl WireChange {
+    pub fn from_change(c: Change) -> WireChange {
+        WireChange { seqno: c.seqno, key: c.key, cas: c.cas, deleted: c.deleted, expiry: c.expiry, value: c.value }
+    }
+
+    pub fn into_change(self, partition: u16) -> Change {
+        Change { partition, seqno: self.seqno, key: self.key, cas: self.cas, deleted: self.deleted, expiry: self.expiry, value: self.value }
+    }
+}
+
+/// The metadata leader, having committed that `failed` is failed, asks a member how far its
+/// copies of the partitions `failed` was active for are.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct FenceRequest {
+    pub failed: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct FenceAnswer {
+    /// Per partition this member holds a replica of: its progress (summed over collections,
+    /// each on the failed active's history).
+    pub partitions: Vec<(u16, u64)>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PingAnswer {
+    pub node: u64,
+    pub map_version: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct VersionsRequest {
+    pub collection: u32,
+    pub partition: u16,
+    pub keys: Vec<Bytes>,
+}
+
+/// The active's current version of each key it has (keys it has no record of are left out).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct VersionsAnswer {
+    pub changes: Vec<WireChange>,
+}
+
+pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    // These plain structs always encode.
+    postcard::to_stdvec(value).unwrap_or_default()
+}
+
+pub fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, String> {
+    postcard::from_bytes(bytes).map_err(|e| e.to_string())
+}

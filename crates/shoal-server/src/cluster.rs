@@ -1,0 +1,391 @@
+//! The cluster over HTTP: the calls between members (`POST /v1/_internal/{op}`, carrying the
+//! cluster secret), the Cluster section of API.md, and routing — a request for a key whose
+//! active copy is on another node is forwarded there in one hop, or refused with
+//! `not_my_partition` for clients that route themselves.
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Path, RawQuery, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use serde::Deserialize;
+use shoal_meta::{MemberState, MetaCommand, MetaReject, SettingsPatch};
+use shoal_node::{ClusterError, Op, PeerError, PeerFuture, Peers, Route};
+
+use crate::docs::json_response;
+use crate::error::ApiError;
+use crate::extract;
+use crate::AppState;
+
+/// The header that carries the cluster secret between members.
+pub const SECRET_HEADER: &str = "x-shoal-cluster-secret";
+/// Set on a request one member forwards to another: the receiver never forwards it again.
+pub const FORWARDED_HEADER: &str = "x-shoal-forwarded";
+/// Set by clients that route by the map themselves: a misrouted request is refused with
+/// `not_my_partition` rather than forwarded.
+pub const DIRECT_HEADER: &str = "x-shoal-route";
+/// Largest body of a call between members (a Raft snapshot chunk, a pull with its acks).
+pub const INTERNAL_BODY_MAX_BYTES: usize = 64 * 1024 * 1024;
+/// Largest answer a member accepts from another (a replication batch).
+pub const PEER_ANSWER_MAX_BYTES: usize = 256 * 1024 * 1024;
+/// How long a forwarded request may take on the node it went to.
+pub const FORWARD_TIMEOUT: Duration = Duration::from_secs(30);
+/// Largest body forwarded (a document or sub-document request; `_bulk` is not forwarded).
+pub const FORWARD_BODY_MAX_BYTES: usize = shoal_storage::DOC_MAX_BYTES + 1024 * 1024;
+
+/// `Peers` over HTTP: one pooled client, the secret in a header.
+pub struct HttpPeers {
+    client: reqwest::Client,
+    secret: String,
+}
+
+impl HttpPeers {
+    pub fn new(secret: &str) -> Result<HttpPeers, reqwest::Error> {
+        let client = reqwest::Client::builder().tcp_nodelay(true).no_proxy().pool_max_idle_per_host(64).build()?;
+        Ok(HttpPeers { client, secret: secret.to_string() })
+    }
+}
+
+impl Peers for HttpPeers {
+    fn call(&self, address: &str, op: Op, body: Vec<u8>, timeout: Duration) -> PeerFuture {
+        let request = self
+            .client
+            .post(format!("http://{address}/v1/_internal/{}", op.name()))
+            .header(SECRET_HEADER, &self.secret)
+            .timeout(timeout)
+            .body(body)
+            .send();
+        let address = address.to_string();
+        Box::pin(async move {
+            let unreachable = |e: reqwest::Error| PeerError::Unreachable { address: address.clone(), why: e.to_string() };
+            let response = request.await.map_err(unreachable)?;
+            let status = response.status();
+            let bytes = response.bytes().await.map_err(unreachable)?;
+            if bytes.len() > PEER_ANSWER_MAX_BYTES {
+                return Err(PeerError::Refused { address, code: "too_large".into(), message: format!("{} bytes", bytes.len()) });
+            }
+            if status.is_success() {
+                return Ok(bytes.to_vec());
+            }
+            let (code, message) = match serde_json::from_slice::<serde_json::Value>(&bytes) {
+                Ok(v) => (
+                    v.get("error").and_then(|c| c.as_str()).unwrap_or("unknown").to_string(),
+                    v.get("reason").and_then(|c| c.as_str()).unwrap_or("").to_string(),
+                ),
+                Err(_) => (status.as_u16().to_string(), String::from_utf8_lossy(&bytes).chars().take(200).collect()),
+            };
+            // A member that is busy or between leaders may answer later: retry as if down.
+            if status == StatusCode::SERVICE_UNAVAILABLE {
+                return Err(PeerError::Unreachable { address, why: format!("{code}: {message}") });
+            }
+            Err(PeerError::Refused { address, code, message })
+        })
+    }
+}
+
+/// Maps a cluster error to the API's codes.
+pub fn cluster_error(e: ClusterError) -> ApiError {
+    match e {
+        ClusterError::NodeNotFound(n) => ApiError::new(StatusCode::NOT_FOUND, "node_not_found", format!("no member {n}")),
+        ClusterError::RebalanceRunning => ApiError::new(StatusCode::CONFLICT, "rebalance_running", "a rebalance is running"),
+        ClusterError::Rejected(r) => match r {
+            MetaReject::NoSuchMember { node } => ApiError::new(StatusCode::NOT_FOUND, "node_not_found", format!("no member {node}")),
+            MetaReject::CollectionExists { name } => {
+                ApiError::new(StatusCode::CONFLICT, "collection_exists", format!("collection {name} exists"))
+            }
+            MetaReject::NoSuchCollection { name } => ApiError::collection_not_found(&name),
+            MetaReject::OutOfRange { .. } => ApiError::bad_request(r.to_string()),
+            other => ApiError::new(StatusCode::CONFLICT, "bad_request", other.to_string()),
+        },
+        ClusterError::Refused(why) => ApiError::new(StatusCode::CONFLICT, "bad_request", why),
+        ClusterError::BadMessage(why) => ApiError::bad_request(why),
+        ClusterError::NoLeader(_) | ClusterError::Peer(_) | ClusterError::NotLeader { .. } | ClusterError::ShuttingDown => {
+            ApiError::unavailable(e.to_string())
+        }
+        ClusterError::Identity(_) | ClusterError::Meta(_) | ClusterError::Engine(_) | ClusterError::Storage(_) => {
+            ApiError::unavailable(e.to_string())
+        }
+    }
+}
+
+/// `POST /v1/_internal/{op}`: a call from another member, if it carries the secret.
+pub async fn internal(State(state): State<AppState>, Path(op): Path<String>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let node = &state.cluster;
+    let given = headers.get(SECRET_HEADER).map(|v| v.as_bytes()).unwrap_or_default();
+    if !constant_time_eq(given, node.secret().as_bytes()) {
+        return Err(ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "calls between members need the cluster secret"));
+    }
+    let op = Op::from_name(&op).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "bad_request", format!("no internal call {op}")))?;
+    let body = extract::body(&state, body, INTERNAL_BODY_MAX_BYTES).await?;
+    let answer = node.handle(op, &body).await.map_err(cluster_error)?;
+    Ok((StatusCode::OK, [(header::CONTENT_TYPE, "application/octet-stream")], answer).into_response())
+}
+
+/// Compares secrets in time that does not depend on where they differ.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// `GET /v1/cluster`.
+pub async fn info(State(state): State<AppState>, RawQuery(q): RawQuery) -> Result<Response, ApiError> {
+    extract::no_params(q.as_deref())?;
+    let node = &state.cluster;
+    let meta = node.state();
+    // Health is the metadata leader's view (it pings every member); others show `null`.
+    let healthy = node.member_health();
+    let nodes: Vec<serde_json::Value> = meta
+        .members
+        .iter()
+        .map(|(id, m)| {
+            let (active, replica) = meta.map.as_ref().map_or((0, 0), |map| map.load(*id));
+            serde_json::json!({
+                "id": id.0,
+                "address": m.address,
+                "state": member_state(m.state),
+                "healthy": healthy.as_ref().map(|h| h.get(&id.0).copied().unwrap_or(false)),
+                "partitions": {"active": active, "replica": replica},
+                "indexes": meta.indexes.values().map(|by_name| by_name.len()).sum::<usize>(),
+            })
+        })
+        .collect();
+    let rebalance = node.rebalance_status();
+    let body = serde_json::json!({
+        "cluster_id": meta.cluster_id,
+        "node": node.id(),
+        "leader": node.leader().map(|(id, _)| id),
+        "map_version": meta.map_version(),
+        "replicas": meta.settings.replicas,
+        "settings": meta.settings,
+        "nodes": nodes,
+        "rebalance": if rebalance.state == "running" { serde_json::to_value(&rebalance).unwrap_or_default() } else { serde_json::Value::Null },
+    });
+    Ok(json_response(StatusCode::OK, body.to_string().into_bytes()))
+}
+
+fn member_state(s: MemberState) -> &'static str {
+    match s {
+        MemberState::Added => "added",
+        MemberState::Active => "active",
+        MemberState::Leaving => "leaving",
+        MemberState::Failed => "failed",
+        MemberState::Ejected => "ejected",
+    }
+}
+
+/// `GET /v1/cluster/map`: what smart clients route by, with each member's address.
+pub async fn map(State(state): State<AppState>, RawQuery(q): RawQuery) -> Result<Response, ApiError> {
+    extract::no_params(q.as_deref())?;
+    let meta = state.cluster.state();
+    let Some(map) = &meta.map else {
+        return Err(ApiError::unavailable("the cluster has no partition map yet"));
+    };
+    let partitions: Vec<serde_json::Value> = map
+        .iter()
+        .map(|(p, c)| serde_json::json!({"id": p, "active": c.active.0, "replicas": c.replicas.iter().map(|r| r.0).collect::<Vec<_>>()}))
+        .collect();
+    let nodes: serde_json::Map<String, serde_json::Value> = meta
+        .members
+        .iter()
+        .map(|(id, m)| (id.0.to_string(), serde_json::json!({"address": m.address, "state": member_state(m.state)})))
+        .collect();
+    let body = serde_json::json!({"version": map.version, "partitions": partitions, "nodes": nodes});
+    Ok(json_response(StatusCode::OK, body.to_string().into_bytes()))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SettingsBody {
+    replicas: Option<u8>,
+    auto_failover_timeout_s: Option<u32>,
+    auto_failover_max_count: Option<u32>,
+    rebalance_mb_per_s: Option<u32>,
+    rebalance_moves_per_node: Option<u32>,
+}
+
+/// `PUT /v1/cluster/settings`.
+pub async fn settings(State(state): State<AppState>, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
+    extract::no_params(q.as_deref())?;
+    let body = extract::body(&state, body, 64 * 1024).await?;
+    let s: SettingsBody = extract::json_body(&body)?;
+    let patch = SettingsPatch {
+        replicas: s.replicas,
+        auto_failover_timeout_s: s.auto_failover_timeout_s,
+        auto_failover_max_count: s.auto_failover_max_count,
+        rebalance_mb_per_s: s.rebalance_mb_per_s,
+        rebalance_moves_per_node: s.rebalance_moves_per_node,
+    };
+    state.cluster.propose(MetaCommand::UpdateSettings { patch }).await.map_err(cluster_error)?;
+    let settings = state.cluster.state().settings.clone();
+    Ok(json_response(StatusCode::OK, serde_json::to_vec(&settings).unwrap_or_default()))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NodeBody {
+    node: u64,
+}
+
+/// `POST /v1/cluster/failover` (on the leader; another member forwards it there).
+pub async fn failover(State(state): State<AppState>, RawQuery(q): RawQuery, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    extract::no_params(q.as_deref())?;
+    let body = extract::body(&state, body, 64 * 1024).await?;
+    let req: NodeBody = extract::json_body(&body)?;
+    if let Some(response) = to_leader(&state, Method::POST, "/v1/cluster/failover", &headers, &body).await? {
+        return Ok(response);
+    }
+    let report = shoal_node::failover::failover(&state.cluster, req.node).await.map_err(cluster_error)?;
+    metrics::counter!("shoal_failovers_total", "kind" => "manual").increment(1);
+    Ok(json_response(StatusCode::OK, serde_json::to_vec(&report).unwrap_or_default()))
+}
+
+/// `POST /v1/cluster/recover`.
+pub async fn recover(State(state): State<AppState>, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
+    extract::no_params(q.as_deref())?;
+    let body = extract::body(&state, body, 64 * 1024).await?;
+    let req: NodeBody = extract::json_body(&body)?;
+    shoal_node::failover::recover(&state.cluster, req.node).await.map_err(cluster_error)?;
+    Ok(json_response(StatusCode::OK, serde_json::json!({"node": req.node}).to_string().into_bytes()))
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RebalanceBody {
+    #[serde(default)]
+    eject: Vec<u64>,
+}
+
+/// `POST /v1/cluster/rebalance` (on the leader).
+pub async fn rebalance(State(state): State<AppState>, RawQuery(q): RawQuery, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    extract::no_params(q.as_deref())?;
+    let body = extract::body(&state, body, 64 * 1024).await?;
+    let req: RebalanceBody = if body.iter().all(u8::is_ascii_whitespace) { RebalanceBody::default() } else { extract::json_body(&body)? };
+    if let Some(response) = to_leader(&state, Method::POST, "/v1/cluster/rebalance", &headers, &body).await? {
+        return Ok(response);
+    }
+    let moves = shoal_node::rebalance::start(&state.cluster, req.eject).await.map_err(cluster_error)?;
+    Ok(json_response(StatusCode::ACCEPTED, serde_json::json!({"moves": moves}).to_string().into_bytes()))
+}
+
+/// `GET /v1/cluster/rebalance` (the leader's view).
+pub async fn rebalance_status(State(state): State<AppState>, RawQuery(q): RawQuery, headers: HeaderMap) -> Result<Response, ApiError> {
+    extract::no_params(q.as_deref())?;
+    if let Some(response) = to_leader(&state, Method::GET, "/v1/cluster/rebalance", &headers, &[]).await? {
+        return Ok(response);
+    }
+    let status = state.cluster.rebalance_status();
+    Ok(json_response(StatusCode::OK, serde_json::to_vec(&status).unwrap_or_default()))
+}
+
+/// Sends a leader-only call to the metadata leader when this node is not it; `None` when
+/// this node is the leader (or the call was forwarded here already).
+async fn to_leader(state: &AppState, method: Method, path: &str, headers: &HeaderMap, body: &[u8]) -> Result<Option<Response>, ApiError> {
+    if state.cluster.is_leader() || headers.contains_key(FORWARDED_HEADER) {
+        return Ok(None);
+    }
+    let (_, address) = state.cluster.leader().ok_or_else(|| ApiError::unavailable("no metadata leader now; try again"))?;
+    forward(state, &address, method, path, headers, Bytes::copy_from_slice(body)).await.map(Some)
+}
+
+/// Routes a key request: passes it on when this node serves the key's partition, forwards
+/// it to the node that does, or refuses it.
+pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let uri = req.uri().clone();
+    let Ok(key) = extract::doc_key(&uri) else { return next.run(req).await };
+    let node = &state.cluster;
+    match node.route(key.as_bytes()) {
+        Route::Local if node.serving() => next.run(req).await,
+        Route::Local => {
+            ApiError::unavailable("this node lost contact with the cluster's metadata leader; it serves nothing until it is back")
+                .into_response()
+        }
+        Route::Unavailable { partition, map_version } => {
+            let mut e = ApiError::unavailable(format!(
+                "partition {partition} has no active copy now (its node failed and no replica could take it, or a failover is in progress)"
+            ));
+            e.details.push(("partition", serde_json::Value::from(partition)));
+            e.details.push(("map_version", serde_json::Value::from(map_version)));
+            e.into_response()
+        }
+        Route::Forward { node: owner, address } => {
+            let headers = req.headers().clone();
+            if headers.contains_key(FORWARDED_HEADER) || headers.contains_key(DIRECT_HEADER) {
+                let map_version = node.state().map_version();
+                let mut e = ApiError::new(
+                    StatusCode::MISDIRECTED_REQUEST,
+                    "not_my_partition",
+                    format!("node {owner} holds this key's partition at map version {map_version}"),
+                );
+                e.details.push(("map_version", serde_json::Value::from(map_version)));
+                e.details.push(("node", serde_json::Value::from(owner)));
+                return e.into_response();
+            }
+            let method = req.method().clone();
+            let path = uri.path_and_query().map_or_else(|| uri.path().to_string(), |pq| pq.as_str().to_string());
+            let body = match extract::body(&state, req.into_body(), FORWARD_BODY_MAX_BYTES).await {
+                Ok(b) => b,
+                Err(e) => return e.into_response(),
+            };
+            match forward(&state, &address, method, &path, &headers, body).await {
+                Ok(r) => r,
+                Err(e) => e.into_response(),
+            }
+        }
+    }
+}
+
+/// Headers a forwarded request keeps (the rest are hop-by-hop or the client's own).
+const FORWARDED_REQUEST_HEADERS: &[&str] = &["content-type", "if-match", "if-none-match", DIRECT_HEADER];
+/// Headers a forwarded answer keeps.
+const FORWARDED_ANSWER_HEADERS: &[&str] = &["content-type", "etag", "x-shoal-expiry"];
+
+async fn forward(
+    state: &AppState,
+    address: &str,
+    method: Method,
+    path: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let mut request =
+        state.forwarder.request(method, format!("http://{address}{path}")).timeout(FORWARD_TIMEOUT).header(FORWARDED_HEADER, "1");
+    for name in FORWARDED_REQUEST_HEADERS {
+        if let Some(v) = headers.get(*name) {
+            request = request.header(*name, v.as_bytes());
+        }
+    }
+    let answer = request.body(body).send().await.map_err(|e| {
+        if e.is_timeout() {
+            let mut err =
+                ApiError::new(StatusCode::REQUEST_TIMEOUT, "timeout", format!("the node holding the key did not answer in time: {e}"));
+            err.details.push(("ambiguous", serde_json::Value::Bool(true)));
+            err
+        } else {
+            ApiError::unavailable(format!("the node holding the key is unreachable: {e}"))
+        }
+    })?;
+    let status = answer.status();
+    let mut out = HeaderMap::new();
+    for name in FORWARDED_ANSWER_HEADERS {
+        if let Some(v) = answer.headers().get(*name) {
+            if let Ok(v) = HeaderValue::from_bytes(v.as_bytes()) {
+                out.insert(*name, v);
+            }
+        }
+    }
+    let bytes = answer.bytes().await.map_err(|e| ApiError::unavailable(format!("the node holding the key stopped answering: {e}")))?;
+    let mut response = Response::new(Body::from(bytes));
+    *response.status_mut() = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    *response.headers_mut() = out;
+    Ok(response)
+}
+
+/// The client used to forward requests.
+pub fn forwarder() -> Result<reqwest::Client, reqwest::Error> {
+    reqwest::Client::builder().tcp_nodelay(true).no_proxy().pool_max_idle_per_host(256).build()
+}
