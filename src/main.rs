@@ -126,7 +126,11 @@ struct ServeArgs {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_env("SHOAL_LOG").unwrap_or_else(|_| "info".into());
+    // openraft logs every unreachable member at ERROR, several times a second while one is
+    // down; Shoal logs what matters of that itself. `SHOAL_LOG=...,openraft=info` brings it back.
+    let directives = std::env::var("SHOAL_LOG").unwrap_or_else(|_| "info".into());
+    let directives = if directives.contains("openraft") { directives } else { format!("{directives},openraft=off") };
+    let filter = tracing_subscriber::EnvFilter::try_new(&directives).unwrap_or_else(|_| "info,openraft=off".into());
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     let threads = match &args.command {
         Command::Serve(s) => s.threads,

@@ -79,7 +79,7 @@ fn clients(target: &Target, history: &Arc<History>, write_params: &'static str, 
         .map(|i| {
             let (target, history) = (Arc::clone(target), Arc::clone(history));
             tokio::spawn(async move {
-                let w = Workload { collection: "lin", keys: KEYS, write_params, until };
+                let w = Workload { collection: "lin", keys: KEYS, write_params, read_params: "", others: &[], until };
                 run_client(target, &w, i, 1000 + i as u64, &history).await
             })
         })

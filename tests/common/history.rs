@@ -94,6 +94,9 @@ async fn send(req: reqwest::RequestBuilder) -> Answer {
             let status = r.status().as_u16();
             let etag = r.headers().get("etag").and_then(|v| v.to_str().ok()).map(str::to_string);
             match r.text().await {
+                // The server says it cannot tell whether the write happened (a majority wait
+                // that timed out, a forwarded request whose answer was lost).
+                Ok(body) if body.contains("\"ambiguous\":true") => Answer::Unknown,
                 Ok(body) => Answer::Got(status, body, etag),
                 Err(_) => Answer::Unknown,
             }
@@ -116,6 +119,10 @@ pub struct Workload<'a> {
     pub keys: usize,
     /// Query string of every write, e.g. `?durability=persist` (empty for none).
     pub write_params: &'a str,
+    /// Query string of every read, e.g. `?consistency=majority` (empty for none).
+    pub read_params: &'a str,
+    /// More nodes to send requests to, picked at random per request besides `target`.
+    pub others: &'a [String],
     pub until: Instant,
 }
 
@@ -129,9 +136,13 @@ pub async fn run_client(target: Target, w: &Workload<'_>, client: usize, seed: u
     let (collection, params) = (w.collection, w.write_params);
     while Instant::now() < w.until {
         let key = format!("k{}", rng.random_range(0..w.keys));
-        let url = target.read().unwrap().clone();
-        let doc_url = format!("{url}/v1/collections/{collection}/docs/{key}");
-        let write_url = format!("{doc_url}{params}");
+        let url = match rng.random_range(0..=w.others.len()) {
+            0 => target.read().unwrap().clone(),
+            i => w.others[i - 1].clone(),
+        };
+        let base_url = format!("{url}/v1/collections/{collection}/docs/{key}");
+        let doc_url = format!("{base_url}{}", w.read_params);
+        let write_url = format!("{base_url}{params}");
         n += 1;
         let value = format!("c{client}-{n}");
         let call = history.now();

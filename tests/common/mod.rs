@@ -14,6 +14,9 @@ pub struct Node {
     pub url: String,
     pub dir: PathBuf,
     args: Vec<String>,
+    /// `--listen`: a free port at first; `pin_port` keeps the port for restarts (a
+    /// cluster member's address must not change).
+    listen: String,
     _tmp: Option<tempfile::TempDir>,
 }
 
@@ -22,14 +25,38 @@ impl Node {
     pub fn start(extra: &[&str]) -> Node {
         let tmp = tempfile::tempdir().expect("tempdir");
         let dir = tmp.path().join("data");
-        let mut node = Node { child: None, url: String::new(), dir, args: extra.iter().map(|s| s.to_string()).collect(), _tmp: Some(tmp) };
+        let mut node = Node {
+            child: None,
+            url: String::new(),
+            dir,
+            args: extra.iter().map(|s| s.to_string()).collect(),
+            listen: "127.0.0.1:0".into(),
+            _tmp: Some(tmp),
+        };
         node.spawn();
         node
     }
 
+    /// Restarts keep this node's port (cluster members are known by their address).
+    pub fn pin_port(&mut self) {
+        self.listen = self.addr();
+    }
+
+    /// `host:port` of the node.
+    pub fn addr(&self) -> String {
+        self.url.trim_start_matches("http://").to_string()
+    }
+
     /// A node whose data directory is `dir` (on a file system the test prepared).
     pub fn start_in(dir: PathBuf, extra: &[&str]) -> Node {
-        let mut node = Node { child: None, url: String::new(), dir, args: extra.iter().map(|s| s.to_string()).collect(), _tmp: None };
+        let mut node = Node {
+            child: None,
+            url: String::new(),
+            dir,
+            args: extra.iter().map(|s| s.to_string()).collect(),
+            listen: "127.0.0.1:0".into(),
+            _tmp: None,
+        };
         node.spawn();
         node
     }
@@ -38,7 +65,7 @@ impl Node {
         let mut child = Command::new(env!("CARGO_BIN_EXE_shoal"))
             .arg("serve")
             .arg("--listen")
-            .arg("127.0.0.1:0")
+            .arg(&self.listen)
             .arg("--data-path")
             .arg(&self.dir)
             .arg("--cache-mb")
@@ -57,6 +84,19 @@ impl Node {
         std::thread::spawn(move || for _ in lines {});
         self.url = url;
         self.child = Some(child);
+    }
+
+    /// Sends `signal` (SIGSTOP, SIGCONT, ...) to the node's process.
+    pub fn signal(&self, signal: i32) {
+        if let Some(child) = &self.child {
+            unsafe {
+                libc::kill(child.id() as i32, signal);
+            }
+        }
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
     }
 
     pub fn pid(&self) -> u32 {

@@ -90,6 +90,9 @@ pub struct Monitor {
     auto_count: AtomicUsize,
     /// Members with a ping in flight.
     pinging: Mutex<HashSet<u64>>,
+    /// Since when this leader watches each member (a member recovered from `failed` is
+    /// judged from then, not from its last ping before it failed).
+    watched_since: Mutex<HashMap<u64, Instant>>,
 }
 
 impl Monitor {
@@ -108,6 +111,7 @@ impl Monitor {
     fn silent_for(&self, node: u64) -> Option<Duration> {
         let since = (*self.leader_since.lock())?;
         let since = since.checked_sub(Duration::from_millis(shoal_meta::node::ELECTION_TIMEOUT_MIN_MS)).unwrap_or(since);
+        let since = self.watched_since.lock().get(&node).map_or(since, |w| (*w).max(since));
         let last = self.last_ok.lock().get(&node).copied().map_or(since, |t| t.max(since));
         Some(last.elapsed())
     }
@@ -161,6 +165,16 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
             continue;
         }
         let state = node.state();
+        {
+            let mut watched = node.monitor.watched_since.lock();
+            for (id, member) in &state.members {
+                if matches!(member.state, MemberState::Failed | MemberState::Ejected) {
+                    watched.remove(&id.0);
+                } else {
+                    watched.entry(id.0).or_insert_with(Instant::now);
+                }
+            }
+        }
         for (id, member) in &state.members {
             if id.0 == node.id || matches!(member.state, MemberState::Failed | MemberState::Ejected) {
                 continue;

@@ -108,6 +108,10 @@ pub struct ClusterNode {
     pub(crate) lease: crate::failover::Lease,
     /// Set once the node founded, joined or rejoined its cluster.
     ready: watch::Sender<bool>,
+    /// One admission at a time (Raft takes one membership change at a time).
+    admit_lock: tokio::sync::Mutex<()>,
+    /// Why the node could not take part in its cluster (a refused join): the server stops.
+    fatal: watch::Sender<Option<String>>,
     pub(crate) stop: watch::Sender<bool>,
     /// The leader's view of members' health (auto-failover), and serialises failovers.
     pub(crate) monitor: crate::failover::Monitor,
@@ -161,6 +165,8 @@ impl ClusterNode {
             rebalancer: crate::rebalance::Rebalancer::default(),
             lease: crate::failover::Lease::default(),
             ready: watch::channel(false).0,
+            fatal: watch::channel(None).0,
+            admit_lock: tokio::sync::Mutex::new(()),
             stop: watch::channel(false).0,
             monitor: crate::failover::Monitor::default(),
         }))
@@ -217,7 +223,8 @@ impl ClusterNode {
                 _ = stop.wait_for(|s| *s) => return,
             };
             if let Err(e) = started {
-                tracing::error!(error = %e, "cannot take part in the cluster; this node serves nothing until restarted");
+                tracing::error!(error = %e, "cannot take part in the cluster");
+                node.fatal.send_replace(Some(e.to_string()));
                 return;
             }
             node.ready.send_replace(true);
@@ -225,6 +232,12 @@ impl ClusterNode {
             tokio::spawn(crate::failover::run_monitor(Arc::clone(&node)));
             node.reconcile_loop().await;
         });
+    }
+
+    /// Becomes `Some(reason)` when the node cannot take part in its cluster (a join was
+    /// refused): the server stops with that reason.
+    pub fn fatal(&self) -> watch::Receiver<Option<String>> {
+        self.fatal.subscribe()
     }
 
     /// Stops the background work (replication, the monitor) and the metadata log.
@@ -440,6 +453,7 @@ impl ClusterNode {
             let bytes = self.peers.call(&address, Op::Join, body, JOIN_TIMEOUT).await?;
             return serde_json::from_slice(&bytes).map_err(|e| ClusterError::BadMessage(e.to_string()));
         }
+        let _one = self.admit_lock.lock().await;
         let state = self.state();
         match state.members.get(&NodeId(req.node)) {
             Some(m) if m.address == req.address => tracing::info!(node = req.node, "joining again; resuming its admission"),

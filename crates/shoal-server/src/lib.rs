@@ -216,8 +216,10 @@ impl Server {
         let Server { listener, state, shutdown_tx, connections } = self;
         let engine = Arc::clone(&state.engine);
         let restart = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let fatal: Arc<parking_lot::Mutex<Option<String>>> = Arc::default();
         let signal = {
             let (engine, restart, shutdown_tx) = (Arc::clone(&engine), Arc::clone(&restart), shutdown_tx.clone());
+            let (mut cluster_fatal, fatal) = (state.cluster.fatal(), Arc::clone(&fatal));
             async move {
                 let engine_poisoned = async {
                     while !engine.restart_needed() {
@@ -226,6 +228,9 @@ impl Server {
                 };
                 tokio::select! {
                     _ = shutdown => tracing::info!("shutting down"),
+                    Ok(reason) = cluster_fatal.wait_for(Option::is_some) => {
+                        *fatal.lock() = reason.clone();
+                    }
                     _ = engine_poisoned => {
                         tracing::warn!("restarting to reopen the storage engine after a full disk");
                         restart.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -240,6 +245,9 @@ impl Server {
         let restart = restart.load(std::sync::atomic::Ordering::SeqCst);
         state.cluster.shutdown().await;
         let closed = engine.close().await;
+        if let Some(reason) = fatal.lock().take() {
+            return Err(ServerError::Cluster(shoal_node::ClusterError::Refused(reason)));
+        }
         match (closed, restart) {
             (Ok(()), false) => Ok(RunOutcome::Stopped),
             // A poisoned engine cannot flush; its journal (in the page cache) has every

@@ -1,0 +1,290 @@
+//! A cluster of real `shoal` processes on loopback: joining, metadata through the log,
+//! rebalance, replication with majority durability, forwarding, failover after `kill -9`,
+//! recovery — and the calls that must be refused.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::Node;
+use serde_json::{json, Value};
+
+pub const SECRET: &str = "test-cluster-secret";
+/// Partitions of a test cluster: few, so that rebalances and failovers are quick.
+const PARTITIONS: &str = "16";
+/// Liveness bound of every wait below (not a timing assertion: a failing wait means the
+/// cluster never got there).
+const WAIT_MAX: Duration = Duration::from_secs(90);
+
+fn base_args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["--cluster-secret", SECRET, "--partitions", PARTITIONS, "--analytics-partitions", "0"];
+    args.extend_from_slice(extra);
+    args
+}
+
+/// Starts `n` nodes: the first founds the cluster, the others join it.
+pub fn start_cluster(n: usize, extra: &[&str]) -> Vec<Node> {
+    let mut first = Node::start(&base_args(extra));
+    first.pin_port();
+    let join = first.addr();
+    let mut nodes = vec![first];
+    for _ in 1..n {
+        let mut args = base_args(extra);
+        args.extend_from_slice(&["--join", &join]);
+        let mut node = Node::start(&args);
+        node.pin_port();
+        nodes.push(node);
+    }
+    nodes
+}
+
+async fn get_json(http: &reqwest::Client, url: &str) -> (u16, Value) {
+    let r = http.get(url).send().await.unwrap_or_else(|e| panic!("GET {url}: {e}"));
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+/// Waits until `done` holds for `GET url`, and answers the last body.
+async fn wait_for(http: &reqwest::Client, url: &str, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + WAIT_MAX;
+    loop {
+        if let Ok(r) = http.get(url).timeout(Duration::from_secs(5)).send().await {
+            if let Ok(v) = r.json::<Value>().await {
+                if done(&v) {
+                    return v;
+                }
+                if Instant::now() > deadline {
+                    panic!("{what}: never happened; last answer {v}");
+                }
+            }
+        }
+        assert!(Instant::now() < deadline, "{what}: never happened");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn member_states(cluster: &Value) -> Vec<String> {
+    cluster["nodes"].as_array().map(|a| a.iter().map(|n| n["state"].as_str().unwrap_or("").to_string()).collect()).unwrap_or_default()
+}
+
+/// Starts a rebalance through `node` and waits until it is done.
+pub async fn rebalance(http: &reqwest::Client, node: &Node, eject: &[u64]) {
+    let r = http.post(node.u("/v1/cluster/rebalance")).json(&json!({"eject": eject})).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 202, "rebalance: {}", r.text().await.unwrap_or_default());
+    let status = wait_for(http, &node.u("/v1/cluster/rebalance"), "rebalance done", |v| v["state"] != "running").await;
+    assert_eq!(status["state"], "done", "{status}");
+}
+
+/// Majority write of `{"v": value}` to `key` through `node`; answers the status and body.
+async fn put(http: &reqwest::Client, node: &Node, key: &str, value: i64, durability: &str) -> (u16, Value) {
+    let r = http
+        .put(node.u(&format!("/v1/collections/c/docs/{key}?durability={durability}")))
+        .body(json!({"v": value}).to_string())
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_three_node_cluster_forms_replicates_fails_over_and_recovers() {
+    let mut nodes = start_cluster(3, &[]);
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
+    let info = wait_for(&http, &nodes[0].u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
+    let mut states = member_states(&info);
+    states.sort();
+    assert_eq!(states, ["active", "added", "added"], "joined nodes are added and hold nothing: {info}");
+    let cluster_id = info["cluster_id"].as_str().unwrap().to_string();
+    for n in &nodes[1..] {
+        let (_, v) = get_json(&http, &n.u("/v1/cluster")).await;
+        assert_eq!(v["cluster_id"], cluster_id, "every member answers for the same cluster");
+    }
+
+    // A collection created on one member exists on all.
+    let r = http.put(nodes[2].u("/v1/collections/c")).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    for n in &nodes {
+        wait_for(&http, &n.u("/v1/collections"), "the collection everywhere", |v| {
+            v.as_array().is_some_and(|a| a.iter().any(|c| c["name"] == "c"))
+        })
+        .await;
+    }
+    let r = http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 409, "a second create is refused cluster-wide");
+
+    // Bring the added nodes in (asked of a member that is not the leader: it forwards).
+    rebalance(&http, &nodes[1], &[]).await;
+    let (_, map) = get_json(&http, &nodes[2].u("/v1/cluster/map")).await;
+    let parts = map["partitions"].as_array().unwrap();
+    assert_eq!(parts.len(), 16);
+    let mut actives = std::collections::HashMap::new();
+    for p in parts {
+        let replicas = p["replicas"].as_array().unwrap();
+        assert_eq!(replicas.len(), 1, "one replica per partition: {p}");
+        assert_ne!(replicas[0], p["active"], "copies on distinct nodes: {p}");
+        *actives.entry(p["active"].as_u64().unwrap()).or_insert(0) += 1;
+    }
+    assert_eq!(actives.len(), 3, "every node holds actives: {map}");
+
+    // Majority writes through every node (forwarded to the active in one hop).
+    const KEYS: i64 = 120;
+    for i in 0..KEYS {
+        let (status, body) = put(&http, &nodes[i as usize % 3], &format!("k{i}"), i, "majority").await;
+        assert!(status == 200, "majority write k{i}: {status} {body}");
+    }
+    for n in &nodes {
+        for i in (0..KEYS).step_by(7) {
+            let (status, v) = get_json(&http, &n.u(&format!("/v1/collections/c/docs/k{i}?consistency=majority"))).await;
+            assert_eq!((status, v["v"].as_i64()), (200, Some(i)), "majority read of k{i} through {}", n.url);
+        }
+    }
+    // A smart client (routing itself) is told where a key lives instead of being forwarded.
+    let first_id = get_json(&http, &nodes[0].u("/v1/cluster")).await.1["node"].as_u64();
+    let misrouted = (0..KEYS)
+        .map(|i| format!("k{i}"))
+        .find(|k| parts[usize::from(shoal_storage::partition_of(k.as_bytes(), 16))]["active"].as_u64() != first_id)
+        .unwrap();
+    let r = http.get(nodes[0].u(&format!("/v1/collections/c/docs/{misrouted}"))).header("x-shoal-route", "direct").send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 421);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"], "not_my_partition");
+    assert!(body["map_version"].as_u64().is_some(), "{body}");
+
+    // kill -9 a node that is not the metadata leader: it is failed over automatically.
+    let (_, info) = get_json(&http, &nodes[0].u("/v1/cluster")).await;
+    let leader = info["leader"].as_u64().unwrap();
+    let victim = (0..3).find(|&i| node_id_sync(&info, &nodes[i]) != Some(leader)).unwrap();
+    let victim_id = node_id_sync(&info, &nodes[victim]).unwrap();
+    let survivor = (0..3).find(|&i| i != victim).unwrap();
+    let killed_at = Instant::now();
+    nodes[victim].kill9();
+    wait_for(&http, &nodes[survivor].u("/v1/cluster"), "automatic failover", |v| {
+        v["nodes"].as_array().is_some_and(|a| a.iter().any(|n| n["id"].as_u64() == Some(victim_id) && n["state"] == "failed"))
+    })
+    .await;
+    // Every acknowledged majority write is still there, through both survivors.
+    let mut unavailable_for = Duration::ZERO;
+    for n in (0..3).filter(|&i| i != victim) {
+        for i in 0..KEYS {
+            let url = nodes[n].u(&format!("/v1/collections/c/docs/k{i}"));
+            let v = wait_for(&http, &url, "a key after failover", |v| v.get("v").is_some()).await;
+            assert_eq!(v["v"].as_i64(), Some(i), "k{i} after failover");
+        }
+        unavailable_for = unavailable_for.max(killed_at.elapsed());
+    }
+    eprintln!("failover: every key readable {:.1} s after the kill -9 (auto-failover timeout 5 s)", unavailable_for.as_secs_f64());
+    // With the failed copy's slot still counted, majority writes to partitions that lost a
+    // copy are refused up front; none and persist writes work everywhere.
+    let mut impossible = 0;
+    for i in 0..KEYS {
+        let (status, body) = put(&http, &nodes[survivor], &format!("k{i}"), i + 1000, "majority").await;
+        match status {
+            200 => {}
+            503 if body["error"] == "durability_impossible" => impossible += 1,
+            _ => panic!("majority write k{i} after failover: {status} {body}"),
+        }
+        let (status, body) = put(&http, &nodes[survivor], &format!("k{i}"), i + 2000, "persist").await;
+        assert_eq!(status, 200, "persist write k{i} after failover: {body}");
+    }
+    assert!(impossible > 0, "some partitions lost a copy, and majority writes to them must say so");
+
+    // The node comes back: recovered and rebalanced in, it holds copies again and majority
+    // writes work on every key.
+    nodes[victim].restart();
+    let r = http.post(nodes[survivor].u("/v1/cluster/recover")).json(&json!({"node": victim_id})).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200, "{}", r.text().await.unwrap_or_default());
+    rebalance(&http, &nodes[survivor], &[]).await;
+    for i in 0..KEYS {
+        let (status, body) = put(&http, &nodes[i as usize % 3], &format!("k{i}"), i + 3000, "majority").await;
+        assert_eq!(status, 200, "majority write k{i} after recovery: {body}");
+    }
+    for n in &nodes {
+        for i in (0..KEYS).step_by(5) {
+            let (status, v) = get_json(&http, &n.u(&format!("/v1/collections/c/docs/k{i}?consistency=majority"))).await;
+            assert_eq!((status, v["v"].as_i64()), (200, Some(i + 3000)), "k{i} through {} after recovery", n.url);
+        }
+    }
+}
+
+/// The node id of `node` as `GET /v1/cluster` lists it.
+fn node_id_sync(info: &Value, node: &Node) -> Option<u64> {
+    info["nodes"].as_array()?.iter().find(|n| n["address"] == node.addr()).and_then(|n| n["id"].as_u64())
+}
+
+#[tokio::test]
+async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
+    let mut nodes = start_cluster(1, &[]);
+    let first = &mut nodes[0];
+    let http = reqwest::Client::new();
+    wait_for(&http, &first.u("/v1/cluster"), "the founding node", |v| member_states(v) == ["active"]).await;
+
+    // Calls between members need the secret.
+    for secret in [None, Some("wrong-secret-123")] {
+        let mut r = http.post(first.u("/v1/_internal/propose")).body("{}");
+        if let Some(s) = secret {
+            r = r.header("x-shoal-cluster-secret", s);
+        }
+        let r = r.send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 401);
+        assert_eq!(r.json::<Value>().await.unwrap()["error"], "unauthorized");
+    }
+    // With it, a malformed message is a clear error, not a crash.
+    for (op, body) in [("propose", "{"), ("pull", "\u{0}\u{1}garbage"), ("join", "[]"), ("nope", "{}"), ("raft-vote", "1")] {
+        let r =
+            http.post(first.u(&format!("/v1/_internal/{op}"))).header("x-shoal-cluster-secret", SECRET).body(body).send().await.unwrap();
+        let status = r.status().as_u16();
+        let v: Value = r.json().await.unwrap();
+        assert!(status == 400 || status == 404, "{op}: {status} {v}");
+        assert_eq!(v["error"], "bad_request", "{op}: {v}");
+    }
+
+    // Settings out of range, unknown nodes, malformed bodies.
+    let cases: &[(&str, &str, Value, u16, &str)] = &[
+        ("PUT", "/v1/cluster/settings", json!({"replicas": 4}), 400, "bad_request"),
+        ("PUT", "/v1/cluster/settings", json!({"auto_failover_timeout_s": 1}), 400, "bad_request"),
+        ("PUT", "/v1/cluster/settings", json!({"bogus": 1}), 400, "bad_request"),
+        ("POST", "/v1/cluster/failover", json!({"node": 12345}), 404, "node_not_found"),
+        ("POST", "/v1/cluster/recover", json!({"node": 12345}), 404, "node_not_found"),
+        ("POST", "/v1/cluster/failover", json!({"node": "x"}), 400, "bad_request"),
+        ("POST", "/v1/cluster/rebalance", json!({"eject": [12345]}), 404, "node_not_found"),
+    ];
+    for (method, path, body, status, code) in cases {
+        let r = http.request(method.parse().unwrap(), first.u(path)).body(body.to_string()).send().await.unwrap();
+        let got = r.status().as_u16();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!((got, v["error"].as_str().unwrap_or("")), (*status, *code), "{method} {path} {body}: {v}");
+    }
+    // The last node cannot be failed over: it holds every copy.
+    let (_, info) = get_json(&http, &first.u("/v1/cluster")).await;
+    let me = info["node"].as_u64().unwrap();
+    let r = http.post(first.u("/v1/cluster/failover")).json(&json!({"node": me})).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 409, "{}", r.text().await.unwrap_or_default());
+    // Valid settings are applied and shown.
+    let r = http.put(first.u("/v1/cluster/settings")).json(&json!({"replicas": 2, "auto_failover_timeout_s": 7})).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let (_, info) = get_json(&http, &first.u("/v1/cluster")).await;
+    assert_eq!((info["replicas"].as_u64(), info["settings"]["auto_failover_timeout_s"].as_u64()), (Some(2), Some(7)));
+
+    // A node with the wrong secret cannot join: it stops with a clear error.
+    let tmp = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--partitions", PARTITIONS, "--analytics-partitions", "0"])
+        .arg("--data-path")
+        .arg(tmp.path().join("d"))
+        .args(["--cluster-secret", "not-the-secret", "--join", &first.addr()])
+        .env("SHOAL_LOG", "error")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("unauthorized"), "{stderr}");
+    let (_, info) = get_json(&http, &first.u("/v1/cluster")).await;
+    assert_eq!(member_states(&info).len(), 1, "nothing was added: {info}");
+
+    // The founding node restarts into the same cluster by itself.
+    first.stop();
+    first.restart();
+    let info = wait_for(&http, &first.u("/v1/cluster"), "the restarted node", |v| member_states(v) == ["active"]).await;
+    assert_eq!(info["node"].as_u64(), Some(me));
+}
