@@ -6,74 +6,9 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::cluster::{get_json, member_states, node_id, rebalance, start_cluster, wait_for, PARTITIONS, SECRET};
 use common::Node;
 use serde_json::{json, Value};
-
-pub const SECRET: &str = "test-cluster-secret";
-/// Partitions of a test cluster: few, so that rebalances and failovers are quick.
-const PARTITIONS: &str = "16";
-/// Liveness bound of every wait below (not a timing assertion: a failing wait means the
-/// cluster never got there).
-const WAIT_MAX: Duration = Duration::from_secs(90);
-
-fn base_args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
-    let mut args = vec!["--cluster-secret", SECRET, "--partitions", PARTITIONS, "--analytics-partitions", "0"];
-    args.extend_from_slice(extra);
-    args
-}
-
-/// Starts `n` nodes: the first founds the cluster, the others join it.
-pub fn start_cluster(n: usize, extra: &[&str]) -> Vec<Node> {
-    let mut first = Node::start(&base_args(extra));
-    first.pin_port();
-    let join = first.addr();
-    let mut nodes = vec![first];
-    for _ in 1..n {
-        let mut args = base_args(extra);
-        args.extend_from_slice(&["--join", &join]);
-        let mut node = Node::start(&args);
-        node.pin_port();
-        nodes.push(node);
-    }
-    nodes
-}
-
-async fn get_json(http: &reqwest::Client, url: &str) -> (u16, Value) {
-    let r = http.get(url).send().await.unwrap_or_else(|e| panic!("GET {url}: {e}"));
-    let status = r.status().as_u16();
-    (status, r.json().await.unwrap_or(Value::Null))
-}
-
-/// Waits until `done` holds for `GET url`, and answers the last body.
-async fn wait_for(http: &reqwest::Client, url: &str, what: &str, done: impl Fn(&Value) -> bool) -> Value {
-    let deadline = Instant::now() + WAIT_MAX;
-    loop {
-        if let Ok(r) = http.get(url).timeout(Duration::from_secs(5)).send().await {
-            if let Ok(v) = r.json::<Value>().await {
-                if done(&v) {
-                    return v;
-                }
-                if Instant::now() > deadline {
-                    panic!("{what}: never happened; last answer {v}");
-                }
-            }
-        }
-        assert!(Instant::now() < deadline, "{what}: never happened");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-fn member_states(cluster: &Value) -> Vec<String> {
-    cluster["nodes"].as_array().map(|a| a.iter().map(|n| n["state"].as_str().unwrap_or("").to_string()).collect()).unwrap_or_default()
-}
-
-/// Starts a rebalance through `node` and waits until it is done.
-pub async fn rebalance(http: &reqwest::Client, node: &Node, eject: &[u64]) {
-    let r = http.post(node.u("/v1/cluster/rebalance")).json(&json!({"eject": eject})).send().await.unwrap();
-    assert_eq!(r.status().as_u16(), 202, "rebalance: {}", r.text().await.unwrap_or_default());
-    let status = wait_for(http, &node.u("/v1/cluster/rebalance"), "rebalance done", |v| v["state"] != "running").await;
-    assert_eq!(status["state"], "done", "{status}");
-}
 
 /// Majority write of `{"v": value}` to `key` through `node`; answers the status and body.
 async fn put(http: &reqwest::Client, node: &Node, key: &str, value: i64, durability: &str) -> (u16, Value) {
@@ -154,8 +89,8 @@ async fn a_three_node_cluster_forms_replicates_fails_over_and_recovers() {
     // kill -9 a node that is not the metadata leader: it is failed over automatically.
     let (_, info) = get_json(&http, &nodes[0].u("/v1/cluster")).await;
     let leader = info["leader"].as_u64().unwrap();
-    let victim = (0..3).find(|&i| node_id_sync(&info, &nodes[i]) != Some(leader)).unwrap();
-    let victim_id = node_id_sync(&info, &nodes[victim]).unwrap();
+    let victim = (0..3).find(|&i| node_id(&info, &nodes[i]) != Some(leader)).unwrap();
+    let victim_id = node_id(&info, &nodes[victim]).unwrap();
     let survivor = (0..3).find(|&i| i != victim).unwrap();
     let killed_at = Instant::now();
     nodes[victim].kill9();
@@ -205,11 +140,6 @@ async fn a_three_node_cluster_forms_replicates_fails_over_and_recovers() {
             assert_eq!((status, v["v"].as_i64()), (200, Some(i + 3000)), "k{i} through {} after recovery", n.url);
         }
     }
-}
-
-/// The node id of `node` as `GET /v1/cluster` lists it.
-fn node_id_sync(info: &Value, node: &Node) -> Option<u64> {
-    info["nodes"].as_array()?.iter().find(|n| n["address"] == node.addr()).and_then(|n| n["id"].as_u64())
 }
 
 #[tokio::test]

@@ -1,6 +1,7 @@
 //! Starts the real `shoal` binary on a loopback port with a real data directory.
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod faults;
 pub mod history;
 

@@ -93,6 +93,8 @@ pub struct Monitor {
     /// Since when this leader watches each member (a member recovered from `failed` is
     /// judged from then, not from its last ping before it failed).
     watched_since: Mutex<HashMap<u64, Instant>>,
+    /// Members whose outage was already reported.
+    warned: Mutex<HashSet<u64>>,
 }
 
 impl Monitor {
@@ -198,10 +200,15 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
                 continue;
             }
             if node.monitor.silent_for(id.0).is_none_or(|s| s < timeout) {
+                node.monitor.warned.lock().remove(&id.0);
                 continue;
             }
+            // Said once per outage, not at every look.
+            let first_look = node.monitor.warned.lock().insert(id.0);
             if node.monitor.auto_count.load(Ordering::Acquire) >= max_count {
-                tracing::warn!(node = id.0, max_count, "node is down; automatic failovers used up, an operator must fail it over");
+                if first_look {
+                    tracing::warn!(node = id.0, max_count, "node is down; automatic failovers used up, an operator must fail it over");
+                }
                 continue;
             }
             let uncovered: Vec<PartitionId> = state
@@ -210,17 +217,21 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
                 .map(|m| m.iter().filter(|(_, c)| c.active == *id && c.replicas.is_empty()).map(|(p, _)| p).collect())
                 .unwrap_or_default();
             if !uncovered.is_empty() {
-                tracing::warn!(
-                    node = id.0,
-                    partitions = uncovered.len(),
-                    "node is down; not failed over automatically: it holds the only copy of some partitions"
-                );
+                if first_look {
+                    tracing::warn!(
+                        node = id.0,
+                        partitions = uncovered.len(),
+                        "node is down; not failed over automatically: it holds the only copy of some partitions"
+                    );
+                }
                 continue;
             }
             tracing::warn!(node = id.0, silent_s = timeout.as_secs(), "node is down; failing it over");
+            // Counted before it starts: a recovery that comes while it runs resets the count
+            // after it, not before.
+            node.monitor.auto_count.fetch_add(1, Ordering::AcqRel);
             match failover(&node, id.0).await {
                 Ok(report) => {
-                    node.monitor.auto_count.fetch_add(1, Ordering::AcqRel);
                     metrics::counter!("shoal_failovers_total", "kind" => "auto").increment(1);
                     tracing::warn!(
                         node = id.0,
@@ -340,10 +351,16 @@ pub(crate) async fn serve_fence(node: &Arc<ClusterNode>, req: FenceRequest) -> R
     Ok(FenceAnswer { partitions })
 }
 
-/// Brings a failed-over node back as `added` (leader only). The partitions it kept (no replica
+/// Brings a failed-over node back as `added` (leader only; it also resets the count of
+/// automatic failovers, as an operator's recovery does in Couchbase). The partitions it kept (no replica
 /// could take them) serve again; its other data is rolled back to the actives' histories
 /// when a rebalance gives it copies.
 pub async fn recover(node: &Arc<ClusterNode>, target: u64) -> Result<u64, ClusterError> {
+    if !node.is_leader() {
+        return Err(ClusterError::NotLeader { address: node.leader().map(|(_, a)| a) });
+    }
+    // After a failover in progress, never in its middle.
+    let _one = node.monitor.lock.lock().await;
     let state = node.state();
     let member = state.members.get(&NodeId(target)).ok_or(ClusterError::NodeNotFound(target))?;
     if member.state != MemberState::Failed {
@@ -353,5 +370,8 @@ pub async fn recover(node: &Arc<ClusterNode>, target: u64) -> Result<u64, Cluste
     let next = if holds_active { MemberState::Active } else { MemberState::Added };
     node.propose(MetaCommand::SetMemberState { node: NodeId(target), state: next }).await?;
     node.monitor.auto_count.store(0, Ordering::Release);
+    // Judged from now on: its pings before it failed say nothing.
+    node.monitor.watched_since.lock().insert(target, Instant::now());
+    node.monitor.last_ok.lock().remove(&target);
     Ok(target)
 }

@@ -244,11 +244,15 @@ pub async fn failover(State(state): State<AppState>, RawQuery(q): RawQuery, head
     Ok(json_response(StatusCode::OK, serde_json::to_vec(&report).unwrap_or_default()))
 }
 
-/// `POST /v1/cluster/recover`.
-pub async fn recover(State(state): State<AppState>, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
+/// `POST /v1/cluster/recover` (on the leader).
+pub async fn recover(State(state): State<AppState>, RawQuery(q): RawQuery, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
     let body = extract::body(&state, body, 64 * 1024).await?;
     let req: NodeBody = extract::json_body(&body)?;
+    // On the leader: it resets the count of automatic failovers.
+    if let Some(response) = to_leader(&state, Method::POST, "/v1/cluster/recover", &headers, &body).await? {
+        return Ok(response);
+    }
     shoal_node::failover::recover(&state.cluster, req.node).await.map_err(cluster_error)?;
     Ok(json_response(StatusCode::OK, serde_json::json!({"node": req.node}).to_string().into_bytes()))
 }
