@@ -640,3 +640,143 @@ mod tests {
         assert_eq!(bulk_line("not json"), "not json");
     }
 }
+
+#[derive(Subcommand)]
+pub enum ClusterCmd {
+    /// Nodes, their states, partitions and health.
+    Status,
+    /// The partition map: each partition's active and replica nodes.
+    Map,
+    /// Change settings (`replicas`, `auto_failover_timeout_s`, ...).
+    Settings {
+        #[arg(long)]
+        replicas: Option<u8>,
+        #[arg(long)]
+        auto_failover_timeout_s: Option<u32>,
+        #[arg(long)]
+        auto_failover_max_count: Option<u32>,
+    },
+    /// Fail a node over now: its replicas take over its partitions.
+    Failover { node: u64 },
+    /// Bring a failed-over node back (as `added`; a rebalance gives it copies).
+    Recover { node: u64 },
+    /// Rebalance: bring added nodes in, move ejected nodes out, restore replicas; waits
+    /// with a progress bar until it is done.
+    Rebalance {
+        /// Nodes to move out of the cluster.
+        #[arg(long)]
+        eject: Vec<u64>,
+    },
+}
+
+/// How often `shoal cluster rebalance` looks at the progress.
+const REBALANCE_POLL: std::time::Duration = std::time::Duration::from_millis(250);
+
+pub async fn cluster(url: &str, output: Output, cmd: ClusterCmd) -> Result<(), CliError> {
+    let client = Client::new(url)?;
+    let answer = match cmd {
+        ClusterCmd::Status => {
+            let info = client.cluster().await?;
+            if output == Output::Json {
+                println!("{}", serde_json::to_string_pretty(&info).unwrap_or_default());
+                return Ok(());
+            }
+            let leader = info["leader"].as_u64();
+            println!(
+                "cluster {}  map version {}  replicas {}",
+                info["cluster_id"].as_str().unwrap_or("?"),
+                info["map_version"],
+                info["replicas"]
+            );
+            let rows = info["nodes"]
+                .as_array()
+                .map(|nodes| {
+                    nodes
+                        .iter()
+                        .map(|n| {
+                            let id = n["id"].as_u64().unwrap_or(0);
+                            vec![
+                                format!("n{id}{}", if Some(id) == leader { " (leader)" } else { "" }),
+                                n["address"].as_str().unwrap_or("").to_string(),
+                                n["state"].as_str().unwrap_or("").to_string(),
+                                match n["healthy"].as_bool() {
+                                    Some(true) => "yes".into(),
+                                    Some(false) => "no".into(),
+                                    None => "?".into(),
+                                },
+                                n["partitions"]["active"].to_string(),
+                                n["partitions"]["replica"].to_string(),
+                            ]
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            print_table(&["node", "address", "state", "healthy", "active", "replica"], rows);
+            return Ok(());
+        }
+        ClusterCmd::Map => {
+            let map = client.cluster_map().await?;
+            if output == Output::Json {
+                println!("{}", serde_json::to_string_pretty(&map).unwrap_or_default());
+                return Ok(());
+            }
+            println!("map version {}", map["version"]);
+            let rows = map["partitions"]
+                .as_array()
+                .map(|ps| {
+                    ps.iter()
+                        .map(|p| {
+                            let replicas: Vec<String> =
+                                p["replicas"].as_array().map(|r| r.iter().map(|n| format!("n{n}")).collect()).unwrap_or_default();
+                            vec![p["id"].to_string(), format!("n{}", p["active"]), replicas.join(" ")]
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            print_table(&["partition", "active", "replicas"], rows);
+            return Ok(());
+        }
+        ClusterCmd::Settings { replicas, auto_failover_timeout_s, auto_failover_max_count } => {
+            let mut patch = serde_json::Map::new();
+            if let Some(v) = replicas {
+                patch.insert("replicas".into(), v.into());
+            }
+            if let Some(v) = auto_failover_timeout_s {
+                patch.insert("auto_failover_timeout_s".into(), v.into());
+            }
+            if let Some(v) = auto_failover_max_count {
+                patch.insert("auto_failover_max_count".into(), v.into());
+            }
+            client.cluster_settings(&serde_json::Value::Object(patch)).await?
+        }
+        ClusterCmd::Failover { node } => client.failover(node).await?,
+        ClusterCmd::Recover { node } => client.recover(node).await?,
+        ClusterCmd::Rebalance { eject } => {
+            let started = client.rebalance(&eject).await?;
+            let total = started["moves"].as_u64().unwrap_or(0);
+            let bar = indicatif::ProgressBar::new(total);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template("{spinner} rebalance [{bar:40}] {pos}/{len} copies {msg}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            let status = loop {
+                let status = client.rebalance_status().await?;
+                bar.set_position(status["moves_done"].as_u64().unwrap_or(0));
+                let stage = status["moves"].as_array().and_then(|m| m.first()).and_then(|m| m["state"].as_str()).unwrap_or("").to_string();
+                bar.set_message(stage);
+                if status["state"] != "running" {
+                    break status;
+                }
+                tokio::time::sleep(REBALANCE_POLL).await;
+            };
+            bar.finish_and_clear();
+            if status["state"] != "done" {
+                return Err(CliError::Usage(format!("rebalance {}: {}", status["state"], status["message"].as_str().unwrap_or(""))));
+            }
+            println!("rebalance done: {total} copies built");
+            return Ok(());
+        }
+    };
+    println!("{}", serde_json::to_string_pretty(&answer).unwrap_or_default());
+    Ok(())
+}

@@ -61,6 +61,9 @@ enum Command {
     /// Load generators and the seed experiments.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
+    /// The cluster: status, map, settings, failover, recover, rebalance.
+    #[command(subcommand)]
+    Cluster(cli::ClusterCmd),
 }
 
 #[derive(clap::Args)]
@@ -173,6 +176,7 @@ async fn run(args: Args) -> Result<(), cli::CliError> {
         Command::Sql(q) => sql::run(&args.url, args.output, q).await,
         Command::Load(l) => cli::load(&args.url, l).await,
         Command::Bench(b) => bench::run(&args.url, b).await,
+        Command::Cluster(c) => cli::cluster(&args.url, args.output, c).await,
     }
 }
 

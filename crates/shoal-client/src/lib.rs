@@ -326,6 +326,48 @@ impl Client {
     }
 }
 
+/// The cluster calls (API.md, Cluster).
+impl Client {
+    fn cluster_url(&self, tail: &str) -> String {
+        format!("{}/v1/cluster{tail}", self.base)
+    }
+
+    /// `GET /v1/cluster`: members, states, partitions, health, settings.
+    pub async fn cluster(&self) -> Result<serde_json::Value, ClientError> {
+        json(self.http.get(self.cluster_url("")).send().await?).await
+    }
+
+    /// `GET /v1/cluster/map`: the partition map smart clients route by.
+    pub async fn cluster_map(&self) -> Result<serde_json::Value, ClientError> {
+        json(self.http.get(self.cluster_url("/map")).send().await?).await
+    }
+
+    /// `PUT /v1/cluster/settings` with the settings to change.
+    pub async fn cluster_settings(&self, patch: &serde_json::Value) -> Result<serde_json::Value, ClientError> {
+        json(self.http.put(self.cluster_url("/settings")).json(patch).send().await?).await
+    }
+
+    /// `POST /v1/cluster/failover`: fails `node` over now.
+    pub async fn failover(&self, node: u64) -> Result<serde_json::Value, ClientError> {
+        json(self.http.post(self.cluster_url("/failover")).json(&serde_json::json!({"node": node})).send().await?).await
+    }
+
+    /// `POST /v1/cluster/recover`: a failed-over node that is back becomes `added`.
+    pub async fn recover(&self, node: u64) -> Result<serde_json::Value, ClientError> {
+        json(self.http.post(self.cluster_url("/recover")).json(&serde_json::json!({"node": node})).send().await?).await
+    }
+
+    /// `POST /v1/cluster/rebalance`: starts one, ejecting `eject`; answers `{"moves"}`.
+    pub async fn rebalance(&self, eject: &[u64]) -> Result<serde_json::Value, ClientError> {
+        json(self.http.post(self.cluster_url("/rebalance")).json(&serde_json::json!({"eject": eject})).send().await?).await
+    }
+
+    /// `GET /v1/cluster/rebalance`: the running or last rebalance.
+    pub async fn rebalance_status(&self) -> Result<serde_json::Value, ClientError> {
+        json(self.http.get(self.cluster_url("/rebalance")).send().await?).await
+    }
+}
+
 fn seg(s: &str) -> String {
     utf8_percent_encode(s, SEGMENT).to_string()
 }

@@ -52,6 +52,14 @@ impl Need {
     }
 }
 
+/// One collection's copy of one partition on one history: what acknowledgements are of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Part {
+    pub collection: u32,
+    pub partition: u16,
+    pub uuid: u64,
+}
+
 #[derive(Default)]
 pub struct Acks {
     by_part: Mutex<HashMap<(u32, u16), HashMap<u64, CopyAck>>>,
@@ -103,11 +111,11 @@ impl Acks {
         self.poke.subscribe()
     }
 
-    /// How many of `replicas` meet `need` for `(collection, partition)` on history `uuid`.
-    pub fn count(&self, collection: u32, partition: u16, uuid: u64, replicas: &[u64], need: Need) -> usize {
+    /// How many of `replicas` meet `need` for `part`.
+    pub fn count(&self, part: Part, replicas: &[u64], need: Need) -> usize {
         let by_part = self.by_part.lock();
-        let Some(acks) = by_part.get(&(collection, partition)) else { return 0 };
-        replicas.iter().filter(|r| acks.get(r).is_some_and(|a| need.met_by(a, uuid))).count()
+        let Some(acks) = by_part.get(&(part.collection, part.partition)) else { return 0 };
+        replicas.iter().filter(|r| acks.get(r).is_some_and(|a| need.met_by(a, part.uuid))).count()
     }
 
     /// How many of `replicas` acknowledged anything within `window` (healthy followers).
@@ -122,21 +130,13 @@ impl Acks {
         self.by_part.lock().get(&(collection, partition)).and_then(|a| a.get(&replica).copied())
     }
 
-    /// Waits until `wanted` of `replicas` meet `need`, or `deadline`; answers whether they did.
-    pub async fn wait(
-        &self,
-        collection: u32,
-        partition: u16,
-        uuid: u64,
-        replicas: &[u64],
-        wanted: usize,
-        need: Need,
-        deadline: Instant,
-    ) -> bool {
+    /// Waits until `wanted` of `replicas` meet `need` for `part`, or `deadline`; answers
+    /// whether they did.
+    pub async fn wait(&self, part: Part, replicas: &[u64], wanted: usize, need: Need, deadline: Instant) -> bool {
         let mut changed = self.changed.subscribe();
         loop {
             changed.borrow_and_update();
-            if self.count(collection, partition, uuid, replicas, need) >= wanted {
+            if self.count(part, replicas, need) >= wanted {
                 return true;
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -144,7 +144,7 @@ impl Acks {
                 return false;
             }
             if tokio::time::timeout(left, changed.changed()).await.is_err() {
-                return self.count(collection, partition, uuid, replicas, need) >= wanted;
+                return self.count(part, replicas, need) >= wanted;
             }
         }
     }
@@ -174,21 +174,26 @@ mod tests {
             (Need::Confirmed { seqno: 1, round: 1 }, 0),
         ];
         for (need, want) in table {
-            assert_eq!(acks.count(1, 3, 99, &r, need), want, "{need:?}");
+            assert_eq!(acks.count(Part { collection: 1, partition: 3, uuid: 99 }, &r, need), want, "{need:?}");
         }
-        assert_eq!(acks.count(1, 4, 99, &r, Need::Received(0)), 0, "another partition");
+        assert_eq!(acks.count(Part { collection: 1, partition: 4, uuid: 99 }, &r, Need::Received(0)), 0, "another partition");
     }
 
     #[tokio::test]
     async fn a_wait_ends_when_enough_replicas_acknowledge() {
         let acks = std::sync::Arc::new(Acks::default());
         let a = std::sync::Arc::clone(&acks);
-        let waiter =
-            tokio::spawn(async move { a.wait(1, 3, 5, &[7, 8], 1, Need::Received(3), Instant::now() + Duration::from_secs(30)).await });
+        let waiter = tokio::spawn(async move {
+            a.wait(Part { collection: 1, partition: 3, uuid: 5 }, &[7, 8], 1, Need::Received(3), Instant::now() + Duration::from_secs(30))
+                .await
+        });
         tokio::task::yield_now().await;
         acks.record(8, 0, &[part(3, 0, 5, true)]);
         assert!(waiter.await.unwrap());
-        assert!(!acks.wait(1, 3, 5, &[7, 8], 2, Need::Received(3), Instant::now()).await, "a passed deadline answers at once");
+        assert!(
+            !acks.wait(Part { collection: 1, partition: 3, uuid: 5 }, &[7, 8], 2, Need::Received(3), Instant::now()).await,
+            "a passed deadline answers at once"
+        );
         let r = acks.start_round();
         assert_eq!(acks.round(), r);
     }

@@ -2,7 +2,8 @@
 //!
 //! **Leases.** A node serves its active copies only while it holds a lease: it is the
 //! metadata leader and a quorum acknowledged it within `LEASE`, or the leader — while it
-//! had such a quorum — pinged it within `LEASE`. A node cut off from the leader stops
+//! had such a quorum — pinged it within `LEASE`, or no failover can happen without it (the
+//! other voters are fewer than a quorum: a one- or two-node cluster). A node cut off from the leader stops
 //! serving reads and writes within `LEASE` (plus, when the leader itself is cut off, the
 //! `LEASE` that leader still believed in); a failover waits that out before it promotes
 //! anything, so no two copies ever serve one partition.
@@ -63,11 +64,22 @@ impl Lease {
     }
 
     pub(crate) fn valid(&self, meta: &MetaNode) -> bool {
-        if leader_with_quorum(meta) {
+        if leader_with_quorum(meta) || irreplaceable(meta) {
             return true;
         }
         self.until.lock().is_some_and(|u| Instant::now() < u)
     }
+}
+
+/// Whether no failover can happen without this member: the other voters of the metadata
+/// log are fewer than a quorum (a one- or two-node cluster), so nothing can be promoted in
+/// its place and it may serve without a lease.
+fn irreplaceable(meta: &MetaNode) -> bool {
+    let metrics = meta.metrics();
+    let m = metrics.borrow();
+    let voters: Vec<u64> = m.membership_config.membership().voter_ids().collect();
+    let others = voters.iter().filter(|v| **v != m.id).count();
+    voters.contains(&m.id) && others < shoal_cluster::majority(voters.len())
 }
 
 /// Whether this member is the metadata leader and a quorum acknowledged it within `LEASE`.

@@ -16,7 +16,7 @@ use shoal_meta::{MemberState, MetaCommand, MetaNode, MetaReject, MetaResponse, M
 use shoal_storage::{PartitionState, StreamPosition};
 use tokio::sync::watch;
 
-use crate::acks::{Acks, Need};
+use crate::acks::{Acks, Need, Part};
 use crate::identity::{self, Identity};
 use crate::peers::{MetaPeers, Op, PeerError, Peers};
 use crate::wire::{self, JoinAnswer, JoinRequest, ProposeAnswer};
@@ -82,6 +82,24 @@ pub enum MajorityError {
     Timeout,
     /// This node stopped being the partition's active while waiting.
     NotActive,
+}
+
+/// See [`ClusterNode::stats`].
+#[derive(Clone, Debug)]
+pub struct ClusterStats {
+    pub partitions: Vec<(&'static str, usize)>,
+    pub replicas: Vec<ReplicaLag>,
+    pub map_version: u64,
+}
+
+/// How far one replica is behind this node's active copies.
+#[derive(Clone, Debug)]
+pub struct ReplicaLag {
+    pub replica: u64,
+    /// Changes not yet acknowledged, summed over partitions and collections.
+    pub seqnos: u64,
+    /// Since when the most lagging copy has not acknowledged (0 when caught up).
+    pub seconds: f64,
 }
 
 /// One member of the cluster; see the module documentation.
@@ -544,7 +562,7 @@ impl ClusterNode {
             Durable::Majority => Need::Received(seqno),
             Durable::PersistMajority => Need::Persisted(seqno),
         };
-        if self.acks.wait(collection, p, uuid, &replicas, wanted, need, Instant::now() + DURABLE_TIMEOUT).await {
+        if self.acks.wait(Part { collection, partition: p, uuid }, &replicas, wanted, need, Instant::now() + DURABLE_TIMEOUT).await {
             Ok(())
         } else {
             Err(MajorityError::Timeout)
@@ -570,7 +588,11 @@ impl ClusterNode {
         }
         let round = self.acks.start_round();
         let need = Need::Confirmed { seqno, round };
-        if !self.acks.wait(collection.id(), p, uuid, &replicas, wanted, need, Instant::now() + DURABLE_TIMEOUT).await {
+        if !self
+            .acks
+            .wait(Part { collection: collection.id(), partition: p, uuid }, &replicas, wanted, need, Instant::now() + DURABLE_TIMEOUT)
+            .await
+        {
             return Err(MajorityError::Timeout);
         }
         // Still the active of the same history: nothing was promoted meanwhile.
@@ -642,6 +664,57 @@ impl ClusterNode {
     /// Whether partition `p` is frozen for a hand-over here.
     pub(crate) fn is_frozen(&self, p: u16) -> bool {
         self.frozen.lock().get(&p).is_some_and(|until| *until > Instant::now())
+    }
+
+    /// What the node's metrics show of the cluster: partitions by state, each replica's lag
+    /// behind this node's active copies, the map version.
+    pub fn stats(&self) -> ClusterStats {
+        let store = self.engine.store();
+        let mut partitions: BTreeMap<&'static str, usize> = BTreeMap::new();
+        for name in ["active", "replica", "pending", "dead"] {
+            partitions.insert(name, 0);
+        }
+        for p in 0..store.partitions() {
+            if let Ok(s) = store.partition_state(p) {
+                let name = match s {
+                    PartitionState::Active => "active",
+                    PartitionState::Replica => "replica",
+                    PartitionState::Pending => "pending",
+                    PartitionState::Dead => "dead",
+                };
+                *partitions.entry(name).or_default() += 1;
+            }
+        }
+        let state = self.state();
+        let mut lag: BTreeMap<u64, ReplicaLag> = BTreeMap::new();
+        if let Some(map) = &state.map {
+            for (name, def) in &state.collections {
+                let Some(coll) = store.collection(name).filter(|c| c.id() == def.id) else { continue };
+                let positions = coll.positions();
+                for (p, copies) in map.iter() {
+                    if copies.active.0 != self.id {
+                        continue;
+                    }
+                    let Some(pos) = positions.get(usize::from(p)) else { continue };
+                    for r in &copies.replicas {
+                        let entry = lag.entry(r.0).or_insert(ReplicaLag { replica: r.0, seqnos: 0, seconds: 0.0 });
+                        match self.acks.get(def.id, p, r.0) {
+                            Some(ack) if ack.uuid == pos.uuid && ack.received >= pos.seqno => {}
+                            Some(ack) => {
+                                entry.seqnos += pos.seqno.saturating_sub(if ack.uuid == pos.uuid { ack.received } else { 0 });
+                                entry.seconds = entry.seconds.max(ack.at.elapsed().as_secs_f64());
+                            }
+                            None => entry.seqnos += pos.seqno,
+                        }
+                    }
+                }
+            }
+        }
+        ClusterStats {
+            partitions: partitions.into_iter().collect(),
+            replicas: lag.into_values().collect(),
+            map_version: state.map_version(),
+        }
     }
 
     /// Members' health as the metadata leader sees it; `None` on other members.
@@ -722,9 +795,9 @@ impl ClusterNode {
             keep
         });
         for source in sources {
-            if !running.contains_key(&source) {
+            if let std::collections::hash_map::Entry::Vacant(slot) = running.entry(source) {
                 let (tx, rx) = watch::channel(false);
-                running.insert(source, tx);
+                slot.insert(tx);
                 tokio::spawn(crate::replica::replicate_from(Arc::clone(self), source, rx));
             }
         }

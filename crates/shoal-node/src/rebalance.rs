@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use shoal_cluster::{NodeId, PartitionId, PartitionMap};
 use shoal_meta::{MemberState, MetaCommand};
 
-use crate::acks::Need;
+use crate::acks::{Need, Part};
 use crate::node::ClusterNode;
 use crate::peers::Op;
 use crate::ClusterError;
@@ -319,7 +319,10 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
         for (name, def) in &state.collections {
             let Some(coll) = store.collection(name).filter(|c| c.id() == def.id) else { continue };
             let Some(pos) = coll.positions().get(usize::from(*p)).copied() else { continue };
-            let reached = node.acks.wait(def.id, *p, pos.uuid, &[*to], 1, Need::Received(pos.seqno), until).await;
+            let reached = node
+                .acks
+                .wait(Part { collection: def.id, partition: *p, uuid: pos.uuid }, &[*to], 1, Need::Received(pos.seqno), until)
+                .await;
             if !reached {
                 node.frozen.lock().remove(p);
                 node.apply_current_map().await?;

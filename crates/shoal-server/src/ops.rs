@@ -121,6 +121,15 @@ fn describe_metrics() {
     describe_counter!("shoal_connections_refused_total", "Connections closed at once because the node was at its connection cap");
     describe_gauge!("shoal_connections", "Open client connections");
     describe_counter!("shoal_requests_shed_total", "Requests refused because their class was at its concurrency limit, by class");
+    describe_gauge!("shoal_partitions", "Partitions this node holds, by state (active, replica, pending, dead)");
+    describe_gauge!("shoal_replication_lag_seqnos", "Changes of this node's active copies a replica has not acknowledged, by replica node");
+    describe_gauge!(
+        "shoal_replication_lag_seconds",
+        Unit::Seconds,
+        "How long a lagging replica has not acknowledged this node's changes, by replica node (0 when caught up)"
+    );
+    describe_gauge!("shoal_cluster_map_version", "The partition map version this node has applied");
+    describe_counter!("shoal_failovers_total", "Failovers this node ran as metadata leader, by kind (auto, manual, any)");
 }
 
 /// The node's real state: whether storage takes writes, and how the index and analytics
@@ -186,6 +195,16 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
     metrics::counter!("shoal_fsyncs_total").absolute(store.fsync_count());
     metrics::gauge!("shoal_storage_writable").set(if store.health().writable() { 1.0 } else { 0.0 });
     metrics::gauge!("shoal_uptime_seconds").set(state.started.elapsed().as_secs_f64());
+    let cluster = state.cluster.stats();
+    for (partition_state, n) in cluster.partitions {
+        metrics::gauge!("shoal_partitions", "state" => partition_state).set(n as f64);
+    }
+    for lag in cluster.replicas {
+        let replica = lag.replica.to_string();
+        metrics::gauge!("shoal_replication_lag_seqnos", "replica" => replica.clone()).set(lag.seqnos as f64);
+        metrics::gauge!("shoal_replication_lag_seconds", "replica" => replica).set(lag.seconds);
+    }
+    metrics::gauge!("shoal_cluster_map_version").set(cluster.map_version as f64);
     (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
 }
 

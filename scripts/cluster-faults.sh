@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The long cluster fault run (issue 13): NODES real nodes on loopback, ROUNDS faults
+# (kill -9, short SIGSTOP, SIGSTOP past the failover timeout, in turn), each followed by
+# recovery and a rebalance, under concurrent clients doing majority writes, CAS, deletes
+# and majority reads; the history is checked by Porcupine. It is the same test as the
+# short version in `cargo test` (tests/cluster_faults.rs), with more nodes and faults.
+#
+#   scripts/cluster-faults.sh [NODES] [ROUNDS] [SEED]     (default 5 51 11)
+#
+# Writes bench/results/<date>-issue13-cluster-faults.md (and the raw history beside it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NODES=${1:-5}
+ROUNDS=${2:-51}
+SEED=${3:-11}
+OUT=bench/results/$(date +%F)-issue13-cluster-faults
+mkdir -p bench/results
+START=$(date +%s)
+SHOAL_FAULT_NODES=$NODES SHOAL_FAULT_ROUNDS=$ROUNDS SHOAL_FAULT_SEED=$SEED SHOAL_FAULT_REPORT="$OUT.txt" \
+  cargo test --test cluster_faults -- --nocapture 2>"$OUT.log" >/dev/null || { tail -40 "$OUT.log"; exit 1; }
+END=$(date +%s)
+{
+  echo "# Cluster fault run (issue 13)"
+  echo
+  echo "- command: \`scripts/cluster-faults.sh $NODES $ROUNDS $SEED\`"
+  echo "- date: $(date -u +%FT%TZ); machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo); all $NODES nodes share them (debug build, as \`cargo test\` builds it)"
+  echo "- wall time: $((END - START)) s"
+  echo
+  echo "## Result"
+  echo
+  cat "$OUT.txt"
+  echo
+  echo "History (NDJSON, one operation per line): \`$(basename "$OUT").txt.history.ndjson\`."
+} > "$OUT.md"
+rm -f "$OUT.log"
+cat "$OUT.md"
