@@ -96,8 +96,13 @@ impl Node {
     }
 
     pub(crate) fn start(partitions: u16, extra: &[String]) -> Result<Node, CliError> {
+        Node::start_named(&format!("index-{partitions}"), partitions, extra)
+    }
+
+    /// A node whose data directory is named after `name` (one per node of a bench).
+    pub(crate) fn start_named(name: &str, partitions: u16, extra: &[String]) -> Result<Node, CliError> {
         use std::io::BufRead;
-        let dir = std::env::temp_dir().join(format!("shoal-bench-index-{}-{partitions}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("shoal-bench-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let exe = std::env::current_exe()?;
         let mut cmd = Command::new(exe);

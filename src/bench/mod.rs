@@ -9,6 +9,7 @@
 
 pub mod analytics;
 pub mod chart;
+pub mod cluster;
 pub mod copy;
 pub mod index;
 pub mod tpcds;
@@ -46,6 +47,9 @@ pub enum BenchCmd {
     TpchGen(crate::bench::tpch::GenArgs),
     /// Issue 12's partition copy: export → ingest of every partition, in process (no node).
     Copy(crate::bench::copy::CopyArgs),
+    /// Issue 13's cluster figures: gets and upserts (none, persist, majority) through a smart
+    /// client, 1 node against N nodes with a replica (starts its own nodes).
+    Cluster(crate::bench::cluster::ClusterArgs),
 }
 
 #[derive(Args)]
@@ -152,6 +156,7 @@ pub async fn run(url: &str, cmd: BenchCmd) -> Result<(), CliError> {
         BenchCmd::Copy(args) => {
             tokio::task::spawn_blocking(move || crate::bench::copy::run(args)).await.map_err(|e| CliError::Bench(e.to_string()))?
         }
+        BenchCmd::Cluster(args) => crate::bench::cluster::run(args).await,
     }
 }
 

@@ -144,7 +144,9 @@ pub async fn run_client(target: Target, w: &Workload<'_>, client: usize, seed: u
         let doc_url = format!("{base_url}{}", w.read_params);
         let write_url = format!("{base_url}{params}");
         n += 1;
-        let value = format!("c{client}-{n}");
+        // Unique across calls too (a test may run a client in several slices, each with its
+        // own seed): the checker's model tells versions apart by their values.
+        let value = format!("c{client}-s{seed}-{n}");
         let call = history.now();
         match rng.random_range(0..10) {
             0..=3 => {

@@ -46,6 +46,8 @@ pub enum ClusterError {
     Peer(#[from] PeerError),
     #[error(transparent)]
     Engine(#[from] shoal_engine::EngineError),
+    #[error(transparent)]
+    Index(#[from] shoal_index::IndexError),
     #[error("storage: {0}")]
     Storage(String),
     #[error("no member {0}")]

@@ -301,6 +301,17 @@ impl ClusterNode {
                 ignore_repeat(self.propose(cmd).await)?;
             }
         }
+        for info in store.list_collections() {
+            let Some(coll) = store.collection(&info.name) else { continue };
+            for index in self.engine.indexes().list(&coll) {
+                let definition = serde_json::to_value(&index.def).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+                let cmd = MetaCommand::CreateIndex { collection: info.name.clone(), name: index.def.name.clone(), definition };
+                match self.propose(cmd).await {
+                    Ok(_) | Err(ClusterError::Rejected(MetaReject::IndexExists { .. })) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
         let state = self.state();
         if state.map.is_none() {
             let nodes = [shoal_cluster::Node { id: NodeId(self.id), weight: 1 }];
@@ -395,6 +406,28 @@ impl ClusterNode {
     pub async fn drop_collection(&self, name: &str) -> Result<(), ClusterError> {
         self.propose(MetaCommand::DropCollection { name: name.into() }).await?;
         self.wait_local(|| self.engine.store().collection(name).is_none()).await
+    }
+
+    /// Defines an index cluster-wide (the log gives its id) and waits until this node has it;
+    /// answers its status here.
+    pub async fn create_index(
+        &self,
+        coll: &Arc<shoal_storage::Collection>,
+        name: &str,
+        definition: serde_json::Value,
+    ) -> Result<shoal_index::IndexStatus, ClusterError> {
+        let cmd = MetaCommand::CreateIndex { collection: coll.name().to_string(), name: name.to_string(), definition };
+        self.propose(cmd).await?;
+        let indexes = self.engine.indexes();
+        self.wait_local(|| indexes.list(coll).iter().any(|s| s.def.name == name)).await?;
+        indexes.list(coll).into_iter().find(|s| s.def.name == name).ok_or_else(|| ClusterError::Refused("the index went away".into()))
+    }
+
+    /// Drops an index cluster-wide and waits until this node has dropped it.
+    pub async fn drop_index(&self, coll: &Arc<shoal_storage::Collection>, name: &str) -> Result<(), ClusterError> {
+        self.propose(MetaCommand::DropIndex { collection: coll.name().to_string(), name: name.to_string() }).await?;
+        let indexes = self.engine.indexes();
+        self.wait_local(|| !indexes.list(coll).iter().any(|s| s.def.name == name)).await
     }
 
     async fn wait_local(&self, done: impl Fn() -> bool) -> Result<(), ClusterError> {
@@ -644,6 +677,48 @@ impl ClusterNode {
         for info in store.list_collections() {
             if !state.collections.contains_key(&info.name) {
                 self.engine.drop_collection(&info.name).await?;
+            }
+        }
+        // Index definitions: by name (an index brought in by the node that founded the
+        // cluster keeps its local id there).
+        let indexes = self.engine.indexes();
+        for (name, def) in &state.collections {
+            let Some(coll) = store.collection(name).filter(|c| c.id() == def.id) else { continue };
+            let wanted = state.indexes.get(name);
+            let local = indexes.list(&coll);
+            if let Some(wanted) = wanted {
+                for (index_name, index) in wanted {
+                    if local.iter().any(|s| &s.def.name == index_name) {
+                        continue;
+                    }
+                    let parsed: shoal_index::IndexDef = match serde_json::from_value(index.definition.clone()) {
+                        Ok(d) => d,
+                        Err(e) => {
+                            tracing::warn!(collection = %name, index = %index_name, error = %e, "an index definition in the log does not parse here");
+                            continue;
+                        }
+                    };
+                    // The log's id where it is free here; a node that took local ids past it
+                    // (an index rebuilt after damage takes a fresh one) keeps a local id.
+                    let created = match indexes.create_as(&coll, parsed.clone(), Some(index.id)).await {
+                        Err(shoal_index::IndexError::Invalid(why)) if why.contains("is taken") => {
+                            indexes.create_as(&coll, parsed, None).await
+                        }
+                        other => other,
+                    };
+                    match created {
+                        Ok(_) | Err(shoal_index::IndexError::Exists(_)) => {}
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+            }
+            for status in local {
+                if !wanted.is_some_and(|w| w.contains_key(&status.def.name)) {
+                    match indexes.drop_index(&coll, &status.def.name).await {
+                        Ok(()) | Err(shoal_index::IndexError::NotFound(_)) => {}
+                        Err(e) => return Err(e.into()),
+                    }
+                }
             }
         }
         if let Some(map) = &state.map {

@@ -105,6 +105,7 @@ pub fn cluster_error(e: ClusterError) -> ApiError {
         ClusterError::NoLeader(_) | ClusterError::Peer(_) | ClusterError::NotLeader { .. } | ClusterError::ShuttingDown => {
             ApiError::unavailable(e.to_string())
         }
+        ClusterError::Index(e) => ApiError::from(e),
         ClusterError::Identity(_) | ClusterError::Meta(_) | ClusterError::Engine(_) | ClusterError::Storage(_) => {
             ApiError::unavailable(e.to_string())
         }

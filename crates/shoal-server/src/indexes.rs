@@ -33,6 +33,17 @@ fn status_json(s: &IndexStatus) -> Value {
     })
 }
 
+/// Index definitions go through the cluster's log; its refusals keep the index API's codes.
+fn index_error(e: shoal_node::ClusterError) -> ApiError {
+    use shoal_meta::MetaReject as R;
+    match e {
+        shoal_node::ClusterError::Rejected(R::IndexExists { name, .. }) => ApiError::from(shoal_index::IndexError::Exists(name)),
+        shoal_node::ClusterError::Rejected(R::NoSuchIndex { name, .. }) => ApiError::from(shoal_index::IndexError::NotFound(name)),
+        shoal_node::ClusterError::Index(e) => ApiError::from(e),
+        other => crate::cluster::cluster_error(other),
+    }
+}
+
 fn index_name(uri: &Uri) -> Result<String, ApiError> {
     extract::path_segment(uri, 4, "index name")
 }
@@ -42,7 +53,11 @@ pub async fn create(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
     let coll = collection(&state, &uri)?;
     let body = extract::body(&state, body, INDEX_BODY_MAX_BYTES).await?;
     let def: IndexDef = extract::json_body(&body)?;
-    let status = state.engine.indexes().create(&coll, def).await?;
+    // Checked here, before it goes to the cluster's log: a definition every member would
+    // refuse is never committed.
+    def.compile()?;
+    let definition: Value = extract::json_body(&body)?;
+    let status = state.cluster.create_index(&coll, &def.name, definition).await.map_err(index_error)?;
     Ok(json_response(StatusCode::CREATED, status_json(&status).to_string().into_bytes()))
 }
 
@@ -79,7 +94,7 @@ pub async fn build_many(State(state): State<AppState>, uri: Uri, RawQuery(q): Ra
 pub async fn drop(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
     let coll = collection(&state, &uri)?;
-    state.engine.indexes().drop_index(&coll, &index_name(&uri)?).await?;
+    state.cluster.drop_index(&coll, &index_name(&uri)?).await.map_err(index_error)?;
     Ok(json_response(StatusCode::OK, b"{}".to_vec()))
 }
 
