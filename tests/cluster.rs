@@ -212,6 +212,22 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
     let (_, info) = get_json(&http, &first.u("/v1/cluster")).await;
     assert_eq!(member_states(&info).len(), 1, "nothing was added: {info}");
 
+    // A node whose data belongs to another cluster cannot be joined to this one.
+    let mut other = Node::start(&["--cluster-secret", SECRET, "--partitions", PARTITIONS, "--analytics-partitions", "0"]);
+    wait_for(&http, &other.u("/v1/cluster"), "another one-node cluster", |v| member_states(v) == ["active"]).await;
+    other.stop();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--partitions", PARTITIONS, "--analytics-partitions", "0"])
+        .arg("--data-path")
+        .arg(&other.dir)
+        .args(["--cluster-secret", SECRET, "--join", &first.addr()])
+        .env("SHOAL_LOG", "error")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("belongs to cluster"), "{stderr}");
+
     // The founding node restarts into the same cluster by itself.
     first.stop();
     first.restart();

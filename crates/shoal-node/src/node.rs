@@ -273,6 +273,20 @@ impl ClusterNode {
         let known = self.identity.lock().cluster_id.clone();
         if let Some(cluster) = known {
             if let Some(join) = &self.join {
+                // A data directory of another cluster must not be taken into this one.
+                match self.peers.call(join, Op::Identify, Vec::new(), JOIN_TIMEOUT).await {
+                    Ok(bytes) => {
+                        let theirs: JoinAnswer = serde_json::from_slice(&bytes).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+                        if theirs.cluster_id != cluster {
+                            return Err(ClusterError::Refused(format!(
+                                "this data directory belongs to cluster {cluster}, and the member at {join} is in cluster {}: \
+                                 start the node on an empty --data-path to join that cluster",
+                                theirs.cluster_id
+                            )));
+                        }
+                    }
+                    Err(e) => tracing::info!(%join, error = %e, "cannot check the cluster to join; rejoining this node's own"),
+                }
                 tracing::info!(%join, cluster, "already a member; --join is ignored");
             }
             return Ok(());
@@ -473,6 +487,10 @@ impl ClusterNode {
             Op::Fence => {
                 let req = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
                 let answer = crate::failover::serve_fence(self, req).await?;
+                serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
+            }
+            Op::Identify => {
+                let answer = JoinAnswer { cluster_id: self.state().cluster_id.clone() };
                 serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
             }
             Op::Progress => {

@@ -32,6 +32,8 @@ pub enum Op {
     Progress,
     /// An active gives up partitions to new actives (a rebalance's hand-over).
     Handover,
+    /// Which cluster a member belongs to (a restarted node checks the one it is told to join).
+    Identify,
 }
 
 impl Op {
@@ -49,6 +51,7 @@ impl Op {
             Op::Versions => "versions",
             Op::Progress => "progress",
             Op::Handover => "handover",
+            Op::Identify => "identify",
         }
     }
 
@@ -65,6 +68,7 @@ impl Op {
             "versions" => Op::Versions,
             "progress" => Op::Progress,
             "handover" => Op::Handover,
+            "identify" => Op::Identify,
             _ => return None,
         })
     }
@@ -121,6 +125,7 @@ mod tests {
             Op::Versions,
             Op::Progress,
             Op::Handover,
+            Op::Identify,
         ];
         for op in ops {
             assert_eq!(Op::from_name(op.name()), Some(op));
