@@ -234,3 +234,102 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
     let info = wait_for(&http, &first.u("/v1/cluster"), "the restarted node", |v| member_states(v) == ["active"]).await;
     assert_eq!(info["node"].as_u64(), Some(me));
 }
+
+/// A node answers the first request after a restart (even one sent before it finished
+/// entering its one-node cluster) instead of refusing it.
+#[tokio::test]
+async fn a_restarted_node_serves_its_first_request() {
+    let mut node = Node::start(&["--partitions", PARTITIONS]);
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
+    assert_eq!(http.put(node.u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    for round in 0..3 {
+        let (status, body) = put(&http, &node, "k", round, "persist").await;
+        assert_eq!(status, 200, "{body}");
+        assert!(node.stop());
+        node.restart();
+        let r = http.get(node.u("/v1/collections/c/docs/k")).send().await.unwrap();
+        assert_eq!(r.status(), 200, "round {round}: {}", r.text().await.unwrap_or_default());
+        assert_eq!(r.json::<Value>().await.unwrap()["v"], round);
+    }
+}
+
+/// `_get`, `_bulk` and index scans asked of any member span the partitions of every
+/// member: each key is read or written where its active copy is, and scans merge the
+/// members' rows in index order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_key_requests_and_scans_span_the_members() {
+    let nodes = start_cluster(3, &[]);
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
+    wait_for(&http, &nodes[0].u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
+    assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    rebalance(&http, &nodes[0], &[]).await;
+    let r = http.post(nodes[1].u("/v1/collections/c/indexes")).json(&json!({"name": "by_n", "keys": ["n"]})).send().await.unwrap();
+    assert_eq!(r.status(), 201, "{}", r.text().await.unwrap_or_default());
+
+    // One _bulk through one member writes keys held by all three, answering in order.
+    const KEYS: usize = 90;
+    let mut body = String::new();
+    for i in 0..KEYS {
+        body.push_str(&json!({"op": "upsert", "key": format!("k{i:03}"), "value": {"n": i % 30, "i": i}}).to_string());
+        body.push('\n');
+        if i == 10 {
+            body.push_str("{not json}\n");
+        }
+    }
+    let r = http.post(nodes[0].u("/v1/collections/c/_bulk?durability=persist")).body(body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let lines: Vec<Value> = r.text().await.unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), KEYS + 1);
+    assert_eq!(lines[11]["error"], "invalid_json", "the bad line keeps its place: {}", lines[11]);
+    for (n, line) in lines.iter().enumerate().filter(|(n, _)| *n != 11) {
+        let i = if n < 11 { n } else { n - 1 };
+        assert_eq!(line["key"], format!("k{i:03}"), "{line}");
+        assert!(line["cas"].is_string(), "k{i:03} written wherever its partition lives: {line}");
+    }
+    // The keys really are spread over the members.
+    let (_, map) = get_json(&http, &nodes[0].u("/v1/cluster/map")).await;
+    let holders: std::collections::HashSet<u64> = (0..KEYS)
+        .map(|i| map["partitions"][usize::from(shoal_storage::partition_of(format!("k{i:03}").as_bytes(), 16))]["active"].as_u64().unwrap())
+        .collect();
+    assert_eq!(holders.len(), 3, "the keys live on all three members");
+
+    // One _get through another member reads them all, in the order asked.
+    let mut keys: Vec<Value> = (0..KEYS).rev().map(|i| Value::from(format!("k{i:03}"))).collect();
+    keys.push(Value::from("missing"));
+    keys.push(Value::from(7));
+    let r = http.post(nodes[2].u("/v1/collections/c/_get")).json(&json!({ "keys": keys })).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let docs: Value = r.json().await.unwrap();
+    let docs = docs["docs"].as_array().unwrap();
+    assert_eq!(docs.len(), KEYS + 2);
+    for (d, i) in docs.iter().zip((0..KEYS).rev()) {
+        assert_eq!((&d["key"], &d["value"]["i"]), (&Value::from(format!("k{i:03}")), &Value::from(i)), "{d}");
+    }
+    assert_eq!(docs[KEYS]["error"], "doc_not_found");
+    assert_eq!(docs[KEYS + 1]["error"], "invalid_key");
+
+    // Scans through each member see every member's rows once, merged in index order.
+    for node in &nodes {
+        let scan = |body: Value| {
+            let http = http.clone();
+            let url = node.u("/v1/collections/c/indexes/by_n/scan");
+            async move {
+                let r = http.post(url).json(&body).send().await.unwrap();
+                assert_eq!(r.status(), 200);
+                r.json::<Value>().await.unwrap()["rows"].as_array().unwrap().clone()
+            }
+        };
+        let all = scan(json!({"consistency": "request_plus"})).await;
+        let got: Vec<(i64, String)> = all.iter().map(|r| (r["key"][0].as_i64().unwrap(), r["id"].as_str().unwrap().to_string())).collect();
+        let mut want: Vec<(i64, String)> = (0..KEYS).map(|i| ((i % 30) as i64, format!("k{i:03}"))).collect();
+        want.sort();
+        assert_eq!(got, want, "every row once, in index order, through {}", node.url);
+        let eq = scan(json!({"eq": [4], "include_docs": true, "consistency": "request_plus"})).await;
+        let ids: Vec<&str> = eq.iter().map(|r| r["id"].as_str().unwrap()).collect();
+        assert_eq!(ids, ["k004", "k034", "k064"]);
+        assert!(eq.iter().all(|r| r["doc"]["n"] == 4), "{eq:?}");
+        let top = scan(json!({"descending": true, "limit": 4, "consistency": "request_plus"})).await;
+        let ids: Vec<&str> = top.iter().map(|r| r["id"].as_str().unwrap()).collect();
+        assert_eq!(ids, ["k089", "k059", "k029", "k088"], "the limit applies to the merged rows");
+    }
+}

@@ -47,6 +47,7 @@ async fn scan(engine: &Engine, coll: &shoal_storage::Collection, eq: serde_json:
         descending: false,
         consistency: Consistency::RequestPlus,
         timeout: WAIT,
+        keep: None,
     };
     engine.indexes().scan(coll, "by_k", req).await.unwrap().into_iter().map(|r| r.id).collect()
 }

@@ -16,7 +16,7 @@ mod manager;
 
 pub use def::IndexDef;
 pub use filter::FilterError;
-pub use manager::{Consistency, IndexCursor, IndexManager, IndexState, IndexStatus, ScanBounds, ScanRequest, ScanRow};
+pub use manager::{Consistency, IndexCursor, IndexManager, IndexState, IndexStatus, KeepRow, ScanBounds, ScanRequest, ScanRow};
 
 /// Most rows one scan returns.
 pub const SCAN_ROWS_MAX: usize = 100_000;

@@ -36,6 +36,9 @@ pub const DURABLE_TIMEOUT: Duration = Duration::from_secs(5);
 /// A replica that acknowledged nothing for this long is not counted as able to take part
 /// in a majority: a write that needs it answers `durability_impossible` at once.
 pub const HEALTHY_ACK_WINDOW: Duration = Duration::from_secs(3);
+/// How long a request that reaches a node still entering its cluster (founding, joining
+/// or rejoining after a restart) waits for it to serve before it is refused.
+pub const STARTUP_WAIT: Duration = Duration::from_secs(10);
 /// The reconcile loop tries again after a failure this often.
 const RECONCILE_RETRY: Duration = Duration::from_secs(1);
 /// Time between looks when a caller waits for this node to apply something.
@@ -558,6 +561,39 @@ impl ClusterNode {
         self.route_partition(&state, map, p)
     }
 
+    /// Which partitions this node holds active, by number; `None` when it holds them all
+    /// (no map yet, or a one-node cluster).
+    pub fn actives_here(&self) -> Option<Vec<bool>> {
+        let state = self.state();
+        let map = state.map.as_ref()?;
+        let here: Vec<bool> = (0..map.partition_count()).map(|p| matches!(self.route_partition(&state, map, p), Route::Local)).collect();
+        if here.iter().all(|h| *h) {
+            return None;
+        }
+        Some(here)
+    }
+
+    /// The other members a request over every partition (an index scan) must also ask:
+    /// those holding active copies, each once. `Err(partition)` names a partition that has
+    /// no active copy now (the answer would be incomplete).
+    pub fn other_actives(&self) -> Result<Vec<String>, u16> {
+        let state = self.state();
+        let Some(map) = &state.map else { return Ok(Vec::new()) };
+        let mut out: Vec<String> = Vec::new();
+        for p in 0..map.partition_count() {
+            match self.route_partition(&state, map, p) {
+                Route::Local => {}
+                Route::Forward { address, .. } => {
+                    if !out.contains(&address) {
+                        out.push(address);
+                    }
+                }
+                Route::Unavailable { partition, .. } => return Err(partition),
+            }
+        }
+        Ok(out)
+    }
+
     fn route_partition(&self, state: &MetaState, map: &PartitionMap, p: u16) -> Route {
         let Some(copies) = map.partitions.get(usize::from(p)) else { return Route::Local };
         let unavailable = Route::Unavailable { partition: p, map_version: map.version };
@@ -578,6 +614,32 @@ impl ClusterNode {
             return false;
         }
         self.lease.valid(&self.meta)
+    }
+
+    /// [`serving`](Self::serving), but a node still entering its cluster (just started)
+    /// is given up to [`STARTUP_WAIT`] to get there first: a request that arrives a moment
+    /// after a restart is served, not refused. A node that was in and lost its lease is
+    /// answered at once.
+    pub async fn serving_soon(&self) -> bool {
+        if self.serving() {
+            return true;
+        }
+        if self.is_ready() {
+            return false;
+        }
+        let deadline = tokio::time::Instant::now() + STARTUP_WAIT;
+        let mut ready = self.ready.subscribe();
+        if tokio::time::timeout_at(deadline, ready.wait_for(|r| *r)).await.is_err() {
+            return false;
+        }
+        // Ready; a rejoining member of a larger cluster also needs its first lease.
+        while !self.serving() {
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        true
     }
 
     /// The replicas of partition `p` in the current map, and how many replica

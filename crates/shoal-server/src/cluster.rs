@@ -303,8 +303,15 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     let uri = req.uri().clone();
     let Ok(key) = extract::doc_key(&uri) else { return next.run(req).await };
     let node = &state.cluster;
+    if !node.is_ready() {
+        // Just started: give it a moment to enter the cluster, then route by its map.
+        node.serving_soon().await;
+    }
     match node.route(key.as_bytes()) {
         Route::Local if node.serving() => next.run(req).await,
+        Route::Local if !node.is_ready() => {
+            ApiError::unavailable("this node is still entering its cluster (starting, joining or rejoining); try again").into_response()
+        }
         Route::Local => {
             ApiError::unavailable("this node lost contact with the cluster's metadata leader; it serves nothing until it is back")
                 .into_response()

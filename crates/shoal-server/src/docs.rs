@@ -13,7 +13,7 @@ use shoal_storage::{Collection, MutationOutcome, WriteOp, WriteRequest, DOC_MAX_
 
 use crate::error::ApiError;
 use crate::extract::{self, Consistency, Durability, Precondition};
-use crate::AppState;
+use crate::{spread, AppState};
 
 /// Most keys in one `_get`.
 pub const MULTI_GET_KEYS_MAX: usize = 10_000;
@@ -282,7 +282,19 @@ struct MultiGet {
     keys: Vec<serde_json::Value>,
 }
 
-pub async fn multi_get(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
+/// Another member's answer to the part of a `_get` it holds.
+#[derive(Deserialize)]
+struct MultiGetAnswer {
+    docs: Vec<Box<serde_json::value::RawValue>>,
+}
+
+pub async fn multi_get(
+    State(state): State<AppState>,
+    uri: Uri,
+    RawQuery(q): RawQuery,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
     let coll = collection(&state, &uri)?;
     let body = extract::body(&state, body, MULTI_GET_BODY_MAX_BYTES).await?;
@@ -290,35 +302,77 @@ pub async fn multi_get(State(state): State<AppState>, uri: Uri, RawQuery(q): Raw
     if request.keys.len() > MULTI_GET_KEYS_MAX {
         return Err(ApiError::too_large(format!("at most {MULTI_GET_KEYS_MAX} keys per _get")));
     }
-    // Documents are read off the I/O threads, and the answer stops at its byte budget.
-    let out = tokio::task::spawn_blocking(move || {
-        let mut out = Vec::with_capacity(64 * request.keys.len() + 16);
-        out.extend_from_slice(b"{\"docs\":[");
-        for (i, key) in request.keys.iter().enumerate() {
-            if i > 0 {
-                out.push(b',');
+    // In a cluster each key is read where its partition's active copy is: this node, or
+    // the others in one `_get` each, at the same time.
+    let places = spread::place(&state, &headers, request.keys.iter().map(serde_json::Value::as_str)).await;
+    let groups = spread::remote_groups(&places);
+    let group_keys: Vec<Vec<serde_json::Value>> = groups.values().map(|at| at.iter().map(|&i| request.keys[i].clone()).collect()).collect();
+    let calls = groups
+        .keys()
+        .zip(&group_keys)
+        .map(|(address, keys)| (address.clone(), serde_json::json!({ "keys": keys }).to_string().into_bytes()))
+        .collect();
+    let n = request.keys.len();
+    // Local documents are read off the I/O threads.
+    let local = tokio::task::spawn_blocking(move || {
+        let mut entries: Vec<Vec<u8>> = vec![Vec::new(); n];
+        let mut bytes = 0;
+        for ((key, place), entry) in request.keys.iter().zip(places).zip(entries.iter_mut()) {
+            match (key, place) {
+                (_, spread::Place::Remote(_)) => continue,
+                (serde_json::Value::String(_), spread::Place::Refused(e)) => push_error(entry, key, &e),
+                (serde_json::Value::String(key), spread::Place::Local) => match coll.get(key) {
+                    Ok(doc) => {
+                        entry.extend_from_slice(b"{\"key\":");
+                        serde_json::to_writer(&mut *entry, key).map_err(|e| ApiError::internal(e.to_string()))?;
+                        entry.extend_from_slice(format!(",\"cas\":\"{}\",\"value\":", doc.cas).as_bytes());
+                        entry.extend_from_slice(&doc.value);
+                        entry.push(b'}');
+                    }
+                    Err(e) => push_error(entry, &serde_json::Value::String(key.clone()), &ApiError::from(e)),
+                },
+                (key, _) => push_error(entry, key, &ApiError::invalid_key("a key is a string")),
             }
-            let serde_json::Value::String(key) = key else {
-                push_error(&mut out, key, &ApiError::invalid_key("a key is a string"));
-                continue;
-            };
-            match coll.get(key) {
-                Ok(doc) => {
-                    out.extend_from_slice(b"{\"key\":");
-                    serde_json::to_writer(&mut out, key).map_err(|e| ApiError::internal(e.to_string()))?;
-                    out.extend_from_slice(format!(",\"cas\":\"{}\",\"value\":", doc.cas).as_bytes());
-                    out.extend_from_slice(&doc.value);
-                    out.push(b'}');
-                }
-                Err(e) => push_error(&mut out, &serde_json::Value::String(key.clone()), &ApiError::from(e)),
-            }
-            check_answer_size(out.len(), "ask for fewer keys per _get")?;
+            bytes += entry.len();
+            check_answer_size(bytes, "ask for fewer keys per _get")?;
         }
-        out.extend_from_slice(b"]}");
-        Ok::<_, ApiError>(out)
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("multi-get task: {e}")))??;
+        Ok::<_, ApiError>(entries)
+    });
+    let path = uri.path().to_string();
+    let (remote, local) = tokio::join!(spread::call_all(&state, &path, calls), local);
+    let mut entries = local.map_err(|e| ApiError::internal(format!("multi-get task: {e}")))??;
+    for ((at, keys), answer) in groups.values().zip(&group_keys).zip(remote) {
+        let docs = answer.and_then(|bytes| {
+            let docs: MultiGetAnswer = serde_json::from_slice(&bytes)
+                .map_err(|e| spread::CallError { error: ApiError::unavailable(format!("a member answered a _get with {e}")) })?;
+            if docs.docs.len() != at.len() {
+                return Err(spread::CallError { error: ApiError::unavailable("a member answered a _get with too few documents") });
+            }
+            Ok(docs.docs)
+        });
+        match docs {
+            Ok(docs) => {
+                for (&i, doc) in at.iter().zip(docs) {
+                    entries[i] = doc.get().as_bytes().to_vec();
+                }
+            }
+            Err(failed) => {
+                for (&i, key) in at.iter().zip(keys) {
+                    push_error(&mut entries[i], key, &failed.error);
+                }
+            }
+        }
+    }
+    let mut out = Vec::with_capacity(entries.iter().map(Vec::len).sum::<usize>() + n + 16);
+    out.extend_from_slice(b"{\"docs\":[");
+    for (i, entry) in entries.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(entry);
+    }
+    out.extend_from_slice(b"]}");
+    check_answer_size(out.len(), "ask for fewer keys per _get")?;
     Ok(json_response(StatusCode::OK, out))
 }
 
@@ -363,55 +417,121 @@ enum CasField {
     Number(u64),
 }
 
-pub async fn bulk(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
+pub async fn bulk(
+    State(state): State<AppState>,
+    uri: Uri,
+    RawQuery(q): RawQuery,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
     let params: RemoveParams = extract::query(q.as_deref())?;
     if params.durability.majority().is_some() {
         return Err(ApiError::bad_request("_bulk takes durability none or persist; majority levels are per document"));
     }
     let coll = collection(&state, &uri)?;
     let body = extract::body(&state, body, BULK_BODY_MAX_BYTES).await?;
-    // Parse every line first; only the valid ones reach the store, in order.
-    let mut slots: Vec<Result<usize, ApiError>> = Vec::new();
-    let mut requests = Vec::new();
-    let mut keys: Vec<Option<String>> = Vec::new();
+    // Parse every line first; only the valid ones reach a store, in order.
+    let mut lines: Vec<BulkSlot> = Vec::new();
     for line in body.split(|&b| b == b'\n') {
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        match parse_bulk_line(&body, line, coll.now_secs()) {
-            Ok((key, req)) => {
-                slots.push(Ok(requests.len()));
-                requests.push(req);
-                keys.push(Some(key));
+        lines.push(match parse_bulk_line(&body, line, coll.now_secs()) {
+            Ok((key, req)) => BulkSlot { key: Some(key), line: body.slice_ref(line), parsed: Ok(req) },
+            Err((key, e)) => BulkSlot { key, line: Bytes::new(), parsed: Err(e) },
+        });
+    }
+    // In a cluster each line is written where its key's active copy is: here, or by the
+    // member holding it in one `_bulk` of its lines (in their order), at the same time.
+    let places = spread::place(&state, &headers, lines.iter().map(|l| l.parsed.as_ref().ok().and(l.key.as_deref()))).await;
+    let groups = spread::remote_groups(&places);
+    let calls = groups
+        .iter()
+        .map(|(address, at)| {
+            let mut part = Vec::new();
+            for &i in at {
+                part.extend_from_slice(&lines[i].line);
+                part.push(b'\n');
             }
-            Err((key, e)) => {
-                slots.push(Err(e));
-                keys.push(key);
+            (address.clone(), part)
+        })
+        .collect();
+    let mut answers: Vec<Option<serde_json::Value>> = Vec::with_capacity(lines.len());
+    let mut requests = Vec::new();
+    let mut local_at = Vec::new();
+    for (i, (line, place)) in lines.iter_mut().zip(places).enumerate() {
+        let parsed = std::mem::replace(&mut line.parsed, Err(ApiError::internal("taken")));
+        answers.push(match (parsed, place) {
+            (Err(e), _) | (Ok(_), spread::Place::Refused(e)) => Some(e.to_json()),
+            (Ok(_), spread::Place::Remote(_)) => None,
+            (Ok(req), spread::Place::Local) => {
+                requests.push(req);
+                local_at.push(i);
+                None
+            }
+        });
+    }
+    let writer = Arc::clone(&coll);
+    let local = async move {
+        let (outcomes, wait) = tokio::task::spawn_blocking(move || writer.write_many(requests))
+            .await
+            .map_err(|e| ApiError::internal(format!("bulk writer failed: {e}")))?;
+        let durable = if params.durability == Durability::Persist { wait.wait().await.map_err(ApiError::from) } else { Ok(()) };
+        Ok::<_, ApiError>((outcomes, durable))
+    };
+    let path = uri.path_and_query().map_or_else(|| uri.path().to_string(), |pq| pq.as_str().to_string());
+    let (remote, local) = tokio::join!(spread::call_all(&state, &path, calls), local);
+    let (outcomes, durable) = local?;
+    for (i, outcome) in local_at.into_iter().zip(&outcomes) {
+        answers[i] = Some(match (outcome, &durable) {
+            (Ok(outcome), Ok(())) => mutation_json(outcome),
+            (Ok(_), Err(e)) => e.to_json(),
+            (Err(e), _) => ApiError::from(e).to_json(),
+        });
+    }
+    for (at, answer) in groups.values().zip(remote) {
+        let back = answer.map_err(|failed| failed.error).and_then(|bytes| {
+            let back: Vec<serde_json::Value> =
+                bytes.split(|&b| b == b'\n').filter(|l| !l.is_empty()).filter_map(|l| serde_json::from_slice(l).ok()).collect();
+            if back.len() != at.len() {
+                // It may have written them: say so.
+                let mut e = ApiError::unavailable(format!("a member answered {} of {} _bulk lines", back.len(), at.len()));
+                e.details.push(("ambiguous", serde_json::Value::Bool(true)));
+                return Err(e);
+            }
+            Ok(back)
+        });
+        match back {
+            Ok(back) => {
+                for (&i, line) in at.iter().zip(back) {
+                    answers[i] = Some(line);
+                }
+            }
+            Err(e) => {
+                for &i in at {
+                    answers[i] = Some(e.to_json());
+                }
             }
         }
     }
-    let writer = Arc::clone(&coll);
-    let (outcomes, wait) = tokio::task::spawn_blocking(move || writer.write_many(requests))
-        .await
-        .map_err(|e| ApiError::internal(format!("bulk writer failed: {e}")))?;
-    let durable = if params.durability == Durability::Persist { wait.wait().await.map_err(ApiError::from) } else { Ok(()) };
-    let mut out = Vec::with_capacity(slots.len() * 96);
-    for (slot, key) in slots.into_iter().zip(keys) {
-        let mut line = match slot {
-            Ok(i) => match (&outcomes[i], &durable) {
-                (Ok(outcome), Ok(())) => mutation_json(outcome),
-                (Ok(_), Err(e)) => e.to_json(),
-                (Err(e), _) => ApiError::from(e).to_json(),
-            },
-            Err(e) => e.to_json(),
-        };
-        if let (Some(key), Some(obj)) = (key, line.as_object_mut()) {
-            obj.insert("key".into(), serde_json::Value::String(key));
+    let mut out = Vec::with_capacity(answers.len() * 96);
+    for (answer, slot) in answers.into_iter().zip(lines) {
+        let mut line = answer.unwrap_or_default();
+        if let (Some(key), Some(obj)) = (slot.key, line.as_object_mut()) {
+            obj.entry("key").or_insert(serde_json::Value::String(key));
         }
         out.extend_from_slice(line.to_string().as_bytes());
         out.push(b'\n');
     }
     Ok((StatusCode::OK, [(header::CONTENT_TYPE, "application/x-ndjson")], out).into_response())
+}
+
+/// One line of a `_bulk`: its key (when it has one), its text (to pass on to another
+/// member) and what parsing it gave.
+struct BulkSlot {
+    key: Option<String>,
+    line: Bytes,
+    parsed: Result<WriteRequest, ApiError>,
 }
 
 type BulkLineError = (Option<String>, ApiError);

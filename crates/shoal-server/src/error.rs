@@ -78,6 +78,23 @@ impl ApiError {
         }
     }
 
+    /// The error another member answered (`{"error", "reason", ...}` with `status`), to be
+    /// passed on to the client as if this node had met it.
+    pub fn from_answer(status: StatusCode, body: &[u8]) -> Self {
+        let parsed: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+        let code = parsed["error"].as_str().and_then(|c| KNOWN_CODES.iter().find(|k| **k == c).copied()).unwrap_or("unavailable");
+        let reason = parsed["reason"].as_str().map_or_else(|| format!("another member answered {status}"), str::to_string);
+        let mut e = ApiError::new(status, code, reason);
+        if let Some(obj) = parsed.as_object() {
+            for (k, v) in obj {
+                if let Some(name) = KNOWN_DETAILS.iter().find(|d| **d == k.as_str()) {
+                    e.details.push((name, v.clone()));
+                }
+            }
+        }
+        e
+    }
+
     /// The error as a JSON object, for answers that carry errors inline (`_get`, `_bulk`).
     /// Files of the node's data paths are not named in it (see [`hide_paths_under`]).
     pub fn to_json(&self) -> serde_json::Value {
@@ -88,6 +105,36 @@ impl ApiError {
         out
     }
 }
+
+/// The error codes of API.md, so that one passed on from another member keeps its code.
+const KNOWN_CODES: &[&str] = &[
+    "bad_request",
+    "cas_mismatch",
+    "collection_exists",
+    "collection_not_found",
+    "corrupt",
+    "doc_exists",
+    "doc_not_found",
+    "durability_impossible",
+    "index_exists",
+    "index_not_found",
+    "insufficient_storage",
+    "internal",
+    "invalid_json",
+    "invalid_key",
+    "locked",
+    "node_not_found",
+    "not_my_partition",
+    "path_failure",
+    "query_error",
+    "rebalance_running",
+    "timeout",
+    "too_large",
+    "unauthorized",
+    "unavailable",
+];
+/// Members of an error object passed on with it.
+const KNOWN_DETAILS: &[&str] = &["ambiguous", "partition", "map_version", "node", "index", "status"];
 
 /// The roots whose files error answers never name: the node's data paths (and so the spill
 /// folder, the index databases and the analytics shadow under them). Storage, index and

@@ -1,20 +1,23 @@
 //! Secondary index endpoints: define, list, build, drop, scan.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{RawQuery, State};
-use axum::http::{StatusCode, Uri};
+use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::Response;
+use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::Value;
-use shoal_index::{IndexDef, IndexStatus, ScanBounds, ScanRequest, ScanRow, SCAN_ROWS_MAX};
+use shoal_index::{IndexDef, IndexStatus, KeepRow, ScanBounds, ScanRequest, ScanRow, SCAN_ROWS_MAX};
 use shoal_storage::{Collection, ReadError};
 
+use crate::cluster::FORWARDED_HEADER;
 use crate::docs::{check_answer_size, collection, json_response};
 use crate::error::ApiError;
 use crate::extract;
-use crate::AppState;
+use crate::{spread, AppState};
 
 /// Largest body of an index call.
 const INDEX_BODY_MAX_BYTES: usize = 64 * 1024;
@@ -127,7 +130,13 @@ struct ScanBody {
     timeout_ms: Option<u64>,
 }
 
-pub async fn scan(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
+pub async fn scan(
+    State(state): State<AppState>,
+    uri: Uri,
+    RawQuery(q): RawQuery,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
     let coll = collection(&state, &uri)?;
     let name = index_name(&uri)?;
@@ -144,14 +153,93 @@ pub async fn scan(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery
     if timeout > SCAN_TIMEOUT_MAX {
         return Err(ApiError::bad_request(format!("timeout_ms is at most {}", SCAN_TIMEOUT_MAX.as_millis())));
     }
-    let scan = ScanRequest { bounds, limit: req.limit.unwrap_or(SCAN_ROWS_MAX), descending: req.descending, consistency, timeout };
-    let rows = state.engine.indexes().scan(&coll, &name, scan).await?;
-    // Documents are read off the I/O threads: a scan may return up to SCAN_ROWS_MAX of them.
+    let limit = req.limit.unwrap_or(SCAN_ROWS_MAX);
+    // In a cluster (the interim design of ARCHITECTURE.md) every member indexes the
+    // partitions it holds and answers for those it holds active; the node asked merges
+    // the members' answers in index order.
+    let node = &state.cluster;
+    if !node.serving_soon().await {
+        return Err(ApiError::unavailable("this node lost contact with the cluster's metadata leader; it serves nothing until it is back"));
+    }
+    let others = if headers.contains_key(FORWARDED_HEADER) {
+        Vec::new()
+    } else {
+        node.other_actives()
+            .map_err(|p| ApiError::unavailable(format!("partition {p} has no active copy now, so a scan would miss its rows; try again")))?
+    };
+    let keep = node.actives_here().map(|here| {
+        KeepRow(Arc::new(move |id: &str| {
+            let p = shoal_storage::partition_of(id.as_bytes(), u16::try_from(here.len()).unwrap_or(u16::MAX));
+            here.get(usize::from(p)).copied().unwrap_or(false)
+        }))
+    });
+    let descending = req.descending;
+    let scan = ScanRequest { bounds, limit, descending, consistency, timeout, keep };
     let include_docs = req.include_docs;
-    let out = tokio::task::spawn_blocking(move || write_rows(&coll, &rows, include_docs))
-        .await
-        .map_err(|e| ApiError::internal(e.to_string()))??;
-    Ok(json_response(StatusCode::OK, out))
+    let local = async {
+        let rows = state.engine.indexes().scan(&coll, &name, scan).await?;
+        // Documents are read off the I/O threads: a scan may return up to SCAN_ROWS_MAX.
+        let coll = Arc::clone(&coll);
+        tokio::task::spawn_blocking(move || write_rows(&coll, &rows, include_docs)).await.map_err(|e| ApiError::internal(e.to_string()))?
+    };
+    if others.is_empty() {
+        return Ok(json_response(StatusCode::OK, local.await?));
+    }
+    let calls = others.into_iter().map(|address| (address, body.to_vec())).collect();
+    let (remote, local) = tokio::join!(spread::call_all(&state, uri.path(), calls), local);
+    let mut answers = vec![Bytes::from(local?)];
+    for answer in remote {
+        answers.push(answer.map_err(|failed| failed.error)?);
+    }
+    Ok(json_response(StatusCode::OK, merge_rows(&answers, descending, limit)?))
+}
+
+/// The rows of a scan answer, each with what orders it.
+#[derive(Deserialize)]
+struct ScanAnswer<'a> {
+    #[serde(borrow)]
+    rows: Vec<&'a serde_json::value::RawValue>,
+}
+
+/// What orders a row: its index key, then its document key.
+#[derive(Deserialize)]
+struct RowOrder {
+    key: Vec<Value>,
+    id: String,
+}
+
+/// One answer from the members' answers, each in index order: their rows merged in that
+/// order (descending if asked), the first `limit` of them.
+fn merge_rows(answers: &[Bytes], descending: bool, limit: usize) -> Result<Vec<u8>, ApiError> {
+    let mut rows: Vec<(Vec<u8>, &str)> = Vec::new();
+    for answer in answers {
+        let parsed: ScanAnswer =
+            serde_json::from_slice(answer).map_err(|e| ApiError::unavailable(format!("a member answered a scan with {e}")))?;
+        for raw in parsed.rows {
+            let order: RowOrder =
+                serde_json::from_str(raw.get()).map_err(|e| ApiError::unavailable(format!("a member answered a scan row with {e}")))?;
+            // The same byte order the index keeps (a missing key component reads as null).
+            let mut sort = Vec::new();
+            for v in &order.key {
+                shoal_index::keycode::encode(Some(v), &mut sort);
+            }
+            sort.extend_from_slice(order.id.as_bytes());
+            rows.push((sort, raw.get()));
+        }
+    }
+    rows.sort_by(|a, b| if descending { b.0.cmp(&a.0) } else { a.0.cmp(&b.0) });
+    rows.truncate(limit);
+    let mut out = Vec::with_capacity(rows.iter().map(|r| r.1.len() + 1).sum::<usize>() + 16);
+    out.extend_from_slice(b"{\"rows\":[");
+    for (i, (_, raw)) in rows.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(raw.as_bytes());
+    }
+    out.extend_from_slice(b"]}");
+    check_answer_size(out.len(), "use a smaller limit or a narrower range")?;
+    Ok(out)
 }
 
 /// The scan answer, written straight into bytes; documents (validated JSON) are copied in

@@ -15,6 +15,7 @@ mod indexes;
 mod limits;
 mod ops;
 mod query;
+mod spread;
 mod subdoc;
 
 use std::net::SocketAddr;

@@ -114,6 +114,20 @@ pub struct ScanRequest {
     pub consistency: Consistency,
     /// How long `request_plus` may wait for the index to catch up.
     pub timeout: Duration,
+    /// Only rows whose document key passes (a cluster member answers for the partitions
+    /// it holds active, not the replicas it also indexes); rows left out do not count
+    /// towards `limit`.
+    pub keep: Option<KeepRow>,
+}
+
+/// A test of a row's document key (see [`ScanRequest::keep`]).
+#[derive(Clone)]
+pub struct KeepRow(pub std::sync::Arc<dyn Fn(&str) -> bool + Send + Sync>);
+
+impl std::fmt::Debug for KeepRow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeepRow")
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]

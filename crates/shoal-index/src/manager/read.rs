@@ -1,7 +1,7 @@
 //! Reads of an index: bounded scans, paged consistent cursors for SQL, and waiting until
 //! an index may be read at a consistency.
 
-use super::{Consistency, Index, IndexManager, IndexState, ScanBounds, ScanRequest, ScanRow};
+use super::{Consistency, Index, IndexManager, IndexState, KeepRow, ScanBounds, ScanRequest, ScanRow};
 use crate::{keycode, IndexError, SCAN_ROWS_MAX};
 use serde_json::Value;
 use shoal_storage::Collection;
@@ -19,9 +19,9 @@ impl IndexManager {
         let n = self.find(coll, name)?.compiled.key_count();
         let (lo, hi) = byte_bounds(&req.bounds, n)?;
         let index = self.ready(coll, name, req.consistency, req.timeout).await?;
-        let (limit, descending) = (req.limit, req.descending);
+        let (limit, descending, keep) = (req.limit, req.descending, req.keep);
         let fwd = index.fwd.clone();
-        let rows = tokio::task::spawn_blocking(move || read_range(&fwd, lo, hi, limit, descending, n))
+        let rows = tokio::task::spawn_blocking(move || read_range(&fwd, lo, hi, limit, descending, n, keep.as_ref()))
             .await
             .map_err(|e| IndexError::Invalid(format!("scan task: {e}")))?;
         self.checked(&index, rows)
@@ -194,6 +194,7 @@ pub(super) fn read_range(
     limit: usize,
     descending: bool,
     n: usize,
+    keep: Option<&KeepRow>,
 ) -> Result<Vec<ScanRow>, IndexError> {
     if let (Bound::Included(l) | Bound::Excluded(l), Bound::Included(h) | Bound::Excluded(h)) = (&lo, &hi) {
         if l > h {
@@ -203,11 +204,17 @@ pub(super) fn read_range(
     let iter = fwd.range::<Vec<u8>, _>((lo, hi));
     let iter: Box<dyn Iterator<Item = fjall::Guard>> = if descending { Box::new(iter.rev()) } else { Box::new(iter) };
     let mut rows = Vec::new();
-    for guard in iter.take(limit) {
+    for guard in iter {
+        if rows.len() >= limit {
+            break;
+        }
         let k = guard.key()?;
         let (key, id) = keycode::decode_components(&k, n)?;
-        let id = std::str::from_utf8(id).map_err(|_| IndexError::Corrupt("document key".into()))?.to_string();
-        rows.push(ScanRow { key, id });
+        let id = std::str::from_utf8(id).map_err(|_| IndexError::Corrupt("document key".into()))?;
+        if keep.is_some_and(|keep| !(keep.0)(id)) {
+            continue;
+        }
+        rows.push(ScanRow { key, id: id.to_string() });
     }
     Ok(rows)
 }

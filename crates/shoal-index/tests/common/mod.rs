@@ -60,6 +60,7 @@ pub async fn scan_ids(mgr: &IndexManager, coll: &Collection, name: &str, eq: Val
         descending: false,
         consistency: Consistency::RequestPlus,
         timeout: WAIT,
+        keep: None,
     };
     mgr.scan(coll, name, req).await.unwrap().into_iter().map(|r| r.id).collect()
 }
@@ -103,8 +104,14 @@ where
 
 /// Every id of index `name`, in index order, read with `request_plus`.
 pub async fn scan_all_ids(mgr: &IndexManager, coll: &Collection, name: &str) -> Vec<String> {
-    let req =
-        ScanRequest { bounds: ScanBounds::All, limit: 100_000, descending: false, consistency: Consistency::RequestPlus, timeout: WAIT };
+    let req = ScanRequest {
+        bounds: ScanBounds::All,
+        limit: 100_000,
+        descending: false,
+        consistency: Consistency::RequestPlus,
+        timeout: WAIT,
+        keep: None,
+    };
     mgr.scan(coll, name, req).await.unwrap().into_iter().map(|r| r.id).collect()
 }
 

@@ -1,0 +1,105 @@
+//! Requests over many keys (`_get`, `_bulk`) in a cluster: each key goes to the node
+//! holding its partition's active copy — this one, or another in one concurrent call per
+//! node — and the answers are put back in the request's order. A call that arrives
+//! forwarded is answered here only (never forwarded twice).
+
+use std::collections::BTreeMap;
+
+use axum::http::{HeaderMap, StatusCode};
+use bytes::Bytes;
+use shoal_node::Route;
+
+use crate::cluster::{FORWARDED_HEADER, FORWARD_TIMEOUT};
+use crate::error::ApiError;
+use crate::AppState;
+
+/// Where one key of a many-key request is answered.
+pub(crate) enum Place {
+    /// Here.
+    Local,
+    /// By the member at this address.
+    Remote(String),
+    /// Nowhere now (its partition has no active copy, or this node lost its lease).
+    Refused(ApiError),
+}
+
+/// Places every key. A forwarded request is answered here for every key (the storage
+/// refuses keys of partitions it does not hold with `not_my_partition`).
+pub(crate) async fn place<'a>(state: &AppState, headers: &HeaderMap, keys: impl Iterator<Item = Option<&'a str>>) -> Vec<Place> {
+    let node = &state.cluster;
+    if !node.is_ready() {
+        node.serving_soon().await;
+    }
+    let serving = node.serving();
+    let forwarded = headers.contains_key(FORWARDED_HEADER);
+    let local = || if serving { Place::Local } else { Place::Refused(lost_lease()) };
+    keys.map(|key| match key {
+        None => Place::Local,
+        Some(_) if forwarded => local(),
+        Some(key) => match node.route(key.as_bytes()) {
+            Route::Local => local(),
+            Route::Forward { address, .. } => Place::Remote(address),
+            Route::Unavailable { partition, .. } => {
+                Place::Refused(ApiError::unavailable(format!("partition {partition} has no active copy now; try again")))
+            }
+        },
+    })
+    .collect()
+}
+
+fn lost_lease() -> ApiError {
+    ApiError::unavailable("this node lost contact with the cluster's metadata leader; it serves nothing until it is back")
+}
+
+/// The positions of the keys each remote member answers, by address (empty when every key
+/// is answered here).
+pub(crate) fn remote_groups(places: &[Place]) -> BTreeMap<String, Vec<usize>> {
+    let mut groups: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    for (i, place) in places.iter().enumerate() {
+        if let Place::Remote(address) = place {
+            groups.entry(address.clone()).or_default().push(i);
+        }
+    }
+    groups
+}
+
+/// A failed call to another member: whether the request may have been applied there.
+pub(crate) struct CallError {
+    pub error: ApiError,
+}
+
+/// Posts `body` to `path` on each member concurrently (marked forwarded) and answers their
+/// bodies in the same order. A member that answers with an error status answers that
+/// error for its whole part; a call that may have reached it and got no answer is
+/// `408 timeout` flagged ambiguous (a write may have happened).
+pub(crate) async fn call_all(state: &AppState, path_and_query: &str, calls: Vec<(String, Vec<u8>)>) -> Vec<Result<Bytes, CallError>> {
+    let calls = calls.into_iter().map(|(address, body)| async move {
+        let answer = state
+            .forwarder
+            .post(format!("http://{address}{path_and_query}"))
+            .timeout(FORWARD_TIMEOUT)
+            .header(FORWARDED_HEADER, "1")
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .map_err(|e| CallError { error: unreachable(&address, &e) })?;
+        let status = answer.status();
+        let bytes = answer.bytes().await.map_err(|e| CallError { error: unreachable(&address, &e) })?;
+        if !status.is_success() {
+            let error = ApiError::from_answer(StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY), &bytes);
+            return Err(CallError { error });
+        }
+        Ok(bytes)
+    });
+    futures::future::join_all(calls).await
+}
+
+fn unreachable(address: &str, e: &reqwest::Error) -> ApiError {
+    if e.is_connect() {
+        return ApiError::unavailable(format!("member {address} holding these keys is unreachable: {e}"));
+    }
+    let mut err = ApiError::new(StatusCode::REQUEST_TIMEOUT, "timeout", format!("member {address} holding these keys did not answer: {e}"));
+    err.details.push(("ambiguous", serde_json::Value::Bool(true)));
+    err
+}
