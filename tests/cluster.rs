@@ -308,6 +308,54 @@ async fn many_key_requests_and_scans_span_the_members() {
     assert_eq!(docs[KEYS]["error"], "doc_not_found");
     assert_eq!(docs[KEYS + 1]["error"], "invalid_key");
 
+    // Change feeds through any member cover every member's partitions.
+    let feed = |node: &Node, query: String| {
+        let (http, url) = (http.clone(), node.u(&format!("/v1/collections/c/changes?{query}")));
+        async move {
+            let r = http.get(url).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            let lines: Vec<Value> = r.text().await.unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+            let last = lines.last().and_then(|l| l["last"].as_str()).unwrap_or_else(|| panic!("no last token: {lines:?}")).to_string();
+            let keys: Vec<String> = lines.iter().filter_map(|l| l["key"].as_str().map(str::to_string)).collect();
+            assert!(lines.iter().all(|l| l.get("error").is_none()), "{lines:?}");
+            (keys, last)
+        }
+    };
+    let (mut keys, last) = feed(&nodes[1], String::new()).await;
+    keys.sort();
+    let every: Vec<String> = (0..KEYS).map(|i| format!("k{i:03}")).collect();
+    assert_eq!(keys, every, "one normal feed lists every key once");
+    // In pages of 7: every key once across the pages, none repeated.
+    let (mut paged, mut since) = (Vec::new(), String::new());
+    loop {
+        let (keys, last) = feed(&nodes[2], format!("limit=7&since={since}")).await;
+        assert!(keys.len() <= 7, "{keys:?}");
+        if keys.is_empty() {
+            break;
+        }
+        paged.extend(keys);
+        since = last;
+    }
+    paged.sort();
+    assert_eq!(paged, every, "paged feeds resume exactly where the cut was");
+    // From the first feed's token: only what came after, whichever member is asked.
+    for i in 0..5 {
+        let (status, body) = put(&http, &nodes[i % 3], &format!("late{i}"), 1, "none").await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let (mut keys, last) = feed(&nodes[0], format!("since={last}")).await;
+    keys.sort();
+    assert_eq!(keys, ["late0", "late1", "late2", "late3", "late4"]);
+    // A long poll from there waits for the next change, wherever it lands.
+    let waiter = tokio::spawn(feed(&nodes[2], format!("feed=longpoll&timeout=20000&since={last}")));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(put(&http, &nodes[0], "later", 1, "none").await.0, 200);
+    let (keys, _) = waiter.await.unwrap();
+    assert_eq!(keys, ["later"]);
+    // A continuous feed cut by its limit.
+    let (keys, _) = feed(&nodes[1], "feed=continuous&limit=3&timeout=20000".to_string()).await;
+    assert_eq!(keys.len(), 3, "{keys:?}");
+
     // Scans through each member see every member's rows once, merged in index order.
     for node in &nodes {
         let scan = |body: Value| {

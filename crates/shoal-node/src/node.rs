@@ -573,25 +573,20 @@ impl ClusterNode {
         Some(here)
     }
 
-    /// The other members a request over every partition (an index scan) must also ask:
-    /// those holding active copies, each once. `Err(partition)` names a partition that has
-    /// no active copy now (the answer would be incomplete).
-    pub fn other_actives(&self) -> Result<Vec<String>, u16> {
+    /// Who holds each partition's active copy, for a request over every partition (an
+    /// index scan, a change feed): `None` this node, `Some(address)` another member.
+    /// `Err(partition)` names a partition with no active copy now (the answer would miss
+    /// it). Without a map, every partition is here.
+    pub fn active_owners(&self) -> Result<Vec<Option<String>>, u16> {
         let state = self.state();
         let Some(map) = &state.map else { return Ok(Vec::new()) };
-        let mut out: Vec<String> = Vec::new();
-        for p in 0..map.partition_count() {
-            match self.route_partition(&state, map, p) {
-                Route::Local => {}
-                Route::Forward { address, .. } => {
-                    if !out.contains(&address) {
-                        out.push(address);
-                    }
-                }
-                Route::Unavailable { partition, .. } => return Err(partition),
-            }
-        }
-        Ok(out)
+        (0..map.partition_count())
+            .map(|p| match self.route_partition(&state, map, p) {
+                Route::Local => Ok(None),
+                Route::Forward { address, .. } => Ok(Some(address)),
+                Route::Unavailable { partition, .. } => Err(partition),
+            })
+            .collect()
     }
 
     fn route_partition(&self, state: &MetaState, map: &PartitionMap, p: u16) -> Route {

@@ -32,6 +32,10 @@ use crate::ClusterError;
 pub const CATCH_UP_SLACK: u64 = 1_000;
 /// Longest a rebalance waits for its new copies to catch up.
 pub const CATCH_UP_MAX: Duration = Duration::from_secs(3_600);
+/// Longest a finished rebalance waits for every replica to follow its active (until then
+/// majority writes to a partition may be refused); past it the rebalance still succeeds
+/// and says so in the log.
+pub const SETTLE_MAX: Duration = Duration::from_secs(30);
 /// Longest an active keeps partitions frozen for a hand-over before it thaws them.
 pub const FREEZE_MAX: Duration = Duration::from_secs(30);
 /// How often the leader looks at the copies' progress.
@@ -86,6 +90,10 @@ pub(crate) struct HandoverRequest {
 pub(crate) struct ProgressAnswer {
     /// Per partition this node holds a copy of: its seqnos summed over collections.
     pub partitions: Vec<(PartitionId, u64)>,
+    /// Partitions this node is active for whose replicas have not all acknowledged it
+    /// recently (majority writes to them may be refused as impossible).
+    #[serde(default)]
+    pub unsettled: Vec<PartitionId>,
 }
 
 /// Starts a rebalance (leader only); answers how many copies it builds.
@@ -252,7 +260,33 @@ async fn run(node: &Arc<ClusterNode>, eject: Vec<u64>) -> Result<(), ClusterErro
     for id in &eject {
         node.propose(MetaCommand::SetMemberState { node: NodeId(*id), state: MemberState::Ejected }).await?;
     }
+    // 4. Settle: done when every replica follows its active, so that majority writes
+    // work on every partition the moment the rebalance says it is done.
+    set_moves(node, "settling");
+    let deadline = Instant::now() + SETTLE_MAX;
+    loop {
+        let map = node.state().map.clone().unwrap_or_else(|| target.clone());
+        let unsettled = unsettled_of(node, &map).await;
+        if unsettled == 0 {
+            break;
+        }
+        if Instant::now() >= deadline {
+            tracing::warn!(unsettled, "rebalance done, but some replicas do not follow their actives yet");
+            break;
+        }
+        tokio::time::sleep(PROGRESS_POLL).await;
+    }
     Ok(())
+}
+
+/// How many partitions' replicas do not all follow their actives yet (a node that does
+/// not answer counts for one).
+async fn unsettled_of(node: &Arc<ClusterNode>, map: &PartitionMap) -> usize {
+    let mut unsettled = 0;
+    for answer in progress_answers(node, map).await.into_values() {
+        unsettled += answer.map_or(1, |a| a.unsettled.len());
+    }
+    unsettled
 }
 
 fn set_moves(node: &ClusterNode, state: &str) {
@@ -264,6 +298,17 @@ fn set_moves(node: &ClusterNode, state: &str) {
 /// Every copy's progress in `map`, asked of each node that holds one (missing when a node
 /// does not answer).
 async fn progress_of(node: &Arc<ClusterNode>, map: &PartitionMap) -> HashMap<(PartitionId, NodeId), u64> {
+    let mut out = HashMap::new();
+    for (holder, answer) in progress_answers(node, map).await {
+        for (p, s) in answer.into_iter().flat_map(|a| a.partitions) {
+            out.insert((p, holder), s);
+        }
+    }
+    out
+}
+
+/// The progress answer of each node holding a copy in `map` (`None` when it did not answer).
+async fn progress_answers(node: &Arc<ClusterNode>, map: &PartitionMap) -> HashMap<NodeId, Option<ProgressAnswer>> {
     let state = node.state();
     let holders: HashSet<NodeId> = map.nodes().into_iter().collect();
     let mut calls = Vec::new();
@@ -272,17 +317,11 @@ async fn progress_of(node: &Arc<ClusterNode>, map: &PartitionMap) -> HashMap<(Pa
         let call = node.peers.call(&m.address, Op::Progress, Vec::new(), CALL_TIMEOUT);
         calls.push(async move { (holder, call.await) });
     }
-    let mut out = HashMap::new();
-    for (holder, answer) in futures::future::join_all(calls).await {
-        if let Ok(a) =
-            answer.map_err(|e| e.to_string()).and_then(|b| serde_json::from_slice::<ProgressAnswer>(&b).map_err(|e| e.to_string()))
-        {
-            for (p, s) in a.partitions {
-                out.insert((p, holder), s);
-            }
-        }
-    }
-    out
+    futures::future::join_all(calls)
+        .await
+        .into_iter()
+        .map(|(holder, answer)| (holder, answer.ok().and_then(|b| serde_json::from_slice::<ProgressAnswer>(&b).ok())))
+        .collect()
 }
 
 /// A node's copies' progress: per partition, seqnos summed over collections.
@@ -298,7 +337,23 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
             }
         }
     }
-    ProgressAnswer { partitions: sums.into_iter().collect() }
+    let mut unsettled = Vec::new();
+    if let Some(map) = &state.map {
+        for (p, copies) in map.iter() {
+            if copies.active != NodeId(node.id) || copies.replicas.is_empty() {
+                continue;
+            }
+            let replicas: Vec<u64> = copies.replicas.iter().map(|r| r.0).collect();
+            let behind = state
+                .collections
+                .values()
+                .any(|def| node.acks.healthy(def.id, p, &replicas, crate::node::HEALTHY_ACK_WINDOW) < replicas.len());
+            if behind {
+                unsettled.push(p);
+            }
+        }
+    }
+    ProgressAnswer { partitions: sums.into_iter().collect(), unsettled }
 }
 
 /// An active's side of a hand-over: freezes the partitions (writes refused), waits until

@@ -312,10 +312,7 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
         Route::Local if !node.is_ready() => {
             ApiError::unavailable("this node is still entering its cluster (starting, joining or rejoining); try again").into_response()
         }
-        Route::Local => {
-            ApiError::unavailable("this node lost contact with the cluster's metadata leader; it serves nothing until it is back")
-                .into_response()
-        }
+        Route::Local => crate::spread::lost_lease().into_response(),
         Route::Unavailable { partition, map_version } => {
             let mut e = ApiError::unavailable(format!(
                 "partition {partition} has no active copy now (its node failed and no replica could take it, or a failover is in progress)"

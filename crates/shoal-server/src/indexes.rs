@@ -159,14 +159,9 @@ pub async fn scan(
     // the members' answers in index order.
     let node = &state.cluster;
     if !node.serving_soon().await {
-        return Err(ApiError::unavailable("this node lost contact with the cluster's metadata leader; it serves nothing until it is back"));
+        return Err(spread::lost_lease());
     }
-    let others = if headers.contains_key(FORWARDED_HEADER) {
-        Vec::new()
-    } else {
-        node.other_actives()
-            .map_err(|p| ApiError::unavailable(format!("partition {p} has no active copy now, so a scan would miss its rows; try again")))?
-    };
+    let others = if headers.contains_key(FORWARDED_HEADER) { Vec::new() } else { spread::other_actives(&state)? };
     let keep = node.actives_here().map(|here| {
         KeepRow(Arc::new(move |id: &str| {
             let p = shoal_storage::partition_of(id.as_bytes(), u16::try_from(here.len()).unwrap_or(u16::MAX));

@@ -39,15 +39,13 @@ pub(crate) async fn place<'a>(state: &AppState, headers: &HeaderMap, keys: impl 
         Some(key) => match node.route(key.as_bytes()) {
             Route::Local => local(),
             Route::Forward { address, .. } => Place::Remote(address),
-            Route::Unavailable { partition, .. } => {
-                Place::Refused(ApiError::unavailable(format!("partition {partition} has no active copy now; try again")))
-            }
+            Route::Unavailable { partition, .. } => Place::Refused(no_active(partition)),
         },
     })
     .collect()
 }
 
-fn lost_lease() -> ApiError {
+pub(crate) fn lost_lease() -> ApiError {
     ApiError::unavailable("this node lost contact with the cluster's metadata leader; it serves nothing until it is back")
 }
 
@@ -61,6 +59,25 @@ pub(crate) fn remote_groups(places: &[Place]) -> BTreeMap<String, Vec<usize>> {
         }
     }
     groups
+}
+
+/// The other members holding active copies, each once (in partition order of their
+/// first), for a request over every partition; a partition with no active copy now
+/// refuses it.
+pub(crate) fn other_actives(state: &AppState) -> Result<Vec<String>, ApiError> {
+    let owners = state.cluster.active_owners().map_err(no_active)?;
+    let mut out: Vec<String> = Vec::new();
+    for address in owners.into_iter().flatten() {
+        if !out.contains(&address) {
+            out.push(address);
+        }
+    }
+    Ok(out)
+}
+
+/// Partition `p` has no active copy now.
+pub(crate) fn no_active(p: u16) -> ApiError {
+    ApiError::unavailable(format!("partition {p} has no active copy now, so the answer would miss it; try again"))
 }
 
 /// A failed call to another member: whether the request may have been applied there.

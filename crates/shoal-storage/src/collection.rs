@@ -358,13 +358,23 @@ impl Collection {
         Ok((pos, rollbacks))
     }
 
-    /// Changes after `pos` within `limit`, partition by partition, advancing `pos`.
-    pub fn read_feed(&self, pos: &mut FeedPosition, limit: ReadLimit, include_docs: bool) -> Result<Vec<Change>, ChangesError> {
+    /// Changes after `pos` within `limit`, partition by partition, advancing `pos`; with
+    /// `only`, of the partitions it marks (the others keep their position).
+    pub fn read_feed(
+        &self,
+        pos: &mut FeedPosition,
+        limit: ReadLimit,
+        include_docs: bool,
+        only: Option<&[bool]>,
+    ) -> Result<Vec<Change>, ChangesError> {
         let mut out = Vec::new();
         let mut bytes = 0usize;
-        for (partition, slot) in self.partitions.iter().zip(pos.partitions.iter_mut()) {
+        for (i, (partition, slot)) in self.partitions.iter().zip(pos.partitions.iter_mut()).enumerate() {
             if out.len() >= limit.items || bytes >= limit.bytes {
                 break;
+            }
+            if only.is_some_and(|only| !only.get(i).copied().unwrap_or(false)) {
+                continue;
             }
             let partition = partition.load();
             let left = ReadLimit { items: limit.items - out.len(), bytes: limit.bytes - bytes };

@@ -477,7 +477,7 @@ fn check_feed(h: &Harness, observed: &BTreeMap<u8, (State, Option<Cas>)>) {
     let coll = h.coll();
     let (mut pos, rollbacks) = coll.feed_position(None).unwrap();
     assert!(rollbacks.is_empty());
-    let changes = coll.read_feed(&mut pos, ReadLimit::items(100_000), true).unwrap();
+    let changes = coll.read_feed(&mut pos, ReadLimit::items(100_000), true, None).unwrap();
     let mut last: BTreeMap<u16, u64> = BTreeMap::new();
     let mut seen: BTreeMap<Bytes, (u64, bool, Option<Bytes>)> = BTreeMap::new();
     for c in &changes {
