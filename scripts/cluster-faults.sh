@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The long cluster fault run (issue 13): NODES real nodes on loopback, ROUNDS faults
-# (kill -9, short SIGSTOP, SIGSTOP past the failover timeout, in turn), each followed by
+# (kill -9, a network partition past the failover timeout, short SIGSTOP, SIGSTOP past the
+# failover timeout, a short network partition, in turn), each followed by
 # recovery and a rebalance, under concurrent clients doing majority writes, CAS, deletes
 # and majority reads; the history is checked by Porcupine. It is the same test as the
 # short version in `cargo test` (tests/cluster_faults.rs), with more nodes and faults.

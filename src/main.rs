@@ -121,6 +121,10 @@ struct ServeArgs {
     /// data; a joining node must be given it.
     #[arg(long, env = "SHOAL_CLUSTER_SECRET")]
     cluster_secret: Option<String>,
+    /// Lets `POST /v1/_internal/faults` (with the cluster secret) cut this node off from
+    /// other members: for fault tests only.
+    #[arg(long, hide = true)]
+    fault_injection: bool,
     /// The address other members and clients reach this node at (default: the listen
     /// address; set it when listening on 0.0.0.0).
     #[arg(long)]
@@ -203,6 +207,7 @@ async fn serve(args: ServeArgs) -> Result<(), cli::CliError> {
             body_read_timeout: std::time::Duration::from_secs(args.body_read_timeout_secs.max(1)),
         },
         cluster: shoal_node::ClusterConfig { advertise: args.advertise.unwrap_or_default(), join: args.join, secret: args.cluster_secret },
+        fault_injection: args.fault_injection,
     };
     let signal = shutdown_signal()?;
     let server = shoal_server::Server::bind(config).await?;

@@ -160,7 +160,10 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
         assert_eq!(r.json::<Value>().await.unwrap()["error"], "unauthorized");
     }
     // With it, a malformed message is a clear error, not a crash.
-    for (op, body) in [("propose", "{"), ("pull", "\u{0}\u{1}garbage"), ("join", "[]"), ("nope", "{}"), ("raft-vote", "1")] {
+    // ("faults" is there only on nodes started with --fault-injection.)
+    for (op, body) in
+        [("propose", "{"), ("pull", "\u{0}\u{1}garbage"), ("join", "[]"), ("nope", "{}"), ("raft-vote", "1"), ("faults", "{}")]
+    {
         let r =
             http.post(first.u(&format!("/v1/_internal/{op}"))).header("x-shoal-cluster-secret", SECRET).body(body).send().await.unwrap();
         let status = r.status().as_u16();
@@ -168,6 +171,16 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
         assert!(status == 400 || status == 404, "{op}: {status} {v}");
         assert_eq!(v["error"], "bad_request", "{op}: {v}");
     }
+
+    // An oversized call is refused before it is read whole.
+    let huge = vec![b'x'; 64 * 1024 * 1024 + 1];
+    let r = http.post(first.u("/v1/_internal/pull")).header("x-shoal-cluster-secret", SECRET).body(huge).send().await;
+    if let Ok(r) = r {
+        // (The node may close the connection before the client has sent everything.)
+        assert_eq!(r.status().as_u16(), 413);
+    }
+    let (status, _) = get_json(&http, &first.u("/v1/cluster")).await;
+    assert_eq!(status, 200, "the node still answers");
 
     // Settings out of range, unknown nodes, malformed bodies.
     let cases: &[(&str, &str, Value, u16, &str)] = &[

@@ -1,8 +1,9 @@
 //! The cluster under faults, checked by Porcupine (github.com/anishathalye/porcupine):
 //! concurrent clients do `majority` writes, compare-and-swaps, deletes and `majority` reads on
 //! a few hot keys through every node, while nodes are killed with `kill -9` and restarted,
-//! or paused with SIGSTOP and resumed — each fault followed by automatic failover when the
-//! node stays away, recovery and a rebalance. Every history must be linearizable, so no
+//! paused with SIGSTOP and resumed, or cut off from the others by a network partition (the
+//! transport's switchable fault layer, `serve --fault-injection`) and healed — each fault
+//! followed by automatic failover when the node stays away, recovery and a rebalance. Every history must be linearizable, so no
 //! acknowledged majority write is lost and no read sees a deposed copy.
 //!
 //! `cargo test` runs the short version (3 nodes, a few faults). The long run is
@@ -33,14 +34,43 @@ enum Fault {
     ShortPause,
     /// Paused longer: it is failed over while paused, and must not serve when resumed.
     LongPause,
+    /// Cut off from every other member (both ways) shorter than the failover timeout.
+    ShortPartition,
+    /// Cut off until it is failed over; it keeps running and must not serve meanwhile.
+    LongPartition,
+}
+
+/// Cuts `node` off from the members at `addresses` (empty heals), through the transport's
+/// fault layer.
+async fn cut(http: &reqwest::Client, node: &common::Node, addresses: Vec<String>) {
+    let r = http
+        .post(node.u("/v1/_internal/faults"))
+        .header("x-shoal-cluster-secret", common::cluster::SECRET)
+        .json(&json!({ "cut": addresses }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200, "{}", r.text().await.unwrap_or_default());
+}
+
+/// A network partition between `victim` and the rest, both ways (`heal` undoes it).
+async fn partition(http: &reqwest::Client, nodes: &[common::Node], victim: usize, heal: bool) {
+    for (i, n) in nodes.iter().enumerate() {
+        let addresses: Vec<String> = match (heal, i == victim) {
+            (true, _) => Vec::new(),
+            (false, true) => nodes.iter().enumerate().filter(|(j, _)| *j != victim).map(|(_, m)| m.addr()).collect(),
+            (false, false) => vec![nodes[victim].addr()],
+        };
+        cut(http, n, addresses).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_cluster_under_kills_and_pauses_stays_linearizable_for_majority_operations() {
+async fn a_cluster_under_kills_pauses_and_partitions_stays_linearizable_for_majority_operations() {
     let nodes_n = env_or("SHOAL_FAULT_NODES", 3);
-    let rounds = env_or("SHOAL_FAULT_ROUNDS", 3);
+    let rounds = env_or("SHOAL_FAULT_ROUNDS", 5);
     let seed = env_or("SHOAL_FAULT_SEED", 7) as u64;
-    let mut nodes = start_cluster(nodes_n, &[]);
+    let mut nodes = start_cluster(nodes_n, &["--fault-injection"]);
     let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
     wait_for(&http, &nodes[0].u("/v1/cluster"), "members", |v| member_states(v).len() == nodes_n).await;
     let failover_timeout_s = 2;
@@ -81,10 +111,12 @@ async fn a_cluster_under_kills_and_pauses_stays_linearizable_for_majority_operat
     let mut faults = Vec::new();
     tokio::time::sleep(Duration::from_secs(2)).await;
     for round in 0..rounds {
-        let fault = match round % 3 {
+        let fault = match round % 5 {
             0 => Fault::Kill,
-            1 => Fault::ShortPause,
-            _ => Fault::LongPause,
+            1 => Fault::LongPartition,
+            2 => Fault::ShortPause,
+            3 => Fault::LongPause,
+            _ => Fault::ShortPartition,
         };
         let victim = rng.random_range(0..nodes_n);
         let (_, info) = get_json(&http, &nodes[(victim + 1) % nodes_n].u("/v1/cluster")).await;
@@ -113,6 +145,18 @@ async fn a_cluster_under_kills_and_pauses_stays_linearizable_for_majority_operat
                 failovers.push(started.elapsed());
                 tokio::time::sleep(Duration::from_millis(rng.random_range(0..1500))).await;
                 nodes[victim].signal(libc::SIGCONT);
+            }
+            Fault::ShortPartition => {
+                partition(&http, &nodes, victim, false).await;
+                tokio::time::sleep(Duration::from_millis(rng.random_range(300..1200))).await;
+                partition(&http, &nodes, victim, true).await;
+            }
+            Fault::LongPartition => {
+                partition(&http, &nodes, victim, false).await;
+                wait_for(&http, &nodes[watcher].u("/v1/cluster"), "failover of a cut-off node", is_failed).await;
+                failovers.push(started.elapsed());
+                tokio::time::sleep(Duration::from_millis(rng.random_range(0..1500))).await;
+                partition(&http, &nodes, victim, true).await;
             }
         }
         faults.push(format!("{fault:?} n{victim_id}"));

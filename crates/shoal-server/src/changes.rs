@@ -378,6 +378,13 @@ fn span(
                     let _ = tx.send((i, None)).await;
                 });
             }
+            Some(address) if state.faults.is_cut(address) => {
+                let line = format!("{}\n", crate::cluster::Faults::cut_error(address).to_json());
+                tokio::spawn(async move {
+                    let _ = tx.send((i, Some(Bytes::from(line)))).await;
+                    let _ = tx.send((i, None)).await;
+                });
+            }
             Some(address) => {
                 let request = state
                     .forwarder

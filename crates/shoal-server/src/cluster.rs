@@ -36,21 +36,77 @@ pub const FORWARD_TIMEOUT: Duration = Duration::from_secs(30);
 /// Largest body forwarded (a document or sub-document request; `_bulk` is not forwarded).
 pub const FORWARD_BODY_MAX_BYTES: usize = shoal_storage::DOC_MAX_BYTES + 1024 * 1024;
 
+/// How long a call to a member this node is cut off from takes to fail (as a dropped
+/// packet would, roughly; never longer than the call's own timeout).
+const CUT_CALL_DELAY: Duration = Duration::from_millis(200);
+
+/// A switchable network partition for fault tests (`serve --fault-injection`): the
+/// members this node is cut off from. Every call this node makes to them — between
+/// members, forwarded requests, fanned-out reads, feeds — fails as unreachable; a test
+/// cuts both sides for a full partition, or one side for a one-way one.
+pub struct Faults {
+    enabled: bool,
+    cut: parking_lot::RwLock<std::collections::HashSet<String>>,
+}
+
+impl Faults {
+    pub fn new(enabled: bool) -> Faults {
+        Faults { enabled, cut: Default::default() }
+    }
+
+    /// Whether calls to `address` are cut.
+    pub fn is_cut(&self, address: &str) -> bool {
+        self.enabled && self.cut.read().contains(address)
+    }
+
+    /// The error a cut call answers.
+    pub fn cut_error(address: &str) -> ApiError {
+        ApiError::unavailable(format!("member {address} is unreachable (cut off by fault injection)"))
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FaultsBody {
+    /// The members (addresses) this node is cut off from; empty heals.
+    cut: Vec<String>,
+}
+
+/// `POST /v1/_internal/faults {"cut": [address, ...]}` (with the cluster secret, on a node
+/// started with `--fault-injection`).
+async fn set_faults(state: &AppState, body: &[u8]) -> Result<Response, ApiError> {
+    if !state.faults.enabled {
+        return Err(ApiError::new(StatusCode::NOT_FOUND, "bad_request", "fault injection is off on this node (serve --fault-injection)"));
+    }
+    let req: FaultsBody = extract::json_body(body)?;
+    tracing::warn!(cut = ?req.cut, "fault injection: calls to these members fail");
+    *state.faults.cut.write() = req.cut.into_iter().collect();
+    Ok(json_response(StatusCode::OK, b"{}".to_vec()))
+}
+
 /// `Peers` over HTTP: one pooled client, the secret in a header.
 pub struct HttpPeers {
     client: reqwest::Client,
     secret: String,
+    faults: std::sync::Arc<Faults>,
 }
 
 impl HttpPeers {
-    pub fn new(secret: &str) -> Result<HttpPeers, reqwest::Error> {
+    pub fn new(secret: &str, faults: std::sync::Arc<Faults>) -> Result<HttpPeers, reqwest::Error> {
         let client = reqwest::Client::builder().tcp_nodelay(true).no_proxy().pool_max_idle_per_host(64).build()?;
-        Ok(HttpPeers { client, secret: secret.to_string() })
+        Ok(HttpPeers { client, secret: secret.to_string(), faults })
     }
 }
 
 impl Peers for HttpPeers {
     fn call(&self, address: &str, op: Op, body: Vec<u8>, timeout: Duration) -> PeerFuture {
+        if self.faults.is_cut(address) {
+            let address = address.to_string();
+            return Box::pin(async move {
+                tokio::time::sleep(CUT_CALL_DELAY.min(timeout)).await;
+                Err(PeerError::Unreachable { address, why: "cut off by fault injection".into() })
+            });
+        }
         let request = self
             .client
             .post(format!("http://{address}/v1/_internal/{}", op.name()))
@@ -119,8 +175,11 @@ pub async fn internal(State(state): State<AppState>, Path(op): Path<String>, hea
     if !constant_time_eq(given, node.secret().as_bytes()) {
         return Err(ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "calls between members need the cluster secret"));
     }
-    let op = Op::from_name(&op).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "bad_request", format!("no internal call {op}")))?;
     let body = extract::body(&state, body, INTERNAL_BODY_MAX_BYTES).await?;
+    if op == "faults" {
+        return set_faults(&state, &body).await;
+    }
+    let op = Op::from_name(&op).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "bad_request", format!("no internal call {op}")))?;
     let answer = node.handle(op, &body).await.map_err(cluster_error)?;
     Ok((StatusCode::OK, [(header::CONTENT_TYPE, "application/octet-stream")], answer).into_response())
 }
@@ -361,6 +420,9 @@ async fn forward(
     headers: &HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
+    if state.faults.is_cut(address) {
+        return Err(Faults::cut_error(address));
+    }
     let mut request =
         state.forwarder.request(method, format!("http://{address}{path}")).timeout(FORWARD_TIMEOUT).header(FORWARDED_HEADER, "1");
     for name in FORWARDED_REQUEST_HEADERS {

@@ -56,6 +56,9 @@ pub struct ServerConfig {
     pub connections: ConnectionLimits,
     /// How the node takes part in its cluster (an empty `advertise` means the bound address).
     pub cluster: ClusterConfig,
+    /// Whether `POST /v1/_internal/faults` may cut this node off from other members (for
+    /// fault tests: a network partition without network namespaces).
+    pub fault_injection: bool,
 }
 
 /// How many client connections the node holds and how long it waits for slow or idle ones.
@@ -103,6 +106,8 @@ pub struct AppState {
     pub cluster: Arc<ClusterNode>,
     /// The HTTP client that forwards requests to the node holding a key.
     pub forwarder: reqwest::Client,
+    /// The members this node is cut off from by fault injection.
+    pub faults: Arc<cluster::Faults>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -185,8 +190,10 @@ impl Server {
         if cluster_config.advertise.is_empty() {
             cluster_config.advertise = listener.local_addr()?.to_string();
         }
-        let cluster = ClusterNode::open(Arc::clone(&engine), cluster_config, |secret| {
-            cluster::HttpPeers::new(secret)
+        let faults = Arc::new(cluster::Faults::new(config.fault_injection));
+        let peer_faults = Arc::clone(&faults);
+        let cluster = ClusterNode::open(Arc::clone(&engine), cluster_config, move |secret| {
+            cluster::HttpPeers::new(secret, peer_faults)
                 .map(|p| Arc::new(p) as Arc<dyn shoal_node::Peers>)
                 .map_err(|e| shoal_node::ClusterError::Identity(e.to_string()))
         })
@@ -202,6 +209,7 @@ impl Server {
             limits: limits::Limits::new(cores),
             cluster,
             forwarder: cluster::forwarder()?,
+            faults,
         };
         Ok(Server { listener, state, shutdown_tx, connections: config.connections })
     }

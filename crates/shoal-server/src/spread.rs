@@ -91,6 +91,9 @@ pub(crate) struct CallError {
 /// `408 timeout` flagged ambiguous (a write may have happened).
 pub(crate) async fn call_all(state: &AppState, path_and_query: &str, calls: Vec<(String, Vec<u8>)>) -> Vec<Result<Bytes, CallError>> {
     let calls = calls.into_iter().map(|(address, body)| async move {
+        if state.faults.is_cut(&address) {
+            return Err(CallError { error: crate::cluster::Faults::cut_error(&address) });
+        }
         let answer = state
             .forwarder
             .post(format!("http://{address}{path_and_query}"))
