@@ -25,14 +25,22 @@ impl Node {
     /// A fresh node with its own data directory.
     pub fn start(extra: &[&str]) -> Node {
         let tmp = tempfile::tempdir().expect("tempdir");
-        let dir = tmp.path().join("data");
+        Node::launch(tmp.path().join("data"), extra, Some(tmp))
+    }
+
+    /// A node whose data directory is `dir` (on a file system the test prepared).
+    pub fn start_in(dir: PathBuf, extra: &[&str]) -> Node {
+        Node::launch(dir, extra, None)
+    }
+
+    fn launch(dir: PathBuf, extra: &[&str], tmp: Option<tempfile::TempDir>) -> Node {
         let mut node = Node {
             child: None,
             url: String::new(),
             dir,
             args: extra.iter().map(|s| s.to_string()).collect(),
             listen: "127.0.0.1:0".into(),
-            _tmp: Some(tmp),
+            _tmp: tmp,
         };
         node.spawn();
         node
@@ -46,20 +54,6 @@ impl Node {
     /// `host:port` of the node.
     pub fn addr(&self) -> String {
         self.url.trim_start_matches("http://").to_string()
-    }
-
-    /// A node whose data directory is `dir` (on a file system the test prepared).
-    pub fn start_in(dir: PathBuf, extra: &[&str]) -> Node {
-        let mut node = Node {
-            child: None,
-            url: String::new(),
-            dir,
-            args: extra.iter().map(|s| s.to_string()).collect(),
-            listen: "127.0.0.1:0".into(),
-            _tmp: None,
-        };
-        node.spawn();
-        node
     }
 
     fn spawn(&mut self) {

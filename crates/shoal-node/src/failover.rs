@@ -347,19 +347,8 @@ pub(crate) async fn serve_fence(node: &Arc<ClusterNode>, req: FenceRequest) -> R
     let me = NodeId(node.id);
     let Some(map) = &state.map else { return Ok(FenceAnswer { partitions: Vec::new() }) };
     let partitions: Vec<PartitionId> = map.iter().filter(|(_, c)| c.active == failed && c.replicas.contains(&me)).map(|(p, _)| p).collect();
-    let store = node.engine.store();
-    let mut sums: HashMap<PartitionId, u64> = partitions.iter().map(|p| (*p, 0)).collect();
-    for (name, def) in &state.collections {
-        let Some(coll) = store.collection(name).filter(|c| c.id() == def.id) else { continue };
-        let positions = coll.positions();
-        for p in &partitions {
-            if let Some(pos) = positions.get(usize::from(*p)) {
-                *sums.entry(*p).or_default() += pos.seqno;
-            }
-        }
-    }
-    let mut partitions: Vec<(PartitionId, u64)> = sums.into_iter().collect();
-    partitions.sort_unstable();
+    let sums = node.seqno_sums();
+    let partitions = partitions.into_iter().map(|p| (p, sums.get(&p).copied().unwrap_or(0))).collect();
     Ok(FenceAnswer { partitions })
 }
 

@@ -838,8 +838,7 @@ impl ClusterNode {
         let state = self.state();
         let mut lag: BTreeMap<u64, ReplicaLag> = BTreeMap::new();
         if let Some(map) = &state.map {
-            for (name, def) in &state.collections {
-                let Some(coll) = store.collection(name).filter(|c| c.id() == def.id) else { continue };
+            for coll in self.cluster_collections() {
                 let positions = coll.positions();
                 for (p, copies) in map.iter() {
                     if copies.active.0 != self.id {
@@ -848,7 +847,7 @@ impl ClusterNode {
                     let Some(pos) = positions.get(usize::from(p)) else { continue };
                     for r in &copies.replicas {
                         let entry = lag.entry(r.0).or_insert(ReplicaLag { replica: r.0, seqnos: 0, seconds: 0.0 });
-                        match self.acks.get(def.id, p, r.0) {
+                        match self.acks.get(coll.id(), p, r.0) {
                             Some(ack) if ack.uuid == pos.uuid && ack.received >= pos.seqno => {}
                             Some(ack) => {
                                 entry.seqnos += pos.seqno.saturating_sub(if ack.uuid == pos.uuid { ack.received } else { 0 });

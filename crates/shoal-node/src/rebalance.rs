@@ -327,16 +327,7 @@ async fn progress_answers(node: &Arc<ClusterNode>, map: &PartitionMap) -> HashMa
 /// A node's copies' progress: per partition, seqnos summed over collections.
 pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
     let state = node.state();
-    let store = node.engine.store();
-    let mut sums: BTreeMap<PartitionId, u64> = BTreeMap::new();
-    for (name, def) in &state.collections {
-        let Some(coll) = store.collection(name).filter(|c| c.id() == def.id) else { continue };
-        for (p, pos) in coll.positions().iter().enumerate() {
-            if let Ok(p) = PartitionId::try_from(p) {
-                *sums.entry(p).or_default() += pos.seqno;
-            }
-        }
-    }
+    let sums = node.seqno_sums();
     let mut unsettled = Vec::new();
     if let Some(map) = &state.map {
         for (p, copies) in map.iter() {

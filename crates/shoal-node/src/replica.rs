@@ -355,4 +355,25 @@ impl ClusterNode {
         let name = state.collections.iter().find(|(_, d)| d.id == id).map(|(n, _)| n.clone())?;
         self.engine.store().collection(&name).filter(|c| c.id() == id)
     }
+
+    /// This node's copies of the cluster's collections (name and id as the metadata has them).
+    pub(crate) fn cluster_collections(&self) -> Vec<Arc<Collection>> {
+        let state = self.state();
+        let store = self.engine.store();
+        state.collections.iter().filter_map(|(name, def)| store.collection(name).filter(|c| c.id() == def.id)).collect()
+    }
+
+    /// How far this node's copy of each partition is, as one number: its seqnos summed over
+    /// the cluster's collections.
+    pub(crate) fn seqno_sums(&self) -> std::collections::BTreeMap<shoal_cluster::PartitionId, u64> {
+        let mut sums = std::collections::BTreeMap::new();
+        for coll in self.cluster_collections() {
+            for (p, pos) in coll.positions().iter().enumerate() {
+                if let Ok(p) = shoal_cluster::PartitionId::try_from(p) {
+                    *sums.entry(p).or_default() += pos.seqno;
+                }
+            }
+        }
+        sums
+    }
 }
