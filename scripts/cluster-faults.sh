@@ -33,5 +33,5 @@ END=$(date +%s)
   echo
   echo "History (NDJSON, one operation per line): \`$(basename "$OUT").txt.history.ndjson\`."
 } > "$OUT.md"
-rm -f "$OUT.log"
+rm -f "$OUT.log" "$OUT.txt"
 cat "$OUT.md"
