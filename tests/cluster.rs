@@ -393,4 +393,41 @@ async fn many_key_requests_and_scans_span_the_members() {
         let ids: Vec<&str> = top.iter().map(|r| r["id"].as_str().unwrap()).collect();
         assert_eq!(ids, ["k089", "k059", "k029", "k088"], "the limit applies to the merged rows");
     }
+
+    // SQL does not span the members yet: a node holding only some partitions says so
+    // rather than answering from part of the collection.
+    for path in ["/v1/query", "/v1/analytics"] {
+        let r = http.post(nodes[0].u(path)).json(&json!({"sql": "SELECT count(*) FROM c"})).send().await.unwrap();
+        assert_eq!(r.status(), 503, "{path}");
+        let v: Value = r.json().await.unwrap();
+        assert!(v["reason"].as_str().unwrap().contains("does not span the members"), "{v}");
+    }
+}
+
+/// A copy of a member's data directory started at another address would claim the
+/// member's node id: it stops with a clear error, and the member is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copied_data_directory_cannot_pose_as_its_member() {
+    let mut nodes = start_cluster(2, &[]);
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
+    wait_for(&http, &nodes[0].u("/v1/cluster"), "two members", |v| member_states(v).len() == 2).await;
+    assert!(nodes[1].stop());
+    let copy = tempfile::tempdir().unwrap();
+    let status = std::process::Command::new("cp").arg("-a").arg(&nodes[1].dir).arg(copy.path().join("d")).status().unwrap();
+    assert!(status.success());
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--partitions", PARTITIONS, "--analytics-partitions", "0"])
+        .arg("--data-path")
+        .arg(copy.path().join("d"))
+        .args(["--cluster-secret", SECRET, "--join", &nodes[0].addr()])
+        .env("SHOAL_LOG", "error")
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "the copy must not start");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("copied data directory"), "{stderr}");
+    // The member itself comes back at its address.
+    nodes[1].restart();
+    let info = wait_for(&http, &nodes[1].u("/v1/cluster"), "the member back", |v| member_states(v).len() == 2).await;
+    assert!(info["node"].as_u64().is_some(), "{info}");
 }

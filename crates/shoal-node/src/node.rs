@@ -251,6 +251,7 @@ impl ClusterNode {
             node.ready.send_replace(true);
             tracing::info!(node = node.id, address = %node.advertise, "in the cluster");
             tokio::spawn(crate::failover::run_monitor(Arc::clone(&node)));
+            tokio::spawn(crate::failover::run_heartbeats(Arc::clone(&node)));
             node.reconcile_loop().await;
         });
     }
@@ -275,6 +276,20 @@ impl ClusterNode {
     async fn enter(&self) -> Result<(), ClusterError> {
         let known = self.identity.lock().cluster_id.clone();
         if let Some(cluster) = known {
+            // A copy of a member's data directory started elsewhere would claim that
+            // member's id: refused (the member is known by its address). A lone member
+            // may move: nothing else knows its address.
+            let state = self.state();
+            if let Some(me) = state.members.get(&NodeId(self.id)) {
+                if state.members.len() > 1 && me.address != self.advertise {
+                    return Err(ClusterError::Refused(format!(
+                        "this data directory is node {}'s, which the cluster knows at {}, not at {}: a copied data directory \
+                         cannot join as a second node; start on an empty --data-path to join as a new node, or at {} to come \
+                         back as node {}",
+                        self.id, me.address, self.advertise, me.address, self.id
+                    )));
+                }
+            }
             if let Some(join) = &self.join {
                 // A data directory of another cluster must not be taken into this one.
                 match self.peers.call(join, Op::Identify, Vec::new(), JOIN_TIMEOUT).await {
@@ -571,6 +586,17 @@ impl ClusterNode {
             return None;
         }
         Some(here)
+    }
+
+    /// Whether this node holds a copy of every partition (active or replica), and whether
+    /// some of them are replicas. Without a map, it holds them all, active.
+    pub fn copies_here(&self) -> (bool, bool) {
+        let state = self.state();
+        let Some(map) = &state.map else { return (true, false) };
+        let me = NodeId(self.id);
+        let all = map.partitions.iter().all(|c| c.active == me || c.replicas.contains(&me));
+        let replica = map.partitions.iter().any(|c| c.active != me);
+        (all, replica)
     }
 
     /// Who holds each partition's active copy, for a request over every partition (an

@@ -43,6 +43,27 @@ async fn run(state: AppState, q: Option<String>, headers: HeaderMap, body: Body,
     let body = extract::body(&state, body, QUERY_BODY_MAX_BYTES).await?;
     let req: QueryBody = extract::json_body(&body)?;
     let consistency = extract::consistency(req.consistency.as_deref())?;
+    // SQL runs over this node's copies (fanning it out to the members is not built yet):
+    // it answers only where that is the whole collection, never a silent part of it.
+    let node = &state.cluster;
+    if !node.serving_soon().await {
+        return Err(crate::spread::lost_lease());
+    }
+    match node.copies_here() {
+        (false, _) => {
+            return Err(ApiError::unavailable(
+                "SQL does not span the members yet, and this node holds a copy of only some partitions; send it to a member \
+                 holding every partition (with replicas = members - 1, every member does)",
+            ))
+        }
+        (true, true) if consistency == shoal_index::Consistency::RequestPlus => {
+            return Err(ApiError::unavailable(
+                "SQL does not span the members yet: this node holds some partitions as replicas, which cannot promise \
+                 request_plus; use not_bounded here",
+            ))
+        }
+        (true, _) => {}
+    }
     let timeout = req.timeout_ms.map(Duration::from_millis).unwrap_or(QUERY_TIMEOUT_DEFAULT);
     let req = QueryRequest { sql: req.sql, params: req.params, consistency, timeout };
     let ndjson = headers.get(axum::http::header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("application/x-ndjson"));
