@@ -2,17 +2,11 @@
 //!
 //! **Leases.** A node serves its active copies only while it holds a lease: it is the
 //! metadata leader and a quorum acknowledged it within `LEASE`, or the leader — while it
-//! had such a quorum — granted its last heartbeat, or no failover can happen without it
-//! (the other voters are fewer than a quorum: a one- or two-node cluster). Every member
-//! sends the leader a heartbeat each `PING_INTERVAL`; when the leader grants it, the lease
-//! runs `LEASE` from the moment the member *sent* it, so the leader knows a bound no delay
-//! can stretch: a member's lease ends within `LEASE` of the last grant. A node cut off from
-//! the leader stops serving within `LEASE`; a failover stops granting the node's heartbeats
-//! and waits out its last grant — and, for a new leader, what the previous leader may have
-//! granted (openraft refuses votes while a leader is heard from within its election
-//! timeout, so the previous leader's quorum, and so its grants, ended `ELECTION_TIMEOUT_MAX`
-//! before the election at the latest) — before it promotes anything, so no two copies
-//! ever serve one partition.
+//! had such a quorum — pinged it within `LEASE`, or no failover can happen without it (the
+//! other voters are fewer than a quorum: a one- or two-node cluster). A node cut off from the leader stops
+//! serving reads and writes within `LEASE` (plus, when the leader itself is cut off, the
+//! `LEASE` that leader still believed in); a failover waits that out before it promotes
+//! anything, so no two copies ever serve one partition.
 //!
 //! **Failover** (the metadata leader, by hand or after `auto_failover_timeout_s` of missed
 //! pings), in two committed steps:
@@ -41,15 +35,12 @@ use crate::peers::Op;
 use crate::wire::{FenceAnswer, FenceRequest, PingAnswer};
 use crate::ClusterError;
 
-/// How long a lease lasts after the member sent a heartbeat the leader granted (or after
-/// the leader's last quorum).
+/// How long a lease lasts after the leader's last ping (or the leader's last quorum).
 pub const LEASE: Duration = Duration::from_millis(1_500);
-/// Every member sends the leader a heartbeat this often.
+/// The leader pings every member this often.
 pub const PING_INTERVAL: Duration = Duration::from_millis(250);
-/// A heartbeat with no answer in this long counts as missed.
+/// A ping with no answer in this long counts as missed.
 pub const PING_TIMEOUT: Duration = Duration::from_millis(1_000);
-/// Added to every lease wait: the processes' clocks may run at slightly different rates.
-const CLOCK_SLACK: Duration = Duration::from_millis(250);
 /// How long the leader waits for a replica's fence report.
 pub const FENCE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -60,10 +51,9 @@ pub struct Lease {
 }
 
 impl Lease {
-    /// Extends the lease to `LEASE` after `sent`, when the heartbeat sent then was granted.
-    fn extend_from(&self, sent: Instant) {
+    fn extend(&self) {
         let mut until = self.until.lock();
-        let next = sent + LEASE;
+        let next = Instant::now() + LEASE;
         if until.is_none_or(|u| u < next) {
             *until = Some(next);
         }
@@ -99,25 +89,19 @@ fn leader_with_quorum(meta: &MetaNode) -> bool {
     m.current_leader == Some(m.id) && m.millis_since_quorum_ack.is_some_and(|ms| u128::from(ms) < LEASE.as_millis())
 }
 
-/// What this node, as leader, granted: when each member's last heartbeat was granted, and
-/// the members whose heartbeats it refuses (a failover of them has begun). One lock, so a
-/// failover reads the last grant and stops granting in one step.
-#[derive(Default)]
-struct Grants {
-    last_ok: HashMap<u64, Instant>,
-    refusing: HashSet<u64>,
-}
-
 /// The leader's view of the members' health.
 #[derive(Default)]
 pub struct Monitor {
-    grants: Mutex<Grants>,
+    /// When each member last answered a ping from this node as leader.
+    last_ok: Mutex<HashMap<u64, Instant>>,
     /// Since when this node is leader (health is judged only from then).
     leader_since: Mutex<Option<Instant>>,
     /// One failover (or rebalance step) at a time.
     pub(crate) lock: tokio::sync::Mutex<()>,
     /// Nodes failed over automatically since an operator last recovered one.
     auto_count: AtomicUsize,
+    /// Members with a ping in flight.
+    pinging: Mutex<HashSet<u64>>,
     /// Since when this leader watches each member (a member recovered from `failed` is
     /// judged from then, not from its last ping before it failed).
     watched_since: Mutex<HashMap<u64, Instant>>,
@@ -126,12 +110,12 @@ pub struct Monitor {
 }
 
 impl Monitor {
-    /// Which members had a heartbeat granted within `2 × PING_TIMEOUT` (this node counts as
-    /// healthy); `None` when this node is not the leader (only the leader hears them).
+    /// Which members answered a ping within `2 × PING_TIMEOUT` (this node counts as healthy);
+    /// `None` when this node is not the leader (only the leader pings).
     pub(crate) fn health(&self, me: u64, members: impl Iterator<Item = u64>) -> Option<HashMap<u64, bool>> {
         self.leader_since.lock().as_ref()?;
-        let grants = self.grants.lock();
-        Some(members.map(|m| (m, m == me || grants.last_ok.get(&m).is_some_and(|t| t.elapsed() <= PING_TIMEOUT * 2))).collect())
+        let last_ok = self.last_ok.lock();
+        Some(members.map(|m| (m, m == me || last_ok.get(&m).is_some_and(|t| t.elapsed() <= PING_TIMEOUT * 2))).collect())
     }
 
     /// How long `node` has been silent as far as this leader can tell. A new leader counts
@@ -142,101 +126,39 @@ impl Monitor {
         let since = (*self.leader_since.lock())?;
         let since = since.checked_sub(Duration::from_millis(shoal_meta::node::ELECTION_TIMEOUT_MIN_MS)).unwrap_or(since);
         let since = self.watched_since.lock().get(&node).map_or(since, |w| (*w).max(since));
-        let last = self.grants.lock().last_ok.get(&node).copied().map_or(since, |t| t.max(since));
+        let last = self.last_ok.lock().get(&node).copied().map_or(since, |t| t.max(since));
         Some(last.elapsed())
     }
 
-    /// Stops granting `node`'s heartbeats and answers how long its lease may still run:
-    /// `LEASE` from the last grant of this leader, and, for a leader elected less than that
-    /// ago, from the latest grant the previous leader could have made (its quorum ended an
-    /// `ELECTION_TIMEOUT_MAX` before the election at the latest; see the module
-    /// documentation), plus `CLOCK_SLACK`.
-    fn stop_granting(&self, node: u64) -> Duration {
-        let last = {
-            let mut grants = self.grants.lock();
-            grants.refusing.insert(node);
-            grants.last_ok.get(&node).copied()
-        };
-        // (A leader whose monitor has not looked yet counts from now: later, so safe.)
-        let since = self.leader_since.lock().unwrap_or_else(Instant::now);
-        let previous_quorum_end =
-            (since + LEASE).checked_sub(Duration::from_millis(shoal_meta::node::ELECTION_TIMEOUT_MAX_MS)).unwrap_or(since);
-        let until = (previous_quorum_end + LEASE).max(last.map_or(since, |t| t + LEASE));
-        until.saturating_duration_since(Instant::now()) + CLOCK_SLACK
-    }
-
-    /// Grants `node`'s heartbeat (recorded before the answer leaves, so the member's lease,
-    /// counted from when it sent it, ends within `LEASE` of this), unless a failover of it
-    /// has begun.
-    fn grant(&self, node: u64) -> bool {
-        let mut grants = self.grants.lock();
-        if grants.refusing.contains(&node) {
-            return false;
-        }
-        grants.last_ok.insert(node, Instant::now());
-        true
-    }
-
-    /// `node` is a member in good standing again (recovered, or its failover did not happen).
-    fn forgive(&self, node: u64) {
-        let mut grants = self.grants.lock();
-        grants.refusing.remove(&node);
-        grants.last_ok.remove(&node);
+    /// Whether `node` may still hold a lease: the last ping this leader sent it, or (if the
+    /// leader is new) the previous leader's, may have extended it for up to `LEASE` — plus
+    /// the `LEASE` a leader cut off from its quorum goes on believing in.
+    fn lease_wait(&self, node: u64) -> Duration {
+        let bound = LEASE * 2 + PING_INTERVAL;
+        let since = self.leader_since.lock().map_or(Duration::ZERO, |t| t.elapsed());
+        let silent = self.last_ok.lock().get(&node).map_or(since, |t| t.elapsed().min(since));
+        bound.saturating_sub(silent)
     }
 }
 
 #[derive(Serialize, Deserialize)]
 struct PingRequest {
-    /// The member sending the heartbeat.
-    node: u64,
+    leader: u64,
 }
 
-/// The leader's side of a member's heartbeat: granted while this node leads with a quorum,
-/// unless the member is failed (or being failed over).
+/// A member's side of the leader's ping: the lease is extended (the leader pings only while
+/// a quorum acknowledges it), unless this member is failed.
 pub(crate) fn serve_ping(node: &ClusterNode, body: &[u8]) -> Result<PingAnswer, ClusterError> {
-    let req: PingRequest = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
-    if !node.is_leader() {
-        return Err(ClusterError::NotLeader { address: node.leader().map(|(_, a)| a) });
-    }
-    if !leader_with_quorum(&node.meta) {
-        return Err(ClusterError::Refused("the metadata leader has no quorum now".into()));
-    }
+    let _req: PingRequest = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
     let state = node.state();
-    let standing = state.members.get(&NodeId(req.node)).is_some_and(|m| !matches!(m.state, MemberState::Failed | MemberState::Ejected));
-    let granted = standing && node.monitor.grant(req.node);
-    Ok(PingAnswer { node: node.id, map_version: state.map_version(), granted })
-}
-
-/// A member's heartbeats: every `PING_INTERVAL` it asks the metadata leader to extend its
-/// lease, counted from when it asked. The leader itself needs none (its lease is its
-/// quorum).
-pub(crate) async fn run_heartbeats(node: Arc<ClusterNode>) {
-    let mut stop = node.stop.subscribe();
-    loop {
-        tokio::select! {
-            _ = tokio::time::sleep(PING_INTERVAL) => {}
-            _ = stop.wait_for(|s| *s) => return,
-        }
-        if node.is_leader() {
-            continue;
-        }
-        let Some((_, address)) = node.leader() else { continue };
-        let body = serde_json::to_vec(&PingRequest { node: node.id }).unwrap_or_default();
-        let sent = Instant::now();
-        let answer = tokio::select! {
-            a = node.peers.call(&address, Op::Ping, body, PING_TIMEOUT) => a,
-            _ = stop.wait_for(|s| *s) => return,
-        };
-        match answer.map(|b| serde_json::from_slice::<PingAnswer>(&b)) {
-            Ok(Ok(a)) if a.granted => node.lease.extend_from(sent),
-            Ok(Ok(_)) => node.lease.revoke(),
-            // No answer: the lease runs out by itself.
-            _ => {}
-        }
+    match state.members.get(&NodeId(node.id)) {
+        Some(m) if m.state == MemberState::Failed => node.lease.revoke(),
+        _ => node.lease.extend(),
     }
+    Ok(PingAnswer { node: node.id, map_version: state.map_version() })
 }
 
-/// The leader's loop: fails over a member whose heartbeats stayed away longer than the
+/// The leader's loop: pings members, and fails over one that stayed silent longer than the
 /// auto-failover timeout, when that loses nothing.
 pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
     let mut stop = node.stop.subscribe();
@@ -247,13 +169,11 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
         }
         if !node.is_leader() {
             *node.monitor.leader_since.lock() = None;
-            // What it granted as leader ended with its leadership (a later leader accounts
-            // for it); grants made as leader before this loop noticed are kept.
-            *node.monitor.grants.lock() = Grants::default();
             continue;
         }
         if node.monitor.leader_since.lock().is_none() {
             *node.monitor.leader_since.lock() = Some(Instant::now());
+            node.monitor.last_ok.lock().clear();
         }
         if !leader_with_quorum(&node.meta) {
             continue;
@@ -268,6 +188,22 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
                     watched.entry(id.0).or_insert_with(Instant::now);
                 }
             }
+        }
+        for (id, member) in &state.members {
+            if id.0 == node.id || matches!(member.state, MemberState::Failed | MemberState::Ejected) {
+                continue;
+            }
+            if !node.monitor.pinging.lock().insert(id.0) {
+                continue;
+            }
+            let (n, id, address) = (Arc::clone(&node), id.0, member.address.clone());
+            tokio::spawn(async move {
+                let body = serde_json::to_vec(&PingRequest { leader: n.id }).unwrap_or_default();
+                if n.peers.call(&address, Op::Ping, body, PING_TIMEOUT).await.is_ok() {
+                    n.monitor.last_ok.lock().insert(id, Instant::now());
+                }
+                n.monitor.pinging.lock().remove(&id);
+            });
         }
         let timeout = Duration::from_secs(u64::from(state.settings.auto_failover_timeout_s));
         let max_count = state.settings.auto_failover_max_count as usize;
@@ -352,16 +288,9 @@ pub async fn failover(node: &Arc<ClusterNode>, target: u64) -> Result<FailoverRe
         if others == 0 {
             return Err(ClusterError::Refused(format!("node {target} is the last active node; failing it over would leave no copy")));
         }
+        node.propose(MetaCommand::SetMemberState { node: NodeId(target), state: MemberState::Failed }).await?;
     }
-    // From here its heartbeats are refused; its lease runs out by `lease_end`.
-    let lease_end = Instant::now() + node.monitor.stop_granting(target);
-    if member.state != MemberState::Failed {
-        if let Err(e) = node.propose(MetaCommand::SetMemberState { node: NodeId(target), state: MemberState::Failed }).await {
-            node.monitor.forgive(target);
-            return Err(e);
-        }
-    }
-    tokio::time::sleep_until(lease_end.into()).await;
+    tokio::time::sleep(node.monitor.lease_wait(target)).await;
     // Step 2: the fence reports.
     let holders: HashSet<NodeId> =
         map.partitions.iter().filter(|c| c.active.0 == target).flat_map(|c| c.replicas.iter().copied()).filter(|r| r.0 != target).collect();
@@ -444,6 +373,6 @@ pub async fn recover(node: &Arc<ClusterNode>, target: u64) -> Result<u64, Cluste
     node.monitor.auto_count.store(0, Ordering::Release);
     // Judged from now on: its pings before it failed say nothing.
     node.monitor.watched_since.lock().insert(target, Instant::now());
-    node.monitor.forgive(target);
+    node.monitor.last_ok.lock().remove(&target);
     Ok(target)
 }

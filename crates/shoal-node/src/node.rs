@@ -251,7 +251,6 @@ impl ClusterNode {
             node.ready.send_replace(true);
             tracing::info!(node = node.id, address = %node.advertise, "in the cluster");
             tokio::spawn(crate::failover::run_monitor(Arc::clone(&node)));
-            tokio::spawn(crate::failover::run_heartbeats(Arc::clone(&node)));
             node.reconcile_loop().await;
         });
     }

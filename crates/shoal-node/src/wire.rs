@@ -122,9 +122,6 @@ pub struct FenceAnswer {
 pub struct PingAnswer {
     pub node: u64,
     pub map_version: u64,
-    /// Whether the leader granted the heartbeat (a failed member's is refused).
-    #[serde(default)]
-    pub granted: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
