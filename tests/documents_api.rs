@@ -111,7 +111,7 @@ async fn lock_unlock_touch() {
     assert_eq!(put(&c, node.u("/v1/collections/c/docs/k"), "5").await.0, StatusCode::OK);
 
     // Touch and get-and-touch set an expiry; a document that expired is never returned.
-    // (Expiry has one-second resolution: 1 s may end a moment later, so touch for longer.)
+    // (Expiry has one-second resolution: `expiry=1` can end a moment after it is set.)
     let r = c.post(node.u("/v1/collections/c/docs/k/touch?expiry=30")).send().await.unwrap();
     assert_eq!(r.status(), StatusCode::OK);
     let r = c.get(node.u("/v1/collections/c/docs/k?touch=100")).send().await.unwrap();
