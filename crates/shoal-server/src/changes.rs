@@ -69,9 +69,7 @@ pub async fn changes(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQu
     // In a cluster a feed covers every partition wherever its active copy is: the node
     // asked merges its own and the other members' feeds (each serving its actives).
     let node = &state.cluster;
-    if !node.serving_soon().await {
-        return Err(spread::lost_lease());
-    }
+    crate::spread::require_serving(&state).await?;
     let timeout = Duration::from_millis(timeout_ms);
     if !headers.contains_key(FORWARDED_HEADER) {
         let owners = node.active_owners().map_err(spread::no_active)?;

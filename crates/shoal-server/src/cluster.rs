@@ -368,10 +368,7 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     }
     match node.route(key.as_bytes()) {
         Route::Local if node.serving() => next.run(req).await,
-        Route::Local if !node.is_ready() => {
-            ApiError::unavailable("this node is still entering its cluster (starting, joining or rejoining); try again").into_response()
-        }
-        Route::Local => crate::spread::lost_lease().into_response(),
+        Route::Local => crate::spread::not_serving(&state).into_response(),
         Route::Unavailable { partition, map_version } => {
             let mut e = ApiError::unavailable(format!(
                 "partition {partition} has no active copy now (its node failed and no replica could take it, or a failover is in progress)"

@@ -158,9 +158,7 @@ pub async fn scan(
     // partitions it holds and answers for those it holds active; the node asked merges
     // the members' answers in index order.
     let node = &state.cluster;
-    if !node.serving_soon().await {
-        return Err(spread::lost_lease());
-    }
+    crate::spread::require_serving(&state).await?;
     let others = if headers.contains_key(FORWARDED_HEADER) { Vec::new() } else { spread::other_actives(&state)? };
     let keep = node.actives_here().map(|here| {
         KeepRow(Arc::new(move |id: &str| {

@@ -46,9 +46,7 @@ async fn run(state: AppState, q: Option<String>, headers: HeaderMap, body: Body,
     // SQL runs over this node's copies (fanning it out to the members is not built yet):
     // it answers only where that is the whole collection, never a silent part of it.
     let node = &state.cluster;
-    if !node.serving_soon().await {
-        return Err(crate::spread::lost_lease());
-    }
+    crate::spread::require_serving(&state).await?;
     match node.copies_here() {
         (false, _) => {
             return Err(ApiError::unavailable(

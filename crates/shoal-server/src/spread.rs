@@ -32,7 +32,7 @@ pub(crate) async fn place<'a>(state: &AppState, headers: &HeaderMap, keys: impl 
     }
     let serving = node.serving();
     let forwarded = headers.contains_key(FORWARDED_HEADER);
-    let local = || if serving { Place::Local } else { Place::Refused(lost_lease()) };
+    let local = || if serving { Place::Local } else { Place::Refused(not_serving(state)) };
     keys.map(|key| match key {
         None => Place::Local,
         Some(_) if forwarded => local(),
@@ -45,7 +45,25 @@ pub(crate) async fn place<'a>(state: &AppState, headers: &HeaderMap, keys: impl 
     .collect()
 }
 
-pub(crate) fn lost_lease() -> ApiError {
+/// Waits for this node to serve (a node just started is given `STARTUP_WAIT` to enter its
+/// cluster), or answers why it does not.
+pub(crate) async fn require_serving(state: &AppState) -> Result<(), ApiError> {
+    if state.cluster.serving_soon().await {
+        return Ok(());
+    }
+    Err(not_serving(state))
+}
+
+/// Why this node does not serve now: still entering its cluster, or cut off from the
+/// metadata leader.
+pub(crate) fn not_serving(state: &AppState) -> ApiError {
+    if !state.cluster.is_ready() {
+        return ApiError::unavailable("this node is still entering its cluster (starting, joining or rejoining); try again");
+    }
+    lost_lease()
+}
+
+fn lost_lease() -> ApiError {
     ApiError::unavailable("this node lost contact with the cluster's metadata leader; it serves nothing until it is back")
 }
 
