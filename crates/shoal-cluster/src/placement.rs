@@ -25,10 +25,15 @@
 //! `min(replicas + 1, nodes)` copies: with fewer nodes than `replicas + 1`, as many replicas
 //! as the nodes allow, and the missing ones come when nodes join.
 //!
-//! Stability is exact with equal weights (the table in `tests/placement_moves.rs` and the
-//! property test). With unequal weights the distinct-node rule can force a few moves between
-//! staying nodes: a heavy node that already holds most partitions can only take the ones it
-//! lacks, and a node whose share reaches one copy per partition must take every partition.
+//! Stability is the best the distinct-node rule allows (the table in
+//! `tests/placement_moves.rs` and the property test). Adds never move between staying
+//! nodes. A removal does only when the leaving node's copies cannot all go straight to
+//! stayers with room — e.g. 3 copies of 7 partitions on 8 nodes, where the two stayers
+//! below their share already hold both partitions of the leaving node: one copy must pass
+//! through a third node (the test checks the count against a maximum matching). With
+//! unequal weights the same rule forces a few more: a heavy node that already holds most
+//! partitions can only take the ones it lacks, and a node whose share reaches one copy per
+//! partition must take every partition.
 //!
 //! Deterministic: the same inputs give the same map, whatever the order of `nodes`. Scores
 //! use `f64::ln`, whose last bit may differ between platforms; the map is computed once, by
