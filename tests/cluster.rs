@@ -431,3 +431,106 @@ async fn a_copied_data_directory_cannot_pose_as_its_member() {
     let info = wait_for(&http, &nodes[1].u("/v1/cluster"), "the member back", |v| member_states(v).len() == 2).await;
     assert!(info["node"].as_u64().is_some(), "{info}");
 }
+
+/// A rebalance builds a new copy of a large partition from the active's files (an export
+/// streamed and ingested as tables), then catches it up from the change stream; writes
+/// acknowledged by a majority while it runs survive the loss of the node the data came from.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rebalance_copies_large_partitions_as_files_and_loses_nothing() {
+    // Four partitions, so that each holds more than a copy by files needs.
+    let args = ["--partitions", "4"];
+    let mut first = Node::start(&[&["--cluster-secret", SECRET, "--analytics-partitions", "0"][..], &args[..]].concat());
+    first.pin_port();
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    assert_eq!(http.put(first.u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    let r = http.post(first.u("/v1/collections/c/indexes")).json(&json!({"name": "by_n", "keys": ["n"]})).send().await.unwrap();
+    assert_eq!(r.status(), 201, "{}", r.text().await.unwrap_or_default());
+    const KEYS: usize = 12_000;
+    for chunk in (0..KEYS).collect::<Vec<_>>().chunks(2_000) {
+        let body: String = chunk
+            .iter()
+            .map(|i| json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"n": i % 100, "i": i}}).to_string() + "\n")
+            .collect();
+        let r = http.post(first.u("/v1/collections/c/_bulk?durability=persist")).body(body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(!r.text().await.unwrap().contains("\"error\""), "a bulk line failed");
+    }
+    // Two nodes join; the rebalance copies every partition to them while a writer runs.
+    let join = first.addr();
+    let mut nodes = vec![first];
+    for _ in 0..2 {
+        let mut n = Node::start(&[&["--cluster-secret", SECRET, "--analytics-partitions", "0", "--join", &join][..], &args[..]].concat());
+        n.pin_port();
+        nodes.push(n);
+    }
+    wait_for(&http, &nodes[0].u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (http, url, stop) = (http.clone(), nodes[0].u("/v1/collections/c/docs"), std::sync::Arc::clone(&stop));
+        tokio::spawn(async move {
+            let mut acked = Vec::new();
+            let mut i = 0usize;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let key = format!("w{i:05}");
+                let r = http.put(format!("{url}/{key}?durability=majority")).body(json!({"n": 7, "w": i}).to_string()).send().await;
+                if r.is_ok_and(|r| r.status() == 200) {
+                    acked.push(i);
+                }
+                i += 1;
+            }
+            acked
+        })
+    };
+    let r = http.post(nodes[1].u("/v1/cluster/rebalance")).json(&json!({"eject": []})).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 202);
+    let status = wait_for(&http, &nodes[1].u("/v1/cluster/rebalance"), "rebalance done", |v| v["state"] != "running").await;
+    assert_eq!(status["state"], "done", "{status}");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let acked = writer.await.unwrap();
+    let moves = status["moves"].as_array().unwrap();
+    assert!(!moves.is_empty(), "the new nodes take copies: {status}");
+    eprintln!(
+        "rebalance: {} moves, {} bytes from files, {} majority writes acknowledged meanwhile",
+        moves.len(),
+        status["bytes_done"],
+        acked.len()
+    );
+    assert!(moves.iter().all(|m| m["method"] == "files"), "every copy was built from files: {status}");
+    assert!(status["bytes_done"].as_u64().unwrap() > 12_000 * 20, "the copies' bytes are counted: {status}");
+
+    // The node the data came from dies; its partitions fail over to the copies built from
+    // files. Every document — loaded before, and acknowledged during the rebalance — is there.
+    let (_, info) = get_json(&http, &nodes[1].u("/v1/cluster")).await;
+    let first_id = node_id(&info, &nodes[0]).unwrap();
+    nodes[0].kill9();
+    wait_for(&http, &nodes[1].u("/v1/cluster"), "failover of the first node", |v| {
+        v["nodes"].as_array().is_some_and(|a| a.iter().any(|n| n["id"].as_u64() == Some(first_id) && n["state"] == "failed"))
+    })
+    .await;
+    let mut keys: Vec<String> = (0..KEYS).map(|i| format!("k{i:05}")).collect();
+    keys.extend(acked.iter().map(|i| format!("w{i:05}")));
+    for (n, batch) in keys.chunks(1_000).enumerate() {
+        let url = nodes[1 + n % 2].u("/v1/collections/c/_get");
+        let v = loop {
+            let r = http.post(&url).json(&json!({"keys": batch})).send().await.unwrap();
+            if r.status() == 200 {
+                break r.json::<Value>().await.unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        for (key, doc) in batch.iter().zip(v["docs"].as_array().unwrap()) {
+            assert_eq!(doc["key"], *key);
+            assert!(doc.get("value").is_some(), "{key} lost after the copy and the failover: {doc}");
+        }
+    }
+    // The receivers indexed what they ingested.
+    let r = http
+        .post(nodes[2].u("/v1/collections/c/indexes/by_n/scan"))
+        .json(&json!({"eq": [7], "consistency": "request_plus"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let rows = r.json::<Value>().await.unwrap()["rows"].as_array().unwrap().len();
+    assert_eq!(rows, KEYS / 100 + acked.len(), "the index on the copies has every row");
+}

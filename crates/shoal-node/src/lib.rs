@@ -16,6 +16,7 @@
 //! - [`rebalance`]: bringing nodes in and out by streaming copies, with a hand-over.
 
 pub mod acks;
+pub mod copy;
 pub mod failover;
 pub mod identity;
 pub mod node;
@@ -25,7 +26,7 @@ pub mod replica;
 pub mod wire;
 
 pub use node::{ClusterConfig, ClusterNode, Durable, Route};
-pub use peers::{Op, PeerError, PeerFuture, Peers};
+pub use peers::{ChunkStream, Op, PeerError, PeerFuture, PeerStreamFuture, Peers};
 
 use thiserror::Error;
 

@@ -137,6 +137,8 @@ pub struct ClusterNode {
     /// The leader's view of members' health (auto-failover), and serialises failovers.
     pub(crate) monitor: crate::failover::Monitor,
     pub(crate) rebalancer: crate::rebalance::Rebalancer,
+    /// Copies of partitions being built here from files (`copy`).
+    pub(crate) copies: crate::copy::Copies,
 }
 
 impl ClusterNode {
@@ -184,6 +186,7 @@ impl ClusterNode {
             replicators: Mutex::new(HashMap::new()),
             frozen: Mutex::new(HashMap::new()),
             rebalancer: crate::rebalance::Rebalancer::default(),
+            copies: crate::copy::Copies::default(),
             lease: crate::failover::Lease::default(),
             ready: watch::channel(false).0,
             fatal: watch::channel(None).0,
@@ -523,7 +526,16 @@ impl ClusterNode {
                 let answer = crate::failover::serve_ping(self, body)?;
                 serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
             }
+            Op::Export => Err(ClusterError::BadMessage("an export answers as a stream (`export_stream`)".into())),
         }
+    }
+
+    /// The streamed calls: an export of a partition (`copy::serve_export`), as chunks.
+    pub fn export_stream(
+        self: &Arc<Self>,
+        body: &[u8],
+    ) -> Result<tokio::sync::mpsc::Receiver<Result<bytes::Bytes, ClusterError>>, ClusterError> {
+        crate::copy::serve_export(self, body)
     }
 
     /// Admits a joining node: on the leader, adds it to the metadata (state `added`), as a
@@ -925,13 +937,21 @@ impl ClusterNode {
                         PartitionState::Active
                     }
                 } else if copies.replicas.contains(&me) {
-                    PartitionState::Replica
+                    // A copy being built from files stays pending until its ingest ends.
+                    if self.copies.is_building(p) {
+                        PartitionState::Pending
+                    } else {
+                        PartitionState::Replica
+                    }
                 } else {
                     PartitionState::Dead
                 };
                 (p, s)
             })
             .collect();
+        self.copies.retain_replicas(|p| {
+            desired.get(usize::from(p)).is_some_and(|(_, s)| matches!(s, PartitionState::Replica | PartitionState::Pending))
+        });
         let store = Arc::clone(self.engine.store());
         let version = map.version;
         let changed = blocking(move || {

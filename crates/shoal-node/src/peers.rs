@@ -34,6 +34,8 @@ pub enum Op {
     Handover,
     /// Which cluster a member belongs to (a restarted node checks the one it is told to join).
     Identify,
+    /// A replica asks the active for a partition's export (a copy by files; streamed).
+    Export,
 }
 
 impl Op {
@@ -52,6 +54,7 @@ impl Op {
             Op::Progress => "progress",
             Op::Handover => "handover",
             Op::Identify => "identify",
+            Op::Export => "export",
         }
     }
 
@@ -69,6 +72,7 @@ impl Op {
             "progress" => Op::Progress,
             "handover" => Op::Handover,
             "identify" => Op::Identify,
+            "export" => Op::Export,
             _ => return None,
         })
     }
@@ -86,10 +90,17 @@ pub enum PeerError {
 }
 
 pub type PeerFuture = Pin<Box<dyn Future<Output = Result<Vec<u8>, PeerError>> + Send>>;
+/// An answer read as it arrives (a partition's copy).
+pub type ChunkStream = Pin<Box<dyn futures::Stream<Item = Result<bytes::Bytes, PeerError>> + Send>>;
+pub type PeerStreamFuture = Pin<Box<dyn Future<Output = Result<ChunkStream, PeerError>> + Send>>;
 
 /// Sends one request to the member at `address` and returns its answer body.
 pub trait Peers: Send + Sync + 'static {
     fn call(&self, address: &str, op: Op, body: Vec<u8>, timeout: Duration) -> PeerFuture;
+
+    /// Like `call`, but the answer comes as a stream of chunks; `timeout` bounds the wait
+    /// for the answer to start (the caller bounds the gaps between chunks).
+    fn stream(&self, address: &str, op: Op, body: Vec<u8>, timeout: Duration) -> PeerStreamFuture;
 }
 
 /// Raft's transport over `Peers`.
@@ -126,6 +137,7 @@ mod tests {
             Op::Progress,
             Op::Handover,
             Op::Identify,
+            Op::Export,
         ];
         for op in ops {
             assert_eq!(Op::from_name(op.name()), Some(op));

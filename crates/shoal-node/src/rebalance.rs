@@ -50,6 +50,18 @@ pub struct RebalanceStatus {
     pub state: String,
     pub moves_total: usize,
     pub moves_done: usize,
+    /// Bytes the copies built from files carry (estimated by their sources until each
+    /// ends), how many arrived, and the rate since the rebalance started; copies built
+    /// from the change stream are not counted.
+    #[serde(default)]
+    pub bytes_total: u64,
+    #[serde(default)]
+    pub bytes_done: u64,
+    #[serde(default)]
+    pub bytes_per_s: f64,
+    /// Seconds left at that rate (`None` before anything arrived).
+    #[serde(default)]
+    pub eta_s: Option<f64>,
     pub message: String,
     pub moves: Vec<MoveStatus>,
 }
@@ -60,8 +72,14 @@ pub struct MoveStatus {
     pub id: PartitionId,
     pub from: Option<u64>,
     pub to: u64,
+    /// `files` (a copy of the partition's tables) or `stream` (a backfill from the
+    /// change stream: small partitions, copies that hold data, and the fallback).
     pub method: String,
     pub state: String,
+    #[serde(default)]
+    pub bytes_total: u64,
+    #[serde(default)]
+    pub bytes_done: u64,
 }
 
 #[derive(Default)]
@@ -94,6 +112,9 @@ pub(crate) struct ProgressAnswer {
     /// recently (majority writes to them may be refused as impossible).
     #[serde(default)]
     pub unsettled: Vec<PartitionId>,
+    /// Copies being built (or built) here from files, and how far they are.
+    #[serde(default)]
+    pub copies: Vec<(PartitionId, crate::copy::CopyProgress)>,
 }
 
 /// Starts a rebalance (leader only); answers how many copies it builds.
@@ -113,7 +134,7 @@ pub async fn start(node: &Arc<ClusterNode>, eject: Vec<u64>) -> Result<usize, Cl
     let (current, target) = target_map(node, &eject)?;
     let moves = moves(&current, &target);
     *node.rebalancer.status.lock() =
-        RebalanceStatus { state: "running".into(), moves_total: moves.len(), moves_done: 0, message: String::new(), moves: moves.clone() };
+        RebalanceStatus { state: "running".into(), moves_total: moves.len(), moves: moves.clone(), ..RebalanceStatus::default() };
     let n = Arc::clone(node);
     tokio::spawn(async move {
         let outcome = run(&n, eject).await;
@@ -174,6 +195,8 @@ fn moves(current: &PartitionMap, target: &PartitionMap) -> Vec<MoveStatus> {
                     to: n.0,
                     method: "stream".into(),
                     state: "waiting".into(),
+                    bytes_total: 0,
+                    bytes_done: 0,
                 });
             }
         }
@@ -218,8 +241,11 @@ async fn run(node: &Arc<ClusterNode>, eject: Vec<u64>) -> Result<(), ClusterErro
         .flat_map(|((p, cur), want)| want.nodes().filter(|n| !cur.holds(*n)).map(move |n| (p, n, cur.active)).collect::<Vec<_>>())
         .collect();
     let deadline = Instant::now() + CATCH_UP_MAX;
+    let started = Instant::now();
     loop {
-        let progress = progress_of(node, &map).await;
+        let answers = progress_answers(node, &map).await;
+        let progress = progress_of(&answers);
+        show_copies(node, &answers, started);
         let behind = new_copies
             .iter()
             .filter(|(p, n, active)| {
@@ -295,16 +321,40 @@ fn set_moves(node: &ClusterNode, state: &str) {
     }
 }
 
-/// Every copy's progress in `map`, asked of each node that holds one (missing when a node
-/// does not answer).
-async fn progress_of(node: &Arc<ClusterNode>, map: &PartitionMap) -> HashMap<(PartitionId, NodeId), u64> {
+/// Every copy's progress, from the answers of the nodes that hold them (missing when a
+/// node did not answer).
+fn progress_of(answers: &HashMap<NodeId, Option<ProgressAnswer>>) -> HashMap<(PartitionId, NodeId), u64> {
     let mut out = HashMap::new();
-    for (holder, answer) in progress_answers(node, map).await {
-        for (p, s) in answer.into_iter().flat_map(|a| a.partitions) {
-            out.insert((p, holder), s);
+    for (holder, answer) in answers {
+        for (p, s) in answer.iter().flat_map(|a| &a.partitions) {
+            out.insert((*p, *holder), *s);
         }
     }
     out
+}
+
+/// Puts the receivers' file copies into the status: each move's method and bytes, and the
+/// totals, rate and time left.
+fn show_copies(node: &ClusterNode, answers: &HashMap<NodeId, Option<ProgressAnswer>>, started: Instant) {
+    let mut status = node.rebalancer.status.lock();
+    let (mut total, mut done) = (0u64, 0u64);
+    for m in &mut status.moves {
+        let copy = answers.get(&NodeId(m.to)).and_then(|a| a.as_ref()).and_then(|a| a.copies.iter().find(|(p, _)| *p == m.id));
+        let Some((_, copy)) = copy else { continue };
+        m.method = copy.method.clone();
+        if copy.method == "files" {
+            m.bytes_total = copy.bytes_total.max(copy.bytes_done);
+            m.bytes_done = copy.bytes_done;
+            m.state = if copy.state == "copying" { "copying".into() } else { "catching up".into() };
+            total += m.bytes_total;
+            done += m.bytes_done;
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    status.bytes_total = total;
+    status.bytes_done = done;
+    status.bytes_per_s = if secs > 0.0 { done as f64 / secs } else { 0.0 };
+    status.eta_s = (status.bytes_per_s > 0.0).then(|| total.saturating_sub(done) as f64 / status.bytes_per_s);
 }
 
 /// The progress answer of each node holding a copy in `map` (`None` when it did not answer).
@@ -344,7 +394,7 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
             }
         }
     }
-    ProgressAnswer { partitions: sums.into_iter().collect(), unsettled }
+    ProgressAnswer { partitions: sums.into_iter().collect(), unsettled, copies: node.copies.progress() }
 }
 
 /// An active's side of a hand-over: freezes the partitions (writes refused), waits until

@@ -59,6 +59,7 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
             }
         }
         let first = parts.iter().any(|p| !snapshot_end.contains_key(&(p.collection, p.partition)));
+        let asked: Vec<(u16, u64)> = parts.iter().map(|p| (p.partition, p.seqno)).collect();
         let map_version = state.map.as_ref().map_or(0, |m| m.version);
         let wait_ms = if first { 0 } else { u32::try_from(PULL_WAIT.as_millis()).unwrap_or(u32::MAX) };
         let request = PullRequest { from: node.id, map_version, round, wait_ms, parts };
@@ -82,7 +83,24 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
             break;
         }
         round = answer.round;
+        // Empty copies with a large backfill are built from files instead (`copy`).
+        let backlog: Vec<(u16, u64)> = answer
+            .parts
+            .iter()
+            .filter_map(|part| match &part.kind {
+                PartKind::Changes { high, .. } => Some((part.partition, *high)),
+                _ => None,
+            })
+            .collect();
+        let limit = usize::try_from(node.state().settings.rebalance_moves_per_node).unwrap_or(usize::MAX).max(1);
+        let by_files = crate::copy::choose(&node.copies, &asked, &backlog, limit);
+        for &p in &by_files {
+            crate::copy::start(&node, source, address.clone(), p);
+        }
         for part in answer.parts {
+            if by_files.contains(&part.partition) {
+                continue;
+            }
             let key = (part.collection, part.partition);
             match apply_part(&node, &address, part).await {
                 Ok(Some(end)) => {
@@ -114,7 +132,11 @@ fn following(node: &ClusterNode, state: &MetaState, source: u64) -> Option<Strin
 fn parts_from(node: &ClusterNode, state: &MetaState, source: u64, snapshot_end: &HashMap<(u32, u16), u64>) -> Vec<PullPart> {
     let me = NodeId(node.id);
     let Some(map) = &state.map else { return Vec::new() };
-    let partitions: Vec<u16> = map.iter().filter(|(_, c)| c.active.0 == source && c.replicas.contains(&me)).map(|(p, _)| p).collect();
+    let partitions: Vec<u16> = map
+        .iter()
+        .filter(|(p, c)| c.active.0 == source && c.replicas.contains(&me) && !node.copies.is_building(*p))
+        .map(|(p, _)| p)
+        .collect();
     let store = node.engine.store();
     let mut parts = Vec::new();
     for (name, def) in &state.collections {
@@ -144,7 +166,7 @@ async fn apply_part(node: &Arc<ClusterNode>, source_address: &str, part: PartAns
             adopt(node, source_address, &coll, p, history).await?;
             Ok(None)
         }
-        PartKind::Changes { history, changes, snapshot_end } => {
+        PartKind::Changes { history, changes, snapshot_end, .. } => {
             if let Some(history) = history {
                 adopt(node, source_address, &coll, p, history).await?;
             }
@@ -314,6 +336,7 @@ fn read_part(coll: &Collection, part: &PullPart) -> PartKind {
             history,
             changes: changes.into_iter().map(WireChange::from_change).collect(),
             snapshot_end: reader.snapshot_end(),
+            high: coll.high_seqno(p),
         },
         Err(e) => refused(&e),
     }

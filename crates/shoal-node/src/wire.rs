@@ -74,7 +74,8 @@ pub struct PartAnswer {
 pub enum PartKind {
     /// Changes after the replica's position. `history` is the active's failover log when the
     /// replica's position is not on its current history (the replica adopts it first).
-    Changes { history: Option<Vec<FailoverEntry>>, changes: Vec<WireChange>, snapshot_end: u64 },
+    /// `high` is the active's high seqno when it read them (how far a backfill has to go).
+    Changes { history: Option<Vec<FailoverEntry>>, changes: Vec<WireChange>, snapshot_end: u64, high: u64 },
     /// The replica holds changes the active's history does not: roll back to `to`, adopt
     /// `history`, then pull again.
     Rollback { to: u64, history: Vec<FailoverEntry> },

@@ -11,9 +11,10 @@ use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use futures::StreamExt;
 use serde::Deserialize;
 use shoal_meta::{MemberState, MetaCommand, MetaReject, SettingsPatch};
-use shoal_node::{ClusterError, Op, PeerError, PeerFuture, Peers, Route};
+use shoal_node::{ChunkStream, ClusterError, Op, PeerError, PeerFuture, PeerStreamFuture, Peers, Route};
 
 use crate::docs::json_response;
 use crate::error::ApiError;
@@ -126,19 +127,67 @@ impl Peers for HttpPeers {
             if status.is_success() {
                 return Ok(bytes.to_vec());
             }
-            let (code, message) = match serde_json::from_slice::<serde_json::Value>(&bytes) {
-                Ok(v) => (
-                    v.get("error").and_then(|c| c.as_str()).unwrap_or("unknown").to_string(),
-                    v.get("reason").and_then(|c| c.as_str()).unwrap_or("").to_string(),
-                ),
-                Err(_) => (status.as_u16().to_string(), String::from_utf8_lossy(&bytes).chars().take(200).collect()),
-            };
-            // A member that is busy or between leaders may answer later: retry as if down.
-            if status == StatusCode::SERVICE_UNAVAILABLE {
-                return Err(PeerError::Unreachable { address, why: format!("{code}: {message}") });
-            }
-            Err(PeerError::Refused { address, code, message })
+            Err(refusal(address, status, &bytes))
         })
+    }
+
+    fn stream(&self, address: &str, op: Op, body: Vec<u8>, timeout: Duration) -> PeerStreamFuture {
+        if self.faults.is_cut(address) {
+            let address = address.to_string();
+            return Box::pin(async move {
+                tokio::time::sleep(CUT_CALL_DELAY.min(timeout)).await;
+                Err(PeerError::Unreachable { address, why: "cut off by fault injection".into() })
+            });
+        }
+        // No overall timeout: a copy takes as long as its size needs; the caller bounds
+        // the gaps between chunks. The answer must start within `timeout`.
+        let request =
+            self.client.post(format!("http://{address}/v1/_internal/{}", op.name())).header(SECRET_HEADER, &self.secret).body(body).send();
+        let address = address.to_string();
+        let faults = std::sync::Arc::clone(&self.faults);
+        Box::pin(async move {
+            let unreachable = |why: String| PeerError::Unreachable { address: address.clone(), why };
+            let response = tokio::time::timeout(timeout, request)
+                .await
+                .map_err(|_| unreachable(format!("no answer in {timeout:?}")))?
+                .map_err(|e| unreachable(e.to_string()))?;
+            let status = response.status();
+            if !status.is_success() {
+                let bytes = response.bytes().await.map_err(|e| unreachable(e.to_string()))?;
+                return Err(refusal(address, status, &bytes));
+            }
+            let chunks = response.bytes_stream().map(move |chunk| {
+                // A cut made while the copy runs breaks it, as a dropped link would.
+                if faults.is_cut(&address) {
+                    return Err(PeerError::Unreachable { address: address.clone(), why: "cut off by fault injection".into() });
+                }
+                chunk.map_err(|e| PeerError::Unreachable { address: address.clone(), why: e.to_string() })
+            });
+            Ok(Box::pin(chunks) as ChunkStream)
+        })
+    }
+}
+
+/// The error a member's non-success answer means.
+fn refusal(address: String, status: StatusCode, bytes: &[u8]) -> PeerError {
+    let (code, message) = HttpPeers::error_of(status, bytes);
+    // A member that is busy or between leaders may answer later: retry as if down.
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        return PeerError::Unreachable { address, why: format!("{code}: {message}") };
+    }
+    PeerError::Refused { address, code, message }
+}
+
+impl HttpPeers {
+    /// The `(code, message)` of an error answer.
+    fn error_of(status: StatusCode, bytes: &[u8]) -> (String, String) {
+        match serde_json::from_slice::<serde_json::Value>(bytes) {
+            Ok(v) => (
+                v.get("error").and_then(|c| c.as_str()).unwrap_or("unknown").to_string(),
+                v.get("reason").and_then(|c| c.as_str()).unwrap_or("").to_string(),
+            ),
+            Err(_) => (status.as_u16().to_string(), String::from_utf8_lossy(bytes).chars().take(200).collect()),
+        }
     }
 }
 
@@ -180,6 +229,15 @@ pub async fn internal(State(state): State<AppState>, Path(op): Path<String>, hea
         return set_faults(&state, &body).await;
     }
     let op = Op::from_name(&op).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "bad_request", format!("no internal call {op}")))?;
+    if op == Op::Export {
+        let chunks = node.export_stream(&body).map_err(cluster_error)?;
+        // An error mid-copy ends the body abruptly: the receiver sees no end marker and
+        // keeps nothing.
+        let chunks =
+            futures::stream::unfold(chunks, |mut rx| async move { rx.recv().await.map(|c| (c.map_err(std::io::Error::other), rx)) });
+        let body = Body::from_stream(chunks);
+        return Ok((StatusCode::OK, [(header::CONTENT_TYPE, "application/octet-stream")], body).into_response());
+    }
     let answer = node.handle(op, &body).await.map_err(cluster_error)?;
     Ok((StatusCode::OK, [(header::CONTENT_TYPE, "application/octet-stream")], answer).into_response())
 }

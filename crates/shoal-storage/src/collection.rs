@@ -97,6 +97,11 @@ impl Collection {
     }
 
     /// The high seqno of every partition, in partition order.
+    /// Partition `partition`'s high seqno (0 for a partition that does not exist).
+    pub fn high_seqno(&self, partition: PartitionId) -> SeqNo {
+        self.partitions.get(usize::from(partition)).map_or(0, |p| p.load().high_seqno())
+    }
+
     pub fn high_seqnos(&self) -> Vec<SeqNo> {
         self.partitions.iter().map(|p| p.load().high_seqno()).collect()
     }

@@ -21,6 +21,7 @@ mod unit;
 
 pub mod changes;
 pub mod consumer;
+pub mod copy_stream;
 
 pub use changes::{Change, PartitionSubscription, StreamPosition};
 pub use clock::{IdSource, ManualClock, RandomIds, SeededIds, SystemClock, TimeSource};

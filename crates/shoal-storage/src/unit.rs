@@ -121,11 +121,22 @@ pub struct PartitionExport {
     /// Collections still to read, in id order (so the records come in key order).
     todo: VecDeque<u32>,
     iter: Option<fjall::Iter>,
+    estimated_bytes: u64,
 }
+
+/// Bytes an export carries per live document besides its body: its key (twice), the
+/// by-sequence record and the document's metadata — for progress estimates only.
+const EXPORT_BYTES_PER_DOC_ESTIMATE: u64 = 64;
 
 impl PartitionExport {
     pub fn header(&self) -> &ExportHeader {
         &self.header
+    }
+
+    /// About how many bytes of records the export carries (live documents' bodies plus a
+    /// per-document allowance; deleted documents' records are not counted): for progress.
+    pub fn estimated_bytes(&self) -> u64 {
+        self.estimated_bytes
     }
 }
 
@@ -249,8 +260,16 @@ impl Store {
                 .collect(),
         };
         drop(held);
+        let estimated_bytes = parts
+            .iter()
+            .map(|part| {
+                let count = u64::try_from(part.docs_count.load(Ordering::Relaxed)).unwrap_or(0);
+                let bytes = u64::try_from(part.docs_bytes.load(Ordering::Relaxed)).unwrap_or(0);
+                bytes + count * EXPORT_BYTES_PER_DOC_ESTIMATE
+            })
+            .sum();
         let todo = header.collections.iter().map(|c| c.id).collect();
-        Ok(PartitionExport { header, snapshot, ks: unit.ks.read().clone(), todo, iter: None })
+        Ok(PartitionExport { header, snapshot, ks: unit.ks.read().clone(), todo, iter: None, estimated_bytes })
     }
 
     /// Loads an export of partition `p` from another node (or this one) into this node's

@@ -1,0 +1,378 @@
+//! File-based copies (the `"files"` method): a new copy of a partition is built from the
+//! active's export — a consistent snapshot of the partition's keyspace, streamed in key order
+//! as length-prefixed records — ingested as table files (`Store::ingest_partition`: no
+//! journal, no write path), and then catches up from the change stream at the export's
+//! positions like any replica. This is seed 003's fix: the copy moves sorted runs, not
+//! changes one by one.
+//!
+//! A replica takes this path when its copy of a partition is empty and the active's first
+//! answer shows a backfill of at least `COPY_MIN_CHANGES` changes; otherwise (a small
+//! partition, or a copy that already holds data — a returning node, which rolls back and
+//! catches up) it backfills from the change stream (`"stream"`), which is also the fallback
+//! when a copy fails (the half-ingested copy is dropped first).
+//!
+//! The stream's format is `shoal_storage::copy_stream`'s.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use futures::StreamExt;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use shoal_cluster::NodeId;
+use shoal_storage::copy_stream::{CopyHeader, Frame, FrameDecoder, FrameEncoder, FrameError};
+use shoal_storage::{IngestStats, PartitionError, PartitionState};
+use tokio::sync::mpsc;
+
+use crate::node::{blocking, ClusterNode};
+use crate::peers::{ChunkStream, Op};
+use crate::ClusterError;
+
+/// A copy by files starts only when the active's first answer shows at least this many
+/// changes to backfill; below it the change stream is as quick.
+pub const COPY_MIN_CHANGES: u64 = 4 * crate::replica::PULL_BATCH_CHANGES as u64;
+/// Records are sent in chunks of about this many bytes.
+pub const COPY_CHUNK_BYTES: usize = 1024 * 1024;
+/// Chunks queued between the network and the ingest (and between the export and the network).
+const COPY_QUEUE_CHUNKS: usize = 8;
+/// A copy whose source sends nothing for this long fails (and falls back to the stream).
+pub const COPY_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What a replica asks of the active: an export of `partition`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ExportRequest {
+    pub from: u64,
+    pub partition: u16,
+}
+
+/// How one copy being built here goes (shown in the rebalance's progress).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CopyProgress {
+    /// `files` or `stream`.
+    pub method: String,
+    pub bytes_total: u64,
+    pub bytes_done: u64,
+    /// `copying`, `done`, `failed` (then the stream takes over).
+    pub state: String,
+}
+
+/// This node's file copies: which partitions are being built, their progress, the
+/// concurrency limit, and the pacing of exports it serves.
+#[derive(Default)]
+pub struct Copies {
+    building: Mutex<BTreeMap<u16, CopyProgress>>,
+    /// Partitions whose file copy failed: they backfill from the change stream instead.
+    streamed: Mutex<std::collections::BTreeSet<u16>>,
+    /// When the next exported chunk may leave (the bandwidth budget).
+    pace: Mutex<Option<Instant>>,
+}
+
+impl Copies {
+    /// Whether partition `p` is being built from files here (its parts are not pulled).
+    pub fn is_building(&self, p: u16) -> bool {
+        self.building.lock().get(&p).is_some_and(|c| c.state == "copying")
+    }
+
+    pub fn progress(&self) -> Vec<(u16, CopyProgress)> {
+        self.building.lock().iter().map(|(p, c)| (*p, c.clone())).collect()
+    }
+
+    /// Forgets the copies of partitions this node holds as a replica no more (they became
+    /// active, or went away): what the next rebalance shows is its own.
+    pub(crate) fn retain_replicas(&self, replica: impl Fn(u16) -> bool) {
+        self.building.lock().retain(|p, c| c.state == "copying" || replica(*p));
+        self.streamed.lock().retain(|p| replica(*p));
+    }
+
+    fn may_copy(&self, p: u16) -> bool {
+        !self.streamed.lock().contains(&p) && !self.is_building(p)
+    }
+
+    fn running(&self) -> usize {
+        self.building.lock().values().filter(|c| c.state == "copying").count()
+    }
+
+    fn set(&self, p: u16, f: impl FnOnce(&mut CopyProgress)) {
+        f(self.building.lock().entry(p).or_default());
+    }
+
+    /// Waits so that exports leave this node at most `mb_per_s` (0: no limit).
+    fn pace(&self, bytes: usize, mb_per_s: u32) -> Duration {
+        if mb_per_s == 0 {
+            return Duration::ZERO;
+        }
+        let cost = Duration::from_secs_f64(bytes as f64 / (f64::from(mb_per_s) * 1_000_000.0));
+        let now = Instant::now();
+        let mut next = self.pace.lock();
+        let start = next.map_or(now, |n| n.max(now));
+        *next = Some(start + cost);
+        start - now
+    }
+}
+
+/// Which of the partitions in a pull answer should be built from files: the copy here is
+/// empty (every part this node asked for is at seqno 0), it is not already being built
+/// and has not failed before, and some part has at least `COPY_MIN_CHANGES` to backfill.
+/// `asked` is (partition, seqno) per part asked; `backlog` (partition, the active's high seqno).
+pub(crate) fn choose(copies: &Copies, asked: &[(u16, u64)], backlog: &[(u16, u64)], limit: usize) -> Vec<u16> {
+    let mut chosen: Vec<u16> = backlog
+        .iter()
+        .filter(|(_, high)| *high >= COPY_MIN_CHANGES)
+        .map(|(p, _)| *p)
+        .filter(|p| asked.iter().filter(|(q, _)| q == p).all(|(_, seqno)| *seqno == 0))
+        .filter(|p| copies.may_copy(*p))
+        .collect();
+    chosen.sort_unstable();
+    chosen.dedup();
+    chosen.truncate(limit.saturating_sub(copies.running()));
+    chosen
+}
+
+/// Builds this node's copy of partition `p` from `source`'s export, in the background; when
+/// it ends (either way), the partition follows the map again.
+pub(crate) fn start(node: &Arc<ClusterNode>, source: u64, address: String, p: u16) {
+    node.copies.set(p, |c| *c = CopyProgress { method: "files".into(), state: "copying".into(), ..CopyProgress::default() });
+    let node = Arc::clone(node);
+    tokio::spawn(async move {
+        let started = Instant::now();
+        let outcome = copy(&node, &address, p).await;
+        match &outcome {
+            Ok(stats) => {
+                let secs = started.elapsed().as_secs_f64();
+                tracing::info!(
+                    partition = p,
+                    source,
+                    records = stats.records,
+                    bytes = stats.bytes,
+                    mb_per_s = stats.bytes as f64 / 1e6 / secs.max(1e-9),
+                    "partition copied from files"
+                );
+                node.copies.set(p, |c| {
+                    c.state = "done".into();
+                    c.bytes_done = stats.bytes;
+                    c.bytes_total = stats.bytes;
+                });
+                metrics::counter!("shoal_rebalance_bytes_total", "method" => "files").increment(stats.bytes);
+            }
+            Err(e) => {
+                tracing::warn!(partition = p, source, error = %e, "copy from files failed; the change stream backfills instead");
+                node.copies.streamed.lock().insert(p);
+                node.copies.set(p, |c| {
+                    c.state = "failed".into();
+                    c.method = "stream".into();
+                });
+                // Whatever was ingested goes: the stream starts from an empty copy.
+                let store = Arc::clone(node.engine.store());
+                if let Ok(Err(e)) = blocking(move || store.drop_partition(p)).await {
+                    tracing::warn!(partition = p, error = %e, "dropping a failed copy");
+                }
+            }
+        }
+        if let Err(e) = node.apply_current_map().await {
+            tracing::warn!(partition = p, error = %e, "applying the map after a copy");
+        }
+    });
+}
+
+/// One copy: pending, export → ingest, then a replica.
+async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16) -> Result<IngestStats, ClusterError> {
+    let store = Arc::clone(node.engine.store());
+    blocking(move || match store.partition_state(p)? {
+        PartitionState::Replica => store.set_partition_state(p, PartitionState::Pending),
+        PartitionState::Pending => Ok(()),
+        state => Err(PartitionError::Malformed(format!("partition {p} is {state} here"))),
+    })
+    .await?
+    .map_err(|e| ClusterError::Storage(e.to_string()))?;
+    let request = crate::wire::encode(&ExportRequest { from: node.id, partition: p });
+    let mut stream = node.peers.stream(address, Op::Export, request, COPY_IDLE_TIMEOUT).await?;
+    let mut decoder = FrameDecoder::default();
+    let header = loop {
+        match decoder.next_frame().map_err(bad)? {
+            Some(Frame::Header(h)) => break h,
+            Some(_) => return Err(ClusterError::BadMessage("a copy without its header".into())),
+            None => match next_chunk(&mut stream).await? {
+                Some(chunk) => decoder.push(&chunk),
+                None => return Err(bad(FrameError::Truncated)),
+            },
+        }
+    };
+    if header.export.partition != p {
+        return Err(ClusterError::BadMessage(format!("asked for partition {p}, got {}", header.export.partition)));
+    }
+    node.copies.set(p, |c| c.bytes_total = header.bytes_estimate);
+    let (tx, rx) = mpsc::channel::<Result<Vec<(Bytes, Bytes)>, PartitionError>>(COPY_QUEUE_CHUNKS);
+    let store = Arc::clone(node.engine.store());
+    let export = header.export.clone();
+    let ingest = tokio::task::spawn_blocking(move || store.ingest_partition(&export, Batches { rx, batch: Vec::new().into_iter() }));
+    let pumped = pump(node, p, &mut stream, &mut decoder, &tx).await;
+    if let Err(e) = &pumped {
+        // The ingest must not finish on a part of the copy.
+        let _ = tx.send(Err(PartitionError::Malformed(e.to_string()))).await;
+    }
+    drop(tx);
+    let ingested = ingest.await.map_err(|e| ClusterError::Storage(format!("ingest task failed: {e}")))?;
+    pumped?;
+    let stats = ingested.map_err(|e| ClusterError::Storage(e.to_string()))?;
+    // A replica now, at the export's positions: the pulls take it from there.
+    let store = Arc::clone(node.engine.store());
+    blocking(move || store.set_partition_state(p, PartitionState::Replica)).await?.map_err(|e| ClusterError::Storage(e.to_string()))?;
+    Ok(stats)
+}
+
+/// Moves records from the network to the ingest until the end marker.
+async fn pump(
+    node: &ClusterNode,
+    p: u16,
+    stream: &mut ChunkStream,
+    decoder: &mut FrameDecoder,
+    tx: &mpsc::Sender<Result<Vec<(Bytes, Bytes)>, PartitionError>>,
+) -> Result<(), ClusterError> {
+    loop {
+        let mut batch = Vec::new();
+        let mut bytes = 0u64;
+        let mut ended = false;
+        while let Some(frame) = decoder.next_frame().map_err(bad)? {
+            match frame {
+                Frame::Record(k, v) => {
+                    bytes += (k.len() + v.len()) as u64;
+                    batch.push((k, v));
+                }
+                Frame::End => ended = true,
+                Frame::Header(_) => return Err(ClusterError::BadMessage("a second header".into())),
+            }
+        }
+        if !batch.is_empty() {
+            if tx.send(Ok(batch)).await.is_err() {
+                // The ingest stopped (it refused a record): its error says why.
+                return Ok(());
+            }
+            node.copies.set(p, |c| c.bytes_done += bytes);
+        }
+        if ended {
+            return match next_chunk(stream).await? {
+                None => decoder.finish().map_err(bad),
+                Some(_) => Err(bad(FrameError::Trailing)),
+            };
+        }
+        match next_chunk(stream).await? {
+            Some(chunk) => decoder.push(&chunk),
+            None => return Err(bad(decoder.finish().err().unwrap_or(FrameError::Truncated))),
+        }
+    }
+}
+
+async fn next_chunk(stream: &mut ChunkStream) -> Result<Option<Bytes>, ClusterError> {
+    match tokio::time::timeout(COPY_IDLE_TIMEOUT, stream.next()).await {
+        Err(_) => Err(ClusterError::Refused(format!("the copy's source sent nothing for {COPY_IDLE_TIMEOUT:?}"))),
+        Ok(None) => Ok(None),
+        Ok(Some(chunk)) => Ok(Some(chunk?)),
+    }
+}
+
+fn bad(e: FrameError) -> ClusterError {
+    ClusterError::BadMessage(e.to_string())
+}
+
+/// The records of the copy as the ingest reads them (blocking on the network side).
+struct Batches {
+    rx: mpsc::Receiver<Result<Vec<(Bytes, Bytes)>, PartitionError>>,
+    batch: std::vec::IntoIter<(Bytes, Bytes)>,
+}
+
+impl Iterator for Batches {
+    type Item = Result<(Bytes, Bytes), PartitionError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            if let Some(record) = self.batch.next() {
+                return Some(Ok(record));
+            }
+            match self.rx.blocking_recv()? {
+                Ok(batch) => self.batch = batch.into_iter(),
+                Err(e) => return Some(Err(e)),
+            }
+        }
+    }
+}
+
+/// The active's side: an export of the partition, as chunks of the copy stream. Only a
+/// member the map names as a replica of a partition this node is active for gets one.
+pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc::Receiver<Result<Bytes, ClusterError>>, ClusterError> {
+    let req: ExportRequest = crate::wire::decode(body).map_err(ClusterError::BadMessage)?;
+    let state = node.state();
+    let map = state.map.as_ref().ok_or_else(|| ClusterError::Refused("no partition map yet".into()))?;
+    let copies = map
+        .partitions
+        .get(usize::from(req.partition))
+        .ok_or_else(|| ClusterError::BadMessage(format!("no partition {}", req.partition)))?;
+    if copies.active.0 != node.id || !copies.replicas.contains(&NodeId(req.from)) {
+        return Err(ClusterError::Refused(format!(
+            "not the active of partition {} for node {} at map version {}",
+            req.partition, req.from, map.version
+        )));
+    }
+    let export = node.engine.store().export_partition(req.partition).map_err(|e| ClusterError::Storage(e.to_string()))?;
+    let (tx, rx) = mpsc::channel(COPY_QUEUE_CHUNKS);
+    let node = Arc::clone(node);
+    tokio::task::spawn_blocking(move || {
+        let header = CopyHeader { export: export.header().clone(), bytes_estimate: export.estimated_bytes() };
+        let mut out = BytesMut::with_capacity(COPY_CHUNK_BYTES + 64 * 1024);
+        FrameEncoder::header(&mut out, &header);
+        let mut encoder = FrameEncoder::default();
+        let send = |out: &mut BytesMut| {
+            let wait = node.copies.pace(out.len(), node.state().settings.rebalance_mb_per_s);
+            if !wait.is_zero() {
+                std::thread::sleep(wait);
+            }
+            tx.blocking_send(Ok(out.split().freeze())).is_ok()
+        };
+        for record in export {
+            match record {
+                Ok((k, v)) => encoder.record(&mut out, &k, &v),
+                Err(e) => {
+                    // The receiver sees an error, never an end marker: it keeps nothing.
+                    let _ = tx.blocking_send(Err(ClusterError::Storage(e.to_string())));
+                    return;
+                }
+            }
+            if out.len() >= COPY_CHUNK_BYTES && !send(&mut out) {
+                return; // the receiver went away
+            }
+        }
+        encoder.end(&mut out);
+        send(&mut out);
+    });
+    Ok(rx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_empty_copies_with_a_backlog_are_chosen_within_the_limit() {
+        let copies = Copies::default();
+        let asked = [(1, 0), (1, 0), (2, 5), (3, 0), (4, 0), (5, 0)];
+        let backlog =
+            [(1, COPY_MIN_CHANGES), (2, 10 * COPY_MIN_CHANGES), (3, COPY_MIN_CHANGES - 1), (4, COPY_MIN_CHANGES), (5, COPY_MIN_CHANGES)];
+        assert_eq!(choose(&copies, &asked, &backlog, 8), vec![1, 4, 5], "2 holds data, 3 is small");
+        assert_eq!(choose(&copies, &asked, &backlog, 2), vec![1, 4]);
+        copies.set(1, |c| c.state = "copying".into());
+        copies.streamed.lock().insert(4);
+        assert_eq!(choose(&copies, &asked, &backlog, 2), vec![5], "one runs, one failed before");
+        assert_eq!(choose(&copies, &asked, &backlog, 1), Vec::<u16>::new());
+    }
+
+    #[test]
+    fn pacing_spreads_chunks_over_the_budget() {
+        let copies = Copies::default();
+        assert_eq!(copies.pace(1_000_000, 0), Duration::ZERO);
+        let first = copies.pace(1_000_000, 10);
+        let second = copies.pace(1_000_000, 10);
+        assert!(first <= Duration::from_millis(5), "{first:?}");
+        assert!(second >= Duration::from_millis(90) && second <= Duration::from_millis(100), "{second:?}");
+    }
+}
