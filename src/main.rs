@@ -125,6 +125,10 @@ struct ServeArgs {
     /// other members: for fault tests only.
     #[arg(long, hide = true)]
     fault_injection: bool,
+    /// Builds new copies of partitions on this node from the change stream only, never from
+    /// files: for the rebalance benchmark's comparison.
+    #[arg(long, hide = true)]
+    copy_by_stream: bool,
     /// The address other members and clients reach this node at (default: the listen
     /// address; set it when listening on 0.0.0.0).
     #[arg(long)]
@@ -206,7 +210,12 @@ async fn serve(args: ServeArgs) -> Result<(), cli::CliError> {
             idle_timeout: std::time::Duration::from_secs(args.idle_timeout_secs.max(1)),
             body_read_timeout: std::time::Duration::from_secs(args.body_read_timeout_secs.max(1)),
         },
-        cluster: shoal_node::ClusterConfig { advertise: args.advertise.unwrap_or_default(), join: args.join, secret: args.cluster_secret },
+        cluster: shoal_node::ClusterConfig {
+            advertise: args.advertise.unwrap_or_default(),
+            join: args.join,
+            secret: args.cluster_secret,
+            copy_by_stream: args.copy_by_stream,
+        },
         fault_injection: args.fault_injection,
     };
     let signal = shutdown_signal()?;

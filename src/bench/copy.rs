@@ -37,6 +37,19 @@ pub struct CopyArgs {
     blob_threshold: Option<u32>,
 }
 
+impl CopyArgs {
+    /// The ceiling `shoal bench rebalance` prints: `docs` documents, on 1 and as many
+    /// threads as cores.
+    pub(crate) fn ceiling(dir: PathBuf, docs: usize, doc_bytes: usize, partitions: u16) -> CopyArgs {
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let mut threads = vec![1];
+        if cores > 1 {
+            threads.push(cores);
+        }
+        CopyArgs { dir, docs, doc_bytes, partitions, threads, blob_threshold: None }
+    }
+}
+
 /// Documents per `write_many` call while loading.
 const LOAD_BATCH: usize = 2_000;
 
@@ -48,7 +61,7 @@ const WORDS: [&str; 32] = [
 
 /// A JSON document of about `bytes` bytes: a few typed fields, then prose from a small
 /// vocabulary (compressible about as much as real documents).
-fn document(i: usize, bytes: usize) -> String {
+pub(crate) fn document(i: usize, bytes: usize) -> String {
     let mut x = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut next = || {
         x ^= x << 13;

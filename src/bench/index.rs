@@ -75,14 +75,7 @@ impl Node {
     /// background work after a load (storage compaction, shadow checkpoints) is done —
     /// and answers the seconds waited. Linux only; elsewhere it does not wait.
     pub(crate) fn wait_idle(&self, max: std::time::Duration) -> f64 {
-        let ticks = || -> Option<u64> {
-            let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).ok()?;
-            // Fields after the command name (which may hold spaces): utime and stime are the
-            // 12th and 13th.
-            let rest = stat.rsplit_once(')')?.1;
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
-        };
+        let ticks = || self.cpu_ticks();
         let start = std::time::Instant::now();
         while start.elapsed() < max {
             let Some(before) = ticks() else { break };
@@ -93,6 +86,17 @@ impl Node {
             }
         }
         start.elapsed().as_secs_f64()
+    }
+
+    /// CPU time the node has used (user + system), in clock ticks (100 per second on
+    /// Linux); `None` where `/proc` does not have it.
+    pub(crate) fn cpu_ticks(&self) -> Option<u64> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).ok()?;
+        // Fields after the command name (which may hold spaces): utime and stime are the
+        // 12th and 13th.
+        let rest = stat.rsplit_once(')')?.1;
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
     }
 
     pub(crate) fn start(partitions: u16, extra: &[String]) -> Result<Node, CliError> {

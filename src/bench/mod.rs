@@ -12,6 +12,7 @@ pub mod chart;
 pub mod cluster;
 pub mod copy;
 pub mod index;
+pub mod rebalance;
 pub mod tpcds;
 pub mod tpch;
 
@@ -50,6 +51,9 @@ pub enum BenchCmd {
     /// Issue 13's cluster figures: gets and upserts (none, persist, majority) through a smart
     /// client, 1 node against N nodes with a replica (starts its own nodes).
     Cluster(crate::bench::cluster::ClusterArgs),
+    /// Seed 003's experiment (issue 14): a swap rebalance under foreground load, by files and
+    /// by the change stream, beside the engine's copy ceiling and `dd` (starts its own nodes).
+    Rebalance(crate::bench::rebalance::RebalanceArgs),
 }
 
 #[derive(Args)]
@@ -157,6 +161,7 @@ pub async fn run(url: &str, cmd: BenchCmd) -> Result<(), CliError> {
             tokio::task::spawn_blocking(move || crate::bench::copy::run(args)).await.map_err(|e| CliError::Bench(e.to_string()))?
         }
         BenchCmd::Cluster(args) => crate::bench::cluster::run(args).await,
+        BenchCmd::Rebalance(args) => crate::bench::rebalance::run(args).await,
     }
 }
 

@@ -67,12 +67,22 @@ pub struct Copies {
     streamed: Mutex<std::collections::BTreeSet<u16>>,
     /// When the next exported chunk may leave (the bandwidth budget).
     pace: Mutex<Option<Instant>>,
+    /// Copies waiting for a slot (`rebalance_moves_per_node` run at once): partition, the
+    /// active to copy from and its address.
+    queue: Mutex<std::collections::VecDeque<(u16, u64, String)>>,
+    /// Every copy backfills from the change stream (`ClusterConfig::copy_by_stream`).
+    stream_only: bool,
 }
 
 impl Copies {
-    /// Whether partition `p` is being built from files here (its parts are not pulled).
+    pub(crate) fn new(stream_only: bool) -> Copies {
+        Copies { stream_only, ..Copies::default() }
+    }
+
+    /// Whether partition `p` is being built from files here, or waits to be (its parts are
+    /// not pulled meanwhile).
     pub fn is_building(&self, p: u16) -> bool {
-        self.building.lock().get(&p).is_some_and(|c| c.state == "copying")
+        self.building.lock().get(&p).is_some_and(|c| c.state == "copying" || c.state == "queued")
     }
 
     pub fn progress(&self) -> Vec<(u16, CopyProgress)> {
@@ -84,10 +94,11 @@ impl Copies {
     pub(crate) fn retain_replicas(&self, replica: impl Fn(u16) -> bool) {
         self.building.lock().retain(|p, c| c.state == "copying" || replica(*p));
         self.streamed.lock().retain(|p| replica(*p));
+        self.queue.lock().retain(|(p, _, _)| replica(*p));
     }
 
     fn may_copy(&self, p: u16) -> bool {
-        !self.streamed.lock().contains(&p) && !self.is_building(p)
+        !self.stream_only && !self.streamed.lock().contains(&p) && !self.is_building(p)
     }
 
     fn running(&self) -> usize {
@@ -116,7 +127,7 @@ impl Copies {
 /// empty (every part this node asked for is at seqno 0), it is not already being built
 /// and has not failed before, and some part has at least `COPY_MIN_CHANGES` to backfill.
 /// `asked` is (partition, seqno) per part asked; `backlog` (partition, the active's high seqno).
-pub(crate) fn choose(copies: &Copies, asked: &[(u16, u64)], backlog: &[(u16, u64)], limit: usize) -> Vec<u16> {
+pub(crate) fn choose(copies: &Copies, asked: &[(u16, u64)], backlog: &[(u16, u64)]) -> Vec<u16> {
     let mut chosen: Vec<u16> = backlog
         .iter()
         .filter(|(_, high)| *high >= COPY_MIN_CHANGES)
@@ -126,14 +137,44 @@ pub(crate) fn choose(copies: &Copies, asked: &[(u16, u64)], backlog: &[(u16, u64
         .collect();
     chosen.sort_unstable();
     chosen.dedup();
-    chosen.truncate(limit.saturating_sub(copies.running()));
     chosen
 }
 
+/// Queues copies by files of `partitions` from `source`, and starts as many as the
+/// concurrency budget allows.
+pub(crate) fn enqueue(node: &Arc<ClusterNode>, source: u64, address: &str, partitions: &[u16]) {
+    for &p in partitions {
+        node.copies.set(p, |c| *c = CopyProgress { method: "files".into(), state: "queued".into(), ..CopyProgress::default() });
+        node.copies.queue.lock().push_back((p, source, address.to_string()));
+    }
+    start_queued(node);
+}
+
+/// Starts queued copies while fewer than `rebalance_moves_per_node` run. A queued copy whose
+/// partition this node no longer follows from that source is dropped (the pulls take over).
+fn start_queued(node: &Arc<ClusterNode>) {
+    let limit = usize::try_from(node.state().settings.rebalance_moves_per_node).unwrap_or(usize::MAX).max(1);
+    while node.copies.running() < limit {
+        let Some((p, source, address)) = node.copies.queue.lock().pop_front() else { return };
+        let state = node.state();
+        let me = NodeId(node.id);
+        let still = state
+            .map
+            .as_ref()
+            .and_then(|m| m.partitions.get(usize::from(p)))
+            .is_some_and(|c| c.active.0 == source && c.replicas.contains(&me));
+        if !still {
+            node.copies.building.lock().remove(&p);
+            continue;
+        }
+        start(node, source, address, p);
+    }
+}
+
 /// Builds this node's copy of partition `p` from `source`'s export, in the background; when
-/// it ends (either way), the partition follows the map again.
-pub(crate) fn start(node: &Arc<ClusterNode>, source: u64, address: String, p: u16) {
-    node.copies.set(p, |c| *c = CopyProgress { method: "files".into(), state: "copying".into(), ..CopyProgress::default() });
+/// it ends (either way), the partition follows the map again and the next queued copy starts.
+fn start(node: &Arc<ClusterNode>, source: u64, address: String, p: u16) {
+    node.copies.set(p, |c| c.state = "copying".into());
     let node = Arc::clone(node);
     tokio::spawn(async move {
         let started = Instant::now();
@@ -173,6 +214,7 @@ pub(crate) fn start(node: &Arc<ClusterNode>, source: u64, address: String, p: u1
         if let Err(e) = node.apply_current_map().await {
             tracing::warn!(partition = p, error = %e, "applying the map after a copy");
         }
+        start_queued(&node);
     });
 }
 
@@ -353,17 +395,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_empty_copies_with_a_backlog_are_chosen_within_the_limit() {
+    fn only_empty_copies_with_a_backlog_are_chosen() {
         let copies = Copies::default();
-        let asked = [(1, 0), (1, 0), (2, 5), (3, 0), (4, 0), (5, 0)];
-        let backlog =
-            [(1, COPY_MIN_CHANGES), (2, 10 * COPY_MIN_CHANGES), (3, COPY_MIN_CHANGES - 1), (4, COPY_MIN_CHANGES), (5, COPY_MIN_CHANGES)];
-        assert_eq!(choose(&copies, &asked, &backlog, 8), vec![1, 4, 5], "2 holds data, 3 is small");
-        assert_eq!(choose(&copies, &asked, &backlog, 2), vec![1, 4]);
+        let asked = [(1, 0), (1, 0), (2, 5), (3, 0), (4, 0), (5, 0), (6, 0)];
+        let backlog = [
+            (1, COPY_MIN_CHANGES),
+            (2, 10 * COPY_MIN_CHANGES),
+            (3, COPY_MIN_CHANGES - 1),
+            (4, COPY_MIN_CHANGES),
+            (5, COPY_MIN_CHANGES),
+            (6, COPY_MIN_CHANGES),
+        ];
+        assert_eq!(choose(&copies, &asked, &backlog), vec![1, 4, 5, 6], "2 holds data, 3 is small");
         copies.set(1, |c| c.state = "copying".into());
+        copies.set(6, |c| c.state = "queued".into());
         copies.streamed.lock().insert(4);
-        assert_eq!(choose(&copies, &asked, &backlog, 2), vec![5], "one runs, one failed before");
-        assert_eq!(choose(&copies, &asked, &backlog, 1), Vec::<u16>::new());
+        assert_eq!(choose(&copies, &asked, &backlog), vec![5], "one runs, one waits, one failed before");
+        assert!(copies.is_building(6) && copies.is_building(1) && !copies.is_building(5));
+        assert_eq!(choose(&Copies::new(true), &asked, &backlog), Vec::<u16>::new(), "a node told to copy by stream never copies files");
     }
 
     #[test]

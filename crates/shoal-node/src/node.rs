@@ -53,6 +53,9 @@ pub struct ClusterConfig {
     pub join: Option<String>,
     /// The cluster secret (`--cluster-secret`); else the one stored beside the data.
     pub secret: Option<String>,
+    /// Build every new copy here from the change stream, never from files (`serve
+    /// --copy-by-stream`, hidden): for the benchmark's stream figure and for tests.
+    pub copy_by_stream: bool,
 }
 
 /// Where a request for a key goes.
@@ -186,7 +189,7 @@ impl ClusterNode {
             replicators: Mutex::new(HashMap::new()),
             frozen: Mutex::new(HashMap::new()),
             rebalancer: crate::rebalance::Rebalancer::default(),
-            copies: crate::copy::Copies::default(),
+            copies: crate::copy::Copies::new(config.copy_by_stream),
             lease: crate::failover::Lease::default(),
             ready: watch::channel(false).0,
             fatal: watch::channel(None).0,
@@ -846,6 +849,30 @@ impl ClusterNode {
             Some(map) => self.apply_map(&state, map).await,
             None => Ok(()),
         }
+    }
+
+    /// Waits until this node knows a partition map newer than `version`, at most `max`;
+    /// answers whether it does (a request that found its partition's owner moving waits for
+    /// the map that says where it went).
+    pub async fn wait_map_after(&self, version: u64, max: Duration) -> bool {
+        let mut applied = self.meta.watch();
+        let deadline = tokio::time::Instant::now() + max;
+        loop {
+            if applied.borrow_and_update().map_version() > version {
+                return true;
+            }
+            match tokio::time::timeout_at(deadline, applied.changed()).await {
+                Ok(Ok(())) => continue,
+                _ => return self.state().map_version() > version,
+            }
+        }
+    }
+
+    /// Whether the partition of `key` is frozen here for a hand-over (its new active takes
+    /// it when the next map commits).
+    pub fn handing_over(&self, key: &[u8]) -> bool {
+        let partitions = self.engine.store().partitions();
+        self.is_frozen(shoal_storage::partition_of(key, partitions))
     }
 
     /// Whether partition `p` is frozen for a hand-over here.

@@ -92,11 +92,8 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
                 _ => None,
             })
             .collect();
-        let limit = usize::try_from(node.state().settings.rebalance_moves_per_node).unwrap_or(usize::MAX).max(1);
-        let by_files = crate::copy::choose(&node.copies, &asked, &backlog, limit);
-        for &p in &by_files {
-            crate::copy::start(&node, source, address.clone(), p);
-        }
+        let by_files = crate::copy::choose(&node.copies, &asked, &backlog);
+        crate::copy::enqueue(&node, source, &address, &by_files);
         for part in answer.parts {
             if by_files.contains(&part.partition) {
                 continue;

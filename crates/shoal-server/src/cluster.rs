@@ -34,6 +34,12 @@ pub const INTERNAL_BODY_MAX_BYTES: usize = 64 * 1024 * 1024;
 pub const PEER_ANSWER_MAX_BYTES: usize = 256 * 1024 * 1024;
 /// How long a forwarded request may take on the node it went to.
 pub const FORWARD_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a request that met a moving partition keeps waiting for the map that says
+/// where it went (a hand-over commits it within its freeze) before it answers
+/// `not_my_partition`.
+pub const HANDOVER_WAIT: Duration = Duration::from_secs(5);
+/// A forwarded request refused as misrouted is sent again after a newer map, or this long.
+const FORWARD_RETRY_PAUSE: Duration = Duration::from_millis(100);
 /// Largest body forwarded (a document or sub-document request; `_bulk` is not forwarded).
 pub const FORWARD_BODY_MAX_BYTES: usize = shoal_storage::DOC_MAX_BYTES + 1024 * 1024;
 
@@ -424,7 +430,16 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
         // Just started: give it a moment to enter the cluster, then route by its map.
         node.serving_soon().await;
     }
-    match node.route(key.as_bytes()) {
+    let mut route = node.route(key.as_bytes());
+    let relayed = req.headers().contains_key(FORWARDED_HEADER) || req.headers().contains_key(DIRECT_HEADER);
+    if route == Route::Local && !relayed && node.handing_over(key.as_bytes()) {
+        // This node is giving the partition up: wait for the map that names its new active.
+        let version = node.state().map_version();
+        if node.wait_map_after(version, HANDOVER_WAIT).await {
+            route = node.route(key.as_bytes());
+        }
+    }
+    match route {
         Route::Local if node.serving() => next.run(req).await,
         Route::Local => crate::spread::not_serving(&state).into_response(),
         Route::Unavailable { partition, map_version } => {
@@ -454,9 +469,35 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
                 Ok(b) => b,
                 Err(e) => return e.into_response(),
             };
-            match forward(&state, &address, method, &path, &headers, body).await {
-                Ok(r) => r,
-                Err(e) => e.into_response(),
+            let mut address = address;
+            let deadline = tokio::time::Instant::now() + HANDOVER_WAIT;
+            loop {
+                let routed_at = node.state().map_version();
+                let answer = match forward(&state, &address, method.clone(), &path, &headers, body.clone()).await {
+                    Ok(r) => r,
+                    Err(e) => return e.into_response(),
+                };
+                // The node the map names does not hold the key's partition active: it is
+                // handing it over (the map that moves it is coming), or one of the two nodes
+                // has not applied the latest map yet. Wait a moment for a newer map, route
+                // again and resend (a refused request changed nothing); the client sees one
+                // answer.
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                if answer.status() != StatusCode::MISDIRECTED_REQUEST || left.is_zero() {
+                    return answer;
+                }
+                node.wait_map_after(routed_at, left.min(FORWARD_RETRY_PAUSE)).await;
+                match node.route(key.as_bytes()) {
+                    Route::Forward { address: next_address, .. } => address = next_address,
+                    Route::Local if node.serving() => {
+                        let mut again = Request::new(Body::from(body));
+                        *again.method_mut() = method;
+                        *again.uri_mut() = uri;
+                        *again.headers_mut() = headers;
+                        return next.run(again).await;
+                    }
+                    _ => return answer,
+                }
             }
         }
     }

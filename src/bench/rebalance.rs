@@ -1,0 +1,438 @@
+//! `shoal bench rebalance`: seed 003's experiment (issue 14). A cluster of N real nodes on
+//! loopback (one replica) is loaded with 1 KB documents; a foreground load of gets and
+//! upserts runs at a fixed rate throughout; then one node is replaced (a swap rebalance: a
+//! new node joins, the rebalance ejects an old one). Reported, in one run: MB/s into the
+//! receiving node (mean, and over time), total time, moves against the copies the leaving
+//! node held, foreground p50/p99 before and during, CPU seconds per node; the same swap with
+//! every copy built from the change stream (`serve --copy-by-stream`) for the ratio; the
+//! storage engine's own copy ceiling (`shoal bench copy`, in process); and `dd`.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
+use shoal_client::Client;
+
+use crate::bench::chart::{line_chart, Series};
+use crate::bench::index::Node;
+use crate::cli::CliError;
+
+#[derive(Args)]
+pub struct RebalanceArgs {
+    /// Nodes before the swap.
+    #[arg(long, default_value_t = 3)]
+    nodes: usize,
+    /// Megabytes of documents per node (each document is stored on two nodes).
+    #[arg(long, default_value_t = 2000)]
+    mb_per_node: usize,
+    #[arg(long, default_value_t = 1000)]
+    doc_bytes: usize,
+    #[arg(long, default_value_t = 64)]
+    partitions: u16,
+    /// Foreground operations per second (half gets, half upserts), sent whatever the
+    /// latency (an open loop).
+    #[arg(long, default_value_t = 400)]
+    rate: u64,
+    /// Seconds of foreground load measured before the rebalance.
+    #[arg(long, default_value_t = 10)]
+    before_secs: u64,
+    /// The cluster's `rebalance_mb_per_s` during the rebalance (0: no limit).
+    #[arg(long)]
+    mb_per_s: Option<u32>,
+    /// Which methods to run: `files`, `stream` or both.
+    #[arg(long, value_delimiter = ',', default_value = "files,stream")]
+    methods: Vec<String>,
+    /// Skip the in-process copy ceiling and `dd`.
+    #[arg(long)]
+    no_ceiling: bool,
+    /// Where the chart goes (PNG); none if not given.
+    #[arg(long)]
+    chart: Option<PathBuf>,
+}
+
+const SECRET: &str = "bench-rebalance-secret";
+/// Documents per `_bulk` while loading.
+const LOAD_SLICE: usize = 2_000;
+/// Foreground failures printed (the rest are counted).
+const FAILURES_SHOWN: u64 = 5;
+/// How often the rebalance's progress is sampled.
+const SAMPLE: Duration = Duration::from_millis(500);
+/// Longest the bench waits for a rebalance.
+const REBALANCE_MAX: Duration = Duration::from_secs(3_600);
+
+struct Sample {
+    t: f64,
+    bytes_done: u64,
+}
+
+struct Outcome {
+    method: String,
+    secs: f64,
+    copy_secs: f64,
+    bytes: u64,
+    moves: usize,
+    leaving_copies: usize,
+    before: (f64, f64, usize),
+    during: (f64, f64, usize),
+    errors: u64,
+    cpu: Vec<(String, f64)>,
+    samples: Vec<Sample>,
+    p99_series: Vec<(f64, f64)>,
+    rebalance_start: f64,
+}
+
+pub async fn run(args: RebalanceArgs) -> Result<(), CliError> {
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    let docs = args.mb_per_node * args.nodes * 1_000_000 / args.doc_bytes.max(1) / 2;
+    println!(
+        "bench rebalance: {} nodes + 1 (swap), {} partitions, 1 replica, {} documents of {} bytes ({} MB per node), \
+         foreground {} ops/s; every node on this machine's {cores} cores and one disk",
+        args.nodes, args.partitions, docs, args.doc_bytes, args.mb_per_node, args.rate
+    );
+    let mut outcomes = Vec::new();
+    for method in &args.methods {
+        outcomes.push(swap(&args, docs, method).await?);
+    }
+    println!("\n| method | rebalance s | copy s | MB moved | MB/s into the new node | moves / copies the leaving node held | fg p50 / p99 ms before | fg p50 / p99 ms during | fg errors |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for o in &outcomes {
+        println!(
+            "| {} | {:.1} | {:.1} | {:.0} | {:.0} | {} / {} | {:.2} / {:.2} ({} ops) | {:.2} / {:.2} ({} ops) | {} |",
+            o.method,
+            o.secs,
+            o.copy_secs,
+            o.bytes as f64 / 1e6,
+            o.bytes as f64 / 1e6 / o.copy_secs.max(1e-9),
+            o.moves,
+            o.leaving_copies,
+            o.before.0,
+            o.before.1,
+            o.before.2,
+            o.during.0,
+            o.during.1,
+            o.during.2,
+            o.errors
+        );
+    }
+    for o in &outcomes {
+        let cpu: Vec<String> = o.cpu.iter().map(|(n, s)| format!("{n} {s:.1}")).collect();
+        println!("CPU seconds during the {} rebalance: {}", o.method, cpu.join(", "));
+    }
+    if let (Some(f), Some(s)) = (outcomes.iter().find(|o| o.method == "files"), outcomes.iter().find(|o| o.method == "stream")) {
+        // The stream run moves the same partitions; its bytes are the files run's.
+        let files_rate = f.bytes as f64 / f.copy_secs.max(1e-9);
+        let stream_rate = f.bytes as f64 / s.copy_secs.max(1e-9);
+        println!(
+            "files / stream: {:.1}× (same partitions; stream MB/s counted with the files run's bytes: {:.0})",
+            files_rate / stream_rate,
+            stream_rate / 1e6
+        );
+    }
+    if let Some(path) = &args.chart {
+        let mut series = Vec::new();
+        for o in &outcomes {
+            let rate: Vec<(f64, f64)> = o
+                .samples
+                .windows(2)
+                .map(|w| (w[1].t - o.rebalance_start, (w[1].bytes_done - w[0].bytes_done) as f64 / 1e6 / (w[1].t - w[0].t).max(1e-9)))
+                .collect();
+            series.push(Series { name: format!("{}: MB/s into the new node", o.method), points: rate });
+            let p99: Vec<(f64, f64)> = o.p99_series.iter().map(|(t, v)| (t - o.rebalance_start, *v * 10.0)).collect();
+            series.push(Series { name: format!("{}: foreground p99 ms × 10", o.method), points: p99 });
+        }
+        match line_chart(
+            path,
+            "swap rebalance: copy rate and foreground p99",
+            "seconds since the rebalance started",
+            "MB/s  |  p99 ms × 10",
+            &series,
+            false,
+        ) {
+            Ok(()) => println!("chart: {}", path.display()),
+            Err(e) => println!("no chart: {e}"),
+        }
+    }
+    if !args.no_ceiling {
+        let (nodes, doc_bytes, partitions) = (args.nodes, args.doc_bytes, args.partitions);
+        tokio::task::spawn_blocking(move || ceiling(nodes, doc_bytes, partitions, docs))
+            .await
+            .map_err(|e| CliError::Bench(e.to_string()))??;
+    }
+    Ok(())
+}
+
+/// One swap: load, measure, replace node 0 by a new node built by `method`.
+async fn swap(args: &RebalanceArgs, docs: usize, method: &str) -> Result<Outcome, CliError> {
+    println!("\n--- {method}");
+    let base = vec!["--cluster-secret".to_string(), SECRET.to_string(), "--analytics-partitions".into(), "0".into()];
+    let first = Node::start_named(&format!("rebalance-{method}-0"), args.partitions, &base)?;
+    let join = first.url.trim_start_matches("http://").to_string();
+    let mut nodes = vec![first];
+    let mut joining = base.clone();
+    joining.extend(["--join".to_string(), join.clone()]);
+    for i in 1..args.nodes {
+        nodes.push(Node::start_named(&format!("rebalance-{method}-{i}"), args.partitions, &joining)?);
+    }
+    let client = Client::new(&nodes[0].url)?;
+    wait_members(&client, nodes.len()).await?;
+    client.create_collection("bench", None).await?;
+    rebalance(&client, &[], None).await?;
+    let loaded = Instant::now();
+    load(&nodes, docs, args.doc_bytes).await?;
+    println!("loaded {docs} documents in {:.1} s", loaded.elapsed().as_secs_f64());
+    for n in &nodes {
+        n.wait_idle(Duration::from_secs(120));
+    }
+    if let Some(mb) = args.mb_per_s {
+        client.cluster_settings(&json!({"rebalance_mb_per_s": mb})).await?;
+    }
+    let info = client.cluster().await?;
+    let leaving = node_id(&info, &nodes[0].url).ok_or_else(|| CliError::Bench(format!("no id for node 0: {info}")))?;
+    let map = client.cluster_map().await?;
+    let leaving_copies = map["partitions"]
+        .as_array()
+        .map(|ps| {
+            ps.iter().filter(|p| p["active"] == leaving || p["replicas"].as_array().is_some_and(|r| r.contains(&json!(leaving)))).count()
+        })
+        .unwrap_or(0);
+
+    // The foreground load goes to the nodes that stay (they forward where needed).
+    let targets: Vec<String> = nodes[1..].iter().map(|n| n.url.clone()).collect();
+    let log: Arc<Mutex<Vec<(f64, f64, bool)>>> = Arc::default();
+    let began = Instant::now();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let fg = tokio::spawn(foreground(targets, docs, args.rate, Arc::clone(&log), began, Arc::clone(&stop)));
+    tokio::time::sleep(Duration::from_secs(args.before_secs)).await;
+
+    let mut extra = joining.clone();
+    if method == "stream" {
+        extra.push("--copy-by-stream".into());
+    }
+    let newcomer = Node::start_named(&format!("rebalance-{method}-new"), args.partitions, &extra)?;
+    wait_members(&client, nodes.len() + 1).await?;
+    let cpu_before: Vec<Option<u64>> = nodes.iter().chain([&newcomer]).map(|n| n.cpu_ticks()).collect();
+    let rebalance_start = began.elapsed().as_secs_f64();
+    let mut samples = Vec::new();
+    let status = rebalance(&client, &[leaving], Some((&mut samples, began))).await?;
+    let rebalance_end = began.elapsed().as_secs_f64();
+    let cpu: Vec<(String, f64)> = nodes
+        .iter()
+        .chain([&newcomer])
+        .zip(cpu_before)
+        .enumerate()
+        .map(|(i, (n, before))| {
+            let name = if i == nodes.len() {
+                "new".to_string()
+            } else if i == 0 {
+                "leaving".to_string()
+            } else {
+                format!("node{i}")
+            };
+            (name, n.cpu_ticks().zip(before).map_or(0.0, |(a, b)| a.saturating_sub(b) as f64 / 100.0))
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let errors = fg.await.map_err(|e| CliError::Bench(e.to_string()))?;
+
+    let moves = status["moves"].as_array().map_or(0, Vec::len);
+    let bytes = status["bytes_done"].as_u64().unwrap_or(0);
+    // The copies are done when the progress stops growing (then hand-over and settling).
+    let copy_end = samples.iter().find(|s| s.bytes_done >= bytes && bytes > 0).map_or(rebalance_end, |s| s.t);
+    let copy_secs = if method == "files" { copy_end - rebalance_start } else { rebalance_end - rebalance_start };
+    let log = log.lock().map_err(|_| CliError::Bench("a foreground task panicked".into()))?;
+    let window = |from: f64, to: f64| {
+        let mut lat: Vec<f64> = log.iter().filter(|(t, _, ok)| *ok && *t >= from && *t < to).map(|(_, l, _)| *l).collect();
+        lat.sort_by(f64::total_cmp);
+        let pct = |q: f64| lat.get(((lat.len() as f64 * q) as usize).min(lat.len().saturating_sub(1))).copied().unwrap_or(0.0);
+        (pct(0.5), pct(0.99), lat.len())
+    };
+    let before = window(0.0, rebalance_start);
+    let during = window(rebalance_start, rebalance_end);
+    let mut p99_series = Vec::new();
+    let mut t = 0.0;
+    while t < rebalance_end + 2.0 {
+        let w = window(t, t + 1.0);
+        if w.2 > 0 {
+            p99_series.push((t + 0.5, w.1));
+        }
+        t += 1.0;
+    }
+    println!(
+        "{method}: rebalance {:.1} s, {} moves ({} copies on the leaving node), {:.0} MB from files, foreground p99 {:.2} ms before, {:.2} ms during",
+        rebalance_end - rebalance_start,
+        moves,
+        leaving_copies,
+        bytes as f64 / 1e6,
+        before.1,
+        during.1
+    );
+    drop(newcomer);
+    drop(nodes);
+    Ok(Outcome {
+        method: method.to_string(),
+        secs: rebalance_end - rebalance_start,
+        copy_secs,
+        bytes,
+        moves,
+        leaving_copies,
+        before,
+        during,
+        errors,
+        cpu,
+        samples,
+        p99_series,
+        rebalance_start,
+    })
+}
+
+fn node_id(info: &Value, url: &str) -> Option<u64> {
+    let address = url.trim_start_matches("http://");
+    info["nodes"].as_array()?.iter().find(|n| n["address"] == address).and_then(|n| n["id"].as_u64())
+}
+
+async fn wait_members(client: &Client, n: usize) -> Result<(), CliError> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let info = client.cluster().await?;
+        if info["nodes"].as_array().is_some_and(|a| a.len() == n) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(CliError::Bench(format!("the cluster did not reach {n} members: {info}")));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Runs a rebalance to its end, sampling its progress; answers the last status.
+async fn rebalance(client: &Client, eject: &[u64], mut samples: Option<(&mut Vec<Sample>, Instant)>) -> Result<Value, CliError> {
+    client.rebalance(eject).await?;
+    let deadline = Instant::now() + REBALANCE_MAX;
+    loop {
+        let status = client.rebalance_status().await?;
+        if let Some((samples, began)) = samples.as_mut() {
+            samples.push(Sample { t: began.elapsed().as_secs_f64(), bytes_done: status["bytes_done"].as_u64().unwrap_or(0) });
+        }
+        if status["state"] != "running" {
+            if status["state"] != "done" {
+                return Err(CliError::Bench(format!("rebalance: {status}")));
+            }
+            return Ok(status);
+        }
+        if Instant::now() > deadline {
+            return Err(CliError::Bench(format!("the rebalance did not end in {REBALANCE_MAX:?}: {status}")));
+        }
+        tokio::time::sleep(SAMPLE).await;
+    }
+}
+
+/// Loads `docs` documents through every node, two slices in flight per node.
+async fn load(nodes: &[Node], docs: usize, doc_bytes: usize) -> Result<(), CliError> {
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for n in nodes.iter().flat_map(|n| [n, n]) {
+        let client = Client::new(&n.url)?;
+        let next = Arc::clone(&next);
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let first = next.fetch_add(LOAD_SLICE, std::sync::atomic::Ordering::Relaxed);
+                if first >= docs {
+                    return Ok::<(), CliError>(());
+                }
+                let mut body = String::with_capacity(LOAD_SLICE * (doc_bytes + 64));
+                for i in first..(first + LOAD_SLICE).min(docs) {
+                    body.push_str(r#"{"op":"upsert","key":"doc-"#);
+                    body.push_str(&format!("{i:09}"));
+                    body.push_str(r#"","value":"#);
+                    body.push_str(&crate::bench::copy::document(i, doc_bytes));
+                    body.push_str("}\n");
+                }
+                let answer = client.bulk("bench", body, false).await?;
+                if let Some(line) = String::from_utf8_lossy(&answer).lines().find(|l| l.contains("\"error\"")) {
+                    return Err(CliError::Bench(format!("loading: {line}")));
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.map_err(|e| CliError::Bench(e.to_string()))??;
+    }
+    Ok(())
+}
+
+/// Sends `rate` requests per second (half gets, half upserts of random loaded keys) to the
+/// targets in turn until `stop`, each in its own task; logs (seconds since `began`,
+/// latency ms, success). Answers the number of failed requests.
+async fn foreground(
+    targets: Vec<String>,
+    docs: usize,
+    rate: u64,
+    log: Arc<Mutex<Vec<(f64, f64, bool)>>>,
+    began: Instant,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> u64 {
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).no_proxy().build().unwrap_or_default();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let interval = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let errors = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let mut inflight = Vec::new();
+    let mut i = 0usize;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        ticker.tick().await;
+        let key = format!("doc-{:09}", rng.random_range(0..docs.max(1)));
+        let url = format!("{}/v1/collections/bench/docs/{key}", targets[i % targets.len()]);
+        let get = i % 2 == 0;
+        i += 1;
+        let (http, log, errors) = (http.clone(), Arc::clone(&log), Arc::clone(&errors));
+        inflight.push(tokio::spawn(async move {
+            let sent = Instant::now();
+            let at = began.elapsed().as_secs_f64();
+            let r = if get { http.get(url).send().await } else { http.put(url).body(r#"{"fg":true,"n":1}"#).send().await };
+            let failure = match r {
+                Ok(r) if r.status().is_success() => r.bytes().await.err().map(|e| e.to_string()),
+                // A get of a key the load did not reach is no failure.
+                Ok(r) if get && r.status() == reqwest::StatusCode::NOT_FOUND => None,
+                Ok(r) => Some(format!("{} {}", r.status(), r.text().await.unwrap_or_default())),
+                Err(e) => Some(e.to_string()),
+            };
+            let ok = failure.is_none();
+            if let Some(failure) = failure {
+                if errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < FAILURES_SHOWN {
+                    println!("foreground failure at {at:.1} s: {}", failure.chars().take(300).collect::<String>());
+                }
+            }
+            if let Ok(mut log) = log.lock() {
+                log.push((at, sent.elapsed().as_secs_f64() * 1000.0, ok));
+            }
+        }));
+        inflight.retain(|t| !t.is_finished());
+    }
+    for t in inflight {
+        let _ = t.await;
+    }
+    errors.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The storage engine's own copy ceiling on this machine and `dd`, in the same run.
+fn ceiling(nodes: usize, doc_bytes: usize, partitions: u16, docs: usize) -> Result<(), CliError> {
+    // The leaving node's share of the data: what the swap had to move.
+    let share = docs * 2 / nodes.max(1);
+    println!("\n--- the engine's copy ceiling (in process, {share} documents: the leaving node's share)");
+    let dir = std::env::temp_dir();
+    crate::bench::copy::run(crate::bench::copy::CopyArgs::ceiling(dir.clone(), share, doc_bytes, partitions))?;
+    let mb = share * (doc_bytes + 60) / 1_000_000;
+    let out = std::process::Command::new("dd")
+        .arg("if=/dev/zero")
+        .arg(format!("of={}", dir.join("shoal-bench-dd.bin").display()))
+        .args(["bs=1M", &format!("count={mb}"), "conv=fsync"])
+        .output()?;
+    let _ = std::fs::remove_file(dir.join("shoal-bench-dd.bin"));
+    println!("dd (same disk, {mb} MB, fsync): {}", String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or(""));
+    Ok(())
+}
