@@ -387,7 +387,7 @@ async fn foreground(
         ticker.tick().await;
         let key = format!("doc-{:09}", rng.random_range(0..docs.max(1)));
         let url = format!("{}/v1/collections/bench/docs/{key}", targets[i % targets.len()]);
-        let get = i % 2 == 0;
+        let get = i.is_multiple_of(2);
         i += 1;
         let (http, log, errors) = (http.clone(), Arc::clone(&log), Arc::clone(&errors));
         inflight.push(tokio::spawn(async move {
