@@ -437,29 +437,58 @@ async fn a_copied_data_directory_cannot_pose_as_its_member() {
 /// acknowledged by a majority while it runs survive the loss of the node the data came from.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_rebalance_copies_large_partitions_as_files_and_loses_nothing() {
-    // Four partitions, so that each holds more than a copy by files needs.
-    let args = ["--partitions", "4"];
-    let mut first = Node::start(&[&["--cluster-secret", SECRET, "--analytics-partitions", "0"][..], &args[..]].concat());
+    let status = files_rebalance(false).await;
+    let moves = status["moves"].as_array().unwrap();
+    assert!(moves.iter().all(|m| m["method"] == "files"), "every copy was built from files: {status}");
+    assert!(status["bytes_done"].as_u64().unwrap() > 12_000 * 20, "the copies' bytes are counted: {status}");
+}
+
+/// A copy by files whose link breaks midway is dropped and built from the change stream
+/// instead; the rebalance still ends, and nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_copy_cut_off_midway_falls_back_to_the_stream_and_loses_nothing() {
+    let status = files_rebalance(true).await;
+    let moves = status["moves"].as_array().unwrap();
+    assert!(moves.iter().any(|m| m["method"] == "stream"), "a broken copy fell back to the stream: {status}");
+}
+
+/// Loads a one-node cluster (4 partitions, so that each holds more than a copy by files
+/// needs), adds two nodes and rebalances under a majority writer — with `cut`, the new
+/// nodes are cut off from the source for a while once the copies have started (paced so
+/// that they are still running) — then kills the source and reads every document and
+/// index row from the copies. Answers the rebalance's final status.
+async fn files_rebalance(cut: bool) -> Value {
+    let mut args = vec!["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", "4"];
+    if cut {
+        args.push("--fault-injection");
+    }
+    let mut first = Node::start(&args);
     first.pin_port();
     let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
     assert_eq!(http.put(first.u("/v1/collections/c")).send().await.unwrap().status(), 201);
     let r = http.post(first.u("/v1/collections/c/indexes")).json(&json!({"name": "by_n", "keys": ["n"]})).send().await.unwrap();
     assert_eq!(r.status(), 201, "{}", r.text().await.unwrap_or_default());
     const KEYS: usize = 12_000;
+    // With a cut, documents of ~500 bytes: each partition's copy spans several chunks.
+    let pad = if cut { "x".repeat(500) } else { String::new() };
     for chunk in (0..KEYS).collect::<Vec<_>>().chunks(2_000) {
         let body: String = chunk
             .iter()
-            .map(|i| json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"n": i % 100, "i": i}}).to_string() + "\n")
+            .map(|i| json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"n": i % 100, "i": i, "pad": pad}}).to_string() + "\n")
             .collect();
         let r = http.post(first.u("/v1/collections/c/_bulk?durability=persist")).body(body).send().await.unwrap();
         assert_eq!(r.status(), 200);
         assert!(!r.text().await.unwrap().contains("\"error\""), "a bulk line failed");
     }
-    // Two nodes join; the rebalance copies every partition to them while a writer runs.
+    if cut {
+        let r = http.put(first.u("/v1/cluster/settings")).json(&json!({"rebalance_mb_per_s": 4})).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+    }
+    // Two nodes join; the rebalance copies partitions to them while a writer runs.
     let join = first.addr();
     let mut nodes = vec![first];
     for _ in 0..2 {
-        let mut n = Node::start(&[&["--cluster-secret", SECRET, "--analytics-partitions", "0", "--join", &join][..], &args[..]].concat());
+        let mut n = Node::start(&[&args[..], &["--join", &join][..]].concat());
         n.pin_port();
         nodes.push(n);
     }
@@ -483,6 +512,26 @@ async fn a_rebalance_copies_large_partitions_as_files_and_loses_nothing() {
     };
     let r = http.post(nodes[1].u("/v1/cluster/rebalance")).json(&json!({"eject": []})).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 202);
+    if cut {
+        wait_for(&http, &nodes[1].u("/v1/cluster/rebalance"), "a copy under way", |v| {
+            v["moves"].as_array().is_some_and(|m| m.iter().any(|m| m["state"] == "copying" && m["bytes_done"].as_u64() > Some(0)))
+        })
+        .await;
+        let faults = |node: &Node, cut: Vec<String>| {
+            let (http, url) = (http.clone(), node.u("/v1/_internal/faults"));
+            async move {
+                let r = http.post(url).header("x-shoal-cluster-secret", SECRET).json(&json!({"cut": cut})).send().await.unwrap();
+                assert_eq!(r.status(), 200);
+            }
+        };
+        for n in &nodes[1..] {
+            faults(n, vec![join.clone()]).await;
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        for n in &nodes[1..] {
+            faults(n, Vec::new()).await;
+        }
+    }
     let status = wait_for(&http, &nodes[1].u("/v1/cluster/rebalance"), "rebalance done", |v| v["state"] != "running").await;
     assert_eq!(status["state"], "done", "{status}");
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -495,11 +544,9 @@ async fn a_rebalance_copies_large_partitions_as_files_and_loses_nothing() {
         status["bytes_done"],
         acked.len()
     );
-    assert!(moves.iter().all(|m| m["method"] == "files"), "every copy was built from files: {status}");
-    assert!(status["bytes_done"].as_u64().unwrap() > 12_000 * 20, "the copies' bytes are counted: {status}");
 
-    // The node the data came from dies; its partitions fail over to the copies built from
-    // files. Every document — loaded before, and acknowledged during the rebalance — is there.
+    // The node the data came from dies; its partitions fail over to the copies. Every
+    // document — loaded before, and acknowledged during the rebalance — is there.
     let (_, info) = get_json(&http, &nodes[1].u("/v1/cluster")).await;
     let first_id = node_id(&info, &nodes[0]).unwrap();
     nodes[0].kill9();
@@ -533,4 +580,5 @@ async fn a_rebalance_copies_large_partitions_as_files_and_loses_nothing() {
     assert_eq!(r.status(), 200);
     let rows = r.json::<Value>().await.unwrap()["rows"].as_array().unwrap().len();
     assert_eq!(rows, KEYS / 100 + acked.len(), "the index on the copies has every row");
+    status
 }

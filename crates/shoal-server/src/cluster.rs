@@ -431,17 +431,72 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
         node.serving_soon().await;
     }
     let mut route = node.route(key.as_bytes());
-    let relayed = req.headers().contains_key(FORWARDED_HEADER) || req.headers().contains_key(DIRECT_HEADER);
-    if route == Route::Local && !relayed && node.handing_over(key.as_bytes()) {
-        // This node is giving the partition up: wait for the map that names its new active.
-        let version = node.state().map_version();
-        if node.wait_map_after(version, HANDOVER_WAIT).await {
+    if req.headers().contains_key(FORWARDED_HEADER) || req.headers().contains_key(DIRECT_HEADER) {
+        // Relayed by a member, or from a client that routes itself: answered here or refused.
+        return match route {
+            Route::Local if node.serving() => next.run(req).await,
+            Route::Forward { node: owner, .. } => misdirected(node.state().map_version(), owner),
+            other => refuse(&state, other),
+        };
+    }
+    // A client's request gets one answer even while its key's partition moves: a refusal
+    // as misrouted (from the node the map names, or from this node's own copy, which a
+    // hand-over may freeze between the routing and the read or write) changed nothing, so
+    // the request waits for a newer map and goes where it says.
+    let (parts, body) = req.into_parts();
+    let body = match extract::body(&state, body, FORWARD_BODY_MAX_BYTES).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let (method, headers) = (parts.method.clone(), parts.headers.clone());
+    let path = uri.path_and_query().map_or_else(|| uri.path().to_string(), |pq| pq.as_str().to_string());
+    let mut local = Some((next, parts));
+    let deadline = tokio::time::Instant::now() + HANDOVER_WAIT;
+    loop {
+        let routed_at = node.state().map_version();
+        let left = || deadline.saturating_duration_since(tokio::time::Instant::now());
+        if route == Route::Local && node.handing_over(key.as_bytes()) {
+            // This node is giving the partition up: wait for the map that names its new active.
+            node.wait_map_after(routed_at, left()).await;
             route = node.route(key.as_bytes());
         }
+        let answer = match route {
+            Route::Local if node.serving() => match local.take() {
+                Some((next, parts)) => next.run(Request::from_parts(parts, Body::from(body.clone()))).await,
+                // Refused here once already, and the map still says here.
+                None => return misdirected(routed_at, node.id()),
+            },
+            Route::Forward { ref address, .. } => match forward(&state, address, method.clone(), &path, &headers, body.clone()).await {
+                Ok(r) => r,
+                Err(e) => return e.into_response(),
+            },
+            other => return refuse(&state, other),
+        };
+        let left = left();
+        if answer.status() != StatusCode::MISDIRECTED_REQUEST || left.is_zero() {
+            return answer;
+        }
+        node.wait_map_after(routed_at, left.min(FORWARD_RETRY_PAUSE)).await;
+        route = node.route(key.as_bytes());
     }
+}
+
+/// `421 not_my_partition`: `owner` holds the key's partition at `map_version`.
+fn misdirected(map_version: u64, owner: u64) -> Response {
+    let mut e = ApiError::new(
+        StatusCode::MISDIRECTED_REQUEST,
+        "not_my_partition",
+        format!("node {owner} holds this key's partition at map version {map_version}"),
+    );
+    e.details.push(("map_version", serde_json::Value::from(map_version)));
+    e.details.push(("node", serde_json::Value::from(owner)));
+    e.into_response()
+}
+
+/// The answer to a key request no node can take now: this node is not serving (still
+/// entering its cluster, or cut off from the leader), or the partition has no active copy.
+fn refuse(state: &AppState, route: Route) -> Response {
     match route {
-        Route::Local if node.serving() => next.run(req).await,
-        Route::Local => crate::spread::not_serving(&state).into_response(),
         Route::Unavailable { partition, map_version } => {
             let mut e = ApiError::unavailable(format!(
                 "partition {partition} has no active copy now (its node failed and no replica could take it, or a failover is in progress)"
@@ -450,56 +505,7 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
             e.details.push(("map_version", serde_json::Value::from(map_version)));
             e.into_response()
         }
-        Route::Forward { node: owner, address } => {
-            let headers = req.headers().clone();
-            if headers.contains_key(FORWARDED_HEADER) || headers.contains_key(DIRECT_HEADER) {
-                let map_version = node.state().map_version();
-                let mut e = ApiError::new(
-                    StatusCode::MISDIRECTED_REQUEST,
-                    "not_my_partition",
-                    format!("node {owner} holds this key's partition at map version {map_version}"),
-                );
-                e.details.push(("map_version", serde_json::Value::from(map_version)));
-                e.details.push(("node", serde_json::Value::from(owner)));
-                return e.into_response();
-            }
-            let method = req.method().clone();
-            let path = uri.path_and_query().map_or_else(|| uri.path().to_string(), |pq| pq.as_str().to_string());
-            let body = match extract::body(&state, req.into_body(), FORWARD_BODY_MAX_BYTES).await {
-                Ok(b) => b,
-                Err(e) => return e.into_response(),
-            };
-            let mut address = address;
-            let deadline = tokio::time::Instant::now() + HANDOVER_WAIT;
-            loop {
-                let routed_at = node.state().map_version();
-                let answer = match forward(&state, &address, method.clone(), &path, &headers, body.clone()).await {
-                    Ok(r) => r,
-                    Err(e) => return e.into_response(),
-                };
-                // The node the map names does not hold the key's partition active: it is
-                // handing it over (the map that moves it is coming), or one of the two nodes
-                // has not applied the latest map yet. Wait a moment for a newer map, route
-                // again and resend (a refused request changed nothing); the client sees one
-                // answer.
-                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-                if answer.status() != StatusCode::MISDIRECTED_REQUEST || left.is_zero() {
-                    return answer;
-                }
-                node.wait_map_after(routed_at, left.min(FORWARD_RETRY_PAUSE)).await;
-                match node.route(key.as_bytes()) {
-                    Route::Forward { address: next_address, .. } => address = next_address,
-                    Route::Local if node.serving() => {
-                        let mut again = Request::new(Body::from(body));
-                        *again.method_mut() = method;
-                        *again.uri_mut() = uri;
-                        *again.headers_mut() = headers;
-                        return next.run(again).await;
-                    }
-                    _ => return answer,
-                }
-            }
-        }
+        _ => crate::spread::not_serving(state).into_response(),
     }
 }
 
