@@ -639,6 +639,17 @@ mod tests {
         assert_eq!(v["op"], "upsert");
         assert_eq!(bulk_line("not json"), "not json");
     }
+
+    #[test]
+    fn the_rebalance_bar_shows_bytes_rate_and_time_left_for_copies_by_files() {
+        let status = serde_json::json!({"moves": [{"state": "copying"}], "bytes_total": 0});
+        assert_eq!(rebalance_message(&status), "copying");
+        let status = serde_json::json!({
+            "moves": [{"state": "copying"}], "bytes_total": 500_000_000u64, "bytes_done": 100_000_000u64,
+            "bytes_per_s": 50_000_000.0, "eta_s": 8.0
+        });
+        assert_eq!(rebalance_message(&status), "copying: 100/500 MB from files, 50 MB/s, 8 s left");
+    }
 }
 
 #[derive(Subcommand)]
@@ -655,6 +666,12 @@ pub enum ClusterCmd {
         auto_failover_timeout_s: Option<u32>,
         #[arg(long)]
         auto_failover_max_count: Option<u32>,
+        /// Megabytes per second each node sends to partitions' new copies (0: no limit).
+        #[arg(long)]
+        rebalance_mb_per_s: Option<u32>,
+        /// Copies a node builds at once.
+        #[arg(long)]
+        rebalance_moves_per_node: Option<u32>,
     },
     /// Fail a node over now: its replicas take over its partitions.
     Failover { node: u64 },
@@ -667,6 +684,20 @@ pub enum ClusterCmd {
         #[arg(long)]
         eject: Vec<u64>,
     },
+}
+
+/// The progress bar's message: the moves' stage, and for copies by files the bytes, the
+/// rate and the time left.
+fn rebalance_message(status: &serde_json::Value) -> String {
+    let stage = status["moves"].as_array().and_then(|m| m.first()).and_then(|m| m["state"].as_str()).unwrap_or("");
+    let total = status["bytes_total"].as_u64().unwrap_or(0);
+    if total == 0 {
+        return stage.to_string();
+    }
+    let done = status["bytes_done"].as_u64().unwrap_or(0);
+    let rate = status["bytes_per_s"].as_f64().unwrap_or(0.0);
+    let eta = status["eta_s"].as_f64().map_or_else(|| "-".to_string(), |s| format!("{s:.0} s"));
+    format!("{stage}: {:.0}/{:.0} MB from files, {:.0} MB/s, {eta} left", done as f64 / 1e6, total as f64 / 1e6, rate / 1e6)
 }
 
 /// How often `shoal cluster rebalance` looks at the progress.
@@ -736,7 +767,13 @@ pub async fn cluster(url: &str, output: Output, cmd: ClusterCmd) -> Result<(), C
             print_table(&["partition", "active", "replicas"], rows);
             return Ok(());
         }
-        ClusterCmd::Settings { replicas, auto_failover_timeout_s, auto_failover_max_count } => {
+        ClusterCmd::Settings {
+            replicas,
+            auto_failover_timeout_s,
+            auto_failover_max_count,
+            rebalance_mb_per_s,
+            rebalance_moves_per_node,
+        } => {
             let mut patch = serde_json::Map::new();
             if let Some(v) = replicas {
                 patch.insert("replicas".into(), v.into());
@@ -746,6 +783,12 @@ pub async fn cluster(url: &str, output: Output, cmd: ClusterCmd) -> Result<(), C
             }
             if let Some(v) = auto_failover_max_count {
                 patch.insert("auto_failover_max_count".into(), v.into());
+            }
+            if let Some(v) = rebalance_mb_per_s {
+                patch.insert("rebalance_mb_per_s".into(), v.into());
+            }
+            if let Some(v) = rebalance_moves_per_node {
+                patch.insert("rebalance_moves_per_node".into(), v.into());
             }
             client.cluster_settings(&serde_json::Value::Object(patch)).await?
         }
@@ -762,8 +805,7 @@ pub async fn cluster(url: &str, output: Output, cmd: ClusterCmd) -> Result<(), C
             let status = loop {
                 let status = client.rebalance_status().await?;
                 bar.set_position(status["moves_done"].as_u64().unwrap_or(0));
-                let stage = status["moves"].as_array().and_then(|m| m.first()).and_then(|m| m["state"].as_str()).unwrap_or("").to_string();
-                bar.set_message(stage);
+                bar.set_message(rebalance_message(&status));
                 if status["state"] != "running" {
                     break status;
                 }

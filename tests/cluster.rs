@@ -582,3 +582,107 @@ async fn files_rebalance(cut: bool) -> Value {
     assert_eq!(rows, KEYS / 100 + acked.len(), "the index on the copies has every row");
     status
 }
+
+/// `DELETE /v1/cluster/rebalance` stops a rebalance before its final map and the map goes
+/// back; a rebalance whose metadata leader is killed is taken up by the next leader, which
+/// goes back when a node of its plan failed; a new rebalance then finishes and nothing is
+/// lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rebalance_stops_on_request_and_outlives_its_leader() {
+    let args = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", "4"];
+    let mut first = Node::start(&args);
+    first.pin_port();
+    let join = first.addr();
+    let mut nodes = vec![first];
+    for _ in 0..2 {
+        let mut n = Node::start(&[&args[..], &["--join", &join][..]].concat());
+        n.pin_port();
+        nodes.push(n);
+    }
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    wait_for(&http, &nodes[0].u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
+    assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    rebalance(&http, &nodes[0], &[]).await;
+    const KEYS: usize = 12_000;
+    let pad = "x".repeat(500);
+    for chunk in (0..KEYS).collect::<Vec<_>>().chunks(2_000) {
+        let body: String = chunk
+            .iter()
+            .map(|i| json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"i": i, "pad": pad}}).to_string() + "\n")
+            .collect();
+        let r = http.post(nodes[0].u("/v1/collections/c/_bulk?durability=persist")).body(body).send().await.unwrap();
+        assert!(!r.text().await.unwrap().contains("\"error\""), "a bulk line failed");
+    }
+    // Copies paced to 1 MB/s, so that they are still running when the test acts.
+    let settings_urls: Vec<String> = nodes.iter().map(|n| n.u("/v1/cluster/settings")).collect();
+    let pace = |mb: u32| {
+        let (http, urls) = (http.clone(), settings_urls.clone());
+        async move {
+            // Through any member that answers (one of them may be dead by then).
+            for url in urls {
+                if let Ok(r) = http.put(url).json(&json!({"rebalance_mb_per_s": mb})).send().await {
+                    assert_eq!(r.status(), 200);
+                    return;
+                }
+            }
+            panic!("no member took the setting");
+        }
+    };
+    pace(1).await;
+    let mut fourth = Node::start(&[&args[..], &["--join", &join][..]].concat());
+    fourth.pin_port();
+    wait_for(&http, &nodes[0].u("/v1/cluster"), "four members", |v| member_states(v).len() == 4).await;
+    let copying = |v: &Value| v["moves"].as_array().is_some_and(|m| m.iter().any(|m| m["state"] == "copying"));
+
+    // Stopped while copying: the map goes back, the new node holds nothing and is `added`.
+    let (_, before) = get_json(&http, &nodes[1].u("/v1/cluster/map")).await;
+    let r = http.post(nodes[1].u("/v1/cluster/rebalance")).json(&json!({})).send().await.unwrap();
+    assert_eq!(r.status(), 202);
+    wait_for(&http, &nodes[1].u("/v1/cluster/rebalance"), "a copy under way", copying).await;
+    let r = http.delete(nodes[2].u("/v1/cluster/rebalance")).send().await.unwrap();
+    assert_eq!(r.status(), 202, "{}", r.text().await.unwrap_or_default());
+    let status = wait_for(&http, &nodes[1].u("/v1/cluster/rebalance"), "the stop", |v| v["state"] != "running").await;
+    assert_eq!(status["state"], "stopped", "{status}");
+    let (_, after) = get_json(&http, &nodes[1].u("/v1/cluster/map")).await;
+    assert_eq!(after["partitions"], before["partitions"], "the map is back to its copies before the rebalance");
+    let (_, info) = get_json(&http, &nodes[1].u("/v1/cluster")).await;
+    let fourth_id = node_id(&info, &fourth).unwrap();
+    let fourth_state = info["nodes"].as_array().unwrap().iter().find(|n| n["id"] == fourth_id).unwrap()["state"].clone();
+    assert_eq!(fourth_state, "added", "{info}");
+    let r = http.delete(nodes[2].u("/v1/cluster/rebalance")).send().await.unwrap();
+    assert_eq!(r.status(), 409, "nothing to stop");
+
+    // The metadata leader dies while copying. The next leader takes the plan up; a node of
+    // the plan failed, so it goes back; a new rebalance finishes.
+    let r = http.post(nodes[1].u("/v1/cluster/rebalance")).json(&json!({})).send().await.unwrap();
+    assert_eq!(r.status(), 202);
+    wait_for(&http, &nodes[1].u("/v1/cluster/rebalance"), "a copy under way", copying).await;
+    let (_, info) = get_json(&http, &nodes[1].u("/v1/cluster")).await;
+    let leader = info["leader"].as_u64().unwrap();
+    let victim = nodes.iter().position(|n| node_id(&info, n) == Some(leader)).expect("the leader is one of the first three");
+    nodes[victim].kill9();
+    let survivor = (0..3).find(|&i| i != victim).unwrap();
+    wait_for(&http, &nodes[survivor].u("/v1/cluster"), "failover of the old leader", |v| {
+        v["nodes"].as_array().is_some_and(|a| a.iter().any(|n| n["id"].as_u64() == Some(leader) && n["state"] == "failed"))
+    })
+    .await;
+    let status = wait_for(&http, &nodes[survivor].u("/v1/cluster/rebalance"), "the rebalance taken up and ended", |v| {
+        v["state"] != "running" && v["state"] != "none"
+    })
+    .await;
+    assert_eq!(status["state"], "failed", "a node of the plan failed: {status}");
+    pace(0).await;
+    let r = http.post(nodes[survivor].u("/v1/cluster/rebalance")).json(&json!({})).send().await.unwrap();
+    assert_eq!(r.status(), 202, "{}", r.text().await.unwrap_or_default());
+    let status = wait_for(&http, &nodes[survivor].u("/v1/cluster/rebalance"), "rebalance done", |v| v["state"] != "running").await;
+    assert_eq!(status["state"], "done", "{status}");
+    let keys: Vec<String> = (0..KEYS).map(|i| format!("k{i:05}")).collect();
+    for batch in keys.chunks(2_000) {
+        let r = http.post(fourth.u("/v1/collections/c/_get")).json(&json!({"keys": batch})).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let v: Value = r.json().await.unwrap();
+        for (key, doc) in batch.iter().zip(v["docs"].as_array().unwrap()) {
+            assert!(doc.get("value").is_some(), "{key} lost: {doc}");
+        }
+    }
+}

@@ -32,6 +32,7 @@ pub const AUTO_FAILOVER_MAX_COUNT_MAX: u32 = 16;
 pub const REPLICAS_DEFAULT: u8 = 1;
 /// Rebalance budget defaults and bounds.
 pub const REBALANCE_MB_PER_S_DEFAULT: u32 = 100;
+/// 0 means no limit.
 pub const REBALANCE_MB_PER_S_MAX: u32 = 100_000;
 pub const REBALANCE_MOVES_PER_NODE_DEFAULT: u32 = 4;
 pub const REBALANCE_MOVES_PER_NODE_MAX: u32 = 64;
@@ -132,6 +133,25 @@ pub struct MetaState {
     pub settings: Settings,
     pub next_collection_id: CollectionId,
     pub next_index_id: IndexId,
+    /// The rebalance under way, so that a new metadata leader finishes it (or a stop
+    /// reverts it) where the old one left off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebalance: Option<RebalancePlan>,
+}
+
+/// A rebalance as the log keeps it: where the map goes, and what to go back to.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RebalancePlan {
+    /// The map before the rebalance (a stop goes back to its copies).
+    pub from: PartitionMap,
+    /// The map it ends with (its version is set when it is committed).
+    pub target: PartitionMap,
+    /// Nodes it moves everything off.
+    pub eject: Vec<NodeId>,
+    /// Nodes that were `added` when it started (a stop makes them `added` again).
+    pub added: Vec<NodeId>,
+    /// `DELETE /v1/cluster/rebalance` asked it to stop.
+    pub stop: bool,
 }
 
 impl Default for MetaState {
@@ -146,6 +166,7 @@ impl Default for MetaState {
             // Collection id 0 is never handed out, so "no id" is never confused with one.
             next_collection_id: 1,
             next_index_id: 1,
+            rebalance: None,
         }
     }
 }
@@ -198,6 +219,14 @@ pub enum MetaCommand {
     UpdateSettings {
         patch: SettingsPatch,
     },
+    /// Records a rebalance's plan; refused while another is under way.
+    BeginRebalance {
+        plan: RebalancePlan,
+    },
+    /// Asks the rebalance under way to stop.
+    StopRebalance,
+    /// The rebalance finished, stopped or failed: forgets its plan.
+    EndRebalance,
 }
 
 /// What an applied command answers.
@@ -254,6 +283,10 @@ pub enum MetaReject {
     ClusterNamed { cluster_id: String },
     #[error("collection id {id} is in use")]
     CollectionIdInUse { id: CollectionId },
+    #[error("a rebalance is under way")]
+    RebalanceRunning,
+    #[error("no rebalance is under way")]
+    NoRebalance,
 }
 
 fn check_name(what: &str, name: &str) -> Result<(), MetaReject> {
@@ -325,6 +358,23 @@ impl MetaState {
             }
             MetaCommand::SetMap { map } => self.set_map(map),
             MetaCommand::UpdateSettings { patch } => self.update_settings(patch),
+            MetaCommand::BeginRebalance { plan } => {
+                if self.rebalance.is_some() {
+                    return Err(MetaReject::RebalanceRunning);
+                }
+                plan.target.check().map_err(|e| MetaReject::InvalidMap { why: e.to_string() })?;
+                self.rebalance = Some(plan);
+                Ok(MetaResponse::Done)
+            }
+            MetaCommand::StopRebalance => {
+                let plan = self.rebalance.as_mut().ok_or(MetaReject::NoRebalance)?;
+                plan.stop = true;
+                Ok(MetaResponse::Done)
+            }
+            MetaCommand::EndRebalance => {
+                self.rebalance = None;
+                Ok(MetaResponse::Done)
+            }
         };
         debug_assert!(self.check().is_ok(), "apply broke an invariant: {:?}", self.check());
         answer
@@ -440,7 +490,7 @@ impl MetaState {
             check_range("replicas", v.into(), 0, REPLICAS_MAX.into())?;
         }
         if let Some(v) = patch.rebalance_mb_per_s {
-            check_range("rebalance_mb_per_s", v.into(), 1, REBALANCE_MB_PER_S_MAX.into())?;
+            check_range("rebalance_mb_per_s", v.into(), 0, REBALANCE_MB_PER_S_MAX.into())?;
         }
         if let Some(v) = patch.rebalance_moves_per_node {
             check_range("rebalance_moves_per_node", v.into(), 1, REBALANCE_MOVES_PER_NODE_MAX.into())?;
@@ -487,6 +537,10 @@ mod tests {
 
     fn n(id: u64) -> NodeId {
         NodeId(id)
+    }
+
+    fn plan() -> RebalancePlan {
+        RebalancePlan { from: map(1, &[(1, &[])]), target: map(0, &[(2, &[1])]), eject: vec![], added: vec![n(2)], stop: false }
     }
 
     fn map(version: u64, rows: &[(u64, &[u64])]) -> PartitionMap {
@@ -631,6 +685,21 @@ mod tests {
                         Err(R::OutOfRange { what: "rebalance_moves_per_node".into(), why: "0 is not in 1..=64".into() }),
                     ),
                     (settings(SettingsPatch { replicas: Some(2), auto_failover_timeout_s: Some(30), ..Default::default() }), Ok(A::Done)),
+                ],
+            ),
+            (
+                "one rebalance plan at a time; a stop needs one; its end forgets it",
+                vec![
+                    (MetaCommand::StopRebalance, Err(R::NoRebalance)),
+                    (MetaCommand::BeginRebalance { plan: plan() }, Ok(A::Done)),
+                    (MetaCommand::BeginRebalance { plan: plan() }, Err(R::RebalanceRunning)),
+                    (MetaCommand::StopRebalance, Ok(A::Done)),
+                    (MetaCommand::EndRebalance, Ok(A::Done)),
+                    (MetaCommand::StopRebalance, Err(R::NoRebalance)),
+                    (
+                        MetaCommand::BeginRebalance { plan: RebalancePlan { target: map(0, &[(1, &[1])]), ..plan() } },
+                        Err(R::InvalidMap { why: "partition 0 has two copies on node n1".into() }),
+                    ),
                 ],
             ),
         ];

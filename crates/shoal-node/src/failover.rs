@@ -179,6 +179,10 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
             continue;
         }
         let state = node.state();
+        if state.rebalance.is_some() {
+            // A rebalance in the log that no one here runs: a previous leader's.
+            crate::rebalance::drive(&node);
+        }
         {
             let mut watched = node.monitor.watched_since.lock();
             for (id, member) in &state.members {

@@ -984,10 +984,19 @@ impl ClusterNode {
         let changed = blocking(move || {
             let mut changed = 0usize;
             for (p, s) in desired {
-                if store.partition_state(p).map_err(|e| ClusterError::Storage(e.to_string()))? != s {
-                    store.set_partition_state(p, s).map_err(|e| ClusterError::Storage(e.to_string()))?;
-                    changed += 1;
+                let now = store.partition_state(p).map_err(|e| ClusterError::Storage(e.to_string()))?;
+                if now == s {
+                    continue;
                 }
+                if s == PartitionState::Dead && !failed && now != PartitionState::Dead {
+                    // The map moved this copy elsewhere (a rebalance handed it over, or
+                    // fewer replicas are wanted): its data goes whole, in O(1). A failed
+                    // node keeps its copies: recovery rolls them back and catches them up.
+                    store.drop_partition(p).map_err(|e| ClusterError::Storage(e.to_string()))?;
+                } else {
+                    store.set_partition_state(p, s).map_err(|e| ClusterError::Storage(e.to_string()))?;
+                }
+                changed += 1;
             }
             store.set_map_version(version);
             Ok::<_, ClusterError>(changed)

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use shoal_cluster::{NodeId, PartitionId, PartitionMap};
-use shoal_meta::{MemberState, MetaCommand};
+use shoal_meta::{MemberState, MetaCommand, MetaReject, RebalancePlan};
 
 use crate::acks::{Need, Part};
 use crate::node::ClusterNode;
@@ -117,36 +117,96 @@ pub(crate) struct ProgressAnswer {
     pub copies: Vec<(PartitionId, crate::copy::CopyProgress)>,
 }
 
-/// Starts a rebalance (leader only); answers how many copies it builds.
+/// Starts a rebalance (leader only); answers how many copies it builds. Its plan goes into
+/// the metadata log first, so that a new leader finishes it if this one dies.
 pub async fn start(node: &Arc<ClusterNode>, eject: Vec<u64>) -> Result<usize, ClusterError> {
     if !node.is_leader() {
         return Err(ClusterError::NotLeader { address: node.leader().map(|(_, a)| a) });
     }
-    if node.rebalancer.status.lock().state == "running" {
+    let state = node.state();
+    if state.rebalance.is_some() || node.rebalancer.status.lock().state == "running" {
         return Err(ClusterError::RebalanceRunning);
     }
-    let state = node.state();
     for id in &eject {
         if !state.members.contains_key(&NodeId(*id)) {
             return Err(ClusterError::NodeNotFound(*id));
         }
     }
     let (current, target) = target_map(node, &eject)?;
-    let moves = moves(&current, &target);
-    *node.rebalancer.status.lock() =
-        RebalanceStatus { state: "running".into(), moves_total: moves.len(), moves: moves.clone(), ..RebalanceStatus::default() };
+    let added: Vec<NodeId> =
+        state.members.iter().filter(|(id, m)| m.state == MemberState::Added && !eject.contains(&id.0)).map(|(id, _)| *id).collect();
+    let plan = RebalancePlan { from: current, target, eject: eject.iter().map(|e| NodeId(*e)).collect(), added, stop: false };
+    let moves = moves(&plan.from, &plan.target).len();
+    match node.propose(MetaCommand::BeginRebalance { plan }).await {
+        Err(ClusterError::Rejected(MetaReject::RebalanceRunning)) => return Err(ClusterError::RebalanceRunning),
+        other => other?,
+    };
+    drive(node);
+    Ok(moves)
+}
+
+/// Asks the rebalance under way to stop (leader only): before its final map, the new copies
+/// are given up and the map goes back to the copies it started from.
+pub async fn stop(node: &Arc<ClusterNode>) -> Result<(), ClusterError> {
+    match node.propose(MetaCommand::StopRebalance).await {
+        Err(ClusterError::Rejected(MetaReject::NoRebalance)) => Err(ClusterError::Refused("no rebalance is under way".into())),
+        other => other.map(|_| ()),
+    }
+}
+
+/// Runs the plan in the log on this node (the leader), unless it runs here already: after
+/// `start`, and when a node becomes leader and finds a plan its predecessor left.
+pub(crate) fn drive(node: &Arc<ClusterNode>) {
+    let state = node.state();
+    let Some(plan) = state.rebalance.clone() else { return };
+    {
+        let mut status = node.rebalancer.status.lock();
+        if status.state == "running" {
+            return;
+        }
+        let moves = moves(&plan.from, &plan.target);
+        *status = RebalanceStatus { state: "running".into(), moves_total: moves.len(), moves, ..RebalanceStatus::default() };
+    }
     let n = Arc::clone(node);
     tokio::spawn(async move {
-        let outcome = run(&n, eject).await;
+        let mut outcome = run(&n, &plan).await;
+        // Not the leader any more: the plan stays in the log for the next one.
+        let handed_on = matches!(&outcome, Err(ClusterError::NotLeader { .. } | ClusterError::NoLeader(_))) || !n.is_leader();
+        let finished = n.state().map.as_ref().is_some_and(|m| m.partitions == plan.target.partitions);
+        if let (Err(e), false, false) = (&outcome, handed_on, finished) {
+            // It cannot go on (a copy's node died, a catch-up ran out of time): the map goes
+            // back to the copies it started from, and a new rebalance starts from there.
+            tracing::warn!(error = %e, "rebalance failed; going back to the map before it");
+            if let Err(revert_error) = revert(&n, &plan).await {
+                outcome = Err(ClusterError::Refused(format!("{e}; and going back failed: {revert_error}")));
+            }
+        }
+        if !handed_on {
+            if let Err(e) = n.propose(MetaCommand::EndRebalance).await {
+                tracing::warn!(error = %e, "forgetting the rebalance plan");
+            }
+        }
         let mut status = n.rebalancer.status.lock();
         match outcome {
-            Ok(()) => {
+            Ok(Finish::Done) => {
                 status.state = "done".into();
                 status.moves_done = status.moves_total;
                 for m in &mut status.moves {
                     m.state = "done".into();
                 }
                 tracing::info!(moves = status.moves_total, "rebalance done");
+            }
+            Ok(Finish::Stopped) => {
+                status.state = "stopped".into();
+                for m in &mut status.moves {
+                    m.state = "stopped".into();
+                }
+                tracing::info!("rebalance stopped; the map is back to its copies before it");
+            }
+            Err(e) if handed_on => {
+                status.state = "moved".into();
+                status.message = format!("this node is no longer the metadata leader; the new one goes on with the rebalance ({e})");
+                tracing::info!(error = %e, "rebalance handed on to the new leader");
             }
             Err(e) => {
                 status.state = "failed".into();
@@ -155,7 +215,12 @@ pub async fn start(node: &Arc<ClusterNode>, eject: Vec<u64>) -> Result<usize, Cl
             }
         }
     });
-    Ok(moves.len())
+}
+
+/// How a rebalance ended.
+enum Finish {
+    Done,
+    Stopped,
 }
 
 /// The current map and where a rebalance ejecting `eject` goes.
@@ -204,21 +269,23 @@ fn moves(current: &PartitionMap, target: &PartitionMap) -> Vec<MoveStatus> {
     out
 }
 
-async fn run(node: &Arc<ClusterNode>, eject: Vec<u64>) -> Result<(), ClusterError> {
+async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, ClusterError> {
     let _one = node.monitor.lock.lock().await;
+    let eject: Vec<u64> = plan.eject.iter().map(|n| n.0).collect();
     let state = node.state();
-    for (id, m) in &state.members {
-        if m.state == MemberState::Added && !eject.contains(&id.0) {
+    for id in &plan.added {
+        if state.members.get(id).is_some_and(|m| m.state == MemberState::Added) {
             node.propose(MetaCommand::SetMemberState { node: *id, state: MemberState::Active }).await?;
         }
     }
-    for id in &eject {
-        if state.members.get(&NodeId(*id)).is_some_and(|m| m.state == MemberState::Active) {
-            node.propose(MetaCommand::SetMemberState { node: NodeId(*id), state: MemberState::Leaving }).await?;
+    for id in &plan.eject {
+        if state.members.get(id).is_some_and(|m| m.state == MemberState::Active) {
+            node.propose(MetaCommand::SetMemberState { node: *id, state: MemberState::Leaving }).await?;
         }
     }
-    let (current, target) = target_map(node, &eject)?;
-    // 1. Build: every new copy joins as a replica.
+    let current = node.state().map.clone().ok_or_else(|| ClusterError::Refused("no partition map".into()))?;
+    let target = &plan.target;
+    // 1. Build: every new copy joins as a replica (a resumed plan finds them there).
     let mut build = current.clone();
     for (copies, want) in build.partitions.iter_mut().zip(&target.partitions) {
         for n in want.nodes() {
@@ -231,18 +298,29 @@ async fn run(node: &Arc<ClusterNode>, eject: Vec<u64>) -> Result<(), ClusterErro
     if build.partitions != current.partitions {
         build.version = current.version + 1;
         node.propose(MetaCommand::SetMap { map: build.clone() }).await?;
-        set_moves(node, "building");
         map = build;
     }
+    set_moves(node, "building");
     // 2. Catch up.
-    let new_copies: Vec<(PartitionId, NodeId, NodeId)> = current
+    let new_copies: Vec<(PartitionId, NodeId, NodeId)> = plan
+        .from
         .iter()
         .zip(&target.partitions)
-        .flat_map(|((p, cur), want)| want.nodes().filter(|n| !cur.holds(*n)).map(move |n| (p, n, cur.active)).collect::<Vec<_>>())
+        .flat_map(|((p, cur), want)| {
+            let active = map.partitions[usize::from(p)].active;
+            want.nodes().filter(|n| !cur.holds(*n)).map(move |n| (p, n, active)).collect::<Vec<_>>()
+        })
         .collect();
     let deadline = Instant::now() + CATCH_UP_MAX;
     let started = Instant::now();
     loop {
+        let state = node.state();
+        if state.rebalance.as_ref().is_some_and(|p| p.stop) {
+            return revert(node, plan).await.map(|()| Finish::Stopped);
+        }
+        if let Some(failed) = target.nodes().into_iter().find(|n| state.members.get(n).is_none_or(|m| m.state == MemberState::Failed)) {
+            return Err(ClusterError::Refused(format!("node {failed} failed during the rebalance; start it again")));
+        }
         let answers = progress_answers(node, &map).await;
         let progress = progress_of(&answers);
         show_copies(node, &answers, started);
@@ -301,6 +379,33 @@ async fn run(node: &Arc<ClusterNode>, eject: Vec<u64>) -> Result<(), ClusterErro
             break;
         }
         tokio::time::sleep(PROGRESS_POLL).await;
+    }
+    Ok(Finish::Done)
+}
+
+/// A stop before the final map: the map keeps, for each partition, only the copies it had
+/// when the rebalance started (the new ones are dropped where they were built), and the
+/// members go back to the states they had.
+async fn revert(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<(), ClusterError> {
+    let current = node.state().map.clone().ok_or_else(|| ClusterError::Refused("no partition map".into()))?;
+    let mut back = current.clone();
+    for (copies, before) in back.partitions.iter_mut().zip(&plan.from.partitions) {
+        copies.replicas.retain(|r| before.holds(*r));
+    }
+    if back.partitions != current.partitions {
+        back.version = current.version + 1;
+        node.propose(MetaCommand::SetMap { map: back }).await?;
+    }
+    let state = node.state();
+    for id in &plan.eject {
+        if state.members.get(id).is_some_and(|m| m.state == MemberState::Leaving) {
+            node.propose(MetaCommand::SetMemberState { node: *id, state: MemberState::Active }).await?;
+        }
+    }
+    for id in &plan.added {
+        if state.members.get(id).is_some_and(|m| m.state == MemberState::Active) {
+            node.propose(MetaCommand::SetMemberState { node: *id, state: MemberState::Added }).await?;
+        }
     }
     Ok(())
 }

@@ -209,6 +209,7 @@ pub fn cluster_error(e: ClusterError) -> ApiError {
             }
             MetaReject::NoSuchCollection { name } => ApiError::collection_not_found(&name),
             MetaReject::OutOfRange { .. } => ApiError::bad_request(r.to_string()),
+            MetaReject::RebalanceRunning => ApiError::new(StatusCode::CONFLICT, "rebalance_running", "a rebalance is running"),
             other => ApiError::new(StatusCode::CONFLICT, "bad_request", other.to_string()),
         },
         ClusterError::Refused(why) => ApiError::new(StatusCode::CONFLICT, "bad_request", why),
@@ -398,6 +399,17 @@ pub async fn rebalance(State(state): State<AppState>, RawQuery(q): RawQuery, hea
     }
     let moves = shoal_node::rebalance::start(&state.cluster, req.eject).await.map_err(cluster_error)?;
     Ok(json_response(StatusCode::ACCEPTED, serde_json::json!({"moves": moves}).to_string().into_bytes()))
+}
+
+/// `DELETE /v1/cluster/rebalance` (on the leader): stops the rebalance under way; before
+/// its final map the new copies are given up and the map goes back to what it was.
+pub async fn rebalance_stop(State(state): State<AppState>, RawQuery(q): RawQuery, headers: HeaderMap) -> Result<Response, ApiError> {
+    extract::no_params(q.as_deref())?;
+    if let Some(response) = to_leader(&state, Method::DELETE, "/v1/cluster/rebalance", &headers, &[]).await? {
+        return Ok(response);
+    }
+    shoal_node::rebalance::stop(&state.cluster).await.map_err(cluster_error)?;
+    Ok(json_response(StatusCode::ACCEPTED, b"{\"stopping\":true}".to_vec()))
 }
 
 /// `GET /v1/cluster/rebalance` (the leader's view).

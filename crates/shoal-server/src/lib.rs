@@ -127,7 +127,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/cluster/settings", put(cluster::settings))
         .route("/v1/cluster/failover", post(cluster::failover))
         .route("/v1/cluster/recover", post(cluster::recover))
-        .route("/v1/cluster/rebalance", post(cluster::rebalance).get(cluster::rebalance_status));
+        .route("/v1/cluster/rebalance", post(cluster::rebalance).get(cluster::rebalance_status).delete(cluster::rebalance_stop));
     Router::new()
         .merge(keyed)
         .route("/v1/health", get(ops::health))

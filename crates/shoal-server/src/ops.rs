@@ -90,6 +90,7 @@ pub const ROUTES: &[(&str, &str, &str)] = &[
     ("POST", "/v1/cluster/recover", "cluster_recover"),
     ("POST", "/v1/cluster/rebalance", "cluster_rebalance"),
     ("GET", "/v1/cluster/rebalance", "cluster_rebalance_status"),
+    ("DELETE", "/v1/cluster/rebalance", "cluster_rebalance_stop"),
 ];
 
 pub(crate) fn operation_name(method: &str, route: Option<&str>) -> &'static str {
