@@ -248,14 +248,14 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16) -> Result<IngestSt
     let (tx, rx) = mpsc::channel::<Result<Vec<(Bytes, Bytes)>, PartitionError>>(COPY_QUEUE_CHUNKS);
     let store = Arc::clone(node.engine.store());
     let export = header.export.clone();
-    let ingest = tokio::task::spawn_blocking(move || store.ingest_partition(&export, Batches { rx, batch: Vec::new().into_iter() }));
+    let ingest = background("shoal-ingest", move || store.ingest_partition(&export, Batches { rx, batch: Vec::new().into_iter() }))?;
     let pumped = pump(node, p, &mut stream, &mut decoder, &tx).await;
     if let Err(e) = &pumped {
         // The ingest must not finish on a part of the copy.
         let _ = tx.send(Err(PartitionError::Malformed(e.to_string()))).await;
     }
     drop(tx);
-    let ingested = ingest.await.map_err(|e| ClusterError::Storage(format!("ingest task failed: {e}")))?;
+    let ingested = ingest.await.map_err(|_| ClusterError::Storage("the ingest thread died".into()))?;
     pumped?;
     let stats = ingested.map_err(|e| ClusterError::Storage(e.to_string()))?;
     // A replica now, at the export's positions: the pulls take it from there.
@@ -263,6 +263,47 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16) -> Result<IngestSt
     blocking(move || store.set_partition_state(p, PartitionState::Replica)).await?.map_err(|e| ClusterError::Storage(e.to_string()))?;
     Ok(stats)
 }
+
+/// How much lower than the foreground a copy's export and ingest run (a thread's nice
+/// value on Linux): the scheduler gives the cores to requests first, so a copy takes what
+/// they leave ("foreground requests first", issue 14) instead of doubling their p99.
+pub const COPY_NICENESS: i32 = 10;
+
+/// Runs `work` on a thread of its own at `COPY_NICENESS` and answers its result. Not the
+/// runtime's blocking pool: those threads are reused, and a thread's priority once lowered
+/// cannot be raised again without privileges.
+fn background<T: Send + 'static>(
+    name: &str,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<tokio::sync::oneshot::Receiver<T>, ClusterError> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name(name.to_string())
+        .spawn(move || {
+            lower_priority();
+            let _ = tx.send(work());
+        })
+        .map_err(|e| ClusterError::Storage(format!("cannot start a copy thread: {e}")))?;
+    Ok(rx)
+}
+
+/// Lowers this thread's scheduling priority by `COPY_NICENESS`. Hand-written: one libc call
+/// (Linux keeps the nice value per thread); a crate would wrap the same call.
+#[cfg(target_os = "linux")]
+fn lower_priority() {
+    // SAFETY: gettid and setpriority take no pointers and only touch this thread's
+    // scheduling attributes.
+    let done = unsafe {
+        let tid = libc::gettid();
+        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, COPY_NICENESS)
+    };
+    if done != 0 {
+        tracing::debug!("could not lower a copy thread's priority");
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn lower_priority() {}
 
 /// Moves records from the network to the ingest until the end marker.
 async fn pump(
@@ -359,7 +400,8 @@ pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc:
     let export = node.engine.store().export_partition(req.partition).map_err(|e| ClusterError::Storage(e.to_string()))?;
     let (tx, rx) = mpsc::channel(COPY_QUEUE_CHUNKS);
     let node = Arc::clone(node);
-    tokio::task::spawn_blocking(move || {
+    // The receiver sees a broken stream if this thread cannot start or dies.
+    background("shoal-export", move || {
         let header = CopyHeader { export: export.header().clone(), bytes_estimate: export.estimated_bytes() };
         let mut out = BytesMut::with_capacity(COPY_CHUNK_BYTES + 64 * 1024);
         FrameEncoder::header(&mut out, &header);
@@ -386,7 +428,7 @@ pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc:
         }
         encoder.end(&mut out);
         send(&mut out);
-    });
+    })?;
     Ok(rx)
 }
 
