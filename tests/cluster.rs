@@ -161,9 +161,15 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
     }
     // With it, a malformed message is a clear error, not a crash.
     // ("faults" is there only on nodes started with --fault-injection.)
-    for (op, body) in
-        [("propose", "{"), ("pull", "\u{0}\u{1}garbage"), ("join", "[]"), ("nope", "{}"), ("raft-vote", "1"), ("faults", "{}")]
-    {
+    for (op, body) in [
+        ("propose", "{"),
+        ("pull", "\u{0}\u{1}garbage"),
+        ("export", "\u{ff}garbage"),
+        ("join", "[]"),
+        ("nope", "{}"),
+        ("raft-vote", "1"),
+        ("faults", "{}"),
+    ] {
         let r =
             http.post(first.u(&format!("/v1/_internal/{op}"))).header("x-shoal-cluster-secret", SECRET).body(body).send().await.unwrap();
         let status = r.status().as_u16();
@@ -171,6 +177,12 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
         assert!(status == 400 || status == 404, "{op}: {status} {v}");
         assert_eq!(v["error"], "bad_request", "{op}: {v}");
     }
+
+    // An export for a node the map does not name as a replica is refused, not streamed.
+    let mut ask = vec![1u8]; // postcard: `from` = 1 (a varint), then the partition
+    ask.push(0);
+    let r = http.post(first.u("/v1/_internal/export")).header("x-shoal-cluster-secret", SECRET).body(ask).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 409, "{}", r.text().await.unwrap_or_default());
 
     // An oversized call is refused before it is read whole.
     let huge = vec![b'x'; 64 * 1024 * 1024 + 1];
@@ -191,6 +203,8 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
         ("POST", "/v1/cluster/recover", json!({"node": 12345}), 404, "node_not_found"),
         ("POST", "/v1/cluster/failover", json!({"node": "x"}), 400, "bad_request"),
         ("POST", "/v1/cluster/rebalance", json!({"eject": [12345]}), 404, "node_not_found"),
+        ("POST", "/v1/cluster/rebalance", json!({"eject": "all"}), 400, "bad_request"),
+        ("DELETE", "/v1/cluster/rebalance", json!(null), 409, "bad_request"),
     ];
     for (method, path, body, status, code) in cases {
         let r = http.request(method.parse().unwrap(), first.u(path)).body(body.to_string()).send().await.unwrap();
@@ -558,10 +572,17 @@ async fn files_rebalance(cut: bool) -> Value {
     keys.extend(acked.iter().map(|i| format!("w{i:05}")));
     for (n, batch) in keys.chunks(1_000).enumerate() {
         let url = nodes[1 + n % 2].u("/v1/collections/c/_get");
+        // Until the failover's promoting map is in, the dead node's partitions answer
+        // `unavailable` (try again): ask again then.
+        let deadline = Instant::now() + Duration::from_secs(60);
         let v = loop {
             let r = http.post(&url).json(&json!({"keys": batch})).send().await.unwrap();
             if r.status() == 200 {
-                break r.json::<Value>().await.unwrap();
+                let v = r.json::<Value>().await.unwrap();
+                let waiting = v["docs"].as_array().unwrap().iter().any(|d| d["error"] == "unavailable");
+                if !waiting || Instant::now() > deadline {
+                    break v;
+                }
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         };

@@ -116,6 +116,7 @@ fn requests() -> Vec<Call> {
         ("cluster_settings", Method::PUT, "/v1/cluster/settings".into(), json(serde_json::json!({"replicas": 1}))),
         ("cluster_rebalance", Method::POST, "/v1/cluster/rebalance".into(), String::new()),
         ("cluster_rebalance_status", Method::GET, "/v1/cluster/rebalance".into(), String::new()),
+        ("cluster_rebalance_stop", Method::DELETE, "/v1/cluster/rebalance".into(), String::new()),
         ("cluster_failover", Method::POST, "/v1/cluster/failover".into(), json(serde_json::json!({"node": 1}))),
         ("cluster_recover", Method::POST, "/v1/cluster/recover".into(), json(serde_json::json!({"node": 1}))),
     ];
