@@ -60,6 +60,13 @@ pub struct Part {
     pub uuid: u64,
 }
 
+/// What [`Acks::health`] found of a partition's replicas.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Health {
+    pub healthy: usize,
+    pub unheard: usize,
+}
+
 #[derive(Default)]
 pub struct Acks {
     by_part: Mutex<HashMap<(u32, u16), HashMap<u64, CopyAck>>>,
@@ -118,11 +125,26 @@ impl Acks {
         replicas.iter().filter(|r| acks.get(r).is_some_and(|a| need.met_by(a, part.uuid))).count()
     }
 
-    /// How many of `replicas` acknowledged anything within `window` (healthy followers).
-    pub fn healthy(&self, collection: u32, partition: u16, replicas: &[u64], window: Duration) -> usize {
+    /// Of `replicas`: how many acknowledged anything within `window` (healthy followers),
+    /// and how many were not heard from at all since the acknowledgements were last
+    /// cleared (a map change) — those are neither healthy nor known to be down yet.
+    pub fn health(&self, collection: u32, partition: u16, replicas: &[u64], window: Duration) -> Health {
         let by_part = self.by_part.lock();
-        let Some(acks) = by_part.get(&(collection, partition)) else { return 0 };
-        replicas.iter().filter(|r| acks.get(r).is_some_and(|a| a.at.elapsed() <= window)).count()
+        let acks = by_part.get(&(collection, partition));
+        let mut health = Health::default();
+        for r in replicas {
+            match acks.and_then(|a| a.get(r)) {
+                Some(a) if a.at.elapsed() <= window => health.healthy += 1,
+                Some(_) => {}
+                None => health.unheard += 1,
+            }
+        }
+        health
+    }
+
+    /// Moves on every acknowledgement.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
     }
 
     /// The last acknowledgement of `replica`.
@@ -196,5 +218,18 @@ mod tests {
         );
         let r = acks.start_round();
         assert_eq!(acks.round(), r);
+    }
+
+    #[test]
+    fn health_tells_the_unheard_from_the_silent() {
+        let acks = Acks::default();
+        acks.record(7, 0, &[part(1, 1, 5, true)]);
+        let h = acks.health(1, 3, &[7, 8], Duration::from_secs(60));
+        assert_eq!(h, Health { healthy: 1, unheard: 1 });
+        std::thread::sleep(Duration::from_millis(5));
+        let h = acks.health(1, 3, &[7, 8], Duration::from_millis(1));
+        assert_eq!(h, Health { healthy: 0, unheard: 1 }, "7 was heard from, too long ago: counted out");
+        acks.clear();
+        assert_eq!(acks.health(1, 3, &[7, 8], Duration::from_secs(60)), Health { healthy: 0, unheard: 2 }, "a map change");
     }
 }

@@ -36,6 +36,11 @@ pub const DURABLE_TIMEOUT: Duration = Duration::from_secs(5);
 /// A replica that acknowledged nothing for this long is not counted as able to take part
 /// in a majority: a write that needs it answers `durability_impossible` at once.
 pub const HEALTHY_ACK_WINDOW: Duration = Duration::from_secs(3);
+/// A replica not heard from at all since the map last changed (its first pull of the new
+/// map is on its way) gets this long to be heard before a majority call counts it out:
+/// right after a rebalance or failover, a majority write waits for it rather than being
+/// refused. A replica heard from and then silent is counted out at once.
+pub const UNHEARD_REPLICA_GRACE: Duration = Duration::from_secs(5);
 /// How long a request that reaches a node still entering its cluster (founding, joining
 /// or rejoining after a restart) waits for it to serve before it is refused.
 pub const STARTUP_WAIT: Duration = Duration::from_secs(10);
@@ -560,7 +565,8 @@ impl ClusterNode {
             Some(m) if m.address == req.address => tracing::info!(node = req.node, "joining again; resuming its admission"),
             Some(m) => {
                 return Err(ClusterError::Refused(format!(
-                    "node id {} is already a member at {}: the joining node's data directory belongs to another node",
+                    "node id {} is already a member at {}: the joining node's data directory is that member's — a copied data \
+                     directory cannot join as a second node; start on an empty --data-path to join as a new node",
                     req.node, m.address
                 )))
             }
@@ -688,13 +694,29 @@ impl ClusterNode {
 
     /// Whether enough of partition `p`'s copies are healthy for a majority write of
     /// `collection` now (checked before writing, so a refusal means nothing was written).
-    pub fn majority_possible(&self, collection: u32, p: u16) -> Result<(), MajorityError> {
+    pub async fn majority_possible(&self, collection: u32, p: u16) -> Result<(), MajorityError> {
         let (replicas, wanted) = self.replicas_of(p);
-        let healthy = self.acks.healthy(collection, p, &replicas, HEALTHY_ACK_WINDOW);
-        if healthy < wanted {
-            return Err(MajorityError::Impossible { healthy: healthy + 1, needed: wanted + 1 });
+        self.enough_healthy(collection, p, &replicas, wanted).await
+    }
+
+    /// Waits until `wanted` of `replicas` are healthy, giving replicas not yet heard from
+    /// since the last map change up to [`UNHEARD_REPLICA_GRACE`]; refuses at once when even
+    /// those could not make up the count.
+    async fn enough_healthy(&self, collection: u32, p: u16, replicas: &[u64], wanted: usize) -> Result<(), MajorityError> {
+        let deadline = tokio::time::Instant::now() + UNHEARD_REPLICA_GRACE;
+        let mut changes = self.acks.changes();
+        loop {
+            changes.borrow_and_update();
+            let health = self.acks.health(collection, p, replicas, HEALTHY_ACK_WINDOW);
+            if health.healthy >= wanted {
+                return Ok(());
+            }
+            if health.healthy + health.unheard < wanted
+                || tokio::time::timeout_at(deadline, changes.changed()).await.map_or(true, |r| r.is_err())
+            {
+                return Err(MajorityError::Impossible { healthy: health.healthy + 1, needed: wanted + 1 });
+            }
         }
-        Ok(())
     }
 
     /// Waits until the change `seqno` of `collection`'s partition `p` (on history `uuid`) is
@@ -730,10 +752,7 @@ impl ClusterNode {
         let Some(StreamPosition { seqno, uuid }) = collection.positions().get(usize::from(p)).copied() else {
             return Err(MajorityError::NotActive);
         };
-        let healthy = self.acks.healthy(collection.id(), p, &replicas, HEALTHY_ACK_WINDOW);
-        if healthy < wanted {
-            return Err(MajorityError::Impossible { healthy: healthy + 1, needed: wanted + 1 });
-        }
+        self.enough_healthy(collection.id(), p, &replicas, wanted).await?;
         let round = self.acks.start_round();
         let need = Need::Confirmed { seqno, round };
         if !self
@@ -948,8 +967,12 @@ impl ClusterNode {
         let frozen: HashSet<u16> = {
             let mut frozen = self.frozen.lock();
             let now = Instant::now();
-            // A freeze ends when the map moves the role away, or when it times out.
-            frozen.retain(|p, until| *until > now && map.partitions.get(usize::from(*p)).is_some_and(|c| c.active == me));
+            // A freeze ends when the map moves the role away, when it times out, or when no
+            // rebalance is under way any more (the one that asked for it stopped, failed or
+            // was reverted by a new leader: nothing will move the role now, and writes must
+            // not wait out `FREEZE_MAX`).
+            let planned = state.rebalance.is_some();
+            frozen.retain(|p, until| planned && *until > now && map.partitions.get(usize::from(*p)).is_some_and(|c| c.active == me));
             frozen.keys().copied().collect()
         };
         let desired: Vec<(u16, PartitionState)> = map

@@ -1,5 +1,6 @@
-//! Rebalance by streaming (the `"stream"` method; file-based moves are the next issue's):
-//! bring `added` nodes in, move ejected nodes' copies off, restore replica counts.
+//! Rebalance: bring `added` nodes in, move ejected nodes' copies off, restore replica
+//! counts. New copies are built from the active's files where a partition is large enough
+//! (`copy`), from its change stream otherwise.
 //!
 //! The metadata leader computes the target map (`shoal_cluster::place`, stable against the
 //! current one, so only the copies that must move do) and goes there in three steps:
@@ -10,8 +11,9 @@
 //!    gives up (it refuses writes, so nothing is acknowledged that the new active lacks) and
 //!    to answer once the new active holds everything it has; then the target map is
 //!    committed, the new active starts a new history on top, and copies that are no longer
-//!    in the map stop. A freeze that sees no new map within `FREEZE_MAX` thaws by itself
-//!    (the leader died mid-move): the old map stays, and nothing was lost.
+//!    in the map stop. A freeze thaws when the plan leaves the log (stopped, failed, or
+//!    reverted by the next leader) or after `FREEZE_MAX` at most: the old map stays, and
+//!    nothing was lost.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -38,6 +40,8 @@ pub const CATCH_UP_MAX: Duration = Duration::from_secs(3_600);
 pub const SETTLE_MAX: Duration = Duration::from_secs(30);
 /// Longest an active keeps partitions frozen for a hand-over before it thaws them.
 pub const FREEZE_MAX: Duration = Duration::from_secs(30);
+/// Longest an active asked to hand over waits to apply the rebalance's plan from the log.
+const PLAN_WAIT: Duration = Duration::from_secs(5);
 /// How often the leader looks at the copies' progress.
 const PROGRESS_POLL: Duration = Duration::from_millis(200);
 /// A progress or hand-over call's timeout.
@@ -493,7 +497,7 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
             let behind = state
                 .collections
                 .values()
-                .any(|def| node.acks.healthy(def.id, p, &replicas, crate::node::HEALTHY_ACK_WINDOW) < replicas.len());
+                .any(|def| node.acks.health(def.id, p, &replicas, crate::node::HEALTHY_ACK_WINDOW).healthy < replicas.len());
             if behind {
                 unsettled.push(p);
             }
@@ -506,6 +510,13 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
 /// each new active holds everything this copy has, and answers. The freeze ends when the map
 /// that moves the role is applied, or after `FREEZE_MAX`.
 pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest) -> Result<(), ClusterError> {
+    // A freeze lasts only while a rebalance is under way (`apply_map` thaws otherwise): this
+    // node must have applied the plan first, or the freeze would thaw at once.
+    let mut applied = node.meta.watch();
+    let planned = matches!(tokio::time::timeout(PLAN_WAIT, applied.wait_for(|s| s.rebalance.is_some())).await, Ok(Ok(_)));
+    if !planned {
+        return Err(ClusterError::Refused(format!("no rebalance under way on this node after {PLAN_WAIT:?}: nothing to hand over for")));
+    }
     let until = Instant::now() + FREEZE_MAX;
     {
         let mut frozen = node.frozen.lock();

@@ -39,7 +39,7 @@ pub const FORWARD_TIMEOUT: Duration = Duration::from_secs(30);
 /// `not_my_partition`.
 pub const HANDOVER_WAIT: Duration = Duration::from_secs(5);
 /// A forwarded request refused as misrouted is sent again after a newer map, or this long.
-const FORWARD_RETRY_PAUSE: Duration = Duration::from_millis(100);
+pub(crate) const FORWARD_RETRY_PAUSE: Duration = Duration::from_millis(100);
 /// Largest body forwarded (a document or sub-document request; `_bulk` is not forwarded).
 pub const FORWARD_BODY_MAX_BYTES: usize = shoal_storage::DOC_MAX_BYTES + 1024 * 1024;
 

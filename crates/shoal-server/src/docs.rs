@@ -198,7 +198,7 @@ pub(crate) async fn write_durably(
     let partition = shoal_storage::partition_of(&req.key, coll.partition_count());
     if level.is_some() {
         // Refused before anything is written: `durability_impossible` means "not done".
-        state.cluster.majority_possible(coll.id(), partition).map_err(majority_error)?;
+        state.cluster.majority_possible(coll.id(), partition).await.map_err(majority_error)?;
     }
     let (outcome, wait) = match coll.write(req) {
         Ok(written) => written,
@@ -303,65 +303,31 @@ pub async fn multi_get(
         return Err(ApiError::too_large(format!("at most {MULTI_GET_KEYS_MAX} keys per _get")));
     }
     // In a cluster each key is read where its partition's active copy is: this node, or
-    // the others in one `_get` each, at the same time.
-    let places = spread::place(&state, &headers, request.keys.iter().map(serde_json::Value::as_str)).await;
-    let groups = spread::remote_groups(&places);
-    let group_keys: Vec<Vec<serde_json::Value>> = groups.values().map(|at| at.iter().map(|&i| request.keys[i].clone()).collect()).collect();
-    let calls = groups
-        .keys()
-        .zip(&group_keys)
-        .map(|(address, keys)| (address.clone(), serde_json::json!({ "keys": keys }).to_string().into_bytes()))
-        .collect();
+    // the others in one `_get` each, at the same time. A key refused as misrouted (its
+    // partition changed hands between the routing and the read) was read nowhere: it is
+    // asked again where a newer map says, as a single-key request is (`cluster::route`).
     let n = request.keys.len();
-    // Local documents are read off the I/O threads.
-    let local = tokio::task::spawn_blocking(move || {
-        let mut entries: Vec<Vec<u8>> = vec![Vec::new(); n];
-        let mut bytes = 0;
-        for ((key, place), entry) in request.keys.iter().zip(places).zip(entries.iter_mut()) {
-            match (key, place) {
-                (_, spread::Place::Remote(_)) => continue,
-                (serde_json::Value::String(_), spread::Place::Refused(e)) => push_error(entry, key, &e),
-                (serde_json::Value::String(key), spread::Place::Local) => match coll.get(key) {
-                    Ok(doc) => {
-                        entry.extend_from_slice(b"{\"key\":");
-                        serde_json::to_writer(&mut *entry, key).map_err(|e| ApiError::internal(e.to_string()))?;
-                        entry.extend_from_slice(format!(",\"cas\":\"{}\",\"value\":", doc.cas).as_bytes());
-                        entry.extend_from_slice(&doc.value);
-                        entry.push(b'}');
-                    }
-                    Err(e) => push_error(entry, &serde_json::Value::String(key.clone()), &ApiError::from(e)),
-                },
-                (key, _) => push_error(entry, key, &ApiError::invalid_key("a key is a string")),
+    let keys = Arc::new(request.keys);
+    let relayed = headers.contains_key(crate::cluster::FORWARDED_HEADER);
+    let mut entries: Vec<Vec<u8>> = vec![Vec::new(); n];
+    let mut pending: Vec<usize> = (0..n).collect();
+    let deadline = tokio::time::Instant::now() + crate::cluster::HANDOVER_WAIT;
+    loop {
+        let routed_at = state.cluster.state().map_version();
+        let answered = get_round(&state, &coll, &keys, &pending, &headers, uri.path()).await?;
+        let mut misrouted = Vec::new();
+        for (&i, entry) in pending.iter().zip(answered) {
+            if !relayed && is_misrouted(&entry) {
+                misrouted.push(i);
             }
-            bytes += entry.len();
-            check_answer_size(bytes, "ask for fewer keys per _get")?;
+            entries[i] = entry;
         }
-        Ok::<_, ApiError>(entries)
-    });
-    let path = uri.path().to_string();
-    let (remote, local) = tokio::join!(spread::call_all(&state, &path, calls), local);
-    let mut entries = local.map_err(|e| ApiError::internal(format!("multi-get task: {e}")))??;
-    for ((at, keys), answer) in groups.values().zip(&group_keys).zip(remote) {
-        let docs = answer.and_then(|bytes| {
-            let docs: MultiGetAnswer = serde_json::from_slice(&bytes)
-                .map_err(|e| spread::CallError { error: ApiError::unavailable(format!("a member answered a _get with {e}")) })?;
-            if docs.docs.len() != at.len() {
-                return Err(spread::CallError { error: ApiError::unavailable("a member answered a _get with too few documents") });
-            }
-            Ok(docs.docs)
-        });
-        match docs {
-            Ok(docs) => {
-                for (&i, doc) in at.iter().zip(docs) {
-                    entries[i] = doc.get().as_bytes().to_vec();
-                }
-            }
-            Err(failed) => {
-                for (&i, key) in at.iter().zip(keys) {
-                    push_error(&mut entries[i], key, &failed.error);
-                }
-            }
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if misrouted.is_empty() || left.is_zero() {
+            break;
         }
+        state.cluster.wait_map_after(routed_at, left.min(crate::cluster::FORWARD_RETRY_PAUSE)).await;
+        pending = misrouted;
     }
     let mut out = Vec::with_capacity(entries.iter().map(Vec::len).sum::<usize>() + n + 16);
     out.extend_from_slice(b"{\"docs\":[");
@@ -374,6 +340,91 @@ pub async fn multi_get(
     out.extend_from_slice(b"]}");
     check_answer_size(out.len(), "ask for fewer keys per _get")?;
     Ok(json_response(StatusCode::OK, out))
+}
+
+/// One round of a `_get`: reads the keys at positions `at` where the map says (here, or
+/// one call per other member) and answers their entries in `at`'s order.
+async fn get_round(
+    state: &AppState,
+    coll: &Arc<Collection>,
+    keys: &Arc<Vec<serde_json::Value>>,
+    at: &[usize],
+    headers: &HeaderMap,
+    path: &str,
+) -> Result<Vec<Vec<u8>>, ApiError> {
+    let places = spread::place(state, headers, at.iter().map(|&i| keys[i].as_str())).await;
+    let groups = spread::remote_groups(&places);
+    let group_keys: Vec<Vec<serde_json::Value>> = groups.values().map(|g| g.iter().map(|&j| keys[at[j]].clone()).collect()).collect();
+    let calls = groups
+        .keys()
+        .zip(&group_keys)
+        .map(|(address, keys)| (address.clone(), serde_json::json!({ "keys": keys }).to_string().into_bytes()))
+        .collect();
+    // Local documents are read off the I/O threads.
+    let (coll, keys, at_local) = (Arc::clone(coll), Arc::clone(keys), at.to_vec());
+    let local = tokio::task::spawn_blocking(move || {
+        let mut entries: Vec<Vec<u8>> = vec![Vec::new(); at_local.len()];
+        let mut bytes = 0;
+        for ((&i, place), entry) in at_local.iter().zip(places).zip(entries.iter_mut()) {
+            let key = &keys[i];
+            match (key, place) {
+                (_, spread::Place::Remote(_)) => continue,
+                (serde_json::Value::String(_), spread::Place::Refused(e)) => push_error(entry, key, &e),
+                (serde_json::Value::String(k), spread::Place::Local) => match coll.get(k) {
+                    Ok(doc) => {
+                        entry.extend_from_slice(b"{\"key\":");
+                        serde_json::to_writer(&mut *entry, k).map_err(|e| ApiError::internal(e.to_string()))?;
+                        entry.extend_from_slice(format!(",\"cas\":\"{}\",\"value\":", doc.cas).as_bytes());
+                        entry.extend_from_slice(&doc.value);
+                        entry.push(b'}');
+                    }
+                    Err(e) => push_error(entry, key, &ApiError::from(e)),
+                },
+                (key, _) => push_error(entry, key, &ApiError::invalid_key("a key is a string")),
+            }
+            bytes += entry.len();
+            check_answer_size(bytes, "ask for fewer keys per _get")?;
+        }
+        Ok::<_, ApiError>(entries)
+    });
+    let (remote, local) = tokio::join!(spread::call_all(state, path, calls), local);
+    let mut entries = local.map_err(|e| ApiError::internal(format!("multi-get task: {e}")))??;
+    for ((group, keys), answer) in groups.values().zip(&group_keys).zip(remote) {
+        let docs = answer.and_then(|bytes| {
+            let docs: MultiGetAnswer = serde_json::from_slice(&bytes)
+                .map_err(|e| spread::CallError { error: ApiError::unavailable(format!("a member answered a _get with {e}")) })?;
+            if docs.docs.len() != group.len() {
+                return Err(spread::CallError { error: ApiError::unavailable("a member answered a _get with too few documents") });
+            }
+            Ok(docs.docs)
+        });
+        match docs {
+            Ok(docs) => {
+                for (&j, doc) in group.iter().zip(docs) {
+                    entries[j] = doc.get().as_bytes().to_vec();
+                }
+            }
+            Err(failed) => {
+                for (&j, key) in group.iter().zip(keys) {
+                    push_error(&mut entries[j], key, &failed.error);
+                }
+            }
+        }
+    }
+    Ok(entries)
+}
+
+/// Whether a `_get` entry is a `not_my_partition` refusal (a cheap look for the code first;
+/// a document that merely contains the words has a `value` and no `error`).
+fn is_misrouted(entry: &[u8]) -> bool {
+    #[derive(Deserialize)]
+    struct Entry<'a> {
+        #[serde(borrow)]
+        error: Option<&'a str>,
+    }
+    const CODE: &[u8] = b"\"not_my_partition\"";
+    entry.windows(CODE.len()).any(|w| w == CODE)
+        && serde_json::from_slice::<Entry>(entry).is_ok_and(|e| e.error == Some("not_my_partition"))
 }
 
 /// Refuses an answer that has grown past [`DOCS_ANSWER_MAX_BYTES`]; `hint` tells the client
