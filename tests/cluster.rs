@@ -524,6 +524,32 @@ async fn files_rebalance(cut: bool) -> Value {
             (acked, i)
         })
     };
+    // Many-key requests through the other members while partitions change hands: a line or
+    // key refused as misrouted is sent again on the newer map, never answered as such.
+    let many = {
+        let (http, bulk, get, stop) =
+            (http.clone(), nodes[1].u("/v1/collections/c/_bulk"), nodes[2].u("/v1/collections/c/_get"), std::sync::Arc::clone(&stop));
+        tokio::spawn(async move {
+            let mut misrouted = Vec::new();
+            let mut round = 0usize;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let keys: Vec<String> = (0..20).map(|i| format!("b{round:04}-{i}")).collect();
+                let body: String =
+                    keys.iter().map(|k| json!({"op": "upsert", "key": k, "value": {"b": round}}).to_string() + "\n").collect();
+                if let Ok(r) = http.post(&bulk).body(body).send().await {
+                    misrouted
+                        .extend(r.text().await.unwrap_or_default().lines().filter(|l| l.contains("not_my_partition")).map(String::from));
+                }
+                if let Ok(r) = http.post(&get).json(&json!({"keys": keys})).send().await {
+                    let v: Value = r.json().await.unwrap_or(Value::Null);
+                    let docs = v["docs"].as_array().cloned().unwrap_or_default();
+                    misrouted.extend(docs.iter().filter(|d| d["error"] == "not_my_partition").map(Value::to_string));
+                }
+                round += 1;
+            }
+            (round, misrouted)
+        })
+    };
     let r = http.post(nodes[1].u("/v1/cluster/rebalance")).json(&json!({"eject": []})).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 202);
     if cut {
@@ -550,6 +576,9 @@ async fn files_rebalance(cut: bool) -> Value {
     assert_eq!(status["state"], "done", "{status}");
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let (acked, attempted) = writer.await.unwrap();
+    let (rounds, misrouted) = many.await.unwrap();
+    assert!(rounds > 0, "the many-key requests ran");
+    assert!(misrouted.is_empty(), "many-key answers said misrouted: {misrouted:?}");
     let moves = status["moves"].as_array().unwrap();
     assert!(!moves.is_empty(), "the new nodes take copies: {status}");
     eprintln!(

@@ -64,6 +64,8 @@ pub struct Part {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Health {
     pub healthy: usize,
+    /// Of the healthy: those whose copy is consistent (past its first snapshot's end).
+    pub consistent: usize,
     pub unheard: usize,
 }
 
@@ -134,7 +136,10 @@ impl Acks {
         let mut health = Health::default();
         for r in replicas {
             match acks.and_then(|a| a.get(r)) {
-                Some(a) if a.at.elapsed() <= window => health.healthy += 1,
+                Some(a) if a.at.elapsed() <= window => {
+                    health.healthy += 1;
+                    health.consistent += usize::from(a.consistent);
+                }
                 Some(_) => {}
                 None => health.unheard += 1,
             }
@@ -224,12 +229,13 @@ mod tests {
     fn health_tells_the_unheard_from_the_silent() {
         let acks = Acks::default();
         acks.record(7, 0, &[part(1, 1, 5, true)]);
-        let h = acks.health(1, 3, &[7, 8], Duration::from_secs(60));
-        assert_eq!(h, Health { healthy: 1, unheard: 1 });
+        acks.record(9, 0, &[part(1, 1, 5, false)]);
+        let h = acks.health(1, 3, &[7, 8, 9], Duration::from_secs(60));
+        assert_eq!(h, Health { healthy: 2, consistent: 1, unheard: 1 }, "9 is still reading its first snapshot");
         std::thread::sleep(Duration::from_millis(5));
         let h = acks.health(1, 3, &[7, 8], Duration::from_millis(1));
-        assert_eq!(h, Health { healthy: 0, unheard: 1 }, "7 was heard from, too long ago: counted out");
+        assert_eq!(h, Health { healthy: 0, consistent: 0, unheard: 1 }, "7 was heard from, too long ago: counted out");
         acks.clear();
-        assert_eq!(acks.health(1, 3, &[7, 8], Duration::from_secs(60)), Health { healthy: 0, unheard: 2 }, "a map change");
+        assert_eq!(acks.health(1, 3, &[7, 8], Duration::from_secs(60)), Health { healthy: 0, consistent: 0, unheard: 2 }, "a map change");
     }
 }

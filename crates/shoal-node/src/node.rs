@@ -137,6 +137,9 @@ pub struct ClusterNode {
     pub(crate) lease: crate::failover::Lease,
     /// Set once the node founded, joined or rejoined its cluster.
     ready: watch::Sender<bool>,
+    /// Whether this node has served since it started: until then a request that finds it
+    /// not serving waits for it (`serving_soon`), after that it is answered at once.
+    served: std::sync::atomic::AtomicBool,
     /// One admission at a time (Raft takes one membership change at a time).
     admit_lock: tokio::sync::Mutex<()>,
     /// Why the node could not take part in its cluster (a refused join): the server stops.
@@ -197,6 +200,7 @@ impl ClusterNode {
             copies: crate::copy::Copies::new(config.copy_by_stream),
             lease: crate::failover::Lease::default(),
             ready: watch::channel(false).0,
+            served: std::sync::atomic::AtomicBool::new(false),
             fatal: watch::channel(None).0,
             admit_lock: tokio::sync::Mutex::new(()),
             stop: watch::channel(false).0,
@@ -654,18 +658,27 @@ impl ClusterNode {
         if !self.is_ready() {
             return false;
         }
-        self.lease.valid(&self.meta)
+        let serving = self.lease.valid(&self.meta);
+        if serving && !self.served.load(std::sync::atomic::Ordering::Relaxed) {
+            self.served.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        serving
     }
 
-    /// [`serving`](Self::serving), but a node still entering its cluster (just started)
-    /// is given up to [`STARTUP_WAIT`] to get there first: a request that arrives a moment
-    /// after a restart is served, not refused. A node that was in and lost its lease is
-    /// answered at once.
+    /// Whether this node has served since it started.
+    pub fn has_served(&self) -> bool {
+        self.served.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// [`serving`](Self::serving), but a node that has not served since it started
+    /// (still entering its cluster, or in and waiting for its first lease) is given up to
+    /// [`STARTUP_WAIT`] to get there first: a request that arrives a moment after a restart
+    /// is served, not refused. A node that served and lost its lease is answered at once.
     pub async fn serving_soon(&self) -> bool {
         if self.serving() {
             return true;
         }
-        if self.is_ready() {
+        if self.served.load(std::sync::atomic::Ordering::Relaxed) {
             return false;
         }
         let deadline = tokio::time::Instant::now() + STARTUP_WAIT;

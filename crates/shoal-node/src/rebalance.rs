@@ -116,6 +116,11 @@ pub(crate) struct ProgressAnswer {
     /// recently (majority writes to them may be refused as impossible).
     #[serde(default)]
     pub unsettled: Vec<PartitionId>,
+    /// Partitions this node is active for with a replica that follows it but has not
+    /// reached the end of its first snapshot yet (it misses documents: losing the active
+    /// now would lose them).
+    #[serde(default)]
+    pub building: Vec<PartitionId>,
     /// Copies being built (or built) here from files, and how far they are.
     #[serde(default)]
     pub copies: Vec<(PartitionId, crate::copy::CopyProgress)>,
@@ -368,18 +373,22 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
     for id in &eject {
         node.propose(MetaCommand::SetMemberState { node: NodeId(*id), state: MemberState::Ejected }).await?;
     }
-    // 4. Settle: done when every replica follows its active, so that majority writes
-    // work on every partition the moment the rebalance says it is done.
+    // 4. Settle: done when every replica follows its active and holds a whole snapshot of
+    // it, so that majority writes work on every partition the moment the rebalance says it
+    // is done, and losing an old copy then loses nothing. Replicas still reading their
+    // first snapshot are waited for as copies are (`CATCH_UP_MAX`); ones not heard from,
+    // `SETTLE_MAX`.
     set_moves(node, "settling");
-    let deadline = Instant::now() + SETTLE_MAX;
+    let started = Instant::now();
     loop {
         let map = node.state().map.clone().unwrap_or_else(|| target.clone());
-        let unsettled = unsettled_of(node, &map).await;
-        if unsettled == 0 {
+        let (unsettled, building) = unsettled_of(node, &map).await;
+        if unsettled + building == 0 {
             break;
         }
-        if Instant::now() >= deadline {
-            tracing::warn!(unsettled, "rebalance done, but some replicas do not follow their actives yet");
+        let waited = started.elapsed();
+        if (unsettled > 0 && waited >= SETTLE_MAX) || waited >= CATCH_UP_MAX {
+            tracing::warn!(unsettled, building, "rebalance done, but some replicas do not follow their actives yet");
             break;
         }
         tokio::time::sleep(PROGRESS_POLL).await;
@@ -415,13 +424,19 @@ async fn revert(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<(), Clu
 }
 
 /// How many partitions' replicas do not all follow their actives yet (a node that does
-/// not answer counts for one).
-async fn unsettled_of(node: &Arc<ClusterNode>, map: &PartitionMap) -> usize {
-    let mut unsettled = 0;
+/// not answer counts for one), and how many follow but are still reading a first snapshot.
+async fn unsettled_of(node: &Arc<ClusterNode>, map: &PartitionMap) -> (usize, usize) {
+    let (mut unsettled, mut building) = (0, 0);
     for answer in progress_answers(node, map).await.into_values() {
-        unsettled += answer.map_or(1, |a| a.unsettled.len());
+        match answer {
+            Some(a) => {
+                unsettled += a.unsettled.len();
+                building += a.building.len();
+            }
+            None => unsettled += 1,
+        }
     }
-    unsettled
+    (unsettled, building)
 }
 
 fn set_moves(node: &ClusterNode, state: &str) {
@@ -487,23 +502,23 @@ async fn progress_answers(node: &Arc<ClusterNode>, map: &PartitionMap) -> HashMa
 pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
     let state = node.state();
     let sums = node.seqno_sums();
-    let mut unsettled = Vec::new();
+    let (mut unsettled, mut building) = (Vec::new(), Vec::new());
     if let Some(map) = &state.map {
         for (p, copies) in map.iter() {
             if copies.active != NodeId(node.id) || copies.replicas.is_empty() {
                 continue;
             }
             let replicas: Vec<u64> = copies.replicas.iter().map(|r| r.0).collect();
-            let behind = state
-                .collections
-                .values()
-                .any(|def| node.acks.health(def.id, p, &replicas, crate::node::HEALTHY_ACK_WINDOW).healthy < replicas.len());
-            if behind {
+            let health: Vec<_> =
+                state.collections.values().map(|def| node.acks.health(def.id, p, &replicas, crate::node::HEALTHY_ACK_WINDOW)).collect();
+            if health.iter().any(|h| h.healthy < replicas.len()) {
                 unsettled.push(p);
+            } else if health.iter().any(|h| h.consistent < replicas.len()) {
+                building.push(p);
             }
         }
     }
-    ProgressAnswer { partitions: sums.into_iter().collect(), unsettled, copies: node.copies.progress() }
+    ProgressAnswer { partitions: sums.into_iter().collect(), unsettled, building, copies: node.copies.progress() }
 }
 
 /// An active's side of a hand-over: freezes the partitions (writes refused), waits until

@@ -438,7 +438,7 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     let uri = req.uri().clone();
     let Ok(key) = extract::doc_key(&uri) else { return next.run(req).await };
     let node = &state.cluster;
-    if !node.is_ready() {
+    if !node.serving() {
         // Just started: give it a moment to enter the cluster, then route by its map.
         node.serving_soon().await;
     }

@@ -493,81 +493,37 @@ pub async fn bulk(
         });
     }
     // In a cluster each line is written where its key's active copy is: here, or by the
-    // member holding it in one `_bulk` of its lines (in their order), at the same time.
-    let places = spread::place(&state, &headers, lines.iter().map(|l| l.parsed.as_ref().ok().and(l.key.as_deref()))).await;
-    let groups = spread::remote_groups(&places);
-    let calls = groups
-        .iter()
-        .map(|(address, at)| {
-            let mut part = Vec::new();
-            for &i in at {
-                part.extend_from_slice(&lines[i].line);
-                part.push(b'\n');
-            }
-            (address.clone(), part)
-        })
-        .collect();
-    let mut answers: Vec<Option<serde_json::Value>> = Vec::with_capacity(lines.len());
-    let mut requests = Vec::new();
-    let mut local_at = Vec::new();
-    for (i, (line, place)) in lines.iter_mut().zip(places).enumerate() {
-        let parsed = std::mem::replace(&mut line.parsed, Err(ApiError::internal("taken")));
-        answers.push(match (parsed, place) {
-            (Err(e), _) | (Ok(_), spread::Place::Refused(e)) => Some(e.to_json()),
-            (Ok(_), spread::Place::Remote(_)) => None,
-            (Ok(req), spread::Place::Local) => {
-                requests.push(req);
-                local_at.push(i);
-                None
-            }
-        });
-    }
-    let writer = Arc::clone(&coll);
-    let local = async move {
-        let (outcomes, wait) = tokio::task::spawn_blocking(move || writer.write_many(requests))
-            .await
-            .map_err(|e| ApiError::internal(format!("bulk writer failed: {e}")))?;
-        let durable = if params.durability == Durability::Persist { wait.wait().await.map_err(ApiError::from) } else { Ok(()) };
-        Ok::<_, ApiError>((outcomes, durable))
-    };
+    // member holding it in one `_bulk` of its lines (in their order), at the same time. A
+    // line refused as misrouted was written nowhere: it is sent again where a newer map
+    // says (unless a later line of the same key was written meanwhile — order is kept).
+    let relayed = headers.contains_key(crate::cluster::FORWARDED_HEADER);
     let path = uri.path_and_query().map_or_else(|| uri.path().to_string(), |pq| pq.as_str().to_string());
-    let (remote, local) = tokio::join!(spread::call_all(&state, &path, calls), local);
-    let (outcomes, durable) = local?;
-    for (i, outcome) in local_at.into_iter().zip(&outcomes) {
-        answers[i] = Some(match (outcome, &durable) {
-            (Ok(outcome), Ok(())) => mutation_json(outcome),
-            (Ok(_), Err(e)) => e.to_json(),
-            (Err(e), _) => ApiError::from(e).to_json(),
-        });
-    }
-    for (at, answer) in groups.values().zip(remote) {
-        let back = answer.map_err(|failed| failed.error).and_then(|bytes| {
-            let back: Vec<serde_json::Value> =
-                bytes.split(|&b| b == b'\n').filter(|l| !l.is_empty()).filter_map(|l| serde_json::from_slice(l).ok()).collect();
-            if back.len() != at.len() {
-                // It may have written them: say so.
-                let mut e = ApiError::unavailable(format!("a member answered {} of {} _bulk lines", back.len(), at.len()));
-                e.details.push(("ambiguous", serde_json::Value::Bool(true)));
-                return Err(e);
+    let mut answers: Vec<serde_json::Value> = vec![serde_json::Value::Null; lines.len()];
+    let mut pending: Vec<usize> = (0..lines.len()).collect();
+    let deadline = tokio::time::Instant::now() + crate::cluster::HANDOVER_WAIT;
+    loop {
+        let routed_at = state.cluster.state().map_version();
+        let answered = bulk_round(&state, &coll, &lines, &pending, &headers, &path, params.durability).await?;
+        let mut misrouted = Vec::new();
+        let mut last_written: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+        for (&i, answer) in pending.iter().zip(answered) {
+            if !relayed && answer.get("error").and_then(serde_json::Value::as_str) == Some("not_my_partition") {
+                misrouted.push(i);
+            } else if let Some(key) = lines[i].key.as_deref() {
+                last_written.insert(key, i);
             }
-            Ok(back)
-        });
-        match back {
-            Ok(back) => {
-                for (&i, line) in at.iter().zip(back) {
-                    answers[i] = Some(line);
-                }
-            }
-            Err(e) => {
-                for &i in at {
-                    answers[i] = Some(e.to_json());
-                }
-            }
+            answers[i] = answer;
         }
+        misrouted.retain(|&i| lines[i].key.as_deref().and_then(|k| last_written.get(k)).is_none_or(|&w| w < i));
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if misrouted.is_empty() || left.is_zero() {
+            break;
+        }
+        state.cluster.wait_map_after(routed_at, left.min(crate::cluster::FORWARD_RETRY_PAUSE)).await;
+        pending = misrouted;
     }
     let mut out = Vec::with_capacity(answers.len() * 96);
-    for (answer, slot) in answers.into_iter().zip(lines) {
-        let mut line = answer.unwrap_or_default();
+    for (mut line, slot) in answers.into_iter().zip(lines) {
         if let (Some(key), Some(obj)) = (slot.key, line.as_object_mut()) {
             obj.entry("key").or_insert(serde_json::Value::String(key));
         }
@@ -575,6 +531,90 @@ pub async fn bulk(
         out.push(b'\n');
     }
     Ok((StatusCode::OK, [(header::CONTENT_TYPE, "application/x-ndjson")], out).into_response())
+}
+
+/// One round of a `_bulk`: writes the lines at positions `at` where the map says (here, or
+/// one call per other member) and answers each line's result in `at`'s order.
+async fn bulk_round(
+    state: &AppState,
+    coll: &Arc<Collection>,
+    lines: &[BulkSlot],
+    at: &[usize],
+    headers: &HeaderMap,
+    path: &str,
+    durability: Durability,
+) -> Result<Vec<serde_json::Value>, ApiError> {
+    let places = spread::place(state, headers, at.iter().map(|&i| lines[i].parsed.as_ref().ok().and(lines[i].key.as_deref()))).await;
+    let groups = spread::remote_groups(&places);
+    let calls = groups
+        .iter()
+        .map(|(address, group)| {
+            let mut part = Vec::new();
+            for &j in group {
+                part.extend_from_slice(&lines[at[j]].line);
+                part.push(b'\n');
+            }
+            (address.clone(), part)
+        })
+        .collect();
+    let mut answers: Vec<Option<serde_json::Value>> = Vec::with_capacity(at.len());
+    let mut requests = Vec::new();
+    let mut local_at = Vec::new();
+    for (j, (&i, place)) in at.iter().zip(places).enumerate() {
+        answers.push(match (&lines[i].parsed, place) {
+            (Err(e), _) => Some(e.to_json()),
+            (Ok(_), spread::Place::Refused(e)) => Some(e.to_json()),
+            (Ok(_), spread::Place::Remote(_)) => None,
+            (Ok(req), spread::Place::Local) => {
+                requests.push(req.clone());
+                local_at.push(j);
+                None
+            }
+        });
+    }
+    let writer = Arc::clone(coll);
+    let local = async move {
+        let (outcomes, wait) = tokio::task::spawn_blocking(move || writer.write_many(requests))
+            .await
+            .map_err(|e| ApiError::internal(format!("bulk writer failed: {e}")))?;
+        let durable = if durability == Durability::Persist { wait.wait().await.map_err(ApiError::from) } else { Ok(()) };
+        Ok::<_, ApiError>((outcomes, durable))
+    };
+    let (remote, local) = tokio::join!(spread::call_all(state, path, calls), local);
+    let (outcomes, durable) = local?;
+    for (j, outcome) in local_at.into_iter().zip(&outcomes) {
+        answers[j] = Some(match (outcome, &durable) {
+            (Ok(outcome), Ok(())) => mutation_json(outcome),
+            (Ok(_), Err(e)) => e.to_json(),
+            (Err(e), _) => ApiError::from(e).to_json(),
+        });
+    }
+    for (group, answer) in groups.values().zip(remote) {
+        let back = answer.map_err(|failed| failed.error).and_then(|bytes| {
+            let back: Vec<serde_json::Value> =
+                bytes.split(|&b| b == b'\n').filter(|l| !l.is_empty()).filter_map(|l| serde_json::from_slice(l).ok()).collect();
+            if back.len() != group.len() {
+                // It may have written them: say so.
+                let mut e = ApiError::unavailable(format!("a member answered {} of {} _bulk lines", back.len(), group.len()));
+                e.details.push(("ambiguous", serde_json::Value::Bool(true)));
+                return Err(e);
+            }
+            Ok(back)
+        });
+        match back {
+            Ok(back) => {
+                for (&j, line) in group.iter().zip(back) {
+                    answers[j] = Some(line);
+                }
+            }
+            Err(e) => {
+                for &j in group {
+                    answers[j] = Some(e.to_json());
+                }
+            }
+        }
+    }
+    Ok(answers.into_iter().map(Option::unwrap_or_default).collect())
 }
 
 /// One line of a `_bulk`: its key (when it has one), its text (to pass on to another

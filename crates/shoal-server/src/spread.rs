@@ -27,7 +27,7 @@ pub(crate) enum Place {
 /// refuses keys of partitions it does not hold with `not_my_partition`).
 pub(crate) async fn place<'a>(state: &AppState, headers: &HeaderMap, keys: impl Iterator<Item = Option<&'a str>>) -> Vec<Place> {
     let node = &state.cluster;
-    if !node.is_ready() {
+    if !node.serving() {
         node.serving_soon().await;
     }
     let serving = node.serving();
@@ -57,7 +57,7 @@ pub(crate) async fn require_serving(state: &AppState) -> Result<(), ApiError> {
 /// Why this node does not serve now: still entering its cluster, or cut off from the
 /// metadata leader.
 pub(crate) fn not_serving(state: &AppState) -> ApiError {
-    if !state.cluster.is_ready() {
+    if !state.cluster.has_served() {
         return ApiError::unavailable("this node is still entering its cluster (starting, joining or rejoining); try again");
     }
     lost_lease()
