@@ -746,3 +746,120 @@ async fn a_rebalance_stops_on_request_and_outlives_its_leader() {
         }
     }
 }
+
+/// Seed 003's faults during a move: a `kill -9` of the move's target, then of its source,
+/// each while a copy runs (paced, so that it is running). Each time the rebalance ends
+/// `failed` (a node of its plan failed) and goes back to its old map, and the node comes
+/// back and is recovered; the last rebalance finishes. A majority writer runs throughout: every
+/// write it was told succeeded, and every document loaded before, is readable at the end.
+/// (A kill of the metadata leader mid-copy is `a_rebalance_stops_on_request_and_outlives_its_leader`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_move_outlives_a_kill9_of_its_target_and_then_of_its_source() {
+    let args = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", "4"];
+    let mut first = Node::start(&args);
+    first.pin_port();
+    let join = first.addr();
+    let mut nodes = vec![first];
+    for _ in 0..2 {
+        let mut n = Node::start(&[&args[..], &["--join", &join][..]].concat());
+        n.pin_port();
+        nodes.push(n);
+    }
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    wait_for(&http, &nodes[0].u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
+    assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    rebalance(&http, &nodes[0], &[]).await;
+    const KEYS: usize = 12_000;
+    let pad = "x".repeat(500);
+    for chunk in (0..KEYS).collect::<Vec<_>>().chunks(2_000) {
+        let body: String = chunk
+            .iter()
+            .map(|i| json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"i": i, "pad": pad}}).to_string() + "\n")
+            .collect();
+        let r = http.post(nodes[0].u("/v1/collections/c/_bulk?durability=persist")).body(body).send().await.unwrap();
+        assert!(!r.text().await.unwrap().contains("\"error\""), "a bulk line failed");
+    }
+    let mut fourth = Node::start(&[&args[..], &["--join", &join][..]].concat());
+    fourth.pin_port();
+    nodes.push(fourth);
+    wait_for(&http, &nodes[0].u("/v1/cluster"), "four members", |v| member_states(v).len() == 4).await;
+
+    // The writer goes through every member in turn; it logs what it was told succeeded.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let docs: Vec<String> = nodes.iter().map(|n| n.u("/v1/collections/c/docs")).collect();
+        let (http, stop) = (http.clone(), std::sync::Arc::clone(&stop));
+        tokio::spawn(async move {
+            let mut acked = Vec::new();
+            let mut i = 0usize;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let url = format!("{}/w{i:05}?durability=majority", docs[i % docs.len()]);
+                let put = http.put(url).timeout(Duration::from_secs(10)).body(json!({"w": i}).to_string()).send().await;
+                if put.is_ok_and(|r| r.status() == 200) {
+                    acked.push(i);
+                } else {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                i += 1;
+            }
+            acked
+        })
+    };
+
+    // `path` on a member other than `skip` (which is dead at times).
+    fn at(nodes: &[Node], skip: usize, path: &str) -> String {
+        nodes.iter().enumerate().find(|(i, _)| *i != skip).map(|(_, n)| n.u(path)).expect("another member")
+    }
+    let (_, info) = get_json(&http, &nodes[0].u("/v1/cluster")).await;
+    let ids: Vec<u64> = nodes.iter().map(|n| node_id(&info, n).expect("every node is a member")).collect();
+    for victim_is_source in [false, true] {
+        // Copies paced to 1 MB/s, so that the kill lands while one runs.
+        let r = http.put(nodes[0].u("/v1/cluster/settings")).json(&json!({"rebalance_mb_per_s": 1})).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let r = http.post(nodes[0].u("/v1/cluster/rebalance")).json(&json!({})).send().await.unwrap();
+        assert_eq!(r.status(), 202, "{}", r.text().await.unwrap_or_default());
+        let status = wait_for(&http, &nodes[0].u("/v1/cluster/rebalance"), "a copy under way", |v| {
+            v["moves"]
+                .as_array()
+                .is_some_and(|m| m.iter().any(|m| m["state"] == "copying" && m["from"].is_u64() && m["bytes_done"].as_u64() > Some(0)))
+        })
+        .await;
+        let copying = status["moves"].as_array().unwrap().iter().find(|m| m["state"] == "copying" && m["from"].is_u64()).unwrap().clone();
+        let victim_id =
+            if victim_is_source { copying["from"].as_u64().expect("a copy has a source") } else { copying["to"].as_u64().unwrap() };
+        let victim = ids.iter().position(|&id| id == victim_id).expect("the victim is a member");
+        nodes[victim].kill9();
+        wait_for(&http, &at(&nodes, victim, "/v1/cluster"), "the victim failed over", |v| {
+            v["nodes"].as_array().is_some_and(|a| a.iter().any(|n| n["id"].as_u64() == Some(victim_id) && n["state"] == "failed"))
+        })
+        .await;
+        let status = wait_for(&http, &at(&nodes, victim, "/v1/cluster/rebalance"), "the rebalance ended", |v| {
+            v["state"] != "running" && v["state"] != "none"
+        })
+        .await;
+        assert_eq!(status["state"], "failed", "a node of the plan failed: {status}");
+        // Back and recovered; the next rebalance brings it in.
+        nodes[victim].restart();
+        let r = http.post(at(&nodes, victim, "/v1/cluster/recover")).json(&json!({"node": victim_id})).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+    }
+    let r = http.put(nodes[0].u("/v1/cluster/settings")).json(&json!({"rebalance_mb_per_s": 0})).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    rebalance(&http, &nodes[0], &[]).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let acked = writer.await.unwrap();
+    assert!(!acked.is_empty(), "the writer was told some writes succeeded");
+
+    // Every loaded document and every acknowledged write, through every member.
+    let mut keys: Vec<String> = (0..KEYS).map(|i| format!("k{i:05}")).collect();
+    keys.extend(acked.iter().map(|i| format!("w{i:05}")));
+    for (n, batch) in keys.chunks(2_000).enumerate() {
+        let r = http.post(nodes[n % nodes.len()].u("/v1/collections/c/_get")).json(&json!({"keys": batch})).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let v: Value = r.json().await.unwrap();
+        for (key, doc) in batch.iter().zip(v["docs"].as_array().unwrap()) {
+            assert!(doc.get("value").is_some(), "{key} lost: {doc}");
+        }
+    }
+    eprintln!("kill -9 of a move's target and source: {} keys and {} acknowledged majority writes all readable", KEYS, acked.len());
+}

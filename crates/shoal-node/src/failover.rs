@@ -100,6 +100,8 @@ pub struct Monitor {
     pub(crate) lock: tokio::sync::Mutex<()>,
     /// Nodes failed over automatically since an operator last recovered one.
     auto_count: AtomicUsize,
+    /// An automatic failover is running (on a task of its own).
+    failing: std::sync::atomic::AtomicBool,
     /// Members with a ping in flight.
     pinging: Mutex<HashSet<u64>>,
     /// Since when this leader watches each member (a member recovered from `failed` is
@@ -242,23 +244,37 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
                 }
                 continue;
             }
+            // One automatic failover at a time, on a task of its own: the pings go on while
+            // it waits (for a rebalance step, a lease, the fences), or every member's lease
+            // would lapse meanwhile.
+            if node.monitor.failing.swap(true, Ordering::AcqRel) {
+                continue;
+            }
             tracing::warn!(node = id.0, silent_s = timeout.as_secs(), "node is down; failing it over");
             // Counted before it starts: a recovery that comes while it runs resets the count
             // after it, not before.
             node.monitor.auto_count.fetch_add(1, Ordering::AcqRel);
-            match failover(&node, id.0).await {
-                Ok(report) => {
-                    metrics::counter!("shoal_failovers_total", "kind" => "auto").increment(1);
-                    tracing::warn!(
-                        node = id.0,
-                        promoted = report.promoted,
-                        unavailable = report.unavailable.len(),
-                        map_version = report.map_version,
-                        "automatic failover done"
-                    );
+            let (n, target) = (Arc::clone(&node), id.0);
+            tokio::spawn(async move {
+                match failover(&n, target).await {
+                    Ok(report) => {
+                        metrics::counter!("shoal_failovers_total", "kind" => "auto").increment(1);
+                        tracing::warn!(
+                            node = target,
+                            promoted = report.promoted,
+                            unavailable = report.unavailable.len(),
+                            map_version = report.map_version,
+                            "automatic failover done"
+                        );
+                    }
+                    Err(e) => {
+                        // Not counted: the next look tries again.
+                        n.monitor.auto_count.fetch_sub(1, Ordering::AcqRel);
+                        tracing::warn!(node = target, error = %e, "automatic failover failed; will try again");
+                    }
                 }
-                Err(e) => tracing::warn!(node = id.0, error = %e, "automatic failover failed; will try again"),
-            }
+                n.monitor.failing.store(false, Ordering::Release);
+            });
         }
     }
 }

@@ -42,6 +42,8 @@ pub const SETTLE_MAX: Duration = Duration::from_secs(30);
 pub const FREEZE_MAX: Duration = Duration::from_secs(30);
 /// Longest an active asked to hand over waits to apply the rebalance's plan from the log.
 const PLAN_WAIT: Duration = Duration::from_secs(5);
+/// A move's state once its new copy is within `CATCH_UP_SLACK` of its active.
+const CAUGHT_UP: &str = "caught up";
 /// How often the leader looks at the copies' progress.
 const PROGRESS_POLL: Duration = Duration::from_millis(200);
 /// A progress or hand-over call's timeout.
@@ -279,7 +281,9 @@ fn moves(current: &PartitionMap, target: &PartitionMap) -> Vec<MoveStatus> {
 }
 
 async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, ClusterError> {
-    let _one = node.monitor.lock.lock().await;
+    // The map changes below hold the failover lock; the long waits between them do not, so
+    // that a node dying mid-rebalance is failed over at once (and the plan then fails).
+    let one = node.monitor.lock.lock().await;
     let eject: Vec<u64> = plan.eject.iter().map(|n| n.0).collect();
     let state = node.state();
     for id in &plan.added {
@@ -309,6 +313,7 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
         node.propose(MetaCommand::SetMap { map: build.clone() }).await?;
         map = build;
     }
+    drop(one);
     set_moves(node, "building");
     // 2. Catch up.
     let new_copies: Vec<(PartitionId, NodeId, NodeId)> = plan
@@ -333,17 +338,33 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
         let answers = progress_answers(node, &map).await;
         let progress = progress_of(&answers);
         show_copies(node, &answers, started);
-        let behind = new_copies
+        let caught_up: HashSet<(PartitionId, u64)> = new_copies
             .iter()
             .filter(|(p, n, active)| {
                 let have = progress.get(&(*p, *n)).copied();
                 let want = progress.get(&(*p, *active)).copied().unwrap_or(0);
-                have.is_none_or(|h| h + CATCH_UP_SLACK < want)
+                have.is_some_and(|h| h + CATCH_UP_SLACK >= want)
             })
-            .count();
+            .map(|(p, n, _)| (*p, n.0))
+            .collect();
+        let behind = new_copies.len() - caught_up.len();
         {
             let mut status = node.rebalancer.status.lock();
-            status.moves_done = new_copies.len() - behind;
+            status.moves_done = caught_up.len();
+            for m in &mut status.moves {
+                if m.state != CAUGHT_UP && caught_up.contains(&(m.id, m.to)) {
+                    m.state = CAUGHT_UP.into();
+                    tracing::info!(
+                        partition = m.id,
+                        from = ?m.from,
+                        to = m.to,
+                        method = %m.method,
+                        bytes = m.bytes_done,
+                        secs = started.elapsed().as_secs_f64(),
+                        "move caught up; the hand-over follows once every move has"
+                    );
+                }
+            }
         }
         if behind == 0 {
             break;
@@ -353,15 +374,23 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
         }
         tokio::time::sleep(PROGRESS_POLL).await;
     }
+    // 3. Hand over the active roles that move, then commit the target — unless a failover
+    // came first (it changed the map under the plan: the plan fails and goes back).
+    let one = node.monitor.lock.lock().await;
+    let state = node.state();
+    if let Some(failed) = target.nodes().into_iter().find(|n| state.members.get(n).is_none_or(|m| m.state == MemberState::Failed)) {
+        return Err(ClusterError::Refused(format!("node {failed} failed during the rebalance; start it again")));
+    }
+    if state.map.as_ref().is_none_or(|m| m.partitions != map.partitions) {
+        return Err(ClusterError::Refused("the map changed under the rebalance (a failover); start it again".into()));
+    }
     set_moves(node, "handing over");
-    // 3. Hand over the active roles that move, then commit the target.
     let mut handovers: BTreeMap<u64, Vec<(PartitionId, u64)>> = BTreeMap::new();
     for ((p, cur), want) in map.iter().zip(&target.partitions) {
         if cur.active != want.active {
             handovers.entry(cur.active.0).or_default().push((p, want.active.0));
         }
     }
-    let state = node.state();
     for (from, partitions) in &handovers {
         let address = state.members.get(&NodeId(*from)).map(|m| m.address.clone()).ok_or(ClusterError::NodeNotFound(*from))?;
         let body = serde_json::to_vec(&HandoverRequest { partitions: partitions.clone() }).unwrap_or_default();
@@ -373,6 +402,7 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
     for id in &eject {
         node.propose(MetaCommand::SetMemberState { node: NodeId(*id), state: MemberState::Ejected }).await?;
     }
+    drop(one);
     // 4. Settle: done when every replica follows its active and holds a whole snapshot of
     // it, so that majority writes work on every partition the moment the rebalance says it
     // is done, and losing an old copy then loses nothing. Replicas still reading their
@@ -400,6 +430,7 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
 /// when the rebalance started (the new ones are dropped where they were built), and the
 /// members go back to the states they had.
 async fn revert(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<(), ClusterError> {
+    let _one = node.monitor.lock.lock().await;
     let current = node.state().map.clone().ok_or_else(|| ClusterError::Refused("no partition map".into()))?;
     let mut back = current.clone();
     for (copies, before) in back.partitions.iter_mut().zip(&plan.from.partitions) {
@@ -461,8 +492,7 @@ fn progress_of(answers: &HashMap<NodeId, Option<ProgressAnswer>>) -> HashMap<(Pa
 /// totals, rate and time left.
 fn show_copies(node: &ClusterNode, answers: &HashMap<NodeId, Option<ProgressAnswer>>, started: Instant) {
     let mut status = node.rebalancer.status.lock();
-    let (mut total, mut done) = (0u64, 0u64);
-    for m in &mut status.moves {
+    for m in status.moves.iter_mut().filter(|m| m.state != CAUGHT_UP) {
         let copy = answers.get(&NodeId(m.to)).and_then(|a| a.as_ref()).and_then(|a| a.copies.iter().find(|(p, _)| *p == m.id));
         let Some((_, copy)) = copy else { continue };
         m.method = copy.method.clone();
@@ -470,10 +500,10 @@ fn show_copies(node: &ClusterNode, answers: &HashMap<NodeId, Option<ProgressAnsw
             m.bytes_total = copy.bytes_total.max(copy.bytes_done);
             m.bytes_done = copy.bytes_done;
             m.state = if copy.state == "copying" { "copying".into() } else { "catching up".into() };
-            total += m.bytes_total;
-            done += m.bytes_done;
         }
     }
+    let files = status.moves.iter().filter(|m| m.method == "files");
+    let (total, done) = files.fold((0u64, 0u64), |(t, d), m| (t + m.bytes_total, d + m.bytes_done));
     let secs = started.elapsed().as_secs_f64();
     status.bytes_total = total;
     status.bytes_done = done;
