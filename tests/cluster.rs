@@ -643,13 +643,16 @@ async fn files_rebalance(cut: bool) -> Value {
     status
 }
 
-/// `DELETE /v1/cluster/rebalance` stops a rebalance before its final map and the map goes
-/// back; a rebalance whose metadata leader is killed is taken up by the next leader, which
-/// goes back when a node of its plan failed; a new rebalance then finishes and nothing is
-/// lost.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_rebalance_stops_on_request_and_outlives_its_leader() {
-    let args = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", "4"];
+/// `serve` flags of the move tests' nodes: 4 partitions, so that each holds more than a
+/// copy by files needs.
+const MOVE_ARGS: [&str; 6] = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", "4"];
+/// Documents (of ~500 bytes, keys `k00000`...) the move tests load.
+const MOVE_KEYS: usize = 12_000;
+
+/// Three nodes started with [`MOVE_ARGS`], rebalanced, with collection `c` loaded with
+/// [`MOVE_KEYS`] documents (`persist`); answers them, an HTTP client and the address to join.
+async fn three_loaded_nodes() -> (Vec<Node>, reqwest::Client, String) {
+    let args = MOVE_ARGS;
     let mut first = Node::start(&args);
     first.pin_port();
     let join = first.addr();
@@ -663,9 +666,8 @@ async fn a_rebalance_stops_on_request_and_outlives_its_leader() {
     wait_for(&http, &nodes[0].u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
     assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
     rebalance(&http, &nodes[0], &[]).await;
-    const KEYS: usize = 12_000;
     let pad = "x".repeat(500);
-    for chunk in (0..KEYS).collect::<Vec<_>>().chunks(2_000) {
+    for chunk in (0..MOVE_KEYS).collect::<Vec<_>>().chunks(2_000) {
         let body: String = chunk
             .iter()
             .map(|i| json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"i": i, "pad": pad}}).to_string() + "\n")
@@ -673,6 +675,18 @@ async fn a_rebalance_stops_on_request_and_outlives_its_leader() {
         let r = http.post(nodes[0].u("/v1/collections/c/_bulk?durability=persist")).body(body).send().await.unwrap();
         assert!(!r.text().await.unwrap().contains("\"error\""), "a bulk line failed");
     }
+    (nodes, http, join)
+}
+
+/// `DELETE /v1/cluster/rebalance` stops a rebalance before its final map and the map goes
+/// back; a rebalance whose metadata leader is killed is taken up by the next leader, which
+/// goes back when a node of its plan failed; a new rebalance then finishes and nothing is
+/// lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rebalance_stops_on_request_and_outlives_its_leader() {
+    let args = MOVE_ARGS;
+    const KEYS: usize = MOVE_KEYS;
+    let (mut nodes, http, join) = three_loaded_nodes().await;
     // Copies paced to 1 MB/s, so that they are still running when the test acts.
     let settings_urls: Vec<String> = nodes.iter().map(|n| n.u("/v1/cluster/settings")).collect();
     let pace = |mb: u32| {
@@ -755,30 +769,9 @@ async fn a_rebalance_stops_on_request_and_outlives_its_leader() {
 /// (A kill of the metadata leader mid-copy is `a_rebalance_stops_on_request_and_outlives_its_leader`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_move_outlives_a_kill9_of_its_target_and_then_of_its_source() {
-    let args = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", "4"];
-    let mut first = Node::start(&args);
-    first.pin_port();
-    let join = first.addr();
-    let mut nodes = vec![first];
-    for _ in 0..2 {
-        let mut n = Node::start(&[&args[..], &["--join", &join][..]].concat());
-        n.pin_port();
-        nodes.push(n);
-    }
-    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
-    wait_for(&http, &nodes[0].u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
-    assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
-    rebalance(&http, &nodes[0], &[]).await;
-    const KEYS: usize = 12_000;
-    let pad = "x".repeat(500);
-    for chunk in (0..KEYS).collect::<Vec<_>>().chunks(2_000) {
-        let body: String = chunk
-            .iter()
-            .map(|i| json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"i": i, "pad": pad}}).to_string() + "\n")
-            .collect();
-        let r = http.post(nodes[0].u("/v1/collections/c/_bulk?durability=persist")).body(body).send().await.unwrap();
-        assert!(!r.text().await.unwrap().contains("\"error\""), "a bulk line failed");
-    }
+    let args = MOVE_ARGS;
+    const KEYS: usize = MOVE_KEYS;
+    let (mut nodes, http, join) = three_loaded_nodes().await;
     let mut fourth = Node::start(&[&args[..], &["--join", &join][..]].concat());
     fourth.pin_port();
     nodes.push(fourth);
