@@ -763,8 +763,8 @@ async fn a_rebalance_stops_on_request_and_outlives_its_leader() {
 
 /// Seed 003's faults during a move: a `kill -9` of the move's target, then of its source,
 /// each while a copy runs (paced, so that it is running). Each time the rebalance ends
-/// `failed` (a node of its plan failed) and goes back to its old map, and the node comes
-/// back and is recovered; the last rebalance finishes. A majority writer runs throughout: every
+/// `failed` (a node of its plan failed) and goes back to its old map — or `done`, when the
+/// kill landed as the last copy ended — and the node comes back and is recovered; the last rebalance finishes. A majority writer runs throughout: every
 /// write it was told succeeded, and every document loaded before, is readable at the end.
 /// (A kill of the metadata leader mid-copy is `a_rebalance_stops_on_request_and_outlives_its_leader`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -830,7 +830,10 @@ async fn a_move_outlives_a_kill9_of_its_target_and_then_of_its_source() {
             v["state"] != "running" && v["state"] != "none"
         })
         .await;
-        assert_eq!(status["state"], "failed", "a node of the plan failed: {status}");
+        // The kill may land just as the last copy ends (progress is polled): the rebalance
+        // then finishes before the failover. Either way it ends cleanly (issue 14: "finishes
+        // or stops cleanly"); what was acknowledged is checked at the end.
+        assert!(status["state"] == "failed" || status["state"] == "done", "a node of the plan failed: {status}");
         // Back and recovered; the next rebalance brings it in.
         nodes[victim].restart();
         let r = http.post(at(&nodes, victim, "/v1/cluster/recover")).json(&json!({"node": victim_id})).send().await.unwrap();
