@@ -408,14 +408,42 @@ async fn many_key_requests_and_scans_span_the_members() {
         assert_eq!(ids, ["k089", "k059", "k029", "k088"], "the limit applies to the merged rows");
     }
 
-    // SQL does not span the members yet: a node holding only some partitions says so
-    // rather than answering from part of the collection.
-    for path in ["/v1/query", "/v1/analytics"] {
-        let r = http.post(nodes[0].u(path)).json(&json!({"sql": "SELECT count(*) FROM c"})).send().await.unwrap();
-        assert_eq!(r.status(), 503, "{path}");
-        let v: Value = r.json().await.unwrap();
-        assert!(v["reason"].as_str().unwrap().contains("does not span the members"), "{v}");
+    // SQL through each member (each holds only some partitions active) reads every
+    // member's partitions once: counts, sums, groups, key lookups and an indexed field.
+    let sql = |node: &Node, statement: &str, consistency: &str| {
+        let http = http.clone();
+        let url = node.u("/v1/query");
+        let body = json!({"sql": statement, "consistency": consistency});
+        async move {
+            let r = http.post(url).json(&body).send().await.unwrap();
+            let status = r.status();
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(status, 200, "{v}");
+            v["rows"].as_array().unwrap().clone()
+        }
+    };
+    let sum: usize = (0..KEYS).sum();
+    for node in &nodes {
+        for consistency in ["not_bounded", "request_plus"] {
+            let rows = sql(node, "SELECT count(*), sum(i) FROM c WHERE meta_id LIKE 'k%'", consistency).await;
+            assert_eq!(rows, vec![json!([KEYS, sum])], "every document once through {}", node.url);
+        }
+        let rows = sql(node, "SELECT count(*) FROM c", "not_bounded").await;
+        assert_eq!(rows, vec![json!([KEYS + 6])], "with the late writes");
+        let rows = sql(node, "SELECT n, count(*) FROM c WHERE meta_id LIKE 'k%' GROUP BY n ORDER BY n", "not_bounded").await;
+        let want: Vec<Value> = (0..30).map(|n| json!([n, 3])).collect();
+        assert_eq!(rows, want);
+        let rows =
+            sql(node, "SELECT meta_id, i FROM c WHERE meta_id IN ('k004', 'k050', 'k089', 'nope') ORDER BY meta_id", "not_bounded").await;
+        assert_eq!(rows, vec![json!(["k004", 4]), json!(["k050", 50]), json!(["k089", 89])], "key lookups reach each key's member");
+        let rows = sql(node, "SELECT meta_id FROM c WHERE n = 4 ORDER BY meta_id", "request_plus").await;
+        assert_eq!(rows, vec![json!(["k004"]), json!(["k034"]), json!(["k064"])], "an indexed field, across members");
     }
+    // The analytics shadows are one node's: a node holding only some partitions says so.
+    let r = http.post(nodes[0].u("/v1/analytics")).json(&json!({"sql": "SELECT count(*) FROM c"})).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["reason"].as_str().unwrap().contains("/v1/query"), "{v}");
 }
 
 /// A copy of a member's data directory started at another address would claim the

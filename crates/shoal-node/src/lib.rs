@@ -14,6 +14,7 @@
 //! - [`replica`]: replicas pulling the active's change stream; the active serving pulls.
 //! - [`failover`]: the leader's health checks, leases, fencing and promotion.
 //! - [`rebalance`]: bringing nodes in and out by streaming copies, with a hand-over.
+//! - [`sql`]: SQL run on one member reading the other members' partitions.
 
 pub mod acks;
 pub mod copy;
@@ -23,6 +24,7 @@ pub mod node;
 pub mod peers;
 pub mod rebalance;
 pub mod replica;
+pub mod sql;
 pub mod wire;
 
 pub use node::{ClusterConfig, ClusterNode, Durable, Route};

@@ -538,6 +538,11 @@ impl ClusterNode {
                 let answer = crate::failover::serve_ping(self, body)?;
                 serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
             }
+            Op::Docs => {
+                let req = wire::decode(body).map_err(ClusterError::BadMessage)?;
+                let answer = crate::sql::serve_docs(self, req).await?;
+                Ok(wire::encode(&answer))
+            }
             Op::Export => Err(ClusterError::BadMessage("an export answers as a stream (`export_stream`)".into())),
         }
     }

@@ -36,6 +36,8 @@ pub enum Op {
     Identify,
     /// A replica asks the active for a partition's export (a copy by files; streamed).
     Export,
+    /// Documents of the partitions active on a member, for SQL run on another (`sql`).
+    Docs,
 }
 
 impl Op {
@@ -55,6 +57,7 @@ impl Op {
             Op::Handover => "handover",
             Op::Identify => "identify",
             Op::Export => "export",
+            Op::Docs => "docs",
         }
     }
 
@@ -73,6 +76,7 @@ impl Op {
             "handover" => Op::Handover,
             "identify" => Op::Identify,
             "export" => Op::Export,
+            "docs" => Op::Docs,
             _ => return None,
         })
     }
@@ -138,6 +142,7 @@ mod tests {
             Op::Handover,
             Op::Identify,
             Op::Export,
+            Op::Docs,
         ];
         for op in ops {
             assert_eq!(Op::from_name(op.name()), Some(op));

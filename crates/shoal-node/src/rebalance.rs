@@ -335,15 +335,21 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
         if let Some(failed) = target.nodes().into_iter().find(|n| state.members.get(n).is_none_or(|m| m.state == MemberState::Failed)) {
             return Err(ClusterError::Refused(format!("node {failed} failed during the rebalance; start it again")));
         }
+        if state.map.as_ref().is_none_or(|m| m.partitions != map.partitions) {
+            return Err(map_changed());
+        }
         let answers = progress_answers(node, &map).await;
         let progress = progress_of(&answers);
         show_copies(node, &answers, started);
         let caught_up: HashSet<(PartitionId, u64)> = new_copies
             .iter()
             .filter(|(p, n, active)| {
-                let have = progress.get(&(*p, *n)).copied();
-                let want = progress.get(&(*p, *active)).copied().unwrap_or(0);
-                have.is_some_and(|h| h + CATCH_UP_SLACK >= want)
+                // An active that did not answer says nothing: its copy is not caught up
+                // (before, a dead source counted as 0 and every copy of it as caught up).
+                match (progress.get(&(*p, *n)), progress.get(&(*p, *active))) {
+                    (Some(have), Some(want)) => have + CATCH_UP_SLACK >= *want,
+                    _ => false,
+                }
             })
             .map(|(p, n, _)| (*p, n.0))
             .collect();
@@ -382,7 +388,7 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
         return Err(ClusterError::Refused(format!("node {failed} failed during the rebalance; start it again")));
     }
     if state.map.as_ref().is_none_or(|m| m.partitions != map.partitions) {
-        return Err(ClusterError::Refused("the map changed under the rebalance (a failover); start it again".into()));
+        return Err(map_changed());
     }
     set_moves(node, "handing over");
     let mut handovers: BTreeMap<u64, Vec<(PartitionId, u64)>> = BTreeMap::new();
@@ -424,6 +430,12 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
         tokio::time::sleep(PROGRESS_POLL).await;
     }
     Ok(Finish::Done)
+}
+
+/// Only a failover changes the map while a rebalance runs (its leader holds the lock for
+/// its own changes): a copy's source or target is gone, and the plan cannot go on.
+fn map_changed() -> ClusterError {
+    ClusterError::Refused("the map changed under the rebalance (a failover); start it again".into())
 }
 
 /// A stop before the final map: the map keeps, for each partition, only the copies it had

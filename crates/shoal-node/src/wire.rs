@@ -138,6 +138,28 @@ pub struct VersionsAnswer {
     pub changes: Vec<WireChange>,
 }
 
+/// SQL on another member asks for documents of the partitions active here: a page of a
+/// scan in key order (`keys` empty), or the documents of `keys`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct DocsRequest {
+    pub collection: String,
+    /// The map version the query started under: a member on another refuses (the
+    /// partitions may have moved, and rows would be missed or read twice).
+    pub map_version: u64,
+    pub after: Option<Bytes>,
+    pub max: u32,
+    pub keys: Vec<Bytes>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct DocsAnswer {
+    /// Live documents (key, JSON body), in key order for a scan.
+    pub docs: Vec<(Bytes, Bytes)>,
+    /// How many of the asked `keys` were looked at (an answer stops at its byte budget;
+    /// the rest are asked again).
+    pub keys_done: u32,
+}
+
 pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
     // These plain structs always encode.
     postcard::to_stdvec(value).unwrap_or_default()

@@ -15,6 +15,7 @@ mod pool;
 pub mod rows;
 pub mod schema;
 pub mod shadow;
+pub mod spread;
 mod table;
 #[cfg(test)]
 mod testgen;
@@ -116,6 +117,9 @@ impl From<DataFusionError> for QueryError {
                         _ => QueryError::Storage(s.to_string()),
                     };
                 }
+                if let Some(r) = inner.downcast_ref::<spread::RemoteError>() {
+                    return QueryError::Unavailable(r.to_string());
+                }
                 if let Some(r) = inner.downcast_ref::<shoal_storage::ReadError>() {
                     return QueryError::Storage(r.to_string());
                 }
@@ -133,6 +137,9 @@ pub struct QueryRequest {
     pub params: Vec<Value>,
     pub consistency: Consistency,
     pub timeout: Duration,
+    /// On a cluster member that holds only some partitions active: where the others are
+    /// read (see [`spread`]). `None` reads every partition here.
+    pub spread: Option<Arc<spread::Spread>>,
 }
 
 /// How an answer's rows are encoded.
@@ -214,9 +221,9 @@ impl SchemaCache {
         let mut inferred = slot.lock();
         let Inferred { obj, feed, keys, .. } = &mut *inferred;
         let now = coll.positions();
-        let behind: Vec<PartitionId> =
+        let mut behind: Vec<PartitionId> =
             (0..coll.partition_count()).filter(|&p| feed.partitions.get(usize::from(p)) != now.get(usize::from(p))).collect();
-        if !behind.is_empty() {
+        while !behind.is_empty() {
             // Every partition with news a share of each batch, the call bounded in all.
             let limits = FollowLimits {
                 batch_changes: SCHEMA_WIDEN_CHANGES.div_ceil(behind.len()),
@@ -224,7 +231,13 @@ impl SchemaCache {
                 total_changes_max: SCHEMA_WIDEN_CHANGES,
                 include_docs: true,
             };
-            follow(coll, &behind, limits, &mut Widening { obj, feed }).map_err(|e| QueryError::Storage(e.to_string()))?;
+            match follow(coll, &behind, limits, &mut Widening { obj, feed }) {
+                Ok(_) => break,
+                // A cluster member holds no copy of this partition (any more): nothing of
+                // it to widen with here.
+                Err(ChangesError::NotMyPartition(n)) => behind.retain(|p| *p != n.partition),
+                Err(e) => return Err(QueryError::Storage(e.to_string())),
+            }
         }
         Ok(Shape { schema: obj.table_schema(), splits: keys.clone() })
     }
@@ -307,7 +320,13 @@ fn sample(coll: &Collection, now: &FeedPosition) -> Result<(Obj, Vec<bytes::Byte
         for j in 0..SCHEMA_SAMPLE_STRATA as u64 {
             let from = StreamPosition { seqno: pos.seqno * j / SCHEMA_SAMPLE_STRATA as u64, uuid: pos.uuid };
             let (mut sub, _) = coll.subscribe(p as u16, from).map_err(storage)?;
-            for change in sub.try_next(per, true).map_err(storage)? {
+            let changes = match sub.try_next(per, true) {
+                Ok(changes) => changes,
+                // A cluster member samples the partitions it holds a copy of.
+                Err(ChangesError::NotMyPartition(_)) => break,
+                Err(e) => return Err(storage(e)),
+            };
+            for change in changes {
                 if let Some(Ok(Value::Object(map))) = change.value.map(|b| serde_json::from_slice::<Value>(&b)) {
                     obj.observe(&map, 0);
                     keys.push(change.key);
@@ -499,6 +518,7 @@ impl QueryEngine {
             schemas: Arc::clone(&self.schemas),
             consistency: req.consistency,
             index_timeout: req.timeout,
+            spread: req.spread.clone(),
             touched: Mutex::new(Vec::new()),
         });
         let catalog = ctx.catalog("datafusion").ok_or_else(|| QueryError::Storage("no default catalog".into()))?;

@@ -45,6 +45,8 @@ pub(crate) struct QueryEnv {
     pub schemas: Arc<SchemaCache>,
     pub consistency: Consistency,
     pub index_timeout: std::time::Duration,
+    /// Where partitions not active here are read (a cluster member), if any.
+    pub spread: Option<Arc<crate::spread::Spread>>,
     /// Collections the query has opened as tables.
     pub touched: parking_lot::Mutex<Vec<Arc<Collection>>>,
 }
@@ -136,15 +138,24 @@ impl TableProvider for CollectionTable {
         filters: &[Expr],
         limit: Option<usize>,
     ) -> Result<Arc<dyn ExecutionPlan>, DataFusionError> {
-        let access = choose_access(&self.env, &self.coll, &self.schema, filters);
+        let mut access = choose_access(&self.env, &self.coll, &self.schema, filters);
+        // Spread over members, an index scan would see only this node's index: the
+        // documents are read instead, and DataFusion filters them.
+        if self.env.spread.is_some() && matches!(access, Access::Index { .. }) {
+            access = Access::Full;
+        }
         let projected = project_schema(&self.schema, projection)?;
         // A full read is split into key ranges, one per core, so documents are parsed and
-        // converted in parallel; point reads and index scans are one stream.
-        let ranges = match access {
-            Access::Full => key_ranges(&self.splits, state.config().target_partitions()),
-            _ => vec![(None, None)],
+        // converted in parallel; point reads and index scans are one stream. Spread over
+        // members, a full read also has one stream per other member.
+        let (ranges, remotes) = match access {
+            Access::Full => (
+                key_ranges(&self.splits, state.config().target_partitions()),
+                self.env.spread.as_ref().map(|s| s.members()).unwrap_or_default(),
+            ),
+            _ => (vec![(None, None)], Vec::new()),
         };
-        let properties = leaf_properties(&projected, ranges.len());
+        let properties = leaf_properties(&projected, ranges.len() + remotes.len());
         Ok(Arc::new(ScanExec {
             env: Arc::clone(&self.env),
             coll: Arc::clone(&self.coll),
@@ -153,6 +164,7 @@ impl TableProvider for CollectionTable {
             projected,
             access,
             ranges,
+            remotes,
             limit,
             properties,
         }))
@@ -375,6 +387,8 @@ pub(crate) struct ScanExec {
     projected: SchemaRef,
     access: Access,
     ranges: Vec<KeyRange>,
+    /// Other members a full read pages (after `ranges`, one stream each).
+    remotes: Vec<String>,
     limit: Option<usize>,
     properties: Arc<PlanProperties>,
 }
@@ -390,6 +404,9 @@ impl DisplayAs for ScanExec {
         write!(f, "ShoalScan: collection={}, {}", self.coll.name(), self.access)?;
         if self.ranges.len() > 1 {
             write!(f, ", key ranges={}", self.ranges.len())?;
+        }
+        if !self.remotes.is_empty() {
+            write!(f, ", members={}", self.remotes.len())?;
         }
         if let Some(l) = self.limit {
             write!(f, ", limit={l}")?;
@@ -408,6 +425,11 @@ enum Cursor {
     },
     /// Pages of a consistent index read (opened on the first page).
     Index(Option<Box<shoal_index::IndexCursor>>),
+    /// Next page of another member's documents: keys after `after`.
+    Remote {
+        member: String,
+        after: Option<Bytes>,
+    },
     Done,
 }
 
@@ -447,14 +469,16 @@ impl ExecutionPlan for ScanExec {
         let start = match &self.access {
             Access::Keys(keys) => Cursor::Keys(keys.clone().into_iter()),
             Access::Index { .. } => Cursor::Index(None),
-            Access::Full => {
-                let (low, high) = self
-                    .ranges
-                    .get(partition)
-                    .cloned()
-                    .ok_or_else(|| DataFusionError::Internal(format!("no scan partition {partition}")))?;
-                Cursor::Full { low: low.map_or(std::ops::Bound::Unbounded, std::ops::Bound::Included), high }
-            }
+            Access::Full => match (self.ranges.get(partition), partition.checked_sub(self.ranges.len())) {
+                (Some((low, high)), _) => {
+                    Cursor::Full { low: low.clone().map_or(std::ops::Bound::Unbounded, std::ops::Bound::Included), high: high.clone() }
+                }
+                (None, Some(i)) => match self.remotes.get(i) {
+                    Some(member) => Cursor::Remote { member: member.clone(), after: None },
+                    None => return Err(DataFusionError::Internal(format!("no scan partition {partition}"))),
+                },
+                (None, None) => return Err(DataFusionError::Internal(format!("no scan partition {partition}"))),
+            },
         };
         let env = Arc::clone(&self.env);
         let coll = Arc::clone(&self.coll);
@@ -509,8 +533,13 @@ async fn next_rows(
         Cursor::Full { low, high } => {
             let c = Arc::clone(coll);
             let until = high.clone();
+            let spread = env.spread.clone();
             let page = tokio::task::spawn_blocking(move || {
-                let docs = c.scan_docs_range(low.as_ref().map(|b| b.as_ref()), until.as_deref(), take)?;
+                let low = low.as_ref().map(|b| b.as_ref());
+                let docs = match &spread {
+                    Some(spread) => c.scan_docs_range_in(low, until.as_deref(), take, &|p| spread.here(p))?,
+                    None => c.scan_docs_range(low, until.as_deref(), take)?,
+                };
                 let last = docs.last().map(|d| d.0.clone());
                 let rows: Vec<(String, Value)> = docs.iter().map(|(k, v)| parse(String::from_utf8_lossy(k).into_owned(), v)).collect();
                 Ok::<_, shoal_storage::ReadError>((rows, last))
@@ -528,8 +557,19 @@ async fn next_rows(
             if batch.is_empty() {
                 return Ok(None);
             }
-            let rows = fetch(coll, batch).await?;
+            let rows = match &env.spread {
+                Some(spread) => fetch_spread(coll, spread, batch).await?,
+                None => fetch(coll, batch).await?,
+            };
             Ok(Some((rows, Cursor::Keys(keys))))
+        }
+        Cursor::Remote { member, after } => {
+            let Some(spread) = &env.spread else { return Ok(None) };
+            let asked = take.min(crate::spread::REMOTE_PAGE_DOCS);
+            let docs = spread.remote.scan(&member, coll.name(), after, asked).await.map_err(external)?;
+            let Some(last) = docs.last().map(|d| d.0.clone()) else { return Ok(None) };
+            let next = if docs.len() < asked { Cursor::Done } else { Cursor::Remote { member, after: Some(last) } };
+            Ok(Some((remote_rows(docs), next)))
         }
         Cursor::Index(None) => {
             let Access::Index { name, bounds } = access else { return Ok(None) };
@@ -552,6 +592,35 @@ async fn next_rows(
             Ok(Some((rows, Cursor::Index(Some(cursor)))))
         }
     }
+}
+
+/// Rows of documents another member sent.
+fn remote_rows(docs: Vec<(Bytes, Bytes)>) -> Vec<(String, Value)> {
+    docs.into_iter().map(|(k, v)| parse(String::from_utf8_lossy(&k).into_owned(), &v)).collect()
+}
+
+/// The documents of `keys` that exist, spread over members: those active here read here,
+/// the others asked of their members (one call each, concurrently).
+async fn fetch_spread(
+    coll: &Arc<Collection>,
+    spread: &crate::spread::Spread,
+    keys: Vec<String>,
+) -> Result<Vec<(String, Value)>, DataFusionError> {
+    let mut local = Vec::new();
+    let mut remote: std::collections::BTreeMap<&str, Vec<Bytes>> = std::collections::BTreeMap::new();
+    for key in &keys {
+        match spread.owner_of(key.as_bytes()) {
+            None => local.push(key.clone()),
+            Some(member) => remote.entry(member).or_default().push(Bytes::copy_from_slice(key.as_bytes())),
+        }
+    }
+    let calls = remote.into_iter().map(|(member, keys)| spread.remote.get(member, coll.name(), keys));
+    let (local, answers) = tokio::join!(fetch(coll, local), futures::future::join_all(calls));
+    let mut rows = local?;
+    for answer in answers {
+        rows.extend(remote_rows(answer.map_err(external)?));
+    }
+    Ok(rows)
 }
 
 /// The documents of `keys` that exist, in order.

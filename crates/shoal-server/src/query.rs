@@ -43,33 +43,46 @@ async fn run(state: AppState, q: Option<String>, headers: HeaderMap, body: Body,
     let body = extract::body(&state, body, QUERY_BODY_MAX_BYTES).await?;
     let req: QueryBody = extract::json_body(&body)?;
     let consistency = extract::consistency(req.consistency.as_deref())?;
-    // SQL runs over this node's copies (fanning it out to the members is not built yet):
-    // it answers only where that is the whole collection, never a silent part of it.
+    // In a cluster (the interim design of ARCHITECTURE.md) the statement runs here whole:
+    // over this node's copies when they are every partition and may serve it, otherwise
+    // reading the partitions active elsewhere from their members (`shoal_node::sql`). The
+    // analytics shadows are this node's alone: they answer only where they are whole.
     let node = &state.cluster;
     crate::spread::require_serving(&state).await?;
-    match node.copies_here() {
-        (false, _) => {
+    let (every_partition, some_replicas) = node.copies_here();
+    let local = every_partition && !(some_replicas && consistency == shoal_index::Consistency::RequestPlus);
+    let map_version = node.state().map_version();
+    let spread = match path {
+        _ if local => None,
+        Path::Operational => node.spread().map_err(crate::spread::no_active)?,
+        Path::Analytics if !every_partition => {
             return Err(ApiError::unavailable(
-                "SQL does not span the members yet, and this node holds a copy of only some partitions; send it to a member \
-                 holding every partition (with replicas = members - 1, every member does)",
+                "analytics reads this node's columnar shadows, and it holds a copy of only some partitions; send it to a \
+                 member holding every partition (with replicas = members - 1, every member does), or use /v1/query, \
+                 which spans the members",
             ))
         }
-        (true, true) if consistency == shoal_index::Consistency::RequestPlus => {
+        Path::Analytics => {
             return Err(ApiError::unavailable(
-                "SQL does not span the members yet: this node holds some partitions as replicas, which cannot promise \
-                 request_plus; use not_bounded here",
+                "analytics reads this node's columnar shadows, and some of its partitions are replicas, which cannot \
+                 promise request_plus; use not_bounded here, or /v1/query",
             ))
         }
-        (true, _) => {}
-    }
+    };
     let timeout = req.timeout_ms.map(Duration::from_millis).unwrap_or(QUERY_TIMEOUT_DEFAULT);
-    let req = QueryRequest { sql: req.sql, params: req.params, consistency, timeout };
+    let req = QueryRequest { sql: req.sql, params: req.params, consistency, timeout, spread };
     let ndjson = headers.get(axum::http::header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("application/x-ndjson"));
     let format = if ndjson { RowFormat::Ndjson } else { RowFormat::JsonArrays };
+    let spread = req.spread.is_some();
     let answer = match path {
         Path::Operational => state.engine.query().query(req, format).await?,
         Path::Analytics => state.engine.query().analytics(req, format).await?,
     };
+    // The members refuse a page under another map; this node's own part is checked here: a
+    // partition that moved while the statement ran may be missing or read twice.
+    if spread && node.state().map_version() != map_version {
+        return Err(ApiError::unavailable("the partition map changed while the statement ran (partitions moved); run it again"));
+    }
     let elapsed_ms = answer.elapsed.as_secs_f64() * 1000.0;
     let columns = json!(answer.columns).to_string();
     let metrics = json!({"elapsed_ms": elapsed_ms, "rows": answer.rows}).to_string();

@@ -140,6 +140,19 @@ impl Collection {
     /// Like [`Collection::scan_docs`], over the keys from `low` up to `until` (exclusive), so
     /// that several readers can split one collection by key ranges.
     pub fn scan_docs_range(&self, low: std::ops::Bound<&[u8]>, until: Option<&[u8]>, max: usize) -> Result<Vec<(Bytes, Bytes)>, ReadError> {
+        self.scan_docs_range_in(low, until, max, &|_| true)
+    }
+
+    /// Like [`Collection::scan_docs_range`], over the partitions `keep` picks only (in a
+    /// cluster: the ones active on this node, the others' copies being another member's
+    /// to answer for).
+    pub fn scan_docs_range_in(
+        &self,
+        low: std::ops::Bound<&[u8]>,
+        until: Option<&[u8]>,
+        max: usize,
+        keep: &dyn Fn(PartitionId) -> bool,
+    ) -> Result<Vec<(Bytes, Bytes)>, ReadError> {
         use std::cmp::Reverse;
         use std::ops::Bound;
         if self.is_dropped() {
@@ -160,7 +173,10 @@ impl Collection {
             None => codec::tag_range(self.id, codec::TAG_DOC).end.to_vec(),
         });
         let now = self.clock.unix_secs();
-        let mut iters: Vec<fjall::Iter> = self.partitions.iter().map(|p| p.load().ks.range((low.clone(), high.clone()))).collect();
+        let mut iters: Vec<fjall::Iter> = (0..self.partition_count())
+            .filter(|p| keep(*p))
+            .map(|p| self.partitions[usize::from(p)].load().ks.range((low.clone(), high.clone())))
+            .collect();
         // One head per partition, smallest key first: a k-way merge that reads each
         // partition only as far as the answer needs.
         let mut heads = std::collections::BinaryHeap::with_capacity(iters.len());

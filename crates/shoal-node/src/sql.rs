@@ -1,0 +1,143 @@
+//! SQL across the members (the interim design of ARCHITECTURE.md): the member a statement
+//! reaches runs it whole, reading the partitions active on it itself and paging the others'
+//! documents from the members holding them active ([`shoal_query::spread`]). Both sides of
+//! that paging are here: [`ClusterNode::spread`] for the asking member, [`serve_docs`] for
+//! the asked one. A member asked under another map version refuses, so a query that ran
+//! across a hand-over fails (and is run again) instead of missing or doubling rows.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use shoal_query::spread::{RemoteDocs, RemoteError, Spread};
+
+use crate::peers::Op;
+use crate::wire::{self, DocsAnswer, DocsRequest};
+use crate::{ClusterError, ClusterNode};
+
+/// Most bytes of documents in one answer (at least one document always goes, however big).
+pub const DOCS_ANSWER_MAX_BYTES: usize = 16 * 1024 * 1024;
+/// Most documents one answer holds.
+pub const DOCS_ANSWER_MAX_DOCS: u32 = 8192;
+/// A call for documents has this long.
+const DOCS_CALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+impl ClusterNode {
+    /// Where a SQL statement run here reads each partition: `None` when every partition is
+    /// active here (or there is no map), so the statement reads this node alone.
+    pub fn spread(self: &Arc<Self>) -> Result<Option<Arc<Spread>>, u16> {
+        let owners = self.active_owners()?;
+        if owners.iter().all(Option::is_none) {
+            return Ok(None);
+        }
+        let remote = Members { node: Arc::clone(self), map_version: self.state().map_version() };
+        Ok(Some(Arc::new(Spread { owners, remote: Arc::new(remote) })))
+    }
+}
+
+/// The asking side: calls to the members under one map version.
+struct Members {
+    node: Arc<ClusterNode>,
+    map_version: u64,
+}
+
+impl Members {
+    async fn ask(&self, member: &str, req: DocsRequest) -> Result<DocsAnswer, RemoteError> {
+        let answer = self.node.peers.call(member, Op::Docs, wire::encode(&req), DOCS_CALL_TIMEOUT).await;
+        let bytes = answer.map_err(|e| RemoteError(format!("a member's part of the query: {e}")))?;
+        wire::decode(&bytes).map_err(|e| RemoteError(format!("member at {member} answered documents with {e}")))
+    }
+}
+
+#[async_trait]
+impl RemoteDocs for Members {
+    async fn scan(&self, member: &str, collection: &str, after: Option<Bytes>, max: usize) -> Result<Vec<(Bytes, Bytes)>, RemoteError> {
+        let max = u32::try_from(max).unwrap_or(u32::MAX).min(DOCS_ANSWER_MAX_DOCS);
+        let req = DocsRequest { collection: collection.to_string(), map_version: self.map_version, after, max, keys: Vec::new() };
+        Ok(self.ask(member, req).await?.docs)
+    }
+
+    async fn get(&self, member: &str, collection: &str, mut keys: Vec<Bytes>) -> Result<Vec<(Bytes, Bytes)>, RemoteError> {
+        let mut out = Vec::new();
+        while !keys.is_empty() {
+            let req = DocsRequest {
+                collection: collection.to_string(),
+                map_version: self.map_version,
+                after: None,
+                max: DOCS_ANSWER_MAX_DOCS,
+                keys: keys.clone(),
+            };
+            let answer = self.ask(member, req).await?;
+            let done = usize::try_from(answer.keys_done).unwrap_or(usize::MAX).min(keys.len());
+            if done == 0 {
+                return Err(RemoteError(format!("member at {member} answered none of the keys asked")));
+            }
+            out.extend(answer.docs);
+            keys.drain(..done);
+        }
+        Ok(out)
+    }
+}
+
+/// The asked side: live documents of the partitions active here, a page of a scan in key
+/// order or the asked keys', within [`DOCS_ANSWER_MAX_BYTES`].
+pub(crate) async fn serve_docs(node: &Arc<ClusterNode>, req: DocsRequest) -> Result<DocsAnswer, ClusterError> {
+    if !node.serving() {
+        return Err(ClusterError::Refused("this member lost contact with the metadata leader; it serves nothing now".into()));
+    }
+    let version = node.state().map_version();
+    if version != req.map_version {
+        return Err(ClusterError::Refused(format!(
+            "the partition map changed during the query (version {version} here, {} when it started); run it again",
+            req.map_version
+        )));
+    }
+    let coll = node
+        .engine
+        .store()
+        .collection(&req.collection)
+        .ok_or_else(|| ClusterError::Refused(format!("no collection {} on this member", req.collection)))?;
+    // `None`: every partition is active here.
+    let here = node.actives_here();
+    let is_here = move |p: u16| here.as_ref().is_none_or(|h| h.get(usize::from(p)).copied().unwrap_or(false));
+    let max = req.max.min(DOCS_ANSWER_MAX_DOCS) as usize;
+    tokio::task::spawn_blocking(move || {
+        let mut docs = Vec::new();
+        let mut bytes = 0usize;
+        if req.keys.is_empty() {
+            let low = req.after.as_deref().map_or(std::ops::Bound::Unbounded, std::ops::Bound::Excluded);
+            for (k, v) in coll.scan_docs_range_in(low, None, max.max(1), &is_here).map_err(|e| ClusterError::Storage(e.to_string()))? {
+                if bytes >= DOCS_ANSWER_MAX_BYTES {
+                    break;
+                }
+                bytes += k.len() + v.len();
+                docs.push((k, v));
+            }
+            return Ok(DocsAnswer { docs, keys_done: 0 });
+        }
+        let partitions = coll.partition_count();
+        let mut done = 0u32;
+        for key in &req.keys {
+            if bytes >= DOCS_ANSWER_MAX_BYTES || docs.len() >= max {
+                break;
+            }
+            done += 1;
+            if !is_here(shoal_storage::partition_of(key, partitions)) {
+                return Err(ClusterError::Refused("a key asked is not in a partition active on this member; run the query again".into()));
+            }
+            let Ok(text) = std::str::from_utf8(key) else { continue };
+            match coll.get(text) {
+                Ok(doc) => {
+                    bytes += key.len() + doc.value.len();
+                    docs.push((key.clone(), doc.value));
+                }
+                Err(shoal_storage::ReadError::NotFound | shoal_storage::ReadError::InvalidKey(_)) => {}
+                Err(e) => return Err(ClusterError::Storage(e.to_string())),
+            }
+        }
+        Ok(DocsAnswer { docs, keys_done: done })
+    })
+    .await
+    .map_err(|e| ClusterError::Storage(e.to_string()))?
+}
