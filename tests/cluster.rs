@@ -193,6 +193,20 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
     }
     let (status, _) = get_json(&http, &first.u("/v1/cluster")).await;
     assert_eq!(status, 200, "the node still answers");
+    // A key request's body is kept (to send again on a newer map) up to
+    // FORWARD_BODY_MAX_BYTES: past it `413` before it is read whole; a document past
+    // DOC_MAX_BYTES within that is the write path's `413`. Nothing is written.
+    assert_eq!(http.put(first.u("/v1/collections/big")).send().await.unwrap().status(), 201);
+    for len in [shoal_storage::DOC_MAX_BYTES + 1, shoal_server::cluster::FORWARD_BODY_MAX_BYTES + 1] {
+        let mut doc = vec![b' '; len];
+        doc[0] = b'1';
+        let r = http.put(first.u("/v1/collections/big/docs/k")).body(doc).send().await;
+        if let Ok(r) = r {
+            assert_eq!(r.status().as_u16(), 413, "{len} bytes");
+        }
+        let r = http.get(first.u("/v1/collections/big/docs/k")).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 404, "nothing written from {len} bytes");
+    }
 
     // Settings out of range, unknown nodes, malformed bodies.
     let cases: &[(&str, &str, Value, u16, &str)] = &[
@@ -260,6 +274,42 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
     first.restart();
     let info = wait_for(&http, &first.u("/v1/cluster"), "the restarted node", |v| member_states(v) == ["active"]).await;
     assert_eq!(info["node"].as_u64(), Some(me));
+}
+
+/// A member that cannot enter its cluster (restarted while the two other members of its
+/// three-node cluster are down: no quorum, so no lease) waits `STARTUP_WAIT` for it and then
+/// answers `503` saying why: never a hang, never an answer from a copy it may not serve.
+/// (A two-node cluster serves on with one node by design: README, "Cluster".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_cannot_enter_its_cluster_says_so() {
+    let mut nodes = start_cluster(3, &[]);
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    wait_for(&http, &nodes[0].u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
+    assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    rebalance(&http, &nodes[0], &[]).await;
+    // A key whose active copy is on the member that restarts.
+    let (_, info) = get_json(&http, &nodes[0].u("/v1/cluster")).await;
+    let (_, map) = get_json(&http, &nodes[0].u("/v1/cluster/map")).await;
+    let second = node_id(&info, &nodes[1]).expect("a member");
+    let partitions = u16::try_from(map["partitions"].as_array().map_or(0, Vec::len)).unwrap();
+    let key = (0..1000)
+        .map(|i| format!("k{i}"))
+        .find(|k| map["partitions"][usize::from(shoal_storage::partition_of(k.as_bytes(), partitions))]["active"].as_u64() == Some(second))
+        .expect("the second member is active for some partition");
+    let (status, body) = put(&http, &nodes[1], &key, 1, "persist").await;
+    assert_eq!(status, 200, "{body}");
+    nodes[0].kill9();
+    nodes[2].kill9();
+    nodes[1].kill9();
+    nodes[1].restart();
+    let url = nodes[1].u(&format!("/v1/collections/c/docs/{key}"));
+    let r = http.get(&url).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 503);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["reason"].as_str().unwrap_or("").contains("still entering its cluster"), "{v}");
+    // Its peer back, it serves what it had.
+    nodes[0].restart();
+    wait_for(&http, &url, "the document, once back in the cluster", |v| v["v"] == 1).await;
 }
 
 /// A node answers the first request after a restart (even one sent before it finished
@@ -439,6 +489,14 @@ async fn many_key_requests_and_scans_span_the_members() {
         let rows = sql(node, "SELECT meta_id FROM c WHERE n = 4 ORDER BY meta_id", "request_plus").await;
         assert_eq!(rows, vec![json!(["k004"]), json!(["k034"]), json!(["k064"])], "an indexed field, across members");
     }
+    // A member holding no partition yet (joined, not rebalanced in) answers too, its
+    // schema learnt from the others' documents.
+    let join = nodes[0].addr();
+    let fourth = Node::start(&["--cluster-secret", SECRET, "--partitions", PARTITIONS, "--analytics-partitions", "0", "--join", &join]);
+    wait_for(&http, &fourth.u("/v1/cluster"), "four members, seen by the fourth", |v| member_states(v).len() == 4).await;
+    let rows = sql(&fourth, "SELECT n, count(*), sum(i) FROM c WHERE meta_id LIKE 'k%' GROUP BY n ORDER BY n", "not_bounded").await;
+    let want: Vec<Value> = (0..30).map(|n| json!([n, 3, 3 * n + 90])).collect();
+    assert_eq!(rows, want, "every member's documents, through a member holding none");
     // The analytics shadows are one node's: a node holding only some partitions says so.
     let r = http.post(nodes[0].u("/v1/analytics")).json(&json!({"sql": "SELECT count(*) FROM c"})).send().await.unwrap();
     assert_eq!(r.status(), 503);

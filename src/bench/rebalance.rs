@@ -5,7 +5,9 @@
 //! receiving node (mean, and over time), total time, moves against the copies the leaving
 //! node held, foreground p50/p99 before and during, CPU seconds per node; the same swap with
 //! every copy built from the change stream (`serve --copy-by-stream`) for the ratio; the
-//! storage engine's own copy ceiling (`shoal bench copy`, in process); and `dd`.
+//! storage engine's own copy ceiling (`shoal bench copy`, in process); and `dd`. With
+//! `--scenarios`, also the two halves of a swap on fresh clusters: adding one node (copies
+//! only onto it) and removing one (copies only off it), each by files.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -42,9 +44,14 @@ pub struct RebalanceArgs {
     /// The cluster's `rebalance_mb_per_s` during the rebalance (0: no limit).
     #[arg(long)]
     mb_per_s: Option<u32>,
-    /// Which methods to run: `files`, `stream` or both.
+    /// Which methods the swap runs: `files`, `stream` or both.
     #[arg(long, value_delimiter = ',', default_value = "files,stream")]
     methods: Vec<String>,
+    /// Which rebalances to run, each on a fresh cluster: `swap` (add one node and eject
+    /// one, in one rebalance; by every method), `add` (add one), `remove` (eject one); the
+    /// last two by files.
+    #[arg(long, value_delimiter = ',', default_value = "swap")]
+    scenarios: Vec<String>,
     /// Skip the in-process copy ceiling and `dd`.
     #[arg(long)]
     no_ceiling: bool,
@@ -68,13 +75,53 @@ struct Sample {
     bytes_done: u64,
 }
 
+/// What one rebalance does to the cluster.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Scenario {
+    /// A new node joins and node 0 is ejected in the same rebalance.
+    Swap,
+    /// A new node joins.
+    Add,
+    /// Node 0 is ejected.
+    Remove,
+}
+
+impl Scenario {
+    fn parse(name: &str) -> Result<Scenario, CliError> {
+        match name {
+            "swap" => Ok(Scenario::Swap),
+            "add" => Ok(Scenario::Add),
+            "remove" => Ok(Scenario::Remove),
+            other => Err(CliError::Bench(format!("unknown scenario {other:?}: swap, add or remove"))),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Scenario::Swap => "swap",
+            Scenario::Add => "add",
+            Scenario::Remove => "remove",
+        }
+    }
+
+    fn joins(self) -> bool {
+        self != Scenario::Remove
+    }
+
+    fn ejects(self) -> bool {
+        self != Scenario::Add
+    }
+}
+
 struct Outcome {
+    scenario: Scenario,
     method: String,
     secs: f64,
     copy_secs: f64,
     bytes: u64,
     moves: usize,
-    leaving_copies: usize,
+    /// Copies that had to move (the least a rebalance can do).
+    needed: usize,
     before: (f64, f64, usize),
     during: (f64, f64, usize),
     errors: u64,
@@ -93,21 +140,26 @@ pub async fn run(args: RebalanceArgs) -> Result<(), CliError> {
         args.nodes, args.partitions, docs, args.doc_bytes, args.mb_per_node, args.rate
     );
     let mut outcomes = Vec::new();
-    for method in &args.methods {
-        outcomes.push(swap(&args, docs, method).await?);
+    for scenario in &args.scenarios {
+        let scenario = Scenario::parse(scenario)?;
+        let methods: Vec<&str> = if scenario == Scenario::Swap { args.methods.iter().map(String::as_str).collect() } else { vec!["files"] };
+        for method in methods {
+            outcomes.push(swap(&args, docs, method, scenario).await?);
+        }
     }
-    println!("\n| method | rebalance s | copy s | MB moved | MB/s into the new node | moves / copies the leaving node held | fg p50 / p99 ms before | fg p50 / p99 ms during | fg errors |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("\n| rebalance | method | rebalance s | copy s | MB moved | MB/s into the receivers | moves / copies that had to move | fg p50 / p99 ms before | fg p50 / p99 ms during | fg errors |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for o in &outcomes {
         println!(
-            "| {} | {:.1} | {:.1} | {:.0} | {:.0} | {} / {} | {:.2} / {:.2} ({} ops) | {:.2} / {:.2} ({} ops) | {} |",
+            "| {} | {} | {:.1} | {:.1} | {:.0} | {:.0} | {} / {} | {:.2} / {:.2} ({} ops) | {:.2} / {:.2} ({} ops) | {} |",
+            o.scenario.name(),
             o.method,
             o.secs,
             o.copy_secs,
             o.bytes as f64 / 1e6,
             o.bytes as f64 / 1e6 / o.copy_secs.max(1e-9),
             o.moves,
-            o.leaving_copies,
+            o.needed,
             o.before.0,
             o.before.1,
             o.before.2,
@@ -119,9 +171,10 @@ pub async fn run(args: RebalanceArgs) -> Result<(), CliError> {
     }
     for o in &outcomes {
         let cpu: Vec<String> = o.cpu.iter().map(|(n, s)| format!("{n} {s:.1}")).collect();
-        println!("CPU seconds during the {} rebalance: {}", o.method, cpu.join(", "));
+        println!("CPU seconds during the {} {} rebalance: {}", o.scenario.name(), o.method, cpu.join(", "));
     }
-    if let (Some(f), Some(s)) = (outcomes.iter().find(|o| o.method == "files"), outcomes.iter().find(|o| o.method == "stream")) {
+    let swap_by = |method: &str| outcomes.iter().find(|o| o.scenario == Scenario::Swap && o.method == method);
+    if let (Some(f), Some(s)) = (swap_by("files"), swap_by("stream")) {
         // The stream run moves the same partitions; its bytes are the files run's.
         let files_rate = f.bytes as f64 / f.copy_secs.max(1e-9);
         let stream_rate = f.bytes as f64 / s.copy_secs.max(1e-9);
@@ -139,13 +192,14 @@ pub async fn run(args: RebalanceArgs) -> Result<(), CliError> {
                 .windows(2)
                 .map(|w| (w[1].t - o.rebalance_start, (w[1].bytes_done - w[0].bytes_done) as f64 / 1e6 / (w[1].t - w[0].t).max(1e-9)))
                 .collect();
-            series.push(Series { name: format!("{}: MB/s into the new node", o.method), points: rate });
+            let label = format!("{} {}", o.scenario.name(), o.method);
+            series.push(Series { name: format!("{label}: MB/s into the receivers"), points: rate });
             let p99: Vec<(f64, f64)> = o.p99_series.iter().map(|(t, v)| (t - o.rebalance_start, *v * 10.0)).collect();
-            series.push(Series { name: format!("{}: foreground p99 ms × 10", o.method), points: p99 });
+            series.push(Series { name: format!("{label}: foreground p99 ms × 10"), points: p99 });
         }
         match line_chart(
             path,
-            "swap rebalance: copy rate and foreground p99",
+            "rebalance: copy rate and foreground p99",
             "seconds since the rebalance started",
             "MB/s  |  p99 ms × 10",
             &series,
@@ -164,17 +218,19 @@ pub async fn run(args: RebalanceArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-/// One swap: load, measure, replace node 0 by a new node built by `method`.
-async fn swap(args: &RebalanceArgs, docs: usize, method: &str) -> Result<Outcome, CliError> {
-    println!("\n--- {method}");
+/// One rebalance on a fresh cluster: load, measure, then replace node 0 by a new node built
+/// by `method` (a swap), or only add the new node, or only eject node 0.
+async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenario) -> Result<Outcome, CliError> {
+    let label = format!("{}-{method}", scenario.name());
+    println!("\n--- {} by {method}", scenario.name());
     let base = vec!["--cluster-secret".to_string(), SECRET.to_string(), "--analytics-partitions".into(), "0".into()];
-    let first = Node::start_named(&format!("rebalance-{method}-0"), args.partitions, &base)?;
+    let first = Node::start_named(&format!("rebalance-{label}-0"), args.partitions, &base)?;
     let join = first.url.trim_start_matches("http://").to_string();
     let mut nodes = vec![first];
     let mut joining = base.clone();
     joining.extend(["--join".to_string(), join.clone()]);
     for i in 1..args.nodes {
-        nodes.push(Node::start_named(&format!("rebalance-{method}-{i}"), args.partitions, &joining)?);
+        nodes.push(Node::start_named(&format!("rebalance-{label}-{i}"), args.partitions, &joining)?);
     }
     let client = Client::new(&nodes[0].url)?;
     wait_members(&client, nodes.len()).await?;
@@ -192,12 +248,7 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str) -> Result<Outcome
     let info = client.cluster().await?;
     let leaving = node_id(&info, &nodes[0].url).ok_or_else(|| CliError::Bench(format!("no id for node 0: {info}")))?;
     let map = client.cluster_map().await?;
-    let leaving_copies = map["partitions"]
-        .as_array()
-        .map(|ps| {
-            ps.iter().filter(|p| p["active"] == leaving || p["replicas"].as_array().is_some_and(|r| r.contains(&json!(leaving)))).count()
-        })
-        .unwrap_or(0);
+    let leaving_copies = copies_on(&map, leaving);
 
     // The foreground load goes to the nodes that stay (they forward where needed).
     let targets: Vec<String> = nodes[1..].iter().map(|n| n.url.clone()).collect();
@@ -211,22 +262,36 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str) -> Result<Outcome
     if method == "stream" {
         extra.push("--copy-by-stream".into());
     }
-    let newcomer = Node::start_named(&format!("rebalance-{method}-new"), args.partitions, &extra)?;
-    wait_members(&client, nodes.len() + 1).await?;
-    let cpu_before: Vec<Option<u64>> = nodes.iter().chain([&newcomer]).map(|n| n.cpu_ticks()).collect();
+    let newcomer = match scenario.joins() {
+        true => Some(Node::start_named(&format!("rebalance-{label}-new"), args.partitions, &extra)?),
+        false => None,
+    };
+    wait_members(&client, nodes.len() + usize::from(newcomer.is_some())).await?;
+    let cpu_before: Vec<Option<u64>> = nodes.iter().chain(newcomer.as_ref()).map(|n| n.cpu_ticks()).collect();
     let rebalance_start = began.elapsed().as_secs_f64();
     let mut samples = Vec::new();
-    let status = rebalance(&client, &[leaving], Some((&mut samples, began))).await?;
+    let eject = if scenario.ejects() { vec![leaving] } else { Vec::new() };
+    let status = rebalance(&client, &eject, Some((&mut samples, began))).await?;
     let rebalance_end = began.elapsed().as_secs_f64();
+    // The copies that had to move: the leaving node's (a swap, a removal), or the ones the
+    // new node holds at the end (an addition).
+    let needed = match (scenario, &newcomer) {
+        (Scenario::Add, Some(n)) => {
+            let info = client.cluster().await?;
+            let id = node_id(&info, &n.url).ok_or_else(|| CliError::Bench(format!("no id for the new node: {info}")))?;
+            copies_on(&client.cluster_map().await?, id)
+        }
+        _ => leaving_copies,
+    };
     let cpu: Vec<(String, f64)> = nodes
         .iter()
-        .chain([&newcomer])
+        .chain(newcomer.as_ref())
         .zip(cpu_before)
         .enumerate()
         .map(|(i, (n, before))| {
             let name = if i == nodes.len() {
                 "new".to_string()
-            } else if i == 0 {
+            } else if i == 0 && scenario.ejects() {
                 "leaving".to_string()
             } else {
                 format!("node{i}")
@@ -262,10 +327,11 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str) -> Result<Outcome
         t += 1.0;
     }
     println!(
-        "{method}: rebalance {:.1} s, {} moves ({} copies on the leaving node), {:.0} MB from files, foreground p99 {:.2} ms before, {:.2} ms during",
+        "{} by {method}: rebalance {:.1} s, {} moves ({} copies had to move), {:.0} MB from files, foreground p99 {:.2} ms before, {:.2} ms during",
+        scenario.name(),
         rebalance_end - rebalance_start,
         moves,
-        leaving_copies,
+        needed,
         bytes as f64 / 1e6,
         before.1,
         during.1
@@ -273,12 +339,13 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str) -> Result<Outcome
     drop(newcomer);
     drop(nodes);
     Ok(Outcome {
+        scenario,
         method: method.to_string(),
         secs: rebalance_end - rebalance_start,
         copy_secs,
         bytes,
         moves,
-        leaving_copies,
+        needed,
         before,
         during,
         errors,
@@ -287,6 +354,14 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str) -> Result<Outcome
         p99_series,
         rebalance_start,
     })
+}
+
+/// How many partition copies (active or replica) `node` holds in `map`.
+fn copies_on(map: &Value, node: u64) -> usize {
+    map["partitions"]
+        .as_array()
+        .map(|ps| ps.iter().filter(|p| p["active"] == node || p["replicas"].as_array().is_some_and(|r| r.contains(&json!(node)))).count())
+        .unwrap_or(0)
 }
 
 fn node_id(info: &Value, url: &str) -> Option<u64> {

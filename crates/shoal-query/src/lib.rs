@@ -242,6 +242,25 @@ impl SchemaCache {
         Ok(Shape { schema: obj.table_schema(), splits: keys.clone() })
     }
 
+    /// Widens the collection's cached schema with documents read on other members (a
+    /// cluster member holding none of a collection's documents samples the others').
+    pub(crate) fn widen_with(&self, coll: &Collection, docs: &[(bytes::Bytes, bytes::Bytes)]) -> Result<Shape, QueryError> {
+        let slot = self.by_collection.lock().get(&coll.id()).cloned();
+        let Some(slot) = slot else { return self.schema_of(coll) };
+        let mut inferred = slot.lock();
+        for (_, body) in docs {
+            if let Ok(Value::Object(map)) = serde_json::from_slice::<Value>(body) {
+                inferred.obj.observe(&map, 0);
+            }
+        }
+        Ok(Shape { schema: inferred.obj.table_schema(), splits: inferred.keys.clone() })
+    }
+
+    /// Whether the cached schema of `coll` has seen no field yet.
+    pub(crate) fn knows_nothing(&self, coll: &Collection) -> bool {
+        self.by_collection.lock().get(&coll.id()).is_none_or(|s| s.lock().obj.is_empty())
+    }
+
     /// Infers the collection's schema from every document (when a query names a field the
     /// sample did not see: a rare kind of document in a mixed collection). False if it
     /// already was.

@@ -47,6 +47,11 @@ pub struct Obj {
 }
 
 impl Obj {
+    /// Whether no field was seen yet.
+    pub fn is_empty(&self) -> bool {
+        self.fields.is_empty()
+    }
+
     /// Widens this object type with the members of `value`.
     pub fn observe(&mut self, value: &serde_json::Map<String, Value>, depth: usize) {
         for (name, v) in value {

@@ -23,7 +23,8 @@ pub struct RemoteError(pub String);
 #[async_trait]
 pub trait RemoteDocs: Send + Sync {
     /// Up to `max` live documents of `collection` that `member` holds active, in key order,
-    /// after `after` (from the first when `None`); fewer than `max` only at the end.
+    /// after `after` (from the first when `None`); none at the end (a page may hold fewer
+    /// than `max` before it, when the member's answer reached its byte budget).
     async fn scan(&self, member: &str, collection: &str, after: Option<Bytes>, max: usize) -> Result<Vec<(Bytes, Bytes)>, RemoteError>;
     /// The live documents among `keys` (all held active by `member`).
     async fn get(&self, member: &str, collection: &str, keys: Vec<Bytes>) -> Result<Vec<(Bytes, Bytes)>, RemoteError>;

@@ -71,10 +71,22 @@ impl SchemaProvider for Collections {
         self.0.touched.lock().push(Arc::clone(&coll));
         let env = Arc::clone(&self.0);
         let c = Arc::clone(&coll);
-        let shape = tokio::task::spawn_blocking(move || env.schemas.schema_of(&c))
+        let mut shape = tokio::task::spawn_blocking(move || env.schemas.schema_of(&c))
             .await
             .map_err(|e| DataFusionError::External(Box::new(e)))?
             .map_err(|e| DataFusionError::External(Box::new(e)))?;
+        // A cluster member holding none of the collection's documents learns its fields
+        // from a page of each other member's.
+        if let Some(spread) = self.0.spread.as_ref().filter(|_| self.0.schemas.knows_nothing(&coll)) {
+            let members = spread.members();
+            let per = (crate::SCHEMA_SAMPLE_DOCS / members.len().max(1)).max(1);
+            let pages = members.iter().map(|m| spread.remote.scan(m, name, None, per));
+            let mut docs = Vec::new();
+            for page in futures::future::join_all(pages).await {
+                docs.extend(page.map_err(external)?);
+            }
+            shape = self.0.schemas.widen_with(&coll, &docs).map_err(|e| DataFusionError::External(Box::new(e)))?;
+        }
         Ok(Some(Arc::new(CollectionTable { env: Arc::clone(&self.0), coll, schema: shape.schema, splits: shape.splits })))
     }
 
@@ -567,9 +579,10 @@ async fn next_rows(
             let Some(spread) = &env.spread else { return Ok(None) };
             let asked = take.min(crate::spread::REMOTE_PAGE_DOCS);
             let docs = spread.remote.scan(&member, coll.name(), after, asked).await.map_err(external)?;
+            // A short page is not the end (a member's answer stops at its byte budget): the
+            // member is read until it answers nothing.
             let Some(last) = docs.last().map(|d| d.0.clone()) else { return Ok(None) };
-            let next = if docs.len() < asked { Cursor::Done } else { Cursor::Remote { member, after: Some(last) } };
-            Ok(Some((remote_rows(docs), next)))
+            Ok(Some((remote_rows(docs), Cursor::Remote { member, after: Some(last) })))
         }
         Cursor::Index(None) => {
             let Access::Index { name, bounds } = access else { return Ok(None) };

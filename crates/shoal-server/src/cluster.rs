@@ -14,7 +14,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use serde::Deserialize;
 use shoal_meta::{MemberState, MetaCommand, MetaReject, SettingsPatch};
-use shoal_node::{ChunkStream, ClusterError, Op, PeerError, PeerFuture, PeerStreamFuture, Peers, Route};
+use shoal_node::{ChunkStream, ClusterError, ClusterNode, Op, PeerError, PeerFuture, PeerStreamFuture, Peers, Route};
 
 use crate::docs::json_response;
 use crate::error::ApiError;
@@ -40,6 +40,35 @@ pub const FORWARD_TIMEOUT: Duration = Duration::from_secs(30);
 pub const HANDOVER_WAIT: Duration = Duration::from_secs(5);
 /// A forwarded request refused as misrouted is sent again after a newer map, or this long.
 pub(crate) const FORWARD_RETRY_PAUSE: Duration = Duration::from_millis(100);
+/// The time a request (one key, or the keys of a `_get` / `_bulk`) has to find where its
+/// partitions went: refused as misrouted, it was applied nowhere, so it waits for a newer
+/// map and is sent again, until [`HANDOVER_WAIT`] has passed.
+pub(crate) struct Reroute {
+    deadline: tokio::time::Instant,
+}
+
+impl Reroute {
+    pub(crate) fn start() -> Reroute {
+        Reroute { deadline: tokio::time::Instant::now() + HANDOVER_WAIT }
+    }
+
+    /// What is left of the wait.
+    pub(crate) fn left(&self) -> Duration {
+        self.deadline.saturating_duration_since(tokio::time::Instant::now())
+    }
+
+    /// After a round routed under map `routed_at` met a misrouted refusal: false when the
+    /// wait is over, or true once a newer map is here (or [`FORWARD_RETRY_PAUSE`] passed).
+    pub(crate) async fn again(&self, node: &ClusterNode, routed_at: u64) -> bool {
+        let left = self.left();
+        if left.is_zero() {
+            return false;
+        }
+        node.wait_map_after(routed_at, left.min(FORWARD_RETRY_PAUSE)).await;
+        true
+    }
+}
+
 /// Largest body forwarded (a document or sub-document request; `_bulk` is not forwarded).
 pub const FORWARD_BODY_MAX_BYTES: usize = shoal_storage::DOC_MAX_BYTES + 1024 * 1024;
 
@@ -463,13 +492,12 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     let (method, headers) = (parts.method.clone(), parts.headers.clone());
     let path = uri.path_and_query().map_or_else(|| uri.path().to_string(), |pq| pq.as_str().to_string());
     let mut local = Some((next, parts));
-    let deadline = tokio::time::Instant::now() + HANDOVER_WAIT;
+    let reroute = Reroute::start();
     loop {
         let routed_at = node.state().map_version();
-        let left = || deadline.saturating_duration_since(tokio::time::Instant::now());
         if route == Route::Local && node.handing_over(key.as_bytes()) {
             // This node is giving the partition up: wait for the map that names its new active.
-            node.wait_map_after(routed_at, left()).await;
+            node.wait_map_after(routed_at, reroute.left()).await;
             route = node.route(key.as_bytes());
         }
         let answer = match route {
@@ -484,11 +512,9 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
             },
             other => return refuse(&state, other),
         };
-        let left = left();
-        if answer.status() != StatusCode::MISDIRECTED_REQUEST || left.is_zero() {
+        if answer.status() != StatusCode::MISDIRECTED_REQUEST || !reroute.again(node, routed_at).await {
             return answer;
         }
-        node.wait_map_after(routed_at, left.min(FORWARD_RETRY_PAUSE)).await;
         route = node.route(key.as_bytes());
     }
 }

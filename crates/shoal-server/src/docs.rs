@@ -311,7 +311,7 @@ pub async fn multi_get(
     let relayed = headers.contains_key(crate::cluster::FORWARDED_HEADER);
     let mut entries: Vec<Vec<u8>> = vec![Vec::new(); n];
     let mut pending: Vec<usize> = (0..n).collect();
-    let deadline = tokio::time::Instant::now() + crate::cluster::HANDOVER_WAIT;
+    let reroute = crate::cluster::Reroute::start();
     loop {
         let routed_at = state.cluster.state().map_version();
         let answered = get_round(&state, &coll, &keys, &pending, &headers, uri.path()).await?;
@@ -322,11 +322,9 @@ pub async fn multi_get(
             }
             entries[i] = entry;
         }
-        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        if misrouted.is_empty() || left.is_zero() {
+        if misrouted.is_empty() || !reroute.again(&state.cluster, routed_at).await {
             break;
         }
-        state.cluster.wait_map_after(routed_at, left.min(crate::cluster::FORWARD_RETRY_PAUSE)).await;
         pending = misrouted;
     }
     let mut out = Vec::with_capacity(entries.iter().map(Vec::len).sum::<usize>() + n + 16);
@@ -500,7 +498,7 @@ pub async fn bulk(
     let path = uri.path_and_query().map_or_else(|| uri.path().to_string(), |pq| pq.as_str().to_string());
     let mut answers: Vec<serde_json::Value> = vec![serde_json::Value::Null; lines.len()];
     let mut pending: Vec<usize> = (0..lines.len()).collect();
-    let deadline = tokio::time::Instant::now() + crate::cluster::HANDOVER_WAIT;
+    let reroute = crate::cluster::Reroute::start();
     loop {
         let routed_at = state.cluster.state().map_version();
         let answered = bulk_round(&state, &coll, &lines, &pending, &headers, &path, params.durability).await?;
@@ -515,11 +513,9 @@ pub async fn bulk(
             answers[i] = answer;
         }
         misrouted.retain(|&i| lines[i].key.as_deref().and_then(|k| last_written.get(k)).is_none_or(|&w| w < i));
-        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        if misrouted.is_empty() || left.is_zero() {
+        if misrouted.is_empty() || !reroute.again(&state.cluster, routed_at).await {
             break;
         }
-        state.cluster.wait_map_after(routed_at, left.min(crate::cluster::FORWARD_RETRY_PAUSE)).await;
         pending = misrouted;
     }
     let mut out = Vec::with_capacity(answers.len() * 96);
