@@ -550,6 +550,10 @@ async fn a_copy_cut_off_midway_falls_back_to_the_stream_and_loses_nothing() {
     let status = files_rebalance(true).await;
     let moves = status["moves"].as_array().unwrap();
     assert!(moves.iter().any(|m| m["method"] == "stream"), "a broken copy fell back to the stream: {status}");
+    assert!(
+        moves.iter().filter(|m| m["method"] == "stream").all(|m| m["bytes_done"].as_u64() > Some(0)),
+        "a stream copy's bytes are counted too: {status}"
+    );
 }
 
 /// Loads a one-node cluster (4 partitions, so that each holds more than a copy by files

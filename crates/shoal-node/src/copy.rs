@@ -52,11 +52,16 @@ pub struct ExportRequest {
 pub struct CopyProgress {
     /// `files` or `stream`.
     pub method: String,
+    /// A stream copy's total is not known ahead: it is what arrived so far.
     pub bytes_total: u64,
     pub bytes_done: u64,
-    /// `copying`, `done`, `failed` (then the stream takes over).
+    /// Files: `queued`, `copying`, `done`, `failed` (then the stream takes over). Stream:
+    /// [`STREAMING`], `done` (past its first snapshot).
     pub state: String,
 }
+
+/// A stream copy's state while it backfills.
+pub const STREAMING: &str = "streaming";
 
 /// This node's file copies: which partitions are being built, their progress, the
 /// concurrency limit, and the pacing of exports it serves.
@@ -99,6 +104,27 @@ impl Copies {
 
     fn may_copy(&self, p: u16) -> bool {
         !self.stream_only && !self.streamed.lock().contains(&p) && !self.is_building(p)
+    }
+
+    /// A copy backfilling from the change stream received `bytes` (keys and values) for
+    /// partition `p`; `done` once it reached its snapshot's end. A file copy's own catch-up
+    /// is not counted (its bytes came as files); a failed one is a stream copy from here on,
+    /// and its progress says so.
+    pub(crate) fn add_stream_bytes(&self, p: u16, bytes: u64, done: bool) {
+        let mut building = self.building.lock();
+        let streaming = || CopyProgress { method: "stream".into(), state: STREAMING.into(), ..CopyProgress::default() };
+        let c = building.entry(p).or_insert_with(streaming);
+        match (c.method.as_str(), c.state.as_str()) {
+            (_, "failed") => *c = streaming(),
+            ("files", _) => return,
+            _ => {}
+        }
+        metrics::counter!("shoal_rebalance_bytes_total", "method" => "stream").increment(bytes);
+        c.bytes_done += bytes;
+        c.bytes_total = c.bytes_total.max(c.bytes_done);
+        if done {
+            c.state = "done".into();
+        }
     }
 
     fn running(&self) -> usize {

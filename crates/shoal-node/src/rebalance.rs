@@ -56,9 +56,9 @@ pub struct RebalanceStatus {
     pub state: String,
     pub moves_total: usize,
     pub moves_done: usize,
-    /// Bytes the copies built from files carry (estimated by their sources until each
-    /// ends), how many arrived, and the rate since the rebalance started; copies built
-    /// from the change stream are not counted.
+    /// Bytes the copies carry (for copies by files, estimated by their sources until each
+    /// ends; for copies from the change stream, keys and values as they arrive, with no
+    /// estimate ahead), how many arrived, and the rate since the rebalance started.
     #[serde(default)]
     pub bytes_total: u64,
     #[serde(default)]
@@ -508,14 +508,15 @@ fn show_copies(node: &ClusterNode, answers: &HashMap<NodeId, Option<ProgressAnsw
         let copy = answers.get(&NodeId(m.to)).and_then(|a| a.as_ref()).and_then(|a| a.copies.iter().find(|(p, _)| *p == m.id));
         let Some((_, copy)) = copy else { continue };
         m.method = copy.method.clone();
-        if copy.method == "files" {
-            m.bytes_total = copy.bytes_total.max(copy.bytes_done);
-            m.bytes_done = copy.bytes_done;
-            m.state = if copy.state == "copying" { "copying".into() } else { "catching up".into() };
-        }
+        m.bytes_total = copy.bytes_total.max(copy.bytes_done);
+        m.bytes_done = copy.bytes_done;
+        m.state = match copy.state.as_str() {
+            "copying" | crate::copy::STREAMING => "copying".into(),
+            "queued" => "queued".into(),
+            _ => "catching up".into(),
+        };
     }
-    let files = status.moves.iter().filter(|m| m.method == "files");
-    let (total, done) = files.fold((0u64, 0u64), |(t, d), m| (t + m.bytes_total, d + m.bytes_done));
+    let (total, done) = status.moves.iter().fold((0u64, 0u64), |(t, d), m| (t + m.bytes_total, d + m.bytes_done));
     let secs = started.elapsed().as_secs_f64();
     status.bytes_total = total;
     status.bytes_done = done;

@@ -59,6 +59,10 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
             }
         }
         let first = parts.iter().any(|p| !snapshot_end.contains_key(&(p.collection, p.partition)));
+        // Parts still backfilling, and where each stood: what arrives for them is a copy's
+        // progress (`Copies::add_stream_bytes`).
+        let backfilling: HashMap<(u32, u16), u64> =
+            parts.iter().filter(|p| !p.consistent).map(|p| ((p.collection, p.partition), p.seqno)).collect();
         let asked: Vec<(u16, u64)> = parts.iter().map(|p| (p.partition, p.seqno)).collect();
         let map_version = state.map.as_ref().map_or(0, |m| m.version);
         let wait_ms = if first { 0 } else { u32::try_from(PULL_WAIT.as_millis()).unwrap_or(u32::MAX) };
@@ -99,8 +103,18 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
                 continue;
             }
             let key = (part.collection, part.partition);
+            let (bytes, last) = match &part.kind {
+                PartKind::Changes { changes, .. } => (
+                    changes.iter().map(|c| c.key.len() + c.value.as_ref().map_or(0, |v| v.len())).sum::<usize>() as u64,
+                    changes.last().map(|c| c.seqno),
+                ),
+                _ => (0, None),
+            };
             match apply_part(&node, &address, part).await {
                 Ok(Some(end)) => {
+                    if let Some(&from) = backfilling.get(&key) {
+                        node.copies.add_stream_bytes(key.1, bytes, last.unwrap_or(from).max(from) >= end);
+                    }
                     snapshot_end.insert(key, end);
                 }
                 Ok(None) => {}

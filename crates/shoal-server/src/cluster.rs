@@ -503,8 +503,18 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
         let answer = match route {
             Route::Local if node.serving() => match local.take() {
                 Some((next, parts)) => next.run(Request::from_parts(parts, Body::from(body.clone()))).await,
-                // Refused here once already, and the map still says here.
-                None => return misdirected(routed_at, node.id()),
+                // Refused here once already (frozen for a hand-over) and the map still says
+                // here: wait for the map that moves the partition (a hand-over commits it
+                // within its freeze) and go where it says. (`next` ran once: the request
+                // cannot run here again.)
+                None => {
+                    node.wait_map_after(routed_at, reroute.left()).await;
+                    route = node.route(key.as_bytes());
+                    if route == Route::Local {
+                        return misdirected(routed_at, node.id());
+                    }
+                    continue;
+                }
             },
             Route::Forward { ref address, .. } => match forward(&state, address, method.clone(), &path, &headers, body.clone()).await {
                 Ok(r) => r,
