@@ -133,6 +133,9 @@ pub struct ClusterNode {
     /// Partitions this node holds active but was asked to hand over (a rebalance): writes
     /// stop until the new map is in.
     pub(crate) frozen: Mutex<HashMap<u16, Instant>>,
+    /// The map version this node's copies follow (their states set by `apply_map`): a
+    /// moment behind the metadata it has applied, and what a request routed here waits for.
+    store_map: tokio::sync::watch::Sender<u64>,
     /// Until when this node may serve its active partitions (see `failover::Lease`).
     pub(crate) lease: crate::failover::Lease,
     /// Set once the node founded, joined or rejoined its cluster.
@@ -196,6 +199,7 @@ impl ClusterNode {
             apply_lock: tokio::sync::Mutex::new(()),
             replicators: Mutex::new(HashMap::new()),
             frozen: Mutex::new(HashMap::new()),
+            store_map: tokio::sync::watch::Sender::new(0),
             rebalancer: crate::rebalance::Rebalancer::default(),
             copies: crate::copy::Copies::new(config.copy_by_stream),
             lease: crate::failover::Lease::default(),
@@ -905,6 +909,18 @@ impl ClusterNode {
         }
     }
 
+    /// Waits until this node's copies follow map `version` or a newer one, at most `max`: a
+    /// request the map routes here is run once they do (a copy the map just made active
+    /// here would otherwise refuse it as a replica's).
+    pub async fn wait_copies_follow(&self, version: u64, max: Duration) -> bool {
+        if *self.store_map.borrow() >= version {
+            return true;
+        }
+        let mut follows = self.store_map.subscribe();
+        let followed = matches!(tokio::time::timeout(max, follows.wait_for(|v| *v >= version)).await, Ok(Ok(_)));
+        followed
+    }
+
     /// Whether the partition of `key` is frozen here for a hand-over (its new active takes
     /// it when the next map commits).
     pub fn handing_over(&self, key: &[u8]) -> bool {
@@ -1043,6 +1059,11 @@ impl ClusterNode {
             Ok::<_, ClusterError>(changed)
         })
         .await??;
+        self.store_map.send_if_modified(|v| {
+            let newer = version > *v;
+            *v = (*v).max(version);
+            newer
+        });
         if changed > 0 {
             tracing::info!(map_version = version, changed, "partition states follow the map");
         }

@@ -500,6 +500,10 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
             node.wait_map_after(routed_at, reroute.left()).await;
             route = node.route(key.as_bytes());
         }
+        if route == Route::Local {
+            // The map says here: run once this node's copies follow it.
+            node.wait_copies_follow(routed_at, reroute.left()).await;
+        }
         let answer = match route {
             Route::Local if node.serving() => match local.take() {
                 Some((next, parts)) => next.run(Request::from_parts(parts, Body::from(body.clone()))).await,
