@@ -397,16 +397,10 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
             handovers.entry(cur.active.0).or_default().push((p, want.active.0));
         }
     }
-    // Every old active freezes and hands over at once: a partition stays frozen until the
-    // final map, so one after another would freeze the first ones for all of them.
-    let mut calls = Vec::with_capacity(handovers.len());
     for (from, partitions) in &handovers {
         let address = state.members.get(&NodeId(*from)).map(|m| m.address.clone()).ok_or(ClusterError::NodeNotFound(*from))?;
         let body = serde_json::to_vec(&HandoverRequest { partitions: partitions.clone() }).unwrap_or_default();
-        calls.push(async move { node.peers.call(&address, Op::Handover, body, CALL_TIMEOUT).await });
-    }
-    for answer in futures::future::join_all(calls).await {
-        answer?;
+        node.peers.call(&address, Op::Handover, body, CALL_TIMEOUT).await?;
     }
     let mut last = target.clone();
     last.version = node.state().map_version() + 1;
