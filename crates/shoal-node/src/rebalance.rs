@@ -391,6 +391,9 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
         return Err(map_changed());
     }
     set_moves(node, "handing over");
+    // How long the hand-over freezes partitions (their writes wait): logged, since that is
+    // where a rebalance's foreground latency peaks.
+    let handover_started = Instant::now();
     let mut handovers: BTreeMap<u64, Vec<(PartitionId, u64)>> = BTreeMap::new();
     for ((p, cur), want) in map.iter().zip(&target.partitions) {
         if cur.active != want.active {
@@ -404,7 +407,14 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
     }
     let mut last = target.clone();
     last.version = node.state().map_version() + 1;
+    let handed_over_ms = handover_started.elapsed().as_millis();
     node.propose(MetaCommand::SetMap { map: last }).await?;
+    tracing::info!(
+        sources = handovers.len(),
+        handed_over_ms,
+        final_map_ms = handover_started.elapsed().as_millis(),
+        "hand-over done; the final map is committed"
+    );
     for id in &eject {
         node.propose(MetaCommand::SetMemberState { node: NodeId(*id), state: MemberState::Ejected }).await?;
     }
@@ -583,6 +593,7 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
         }
     }
     node.apply_current_map().await?;
+    let frozen_at = Instant::now();
     let state = node.state();
     let store = node.engine.store();
     for (p, to) in &req.partitions {
@@ -600,5 +611,10 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
             }
         }
     }
+    tracing::info!(
+        partitions = req.partitions.len(),
+        freeze_ms = frozen_at.elapsed().as_millis(),
+        "handing over: every new active holds what this copy has"
+    );
     Ok(())
 }
