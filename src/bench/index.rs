@@ -112,7 +112,9 @@ impl Node {
         let mut cmd = Command::new(exe);
         cmd.args(["serve", "--listen", "127.0.0.1:0", "--partitions", &partitions.to_string(), "--data-path"]).arg(&dir);
         cmd.args(extra);
-        let mut child = cmd.env("SHOAL_LOG", "warn").stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn()?;
+        // The nodes log warnings; `SHOAL_BENCH_NODE_LOG` (a `SHOAL_LOG` filter) asks for more.
+        let log = std::env::var("SHOAL_BENCH_NODE_LOG").unwrap_or_else(|_| "warn".into());
+        let mut child = cmd.env("SHOAL_LOG", log).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn()?;
         let stdout = child.stdout.take().ok_or_else(|| CliError::Usage("no stdout from shoal serve".into()))?;
         let mut lines = std::io::BufReader::new(stdout).lines();
         let first = lines.next().transpose()?.unwrap_or_default();
