@@ -165,6 +165,7 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
         ("propose", "{"),
         ("pull", "\u{0}\u{1}garbage"),
         ("export", "\u{ff}garbage"),
+        ("docs", "\u{ff}\u{ff}\u{ff}garbage"),
         ("join", "[]"),
         ("nope", "{}"),
         ("raft-vote", "1"),
@@ -183,6 +184,15 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
     ask.push(0);
     let r = http.post(first.u("/v1/_internal/export")).header("x-shoal-cluster-secret", SECRET).body(ask).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 409, "{}", r.text().await.unwrap_or_default());
+
+    // A page of documents asked under another map version (SQL that ran across a map
+    // change) is refused, not answered from the wrong partitions. Postcard: collection "c",
+    // map_version 99, no `after`, max 10, no keys.
+    let ask = vec![1u8, b'c', 99, 0, 10, 0];
+    let r = http.post(first.u("/v1/_internal/docs")).header("x-shoal-cluster-secret", SECRET).body(ask).send().await.unwrap();
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap_or_default();
+    assert!(status == 409 && text.contains("map changed"), "{status} {text}");
 
     // An oversized call is refused before it is read whole.
     let huge = vec![b'x'; 64 * 1024 * 1024 + 1];
