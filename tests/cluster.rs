@@ -602,9 +602,7 @@ async fn files_rebalance(cut: bool) -> Value {
     let join = first.addr();
     let mut nodes = vec![first];
     for _ in 0..2 {
-        let mut n = Node::start(&[&args[..], &["--join", &join][..]].concat());
-        n.pin_port();
-        nodes.push(n);
+        nodes.push(joined(&args, &join));
     }
     wait_for(&http, &nodes[0].u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -743,6 +741,14 @@ async fn files_rebalance(cut: bool) -> Value {
     status
 }
 
+/// A node started with `args` that joins the cluster at `join`, on a port it keeps across
+/// restarts.
+fn joined(args: &[&str], join: &str) -> Node {
+    let mut node = Node::start(&[args, &["--join", join][..]].concat());
+    node.pin_port();
+    node
+}
+
 /// `serve` flags of the move tests' nodes: 4 partitions, so that each holds more than a
 /// copy by files needs.
 const MOVE_ARGS: [&str; 6] = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", "4"];
@@ -758,9 +764,7 @@ async fn three_loaded_nodes() -> (Vec<Node>, reqwest::Client, String) {
     let join = first.addr();
     let mut nodes = vec![first];
     for _ in 0..2 {
-        let mut n = Node::start(&[&args[..], &["--join", &join][..]].concat());
-        n.pin_port();
-        nodes.push(n);
+        nodes.push(joined(&args, &join));
     }
     let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
     wait_for(&http, &nodes[0].u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
@@ -803,8 +807,7 @@ async fn a_rebalance_stops_on_request_and_outlives_its_leader() {
         }
     };
     pace(1).await;
-    let mut fourth = Node::start(&[&args[..], &["--join", &join][..]].concat());
-    fourth.pin_port();
+    let fourth = joined(&args, &join);
     wait_for(&http, &nodes[0].u("/v1/cluster"), "four members", |v| member_states(v).len() == 4).await;
     let copying = |v: &Value| v["moves"].as_array().is_some_and(|m| m.iter().any(|m| m["state"] == "copying"));
 
@@ -872,8 +875,7 @@ async fn a_move_outlives_a_kill9_of_its_target_and_then_of_its_source() {
     let args = MOVE_ARGS;
     const KEYS: usize = MOVE_KEYS;
     let (mut nodes, http, join) = three_loaded_nodes().await;
-    let mut fourth = Node::start(&[&args[..], &["--join", &join][..]].concat());
-    fourth.pin_port();
+    let fourth = joined(&args, &join);
     nodes.push(fourth);
     wait_for(&http, &nodes[0].u("/v1/cluster"), "four members", |v| member_states(v).len() == 4).await;
 
