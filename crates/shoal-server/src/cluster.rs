@@ -475,7 +475,12 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     if req.headers().contains_key(FORWARDED_HEADER) || req.headers().contains_key(DIRECT_HEADER) {
         // Relayed by a member, or from a client that routes itself: answered here or refused.
         return match route {
-            Route::Local if node.serving() => next.run(req).await,
+            Route::Local if node.serving() => {
+                // As for a client's request below: run once this node's copies follow the
+                // map that routed the request here.
+                node.wait_copies_follow(node.state().map_version(), HANDOVER_WAIT).await;
+                next.run(req).await
+            }
             Route::Forward { node: owner, .. } => misdirected(node.state().map_version(), owner),
             other => refuse(&state, other),
         };
