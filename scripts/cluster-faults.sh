@@ -6,7 +6,10 @@
 # and majority reads; the history is checked by Porcupine. It is the same test as the
 # short version in `cargo test` (tests/cluster_faults.rs), with more nodes and faults.
 #
-#   scripts/cluster-faults.sh [NODES] [ROUNDS] [SEED]     (default 5 51 11)
+#   scripts/cluster-faults.sh [NODES] [ROUNDS] [SEED] [LEADER_EVERY] [TIMEOUT_S]     (default 5 51 11 2 2)
+#
+# LEADER_EVERY=k makes every k-th fault's victim the metadata leader (0: drawn at random);
+# TIMEOUT_S is the auto-failover timeout the cluster runs with (the lowest allowed is 2).
 #
 # Writes bench/results/<date>-issue13-cluster-faults.md (and the raw history beside it).
 set -euo pipefail
@@ -14,16 +17,18 @@ cd "$(dirname "$0")/.."
 NODES=${1:-5}
 ROUNDS=${2:-51}
 SEED=${3:-11}
-OUT=bench/results/$(date +%F)-issue13-cluster-faults
+LEADER_EVERY=${4:-2}
+TIMEOUT_S=${5:-2}
+OUT=bench/results/$(date +%F)-issue13-cluster-faults-timeout${5:-2}s
 mkdir -p bench/results
 START=$(date +%s)
-SHOAL_FAULT_NODES=$NODES SHOAL_FAULT_ROUNDS=$ROUNDS SHOAL_FAULT_SEED=$SEED SHOAL_FAULT_REPORT="$OUT.txt" \
+SHOAL_FAULT_NODES=$NODES SHOAL_FAULT_ROUNDS=$ROUNDS SHOAL_FAULT_SEED=$SEED SHOAL_FAULT_LEADER_EVERY=$LEADER_EVERY SHOAL_FAULT_TIMEOUT_S=$TIMEOUT_S SHOAL_FAULT_REPORT="$OUT.txt" \
   cargo test --test cluster_faults -- --nocapture 2>"$OUT.log" >/dev/null || { tail -40 "$OUT.log"; exit 1; }
 END=$(date +%s)
 {
   echo "# Cluster fault run (issue 13)"
   echo
-  echo "- command: \`scripts/cluster-faults.sh $NODES $ROUNDS $SEED\`"
+  echo "- command: \`scripts/cluster-faults.sh $NODES $ROUNDS $SEED $LEADER_EVERY $TIMEOUT_S\`"
   echo "- date: $(date -u +%FT%TZ); machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo); all $NODES nodes share them (debug build, as \`cargo test\` builds it)"
   echo "- wall time: $((END - START)) s"
   echo

@@ -70,10 +70,13 @@ async fn a_cluster_under_kills_pauses_and_partitions_stays_linearizable_for_majo
     let nodes_n = env_or("SHOAL_FAULT_NODES", 3);
     let rounds = env_or("SHOAL_FAULT_ROUNDS", 5);
     let seed = env_or("SHOAL_FAULT_SEED", 7) as u64;
+    // Every how many faults the victim is the metadata leader (0: victims drawn at random);
+    // the others are drawn at random.
+    let leader_every = env_or("SHOAL_FAULT_LEADER_EVERY", 2);
     let mut nodes = start_cluster(nodes_n, &["--fault-injection"]);
     let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
     wait_for(&http, &nodes[0].u("/v1/cluster"), "members", |v| member_states(v).len() == nodes_n).await;
-    let failover_timeout_s = 2;
+    let failover_timeout_s = env_or("SHOAL_FAULT_TIMEOUT_S", 2);
     let r =
         http.put(nodes[0].u("/v1/cluster/settings")).json(&json!({"auto_failover_timeout_s": failover_timeout_s})).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 200);
@@ -119,8 +122,16 @@ async fn a_cluster_under_kills_pauses_and_partitions_stays_linearizable_for_majo
             3 => Fault::LongPause,
             _ => Fault::ShortPartition,
         };
-        let victim = rng.random_range(0..nodes_n);
-        let (_, info) = get_json(&http, &nodes[(victim + 1) % nodes_n].u("/v1/cluster")).await;
+        let mut victim = rng.random_range(0..nodes_n);
+        let (_, mut info) = get_json(&http, &nodes[(victim + 1) % nodes_n].u("/v1/cluster")).await;
+        if leader_every > 0 && round % leader_every == 0 {
+            if let Some(i) =
+                (0..nodes_n).find(|&i| node_id(&info, &nodes[i]).is_some() && node_id(&info, &nodes[i]) == info["leader"].as_u64())
+            {
+                victim = i;
+                info = get_json(&http, &nodes[(victim + 1) % nodes_n].u("/v1/cluster")).await.1;
+            }
+        }
         let victim_id = node_id(&info, &nodes[victim]).expect("victim id");
         let watcher = (victim + 1) % nodes_n;
         let is_failed = |v: &Value| {

@@ -21,7 +21,7 @@ pub use state::{
     CollectionDef, CollectionId, IndexDef, IndexId, Member, MemberState, MetaCommand, MetaReject, MetaResponse, MetaState, RebalancePlan,
     Settings, SettingsPatch,
 };
-pub use state_machine::MetaStateMachine;
+pub use state_machine::{MetaStateMachine, TermLeaders};
 
 /// What applying one log entry answers: the command's response, or why every member
 /// refused it.

@@ -13,6 +13,7 @@ use tokio::sync::watch;
 
 use crate::network::{handle_rpc, MetaNetwork, MetaTransport, RpcHandleError, RpcKind};
 use crate::state::{MetaCommand, MetaReject, MetaResponse, MetaState};
+use crate::state_machine::TermLeaders;
 use crate::{open_storage, StoreError, TypeConfig};
 
 /// A leader sends a heartbeat this often. Metadata changes are rare; the heartbeat is what
@@ -100,6 +101,7 @@ pub struct MetaNode {
     id: u64,
     raft: Raft<TypeConfig>,
     applied: watch::Receiver<Arc<MetaState>>,
+    leaders: watch::Receiver<TermLeaders>,
 }
 
 impl MetaNode {
@@ -109,6 +111,7 @@ impl MetaNode {
     pub async fn open<T: MetaTransport>(dir: &Path, id: u64, transport: Arc<T>) -> Result<MetaNode, OpenError> {
         let (log, sm) = open_storage(dir)?;
         let applied = sm.subscribe();
+        let leaders = sm.leaders();
         let config = Config {
             cluster_name: "shoal-meta".into(),
             heartbeat_interval: HEARTBEAT_INTERVAL_MS,
@@ -123,7 +126,7 @@ impl MetaNode {
         };
         let config = Arc::new(config.validate().map_err(|e| OpenError::Config(e.to_string()))?);
         let raft = Raft::new(id, config, MetaNetwork::new(transport), log, sm).await.map_err(|e| OpenError::Raft(e.to_string()))?;
-        Ok(MetaNode { id, raft, applied })
+        Ok(MetaNode { id, raft, applied, leaders })
     }
 
     pub fn id(&self) -> u64 {
@@ -168,6 +171,25 @@ impl MetaNode {
     /// Raft's view: role, term, leader, membership, applied index.
     pub fn metrics(&self) -> watch::Receiver<RaftMetrics<u64, BasicNode>> {
         self.raft.metrics()
+    }
+
+    /// The leaders of the last two terms whose entries this member applied.
+    pub fn term_leaders(&self) -> TermLeaders {
+        *self.leaders.borrow()
+    }
+
+    /// When this member leads and an entry of its own term is applied here (its term's
+    /// first, blank entry is committed), the leader of the term before that committed an
+    /// entry: `Some(None)` when unknown. `None` while this member does not lead with its
+    /// term committed.
+    pub fn predecessor(&self) -> Option<Option<u64>> {
+        let (term, leader) = {
+            let m = self.raft.metrics();
+            let m = m.borrow();
+            (m.current_term, m.current_leader)
+        };
+        let l = self.term_leaders();
+        (leader == Some(self.id) && l.last == Some((term, self.id))).then(|| l.previous.map(|(_, node)| node))
     }
 
     /// The leader this member knows of.

@@ -33,6 +33,37 @@ struct SmData {
     state: MetaState,
 }
 
+/// The leaders of the last two terms that committed an entry this member has applied, as
+/// `(term, node)`: a leader whose term has an applied entry is the last one that could
+/// have acted as leader (granted leases) before the current one. `previous` is unknown
+/// (`None`) after a snapshot, which carries only its last entry's leader.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TermLeaders {
+    pub last: Option<(u64, u64)>,
+    pub previous: Option<(u64, u64)>,
+}
+
+impl TermLeaders {
+    fn from_last(log_id: Option<LogId<NodeId>>) -> TermLeaders {
+        TermLeaders { last: log_id.and_then(Self::leader), previous: None }
+    }
+
+    /// The leader that wrote `log_id`; none for the log's initial entry (term 0, written by
+    /// `initialize`, not by a leader).
+    fn leader(log_id: LogId<NodeId>) -> Option<(u64, u64)> {
+        (log_id.leader_id.term > 0).then_some((log_id.leader_id.term, log_id.leader_id.node_id))
+    }
+
+    fn applied(&mut self, log_id: LogId<NodeId>) {
+        let Some(leader) = Self::leader(log_id) else { return };
+        if self.last != Some(leader) {
+            debug_assert!(self.last.is_none_or(|(term, _)| term < leader.0), "terms rise along the log");
+            self.previous = self.last;
+            self.last = Some(leader);
+        }
+    }
+}
+
 struct StoredSnapshot {
     meta: SnapshotMeta<NodeId, BasicNode>,
     /// `MetaState` as JSON, exactly the bytes a follower receives.
@@ -49,6 +80,7 @@ struct SmShared {
     /// Makes snapshot ids unique within this process; the log id makes them unique across.
     snapshot_seq: AtomicU64,
     published: watch::Sender<Arc<MetaState>>,
+    leaders: watch::Sender<TermLeaders>,
 }
 
 /// The state machine. Cheap to clone: clones share the state (a clone is the snapshot builder).
@@ -93,6 +125,7 @@ impl MetaStateMachine {
             },
         };
         let (published, _) = watch::channel(Arc::new(data.state.clone()));
+        let (leaders, _) = watch::channel(TermLeaders::from_last(data.last_applied));
         Ok(MetaStateMachine {
             shared: Arc::new(SmShared {
                 dir: dir.to_path_buf(),
@@ -101,6 +134,7 @@ impl MetaStateMachine {
                 snapshot_io: Mutex::new(()),
                 snapshot_seq: AtomicU64::new(0),
                 published,
+                leaders,
             }),
         })
     }
@@ -108,6 +142,11 @@ impl MetaStateMachine {
     /// The applied state as of now, and every later change.
     pub fn subscribe(&self) -> watch::Receiver<Arc<MetaState>> {
         self.shared.published.subscribe()
+    }
+
+    /// The leaders of the last terms applied here, now and after every change.
+    pub fn leaders(&self) -> watch::Receiver<TermLeaders> {
+        self.shared.leaders.subscribe()
     }
 
     /// Writes `snapshot` to disk and makes it current, unless a newer one already is.
@@ -170,6 +209,11 @@ impl RaftStateMachine<TypeConfig> for MetaStateMachine {
         for entry in entries {
             debug_assert!(data.last_applied < Some(entry.log_id), "entries are applied once, in order");
             data.last_applied = Some(entry.log_id);
+            self.shared.leaders.send_if_modified(|l| {
+                let before = *l;
+                l.applied(entry.log_id);
+                *l != before
+            });
             match entry.payload {
                 EntryPayload::Blank => answers.push(Ok(MetaResponse::Done)),
                 EntryPayload::Normal(cmd) => {
@@ -211,6 +255,7 @@ impl RaftStateMachine<TypeConfig> for MetaStateMachine {
         data.membership = meta.last_membership.clone();
         data.state = state;
         self.shared.published.send_replace(Arc::new(data.state.clone()));
+        self.shared.leaders.send_replace(TermLeaders::from_last(meta.last_log_id));
         Ok(())
     }
 

@@ -70,6 +70,9 @@ async fn three_members_elect_commit_fail_over_and_catch_up() {
     let leader = agreed_leader(&nodes).await;
     let answer = nodes[&leader].propose(create("users")).await.unwrap();
     assert_eq!(answer, MetaResponse::CollectionCreated { id: 1 });
+    // The first leader's term committed; no leader committed before it.
+    assert_eq!(nodes[&leader].predecessor(), Some(None));
+    assert!(nodes.iter().filter(|(id, _)| **id != leader).all(|(_, n)| n.predecessor().is_none()), "only the leader has a predecessor");
     for node in nodes.values() {
         wait_applied(node, "users", |s| s.collections.get("users").map(|c| c.id) == Some(1)).await;
     }
@@ -90,6 +93,8 @@ async fn three_members_elect_commit_fail_over_and_catch_up() {
     assert_ne!(new_leader, leader);
     let answer = nodes[&new_leader].propose(create("orders")).await.unwrap();
     assert_eq!(answer, MetaResponse::CollectionCreated { id: 2 }, "ids go on from the log, not from the leader");
+    // The new leader knows whom it followed: the last leader that committed before it.
+    assert_eq!(nodes[&new_leader].predecessor(), Some(Some(leader)));
     for node in nodes.values() {
         wait_applied(node, "orders", |s| s.collections.contains_key("orders")).await;
     }

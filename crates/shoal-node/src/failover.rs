@@ -1,12 +1,37 @@
 //! Health, leases and failover.
 //!
-//! **Leases.** A node serves its active copies only while it holds a lease: it is the
-//! metadata leader and a quorum acknowledged it within `LEASE`, or the leader — while it
-//! had such a quorum — pinged it within `LEASE`, or no failover can happen without it (the
-//! other voters are fewer than a quorum: a one- or two-node cluster). A node cut off from the leader stops
-//! serving reads and writes within `LEASE` (plus, when the leader itself is cut off, the
-//! `LEASE` that leader still believed in); a failover waits that out before it promotes
-//! anything, so no two copies ever serve one partition.
+//! **Leases.** A node serves its active copies only while it holds a lease, one of:
+//! - *leading*: it is the metadata leader, openraft saw a quorum acknowledge it within
+//!   `LEASE`, and a quorum of voters answered pings it sent within `LEASE` as *their*
+//!   leader's. The pings' quorum holds even when openraft's metrics are stale (a paused
+//!   process reads the last report on resuming); openraft's holds off a leader whose pings
+//!   are answered but whose log is not.
+//! - *granted*: the leader it follows, while leading, granted it a lease in a ping. The
+//!   lease runs `LEASE` from the ping's send time, which the ping carries as wall-clock
+//!   time: members' clocks must agree within `MAX_CLOCK_OFFSET` (as CockroachDB's must
+//!   agree within its max offset), and a ping that seems to come from the future extends
+//!   nothing. So a ping delivered late — queued at a paused process, or answered into a
+//!   one-way partition — cannot extend a lease past what the leader accounts for. A ping
+//!   from anyone but the leader the member follows extends nothing.
+//! - no failover can happen without it (the other voters are fewer than a quorum: a one-
+//!   or two-node cluster).
+//!
+//! A leader pings only once an entry of its own term is committed, so every leader that
+//! ever granted a lease is in the log, and a new leader knows the last one before it (its
+//! *predecessor*, `MetaNode::predecessor`).
+//!
+//! A failover waits out the node's lease before it promotes anything, so no two copies
+//! ever serve one partition. The leader marks the node `failed` first (no ping grants it
+//! anything after that), then waits until the latest of:
+//! - `LEASE + MAX_CLOCK_OFFSET` after the last grant it sent the node (it grants only to
+//!   members that answered within `PING_TIMEOUT`, so a dead one stops being granted soon);
+//! - for a new leader, what the previous leader may have granted: its grants stopped when
+//!   its own lease lapsed, which was before `LEASE` after this leader's election (a voter
+//!   that answered its pings did so before voting for this one), so `2 × LEASE +
+//!   MAX_CLOCK_OFFSET` from this leader's start;
+//! - for the predecessor itself, its own lease as leader, over by `LEASE` after this
+//!   leader's start, and leases it was granted before its election: `LEASE +
+//!   MAX_CLOCK_OFFSET` from this leader's start.
 //!
 //! **Failover** (the metadata leader, by hand or after `auto_failover_timeout_s` of missed
 //! pings), in two committed steps:
@@ -35,8 +60,14 @@ use crate::peers::Op;
 use crate::wire::{FenceAnswer, FenceRequest, PingAnswer};
 use crate::ClusterError;
 
-/// How long a lease lasts after the leader's last ping (or the leader's last quorum).
+/// How long a lease lasts after the send time of the ping that granted it (or of the pings
+/// a quorum answered).
 pub const LEASE: Duration = Duration::from_millis(1_500);
+/// Members' wall clocks agree within this (a ping's send time is read on the member's
+/// clock).
+pub const MAX_CLOCK_OFFSET: Duration = Duration::from_millis(250);
+/// A skewed clock is reported at most this often.
+const CLOCK_WARN_EVERY: Duration = Duration::from_secs(10);
 /// The leader pings every member this often.
 pub const PING_INTERVAL: Duration = Duration::from_millis(250);
 /// A ping with no answer in this long counts as missed.
@@ -47,13 +78,48 @@ pub const FENCE_TIMEOUT: Duration = Duration::from_secs(5);
 /// This node's lease; see the module documentation.
 #[derive(Default)]
 pub struct Lease {
+    /// Until when the pings of the leader this member follows keep it serving.
     until: Mutex<Option<Instant>>,
+    /// As leader: until when the pings a quorum of voters answered as their leader's keep
+    /// it serving (`LEASE` after the quorum's oldest send time).
+    quorum_until: Mutex<Option<Instant>>,
+    /// The last ping from the leader this member followed: who, and when it arrived.
+    last_leader_ping: Mutex<Option<(u64, Instant)>>,
+    /// When a skewed clock was last reported.
+    clock_warned: Mutex<Option<Instant>>,
+}
+
+/// Now, in milliseconds since the Unix epoch (0 if the clock is before it).
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 impl Lease {
-    fn extend(&self) {
+    /// A ping from `leader`, the leader this member follows, arrived.
+    fn heard(&self, leader: u64) {
+        *self.last_leader_ping.lock() = Some((leader, Instant::now()));
+    }
+
+    /// Extends the lease to `LEASE` after `sent_unix_ms` (the grant's send time on the
+    /// leader's clock), read on this member's clock; see the module documentation.
+    fn grant(&self, sent_unix_ms: u64) {
+        let age_ms = i128::from(unix_ms()) - i128::from(sent_unix_ms);
+        if age_ms < -(MAX_CLOCK_OFFSET.as_millis() as i128) {
+            let mut warned = self.clock_warned.lock();
+            if warned.is_none_or(|w| w.elapsed() >= CLOCK_WARN_EVERY) {
+                *warned = Some(Instant::now());
+                tracing::warn!(
+                    ahead_ms = -age_ms,
+                    max_offset_ms = MAX_CLOCK_OFFSET.as_millis() as u64,
+                    "the leader's clock is ahead of this node's by more than the allowed offset; this node takes no lease and serves nothing until the clocks agree"
+                );
+            }
+            return;
+        }
+        let age = Duration::from_millis(u64::try_from(age_ms.max(0)).unwrap_or(u64::MAX));
+        let Some(left) = LEASE.checked_sub(age) else { return };
+        let next = Instant::now() + left;
         let mut until = self.until.lock();
-        let next = Instant::now() + LEASE;
         if until.is_none_or(|u| u < next) {
             *until = Some(next);
         }
@@ -63,11 +129,18 @@ impl Lease {
         *self.until.lock() = None;
     }
 
+    /// When the last ping from `leader`, as the leader this member followed, arrived.
+    fn last_ping_from(&self, leader: u64) -> Option<Instant> {
+        self.last_leader_ping.lock().filter(|(l, _)| *l == leader).map(|(_, at)| at)
+    }
+
+    /// Whether this node leads with a lease of its own (see the module documentation).
+    fn leading(&self, meta: &MetaNode) -> bool {
+        leader_with_quorum(meta) && self.quorum_until.lock().is_some_and(|u| Instant::now() < u)
+    }
+
     pub(crate) fn valid(&self, meta: &MetaNode) -> bool {
-        if leader_with_quorum(meta) || irreplaceable(meta) {
-            return true;
-        }
-        self.until.lock().is_some_and(|u| Instant::now() < u)
+        irreplaceable(meta) || self.leading(meta) || self.until.lock().is_some_and(|u| Instant::now() < u)
     }
 }
 
@@ -82,7 +155,9 @@ fn irreplaceable(meta: &MetaNode) -> bool {
     voters.contains(&m.id) && others < shoal_cluster::majority(voters.len())
 }
 
-/// Whether this member is the metadata leader and a quorum acknowledged it within `LEASE`.
+/// Whether this member is the metadata leader and, as openraft last reported, a quorum
+/// acknowledged it within `LEASE`. The report can be stale (a paused process reads the
+/// last one on resuming), so a lease also needs the pings' quorum (`Lease::quorum_until`).
 fn leader_with_quorum(meta: &MetaNode) -> bool {
     let metrics = meta.metrics();
     let m = metrics.borrow();
@@ -94,8 +169,17 @@ fn leader_with_quorum(meta: &MetaNode) -> bool {
 pub struct Monitor {
     /// When each member last answered a ping from this node as leader.
     last_ok: Mutex<HashMap<u64, Instant>>,
-    /// Since when this node is leader (health is judged only from then).
+    /// Since when this node is leader with its term committed (health is judged only from
+    /// then).
     leader_since: Mutex<Option<Instant>>,
+    /// The leader before this one (`MetaNode::predecessor`), when known.
+    predecessor: Mutex<Option<u64>>,
+    /// When each voter last answered, as its leader's, a ping sent at that time.
+    leased_sent: Mutex<HashMap<u64, Instant>>,
+    /// When this leader last sent each member a ping that granted a lease. Its lock is held
+    /// from a ping's look at the member's state to the record, so a failover that takes it
+    /// after committing `failed` sees every grant (no later ping grants anything).
+    granted: Mutex<HashMap<u64, Instant>>,
     /// One failover (or rebalance step) at a time.
     pub(crate) lock: tokio::sync::Mutex<()>,
     /// Nodes failed over automatically since an operator last recovered one.
@@ -104,8 +188,8 @@ pub struct Monitor {
     failing: std::sync::atomic::AtomicBool,
     /// Members with a ping in flight.
     pinging: Mutex<HashSet<u64>>,
-    /// Since when this leader watches each member (a member recovered from `failed` is
-    /// judged from then, not from its last ping before it failed).
+    /// Members recovered from `failed` under this leader, and when: each is judged from
+    /// then, not from its last ping before it failed.
     watched_since: Mutex<HashMap<u64, Instant>>,
     /// Members whose outage was already reported.
     warned: Mutex<HashSet<u64>>,
@@ -121,43 +205,88 @@ impl Monitor {
     }
 
     /// How long `node` has been silent as far as this leader can tell. A new leader counts
-    /// from an election timeout before it took over: it was elected because a majority had
-    /// not heard from the old leader for that long, so a failed old leader is not given the
-    /// whole auto-failover timeout again.
-    fn silent_for(&self, node: u64) -> Option<Duration> {
-        let since = (*self.leader_since.lock())?;
-        let since = since.checked_sub(Duration::from_millis(shoal_meta::node::ELECTION_TIMEOUT_MIN_MS)).unwrap_or(since);
+    /// from an election timeout before it took over (it was elected because a majority had
+    /// not heard from the old leader for that long), and from the last ping it received
+    /// from its predecessor: a failed old leader is not given the whole auto-failover
+    /// timeout again.
+    fn silent_for(&self, node: u64, lease: &Lease) -> Option<Duration> {
+        let start = (*self.leader_since.lock())?;
+        let mut since = start.checked_sub(Duration::from_millis(shoal_meta::node::ELECTION_TIMEOUT_MIN_MS)).unwrap_or(start);
+        if *self.predecessor.lock() == Some(node) {
+            since = lease.last_ping_from(node).map_or(since, |at| at.min(since));
+        }
         let since = self.watched_since.lock().get(&node).map_or(since, |w| (*w).max(since));
         let last = self.last_ok.lock().get(&node).copied().map_or(since, |t| t.max(since));
         Some(last.elapsed())
     }
 
-    /// Whether `node` may still hold a lease: the last ping this leader sent it, or (if the
-    /// leader is new) the previous leader's, may have extended it for up to `LEASE` — plus
-    /// the `LEASE` a leader cut off from its quorum goes on believing in.
+    /// How long `node` may still hold a lease, once it is committed `failed`; see the module
+    /// documentation.
     fn lease_wait(&self, node: u64) -> Duration {
-        let bound = LEASE * 2 + PING_INTERVAL;
-        let since = self.leader_since.lock().map_or(Duration::ZERO, |t| t.elapsed());
-        let silent = self.last_ok.lock().get(&node).map_or(since, |t| t.elapsed().min(since));
-        bound.saturating_sub(silent)
+        let now = Instant::now();
+        let previous = if *self.predecessor.lock() == Some(node) { LEASE + MAX_CLOCK_OFFSET } else { LEASE * 2 + MAX_CLOCK_OFFSET };
+        let from_previous = self.leader_since.lock().map_or(now + previous, |start| start + previous);
+        let from_mine = self.granted.lock().get(&node).map(|sent| *sent + LEASE + MAX_CLOCK_OFFSET);
+        from_mine.map_or(from_previous, |m| m.max(from_previous)).saturating_duration_since(now)
+    }
+
+    /// Starts a leadership: what the previous one saw says nothing now.
+    fn lead(&self, predecessor: Option<u64>, lease: &Lease) {
+        *self.leader_since.lock() = Some(Instant::now());
+        *self.predecessor.lock() = predecessor;
+        self.last_ok.lock().clear();
+        self.leased_sent.lock().clear();
+        self.granted.lock().clear();
+        self.watched_since.lock().clear();
+        *lease.quorum_until.lock() = None;
+    }
+
+    /// Records that `voter` answered a ping sent at `sent` as its leader's, and moves this
+    /// leader's lease to `LEASE` after the oldest send time a quorum of voters answered.
+    fn leased(&self, voter: u64, sent: Instant, me: u64, voters: &[u64], lease: &Lease) {
+        let mut leased = self.leased_sent.lock();
+        let e = leased.entry(voter).or_insert(sent);
+        *e = (*e).max(sent);
+        let others = shoal_cluster::majority(voters.len()).saturating_sub(usize::from(voters.contains(&me)));
+        let mut times: Vec<Instant> = voters.iter().filter(|v| **v != me).filter_map(|v| leased.get(v).copied()).collect();
+        times.sort_unstable_by(|a, b| b.cmp(a));
+        let quorum_sent = if others == 0 { Some(sent) } else { times.get(others - 1).copied() };
+        if let Some(at) = quorum_sent {
+            let mut until = lease.quorum_until.lock();
+            *until = Some(until.map_or(at + LEASE, |u| u.max(at + LEASE)));
+        }
     }
 }
 
 #[derive(Serialize, Deserialize)]
 struct PingRequest {
     leader: u64,
+    /// When the leader sent it, in milliseconds since the Unix epoch on its clock.
+    #[serde(default)]
+    sent_unix_ms: u64,
+    /// The ping grants a lease (the leader leads with a lease of its own, and this member
+    /// answered recently).
+    #[serde(default)]
+    grant: bool,
 }
 
-/// A member's side of the leader's ping: the lease is extended (the leader pings only while
-/// a quorum acknowledges it), unless this member is failed.
+/// A member's side of the leader's ping: when it comes from the leader this member follows,
+/// the answer says so (it counts towards that leader's own lease), and a grant extends this
+/// member's lease — unless this member is failed, which revokes it.
 pub(crate) fn serve_ping(node: &ClusterNode, body: &[u8]) -> Result<PingAnswer, ClusterError> {
-    let _req: PingRequest = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+    let req: PingRequest = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
     let state = node.state();
-    match state.members.get(&NodeId(node.id)) {
-        Some(m) if m.state == MemberState::Failed => node.lease.revoke(),
-        _ => node.lease.extend(),
+    let failed = state.members.get(&NodeId(node.id)).is_some_and(|m| m.state == MemberState::Failed);
+    let follows = !failed && req.leader != node.id && node.meta.leader() == Some(req.leader);
+    if failed {
+        node.lease.revoke();
+    } else if follows {
+        node.lease.heard(req.leader);
+        if req.grant {
+            node.lease.grant(req.sent_unix_ms);
+        }
     }
-    Ok(PingAnswer { node: node.id, map_version: state.map_version() })
+    Ok(PingAnswer { node: node.id, map_version: state.map_version(), leased: follows })
 }
 
 /// The leader's loop: pings members, and fails over one that stayed silent longer than the
@@ -169,13 +298,14 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
             _ = tokio::time::sleep(PING_INTERVAL) => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        if !node.is_leader() {
+        // Leads, and an entry of its own term is committed (see the module documentation).
+        let Some(predecessor) = node.meta.predecessor() else {
             *node.monitor.leader_since.lock() = None;
             continue;
-        }
+        };
         if node.monitor.leader_since.lock().is_none() {
-            *node.monitor.leader_since.lock() = Some(Instant::now());
-            node.monitor.last_ok.lock().clear();
+            tracing::info!(predecessor, "leading; judging members' health from now");
+            node.monitor.lead(predecessor, &node.lease);
         }
         if !leader_with_quorum(&node.meta) {
             continue;
@@ -185,16 +315,10 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
             // A rebalance in the log that no one here runs: a previous leader's.
             crate::rebalance::drive(&node);
         }
-        {
-            let mut watched = node.monitor.watched_since.lock();
-            for (id, member) in &state.members {
-                if matches!(member.state, MemberState::Failed | MemberState::Ejected) {
-                    watched.remove(&id.0);
-                } else {
-                    watched.entry(id.0).or_insert_with(Instant::now);
-                }
-            }
-        }
+        node.monitor.watched_since.lock().retain(|id, _| {
+            state.members.get(&NodeId(*id)).is_some_and(|m| !matches!(m.state, MemberState::Failed | MemberState::Ejected))
+        });
+        let voters: Arc<Vec<u64>> = Arc::new(node.meta.metrics().borrow().membership_config.membership().voter_ids().collect());
         for (id, member) in &state.members {
             if id.0 == node.id || matches!(member.state, MemberState::Failed | MemberState::Ejected) {
                 continue;
@@ -202,11 +326,26 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
             if !node.monitor.pinging.lock().insert(id.0) {
                 continue;
             }
-            let (n, id, address) = (Arc::clone(&node), id.0, member.address.clone());
+            let (n, id, address, voters) = (Arc::clone(&node), id.0, member.address.clone(), Arc::clone(&voters));
             tokio::spawn(async move {
-                let body = serde_json::to_vec(&PingRequest { leader: n.id }).unwrap_or_default();
-                if n.peers.call(&address, Op::Ping, body, PING_TIMEOUT).await.is_ok() {
+                let (body, sent) = {
+                    let mut granted = n.monitor.granted.lock();
+                    let failed =
+                        n.state().members.get(&NodeId(id)).is_none_or(|m| matches!(m.state, MemberState::Failed | MemberState::Ejected));
+                    let answered = n.monitor.last_ok.lock().get(&id).is_some_and(|t| t.elapsed() <= PING_TIMEOUT);
+                    let grant = !failed && answered && n.lease.leading(&n.meta);
+                    let sent = Instant::now();
+                    if grant {
+                        granted.insert(id, sent);
+                    }
+                    let ping = PingRequest { leader: n.id, sent_unix_ms: unix_ms(), grant };
+                    (serde_json::to_vec(&ping).unwrap_or_default(), sent)
+                };
+                if let Ok(answer) = n.peers.call(&address, Op::Ping, body, PING_TIMEOUT).await {
                     n.monitor.last_ok.lock().insert(id, Instant::now());
+                    if serde_json::from_slice::<PingAnswer>(&answer).is_ok_and(|a| a.leased) && voters.contains(&id) {
+                        n.monitor.leased(id, sent, n.id, &voters, &n.lease);
+                    }
                 }
                 n.monitor.pinging.lock().remove(&id);
             });
@@ -217,7 +356,7 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
             if id.0 == node.id || member.state != MemberState::Active {
                 continue;
             }
-            if node.monitor.silent_for(id.0).is_none_or(|s| s < timeout) {
+            if node.monitor.silent_for(id.0, &node.lease).is_none_or(|s| s < timeout) {
                 node.monitor.warned.lock().remove(&id.0);
                 continue;
             }

@@ -123,6 +123,9 @@ pub struct FenceAnswer {
 pub struct PingAnswer {
     pub node: u64,
     pub map_version: u64,
+    /// The ping came from the leader the member follows and extended its lease.
+    #[serde(default)]
+    pub leased: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
