@@ -142,6 +142,100 @@ async fn a_three_node_cluster_forms_replicates_fails_over_and_recovers() {
     }
 }
 
+/// With two replicas and two collections, a replica can be ahead in one collection and
+/// behind in the other, each holding `majority` writes the other lacks (two pulls read the
+/// collections at different moments). A failover then promotes one and has it catch up
+/// from the other first: nothing acknowledged is lost. The lag is made by the fault layer
+/// ("hold"), which leaves one collection's replicated changes unapplied on a node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_promoted_replica_first_catches_up_in_every_collection_from_the_others() {
+    let mut nodes = start_cluster(3, &["--fault-injection"]);
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    wait_for(&http, &nodes[0].u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
+    let r =
+        http.put(nodes[0].u("/v1/cluster/settings")).json(&json!({"replicas": 2, "auto_failover_timeout_s": 3600})).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200, "{}", r.text().await.unwrap_or_default());
+    for c in ["x", "y"] {
+        assert_eq!(http.put(nodes[0].u(&format!("/v1/collections/{c}"))).send().await.unwrap().status().as_u16(), 201);
+    }
+    rebalance(&http, &nodes[0], &[]).await;
+    let (_, info) = get_json(&http, &nodes[0].u("/v1/cluster")).await;
+    let leader = info["leader"].as_u64().unwrap();
+    let victim = (0..3).find(|&i| node_id(&info, &nodes[i]) != Some(leader)).unwrap();
+    let victim_id = node_id(&info, &nodes[victim]).unwrap();
+    let (b, c) = match victim {
+        0 => (1, 2),
+        1 => (0, 2),
+        _ => (0, 1),
+    };
+    let urls: Vec<String> = nodes.iter().map(|n| n.u("/v1/_internal/faults")).collect();
+    let hold = |node: usize, collections: Vec<&'static str>| {
+        let (http, url) = (http.clone(), urls[node].clone());
+        async move {
+            let r = http
+                .post(url)
+                .header("x-shoal-cluster-secret", SECRET)
+                .json(&json!({"cut": [], "hold": collections}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status().as_u16(), 200, "{}", r.text().await.unwrap_or_default());
+        }
+    };
+    // An unknown collection is a clear error.
+    let r = http
+        .post(nodes[b].u("/v1/_internal/faults"))
+        .header("x-shoal-cluster-secret", SECRET)
+        .json(&json!({"cut": [], "hold": ["nope"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    // b applies x and not y, c applies y and not x: x's majority is the victim and b, y's
+    // the victim and c.
+    hold(b, vec!["y"]).await;
+    hold(c, vec!["x"]).await;
+    let (_, map) = get_json(&http, &nodes[0].u("/v1/cluster/map")).await;
+    let parts = map["partitions"].as_array().unwrap().clone();
+    let on_victim = |k: &String| parts[usize::from(shoal_storage::partition_of(k.as_bytes(), 16))]["active"].as_u64() == Some(victim_id);
+    let keys: Vec<String> = (0..400).map(|i| format!("k{i}")).filter(on_victim).take(30).collect();
+    assert!(keys.len() >= 10, "keys on the victim's partitions: {}", keys.len());
+    for (i, k) in keys.iter().enumerate() {
+        for coll in ["x", "y"] {
+            let r = http
+                .put(nodes[victim].u(&format!("/v1/collections/{coll}/docs/{k}?durability=majority")))
+                .body(json!({"v": i, "c": coll}).to_string())
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status().as_u16(), 200, "majority write {coll}/{k}: {}", r.text().await.unwrap_or_default());
+        }
+    }
+    // The victim dies; the lag is then released (nothing more can come from the victim).
+    nodes[victim].kill9();
+    hold(b, vec![]).await;
+    hold(c, vec![]).await;
+    let r = http.post(nodes[b].u("/v1/cluster/failover")).json(&json!({"node": victim_id})).send().await.unwrap();
+    let status = r.status().as_u16();
+    let report: Value = r.json().await.unwrap();
+    assert_eq!(status, 200, "{report}");
+    assert!(report["promoted"].as_u64().unwrap() > 0 && report["unavailable"].as_array().unwrap().is_empty(), "{report}");
+    // Every acknowledged write of both collections, through both survivors.
+    for n in [b, c] {
+        for (i, k) in keys.iter().enumerate() {
+            for coll in ["x", "y"] {
+                let (status, v) = get_json(&http, &nodes[n].u(&format!("/v1/collections/{coll}/docs/{k}"))).await;
+                assert_eq!(
+                    (status, v["v"].as_u64(), v["c"].as_str()),
+                    (200, Some(i as u64), Some(coll)),
+                    "{coll}/{k} through {}: {v}",
+                    nodes[n].url
+                );
+            }
+        }
+    }
+}
+
 #[tokio::test]
 async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
     let mut nodes = start_cluster(1, &[]);
@@ -166,6 +260,7 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
         ("pull", "\u{0}\u{1}garbage"),
         ("export", "\u{ff}garbage"),
         ("docs", "\u{ff}\u{ff}\u{ff}garbage"),
+        ("catch-up", "{\"failed\": 1"),
         ("join", "[]"),
         ("nope", "{}"),
         ("raft-vote", "1"),

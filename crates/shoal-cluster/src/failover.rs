@@ -118,6 +118,61 @@ pub fn failover_fenced(map: &PartitionMap, failed: NodeId, reported: &dyn Fn(Par
     plan
 }
 
+/// Where one fenced replica of a partition stands: its seqno in each collection (each
+/// collection of a partition has a sequence of its own).
+pub type CollectionSeqnos = std::collections::BTreeMap<u32, SeqNo>;
+
+/// The replica a failover promotes for one partition, and where it must first catch up.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PromotionChoice {
+    pub to: NodeId,
+    /// `(collection, source)`: a collection in which another fenced replica is further on,
+    /// and the first such replica holding the furthest seqno. The promoted copy applies the
+    /// changes it lacks from there before it serves.
+    pub catch_up: Vec<(u32, NodeId)>,
+}
+
+/// Whom to promote among a partition's fenced replicas, `reports` in the map's order.
+///
+/// Within one collection the fenced replicas hold prefixes of the failed active's history,
+/// so the furthest holds everything the others do. Across collections no replica need be
+/// furthest in all: each pulls every collection, and two pulls read them at different
+/// moments, so one replica can be ahead in one collection and behind in another — each
+/// holding `majority` writes the other lacks. So the replica furthest in total is chosen
+/// (the least to copy; ties go to the first listed) and catches up, collection by
+/// collection, from a replica that is furthest there. `None` when there is no report.
+pub fn choose_promotion(reports: &[(NodeId, CollectionSeqnos)]) -> Option<PromotionChoice> {
+    let total = |r: &CollectionSeqnos| r.values().map(|s| u128::from(*s)).sum::<u128>();
+    let mut best: Option<&(NodeId, CollectionSeqnos)> = None;
+    for report in reports {
+        // Strictly greater: an equal total later in the list does not win.
+        if best.is_none_or(|b| total(&report.1) > total(&b.1)) {
+            best = Some(report);
+        }
+    }
+    let (to, mine) = best?;
+    let mut catch_up = Vec::new();
+    let collections: std::collections::BTreeSet<u32> = reports.iter().flat_map(|(_, r)| r.keys().copied()).collect();
+    for c in collections {
+        let here = mine.get(&c).copied().unwrap_or(0);
+        let furthest =
+            reports.iter().filter_map(|(n, r)| r.get(&c).map(|s| (*n, *s))).fold(None, |acc: Option<(NodeId, SeqNo)>, (n, s)| {
+                if acc.is_none_or(|(_, a)| s > a) {
+                    Some((n, s))
+                } else {
+                    acc
+                }
+            });
+        if let Some((source, seqno)) = furthest {
+            if seqno > here {
+                catch_up.push((c, source));
+            }
+        }
+    }
+    debug_assert!(catch_up.iter().all(|(_, source)| source != to));
+    Some(PromotionChoice { to: *to, catch_up })
+}
+
 /// Copies that must hold a write before it is acknowledged at `majority`: ⌊n/2⌋ + 1 of the
 /// `n_copies`, the active counting itself. `n_copies` is the configured count (replicas + 1),
 /// a failed-over node's slot counting as a copy that never acknowledges

@@ -3,6 +3,7 @@
 //! the missing copies.
 
 use shoal_cluster::failover::AUTO_FAILOVER_MAX_COUNT_DEFAULT;
+use shoal_cluster::failover::{choose_promotion, CollectionSeqnos, PromotionChoice};
 use shoal_cluster::{
     auto_failover_allowed, failover, place, plan_moves, AutoFailoverRefused, Copies, Node, NodeId, PartitionMap, Promoted,
 };
@@ -219,4 +220,53 @@ fn failover_fenced_orders_by_epoch_then_seqno() {
     // Seqnos alone would pick replica 3 and lose epoch 2's acknowledged writes.
     let by_seqno = failover(&before, NodeId(1), &|p, n| reported(p, n).map(|e| e.seqno));
     assert_eq!(by_seqno.promotions, vec![Promoted { partition: 0, to: NodeId(3), seqno: 9 }]);
+}
+
+#[test]
+fn promotion_choice_table() {
+    fn reports(rows: &[(u64, &[(u32, u64)])]) -> Vec<(NodeId, CollectionSeqnos)> {
+        rows.iter().map(|(n, r)| (NodeId(*n), r.iter().copied().collect())).collect()
+    }
+    let cases: [(&str, Vec<(NodeId, CollectionSeqnos)>, Option<(u64, &[(u32, u64)])>); 7] = [
+        ("no report: nothing to promote", reports(&[]), None),
+        ("one replica, nothing to copy", reports(&[(2, &[(1, 10), (2, 4)])]), Some((2, &[]))),
+        ("one furthest in every collection: no catch-up", reports(&[(2, &[(1, 10), (2, 4)]), (3, &[(1, 9), (2, 4)])]), Some((2, &[]))),
+        ("equal: the first listed", reports(&[(3, &[(1, 5)]), (2, &[(1, 5)])]), Some((3, &[]))),
+        (
+            "ahead in one collection, behind in the other: the furthest in total catches up the other",
+            reports(&[(2, &[(1, 10), (2, 3)]), (3, &[(1, 7), (2, 9)])]),
+            Some((3, &[(1, 2)])),
+        ),
+        (
+            "a collection the chosen copy has not seen at all",
+            reports(&[(2, &[(1, 10)]), (3, &[(1, 10), (7, 1)]), (4, &[(1, 2), (7, 3)])]),
+            Some((3, &[(7, 4)])),
+        ),
+        (
+            "three replicas, each furthest somewhere: two sources",
+            reports(&[(2, &[(1, 5), (2, 1), (3, 1)]), (3, &[(1, 1), (2, 6), (3, 1)]), (4, &[(1, 1), (2, 1), (3, 7)])]),
+            Some((4, &[(1, 2), (2, 3)])),
+        ),
+    ];
+    for (name, reports, want) in cases {
+        let got = choose_promotion(&reports);
+        let want = want
+            .map(|(to, catch_up)| PromotionChoice { to: NodeId(to), catch_up: catch_up.iter().map(|(c, n)| (*c, NodeId(*n))).collect() });
+        assert_eq!(got, want, "{name}");
+        // Whatever is chosen ends, after its catch-up, at the furthest seqno of every collection.
+        if let Some(choice) = got {
+            let mine = &reports.iter().find(|(n, _)| *n == choice.to).unwrap().1;
+            for (_, r) in &reports {
+                for (c, s) in r {
+                    let after = choice
+                        .catch_up
+                        .iter()
+                        .find(|(cc, _)| cc == c)
+                        .map(|(_, src)| reports.iter().find(|(n, _)| n == src).unwrap().1[c])
+                        .unwrap_or_else(|| mine.get(c).copied().unwrap_or(0));
+                    assert!(after >= *s, "{name}: collection {c} ends at {after}, a replica held {s}");
+                }
+            }
+        }
+    }
 }

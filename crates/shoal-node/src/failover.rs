@@ -52,12 +52,13 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
+use shoal_cluster::failover::CollectionSeqnos;
 use shoal_cluster::{NodeId, PartitionId};
 use shoal_meta::{MemberState, MetaCommand, MetaNode};
 
 use crate::node::ClusterNode;
 use crate::peers::Op;
-use crate::wire::{FenceAnswer, FenceRequest, PingAnswer};
+use crate::wire::{self, CatchUpRequest, FenceAnswer, FenceRequest, PartKind, PingAnswer, PullAnswer, PullPart, PullRequest};
 use crate::ClusterError;
 
 /// How long a lease lasts after the send time of the ping that granted it (or of the pings
@@ -74,6 +75,9 @@ pub const PING_INTERVAL: Duration = Duration::from_millis(250);
 pub const PING_TIMEOUT: Duration = Duration::from_millis(1_000);
 /// How long the leader waits for a replica's fence report.
 pub const FENCE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the leader waits for a promoted replica to catch up from the other fenced ones
+/// (`serve_catch_up`); past it the partition stays with the failed node this time.
+pub const CATCH_UP_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// This node's lease; see the module documentation.
 #[derive(Default)]
@@ -204,16 +208,21 @@ impl Monitor {
         Some(members.map(|m| (m, m == me || last_ok.get(&m).is_some_and(|t| t.elapsed() <= PING_TIMEOUT * 2))).collect())
     }
 
-    /// How long `node` has been silent as far as this leader can tell. A new leader counts
-    /// from an election timeout before it took over (it was elected because a majority had
-    /// not heard from the old leader for that long), and from the last ping it received
-    /// from its predecessor: a failed old leader is not given the whole auto-failover
-    /// timeout again.
+    /// How long `node` has been silent as far as this leader can tell: since its last
+    /// answer, or since this leader started (or recovered it). The predecessor — the old
+    /// leader, when it failed — is silent since the last ping this node had from it (or an
+    /// election timeout before this leader started, when none), so it is not given the
+    /// whole auto-failover timeout again; but it too gets `PING_TIMEOUT` to answer this
+    /// leader (a short pause is not a failure).
     fn silent_for(&self, node: u64, lease: &Lease) -> Option<Duration> {
         let start = (*self.leader_since.lock())?;
-        let mut since = start.checked_sub(Duration::from_millis(shoal_meta::node::ELECTION_TIMEOUT_MIN_MS)).unwrap_or(start);
+        let mut since = start;
         if *self.predecessor.lock() == Some(node) {
-            since = lease.last_ping_from(node).map_or(since, |at| at.min(since));
+            if start.elapsed() < PING_TIMEOUT {
+                return Some(Duration::ZERO);
+            }
+            let elected_after = start.checked_sub(Duration::from_millis(shoal_meta::node::ELECTION_TIMEOUT_MIN_MS)).unwrap_or(start);
+            since = lease.last_ping_from(node).unwrap_or(elected_after).min(start);
         }
         let since = self.watched_since.lock().get(&node).map_or(since, |w| (*w).max(since));
         let last = self.last_ok.lock().get(&node).copied().map_or(since, |t| t.max(since));
@@ -463,7 +472,7 @@ pub async fn failover(node: &Arc<ClusterNode>, target: u64) -> Result<FailoverRe
         let call = node.peers.call(&m.address, Op::Fence, body, FENCE_TIMEOUT);
         calls.push(async move { (holder, call.await) });
     }
-    let mut progress: HashMap<(PartitionId, NodeId), u64> = HashMap::new();
+    let mut progress: HashMap<(PartitionId, NodeId), CollectionSeqnos> = HashMap::new();
     let mut fenced: HashSet<NodeId> = HashSet::new();
     for (holder, answer) in futures::future::join_all(calls).await {
         match answer
@@ -472,8 +481,8 @@ pub async fn failover(node: &Arc<ClusterNode>, target: u64) -> Result<FailoverRe
         {
             Ok(a) => {
                 fenced.insert(holder);
-                for (p, s) in a.partitions {
-                    progress.insert((p, holder), s);
+                for (p, seqnos) in a.partitions {
+                    progress.insert((p, holder), seqnos.into_iter().collect());
                 }
             }
             Err(e) => tracing::warn!(holder = holder.0, error = %e, "no fence report; its copies cannot be promoted"),
@@ -481,18 +490,114 @@ pub async fn failover(node: &Arc<ClusterNode>, target: u64) -> Result<FailoverRe
     }
     let current = node.state();
     let base = current.map.clone().unwrap_or(map);
-    let plan = shoal_cluster::failover(&base, NodeId(target), &|p, r| {
-        let copies = base.partitions.get(usize::from(p))?;
+    // Whom each ready partition promotes, caught up from the other fenced replicas first.
+    let mut choices = Vec::new();
+    for (p, copies) in base.iter().filter(|(_, c)| c.active.0 == target) {
         let n = crate::node::copies_counted(&current, copies);
         if !shoal_cluster::promotion_ready(copies, n, NodeId(target), &|n| fenced.contains(&n)) {
-            return None;
+            continue;
         }
-        progress.get(&(p, r)).copied()
-    });
+        let reports: Vec<(NodeId, CollectionSeqnos)> =
+            copies.replicas.iter().filter_map(|r| progress.get(&(p, *r)).map(|s| (*r, s.clone()))).collect();
+        if let Some(choice) = shoal_cluster::failover::choose_promotion(&reports) {
+            let total: u64 = reports.iter().find(|(n, _)| *n == choice.to).map_or(0, |(_, s)| s.values().sum());
+            choices.push((p, choice, reports, total));
+        }
+    }
+    let caught_up =
+        futures::future::join_all(choices.iter().map(|(p, choice, reports, _)| catch_up(node, &current, target, *p, choice, reports)))
+            .await;
+    let chosen: HashMap<PartitionId, (NodeId, u64)> = choices
+        .iter()
+        .zip(caught_up)
+        .filter_map(|((p, choice, _, total), ok)| match ok {
+            Ok(()) => Some((*p, (choice.to, *total))),
+            Err(e) => {
+                tracing::warn!(partition = p, to = choice.to.0, error = %e, "the replica to promote could not catch up from the others; the partition stays unavailable");
+                None
+            }
+        })
+        .collect();
+    let plan = shoal_cluster::failover(&base, NodeId(target), &|p, r| chosen.get(&p).filter(|(to, _)| *to == r).map(|(_, total)| *total));
     let version = plan.map.version;
     node.propose(MetaCommand::SetMap { map: plan.map }).await?;
     metrics::counter!("shoal_failovers_total", "kind" => "any").increment(1);
     Ok(FailoverReport { node: target, promoted: plan.promotions.len(), unavailable: plan.unavailable, map_version: version })
+}
+
+/// Has the replica `choice.to` of partition `p` apply what other fenced replicas hold beyond
+/// it (nothing to do when it is furthest in every collection).
+async fn catch_up(
+    node: &Arc<ClusterNode>,
+    state: &shoal_meta::MetaState,
+    failed: u64,
+    p: PartitionId,
+    choice: &shoal_cluster::failover::PromotionChoice,
+    reports: &[(NodeId, CollectionSeqnos)],
+) -> Result<(), ClusterError> {
+    if choice.catch_up.is_empty() {
+        return Ok(());
+    }
+    let address_of = |n: NodeId| state.members.get(&n).map(|m| m.address.clone()).ok_or(ClusterError::NodeNotFound(n.0));
+    let mut sources = Vec::new();
+    for (collection, source) in &choice.catch_up {
+        let until = reports.iter().find(|(n, _)| n == source).and_then(|(_, s)| s.get(collection)).copied().unwrap_or(0);
+        sources.push((*collection, source.0, address_of(*source)?, until));
+    }
+    tracing::info!(partition = p, to = choice.to.0, ?sources, "the replica to promote catches up from the other fenced replicas first");
+    let req = CatchUpRequest { failed, partition: p, sources };
+    let body = serde_json::to_vec(&req).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+    node.peers.call(&address_of(choice.to)?, Op::CatchUp, body, CATCH_UP_TIMEOUT).await?;
+    Ok(())
+}
+
+/// A fenced replica's side of a promotion's catch-up: applies, collection by collection,
+/// what another fenced replica holds beyond this copy, up to the seqno that replica
+/// reported. Both hold prefixes of the failed active's history in each collection, so this
+/// copy then holds everything either does.
+pub(crate) async fn serve_catch_up(node: &Arc<ClusterNode>, req: CatchUpRequest) -> Result<(), ClusterError> {
+    let failed = NodeId(req.failed);
+    if !node.state().members.contains_key(&failed) {
+        return Err(ClusterError::NodeNotFound(req.failed));
+    }
+    node.wait_applied(|s| s.members.get(&failed).is_some_and(|m| m.state == MemberState::Failed)).await?;
+    let _fenced = node.apply_lock.lock().await;
+    let p = req.partition;
+    for (collection, source, address, until) in req.sources {
+        let coll = node.collection_by_id(collection).ok_or_else(|| ClusterError::Refused(format!("no collection {collection}")))?;
+        loop {
+            let pos = coll.positions().get(usize::from(p)).copied().ok_or_else(|| ClusterError::Refused(format!("no partition {p}")))?;
+            if pos.seqno >= until {
+                break;
+            }
+            let part = PullPart { collection, partition: p, seqno: pos.seqno, uuid: pos.uuid, persisted: 0, consistent: true };
+            let request = PullRequest {
+                from: node.id,
+                map_version: node.state().map_version(),
+                round: 0,
+                wait_ms: 0,
+                parts: vec![part],
+                catch_up_for: Some(req.failed),
+            };
+            let bytes = node.peers.call(&address, Op::Pull, wire::encode(&request), crate::replica::PULL_TIMEOUT).await?;
+            let answer: PullAnswer = wire::decode(&bytes).map_err(ClusterError::BadMessage)?;
+            let Some(part) = answer.parts.into_iter().next() else {
+                return Err(ClusterError::BadMessage(format!("node {source} answered a catch-up pull with no part")));
+            };
+            match &part.kind {
+                PartKind::Refused { why } => return Err(ClusterError::Refused(format!("node {source} refused a catch-up: {why}"))),
+                PartKind::Changes { changes, .. } if changes.is_empty() => {
+                    return Err(ClusterError::Refused(format!(
+                        "node {source} has nothing after seqno {} of collection {collection}, partition {p}; it reported {until}",
+                        pos.seqno
+                    )))
+                }
+                _ => {}
+            }
+            crate::replica::apply_part(node, &address, part).await?;
+        }
+    }
+    Ok(())
 }
 
 /// A member's side of a fence: once it has applied that `failed` is failed, and holding
@@ -506,8 +611,12 @@ pub(crate) async fn serve_fence(node: &Arc<ClusterNode>, req: FenceRequest) -> R
     let me = NodeId(node.id);
     let Some(map) = &state.map else { return Ok(FenceAnswer { partitions: Vec::new() }) };
     let partitions: Vec<PartitionId> = map.iter().filter(|(_, c)| c.active == failed && c.replicas.contains(&me)).map(|(p, _)| p).collect();
-    let sums = node.seqno_sums();
-    let partitions = partitions.into_iter().map(|p| (p, sums.get(&p).copied().unwrap_or(0))).collect();
+    let collections = node.cluster_collections();
+    let positions: Vec<(u32, Vec<shoal_storage::StreamPosition>)> = collections.iter().map(|c| (c.id(), c.positions())).collect();
+    let partitions = partitions
+        .into_iter()
+        .map(|p| (p, positions.iter().map(|(id, pos)| (*id, pos.get(usize::from(p)).map_or(0, |s| s.seqno))).collect()))
+        .collect();
     Ok(FenceAnswer { partitions })
 }
 

@@ -153,6 +153,9 @@ pub struct ClusterNode {
     pub(crate) rebalancer: crate::rebalance::Rebalancer,
     /// Copies of partitions being built here from files (`copy`).
     pub(crate) copies: crate::copy::Copies,
+    /// Fault injection only: collections (by id) whose replicated changes this node leaves
+    /// unapplied, as a replica lagging in one collection would.
+    held: Mutex<std::collections::HashSet<u32>>,
 }
 
 impl ClusterNode {
@@ -209,6 +212,7 @@ impl ClusterNode {
             admit_lock: tokio::sync::Mutex::new(()),
             stop: watch::channel(false).0,
             monitor: crate::failover::Monitor::default(),
+            held: Mutex::new(std::collections::HashSet::new()),
         }))
     }
 
@@ -524,6 +528,11 @@ impl ClusterNode {
                 let req = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
                 let answer = crate::failover::serve_fence(self, req).await?;
                 serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
+            }
+            Op::CatchUp => {
+                let req = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+                crate::failover::serve_catch_up(self, req).await?;
+                Ok(b"{}".to_vec())
             }
             Op::Identify => {
                 let answer = JoinAnswer { cluster_id: self.state().cluster_id.clone() };
@@ -926,6 +935,24 @@ impl ClusterNode {
     pub fn handing_over(&self, key: &[u8]) -> bool {
         let partitions = self.engine.store().partitions();
         self.is_frozen(shoal_storage::partition_of(key, partitions))
+    }
+
+    /// Fault injection (`serve --fault-injection`): leaves the replicated changes of the
+    /// named collections unapplied (and unacknowledged) until called again without them.
+    /// Unknown names are errors.
+    pub fn hold_collections(&self, names: &[String]) -> Result<(), ClusterError> {
+        let state = self.state();
+        let ids = names
+            .iter()
+            .map(|n| state.collections.get(n).map(|d| d.id).ok_or_else(|| ClusterError::Refused(format!("no collection {n}"))))
+            .collect::<Result<std::collections::HashSet<u32>, ClusterError>>()?;
+        *self.held.lock() = ids;
+        Ok(())
+    }
+
+    /// Whether replicated changes of collection `id` are held back (fault injection).
+    pub(crate) fn is_held(&self, id: u32) -> bool {
+        self.held.lock().contains(&id)
     }
 
     /// Whether partition `p` is frozen for a hand-over here.

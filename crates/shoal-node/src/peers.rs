@@ -38,6 +38,7 @@ pub enum Op {
     Export,
     /// Documents of the partitions active on a member, for SQL run on another (`sql`).
     Docs,
+    CatchUp,
 }
 
 impl Op {
@@ -58,6 +59,7 @@ impl Op {
             Op::Identify => "identify",
             Op::Export => "export",
             Op::Docs => "docs",
+            Op::CatchUp => "catch-up",
         }
     }
 
@@ -77,6 +79,7 @@ impl Op {
             "identify" => Op::Identify,
             "export" => Op::Export,
             "docs" => Op::Docs,
+            "catch-up" => Op::CatchUp,
             _ => return None,
         })
     }
@@ -143,6 +146,7 @@ mod tests {
             Op::Identify,
             Op::Export,
             Op::Docs,
+            Op::CatchUp,
         ];
         for op in ops {
             assert_eq!(Op::from_name(op.name()), Some(op));

@@ -66,7 +66,7 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
         let asked: Vec<(u16, u64)> = parts.iter().map(|p| (p.partition, p.seqno)).collect();
         let map_version = state.map.as_ref().map_or(0, |m| m.version);
         let wait_ms = if first { 0 } else { u32::try_from(PULL_WAIT.as_millis()).unwrap_or(u32::MAX) };
-        let request = PullRequest { from: node.id, map_version, round, wait_ms, parts };
+        let request = PullRequest { from: node.id, map_version, round, wait_ms, parts, catch_up_for: None };
         let call = node.peers.call(&address, Op::Pull, wire::encode(&request), PULL_TIMEOUT);
         let answer = tokio::select! {
             a = call => a,
@@ -99,7 +99,7 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
         let by_files = crate::copy::choose(&node.copies, &asked, &backlog);
         crate::copy::enqueue(&node, source, &address, &by_files);
         for part in answer.parts {
-            if by_files.contains(&part.partition) {
+            if by_files.contains(&part.partition) || node.is_held(part.collection) {
                 continue;
             }
             let key = (part.collection, part.partition);
@@ -164,7 +164,7 @@ fn parts_from(node: &ClusterNode, state: &MetaState, source: u64, snapshot_end: 
 }
 
 /// Applies one part of an answer; answers the part's snapshot end when it carried changes.
-async fn apply_part(node: &Arc<ClusterNode>, source_address: &str, part: PartAnswer) -> Result<Option<u64>, ClusterError> {
+pub(crate) async fn apply_part(node: &Arc<ClusterNode>, source_address: &str, part: PartAnswer) -> Result<Option<u64>, ClusterError> {
     let Some(coll) = node.collection_by_id(part.collection) else { return Ok(None) };
     let p = part.partition;
     match part.kind {
@@ -254,16 +254,34 @@ pub(crate) async fn serve_pull(node: &Arc<ClusterNode>, req: PullRequest) -> Res
     let state = node.state();
     let map = state.map.as_ref().ok_or_else(|| ClusterError::Refused("no partition map yet".into()))?;
     let from = NodeId(req.from);
+    let me = NodeId(node.id);
     let store = node.engine.store();
+    // A promotion's catch-up: `from` and this node are fenced replicas of partitions the
+    // failed node was active for; this node's copies no longer change.
+    let catch_up = req.catch_up_for.map(NodeId).filter(|f| state.members.get(f).is_some_and(|m| m.state == MemberState::Failed));
+    if req.catch_up_for.is_some() && catch_up.is_none() {
+        return Err(ClusterError::Refused(format!(
+            "node {} is not failed over here; no catch-up from its copies",
+            req.catch_up_for.unwrap_or(0)
+        )));
+    }
     // Only parts this node is active for and `from` is a replica of count as acknowledgements.
     let (served, refused): (Vec<PullPart>, Vec<PullPart>) = req.parts.into_iter().partition(|part| {
-        map.partitions.get(usize::from(part.partition)).is_some_and(|c| c.active.0 == node.id && c.replicas.contains(&from))
-            && store
-                .partition_state(part.partition)
-                .is_ok_and(|s| s == PartitionState::Active || (s == PartitionState::Replica && node.is_frozen(part.partition)))
-            && node.collection_by_id(part.collection).is_some()
+        let copies = map.partitions.get(usize::from(part.partition));
+        let serves = match catch_up {
+            None => {
+                copies.is_some_and(|c| c.active == me && c.replicas.contains(&from))
+                    && store
+                        .partition_state(part.partition)
+                        .is_ok_and(|s| s == PartitionState::Active || (s == PartitionState::Replica && node.is_frozen(part.partition)))
+            }
+            Some(failed) => copies.is_some_and(|c| c.active == failed && c.replicas.contains(&from) && c.replicas.contains(&me)),
+        };
+        serves && node.collection_by_id(part.collection).is_some()
     });
-    node.acks.record(req.from, req.round, &served);
+    if catch_up.is_none() {
+        node.acks.record(req.from, req.round, &served);
+    }
     let mut answer = PullAnswer {
         round: node.acks.round(),
         parts: refused

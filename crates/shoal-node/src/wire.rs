@@ -39,6 +39,10 @@ pub struct PullRequest {
     /// How long the active may hold the request when it has nothing to send.
     pub wait_ms: u32,
     pub parts: Vec<PullPart>,
+    /// A promotion's catch-up from another fenced replica (`failover::serve_catch_up`): the
+    /// node that failed; the answering node serves its replica copies of the partitions
+    /// that node was active for, and nothing counts as an acknowledgement.
+    pub catch_up_for: Option<u64>,
 }
 
 /// One collection's copy of one partition, as the replica holds it.
@@ -114,9 +118,20 @@ pub struct FenceRequest {
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct FenceAnswer {
-    /// Per partition this member holds a replica of: its progress (summed over collections,
-    /// each on the failed active's history).
-    pub partitions: Vec<(u16, u64)>,
+    /// Per partition this member holds a replica of: its seqno in each collection (by
+    /// collection id), each on the failed active's history.
+    pub partitions: Vec<(u16, Vec<(u32, u64)>)>,
+}
+
+/// The metadata leader asks the replica it promotes for `partition` to apply, before it
+/// serves, what other fenced replicas hold beyond it (`shoal_cluster::choose_promotion`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CatchUpRequest {
+    pub failed: u64,
+    pub partition: u16,
+    /// `(collection, node, address, seqno)`: where to catch each collection up from, and
+    /// the seqno that node reported (what the copy must reach).
+    pub sources: Vec<(u32, u64, String, u64)>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

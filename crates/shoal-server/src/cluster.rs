@@ -106,16 +106,21 @@ impl Faults {
 struct FaultsBody {
     /// The members (addresses) this node is cut off from; empty heals.
     cut: Vec<String>,
+    /// Collections (names) whose replicated changes this node leaves unapplied, as a
+    /// replica lagging in one collection would; empty releases them.
+    #[serde(default)]
+    hold: Vec<String>,
 }
 
-/// `POST /v1/_internal/faults {"cut": [address, ...]}` (with the cluster secret, on a node
-/// started with `--fault-injection`).
+/// `POST /v1/_internal/faults {"cut": [address, ...], "hold"?: [collection, ...]}` (with the
+/// cluster secret, on a node started with `--fault-injection`).
 async fn set_faults(state: &AppState, body: &[u8]) -> Result<Response, ApiError> {
     if !state.faults.enabled {
         return Err(ApiError::new(StatusCode::NOT_FOUND, "bad_request", "fault injection is off on this node (serve --fault-injection)"));
     }
     let req: FaultsBody = extract::json_body(body)?;
-    tracing::warn!(cut = ?req.cut, "fault injection: calls to these members fail");
+    state.cluster.hold_collections(&req.hold).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    tracing::warn!(cut = ?req.cut, hold = ?req.hold, "fault injection: calls to these members fail, replicated changes of these collections wait");
     *state.faults.cut.write() = req.cut.into_iter().collect();
     Ok(json_response(StatusCode::OK, b"{}".to_vec()))
 }
