@@ -82,8 +82,12 @@ async fn query_3_matches_an_independent_computation() {
     };
     // Both paths: the documents (key-order reads) and the columnar shadow.
     let ask = |sql: String| ask_at("/v1/query", sql);
-    check(&ask(q3.clone()).await, &expected);
-    check(&ask_at("/v1/analytics", q3.clone()).await, &expected);
+    let by_rows = ask(q3.clone()).await;
+    check(&by_rows, &expected);
+    assert_eq!(by_rows["metrics"]["engine"], "rows");
+    let by_shadow = ask_at("/v1/analytics", q3.clone()).await;
+    check(&by_shadow, &expected);
+    assert_eq!(by_shadow["metrics"]["engine"], "columnar");
     // The joins' dynamic filters reach the shadow scan of store_sales and drop its rows there.
     let analyzed = ask_at("/v1/analytics", format!("EXPLAIN ANALYZE {q3}")).await.to_string();
     assert!(

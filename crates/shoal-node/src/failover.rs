@@ -46,7 +46,7 @@
 //!    replicas stays with the failed node, unavailable, and says so.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -186,8 +186,9 @@ pub struct Monitor {
     granted: Mutex<HashMap<u64, Instant>>,
     /// One failover (or rebalance step) at a time.
     pub(crate) lock: tokio::sync::Mutex<()>,
-    /// Nodes failed over automatically since an operator last recovered one.
-    auto_count: AtomicUsize,
+    /// When this leader's loop last looked at its members: a look long after the previous
+    /// one means this node was paused or starved, and what it saw before says nothing.
+    last_look: Mutex<Option<Instant>>,
     /// An automatic failover is running (on a task of its own).
     failing: std::sync::atomic::AtomicBool,
     /// Members with a ping in flight.
@@ -310,10 +311,17 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
         // Leads, and an entry of its own term is committed (see the module documentation).
         let Some(predecessor) = node.meta.predecessor() else {
             *node.monitor.leader_since.lock() = None;
+            *node.monitor.last_look.lock() = None;
             continue;
         };
+        let gap = node.monitor.last_look.lock().replace(Instant::now()).map(|t| t.elapsed());
         if node.monitor.leader_since.lock().is_none() {
             tracing::info!(predecessor, "leading; judging members' health from now");
+            node.monitor.lead(predecessor, &node.lease);
+        } else if let Some(gap) = gap.filter(|g| *g > PING_TIMEOUT) {
+            // Paused or starved: the members' silence is this node's own, and its lease
+            // needs a fresh quorum of answers.
+            tracing::warn!(gap_ms = gap.as_millis() as u64, "this leader did not run for a while; judging members' health afresh");
             node.monitor.lead(predecessor, &node.lease);
         }
         if !leader_with_quorum(&node.meta) {
@@ -371,7 +379,10 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
             }
             // Said once per outage, not at every look.
             let first_look = node.monitor.warned.lock().insert(id.0);
-            if node.monitor.auto_count.load(Ordering::Acquire) >= max_count {
+            // Counted in the log's state, so every leader counts the same: members failed
+            // over (automatically or by hand) and not yet recovered by an operator.
+            let failed_now = state.members.values().filter(|m| m.state == MemberState::Failed).count();
+            if failed_now >= max_count {
                 if first_look {
                     tracing::warn!(node = id.0, max_count, "node is down; automatic failovers used up, an operator must fail it over");
                 }
@@ -399,9 +410,6 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
                 continue;
             }
             tracing::warn!(node = id.0, silent_s = timeout.as_secs(), "node is down; failing it over");
-            // Counted before it starts: a recovery that comes while it runs resets the count
-            // after it, not before.
-            node.monitor.auto_count.fetch_add(1, Ordering::AcqRel);
             let (n, target) = (Arc::clone(&node), id.0);
             tokio::spawn(async move {
                 match failover(&n, target).await {
@@ -416,8 +424,6 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
                         );
                     }
                     Err(e) => {
-                        // Not counted: the next look tries again.
-                        n.monitor.auto_count.fetch_sub(1, Ordering::AcqRel);
                         tracing::warn!(node = target, error = %e, "automatic failover failed; will try again");
                     }
                 }
@@ -620,9 +626,9 @@ pub(crate) async fn serve_fence(node: &Arc<ClusterNode>, req: FenceRequest) -> R
     Ok(FenceAnswer { partitions })
 }
 
-/// Brings a failed-over node back as `added` (leader only; it also resets the count of
-/// automatic failovers, as an operator's recovery does in Couchbase). The partitions it kept (no replica
-/// could take them) serve again; its other data is rolled back to the actives' histories
+/// Brings a failed-over node back as `added` (leader only; a failed member no longer counts
+/// against `auto_failover_max_count`, as an operator's recovery resets Couchbase's count).
+/// The partitions it kept (no replica could take them) serve again; its other data is rolled back to the actives' histories
 /// when a rebalance gives it copies.
 pub async fn recover(node: &Arc<ClusterNode>, target: u64) -> Result<u64, ClusterError> {
     if !node.is_leader() {
@@ -638,7 +644,6 @@ pub async fn recover(node: &Arc<ClusterNode>, target: u64) -> Result<u64, Cluste
     let holds_active = state.map.as_ref().is_some_and(|m| m.partitions.iter().any(|c| c.active.0 == target));
     let next = if holds_active { MemberState::Active } else { MemberState::Added };
     node.propose(MetaCommand::SetMemberState { node: NodeId(target), state: next }).await?;
-    node.monitor.auto_count.store(0, Ordering::Release);
     // Judged from now on: its pings before it failed say nothing.
     node.monitor.watched_since.lock().insert(target, Instant::now());
     node.monitor.last_ok.lock().remove(&target);

@@ -46,28 +46,19 @@ async fn run(state: AppState, q: Option<String>, headers: HeaderMap, body: Body,
     // In a cluster (the interim design of ARCHITECTURE.md) the statement runs here whole:
     // over this node's copies when they are every partition and may serve it, otherwise
     // reading the partitions active elsewhere from their members (`shoal_node::sql`). The
-    // analytics shadows are this node's alone: they answer only where they are whole.
+    // analytics shadows are this node's alone, so where they are not whole an analytics
+    // statement runs on the row engine across the members instead (slower, same rows), and
+    // its metrics say so (`"engine": "rows across members"`).
     let node = &state.cluster;
     crate::spread::require_serving(&state).await?;
     let (every_partition, some_replicas) = node.copies_here();
     let local = every_partition && !(some_replicas && consistency == shoal_index::Consistency::RequestPlus);
     let map_version = node.state().map_version();
-    let spread = match path {
-        _ if local => None,
-        Path::Operational => node.spread().map_err(crate::spread::no_active)?,
-        Path::Analytics if !every_partition => {
-            return Err(ApiError::unavailable(
-                "analytics reads this node's columnar shadows, and it holds a copy of only some partitions; send it to a \
-                 member holding every partition (with replicas = members - 1, every member does), or use /v1/query, \
-                 which spans the members",
-            ))
-        }
-        Path::Analytics => {
-            return Err(ApiError::unavailable(
-                "analytics reads this node's columnar shadows, and some of its partitions are replicas, which cannot \
-                 promise request_plus; use not_bounded here, or /v1/query",
-            ))
-        }
+    let (spread, path) = if local { (None, path) } else { (node.spread().map_err(crate::spread::no_active)?, Path::Operational) };
+    let engine = match path {
+        Path::Operational if spread.is_some() => "rows across members",
+        Path::Operational => "rows",
+        Path::Analytics => "columnar",
     };
     let timeout = req.timeout_ms.map(Duration::from_millis).unwrap_or(QUERY_TIMEOUT_DEFAULT);
     let req = QueryRequest { sql: req.sql, params: req.params, consistency, timeout, spread };
@@ -85,7 +76,7 @@ async fn run(state: AppState, q: Option<String>, headers: HeaderMap, body: Body,
     }
     let elapsed_ms = answer.elapsed.as_secs_f64() * 1000.0;
     let columns = json!(answer.columns).to_string();
-    let metrics = json!({"elapsed_ms": elapsed_ms, "rows": answer.rows}).to_string();
+    let metrics = json!({"elapsed_ms": elapsed_ms, "rows": answer.rows, "engine": engine}).to_string();
     let mut out = Vec::with_capacity(answer.body.len() + columns.len() + metrics.len() + 64);
     if ndjson {
         // One line of column names, one line per row, one line of metrics.
