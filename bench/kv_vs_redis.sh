@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Seed 001's baseline on this machine: 200 connections of blocking small-document gets
 # against Shoal, and redis-benchmark against Redis in the same run; then the bulk load.
-# Needs: a release build (cargo build --release), redis-server and redis-benchmark
-# (apt-get install redis-server redis-tools). Usage: bench/kv_vs_redis.sh [runs]
+# Needs: a release build (cargo build --release); redis-server and redis-benchmark are
+# installed from Debian's packages (redis-server, redis-tools) when missing. Usage: bench/kv_vs_redis.sh [runs]
 set -euo pipefail
 runs=${1:-3}
 . "$(dirname "$0")/lib.sh"
+bench_need redis-server redis-server redis-tools
 bench_cleanups+=("redis-cli -p 6399 shutdown nosave >/dev/null 2>&1 || true")
 bench_start_shoal --cache-mb 256
 redis-server --port 6399 --save '' --appendonly no --daemonize yes >/dev/null

@@ -27,3 +27,12 @@ bench_start_shoal() {
   echo $! >"$work/shoal.pid"
   sleep 1
 }
+
+# Installs Debian packages whose commands are missing: `bench_need COMMAND PACKAGE...`.
+bench_need() {
+  local cmd=$1
+  shift
+  command -v "$cmd" >/dev/null && return 0
+  echo "installing $* (for $cmd)" >&2
+  { apt-get install -y "$@" || { apt-get update && apt-get install -y "$@"; }; } >/dev/null
+}

@@ -2,12 +2,15 @@
 # Issue 12, item 8: random-key upserts of 180-byte documents from 200 connections (wrk -t2
 # -c200, keys over 1M), at durability none and persist, and in the same run Redis 7 `SET`
 # with `appendfsync always` (redis-benchmark -r, the same sizes and connections).
-# Needs: a release build, wrk, redis-server, redis-benchmark.
+# Needs: a release build; wrk, redis-server and redis-benchmark are installed from Debian's
+# packages when missing.
 # Usage: bench/write_path.sh [seconds per run] [runs]
 set -euo pipefail
 secs=${1:-20}
 runs=${2:-3}
 . "$(dirname "$0")/lib.sh"
+bench_need wrk wrk
+bench_need redis-server redis-server redis-tools
 lua="$(cd "$(dirname "$0")" && pwd)/wrk/upsert.lua"
 bench_cleanups+=("redis-cli -p 6398 shutdown nosave >/dev/null 2>&1 || true")
 bench_start_shoal
