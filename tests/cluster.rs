@@ -618,6 +618,63 @@ async fn many_key_requests_and_scans_span_the_members() {
     }
 }
 
+/// SQL spread over the members reads each member's documents in pages, each cut at
+/// `DOCS_ANSWER_MAX_DOCS` (8,192) documents or `DOCS_ANSWER_MAX_BYTES` (16 MiB, at least one
+/// document): members holding more than a page of either answer every document once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sql_pages_a_members_documents_at_its_count_and_byte_caps() {
+    let nodes = start_cluster(3, &[]);
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
+    wait_for(&http, &nodes[0].u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
+    for c in ["many", "big"] {
+        assert_eq!(http.put(nodes[0].u(&format!("/v1/collections/{c}"))).send().await.unwrap().status(), 201);
+    }
+    rebalance(&http, &nodes[0], &[]).await;
+    // About 10,000 active documents per member: more than one page of 8,192 each.
+    const MANY: usize = 30_000;
+    for chunk in (0..MANY).collect::<Vec<_>>().chunks(5_000) {
+        let mut body = String::new();
+        for i in chunk {
+            body.push_str(&json!({"op": "upsert", "key": format!("m{i:05}"), "value": {"i": i}}).to_string());
+            body.push('\n');
+        }
+        let r = http.post(nodes[0].u("/v1/collections/many/_bulk")).body(body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    // About 20 MiB of documents per member: more than one page of 16 MiB each.
+    const BIG: usize = 60;
+    let pad = "x".repeat(1024 * 1024);
+    for i in 0..BIG {
+        let r =
+            http.put(nodes[i % 3].u(&format!("/v1/collections/big/docs/b{i:02}"))).json(&json!({"pad": pad, "i": i})).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+    }
+    let (_, map) = get_json(&http, &nodes[0].u("/v1/cluster/map")).await;
+    let active_on = |node: u64, keys: &mut dyn Iterator<Item = String>| {
+        keys.filter(|k| map["partitions"][usize::from(shoal_storage::partition_of(k.as_bytes(), 16))]["active"].as_u64() == Some(node))
+            .count()
+    };
+    let (_, info) = get_json(&http, &nodes[0].u("/v1/cluster")).await;
+    let ids: Vec<u64> = nodes.iter().map(|n| node_id(&info, n).unwrap()).collect();
+    assert!(
+        ids.iter().any(|id| active_on(*id, &mut (0..MANY).map(|i| format!("m{i:05}"))) > 8_192),
+        "some member holds more than a page of documents"
+    );
+    assert!(ids.iter().any(|id| active_on(*id, &mut (0..BIG).map(|i| format!("b{i:02}"))) > 16), "some member holds more than 16 MiB");
+    for node in &nodes {
+        for (statement, want) in [
+            ("SELECT count(*), sum(i) FROM many", json!([MANY, (0..MANY).sum::<usize>()])),
+            ("SELECT count(*), sum(i), min(length(pad)) FROM big", json!([BIG, (0..BIG).sum::<usize>(), 1024 * 1024])),
+        ] {
+            let r = http.post(node.u("/v1/query")).json(&json!({"sql": statement})).send().await.unwrap();
+            let status = r.status();
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(status, 200, "{statement}: {v}");
+            assert_eq!(v["rows"], json!([want]), "{statement} through {}", node.url);
+        }
+    }
+}
+
 /// A copy of a member's data directory started at another address would claim the
 /// member's node id: it stops with a clear error, and the member is untouched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
