@@ -943,6 +943,114 @@ async fn three_loaded_nodes() -> (Vec<Node>, reqwest::Client, String) {
     (nodes, http, join)
 }
 
+/// A rebalance moves each partition once its new copies have caught up, so a stop keeps
+/// the moves already done and undoes only the others (API.md: "finished moves stay, a move
+/// in flight is rolled back"). The test computes the plan as the leader does (placement is
+/// a pure function), then holds back, on the new node, a collection that only one of its
+/// partitions holds: that move cannot catch up, the other finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopped_rebalance_keeps_the_moves_it_finished() {
+    let args = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", "4", "--fault-injection"];
+    let mut first = Node::start(&args);
+    first.pin_port();
+    let join = first.addr();
+    let mut nodes = vec![first];
+    for _ in 0..2 {
+        nodes.push(joined(&args, &join));
+    }
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    wait_for(&http, &nodes[0].u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
+    for c in ["c", "slow"] {
+        assert_eq!(http.put(nodes[0].u(&format!("/v1/collections/{c}"))).send().await.unwrap().status(), 201);
+    }
+    rebalance(&http, &nodes[0], &[]).await;
+    let fourth = joined(&args, &join);
+    let info = wait_for(&http, &nodes[0].u("/v1/cluster"), "four members", |v| member_states(v).len() == 4).await;
+    let fourth_id = node_id(&info, &fourth).unwrap();
+    // The leader's plan: the same placement over the same members.
+    let (_, before) = get_json(&http, &nodes[0].u("/v1/cluster/map")).await;
+    let current: shoal_cluster::PartitionMap = serde_json::from_value(before.clone()).unwrap();
+    let mut members: Vec<u64> = info["nodes"].as_array().unwrap().iter().map(|n| n["id"].as_u64().unwrap()).collect();
+    members.sort_unstable();
+    let placed: Vec<shoal_cluster::Node> =
+        members.iter().map(|id| shoal_cluster::Node { id: shoal_cluster::NodeId(*id), weight: 1 }).collect();
+    let target = shoal_cluster::place(4, &placed, 1, Some(&current)).unwrap();
+    let to_fourth: Vec<u16> = (0..4u16).filter(|p| target.partitions[usize::from(*p)].holds(shoal_cluster::NodeId(fourth_id))).collect();
+    assert_eq!(to_fourth.len(), 2, "the new node takes two of the eight copies: {target:?}");
+    let (stalled, finished) = (to_fourth[0], to_fourth[1]);
+    // Documents everywhere in `c`; in `slow`, more than a catch-up's slack, all in one
+    // partition, which the new node holds back.
+    let mut body = String::new();
+    for i in 0..400 {
+        body.push_str(&json!({"op": "upsert", "key": format!("k{i:03}"), "value": {"i": i}}).to_string());
+        body.push('\n');
+    }
+    assert_eq!(http.post(nodes[0].u("/v1/collections/c/_bulk")).body(body).send().await.unwrap().status(), 200);
+    let slow_keys: Vec<String> =
+        (0..20_000).map(|i| format!("s{i}")).filter(|k| shoal_storage::partition_of(k.as_bytes(), 4) == stalled).take(1_500).collect();
+    let body: String = slow_keys.iter().map(|k| json!({"op": "upsert", "key": k, "value": {"s": 1}}).to_string() + "\n").collect();
+    assert_eq!(http.post(nodes[0].u("/v1/collections/slow/_bulk")).body(body).send().await.unwrap().status(), 200);
+    let r = http
+        .post(fourth.u("/v1/_internal/faults"))
+        .header("x-shoal-cluster-secret", SECRET)
+        .json(&json!({"cut": [], "hold": ["slow"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+
+    let r = http.post(nodes[1].u("/v1/cluster/rebalance")).json(&json!({})).send().await.unwrap();
+    assert_eq!(r.status(), 202);
+    let move_state = |v: &Value, p: u16| {
+        v["moves"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["id"] == p && m["to"] == fourth_id)
+            .map(|m| m["state"].as_str().unwrap_or("").to_string())
+    };
+    wait_for(&http, &nodes[1].u("/v1/cluster/rebalance"), "the unhindered move done", |v| {
+        move_state(v, finished).as_deref() == Some("done")
+    })
+    .await;
+    let r = http.delete(nodes[2].u("/v1/cluster/rebalance")).send().await.unwrap();
+    assert_eq!(r.status(), 202, "{}", r.text().await.unwrap_or_default());
+    let status = wait_for(&http, &nodes[1].u("/v1/cluster/rebalance"), "the stop", |v| v["state"] != "running").await;
+    assert_eq!(status["state"], "stopped", "{status}");
+    assert_eq!(move_state(&status, finished).as_deref(), Some("done"), "{status}");
+    assert_eq!(move_state(&status, stalled).as_deref(), Some("stopped"), "{status}");
+    let (_, after) = get_json(&http, &nodes[1].u("/v1/cluster/map")).await;
+    let after: shoal_cluster::PartitionMap = serde_json::from_value(after).unwrap();
+    assert_eq!(after.partitions[usize::from(finished)], target.partitions[usize::from(finished)], "the finished move stays");
+    assert_eq!(after.partitions[usize::from(stalled)].nodes().collect::<Vec<_>>().len(), 2);
+    assert!(!after.partitions[usize::from(stalled)].holds(shoal_cluster::NodeId(fourth_id)), "the move in flight is undone: {after:?}");
+    let (_, info) = get_json(&http, &nodes[1].u("/v1/cluster")).await;
+    let state = info["nodes"].as_array().unwrap().iter().find(|n| n["id"] == fourth_id).unwrap()["state"].clone();
+    assert_eq!(state, "active", "the new node holds a copy, so it stays in: {info}");
+
+    // Released, a new rebalance finishes the rest; every document is there.
+    let r = http
+        .post(fourth.u("/v1/_internal/faults"))
+        .header("x-shoal-cluster-secret", SECRET)
+        .json(&json!({"cut": [], "hold": []}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    rebalance(&http, &nodes[1], &[]).await;
+    let (_, done) = get_json(&http, &nodes[1].u("/v1/cluster/map")).await;
+    let done: shoal_cluster::PartitionMap = serde_json::from_value(done).unwrap();
+    assert_eq!(done.partitions, target.partitions, "the plan is the same from there");
+    for (coll, keys) in [("c", (0..400).map(|i| format!("k{i:03}")).collect::<Vec<_>>()), ("slow", slow_keys)] {
+        let r = http.post(fourth.u(&format!("/v1/collections/{coll}/_get"))).json(&json!({"keys": keys})).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let v: Value = r.json().await.unwrap();
+        for (key, doc) in keys.iter().zip(v["docs"].as_array().unwrap()) {
+            assert!(doc.get("value").is_some(), "{coll}/{key} lost: {doc}");
+        }
+    }
+}
+
 /// `DELETE /v1/cluster/rebalance` stops a rebalance before its final map and the map goes
 /// back; a rebalance whose metadata leader is killed is taken up by the next leader, which
 /// goes back when a node of its plan failed; a new rebalance then finishes and nothing is
@@ -972,7 +1080,9 @@ async fn a_rebalance_stops_on_request_and_outlives_its_leader() {
     wait_for(&http, &nodes[0].u("/v1/cluster"), "four members", |v| member_states(v).len() == 4).await;
     let copying = |v: &Value| v["moves"].as_array().is_some_and(|m| m.iter().any(|m| m["state"] == "copying"));
 
-    // Stopped while copying: the map goes back, the new node holds nothing and is `added`.
+    // Stopped while copying: the copies go back where they were (a partition whose active
+    // role moved between staying nodes may stay moved: that move was done), the new node
+    // holds nothing and is `added`.
     let (_, before) = get_json(&http, &nodes[1].u("/v1/cluster/map")).await;
     let r = http.post(nodes[1].u("/v1/cluster/rebalance")).json(&json!({})).send().await.unwrap();
     assert_eq!(r.status(), 202);
@@ -982,7 +1092,17 @@ async fn a_rebalance_stops_on_request_and_outlives_its_leader() {
     let status = wait_for(&http, &nodes[1].u("/v1/cluster/rebalance"), "the stop", |v| v["state"] != "running").await;
     assert_eq!(status["state"], "stopped", "{status}");
     let (_, after) = get_json(&http, &nodes[1].u("/v1/cluster/map")).await;
-    assert_eq!(after["partitions"], before["partitions"], "the map is back to its copies before the rebalance");
+    let holders = |p: &Value| {
+        let mut n: Vec<u64> = p["replicas"].as_array().unwrap().iter().map(|r| r.as_u64().unwrap()).collect();
+        n.push(p["active"].as_u64().unwrap());
+        n.sort_unstable();
+        n
+    };
+    let (after_parts, before_parts) = (after["partitions"].as_array().unwrap(), before["partitions"].as_array().unwrap());
+    assert_eq!(after_parts.len(), before_parts.len());
+    for (a, b) in after_parts.iter().zip(before_parts) {
+        assert_eq!(holders(a), holders(b), "the copies are back where they were: {a} against {b}");
+    }
     let (_, info) = get_json(&http, &nodes[1].u("/v1/cluster")).await;
     let fourth_id = node_id(&info, &fourth).unwrap();
     let fourth_state = info["nodes"].as_array().unwrap().iter().find(|n| n["id"] == fourth_id).unwrap()["state"].clone();

@@ -3,17 +3,23 @@
 //! (`copy`), from its change stream otherwise.
 //!
 //! The metadata leader computes the target map (`shoal_cluster::place`, stable against the
-//! current one, so only the copies that must move do) and goes there in three steps:
+//! current one, so only the copies that must move do) and goes there in steps:
 //! 1. **build**: a map whose copies are the current ones plus every new copy as a replica;
-//!    new replicas backfill from the active's change stream and then follow it;
-//! 2. **catch up**: wait until each new copy is close to its active;
-//! 3. **hand over**: each active that loses its role is asked to freeze the partitions it
+//!    new replicas are built (from files or the change stream) and then follow their active;
+//! 2. **catch up and hand over, partition by partition**: once every new copy of a
+//!    partition is close to its active, the partition is handed over with the others ready
+//!    at that look: each active that loses its role is asked to freeze the partitions it
 //!    gives up (it refuses writes, so nothing is acknowledged that the new active lacks) and
-//!    to answer once the new active holds everything it has; then the target map is
-//!    committed, the new active starts a new history on top, and copies that are no longer
-//!    in the map stop. A freeze thaws when the plan leaves the log (stopped, failed, or
-//!    reverted by the next leader) or after `FREEZE_MAX` at most: the old map stays, and
-//!    nothing was lost.
+//!    to answer once the new active holds everything it has; then a map moving those
+//!    partitions to their target copies is committed, each new active starts a new history
+//!    on top, and copies no longer in the map stop. A freeze thaws when that map is applied,
+//!    when the plan leaves the log (stopped, failed, or reverted by the next leader), or
+//!    after `FREEZE_MAX` at most: then the partition's old copies stay, and nothing was lost;
+//! 3. **settle**: wait until every replica follows its active.
+//!
+//! A stop or a failure keeps the partitions already moved (their moves are done) and undoes
+//! the others; a new leader resumes the plan from the log (moved partitions are at their
+//! target and count as done).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -209,10 +215,10 @@ pub(crate) fn drive(node: &Arc<ClusterNode>) {
             }
             Ok(Finish::Stopped) => {
                 status.state = "stopped".into();
-                for m in &mut status.moves {
+                for m in status.moves.iter_mut().filter(|m| m.state != "done") {
                     m.state = "stopped".into();
                 }
-                tracing::info!("rebalance stopped; the map is back to its copies before it");
+                tracing::info!(moves_done = status.moves_done, "rebalance stopped; moves done stay, the others are undone");
             }
             Err(e) if handed_on => {
                 status.state = "moved".into();
@@ -325,8 +331,13 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
             want.nodes().filter(|n| !cur.holds(*n)).map(move |n| (p, n, active)).collect::<Vec<_>>()
         })
         .collect();
+    // 2 and 3, partition by partition: once every new copy of a partition has caught up,
+    // its active role is handed over (with every other partition ready at that look) and a
+    // map moves those partitions to their target copies. A stop or a failure afterwards
+    // keeps the partitions already moved and undoes only the others.
     let deadline = Instant::now() + CATCH_UP_MAX;
     let started = Instant::now();
+    let mut waves = 0usize;
     loop {
         let state = node.state();
         if state.rebalance.as_ref().is_some_and(|p| p.stop) {
@@ -343,23 +354,40 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
         show_copies(node, &answers, started);
         let caught_up: HashSet<(PartitionId, u64)> = new_copies
             .iter()
-            .filter(|(p, n, active)| {
+            .filter(|(p, n, _)| {
+                // Against the partition's active now (a moved partition's is its new copy).
                 // An active that did not answer says nothing: its copy is not caught up
                 // (before, a dead source counted as 0 and every copy of it as caught up).
-                match (progress.get(&(*p, *n)), progress.get(&(*p, *active))) {
+                let active = map.partitions[usize::from(*p)].active;
+                match (progress.get(&(*p, *n)), progress.get(&(*p, active))) {
                     (Some(have), Some(want)) => have + CATCH_UP_SLACK >= *want,
                     _ => false,
                 }
             })
             .map(|(p, n, _)| (*p, n.0))
             .collect();
-        let behind = new_copies.len() - caught_up.len();
+        let ready: Vec<PartitionId> = map
+            .iter()
+            .zip(&target.partitions)
+            .filter(|((p, cur), want)| {
+                *cur != *want && new_copies.iter().filter(|(np, _, _)| np == p).all(|(_, n, _)| caught_up.contains(&(*p, n.0)))
+            })
+            .map(|((p, _), _)| p)
+            .collect();
+        let moved = map.partitions.iter().zip(&target.partitions).filter(|(cur, want)| cur == want).count();
         {
             let mut status = node.rebalancer.status.lock();
-            status.moves_done = caught_up.len();
             for m in &mut status.moves {
-                if m.state != CAUGHT_UP && caught_up.contains(&(m.id, m.to)) {
-                    m.state = CAUGHT_UP.into();
+                let at_target = map.partitions.get(usize::from(m.id)) == target.partitions.get(usize::from(m.id));
+                let next = if at_target && caught_up.contains(&(m.id, m.to)) {
+                    "done"
+                } else if caught_up.contains(&(m.id, m.to)) {
+                    CAUGHT_UP
+                } else {
+                    continue;
+                };
+                if m.state != next {
+                    m.state = next.into();
                     tracing::info!(
                         partition = m.id,
                         from = ?m.from,
@@ -367,54 +395,28 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
                         method = %m.method,
                         bytes = m.bytes_done,
                         secs = started.elapsed().as_secs_f64(),
-                        "move caught up; the hand-over follows once every move has"
+                        "move {next}"
                     );
                 }
             }
+            status.moves_done = status.moves.iter().filter(|m| m.state == "done").count();
         }
-        if behind == 0 {
+        if moved == target.partitions.len() && caught_up.len() == new_copies.len() {
             break;
         }
-        if Instant::now() >= deadline {
-            return Err(ClusterError::Refused(format!("{behind} new copies did not catch up in {CATCH_UP_MAX:?}")));
+        if ready.is_empty() {
+            if Instant::now() >= deadline {
+                let behind = new_copies.len() - caught_up.len();
+                return Err(ClusterError::Refused(format!("{behind} new copies did not catch up in {CATCH_UP_MAX:?}")));
+            }
+            tokio::time::sleep(PROGRESS_POLL).await;
+            continue;
         }
-        tokio::time::sleep(PROGRESS_POLL).await;
+        map = hand_over(node, &map, target, &ready).await?;
+        waves += 1;
     }
-    // 3. Hand over the active roles that move, then commit the target — unless a failover
-    // came first (it changed the map under the plan: the plan fails and goes back).
     let one = node.monitor.lock.lock().await;
-    let state = node.state();
-    if let Some(failed) = target.nodes().into_iter().find(|n| state.members.get(n).is_none_or(|m| m.state == MemberState::Failed)) {
-        return Err(ClusterError::Refused(format!("node {failed} failed during the rebalance; start it again")));
-    }
-    if state.map.as_ref().is_none_or(|m| m.partitions != map.partitions) {
-        return Err(map_changed());
-    }
-    set_moves(node, "handing over");
-    // How long the hand-over freezes partitions (their writes wait): logged, since that is
-    // where a rebalance's foreground latency peaks.
-    let handover_started = Instant::now();
-    let mut handovers: BTreeMap<u64, Vec<(PartitionId, u64)>> = BTreeMap::new();
-    for ((p, cur), want) in map.iter().zip(&target.partitions) {
-        if cur.active != want.active {
-            handovers.entry(cur.active.0).or_default().push((p, want.active.0));
-        }
-    }
-    for (from, partitions) in &handovers {
-        let address = state.members.get(&NodeId(*from)).map(|m| m.address.clone()).ok_or(ClusterError::NodeNotFound(*from))?;
-        let body = serde_json::to_vec(&HandoverRequest { partitions: partitions.clone() }).unwrap_or_default();
-        node.peers.call(&address, Op::Handover, body, CALL_TIMEOUT).await?;
-    }
-    let mut last = target.clone();
-    last.version = node.state().map_version() + 1;
-    let handed_over_ms = handover_started.elapsed().as_millis();
-    node.propose(MetaCommand::SetMap { map: last }).await?;
-    tracing::info!(
-        sources = handovers.len(),
-        handed_over_ms,
-        final_map_ms = handover_started.elapsed().as_millis(),
-        "hand-over done; the final map is committed"
-    );
+    tracing::info!(waves, "every partition is at its target copies");
     for id in &eject {
         node.propose(MetaCommand::SetMemberState { node: NodeId(*id), state: MemberState::Ejected }).await?;
     }
@@ -442,22 +444,77 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
     Ok(Finish::Done)
 }
 
+/// Hands over the active roles of the `ready` partitions that change active, then commits
+/// a map moving those partitions to their target copies (under the failover lock, unless a
+/// failover came first: it changed the map under the plan, which fails and goes back).
+/// Answers the committed map.
+async fn hand_over(
+    node: &Arc<ClusterNode>,
+    map: &PartitionMap,
+    target: &PartitionMap,
+    ready: &[PartitionId],
+) -> Result<PartitionMap, ClusterError> {
+    let _one = node.monitor.lock.lock().await;
+    let state = node.state();
+    if let Some(failed) = target.nodes().into_iter().find(|n| state.members.get(n).is_none_or(|m| m.state == MemberState::Failed)) {
+        return Err(ClusterError::Refused(format!("node {failed} failed during the rebalance; start it again")));
+    }
+    if state.map.as_ref().is_none_or(|m| m.partitions != map.partitions) {
+        return Err(map_changed());
+    }
+    // How long the hand-over freezes partitions (their writes wait): logged, since that is
+    // where a rebalance's foreground latency peaks.
+    let handover_started = Instant::now();
+    let mut handovers: BTreeMap<u64, Vec<(PartitionId, u64)>> = BTreeMap::new();
+    for &p in ready {
+        let (cur, want) = (&map.partitions[usize::from(p)], &target.partitions[usize::from(p)]);
+        if cur.active != want.active {
+            handovers.entry(cur.active.0).or_default().push((p, want.active.0));
+        }
+    }
+    for (from, partitions) in &handovers {
+        let address = state.members.get(&NodeId(*from)).map(|m| m.address.clone()).ok_or(ClusterError::NodeNotFound(*from))?;
+        let body = serde_json::to_vec(&HandoverRequest { partitions: partitions.clone() }).unwrap_or_default();
+        node.peers.call(&address, Op::Handover, body, CALL_TIMEOUT).await?;
+    }
+    let mut next = map.clone();
+    for &p in ready {
+        next.partitions[usize::from(p)] = target.partitions[usize::from(p)].clone();
+    }
+    next.version = node.state().map_version() + 1;
+    let handed_over_ms = handover_started.elapsed().as_millis();
+    node.propose(MetaCommand::SetMap { map: next.clone() }).await?;
+    tracing::info!(
+        partitions = ready.len(),
+        sources = handovers.len(),
+        handed_over_ms,
+        map_ms = handover_started.elapsed().as_millis(),
+        "hand-over done; the map moves these partitions to their target copies"
+    );
+    Ok(next)
+}
+
 /// Only a failover changes the map while a rebalance runs (its leader holds the lock for
 /// its own changes): a copy's source or target is gone, and the plan cannot go on.
 fn map_changed() -> ClusterError {
     ClusterError::Refused("the map changed under the rebalance (a failover); start it again".into())
 }
 
-/// A stop before the final map: the map keeps, for each partition, only the copies it had
-/// when the rebalance started (the new ones are dropped where they were built), and the
-/// members go back to the states they had.
+/// A stop (or a failure): each partition already moved to its target copies stays moved;
+/// every other keeps only the copies it had when the rebalance started (the new ones are
+/// dropped where they were built). Ejected nodes become active again; added nodes that hold
+/// no copy go back to `added`.
 async fn revert(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<(), ClusterError> {
     let _one = node.monitor.lock.lock().await;
     let current = node.state().map.clone().ok_or_else(|| ClusterError::Refused("no partition map".into()))?;
     let mut back = current.clone();
-    for (copies, before) in back.partitions.iter_mut().zip(&plan.from.partitions) {
-        copies.replicas.retain(|r| before.holds(*r));
+    for ((copies, before), target) in back.partitions.iter_mut().zip(&plan.from.partitions).zip(&plan.target.partitions) {
+        // A partition already moved to its target copies stays moved.
+        if copies != target {
+            copies.replicas.retain(|r| before.holds(*r));
+        }
     }
+    let holders = back.nodes();
     if back.partitions != current.partitions {
         back.version = current.version + 1;
         node.propose(MetaCommand::SetMap { map: back }).await?;
@@ -468,7 +525,7 @@ async fn revert(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<(), Clu
             node.propose(MetaCommand::SetMemberState { node: *id, state: MemberState::Active }).await?;
         }
     }
-    for id in &plan.added {
+    for id in plan.added.iter().filter(|id| !holders.contains(id)) {
         if state.members.get(id).is_some_and(|m| m.state == MemberState::Active) {
             node.propose(MetaCommand::SetMemberState { node: *id, state: MemberState::Added }).await?;
         }
