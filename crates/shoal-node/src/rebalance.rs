@@ -6,9 +6,9 @@
 //! current one, so only the copies that must move do) and goes there in steps:
 //! 1. **build**: a map whose copies are the current ones plus every new copy as a replica;
 //!    new replicas are built (from files or the change stream) and then follow their active;
-//! 2. **catch up and hand over, partition by partition**: once every new copy of a
-//!    partition is close to its active, the partition is handed over with the others ready
-//!    at that look: each active that loses its role is asked to freeze the partitions it
+//! 2. **catch up and hand over, in waves**: once every new copy of a partition is close to
+//!    its active, the partition is ready; the ready partitions are handed over together when
+//!    all are ready, or `WAVE_INTERVAL` after the previous wave: each active that loses its role is asked to freeze the partitions it
 //!    gives up (it refuses writes, so nothing is acknowledged that the new active lacks) and
 //!    to answer once the new active holds everything it has; then a map moving those
 //!    partitions to their target copies is committed, each new active starts a new history
@@ -35,6 +35,12 @@ use crate::node::ClusterNode;
 use crate::peers::Op;
 use crate::ClusterError;
 
+/// Partitions ready to move wait for the others, but at most this long after the previous
+/// wave (or the start): each wave's map change costs foreground requests a pause (clients
+/// follow the new map, old copies are dropped), so a short rebalance moves everything in one
+/// wave, and a long one keeps what it finished every `WAVE_INTERVAL` (a stop or failure
+/// undoes only what is not moved yet).
+pub const WAVE_INTERVAL: Duration = Duration::from_secs(15);
 /// A new copy counts as caught up (ready for the hand-over) this close to its active, in
 /// changes summed over collections; the hand-over waits for the rest with writes frozen.
 pub const CATCH_UP_SLACK: u64 = 1_000;
@@ -338,6 +344,7 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
     let deadline = Instant::now() + CATCH_UP_MAX;
     let started = Instant::now();
     let mut waves = 0usize;
+    let mut last_wave = Instant::now();
     loop {
         let state = node.state();
         if state.rebalance.as_ref().is_some_and(|p| p.stop) {
@@ -404,7 +411,9 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
         if moved == target.partitions.len() && caught_up.len() == new_copies.len() {
             break;
         }
-        if ready.is_empty() {
+        let all_ready = ready.len() + moved == target.partitions.len();
+        let waited = last_wave.elapsed() >= WAVE_INTERVAL;
+        if ready.is_empty() || !(all_ready || waited) {
             if Instant::now() >= deadline {
                 let behind = new_copies.len() - caught_up.len();
                 return Err(ClusterError::Refused(format!("{behind} new copies did not catch up in {CATCH_UP_MAX:?}")));
@@ -414,6 +423,7 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
         }
         map = hand_over(node, &map, target, &ready).await?;
         waves += 1;
+        last_wave = Instant::now();
     }
     let one = node.monitor.lock.lock().await;
     tracing::info!(waves, "every partition is at its target copies");
