@@ -196,6 +196,8 @@ pub struct Monitor {
     /// Members recovered from `failed` under this leader, and when: each is judged from
     /// then, not from its last ping before it failed.
     watched_since: Mutex<HashMap<u64, Instant>>,
+    /// When this leader first saw each member (one that joins later is judged from then).
+    first_seen: Mutex<HashMap<u64, Instant>>,
     /// Members whose outage was already reported.
     warned: Mutex<HashSet<u64>>,
 }
@@ -217,7 +219,7 @@ impl Monitor {
     /// leader (a short pause is not a failure).
     fn silent_for(&self, node: u64, lease: &Lease) -> Option<Duration> {
         let start = (*self.leader_since.lock())?;
-        let mut since = start;
+        let mut since = self.first_seen.lock().get(&node).map_or(start, |f| (*f).max(start));
         if *self.predecessor.lock() == Some(node) {
             if start.elapsed() < PING_TIMEOUT {
                 return Some(Duration::ZERO);
@@ -248,6 +250,7 @@ impl Monitor {
         self.leased_sent.lock().clear();
         self.granted.lock().clear();
         self.watched_since.lock().clear();
+        self.first_seen.lock().clear();
         *lease.quorum_until.lock() = None;
     }
 
@@ -335,6 +338,18 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
         node.monitor.watched_since.lock().retain(|id, _| {
             state.members.get(&NodeId(*id)).is_some_and(|m| !matches!(m.state, MemberState::Failed | MemberState::Ejected))
         });
+        {
+            let now = Instant::now();
+            let mut seen = node.monitor.first_seen.lock();
+            seen.retain(|id, _| {
+                state.members.get(&NodeId(*id)).is_some_and(|m| !matches!(m.state, MemberState::Failed | MemberState::Ejected))
+            });
+            for (id, member) in &state.members {
+                if !matches!(member.state, MemberState::Failed | MemberState::Ejected) {
+                    seen.entry(id.0).or_insert(now);
+                }
+            }
+        }
         let voters: Arc<Vec<u64>> = Arc::new(node.meta.metrics().borrow().membership_config.membership().voter_ids().collect());
         for (id, member) in &state.members {
             if id.0 == node.id || matches!(member.state, MemberState::Failed | MemberState::Ejected) {
