@@ -1066,7 +1066,7 @@ impl ClusterNode {
         let store = Arc::clone(self.engine.store());
         let version = map.version;
         let changed = blocking(move || {
-            let mut changed = 0usize;
+            let (mut drops, mut states) = (Vec::new(), Vec::new());
             for (p, s) in desired {
                 let now = store.partition_state(p).map_err(|e| ClusterError::Storage(e.to_string()))?;
                 if now == s {
@@ -1076,14 +1076,19 @@ impl ClusterNode {
                     // The map moved this copy elsewhere (a rebalance handed it over, or
                     // fewer replicas are wanted): its data goes whole, in O(1). A failed
                     // node keeps its copies: recovery rolls them back and catches them up.
-                    store.drop_partition(p).map_err(|e| ClusterError::Storage(e.to_string()))?;
+                    drops.push(p);
                 } else {
-                    store.set_partition_state(p, s).map_err(|e| ClusterError::Storage(e.to_string()))?;
+                    states.push((p, s));
                 }
-                changed += 1;
+            }
+            // Every new state in one durable batch (requests routed here wait for it), then
+            // the drops.
+            store.set_partition_states(&states).map_err(|e| ClusterError::Storage(e.to_string()))?;
+            for &p in &drops {
+                store.drop_partition(p).map_err(|e| ClusterError::Storage(e.to_string()))?;
             }
             store.set_map_version(version);
-            Ok::<_, ClusterError>(changed)
+            Ok::<_, ClusterError>(states.len() + drops.len())
         })
         .await??;
         self.store_map.send_if_modified(|v| {

@@ -668,10 +668,15 @@ impl Store {
     pub(crate) fn persist_state(&self, p: PartitionId, state: PartitionState) -> Result<(), crate::PartitionError> {
         self.health.check_writable()?;
         let mut batch = self.paths[0].db.batch();
-        batch.insert(&self.meta, state_key(p), json_bytes(&StateRecord { state }));
+        self.stage_state(&mut batch, p, state);
         batch.commit()?;
         self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
         Ok(())
+    }
+
+    /// Adds partition `p`'s state record to `batch` (of the metadata's database).
+    pub(crate) fn stage_state(&self, batch: &mut fjall::OwnedWriteBatch, p: PartitionId, state: PartitionState) {
+        batch.insert(&self.meta, state_key(p), json_bytes(&StateRecord { state }));
     }
 
     /// Deletes documents whose expiry has passed (each becomes a deletion in the change

@@ -178,43 +178,63 @@ impl Store {
     /// a new history (a new UUID from its high seqno, as Couchbase's promoted replicas do), so
     /// that readers — and a former active that comes back — can tell where histories part.
     pub fn set_partition_state(&self, p: PartitionId, state: PartitionState) -> Result<(), PartitionError> {
-        let unit = self.unit(p)?;
-        let _op = unit.op.lock();
-        let _ddl = self.ddl.lock();
-        let before = unit.owner.state();
-        if state == PartitionState::Active && before != PartitionState::Active {
-            self.start_histories(p)?;
-        }
-        self.persist_state(p, state)?;
-        unit.owner.set(state);
-        tracing::info!(partition = p, from = %before, to = %state, "partition state");
-        Ok(())
+        self.set_partition_states(&[(p, state)])
     }
 
-    /// Gives every collection's copy of partition `p` a new history entry at its high seqno.
-    fn start_histories(&self, p: PartitionId) -> Result<(), PartitionError> {
+    /// Sets the states of several partitions at once, durably: one batch and one fsync per
+    /// database for all of them, where one at a time would cost three fsyncs each (a map
+    /// that moves many partitions to a node would keep its requests waiting for them all).
+    /// Partitions that become active start new histories, as in
+    /// [`set_partition_state`](Self::set_partition_state).
+    pub fn set_partition_states(&self, changes: &[(PartitionId, PartitionState)]) -> Result<(), PartitionError> {
+        if changes.is_empty() {
+            return Ok(());
+        }
+        let mut changes = changes.to_vec();
+        changes.sort_unstable_by_key(|(p, _)| *p);
+        changes.dedup_by_key(|(p, _)| *p);
+        let units = changes.iter().map(|(p, _)| self.unit(*p)).collect::<Result<Vec<_>, _>>()?;
+        // Partition order, then the store's: the order every partition operation takes.
+        let _ops: Vec<_> = units.iter().map(|u| u.op.lock()).collect();
+        let _ddl = self.ddl.lock();
+        let befores: Vec<PartitionState> = units.iter().map(|u| u.owner.state()).collect();
         let collections = self.collections_by_id();
         let mut batch = self.paths[0].db.batch();
-        let mut renewed = Vec::with_capacity(collections.len());
-        for collection in &collections {
-            let part = collection.partition_arc(p);
-            let mut failover = part.failover_log().to_vec();
-            failover.push(FailoverEntry { uuid: self.clock().history_uuid(), seqno: part.high_seqno() });
-            let purge_seqno = part.purge_seqno.load(Ordering::Acquire);
-            let rec = crate::store::PartitionRecord { failover: failover.clone(), purge_seqno, live: None, high: part.high_floor() };
-            batch.insert(&self.meta, crate::store::partition_key(collection.id, p), crate::store::json_bytes(&rec));
-            renewed.push((collection, part, failover, purge_seqno));
+        let mut renewed = Vec::new();
+        for ((p, state), before) in changes.iter().zip(&befores) {
+            if *state == PartitionState::Active && *before != PartitionState::Active {
+                // A new history entry at its high seqno for every collection's copy.
+                for collection in &collections {
+                    let part = collection.partition_arc(*p);
+                    let mut failover = part.failover_log().to_vec();
+                    failover.push(FailoverEntry { uuid: self.clock().history_uuid(), seqno: part.high_seqno() });
+                    let purge_seqno = part.purge_seqno.load(Ordering::Acquire);
+                    let rec =
+                        crate::store::PartitionRecord { failover: failover.clone(), purge_seqno, live: None, high: part.high_floor() };
+                    batch.insert(&self.meta, crate::store::partition_key(collection.id, *p), crate::store::json_bytes(&rec));
+                    renewed.push((*p, Arc::clone(collection), part, failover, purge_seqno));
+                }
+            }
+            self.stage_state(&mut batch, *p, *state);
         }
         self.health.check_writable()?;
-        // The partition's journal too: a successor starts with its high seqno as its
+        // The partitions' journals first: a successor starts with its high seqno as its
         // persisted seqno, which must be true (its data path may not be the metadata's).
-        self.unit(p)?.db.persist(fjall::PersistMode::SyncAll)?;
+        for ((p, state), before) in changes.iter().zip(&befores) {
+            if *state == PartitionState::Active && *before != PartitionState::Active {
+                self.unit(*p)?.db.persist(fjall::PersistMode::SyncAll)?;
+            }
+        }
         batch.commit()?;
         self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
-        for (collection, part, failover, purge_seqno) in renewed {
+        for (p, collection, part, failover, purge_seqno) in renewed {
             let live = LiveCount { count: part.docs_count.load(Ordering::Relaxed), bytes: part.docs_bytes.load(Ordering::Relaxed) };
-            let new = self.new_partition(collection, p, failover, purge_seqno, live, Some(part.high_seqno()))?;
+            let new = self.new_partition(&collection, p, failover, purge_seqno, live, Some(part.high_seqno()))?;
             collection.replace_partition(p, new)?;
+        }
+        for (((p, state), before), unit) in changes.iter().zip(&befores).zip(&units) {
+            unit.owner.set(*state);
+            tracing::info!(partition = p, from = %before, to = %state, "partition state");
         }
         Ok(())
     }

@@ -284,6 +284,56 @@ proptest! {
     }
 }
 
+/// Several partitions change state in one durable batch: those that become active each
+/// start a new history at their high seqno, the others only change state, and all of it
+/// survives a restart.
+#[test]
+fn many_partitions_change_state_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys: Vec<String> = (0..PARTITIONS).map(|p| keys_in(p, "k", 1).remove(0)).collect();
+    let (uuids, logs) = {
+        let store = open(dir.path());
+        let c = store.create_collection("c", 0).unwrap();
+        for key in &keys {
+            let _ = c.write(put(key)).unwrap();
+        }
+        for p in 0..4u16 {
+            store.set_partition_state(p, PartitionState::Replica).unwrap();
+        }
+        let before: Vec<u64> = c.positions().iter().map(|pos| pos.uuid).collect();
+        let logs_before: Vec<usize> = (0..4u16).map(|p| c.failover_log(p).len()).collect();
+        // 0 and 2 become active, 1 stays a replica, 3 is dead; listed out of order, 2 twice.
+        let changes = [
+            (2, PartitionState::Active),
+            (0, PartitionState::Active),
+            (1, PartitionState::Replica),
+            (3, PartitionState::Dead),
+            (2, PartitionState::Active),
+        ];
+        store.set_partition_states(&changes).unwrap();
+        let after: Vec<u64> = c.positions().iter().map(|pos| pos.uuid).collect();
+        for p in [0usize, 2] {
+            assert_ne!(after[p], before[p], "partition {p} became active: a new history");
+            assert_eq!(c.failover_log(p as u16).len(), logs_before[p] + 1);
+            assert_eq!(c.failover_log(p as u16).last().unwrap().seqno, c.high_seqnos()[p]);
+        }
+        assert_eq!(after[1], before[1], "a replica that stays one keeps its history");
+        assert!(c.get(&keys[0]).is_ok() && c.get(&keys[2]).is_ok() && c.get(&keys[1]).is_err());
+        store.close().unwrap();
+        (after, (0..4u16).map(|p| c.failover_log(p)).collect::<Vec<_>>())
+    };
+    let store = open(dir.path());
+    let c = store.collection("c").unwrap();
+    let want = [PartitionState::Active, PartitionState::Replica, PartitionState::Active, PartitionState::Dead];
+    for (p, state) in want.iter().enumerate() {
+        assert_eq!(store.partition_state(p as u16).unwrap(), *state, "partition {p} after a restart");
+    }
+    for p in [0usize, 1, 2] {
+        assert_eq!(c.positions()[p].uuid, uuids[p], "partition {p}'s history after a restart");
+        assert_eq!(c.failover_log(p as u16), logs[p]);
+    }
+}
+
 #[test]
 fn states_refuse_what_they_must_and_survive_a_restart() {
     let dir = tempfile::tempdir().unwrap();
