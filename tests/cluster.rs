@@ -916,19 +916,25 @@ const MOVE_ARGS: [&str; 6] = ["--cluster-secret", SECRET, "--analytics-partition
 /// Documents (of ~500 bytes, keys `k00000`...) the move tests load.
 const MOVE_KEYS: usize = 12_000;
 
-/// Three nodes started with [`MOVE_ARGS`], rebalanced, with collection `c` loaded with
-/// [`MOVE_KEYS`] documents (`persist`); answers them, an HTTP client and the address to join.
-async fn three_loaded_nodes() -> (Vec<Node>, reqwest::Client, String) {
-    let args = MOVE_ARGS;
-    let mut first = Node::start(&args);
+/// Three nodes started with `args` (the first founds the cluster, the others join it, on
+/// pinned ports); answers them once all are members, an HTTP client and the address to join.
+async fn three_joined_nodes(args: &[&str]) -> (Vec<Node>, reqwest::Client, String) {
+    let mut first = Node::start(args);
     first.pin_port();
     let join = first.addr();
     let mut nodes = vec![first];
     for _ in 0..2 {
-        nodes.push(joined(&args, &join));
+        nodes.push(joined(args, &join));
     }
     let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
     wait_for(&http, &nodes[0].u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
+    (nodes, http, join)
+}
+
+/// Three nodes started with [`MOVE_ARGS`], rebalanced, with collection `c` loaded with
+/// [`MOVE_KEYS`] documents (`persist`); answers them, an HTTP client and the address to join.
+async fn three_loaded_nodes() -> (Vec<Node>, reqwest::Client, String) {
+    let (nodes, http, join) = three_joined_nodes(&MOVE_ARGS).await;
     assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
     rebalance(&http, &nodes[0], &[]).await;
     let pad = "x".repeat(500);
@@ -951,15 +957,7 @@ async fn three_loaded_nodes() -> (Vec<Node>, reqwest::Client, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_stopped_rebalance_keeps_the_moves_it_finished() {
     let args = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", "4", "--fault-injection"];
-    let mut first = Node::start(&args);
-    first.pin_port();
-    let join = first.addr();
-    let mut nodes = vec![first];
-    for _ in 0..2 {
-        nodes.push(joined(&args, &join));
-    }
-    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
-    wait_for(&http, &nodes[0].u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
+    let (nodes, http, join) = three_joined_nodes(&args).await;
     for c in ["c", "slow"] {
         assert_eq!(http.put(nodes[0].u(&format!("/v1/collections/{c}"))).send().await.unwrap().status(), 201);
     }

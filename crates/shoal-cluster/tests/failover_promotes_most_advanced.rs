@@ -227,7 +227,10 @@ fn promotion_choice_table() {
     fn reports(rows: &[(u64, &[(u32, u64)])]) -> Vec<(NodeId, CollectionSeqnos)> {
         rows.iter().map(|(n, r)| (NodeId(*n), r.iter().copied().collect())).collect()
     }
-    let cases: [(&str, Vec<(NodeId, CollectionSeqnos)>, Option<(u64, &[(u32, u64)])>); 7] = [
+    /// A case: its name, the fenced replicas' reports, and whom to promote with which
+    /// `(collection, source)` catch-ups.
+    type Case = (&'static str, Vec<(NodeId, CollectionSeqnos)>, Option<(u64, &'static [(u32, u64)])>);
+    let cases: [Case; 7] = [
         ("no report: nothing to promote", reports(&[]), None),
         ("one replica, nothing to copy", reports(&[(2, &[(1, 10), (2, 4)])]), Some((2, &[]))),
         ("one furthest in every collection: no catch-up", reports(&[(2, &[(1, 10), (2, 4)]), (3, &[(1, 9), (2, 4)])]), Some((2, &[]))),
