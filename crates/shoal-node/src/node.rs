@@ -1065,7 +1065,7 @@ impl ClusterNode {
         });
         let store = Arc::clone(self.engine.store());
         let version = map.version;
-        let changed = blocking(move || {
+        let (states, drops) = blocking(move || {
             let (mut drops, mut states) = (Vec::new(), Vec::new());
             for (p, s) in desired {
                 let now = store.partition_state(p).map_err(|e| ClusterError::Storage(e.to_string()))?;
@@ -1081,21 +1081,30 @@ impl ClusterNode {
                     states.push((p, s));
                 }
             }
-            // Every new state in one durable batch (requests routed here wait for it), then
-            // the drops.
+            // Every new state in one durable batch: requests routed here wait for it.
             store.set_partition_states(&states).map_err(|e| ClusterError::Storage(e.to_string()))?;
-            for &p in &drops {
-                store.drop_partition(p).map_err(|e| ClusterError::Storage(e.to_string()))?;
-            }
             store.set_map_version(version);
-            Ok::<_, ClusterError>(states.len() + drops.len())
+            Ok::<_, ClusterError>((states.len(), drops))
         })
         .await??;
+        // The copies this map keeps here follow it: requests routed here go on now, not
+        // after the drops below (each an fsync and a keyspace deletion, of partitions no
+        // request is routed here for any more).
         self.store_map.send_if_modified(|v| {
             let newer = version > *v;
             *v = (*v).max(version);
             newer
         });
+        let store = Arc::clone(self.engine.store());
+        let dropping = drops.clone();
+        blocking(move || {
+            for &p in &dropping {
+                store.drop_partition(p).map_err(|e| ClusterError::Storage(e.to_string()))?;
+            }
+            Ok::<_, ClusterError>(())
+        })
+        .await??;
+        let changed = states + drops.len();
         if changed > 0 {
             tracing::info!(map_version = version, changed, "partition states follow the map");
         }
