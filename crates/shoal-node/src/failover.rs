@@ -335,19 +335,16 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
             // A rebalance in the log that no one here runs: a previous leader's.
             crate::rebalance::drive(&node);
         }
-        node.monitor.watched_since.lock().retain(|id, _| {
-            state.members.get(&NodeId(*id)).is_some_and(|m| !matches!(m.state, MemberState::Failed | MemberState::Ejected))
-        });
+        // Members failed or ejected are watched no more; the others from when first seen.
+        let watched =
+            |id: &u64| state.members.get(&NodeId(*id)).is_some_and(|m| !matches!(m.state, MemberState::Failed | MemberState::Ejected));
+        node.monitor.watched_since.lock().retain(|id, _| watched(id));
         {
             let now = Instant::now();
             let mut seen = node.monitor.first_seen.lock();
-            seen.retain(|id, _| {
-                state.members.get(&NodeId(*id)).is_some_and(|m| !matches!(m.state, MemberState::Failed | MemberState::Ejected))
-            });
-            for (id, member) in &state.members {
-                if !matches!(member.state, MemberState::Failed | MemberState::Ejected) {
-                    seen.entry(id.0).or_insert(now);
-                }
+            seen.retain(|id, _| watched(id));
+            for id in state.members.keys().map(|id| id.0).filter(watched) {
+                seen.entry(id).or_insert(now);
             }
         }
         let voters: Arc<Vec<u64>> = Arc::new(node.meta.metrics().borrow().membership_config.membership().voter_ids().collect());
@@ -632,12 +629,8 @@ pub(crate) async fn serve_fence(node: &Arc<ClusterNode>, req: FenceRequest) -> R
     let me = NodeId(node.id);
     let Some(map) = &state.map else { return Ok(FenceAnswer { partitions: Vec::new() }) };
     let partitions: Vec<PartitionId> = map.iter().filter(|(_, c)| c.active == failed && c.replicas.contains(&me)).map(|(p, _)| p).collect();
-    let collections = node.cluster_collections();
-    let positions: Vec<(u32, Vec<shoal_storage::StreamPosition>)> = collections.iter().map(|c| (c.id(), c.positions())).collect();
-    let partitions = partitions
-        .into_iter()
-        .map(|p| (p, positions.iter().map(|(id, pos)| (*id, pos.get(usize::from(p)).map_or(0, |s| s.seqno))).collect()))
-        .collect();
+    let mut seqnos = node.collection_seqnos();
+    let partitions = partitions.into_iter().map(|p| (p, seqnos.remove(&p).unwrap_or_default())).collect();
     Ok(FenceAnswer { partitions })
 }
 

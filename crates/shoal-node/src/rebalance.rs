@@ -328,14 +328,11 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
     drop(one);
     set_moves(node, "building");
     // 2. Catch up.
-    let new_copies: Vec<(PartitionId, NodeId, NodeId)> = plan
+    let new_copies: Vec<(PartitionId, NodeId)> = plan
         .from
         .iter()
         .zip(&target.partitions)
-        .flat_map(|((p, cur), want)| {
-            let active = map.partitions[usize::from(p)].active;
-            want.nodes().filter(|n| !cur.holds(*n)).map(move |n| (p, n, active)).collect::<Vec<_>>()
-        })
+        .flat_map(|((p, cur), want)| want.nodes().filter(|n| !cur.holds(*n)).map(move |n| (p, n)).collect::<Vec<_>>())
         .collect();
     // 2 and 3, partition by partition: once every new copy of a partition has caught up,
     // its active role is handed over (with every other partition ready at that look) and a
@@ -350,18 +347,13 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
         if state.rebalance.as_ref().is_some_and(|p| p.stop) {
             return revert(node, plan).await.map(|()| Finish::Stopped);
         }
-        if let Some(failed) = target.nodes().into_iter().find(|n| state.members.get(n).is_none_or(|m| m.state == MemberState::Failed)) {
-            return Err(ClusterError::Refused(format!("node {failed} failed during the rebalance; start it again")));
-        }
-        if state.map.as_ref().is_none_or(|m| m.partitions != map.partitions) {
-            return Err(map_changed());
-        }
+        still_on(&state, &map, target)?;
         let answers = progress_answers(node, &map).await;
         let progress = progress_of(&answers);
         show_copies(node, &answers, started);
         let caught_up: HashSet<(PartitionId, u64)> = new_copies
             .iter()
-            .filter(|(p, n, _)| {
+            .filter(|(p, n)| {
                 // Against the partition's active now (a moved partition's is its new copy).
                 // An active that did not answer says nothing: its copy is not caught up
                 // (before, a dead source counted as 0 and every copy of it as caught up).
@@ -371,13 +363,13 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
                     _ => false,
                 }
             })
-            .map(|(p, n, _)| (*p, n.0))
+            .map(|(p, n)| (*p, n.0))
             .collect();
         let ready: Vec<PartitionId> = map
             .iter()
             .zip(&target.partitions)
             .filter(|((p, cur), want)| {
-                *cur != *want && new_copies.iter().filter(|(np, _, _)| np == p).all(|(_, n, _)| caught_up.contains(&(*p, n.0)))
+                *cur != *want && new_copies.iter().filter(|(np, _)| np == p).all(|(_, n)| caught_up.contains(&(*p, n.0)))
             })
             .map(|((p, _), _)| p)
             .collect();
@@ -466,12 +458,7 @@ async fn hand_over(
 ) -> Result<PartitionMap, ClusterError> {
     let _one = node.monitor.lock.lock().await;
     let state = node.state();
-    if let Some(failed) = target.nodes().into_iter().find(|n| state.members.get(n).is_none_or(|m| m.state == MemberState::Failed)) {
-        return Err(ClusterError::Refused(format!("node {failed} failed during the rebalance; start it again")));
-    }
-    if state.map.as_ref().is_none_or(|m| m.partitions != map.partitions) {
-        return Err(map_changed());
-    }
+    still_on(&state, map, target)?;
     // How long the hand-over freezes partitions (their writes wait): logged, since that is
     // where a rebalance's foreground latency peaks.
     let handover_started = Instant::now();
@@ -502,6 +489,18 @@ async fn hand_over(
         "hand-over done; the map moves these partitions to their target copies"
     );
     Ok(next)
+}
+
+/// Whether the plan can go on: every node of its target is a member that has not failed,
+/// and the map is still `map`, the last this rebalance committed.
+fn still_on(state: &shoal_meta::MetaState, map: &PartitionMap, target: &PartitionMap) -> Result<(), ClusterError> {
+    if let Some(failed) = target.nodes().into_iter().find(|n| state.members.get(n).is_none_or(|m| m.state == MemberState::Failed)) {
+        return Err(ClusterError::Refused(format!("node {failed} failed during the rebalance; start it again")));
+    }
+    if state.map.as_ref().is_none_or(|m| m.partitions != map.partitions) {
+        return Err(map_changed());
+    }
+    Ok(())
 }
 
 /// Only a failover changes the map while a rebalance runs (its leader holds the lock for

@@ -418,17 +418,23 @@ impl ClusterNode {
         state.collections.iter().filter_map(|(name, def)| store.collection(name).filter(|c| c.id() == def.id)).collect()
     }
 
-    /// How far this node's copy of each partition is, as one number: its seqnos summed over
-    /// the cluster's collections.
-    pub(crate) fn seqno_sums(&self) -> std::collections::BTreeMap<shoal_cluster::PartitionId, u64> {
-        let mut sums = std::collections::BTreeMap::new();
+    /// How far this node's copy of each partition is, in each of the cluster's collections:
+    /// partition → (collection id, seqno).
+    pub(crate) fn collection_seqnos(&self) -> std::collections::BTreeMap<shoal_cluster::PartitionId, Vec<(u32, u64)>> {
+        let mut out: std::collections::BTreeMap<shoal_cluster::PartitionId, Vec<(u32, u64)>> = std::collections::BTreeMap::new();
         for coll in self.cluster_collections() {
             for (p, pos) in coll.positions().iter().enumerate() {
                 if let Ok(p) = shoal_cluster::PartitionId::try_from(p) {
-                    *sums.entry(p).or_default() += pos.seqno;
+                    out.entry(p).or_default().push((coll.id(), pos.seqno));
                 }
             }
         }
-        sums
+        out
+    }
+
+    /// How far this node's copy of each partition is, as one number: its seqnos summed over
+    /// the cluster's collections.
+    pub(crate) fn seqno_sums(&self) -> std::collections::BTreeMap<shoal_cluster::PartitionId, u64> {
+        self.collection_seqnos().into_iter().map(|(p, seqnos)| (p, seqnos.iter().map(|(_, s)| s).sum())).collect()
     }
 }
