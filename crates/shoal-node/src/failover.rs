@@ -657,3 +657,41 @@ pub async fn recover(node: &Arc<ClusterNode>, target: u64) -> Result<u64, Cluste
     node.monitor.last_ok.lock().remove(&target);
     Ok(target)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn left(lease: &Lease) -> Option<Duration> {
+        lease.until.lock().map(|u| u.saturating_duration_since(Instant::now()))
+    }
+
+    /// A grant runs `LEASE` from the ping's send time: a late ping gives less, one older
+    /// than `LEASE` nothing, and one from beyond `MAX_CLOCK_OFFSET` in the future nothing.
+    #[test]
+    fn a_grant_runs_from_the_pings_send_time_within_the_clock_offset() {
+        let fresh = Lease::default();
+        fresh.grant(unix_ms());
+        assert!(left(&fresh).is_some_and(|l| l > LEASE - Duration::from_millis(200) && l <= LEASE), "{:?}", left(&fresh));
+
+        let late = Lease::default();
+        late.grant(unix_ms() - 1_000);
+        assert!(left(&late).is_some_and(|l| l <= LEASE - Duration::from_millis(1_000)), "a ping a second late: {:?}", left(&late));
+
+        let stale = Lease::default();
+        stale.grant(unix_ms() - LEASE.as_millis() as u64 - 1);
+        assert_eq!(left(&stale), None, "a ping older than the lease extends nothing");
+
+        let ahead = Lease::default();
+        ahead.grant(unix_ms() + MAX_CLOCK_OFFSET.as_millis() as u64 + 1_000);
+        assert_eq!(left(&ahead), None, "a ping from past the clock offset in the future extends nothing");
+
+        let within = Lease::default();
+        within.grant(unix_ms() + MAX_CLOCK_OFFSET.as_millis() as u64 / 2);
+        assert!(left(&within).is_some_and(|l| l <= LEASE), "within the offset: at most LEASE from now: {:?}", left(&within));
+
+        // A later grant never shortens the lease.
+        fresh.grant(unix_ms() - 1_000);
+        assert!(left(&fresh).is_some_and(|l| l > LEASE - Duration::from_millis(400)));
+    }
+}
