@@ -1128,10 +1128,9 @@ async fn a_rebalance_stops_on_request_and_outlives_its_leader() {
     .await;
     assert_eq!(status["state"], "failed", "a node of the plan failed: {status}");
     pace(0).await;
-    let r = http.post(nodes[survivor].u("/v1/cluster/rebalance")).json(&json!({})).send().await.unwrap();
-    assert_eq!(r.status(), 202, "{}", r.text().await.unwrap_or_default());
-    let status = wait_for(&http, &nodes[survivor].u("/v1/cluster/rebalance"), "rebalance done", |v| v["state"] != "running").await;
-    assert_eq!(status["state"], "done", "{status}");
+    // (On two shared cores a member starved meanwhile may be failed over too; it is
+    // recovered and the rebalance tried again.)
+    common::cluster::rebalance_when_possible(&http, &nodes[survivor], &[leader]).await;
     let keys: Vec<String> = (0..KEYS).map(|i| format!("k{i:05}")).collect();
     for batch in keys.chunks(2_000) {
         let r = http.post(fourth.u("/v1/collections/c/_get")).json(&json!({"keys": batch})).send().await.unwrap();

@@ -200,7 +200,9 @@ async fn a_cluster_under_kills_pauses_and_partitions_stays_linearizable_for_majo
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }
-        rebalance_when_possible(&http, &nodes[watcher], &mut collateral, &format!("{fault:?} n{victim_id}")).await;
+        for id in common::cluster::rebalance_when_possible(&http, &nodes[watcher], &[]).await {
+            collateral.push(format!("n{id} after {fault:?} n{victim_id}"));
+        }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -239,33 +241,4 @@ async fn a_cluster_under_kills_pauses_and_partitions_stays_linearizable_for_majo
         std::fs::write(format!("{path}.history.ndjson"), history.lines()).unwrap();
     }
     assert!(ok, "Porcupine found the cluster's history not linearizable:\n{out}");
-}
-
-/// A rebalance after a fault; a node still catching up can make the first attempts fail
-/// (a hand-over times out), so it is tried until one completes. A member failed over
-/// meanwhile (starved on the shared cores) is recovered first and counted in `collateral`.
-async fn rebalance_when_possible(http: &reqwest::Client, node: &common::Node, collateral: &mut Vec<String>, during: &str) {
-    let deadline = Instant::now() + common::cluster::WAIT_MAX;
-    loop {
-        let (_, info) = get_json(http, &node.u("/v1/cluster")).await;
-        let failed: Vec<u64> = info["nodes"]
-            .as_array()
-            .map(|a| a.iter().filter(|n| n["state"] == "failed").filter_map(|n| n["id"].as_u64()).collect())
-            .unwrap_or_default();
-        for id in failed {
-            let r = http.post(node.u("/v1/cluster/recover")).json(&json!({ "node": id })).send().await.unwrap();
-            if r.status().is_success() {
-                collateral.push(format!("n{id} after {during}"));
-            }
-        }
-        let r = http.post(node.u("/v1/cluster/rebalance")).json(&json!({})).send().await.unwrap();
-        if r.status().as_u16() == 202 {
-            let status = wait_for(http, &node.u("/v1/cluster/rebalance"), "rebalance", |v| v["state"] != "running").await;
-            if status["state"] == "done" {
-                return;
-            }
-        }
-        assert!(Instant::now() < deadline, "no rebalance succeeded after a fault");
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
 }

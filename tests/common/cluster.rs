@@ -76,3 +76,35 @@ pub async fn rebalance(http: &reqwest::Client, node: &Node, eject: &[u64]) {
 pub fn node_id(info: &Value, node: &Node) -> Option<u64> {
     info["nodes"].as_array()?.iter().find(|n| n["address"] == node.addr()).and_then(|n| n["id"].as_u64())
 }
+
+/// A rebalance after a fault; a node still catching up can make the first attempts fail
+/// (a hand-over times out), and on two shared cores a member starved meanwhile may be
+/// failed over, so failed members (but those in `dead`, known not to come back) are
+/// recovered and the rebalance tried again until one completes. Answers the members it
+/// recovered.
+pub async fn rebalance_when_possible(http: &reqwest::Client, node: &Node, dead: &[u64]) -> Vec<u64> {
+    let deadline = Instant::now() + WAIT_MAX;
+    let mut recovered = Vec::new();
+    loop {
+        let (_, info) = get_json(http, &node.u("/v1/cluster")).await;
+        let failed: Vec<u64> = info["nodes"]
+            .as_array()
+            .map(|a| a.iter().filter(|n| n["state"] == "failed").filter_map(|n| n["id"].as_u64()).collect())
+            .unwrap_or_default();
+        for id in failed.into_iter().filter(|id| !dead.contains(id)) {
+            let r = http.post(node.u("/v1/cluster/recover")).json(&json!({ "node": id })).send().await.unwrap();
+            if r.status().is_success() {
+                recovered.push(id);
+            }
+        }
+        let r = http.post(node.u("/v1/cluster/rebalance")).json(&json!({})).send().await.unwrap();
+        if r.status().as_u16() == 202 {
+            let status = wait_for(http, &node.u("/v1/cluster/rebalance"), "rebalance", |v| v["state"] != "running").await;
+            if status["state"] == "done" {
+                return recovered;
+            }
+        }
+        assert!(Instant::now() < deadline, "no rebalance succeeded after a fault");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}

@@ -320,6 +320,9 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
         }
     }
     let mut map = current.clone();
+    // A target node failed since the plan was made (on starved machines, between the plan
+    // and here): say so, rather than have the log refuse a map naming it.
+    still_on(&node.state(), &current, target)?;
     if build.partitions != current.partitions {
         build.version = current.version + 1;
         node.propose(MetaCommand::SetMap { map: build.clone() }).await?;
