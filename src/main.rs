@@ -142,7 +142,9 @@ fn main() -> ExitCode {
     let directives = std::env::var("SHOAL_LOG").unwrap_or_else(|_| "info".into());
     let directives = if directives.contains("openraft") { directives } else { format!("{directives},openraft=off") };
     let filter = tracing_subscriber::EnvFilter::try_new(&directives).unwrap_or_else(|_| "info,openraft=off".into());
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    // Colours only on a terminal: logs sent to a file or a pipe stay plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).init();
     let threads = match &args.command {
         Command::Serve(s) => s.threads,
         _ => None,

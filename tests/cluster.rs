@@ -949,6 +949,39 @@ async fn three_loaded_nodes() -> (Vec<Node>, reqwest::Client, String) {
     (nodes, http, join)
 }
 
+/// An added node takes its copies and no other copy is rebuilt: a replica long-polling
+/// the active that the final map takes its partition from (and that then drops its copy)
+/// was answered "roll back to 0" by the dropped, empty copy, and rebuilt itself whole
+/// while the foreground load waited (seen in `shoal bench rebalance --scenarios add`).
+/// Now no replica rolls back in a rebalance, and every document stays readable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_added_node_takes_its_copies_and_no_replica_is_rebuilt() {
+    let args = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", "64"];
+    let (mut nodes, http, join) = three_joined_nodes(&args).await;
+    assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    rebalance(&http, &nodes[0], &[]).await;
+    const KEYS: usize = 4_000;
+    let body: String =
+        (0..KEYS).map(|i| json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"i": i}}).to_string() + "\n").collect();
+    let r = http.post(nodes[0].u("/v1/collections/c/_bulk?durability=persist")).body(body).send().await.unwrap();
+    let text = r.text().await.unwrap();
+    assert!(!text.contains("\"error\""), "a bulk line failed: {}", text.lines().find(|l| l.contains("\"error\"")).unwrap_or(""));
+    nodes.push(joined(&args, &join));
+    wait_for(&http, &nodes[0].u("/v1/cluster"), "four members", |v| member_states(v).len() == 4).await;
+    rebalance(&http, &nodes[1], &[]).await;
+    // Settled: every replica follows its active (the rebalance waits for that).
+    for n in &nodes {
+        let rollbacks = common::metric(&http, n, "shoal_replica_rollbacks_total").await.unwrap_or(0.0);
+        assert_eq!(rollbacks, 0.0, "a replica copy on {} was rolled back during the rebalance", n.addr());
+    }
+    let keys: Vec<String> = (0..KEYS).map(|i| format!("k{i:05}")).collect();
+    let r = http.post(nodes[3].u("/v1/collections/c/_get")).json(&json!({"keys": keys})).send().await.unwrap();
+    let v: Value = r.json().await.unwrap();
+    for (key, doc) in keys.iter().zip(v["docs"].as_array().unwrap()) {
+        assert!(doc.get("value").is_some(), "{key} lost: {doc}");
+    }
+}
+
 /// A rebalance moves each partition once its new copies have caught up, so a stop keeps
 /// the moves already done and undoes only the others (API.md: "finished moves stay, a move
 /// in flight is rolled back"). The test computes the plan as the leader does (placement is

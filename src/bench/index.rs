@@ -113,8 +113,18 @@ impl Node {
         cmd.args(["serve", "--listen", "127.0.0.1:0", "--partitions", &partitions.to_string(), "--data-path"]).arg(&dir);
         cmd.args(extra);
         // The nodes log warnings; `SHOAL_BENCH_NODE_LOG` (a `SHOAL_LOG` filter) asks for more.
+        // Each line it logs goes out prefixed with the node's name, so that several nodes'
+        // logs can be told apart.
         let log = std::env::var("SHOAL_BENCH_NODE_LOG").unwrap_or_else(|_| "warn".into());
-        let mut child = cmd.env("SHOAL_LOG", log).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn()?;
+        let mut child = cmd.env("SHOAL_LOG", log).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+        if let Some(stderr) = child.stderr.take() {
+            let name = name.to_string();
+            std::thread::spawn(move || {
+                for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+                    eprintln!("[{name}] {line}");
+                }
+            });
+        }
         let stdout = child.stdout.take().ok_or_else(|| CliError::Usage("no stdout from shoal serve".into()))?;
         let mut lines = std::io::BufReader::new(stdout).lines();
         let first = lines.next().transpose()?.unwrap_or_default();

@@ -65,6 +65,9 @@ const SECRET: &str = "bench-rebalance-secret";
 const LOAD_SLICE: usize = 2_000;
 /// Foreground failures printed (the rest are counted).
 const FAILURES_SHOWN: u64 = 5;
+/// Foreground requests slower than this are printed as they end (when, how long, where),
+/// to line them up with the nodes' logs (`SHOAL_BENCH_NODE_LOG=info`).
+const SLOW_SHOWN_MS: f64 = 100.0;
 /// How often the rebalance's progress is sampled.
 const SAMPLE: Duration = Duration::from_millis(500);
 /// Longest the bench waits for a rebalance.
@@ -468,7 +471,7 @@ async fn foreground(
         inflight.push(tokio::spawn(async move {
             let sent = Instant::now();
             let at = began.elapsed().as_secs_f64();
-            let r = if get { http.get(url).send().await } else { http.put(url).body(r#"{"fg":true,"n":1}"#).send().await };
+            let r = if get { http.get(&url).send().await } else { http.put(&url).body(r#"{"fg":true,"n":1}"#).send().await };
             let failure = match r {
                 Ok(r) if r.status().is_success() => r.bytes().await.err().map(|e| e.to_string()),
                 // A get of a key the load did not reach is no failure.
@@ -477,13 +480,21 @@ async fn foreground(
                 Err(e) => Some(e.to_string()),
             };
             let ok = failure.is_none();
+            let ms = sent.elapsed().as_secs_f64() * 1000.0;
+            if ms >= SLOW_SHOWN_MS {
+                let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs_f64();
+                println!(
+                    "slow foreground request at {at:.2} s (ended at unix {unix:.3}): {ms:.0} ms, {} {url}",
+                    if get { "get" } else { "upsert" }
+                );
+            }
             if let Some(failure) = failure {
                 if errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < FAILURES_SHOWN {
                     println!("foreground failure at {at:.1} s: {}", failure.chars().take(300).collect::<String>());
                 }
             }
             if let Ok(mut log) = log.lock() {
-                log.push((at, sent.elapsed().as_secs_f64() * 1000.0, ok));
+                log.push((at, ms, ok));
             }
         }));
         inflight.retain(|t| !t.is_finished());

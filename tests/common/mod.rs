@@ -242,3 +242,10 @@ pub fn go_build(dir: &str, name: &str) -> PathBuf {
     assert!(build.status.success(), "building tests/{dir} failed:\n{}", String::from_utf8_lossy(&build.stderr));
     out
 }
+
+/// The value of one series (`name` or `name{labels}`, as printed) in the node's `/metrics`;
+/// `None` when the node does not print it.
+pub async fn metric(http: &reqwest::Client, node: &Node, series: &str) -> Option<f64> {
+    let text = http.get(node.u("/metrics")).send().await.expect("GET /metrics").text().await.expect("metrics text");
+    text.lines().find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
+}

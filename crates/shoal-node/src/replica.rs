@@ -176,6 +176,11 @@ pub(crate) async fn apply_part(node: &Arc<ClusterNode>, source_address: &str, pa
             Ok(None)
         }
         PartKind::Rollback { to, history } => {
+            // Checked before anything is removed: a copy is never rolled back towards a
+            // history it could not then take.
+            if !shoal_storage::is_history(&history) {
+                return Err(ClusterError::BadMessage(format!("partition {p}: a rollback to {to} with a malformed history")));
+            }
             roll_back(node, source_address, &coll, p, to).await?;
             adopt(node, source_address, &coll, p, history).await?;
             Ok(None)
@@ -236,6 +241,7 @@ async fn roll_back(node: &Arc<ClusterNode>, source_address: &str, coll: &Arc<Col
     let c = Arc::clone(coll);
     let report = blocking(move || store.rollback_partition(&c, p, to)).await?.map_err(|e| ClusterError::Storage(e.to_string()))?;
     tracing::info!(collection = coll.name(), partition = p, to = report.seqno, removed = report.removed.len(), "rolled back");
+    metrics::counter!("shoal_replica_rollbacks_total").increment(1);
     for keys in report.removed.chunks(VERSIONS_KEYS_MAX) {
         let req = VersionsRequest { collection: coll.id(), partition: p, keys: keys.to_vec() };
         let bytes = node.peers.call(source_address, Op::Versions, wire::encode(&req), PULL_TIMEOUT).await?;
@@ -268,16 +274,16 @@ pub(crate) async fn serve_pull(node: &Arc<ClusterNode>, req: PullRequest) -> Res
             req.catch_up_for.unwrap_or(0)
         )));
     }
+    // This node's copy of a partition it serves as the active (or as the frozen active of a
+    // hand-over). Checked again before each read: a long-polled pull outlives maps, and a
+    // copy dropped meanwhile would answer "roll back to 0" with no history.
+    let copy_serves =
+        |p: u16| store.partition_state(p).is_ok_and(|s| s == PartitionState::Active || (s == PartitionState::Replica && node.is_frozen(p)));
     // Only parts this node is active for and `from` is a replica of count as acknowledgements.
-    let (served, refused): (Vec<PullPart>, Vec<PullPart>) = req.parts.into_iter().partition(|part| {
+    let (mut served, refused): (Vec<PullPart>, Vec<PullPart>) = req.parts.into_iter().partition(|part| {
         let copies = map.partitions.get(usize::from(part.partition));
         let serves = match catch_up {
-            None => {
-                copies.is_some_and(|c| c.active == me && c.replicas.contains(&from))
-                    && store
-                        .partition_state(part.partition)
-                        .is_ok_and(|s| s == PartitionState::Active || (s == PartitionState::Replica && node.is_frozen(part.partition)))
-            }
+            None => copies.is_some_and(|c| c.active == me && c.replicas.contains(&from)) && copy_serves(part.partition),
             Some(failed) => copies.is_some_and(|c| c.active == failed && c.replicas.contains(&from) && c.replicas.contains(&me)),
         };
         serves && node.collection_by_id(part.collection).is_some()
@@ -311,6 +317,17 @@ pub(crate) async fn serve_pull(node: &Arc<ClusterNode>, req: PullRequest) -> Res
     loop {
         for rx in &mut changed {
             rx.borrow_and_update();
+        }
+        if catch_up.is_none() {
+            // A copy that left this node's hands while the pull waited is refused: the
+            // replica asks again, of the active the next map names.
+            let (still, gone): (Vec<PullPart>, Vec<PullPart>) = served.into_iter().partition(|part| copy_serves(part.partition));
+            served = still;
+            answer.parts.extend(gone.iter().map(|part| PartAnswer {
+                collection: part.collection,
+                partition: part.partition,
+                kind: PartKind::Refused { why: format!("partition {} is no longer served here", part.partition) },
+            }));
         }
         let n = Arc::clone(node);
         let parts = served.clone();
@@ -358,11 +375,16 @@ fn read_part(coll: &Collection, part: &PullPart) -> PartKind {
         Ok(r) => r,
         Err(e) => return refused(&e),
     };
+    let history = coll.failover_log(p);
+    if history.is_empty() {
+        // Only a copy dropped (or never built) here has no history: nothing to follow.
+        return PartKind::Refused { why: format!("partition {p} has no copy here") };
+    }
     if let Some(to) = rollback.filter(|&to| to < part.seqno) {
-        return PartKind::Rollback { to, history: coll.failover_log(p) };
+        return PartKind::Rollback { to, history };
     }
     let mine = coll.positions().get(usize::from(p)).map_or(0, |pos| pos.uuid);
-    let history = (part.uuid != mine).then(|| coll.failover_log(p));
+    let history = (part.uuid != mine).then_some(history);
     match reader.try_next(PULL_BATCH_CHANGES, true) {
         Ok(changes) => PartKind::Changes {
             history,

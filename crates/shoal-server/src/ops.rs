@@ -130,6 +130,10 @@ fn describe_metrics() {
         "How long a lagging replica has not acknowledged this node's changes, by replica node (0 when caught up)"
     );
     describe_gauge!("shoal_cluster_map_version", "The partition map version this node has applied");
+    describe_counter!(
+        "shoal_replica_rollbacks_total",
+        "Replica copies on this node rolled back to follow an active's history (after a failover; never in a rebalance)"
+    );
     describe_counter!("shoal_failovers_total", "Failovers this node ran as metadata leader, by kind (auto, manual, any)");
 }
 

@@ -30,7 +30,7 @@ pub use consumer::{follow, ChangeConsumer, ChangeReader, ChangeSource, FollowLim
 pub use error::{is_corruption, CatalogError, ChangesError, CollectionError, NotMine, OpenError, PartitionError, ReadError, WriteError};
 pub use health::{StorageHealth, StorageState, TaskHealth, TaskReport};
 pub use partition::{Document, FailoverEntry, MutationOutcome, ReadLimit, WriteOp, WriteRequest};
-pub use rollback::{rollback_seqno, RollbackReport};
+pub use rollback::{is_history, rollback_seqno, RollbackReport};
 pub use store::{validate_collection_name, write_atomically, Store, StoreConfig, BLOB_THRESHOLD_DEFAULT_BYTES};
 pub use unit::{ExportHeader, ExportedCollection, IngestStats, PartitionExport, PartitionState};
 

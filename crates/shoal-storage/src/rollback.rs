@@ -50,6 +50,11 @@ pub fn rollback_seqno(mine: &[FailoverEntry], theirs: &[FailoverEntry], my_high:
     (agreed < my_high).then_some(agreed)
 }
 
+/// Whether `history` can be a copy's failover log: not empty, its seqnos rising.
+pub fn is_history(history: &[FailoverEntry]) -> bool {
+    !history.is_empty() && history.windows(2).all(|w| w[0].seqno <= w[1].seqno)
+}
+
 /// What [`Store::rollback_partition`] did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RollbackReport {
@@ -131,7 +136,7 @@ impl Store {
         if collection.is_dropped() {
             return Err(PartitionError::Refused(crate::WriteError::CollectionDropped));
         }
-        if history.is_empty() || !history.windows(2).all(|w| w[0].seqno <= w[1].seqno) {
+        if !is_history(history) {
             return Err(PartitionError::Malformed("a history is a non-empty list of rising entries".into()));
         }
         let state = unit.owner.state();
