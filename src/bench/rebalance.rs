@@ -258,7 +258,10 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
     let log: Arc<Mutex<Vec<(f64, f64, bool)>>> = Arc::default();
     let began = Instant::now();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let fg = tokio::spawn(foreground(targets, docs, args.rate, Arc::clone(&log), began, Arc::clone(&stop)));
+    // Each partition's active when the load starts: printed beside a slow request.
+    let actives: Vec<u64> =
+        map["partitions"].as_array().map(|ps| ps.iter().map(|p| p["active"].as_u64().unwrap_or(0)).collect()).unwrap_or_default();
+    let fg = tokio::spawn(foreground(targets, docs, args.rate, actives, Arc::clone(&log), began, Arc::clone(&stop)));
     tokio::time::sleep(Duration::from_secs(args.before_secs)).await;
 
     let mut extra = joining.clone();
@@ -449,6 +452,7 @@ async fn foreground(
     targets: Vec<String>,
     docs: usize,
     rate: u64,
+    actives: Vec<u64>,
     log: Arc<Mutex<Vec<(f64, f64, bool)>>>,
     began: Instant,
     stop: Arc<std::sync::atomic::AtomicBool>,
@@ -465,6 +469,8 @@ async fn foreground(
         ticker.tick().await;
         let key = format!("doc-{:09}", rng.random_range(0..docs.max(1)));
         let url = format!("{}/v1/collections/bench/docs/{key}", targets[i % targets.len()]);
+        let p = shoal_storage::partition_of(key.as_bytes(), u16::try_from(actives.len()).unwrap_or(u16::MAX));
+        let active = actives.get(usize::from(p)).copied().unwrap_or(0);
         let get = i.is_multiple_of(2);
         i += 1;
         let (http, log, errors) = (http.clone(), Arc::clone(&log), Arc::clone(&errors));
@@ -484,7 +490,7 @@ async fn foreground(
             if ms >= SLOW_SHOWN_MS {
                 let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs_f64();
                 println!(
-                    "slow foreground request at {at:.2} s (ended at unix {unix:.3}): {ms:.0} ms, {} {url}",
+                    "slow foreground request at {at:.2} s (ended at unix {unix:.3}): {ms:.0} ms, {} {url} (partition {p}, active at the start: node {active})",
                     if get { "get" } else { "upsert" }
                 );
             }
