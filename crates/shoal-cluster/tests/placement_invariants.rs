@@ -145,7 +145,7 @@ proptest! {
             // leaving node's partitions may all be held already by the nodes that have room
             // (found by the random test: 7 partitions, 3 copies, 8 → 7 nodes). The lower
             // bound is what no assignment of its copies to stayers with room can place.
-            let slack = removed.map_or(0, |r| unmatched(&map, &nodes, copies_after, r));
+            let slack = removed.map_or(0, |r| forced_between_stayers(&map, &nodes, copies_after, r));
             let between_stayers = plan.moves.iter().filter(|m| !(m.from.is_none() || m.from == removed || Some(m.to) == added)).count();
             prop_assert!(between_stayers <= slack, "{} moves between staying nodes: {:?}", between_stayers, plan.moves);
             if let Some(added) = added {
@@ -166,6 +166,26 @@ proptest! {
             map = next;
         }
     }
+}
+
+/// How many moves between stayers a removal may need (equal weights): the copies of
+/// `removed` that cannot go straight to a staying node (see [`unmatched`]), plus what
+/// stayers below their floor (`⌊total / n⌋`) cannot get from it because they already hold
+/// its partitions — they must be fed by other stayers (found by the random test: 7
+/// partitions, 3 copies, 5 → 4 nodes, a stayer at 4 of a floor of 5 holding all four of the
+/// leaving node's partitions).
+fn forced_between_stayers(before: &PartitionMap, stayers: &[Node], copies: usize, removed: NodeId) -> usize {
+    let lo = before.partitions.len() * copies / stayers.len();
+    let parts: Vec<&shoal_cluster::Copies> = before.partitions.iter().filter(|c| c.holds(removed)).collect();
+    let starved: usize = stayers
+        .iter()
+        .map(|n| {
+            let (a, r) = before.load(n.id);
+            let can_take = parts.iter().filter(|c| !c.holds(n.id)).count();
+            lo.saturating_sub(a + r + can_take)
+        })
+        .sum();
+    unmatched(before, stayers, copies, removed) + starved
 }
 
 /// How many of `removed`'s copies cannot go straight to a staying node: its partitions less
@@ -222,4 +242,24 @@ fn a_removal_may_force_a_move_between_stayers_but_no_more() {
     let between = plan.moves.iter().filter(|m| m.from != Some(NodeId(4))).count();
     assert_eq!(between, forced, "{:?}", plan.moves);
     assert_eq!(plan.moves.len(), 2 + forced);
+}
+
+/// The second case the random test found: a stayer below its floor already holds every
+/// partition of the leaving node, so another stayer must pass it one.
+#[test]
+fn a_removal_may_force_a_move_into_a_stayer_below_its_floor() {
+    let n = |ids: &[u64]| ids.iter().map(|i| Node { id: NodeId(*i), weight: 1 }).collect::<Vec<_>>();
+    let mut map = place(7, &n(&[1]), 2, None).unwrap();
+    for set in [&[1u64, 2][..], &[1, 2, 3], &[1, 2, 3, 39], &[1, 2, 3, 39, 17]] {
+        map = place(7, &n(set), 2, Some(&map)).unwrap();
+    }
+    let stayers = n(&[1, 3, 39, 17]);
+    let next = place(7, &stayers, 2, Some(&map)).unwrap();
+    let plan = plan_moves(&map, &next).unwrap();
+    assert_eq!(unmatched(&map, &stayers, 3, NodeId(2)), 0, "every copy of node 2 has a stayer with room that lacks it");
+    let forced = forced_between_stayers(&map, &stayers, 3, NodeId(2));
+    assert_eq!(forced, 1, "node 3 holds 4 copies, all of node 2's partitions among them, and its floor is 5");
+    let between = plan.moves.iter().filter(|m| m.from != Some(NodeId(2))).count();
+    assert_eq!(between, forced, "{:?}", plan.moves);
+    assert_eq!(plan.moves.len(), 4 + forced);
 }
