@@ -1021,6 +1021,14 @@ async fn a_stopped_rebalance_keeps_the_moves_it_finished() {
         (0..20_000).map(|i| format!("s{i}")).filter(|k| shoal_storage::partition_of(k.as_bytes(), 4) == stalled).take(1_500).collect();
     let body: String = slow_keys.iter().map(|k| json!({"op": "upsert", "key": k, "value": {"s": 1}}).to_string() + "\n").collect();
     assert_eq!(http.post(nodes[0].u("/v1/collections/slow/_bulk")).body(body).send().await.unwrap().status(), 200);
+    // Malformed fault switches are refused whole, and change nothing (checked by the copy
+    // of `c` finishing below: nothing is cut or held by them).
+    for bad in ["{", r#"{"cut": "x"}"#, r#"{"cut": [], "hold": ["no-such-collection"]}"#, r#"{"cut": [], "drop": true}"#] {
+        let r = http.post(fourth.u("/v1/_internal/faults")).header("x-shoal-cluster-secret", SECRET).body(bad).send().await.unwrap();
+        assert_eq!(r.status(), 400, "{bad}");
+        let code = r.json::<Value>().await.unwrap()["error"].clone();
+        assert!(code == "invalid_json" || code == "bad_request", "{bad}: {code}");
+    }
     let r = http
         .post(fourth.u("/v1/_internal/faults"))
         .header("x-shoal-cluster-secret", SECRET)

@@ -146,10 +146,10 @@ fn one_shot_client() -> reqwest::Client {
     reqwest::Client::builder().timeout(Duration::from_secs(10)).pool_max_idle_per_host(0).build().expect("client")
 }
 
-/// The value of one series (`name` or `name{labels}`) in the node's `/metrics`; 0 if absent.
+/// The value of one series in the node's `/metrics` (over a connection of its own: the
+/// node may be at its connection cap); 0 if absent.
 async fn metric(node: &Node, series: &str) -> f64 {
-    let text = one_shot_client().get(node.u("/metrics")).send().await.expect("GET /metrics").text().await.expect("metrics text");
-    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok()).unwrap_or(0.0)
+    common::metric(&one_shot_client(), node, series).await.unwrap_or(0.0)
 }
 
 #[test]

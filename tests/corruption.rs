@@ -116,12 +116,6 @@ async fn check_docs(node: &Node, c: &reqwest::Client) {
     }
 }
 
-/// The value of an unlabelled metric in `/metrics`, if it is there.
-async fn metric(node: &Node, c: &reqwest::Client, name: &str) -> Option<f64> {
-    let text = c.get(node.u("/metrics")).send().await.unwrap().text().await.unwrap();
-    text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-}
-
 async fn health(node: &Node, c: &reqwest::Client) -> Value {
     send(c, reqwest::Method::GET, node.u("/v1/health"), None).await.1
 }
@@ -232,7 +226,8 @@ async fn a_flipped_bit_in_one_index_rebuilds_that_index_alone() {
     assert_eq!(rows.first(), Some(&(json!(-1), "d0000".to_string())));
 
     // Counted and reported; only the index was rebuilt, the database stayed.
-    eventually(30, "one rebuild in /metrics", || async { metric(&node, &c, "shoal_index_rebuilds_total").await == Some(1.0) }).await;
+    eventually(30, "one rebuild in /metrics", || async { common::metric(&c, &node, "shoal_index_rebuilds_total").await == Some(1.0) })
+        .await;
     let h = health(&node, &c).await;
     assert!(h["indexes"]["errors"].as_u64().unwrap() >= 1, "{h}");
     assert!(h["indexes"]["last_error"].as_str().unwrap().contains("by_color"), "{h}");
@@ -259,7 +254,8 @@ async fn an_index_database_that_cannot_open_is_moved_aside_and_rebuilt() {
     let suffix = moved[0].file_name().unwrap().to_str().unwrap().trim_start_matches("index.quarantined-").to_string();
     assert!(suffix.parse::<u64>().is_ok(), "unix seconds: {suffix}");
     assert_eq!(std::fs::read(moved[0].join("version")).unwrap(), garbage, "kept as it was found");
-    eventually(30, "two rebuilds in /metrics", || async { metric(&node, &c, "shoal_index_rebuilds_total").await == Some(2.0) }).await;
+    eventually(30, "two rebuilds in /metrics", || async { common::metric(&c, &node, "shoal_index_rebuilds_total").await == Some(2.0) })
+        .await;
     let h = health(&node, &c).await;
     assert!(h["indexes"]["errors"].as_u64().unwrap() >= 1, "{h}");
 
