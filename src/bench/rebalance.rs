@@ -55,6 +55,11 @@ pub struct RebalanceArgs {
     /// Skip the in-process copy ceiling and `dd`.
     #[arg(long)]
     no_ceiling: bool,
+    /// The foreground load routes each request to its key's active copy, as a smart client
+    /// does (`x-shoal-route: direct`; on `421` it fetches the map and sends again), instead
+    /// of through the nodes that stay (which forward).
+    #[arg(long)]
+    direct: bool,
     /// Where the chart goes (PNG); none if not given.
     #[arg(long)]
     chart: Option<PathBuf>,
@@ -261,7 +266,12 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
     // Each partition's active when the load starts: printed beside a slow request.
     let actives: Vec<u64> =
         map["partitions"].as_array().map(|ps| ps.iter().map(|p| p["active"].as_u64().unwrap_or(0)).collect()).unwrap_or_default();
-    let fg = tokio::spawn(foreground(targets, docs, args.rate, actives, Arc::clone(&log), began, Arc::clone(&stop)));
+    let direct = match args.direct {
+        true => Some(Arc::new(std::sync::RwLock::new(routes(&info, &map)))),
+        false => None,
+    };
+    let load = Foreground { targets, docs, rate: args.rate, actives, direct };
+    let fg = tokio::spawn(foreground(load, Arc::clone(&log), began, Arc::clone(&stop)));
     tokio::time::sleep(Duration::from_secs(args.before_secs)).await;
 
     let mut extra = joining.clone();
@@ -448,15 +458,25 @@ async fn load(nodes: &[Node], docs: usize, doc_bytes: usize) -> Result<(), CliEr
 /// Sends `rate` requests per second (half gets, half upserts of random loaded keys) to the
 /// targets in turn until `stop`, each in its own task; logs (seconds since `began`,
 /// latency ms, success). Answers the number of failed requests.
-async fn foreground(
+/// The foreground load: where it goes, over which keys, how fast.
+struct Foreground {
+    /// The nodes that stay, taken in turn (unless `direct`).
     targets: Vec<String>,
     docs: usize,
     rate: u64,
+    /// Each partition's active when the load starts (printed beside a slow request).
     actives: Vec<u64>,
+    /// Each partition's active's base URL, for a smart client's load (`--direct`).
+    direct: Option<Arc<std::sync::RwLock<Vec<String>>>>,
+}
+
+async fn foreground(
+    load: Foreground,
     log: Arc<Mutex<Vec<(f64, f64, bool)>>>,
     began: Instant,
     stop: Arc<std::sync::atomic::AtomicBool>,
 ) -> u64 {
+    let Foreground { targets, docs, rate, actives, direct } = load;
     let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).no_proxy().build().unwrap_or_default();
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let interval = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
@@ -473,11 +493,35 @@ async fn foreground(
         let active = actives.get(usize::from(p)).copied().unwrap_or(0);
         let get = i.is_multiple_of(2);
         i += 1;
-        let (http, log, errors) = (http.clone(), Arc::clone(&log), Arc::clone(&errors));
+        let (http, log, errors, direct, ask) = (http.clone(), Arc::clone(&log), Arc::clone(&errors), direct.clone(), targets[0].clone());
         inflight.push(tokio::spawn(async move {
             let sent = Instant::now();
             let at = began.elapsed().as_secs_f64();
-            let r = if get { http.get(&url).send().await } else { http.put(&url).body(r#"{"fg":true,"n":1}"#).send().await };
+            let send = |url: String| {
+                let r = if get { http.get(url) } else { http.put(url).body(r#"{"fg":true,"n":1}"#) };
+                r.header("x-shoal-route", "direct").send()
+            };
+            let r = match &direct {
+                None => if get { http.get(&url).send().await } else { http.put(&url).body(r#"{"fg":true,"n":1}"#).send().await },
+                // A smart client: straight to the active; on `421` the map moved, so fetch it
+                // and send again (the time of every try counts).
+                Some(routes) => {
+                    let mut tries = 0;
+                    loop {
+                        let base = routes.read().ok().and_then(|r| r.get(usize::from(p)).cloned()).unwrap_or_default();
+                        let r = send(format!("{base}/v1/collections/bench/docs/{key}")).await;
+                        tries += 1;
+                        if tries >= DIRECT_TRIES || !r.as_ref().is_ok_and(|r| r.status() == reqwest::StatusCode::MISDIRECTED_REQUEST) {
+                            break r;
+                        }
+                        if let Some(fresh) = fetch_routes(&http, &ask).await {
+                            if let Ok(mut r) = routes.write() {
+                                *r = fresh;
+                            }
+                        }
+                    }
+                }
+            };
             let failure = match r {
                 Ok(r) if r.status().is_success() => r.bytes().await.err().map(|e| e.to_string()),
                 // A get of a key the load did not reach is no failure.
@@ -490,8 +534,9 @@ async fn foreground(
             if ms >= SLOW_SHOWN_MS {
                 let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs_f64();
                 println!(
-                    "slow foreground request at {at:.2} s (ended at unix {unix:.3}): {ms:.0} ms, {} {url} (partition {p}, active at the start: node {active})",
-                    if get { "get" } else { "upsert" }
+                    "slow foreground request at {at:.2} s (ended at unix {unix:.3}): {ms:.0} ms, {} {} (partition {p}, active at the start: node {active})",
+                    if get { "get" } else { "upsert" },
+                    if direct.is_some() { "direct to its active" } else { url.as_str() }
                 );
             }
             if let Some(failure) = failure {
@@ -509,6 +554,27 @@ async fn foreground(
         let _ = t.await;
     }
     errors.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Tries of a direct foreground request (a newer map each time it is told `421`).
+const DIRECT_TRIES: usize = 5;
+
+/// Each partition's active as a base URL, from `GET /v1/cluster` and `GET /v1/cluster/map`.
+fn routes(info: &Value, map: &Value) -> Vec<String> {
+    let address = |id: u64| {
+        info["nodes"].as_array().and_then(|ns| ns.iter().find(|n| n["id"] == id)).and_then(|n| n["address"].as_str()).unwrap_or("")
+    };
+    map["partitions"]
+        .as_array()
+        .map(|ps| ps.iter().map(|p| format!("http://{}", address(p["active"].as_u64().unwrap_or(0)))).collect())
+        .unwrap_or_default()
+}
+
+/// The routes as the node at `base` knows them now.
+async fn fetch_routes(http: &reqwest::Client, base: &str) -> Option<Vec<String>> {
+    let info: Value = http.get(format!("{base}/v1/cluster")).send().await.ok()?.json().await.ok()?;
+    let map: Value = http.get(format!("{base}/v1/cluster/map")).send().await.ok()?.json().await.ok()?;
+    Some(routes(&info, &map))
 }
 
 /// The storage engine's own copy ceiling on this machine and `dd`, in the same run.
