@@ -918,11 +918,19 @@ impl ClusterNode {
         }
     }
 
-    /// Waits until this node's copies follow map `version` or a newer one, at most `max`: a
-    /// request the map routes here is run once they do (a copy the map just made active
-    /// here would otherwise refuse it as a replica's).
-    pub async fn wait_copies_follow(&self, version: u64, max: Duration) -> bool {
+    /// Waits until this node's copy of the partition of `key`, which map `version` makes
+    /// active here, is active, at most `max`: until the copies follow that map (or a newer
+    /// one), unless the copy is active already. A request the map routes here is run once
+    /// it is (a copy the map just made active here would otherwise refuse it as a
+    /// replica's). A copy already active does not wait for the rest of a map to be applied
+    /// (a rebalance's maps set many other partitions' states, with fsyncs and keyspace
+    /// drops: every request routed here waited for them).
+    pub async fn wait_copies_follow(&self, key: &[u8], version: u64, max: Duration) -> bool {
         if *self.store_map.borrow() >= version {
+            return true;
+        }
+        let store = self.engine.store();
+        if store.partition_state(shoal_storage::partition_of(key, store.partitions())).is_ok_and(|s| s == PartitionState::Active) {
             return true;
         }
         let mut follows = self.store_map.subscribe();

@@ -483,7 +483,7 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
             Route::Local if node.serving() => {
                 // As for a client's request below: run once this node's copies follow the
                 // map that routed the request here.
-                node.wait_copies_follow(node.state().map_version(), HANDOVER_WAIT).await;
+                node.wait_copies_follow(key.as_bytes(), node.state().map_version(), HANDOVER_WAIT).await;
                 next.run(req).await
             }
             Route::Forward { node: owner, .. } => misdirected(node.state().map_version(), owner),
@@ -512,7 +512,7 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
         }
         if route == Route::Local {
             // The map says here: run once this node's copies follow it.
-            node.wait_copies_follow(routed_at, reroute.left()).await;
+            node.wait_copies_follow(key.as_bytes(), routed_at, reroute.left()).await;
         }
         let answer = match route {
             Route::Local if node.serving() => match local.take() {
