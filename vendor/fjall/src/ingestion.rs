@@ -33,7 +33,13 @@ impl<'a> Ingestion<'a> {
         self.inner.write_weak_tombstone(key).map_err(Into::into)
     }
 
-    pub fn finish(self) -> crate::Result<()> {
+    pub fn finish(mut self) -> crate::Result<()> {
+        // SHOAL-PATCH: the ingest's files are written and fsynced before the journal lock
+        // is taken; only their registration (seqno, version) needs it. Upstream writes them
+        // under the lock, so every write to every keyspace of the database waits for the
+        // ingest's last table and blob files and their fsyncs (vendor/fjall/SHOAL-PATCH.md).
+        self.inner.write_files()?;
+
         // NOTE: We hold to avoid a race condition with concurrent writes:
         //
         // write         ingest
