@@ -1103,16 +1103,15 @@ impl ClusterNode {
             *v = (*v).max(version);
             newer
         });
+        let changed = states + drops.len();
         let store = Arc::clone(self.engine.store());
-        let dropping = drops.clone();
         blocking(move || {
-            for &p in &dropping {
+            for p in drops {
                 store.drop_partition(p).map_err(|e| ClusterError::Storage(e.to_string()))?;
             }
             Ok::<_, ClusterError>(())
         })
         .await??;
-        let changed = states + drops.len();
         if changed > 0 {
             tracing::info!(map_version = version, changed, "partition states follow the map");
         }

@@ -295,12 +295,11 @@ pub(crate) async fn serve_pull(node: &Arc<ClusterNode>, req: PullRequest) -> Res
         round: node.acks.round(),
         parts: refused
             .iter()
-            .map(|part| PartAnswer {
-                collection: part.collection,
-                partition: part.partition,
-                kind: PartKind::Refused {
-                    why: format!("not the active of partition {} for node {} at map version {}", part.partition, req.from, map.version),
-                },
+            .map(|part| {
+                refusal(
+                    part,
+                    format!("not the active of partition {} for node {} at map version {}", part.partition, req.from, map.version),
+                )
             })
             .collect(),
     };
@@ -323,11 +322,7 @@ pub(crate) async fn serve_pull(node: &Arc<ClusterNode>, req: PullRequest) -> Res
             // replica asks again, of the active the next map names.
             let (still, gone): (Vec<PullPart>, Vec<PullPart>) = served.into_iter().partition(|part| copy_serves(part.partition));
             served = still;
-            answer.parts.extend(gone.iter().map(|part| PartAnswer {
-                collection: part.collection,
-                partition: part.partition,
-                kind: PartKind::Refused { why: format!("partition {} is no longer served here", part.partition) },
-            }));
+            answer.parts.extend(gone.iter().map(|part| refusal(part, format!("partition {} is no longer served here", part.partition))));
         }
         let n = Arc::clone(node);
         let parts = served.clone();
@@ -351,6 +346,11 @@ pub(crate) async fn serve_pull(node: &Arc<ClusterNode>, req: PullRequest) -> Res
             _ = any_change => {}
         }
     }
+}
+
+/// The answer to a part this node does not serve.
+fn refusal(part: &PullPart, why: String) -> PartAnswer {
+    PartAnswer { collection: part.collection, partition: part.partition, kind: PartKind::Refused { why } }
 }
 
 /// Reads what follows each part (blocking storage reads).
