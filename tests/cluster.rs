@@ -22,6 +22,13 @@ async fn put(http: &reqwest::Client, node: &Node, key: &str, value: i64, durabil
     (status, r.json().await.unwrap_or(Value::Null))
 }
 
+/// A `_bulk` of NDJSON `lines` through `node` at `durability`: its answer's lines.
+async fn bulk(http: &reqwest::Client, node: &Node, lines: &str, durability: &str) -> Vec<Value> {
+    let r = http.post(node.u(&format!("/v1/collections/c/_bulk?durability={durability}"))).body(lines.to_string()).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    r.text().await.unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_three_node_cluster_forms_replicates_fails_over_and_recovers() {
     let mut nodes = start_cluster(3, &[]);
@@ -74,6 +81,22 @@ async fn a_three_node_cluster_forms_replicates_fails_over_and_recovers() {
             assert_eq!((status, v["v"].as_i64()), (200, Some(i)), "majority read of k{i} through {}", n.url);
         }
     }
+    // A `_bulk` at a majority level, through one member, over keys on every member: each
+    // written line is confirmed by a majority, a failed condition is a confirmed observation.
+    let lines: String = (0..KEYS)
+        .map(|i| json!({"op": "upsert", "key": format!("b{i}"), "value": {"v": i}}).to_string() + "\n")
+        .chain([json!({"op": "insert", "key": "k0", "value": {"v": -1}}).to_string() + "\n"])
+        .collect();
+    let answers = bulk(&http, &nodes[1], &lines, "majority").await;
+    assert_eq!(answers.len(), KEYS as usize + 1);
+    for a in &answers[..KEYS as usize] {
+        assert!(a["token"]["seqno"].as_u64().is_some(), "a majority _bulk line: {a}");
+    }
+    assert_eq!(answers[KEYS as usize]["error"], "doc_exists", "{}", answers[KEYS as usize]);
+    for i in (0..KEYS).step_by(11) {
+        let (status, v) = get_json(&http, &nodes[2].u(&format!("/v1/collections/c/docs/b{i}?consistency=majority"))).await;
+        assert_eq!((status, v["v"].as_i64()), (200, Some(i)), "b{i} after a majority _bulk");
+    }
     // A smart client (routing itself) is told where a key lives instead of being forwarded.
     let first_id = get_json(&http, &nodes[0].u("/v1/cluster")).await.1["node"].as_u64();
     let misrouted = (0..KEYS)
@@ -123,6 +146,23 @@ async fn a_three_node_cluster_forms_replicates_fails_over_and_recovers() {
         assert_eq!(status, 200, "persist write k{i} after failover: {body}");
     }
     assert!(impossible > 0, "some partitions lost a copy, and majority writes to them must say so");
+    // The same for a `_bulk`: refused lines are written nowhere, the others are confirmed.
+    let lines: String =
+        (0..KEYS).map(|i| json!({"op": "upsert", "key": format!("k{i}"), "value": {"v": i + 4000}}).to_string() + "\n").collect();
+    let answers = bulk(&http, &nodes[survivor], &lines, "majority").await;
+    let mut refused = 0;
+    for (i, a) in answers.iter().enumerate() {
+        let want = if a["error"] == "durability_impossible" {
+            refused += 1;
+            i as i64 + 2000
+        } else {
+            assert!(a["token"]["seqno"].as_u64().is_some(), "a majority _bulk line after failover: {a}");
+            i as i64 + 4000
+        };
+        let (status, v) = get_json(&http, &nodes[survivor].u(&format!("/v1/collections/c/docs/k{i}"))).await;
+        assert_eq!((status, v["v"].as_i64()), (200, Some(want)), "k{i} after a majority _bulk: {a}");
+    }
+    assert_eq!(refused, impossible, "the _bulk refuses the partitions the single writes found short of a majority");
 
     // The node comes back: recovered and rebalanced in, it holds copies again and majority
     // writes work on every key.

@@ -204,9 +204,7 @@ pub(crate) async fn write_durably(
         Ok(written) => written,
         Err(e) => {
             let e = ApiError::from(e);
-            // A failed condition is an observation of the document: at a majority level it
-            // must be of a version a majority holds, seen by a node still active.
-            if level.is_some() && matches!(e.code, "cas_mismatch" | "doc_not_found" | "doc_exists" | "locked") {
+            if level.is_some() && is_observation(&e) {
                 state.cluster.confirm(coll, partition).await.map_err(majority_error)?;
             }
             return Err(e);
@@ -217,17 +215,30 @@ pub(crate) async fn write_durably(
     }
     if let Some(level) = level {
         // Written here: from now on a failure is ambiguous.
-        state.cluster.await_majority(coll.id(), outcome.partition, outcome.seqno, outcome.uuid, level).await.map_err(|e| {
-            let mut err = ApiError::new(
-                StatusCode::REQUEST_TIMEOUT,
-                "timeout",
-                format!("the write is on this node but not yet confirmed on a majority: {e:?}"),
-            );
-            err.details.push(("ambiguous", serde_json::Value::Bool(true)));
-            err
-        })?;
+        state
+            .cluster
+            .await_majority(coll.id(), outcome.partition, outcome.seqno, outcome.uuid, level)
+            .await
+            .map_err(|e| unconfirmed_write(&e))?;
     }
     Ok(outcome)
+}
+
+/// Whether a write's error observed the document (a failed condition): at a majority level
+/// that observation must be of a version a majority holds, seen by a node still active.
+fn is_observation(e: &ApiError) -> bool {
+    matches!(e.code, "cas_mismatch" | "doc_not_found" | "doc_exists" | "locked")
+}
+
+/// How a write made here but not confirmed by a majority answers: its outcome is unknown.
+fn unconfirmed_write(e: &shoal_node::node::MajorityError) -> ApiError {
+    let mut err = ApiError::new(
+        StatusCode::REQUEST_TIMEOUT,
+        "timeout",
+        format!("the write is on this node but not yet confirmed on a majority: {e:?}"),
+    );
+    err.details.push(("ambiguous", serde_json::Value::Bool(true)));
+    err
 }
 
 /// A majority read's or failed condition's confirmation (see `ClusterNode::confirm`).
@@ -474,9 +485,6 @@ pub async fn bulk(
     body: Body,
 ) -> Result<Response, ApiError> {
     let params: RemoveParams = extract::query(q.as_deref())?;
-    if params.durability.majority().is_some() {
-        return Err(ApiError::bad_request("_bulk takes durability none or persist; majority levels are per document"));
-    }
     let coll = collection(&state, &uri)?;
     let body = extract::body(&state, body, BULK_BODY_MAX_BYTES).await?;
     // Parse every line first; only the valid ones reach a store, in order.
@@ -554,36 +562,63 @@ async fn bulk_round(
         })
         .collect();
     let mut answers: Vec<Option<serde_json::Value>> = Vec::with_capacity(at.len());
-    let mut requests = Vec::new();
     let mut local_at = Vec::new();
     for (j, (&i, place)) in at.iter().zip(places).enumerate() {
         answers.push(match (&lines[i].parsed, place) {
             (Err(e), _) => Some(e.to_json()),
             (Ok(_), spread::Place::Refused(e)) => Some(e.to_json()),
             (Ok(_), spread::Place::Remote(_)) => None,
-            (Ok(req), spread::Place::Local) => {
-                requests.push(req.clone());
+            (Ok(_), spread::Place::Local) => {
                 local_at.push(j);
                 None
             }
         });
     }
+    let partition_of = |j: usize| match &lines[at[j]].parsed {
+        Ok(req) => shoal_storage::partition_of(&req.key, coll.partition_count()),
+        Err(_) => 0,
+    };
+    // A majority level is refused per partition before anything of it is written.
+    let level = durability.majority();
+    if level.is_some() {
+        let parts: std::collections::BTreeSet<u16> = local_at.iter().map(|&j| partition_of(j)).collect();
+        let checks =
+            futures::future::join_all(parts.into_iter().map(|p| async move { (p, state.cluster.majority_possible(coll.id(), p).await) }));
+        let refused: std::collections::HashMap<u16, ApiError> =
+            checks.await.into_iter().filter_map(|(p, r)| r.err().map(|e| (p, majority_error(e)))).collect();
+        local_at.retain(|&j| match refused.get(&partition_of(j)) {
+            Some(e) => {
+                answers[j] = Some(e.to_json());
+                false
+            }
+            None => true,
+        });
+    }
+    let requests: Vec<WriteRequest> = local_at.iter().filter_map(|&j| lines[at[j]].parsed.as_ref().ok().cloned()).collect();
     let writer = Arc::clone(coll);
     let local = async move {
         let (outcomes, wait) = tokio::task::spawn_blocking(move || writer.write_many(requests))
             .await
             .map_err(|e| ApiError::internal(format!("bulk writer failed: {e}")))?;
-        let durable = if durability == Durability::Persist { wait.wait().await.map_err(ApiError::from) } else { Ok(()) };
+        let durable = if durability.fsync_here() { wait.wait().await.map_err(ApiError::from) } else { Ok(()) };
         Ok::<_, ApiError>((outcomes, durable))
     };
     let (remote, local) = tokio::join!(spread::call_all(state, path, calls), local);
     let (outcomes, durable) = local?;
-    for (j, outcome) in local_at.into_iter().zip(&outcomes) {
-        answers[j] = Some(match (outcome, &durable) {
-            (Ok(outcome), Ok(())) => mutation_json(outcome),
-            (Ok(_), Err(e)) => e.to_json(),
-            (Err(e), _) => ApiError::from(e).to_json(),
-        });
+    let mut local_answers: Vec<Result<serde_json::Value, ApiError>> = outcomes
+        .iter()
+        .map(|outcome| match (outcome, &durable) {
+            (Ok(outcome), Ok(())) => Ok(mutation_json(outcome)),
+            (Ok(_), Err(e)) => Err(e.clone()),
+            (Err(e), _) => Err(ApiError::from(e)),
+        })
+        .collect();
+    if let (Some(level), Ok(())) = (level, &durable) {
+        let parts: Vec<u16> = local_at.iter().map(|&j| partition_of(j)).collect();
+        bulk_majority(state, coll, &parts, &outcomes, &mut local_answers, level).await;
+    }
+    for (j, answer) in local_at.into_iter().zip(local_answers) {
+        answers[j] = Some(answer.unwrap_or_else(|e| e.to_json()));
     }
     for (group, answer) in groups.values().zip(remote) {
         let back = answer.map_err(|failed| failed.error).and_then(|bytes| {
@@ -611,6 +646,46 @@ async fn bulk_round(
         }
     }
     Ok(answers.into_iter().map(Option::unwrap_or_default).collect())
+}
+
+/// A `_bulk`'s majority level for the lines written here, as `write_durably` does for one
+/// document: per partition, one wait for the highest seqno written (a replica applies in
+/// order), and one confirmation for the lines whose condition failed. A partition that
+/// does not confirm turns its lines' answers into errors: ambiguous for the written ones.
+async fn bulk_majority(
+    state: &AppState,
+    coll: &Arc<Collection>,
+    parts: &[u16],
+    outcomes: &[Result<MutationOutcome, shoal_storage::WriteError>],
+    answers: &mut [Result<serde_json::Value, ApiError>],
+    level: shoal_node::Durable,
+) {
+    let mut written: std::collections::BTreeMap<u16, (u64, u64)> = std::collections::BTreeMap::new();
+    for o in outcomes.iter().flatten() {
+        let e = written.entry(o.partition).or_insert((o.seqno, o.uuid));
+        *e = (e.0.max(o.seqno), o.uuid);
+    }
+    let observed: std::collections::BTreeSet<u16> =
+        parts.iter().zip(answers.iter()).filter(|(_, a)| a.as_ref().is_err_and(is_observation)).map(|(&p, _)| p).collect();
+    let waits = futures::future::join_all(
+        written.iter().map(|(&p, &(seqno, uuid))| async move { (p, state.cluster.await_majority(coll.id(), p, seqno, uuid, level).await) }),
+    );
+    let confirms = futures::future::join_all(observed.iter().map(|&p| async move { (p, state.cluster.confirm(coll, p).await) }));
+    let (waits, confirms) = tokio::join!(waits, confirms);
+    let unconfirmed: std::collections::HashMap<u16, shoal_node::node::MajorityError> =
+        waits.into_iter().filter_map(|(p, r)| r.err().map(|e| (p, e))).collect();
+    let unobserved: std::collections::HashMap<u16, ApiError> =
+        confirms.into_iter().filter_map(|(p, r)| r.err().map(|e| (p, majority_error(e)))).collect();
+    for (p, a) in parts.iter().zip(answers.iter_mut()) {
+        let replaced = match a {
+            Ok(_) => unconfirmed.get(p).map(unconfirmed_write),
+            Err(e) if is_observation(e) => unobserved.get(p).cloned(),
+            Err(_) => None,
+        };
+        if let Some(e) = replaced {
+            *a = Err(e);
+        }
+    }
 }
 
 /// One line of a `_bulk`: its key (when it has one), its text (to pass on to another

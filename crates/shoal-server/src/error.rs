@@ -6,7 +6,7 @@ use shoal_index::IndexError;
 use shoal_storage::{CatalogError, ChangesError, CollectionError, ReadError, WriteError};
 
 /// An error as clients see it: `{"error": CODE, "reason": "..."}` with an HTTP status.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct ApiError {
     pub status: StatusCode,
     pub code: &'static str,
