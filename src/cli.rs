@@ -673,6 +673,9 @@ pub enum ClusterCmd {
         #[arg(long)]
         rebalance_moves_per_node: Option<u32>,
     },
+    /// Add the node at HOST:PORT (a lone node with no collections, started with a plain
+    /// `shoal serve`): it restarts, joins as `added`, and a rebalance gives it partitions.
+    Add { address: String },
     /// Fail a node over now: its replicas take over its partitions.
     Failover { node: u64 },
     /// Bring a failed-over node back (as `added`; a rebalance gives it copies).
@@ -791,6 +794,11 @@ pub async fn cluster(url: &str, output: Output, cmd: ClusterCmd) -> Result<(), C
                 patch.insert("rebalance_moves_per_node".into(), v.into());
             }
             client.cluster_settings(&serde_json::Value::Object(patch)).await?
+        }
+        ClusterCmd::Add { address } => {
+            let added = client.add_node(&address).await?;
+            println!("node {} at {address} is added; `shoal cluster rebalance` gives it partitions", added["node"]);
+            return Ok(());
         }
         ClusterCmd::Failover { node } => client.failover(node).await?,
         ClusterCmd::Recover { node } => client.recover(node).await?,

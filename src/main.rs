@@ -233,7 +233,8 @@ async fn serve(args: ServeArgs) -> Result<(), cli::CliError> {
     Ok(())
 }
 
-/// Set when the server asks to be started again (its storage engine must be reopened):
+/// Set when the server asks to be started again (its storage engine must be reopened, or
+/// it is to join the cluster that invited it):
 /// the address it listened on, which the new process binds again.
 static RESTART_AT: std::sync::OnceLock<std::net::SocketAddr> = std::sync::OnceLock::new();
 
@@ -265,7 +266,7 @@ fn reexec(addr: std::net::SocketAddr) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    eprintln!("shoal restarting to reopen its storage engine");
+    eprintln!("shoal restarting");
     #[cfg(unix)]
     {
         use std::os::unix::process::CommandExt;

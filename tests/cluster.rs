@@ -1320,3 +1320,70 @@ async fn a_move_outlives_a_kill9_of_its_target_and_then_of_its_source() {
     }
     eprintln!("kill -9 of a move's target and source: {} keys and {} acknowledged majority writes all readable", KEYS, acked.len());
 }
+
+/// `shoal cluster add HOST:PORT`: a lone node started with a plain `shoal serve` (its own
+/// one-node cluster and secret) is invited by a member, restarts, joins as `added`, and a
+/// rebalance gives it copies. Nodes that hold collections or are already members are
+/// refused, as are malformed and unreachable addresses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cluster_add_brings_in_a_lone_empty_node() {
+    let nodes = start_cluster(1, &[]);
+    let a = &nodes[0];
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
+    wait_for(&http, &a.u("/v1/cluster"), "the founder active", |v| member_states(v) == ["active"]).await;
+    assert_eq!(http.put(a.u("/v1/collections/c")).send().await.unwrap().status().as_u16(), 201);
+    const KEYS: i64 = 60;
+    for i in 0..KEYS {
+        let (status, body) = put(&http, a, &format!("k{i}"), i, "none").await;
+        assert_eq!(status, 200, "{body}");
+    }
+    // Lone nodes of their own, no shared secret: one empty, one holding a collection.
+    let plain = ["--partitions", PARTITIONS, "--analytics-partitions", "0"];
+    let mut b = Node::start(&plain);
+    b.pin_port();
+    let c = Node::start(&plain);
+    wait_for(&http, &b.u("/v1/cluster"), "b founded its own cluster", |v| member_states(v) == ["active"]).await;
+    wait_for(&http, &c.u("/v1/cluster"), "c founded its own cluster", |v| member_states(v) == ["active"]).await;
+    assert_eq!(http.put(c.u("/v1/collections/mine")).send().await.unwrap().status().as_u16(), 201);
+    let b_id = get_json(&http, &b.u("/v1/cluster")).await.1["node"].as_u64().unwrap();
+
+    let (ok, _, err) = a.cli(&["cluster", "add", &c.addr()]);
+    assert!(!ok && err.contains("holds collections"), "a node with collections is refused: {err}");
+    for bad in ["no-port", "host:0", "host:99999", "a/b:80", ""] {
+        let r = http.post(a.u("/v1/cluster/nodes")).json(&json!({"address": bad})).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 400, "address {bad:?}");
+    }
+    for body in ["{", "[]", r#"{"address": "x:1", "extra": 1}"#, r#"{"address": 7}"#] {
+        let r = http.post(a.u("/v1/cluster/nodes")).body(body).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 400, "body {body}");
+    }
+    let (ok, _, err) = a.cli(&["cluster", "add", "127.0.0.1:1"]);
+    assert!(!ok && err.contains("unreachable"), "an address where nothing listens: {err}");
+    let (ok, _, err) = a.cli(&["cluster", "add", &a.addr()]);
+    assert!(!ok && err.contains("already a member"), "{err}");
+    // A forged invitation (no secret) to a node with collections changes nothing there.
+    let r = http.post(c.u("/v1/_internal/invite")).json(&json!({"join": a.addr(), "secret": "forged-secret"})).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 409);
+    assert_eq!(get_json(&http, &c.u("/v1/collections")).await.1.as_array().map(Vec::len), Some(1));
+
+    let (ok, out, err) = a.cli(&["cluster", "add", &b.addr()]);
+    assert!(ok, "cluster add: {out} {err}");
+    assert!(out.contains("is added"), "{out}");
+    let info = get_json(&http, &a.u("/v1/cluster")).await.1;
+    let b_info = info["nodes"].as_array().unwrap().iter().find(|n| n["address"] == b.addr()).cloned().unwrap();
+    assert_eq!((b_info["id"].as_u64(), b_info["state"].as_str()), (Some(b_id), Some("added")), "{info}");
+    let (ok, _, err) = a.cli(&["cluster", "add", &b.addr()]);
+    assert!(!ok && err.contains("already a member"), "adding twice: {err}");
+    // The restarted node speaks for the cluster it joined, with its secret.
+    wait_for(&http, &b.u("/v1/cluster"), "b in a's cluster", |v| v["cluster_id"] == info["cluster_id"]).await;
+    assert_eq!(std::fs::read_to_string(b.dir.join("cluster-secret")).unwrap().trim(), SECRET);
+    assert!(!b.dir.join("join-request.json").exists(), "the invitation is forgotten once joined");
+
+    rebalance(&http, a, &[]).await;
+    let (_, map) = get_json(&http, &b.u("/v1/cluster/map")).await;
+    assert!(map["partitions"].as_array().unwrap().iter().any(|p| p["active"].as_u64() == Some(b_id)), "b holds actives: {map}");
+    for i in 0..KEYS {
+        let (status, v) = get_json(&http, &b.u(&format!("/v1/collections/c/docs/k{i}"))).await;
+        assert_eq!((status, v["v"].as_i64()), (200, Some(i)), "k{i} through the added node");
+    }
+}

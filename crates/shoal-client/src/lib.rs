@@ -14,6 +14,8 @@ use thiserror::Error;
 const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'_').remove(b'.').remove(b'~');
 /// Default time a request may take before the client gives up.
 pub const REQUEST_TIMEOUT_DEFAULT: Duration = Duration::from_secs(120);
+/// `add_node` waits for the node to restart and be admitted (the server waits up to 60 s).
+pub const ADD_NODE_TIMEOUT: Duration = Duration::from_secs(90);
 
 #[derive(Debug, Error)]
 pub enum ClientError {
@@ -350,6 +352,13 @@ impl Client {
     /// `POST /v1/cluster/failover`: fails `node` over now.
     pub async fn failover(&self, node: u64) -> Result<serde_json::Value, ClientError> {
         json(self.http.post(self.cluster_url("/failover")).json(&serde_json::json!({"node": node})).send().await?).await
+    }
+
+    /// `POST /v1/cluster/nodes`: the lone, empty node at `address` joins as `added`.
+    /// Answers once it is a member (it restarts to join: this call may take a while).
+    pub async fn add_node(&self, address: &str) -> Result<serde_json::Value, ClientError> {
+        let request = self.http.post(self.cluster_url("/nodes")).json(&serde_json::json!({"address": address}));
+        json(request.timeout(ADD_NODE_TIMEOUT).send().await?).await
     }
 
     /// `POST /v1/cluster/recover`: a failed-over node that is back becomes `added`.

@@ -11,6 +11,9 @@ use crate::ClusterError;
 pub const IDENTITY_FILE: &str = "cluster.json";
 /// The cluster secret's file, beside the identity (mode 0600).
 pub const SECRET_FILE: &str = "cluster-secret";
+/// An invitation to join a cluster that this node accepted (`shoal cluster add`): it holds
+/// until the node has joined, so a restart in between joins again.
+pub const JOIN_REQUEST_FILE: &str = "join-request.json";
 /// A secret shorter than this is refused: members authenticate each other with it.
 pub const SECRET_MIN_BYTES: usize = 8;
 /// And longer than this (it travels in a header).
@@ -75,6 +78,50 @@ pub fn secret(dir: &Path, given: Option<&str>, may_create: bool) -> Result<Strin
             "joining needs the cluster's secret: pass --cluster-secret (it is in {SECRET_FILE} beside the data of any member)"
         ))),
         Err(e) => Err(ClusterError::Identity(format!("cannot read {}: {e}", path.display()))),
+    }
+}
+
+/// A member's invitation to join its cluster: where to join and the cluster's secret.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Invitation {
+    pub join: String,
+    pub secret: String,
+}
+
+/// The invitation this node accepted and has not yet acted on, if any.
+pub fn join_request(dir: &Path) -> Result<Option<Invitation>, ClusterError> {
+    let path = dir.join(JOIN_REQUEST_FILE);
+    match std::fs::read(&path) {
+        Ok(bytes) => {
+            serde_json::from_slice(&bytes).map(Some).map_err(|e| ClusterError::Identity(format!("{} is not readable: {e}", path.display())))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(ClusterError::Identity(format!("cannot read {}: {e}", path.display()))),
+    }
+}
+
+/// Keeps an accepted invitation for the restart that acts on it (mode 0600: it holds the
+/// secret).
+pub fn store_join_request(dir: &Path, invitation: &Invitation) -> Result<(), ClusterError> {
+    check_secret(&invitation.secret)?;
+    let bytes = serde_json::to_vec(invitation).map_err(|e| ClusterError::Identity(e.to_string()))?;
+    shoal_storage::write_atomically(dir, JOIN_REQUEST_FILE, &bytes)
+        .map_err(|e| ClusterError::Identity(format!("cannot write {}: {e}", dir.join(JOIN_REQUEST_FILE).display())))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions(dir.join(JOIN_REQUEST_FILE), std::fs::Permissions::from_mode(0o600));
+    }
+    Ok(())
+}
+
+/// Forgets an invitation (joined, or refused for good).
+pub fn clear_join_request(dir: &Path) {
+    if let Err(e) = std::fs::remove_file(dir.join(JOIN_REQUEST_FILE)) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(error = %e, "cannot remove {JOIN_REQUEST_FILE}");
+        }
     }
 }
 

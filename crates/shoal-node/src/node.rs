@@ -27,6 +27,10 @@ use shoal_cluster::{majority, Copies};
 pub const PROPOSE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a joining node keeps asking (the member it names may still be starting).
 pub const JOIN_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long `shoal cluster add` waits for the invited node to restart and be admitted.
+pub const INVITE_WAIT: Duration = Duration::from_secs(60);
+/// How long the invited node has to answer the invitation itself.
+const INVITE_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Voting members of the metadata log; members beyond it are learners (they receive the
 /// log but do not vote), so elections stay quick in a large cluster.
 pub const META_VOTERS_MAX: usize = 5;
@@ -147,6 +151,8 @@ pub struct ClusterNode {
     admit_lock: tokio::sync::Mutex<()>,
     /// Why the node could not take part in its cluster (a refused join): the server stops.
     fatal: watch::Sender<Option<String>>,
+    /// Set once this node accepted an invitation to join another cluster.
+    rejoin: watch::Sender<bool>,
     pub(crate) stop: watch::Sender<bool>,
     /// The leader's view of members' health (auto-failover), and serialises failovers.
     pub(crate) monitor: crate::failover::Monitor,
@@ -169,6 +175,28 @@ impl ClusterNode {
         peers: impl FnOnce(&str) -> Result<Arc<dyn Peers>, ClusterError>,
     ) -> Result<Arc<ClusterNode>, ClusterError> {
         let dir = engine.store().data_paths()[0].clone();
+        let mut config = config;
+        if let Some(invitation) = identity::join_request(&dir)? {
+            if engine.store().list_collections().is_empty() {
+                // Leaves the one-node cluster it founded (it held nothing) for the one that
+                // invited it: the identity first, so a crash before the log is gone still joins.
+                let mut identity = Identity::load_or_create(&dir)?;
+                identity.cluster_id = None;
+                identity.store(&dir)?;
+                let meta_dir = dir.join("meta");
+                if let Err(e) = std::fs::remove_dir_all(&meta_dir) {
+                    if e.kind() != std::io::ErrorKind::NotFound {
+                        return Err(ClusterError::Meta(format!("cannot remove {}: {e}", meta_dir.display())));
+                    }
+                }
+                tracing::info!(join = %invitation.join, "joining the cluster that invited this node");
+                config.join = Some(invitation.join);
+                config.secret = Some(invitation.secret);
+            } else {
+                tracing::warn!("an invitation to join a cluster is dropped: collections were created here meanwhile");
+                identity::clear_join_request(&dir);
+            }
+        }
         let identity = Identity::load_or_create(&dir)?;
         let founding = identity.cluster_id.is_none() && config.join.is_none();
         let secret = identity::secret(&dir, config.secret.as_deref(), founding)?;
@@ -209,6 +237,7 @@ impl ClusterNode {
             ready: watch::channel(false).0,
             served: std::sync::atomic::AtomicBool::new(false),
             fatal: watch::channel(None).0,
+            rejoin: watch::channel(false).0,
             admit_lock: tokio::sync::Mutex::new(()),
             stop: watch::channel(false).0,
             monitor: crate::failover::Monitor::default(),
@@ -282,6 +311,74 @@ impl ClusterNode {
     /// refused): the server stops with that reason.
     pub fn fatal(&self) -> watch::Receiver<Option<String>> {
         self.fatal.subscribe()
+    }
+
+    /// Becomes `true` once this node accepted an invitation to join another cluster: the
+    /// server restarts it, and the restart joins (see [`ClusterNode::open`]).
+    pub fn rejoin(&self) -> watch::Receiver<bool> {
+        self.rejoin.subscribe()
+    }
+
+    /// `shoal cluster add`: asks the lone node at `address`, which holds no collections, to
+    /// join this cluster; it restarts and joins as `added`, as `--join` would. Answers its
+    /// node id once this node sees it as a member.
+    pub async fn invite(&self, address: &str) -> Result<u64, ClusterError> {
+        if !self.is_ready() {
+            return Err(ClusterError::Refused("this member is still starting".into()));
+        }
+        if let Some((id, _)) = self.state().members.iter().find(|(_, m)| m.address == address) {
+            return Err(ClusterError::Refused(format!("node {} at {address} is already a member", id.0)));
+        }
+        let invitation = identity::Invitation { join: self.advertise.clone(), secret: self.secret.clone() };
+        let body = serde_json::to_vec(&invitation).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+        let bytes = match self.peers.call(address, Op::Invite, body, INVITE_CALL_TIMEOUT).await {
+            Ok(bytes) => bytes,
+            Err(PeerError::Refused { message, .. }) => {
+                return Err(ClusterError::Refused(format!("the node at {address} refused: {message}")))
+            }
+            Err(e) => return Err(ClusterError::Peer(e)),
+        };
+        let answer: JoinRequest = serde_json::from_slice(&bytes).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+        let mut rx = self.meta.watch();
+        let joined = async move { rx.wait_for(|s| s.members.contains_key(&NodeId(answer.node))).await.is_ok() };
+        match tokio::time::timeout(INVITE_WAIT, joined).await {
+            Ok(true) => Ok(answer.node),
+            Ok(false) => Err(ClusterError::ShuttingDown),
+            Err(_) => Err(ClusterError::Refused(format!(
+                "node {} at {address} accepted but was not admitted within {} s; see its log",
+                answer.node,
+                INVITE_WAIT.as_secs()
+            ))),
+        }
+    }
+
+    /// The invited side of [`ClusterNode::invite`]: only a lone node with no collections
+    /// accepts (nothing it holds could be lost); it keeps the invitation and asks to be
+    /// restarted.
+    fn accept_invitation(&self, body: &[u8]) -> Result<JoinRequest, ClusterError> {
+        let invitation: identity::Invitation = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+        if !self.is_ready() {
+            return Err(ClusterError::Refused("this node is still starting".into()));
+        }
+        let state = self.state();
+        if state.members.keys().any(|id| id.0 != self.id) {
+            return Err(ClusterError::Refused(format!(
+                "this node is a member of a cluster of {} nodes; only a lone node can be added",
+                state.members.len()
+            )));
+        }
+        if !state.collections.is_empty() || !self.engine.store().list_collections().is_empty() {
+            return Err(ClusterError::Refused(
+                "this node holds collections; only a node without any can be added (start one on an empty --data-path)".into(),
+            ));
+        }
+        if invitation.join == self.advertise {
+            return Err(ClusterError::Refused("a node cannot add itself".into()));
+        }
+        identity::store_join_request(&self.dir, &invitation)?;
+        tracing::info!(join = %invitation.join, "invited into a cluster; restarting to join it");
+        self.rejoin.send_replace(true);
+        Ok(JoinRequest { node: self.id, address: self.advertise.clone() })
     }
 
     /// Stops the background work (replication, the monitor) and the metadata log.
@@ -389,7 +486,12 @@ impl ClusterNode {
                     tracing::info!(cluster = %answer.cluster_id, via = address, "joined");
                     return self.remember_cluster(answer.cluster_id);
                 }
-                Err(e @ PeerError::Refused { .. }) => return Err(ClusterError::Peer(e)),
+                Err(e @ PeerError::Refused { .. }) => {
+                    // An invitation refused by the cluster is dropped: the next start founds
+                    // a cluster of its own again.
+                    identity::clear_join_request(&self.dir);
+                    return Err(ClusterError::Peer(e));
+                }
                 Err(e) if Instant::now() >= deadline => return Err(ClusterError::Peer(e)),
                 Err(e) => {
                     tracing::info!(error = %e, "waiting for {address} to admit this node");
@@ -402,7 +504,9 @@ impl ClusterNode {
     fn remember_cluster(&self, cluster_id: String) -> Result<(), ClusterError> {
         let mut identity = self.identity.lock();
         identity.cluster_id = Some(cluster_id);
-        identity.store(&self.dir)
+        identity.store(&self.dir)?;
+        identity::clear_join_request(&self.dir);
+        Ok(())
     }
 
     /// Commits `cmd` through the metadata leader (forwarding it there) and answers the
@@ -499,6 +603,10 @@ impl ClusterNode {
     pub async fn handle(self: &Arc<Self>, op: Op, body: &[u8]) -> Result<Vec<u8>, ClusterError> {
         match op {
             Op::Raft(kind) => self.meta.handle_rpc(kind, body).await.map_err(|e| ClusterError::BadMessage(e.to_string())),
+            Op::Invite => {
+                let answer = self.accept_invitation(body)?;
+                serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
+            }
             Op::Join => {
                 let req: JoinRequest = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
                 let answer = self.admit(req).await?;

@@ -39,6 +39,9 @@ pub enum Op {
     /// Documents of the partitions active on a member, for SQL run on another (`sql`).
     Docs,
     CatchUp,
+    /// A member asks a lone, empty node to join its cluster (`shoal cluster add`). The one
+    /// call a node takes without its own secret: it does not know the cluster's yet.
+    Invite,
 }
 
 impl Op {
@@ -60,6 +63,7 @@ impl Op {
             Op::Export => "export",
             Op::Docs => "docs",
             Op::CatchUp => "catch-up",
+            Op::Invite => "invite",
         }
     }
 
@@ -80,6 +84,7 @@ impl Op {
             "export" => Op::Export,
             "docs" => Op::Docs,
             "catch-up" => Op::CatchUp,
+            "invite" => Op::Invite,
             _ => return None,
         })
     }

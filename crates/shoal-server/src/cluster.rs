@@ -262,7 +262,9 @@ pub fn cluster_error(e: ClusterError) -> ApiError {
 pub async fn internal(State(state): State<AppState>, Path(op): Path<String>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     let node = &state.cluster;
     let given = headers.get(SECRET_HEADER).map(|v| v.as_bytes()).unwrap_or_default();
-    if !constant_time_eq(given, node.secret().as_bytes()) {
+    // An invitation comes from a cluster whose secret this node does not know yet; only a
+    // lone node with no collections takes it (`ClusterNode::invite`).
+    if !constant_time_eq(given, node.secret().as_bytes()) && op != Op::Invite.name() {
         return Err(ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "calls between members need the cluster secret"));
     }
     let body = extract::body(&state, body, INTERNAL_BODY_MAX_BYTES).await?;
@@ -401,6 +403,29 @@ pub async fn failover(State(state): State<AppState>, RawQuery(q): RawQuery, head
     let report = shoal_node::failover::failover(&state.cluster, req.node).await.map_err(cluster_error)?;
     metrics::counter!("shoal_failovers_total", "kind" => "manual").increment(1);
     Ok(json_response(StatusCode::OK, serde_json::to_vec(&report).unwrap_or_default()))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddBody {
+    address: String,
+}
+
+/// `POST /v1/cluster/nodes` (`shoal cluster add`): asks the lone, empty node at `address`
+/// to join this cluster; answers once it is a member (`added`).
+pub async fn add_node(State(state): State<AppState>, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
+    extract::no_params(q.as_deref())?;
+    let body = extract::body(&state, body, 64 * 1024).await?;
+    let req: AddBody = extract::json_body(&body)?;
+    let valid = req.address.rsplit_once(':').is_some_and(|(host, port)| {
+        !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0) && !req.address.contains(['/', ' ', '@', '?', '#'])
+    });
+    if !valid {
+        return Err(ApiError::bad_request(format!("address {:?} is not host:port", req.address)));
+    }
+    let node = state.cluster.invite(&req.address).await.map_err(cluster_error)?;
+    let answer = serde_json::json!({"node": node, "address": req.address, "state": "added"});
+    Ok(json_response(StatusCode::OK, answer.to_string().into_bytes()))
 }
 
 /// `POST /v1/cluster/recover` (on the leader).

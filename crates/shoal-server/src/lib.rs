@@ -127,6 +127,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/cluster/settings", put(cluster::settings))
         .route("/v1/cluster/failover", post(cluster::failover))
         .route("/v1/cluster/recover", post(cluster::recover))
+        .route("/v1/cluster/nodes", post(cluster::add_node))
         .route("/v1/cluster/rebalance", post(cluster::rebalance).get(cluster::rebalance_status).delete(cluster::rebalance_stop));
     Router::new()
         .merge(keyed)
@@ -229,6 +230,7 @@ impl Server {
         let signal = {
             let (engine, restart, shutdown_tx) = (Arc::clone(&engine), Arc::clone(&restart), shutdown_tx.clone());
             let (mut cluster_fatal, fatal) = (state.cluster.fatal(), Arc::clone(&fatal));
+            let mut rejoin = state.cluster.rejoin();
             async move {
                 let engine_poisoned = async {
                     while !engine.restart_needed() {
@@ -239,6 +241,10 @@ impl Server {
                     _ = shutdown => tracing::info!("shutting down"),
                     Ok(reason) = cluster_fatal.wait_for(Option::is_some) => {
                         *fatal.lock() = reason.clone();
+                    }
+                    Ok(_) = rejoin.wait_for(|r| *r) => {
+                        tracing::info!("restarting to join the cluster that invited this node");
+                        restart.store(true, std::sync::atomic::Ordering::SeqCst);
                     }
                     _ = engine_poisoned => {
                         tracing::warn!("restarting to reopen the storage engine after a full disk");
@@ -272,8 +278,9 @@ impl Server {
 pub enum RunOutcome {
     /// Asked to stop; everything is closed cleanly.
     Stopped,
-    /// The storage engine was poisoned by a full disk and space is back: start the node
-    /// again (the process re-executes itself) to reopen it.
+    /// Start the node again (the process re-executes itself): the storage engine was
+    /// poisoned by a full disk and space is back, or the node accepted an invitation to
+    /// join a cluster.
     Restart,
 }
 
