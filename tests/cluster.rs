@@ -1377,7 +1377,12 @@ async fn cluster_add_brings_in_a_lone_empty_node() {
     // The restarted node speaks for the cluster it joined, with its secret.
     wait_for(&http, &b.u("/v1/cluster"), "b in a's cluster", |v| v["cluster_id"] == info["cluster_id"]).await;
     assert_eq!(std::fs::read_to_string(b.dir.join("cluster-secret")).unwrap().trim(), SECRET);
-    assert!(!b.dir.join("join-request.json").exists(), "the invitation is forgotten once joined");
+    let request = b.dir.join("join-request.json");
+    common::eventually(60, "the invitation is forgotten once joined", || {
+        let gone = !request.exists();
+        async move { gone }
+    })
+    .await;
 
     rebalance(&http, a, &[]).await;
     let (_, map) = get_json(&http, &b.u("/v1/cluster/map")).await;
