@@ -642,3 +642,31 @@ fn the_persisted_seqno_covers_persist_writes_at_once_and_none_writes_after_the_n
     assert!(watch.has_changed().is_err(), "the replaced copy's watch is closed");
     assert_eq!(*c.persisted_watch(0).unwrap().borrow(), high);
 }
+
+/// An ingest is durable when it returns, though its version is made durable after the
+/// journal lock is released (vendor/fjall/SHOAL-PATCH.md): a store dropped right after it,
+/// without a clean close, reopens with the whole copy.
+#[test]
+fn an_ingested_copy_survives_a_crash_right_after_the_ingest() {
+    let (src_dir, dst_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let src = open(src_dir.path());
+    for name in ["a", "b"] {
+        let c = src.create_collection(name, 0).unwrap();
+        for key in keys_in(2, name, 3_000) {
+            let _ = c.write(put(&key)).unwrap();
+        }
+    }
+    let want: Vec<_> = ["a", "b"].iter().map(|n| state_of(&src.collection(n).unwrap(), 2)).collect();
+    {
+        let dst = copy_store(&src, dst_dir.path());
+        replicate(&src, &dst, 2);
+        drop(dst);
+    }
+    let dst = open(dst_dir.path());
+    assert_eq!(dst.partition_state(2).unwrap(), PartitionState::Replica);
+    for (name, want) in ["a", "b"].iter().zip(&want) {
+        let got = state_of(&dst.collection(name).unwrap(), 2);
+        assert_eq!(got.len(), 3_000, "{name}: every document of the copy is there after the crash");
+        assert_eq!(&got, want, "{name}");
+    }
+}

@@ -55,10 +55,15 @@ impl<'a> Ingestion<'a> {
         // -----------------
         // |
         // insert seqno=1
-        let _journal_lock = self.keyspace.supervisor.journal.get_writer()?;
+        let journal_lock = self.keyspace.supervisor.journal.get_writer()?;
 
-        self.inner
-            .finish()
+        // SHOAL-PATCH: registered under the lock; the new version is made durable (its
+        // fsyncs) after the lock is released (vendor/fjall/SHOAL-PATCH.md).
+        let registered = self.inner.finish_registered();
+        drop(journal_lock);
+
+        registered
+            .and_then(|deferred| deferred.map_or(Ok(()), lsm_tree::DeferredVersion::publish))
             .inspect(|()| {
                 self.keyspace
                     .worker_messager

@@ -99,6 +99,20 @@ impl AnyIngestion<'_> {
             Self::Blob(b) => b.finish(),
         }
     }
+
+    /// SHOAL-PATCH: registers the created tables (and blob files) and answers the version
+    /// to publish, once the caller's locks are released (see
+    /// `Ingestion::finish_registered`).
+    ///
+    /// # Errors
+    ///
+    /// Will return `Err` if an IO error occurs.
+    pub fn finish_registered(self) -> crate::Result<Option<crate::tree::ingest::DeferredVersion>> {
+        match self {
+            Self::Standard(i) => i.finish_registered(),
+            Self::Blob(b) => b.finish_registered(),
+        }
+    }
 }
 
 impl AnyTree {

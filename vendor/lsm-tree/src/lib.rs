@@ -181,6 +181,7 @@ pub use {
     error::{Error, Result},
     format_version::FormatVersion,
     ingestion::AnyIngestion,
+    tree::ingest::DeferredVersion,
     iter_guard::IterGuard as Guard,
     memtable::{Memtable, MemtableId},
     seqno::SequenceNumberCounter,

@@ -182,7 +182,21 @@ impl<'a> BlobIngestion<'a> {
     ///
     /// Will return `Err` if an IO error occurs.
     #[allow(clippy::significant_drop_tightening)]
-    pub fn finish(mut self) -> crate::Result<()> {
+    pub fn finish(self) -> crate::Result<()> {
+        match self.finish_registered()? {
+            Some(deferred) => deferred.publish(),
+            None => Ok(()),
+        }
+    }
+
+    /// SHOAL-PATCH: [`BlobIngestion::finish`] up to the registration; see
+    /// `tree::ingest::Ingestion::finish_registered`.
+    ///
+    /// # Errors
+    ///
+    /// Will return `Err` if an IO error occurs.
+    #[allow(clippy::significant_drop_tightening)]
+    pub fn finish_registered(mut self) -> crate::Result<Option<crate::tree::ingest::DeferredVersion>> {
         use crate::AbstractTree;
 
         let index = self.index().clone();
@@ -281,7 +295,8 @@ impl<'a> BlobIngestion<'a> {
         // We use upgrade_version_with_seqno (instead of upgrade_version) because
         // we need precise control over the seqno: it must match the seqno we
         // already assigned to the recovered tables.
-        version_lock.upgrade_version_with_seqno(
+        // SHOAL-PATCH: deferred; see `finish_registered`.
+        let (id, checksum) = version_lock.upgrade_version_deferred(
             &index.config.path,
             |current| {
                 let mut copy = current.clone();
@@ -300,7 +315,7 @@ impl<'a> BlobIngestion<'a> {
             log::warn!("Version GC failed: {e:?}");
         }
 
-        Ok(())
+        Ok(Some(crate::tree::ingest::DeferredVersion::new(index.clone(), id, checksum)))
     }
 
     #[inline]

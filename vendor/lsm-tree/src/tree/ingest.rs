@@ -253,12 +253,28 @@ impl<'a> Ingestion<'a> {
         Ok(())
     }
 
-    pub fn finish(mut self) -> crate::Result<()> {
+    pub fn finish(self) -> crate::Result<()> {
+        match self.finish_registered()? {
+            Some(deferred) => deferred.publish(),
+            None => Ok(()),
+        }
+    }
+
+    /// SHOAL-PATCH: [`Ingestion::finish`] up to the registration: the tables are in the
+    /// tree and visible, and the new version's file is written but not yet durable nor
+    /// `CURRENT`; [`DeferredVersion::publish`] does that (its fsyncs), after the caller has
+    /// released what other writers wait on. Until then a crash recovers the tree without
+    /// the ingest.
+    ///
+    /// # Errors
+    ///
+    /// Will return `Err` if an IO error occurs.
+    pub fn finish_registered(mut self) -> crate::Result<Option<DeferredVersion>> {
         use crate::{AbstractTree, Table};
 
         if self.last_key.is_none() {
             log::trace!("No data written to Ingestion, returning early");
-            return Ok(());
+            return Ok(None);
         }
 
         // CRITICAL SECTION: Atomic flush + seqno allocation + registration
@@ -346,7 +362,8 @@ impl<'a> Ingestion<'a> {
         // We use upgrade_version_with_seqno (instead of upgrade_version) because
         // we need precise control over the seqno: it must match the seqno we
         // already assigned to the recovered tables.
-        version_lock.upgrade_version_with_seqno(
+        // SHOAL-PATCH: deferred; see `finish_registered`.
+        let (id, checksum) = version_lock.upgrade_version_deferred(
             &self.tree.config.path,
             |current| {
                 let mut copy = current.clone();
@@ -363,6 +380,33 @@ impl<'a> Ingestion<'a> {
             log::warn!("Version GC failed: {e:?}");
         }
 
-        Ok(())
+        Ok(Some(DeferredVersion { tree: self.tree.clone(), id, checksum }))
+    }
+}
+
+/// SHOAL-PATCH: an ingest registered in its tree whose version is not yet durable (see
+/// [`Ingestion::finish_registered`]).
+#[must_use = "an ingest is not durable until its version is published"]
+pub struct DeferredVersion {
+    tree: Tree,
+    id: crate::version::VersionId,
+    checksum: crate::Checksum,
+}
+
+impl DeferredVersion {
+    pub(crate) fn new(tree: Tree, id: crate::version::VersionId, checksum: crate::Checksum) -> Self {
+        DeferredVersion { tree, id, checksum }
+    }
+
+    /// Makes the ingest durable: fsyncs its version file and points `CURRENT` at it,
+    /// unless a later version, persisted meanwhile, already holds it.
+    ///
+    /// # Errors
+    ///
+    /// Will return `Err` if an IO error occurs.
+    pub fn publish(self) -> crate::Result<()> {
+        #[expect(clippy::expect_used, reason = "lock is expected to not be poisoned")]
+        let version_lock = self.tree.version_history.write().expect("lock is poisoned");
+        version_lock.publish_deferred(&self.tree.config.path, self.id, self.checksum)
     }
 }

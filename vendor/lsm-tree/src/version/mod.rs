@@ -10,7 +10,7 @@ pub mod run;
 mod super_version;
 
 pub use blob_file_list::BlobFileList;
-pub use persist::persist_version;
+pub use persist::{persist_version, publish_version, write_version_file};
 pub use run::Run;
 pub use super_version::{SuperVersion, SuperVersions};
 

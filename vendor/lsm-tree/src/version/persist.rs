@@ -10,6 +10,15 @@ use std::{
 };
 
 pub fn persist_version(folder: &Path, version: &Version) -> crate::Result<()> {
+    let checksum = write_version_file(folder, version)?;
+    publish_version(folder, version.id(), checksum)
+}
+
+/// SHOAL-PATCH: the first half of [`persist_version`]: writes the version file (`v{id}`)
+/// without any fsync, and answers its checksum. Nothing on disk points at it until
+/// [`publish_version`] does; a crash in between leaves an orphaned file that the next
+/// persist of the same id replaces.
+pub fn write_version_file(folder: &Path, version: &Version) -> crate::Result<crate::Checksum> {
     log::trace!(
         "Persisting version {} in {}",
         version.id(),
@@ -38,13 +47,20 @@ pub fn persist_version(folder: &Path, version: &Version) -> crate::Result<()> {
 
     drop(writer);
 
-    file.sync_all()?;
+    Ok(checksum)
+}
+
+/// SHOAL-PATCH: the second half of [`persist_version`]: makes the written version file
+/// `v{id}` durable, then points `CURRENT` at it (atomically, durably).
+pub fn publish_version(folder: &Path, id: crate::version::VersionId, checksum: crate::Checksum) -> crate::Result<()> {
+    let path = folder.join(format!("v{id}"));
+    std::fs::File::open(&path)?.sync_all()?;
 
     // IMPORTANT: fsync folder on Unix
     fsync_directory(folder)?;
 
     let mut current_file_content = vec![];
-    current_file_content.write_u64::<LittleEndian>(version.id())?;
+    current_file_content.write_u64::<LittleEndian>(id)?;
     current_file_content.write_u128::<LittleEndian>(checksum.into_u128())?;
     current_file_content.write_u8(0)?; // 0 = xxh3
 

@@ -145,6 +145,40 @@ impl SuperVersions {
         Ok(())
     }
 
+    /// SHOAL-PATCH: like [`SuperVersions::upgrade_version_with_seqno`], but the new
+    /// version's file is only written, not made durable nor made `CURRENT`: the caller
+    /// does that with [`DeferredVersion::publish`] once it has let go of the locks that
+    /// others wait on (an ingest's registration holds the database's journal lock). Until
+    /// then a crash recovers the previous version.
+    pub(crate) fn upgrade_version_deferred<F: FnOnce(&SuperVersion) -> crate::Result<SuperVersion>>(
+        &mut self,
+        tree_path: &Path,
+        f: F,
+        seqno: SeqNo,
+        visible_seqno: &SequenceNumberCounter,
+    ) -> crate::Result<(crate::version::VersionId, crate::Checksum)> {
+        let mut next_version = f(&self.latest_version())?;
+        next_version.seqno = seqno;
+        let id = next_version.version.id();
+        let checksum = crate::version::write_version_file(tree_path, &next_version.version)?;
+        self.append_version(next_version);
+
+        visible_seqno.fetch_max(seqno + 1);
+
+        Ok((id, checksum))
+    }
+
+    /// SHOAL-PATCH: the second half of [`SuperVersions::upgrade_version_deferred`], called
+    /// with the version history locked: makes version `id` durable and `CURRENT`, unless a
+    /// later version already is (every other upgrade persists before it returns, and a
+    /// later version holds everything this one does).
+    pub(crate) fn publish_deferred(&self, tree_path: &Path, id: crate::version::VersionId, checksum: crate::Checksum) -> crate::Result<()> {
+        if self.latest_version().version.id() != id {
+            return Ok(());
+        }
+        crate::version::publish_version(tree_path, id, checksum)
+    }
+
     pub fn append_version(&mut self, version: SuperVersion) {
         self.0.push_back(version);
     }
