@@ -99,6 +99,24 @@ impl Node {
         Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
     }
 
+    /// CPU ticks of each of the node's live threads: thread id → (name, ticks). Threads
+    /// that ended are missing; [`cpu_by_thread`] counts them from the process total.
+    pub(crate) fn thread_ticks(&self) -> std::collections::HashMap<u64, (String, u64)> {
+        let mut out = std::collections::HashMap::new();
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", self.child.id())) else { return out };
+        for task in tasks.flatten() {
+            let Some(tid) = task.file_name().to_str().and_then(|t| t.parse::<u64>().ok()) else { continue };
+            let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else { continue };
+            let (Some((head, rest)), Some(start)) = (stat.rsplit_once(')'), stat.find('(')) else { continue };
+            let name = head[start + 1..].to_string();
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            if let (Some(u), Some(s)) = (f.get(11).and_then(|v| v.parse::<u64>().ok()), f.get(12).and_then(|v| v.parse::<u64>().ok())) {
+                out.insert(tid, (name, u + s));
+            }
+        }
+        out
+    }
+
     pub(crate) fn start(partitions: u16, extra: &[String]) -> Result<Node, CliError> {
         Node::start_named(&format!("index-{partitions}"), partitions, extra)
     }
@@ -447,4 +465,29 @@ fn report(args: &IndexArgs, rows: &[Row], lag: Option<(f64, f64, f64, f64)>) -> 
         Err(e) => println!("chart not drawn: {e}"),
     }
     Ok(())
+}
+
+/// CPU seconds between two looks at a node, by thread name (Linux truncates names to 15
+/// bytes), largest first; threads that ended in between (a copy's export and ingest threads
+/// live for one copy) are summed as "ended threads" from the process total.
+pub(crate) fn cpu_by_thread(
+    before: &std::collections::HashMap<u64, (String, u64)>,
+    after: &std::collections::HashMap<u64, (String, u64)>,
+    total_ticks: u64,
+) -> Vec<(String, f64)> {
+    let mut by_name: std::collections::BTreeMap<String, u64> = std::collections::BTreeMap::new();
+    let mut live = 0u64;
+    for (tid, (name, ticks)) in after {
+        let delta = ticks.saturating_sub(before.get(tid).map_or(0, |(_, t)| *t));
+        live += delta;
+        *by_name.entry(name.clone()).or_default() += delta;
+    }
+    let gone: u64 = before.iter().filter(|(tid, _)| !after.contains_key(tid)).map(|(_, (_, t))| *t).sum();
+    let ended = (total_ticks + gone).saturating_sub(live);
+    if ended > 0 {
+        *by_name.entry("ended threads".into()).or_default() += ended;
+    }
+    let mut out: Vec<(String, f64)> = by_name.into_iter().filter(|(_, t)| *t > 0).map(|(n, t)| (n, t as f64 / 100.0)).collect();
+    out.sort_by(|a, b| b.1.total_cmp(&a.1));
+    out
 }

@@ -134,6 +134,8 @@ struct Outcome {
     during: (f64, f64, usize),
     errors: u64,
     cpu: Vec<(String, f64)>,
+    /// Per node, its CPU seconds by thread name.
+    cpu_threads: Vec<(String, Vec<(String, f64)>)>,
     samples: Vec<Sample>,
     p99_series: Vec<(f64, f64)>,
     rebalance_start: f64,
@@ -180,6 +182,10 @@ pub async fn run(args: RebalanceArgs) -> Result<(), CliError> {
     for o in &outcomes {
         let cpu: Vec<String> = o.cpu.iter().map(|(n, s)| format!("{n} {s:.1}")).collect();
         println!("CPU seconds during the {} {} rebalance: {}", o.scenario.name(), o.method, cpu.join(", "));
+        for (node, threads) in &o.cpu_threads {
+            let threads: Vec<String> = threads.iter().map(|(n, s)| format!("{n} {s:.2}")).collect();
+            println!("  {node} by thread: {}", threads.join(", "));
+        }
     }
     let swap_by = |method: &str| outcomes.iter().find(|o| o.scenario == Scenario::Swap && o.method == method);
     if let (Some(f), Some(s)) = (swap_by("files"), swap_by("stream")) {
@@ -284,6 +290,7 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
     };
     wait_members(&client, nodes.len() + usize::from(newcomer.is_some())).await?;
     let cpu_before: Vec<Option<u64>> = nodes.iter().chain(newcomer.as_ref()).map(|n| n.cpu_ticks()).collect();
+    let threads_before: Vec<_> = nodes.iter().chain(newcomer.as_ref()).map(|n| n.thread_ticks()).collect();
     let rebalance_start = began.elapsed().as_secs_f64();
     let mut samples = Vec::new();
     let eject = if scenario.ejects() { vec![leaving] } else { Vec::new() };
@@ -299,12 +306,14 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
         }
         _ => leaving_copies,
     };
+    let mut cpu_threads = Vec::new();
     let cpu: Vec<(String, f64)> = nodes
         .iter()
         .chain(newcomer.as_ref())
         .zip(cpu_before)
+        .zip(threads_before)
         .enumerate()
-        .map(|(i, (n, before))| {
+        .map(|(i, ((n, before), threads))| {
             let name = if i == nodes.len() {
                 "new".to_string()
             } else if i == 0 && scenario.ejects() {
@@ -312,7 +321,9 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
             } else {
                 format!("node{i}")
             };
-            (name, n.cpu_ticks().zip(before).map_or(0.0, |(a, b)| a.saturating_sub(b) as f64 / 100.0))
+            let ticks = n.cpu_ticks().zip(before).map_or(0, |(a, b)| a.saturating_sub(b));
+            cpu_threads.push((name.clone(), super::index::cpu_by_thread(&threads, &n.thread_ticks(), ticks)));
+            (name, ticks as f64 / 100.0)
         })
         .collect();
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -366,6 +377,7 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
         during,
         errors,
         cpu,
+        cpu_threads,
         samples,
         p99_series,
         rebalance_start,

@@ -66,17 +66,31 @@ impl Node {
             .arg("--cache-mb")
             .arg("32")
             .args(&self.args)
-            .env("SHOAL_LOG", "warn")
+            // `SHOAL_TEST_NODE_LOG` (a `SHOAL_LOG` filter) asks the nodes for more than
+            // warnings, each line prefixed with the node's process id (to read a long
+            // fault run's log).
+            .env("SHOAL_LOG", std::env::var("SHOAL_TEST_NODE_LOG").unwrap_or_else(|_| "warn".into()))
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(if std::env::var_os("SHOAL_TEST_NODE_LOG").is_some() { Stdio::piped() } else { Stdio::inherit() })
             .spawn()
             .expect("spawn shoal");
+        if let Some(stderr) = child.stderr.take() {
+            let pid = child.id();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    eprintln!("[{pid}] {line}");
+                }
+            });
+        }
         let stdout = child.stdout.take().expect("stdout");
         let mut lines = BufReader::new(stdout).lines();
         let first = lines.next().expect("server printed nothing").expect("read stdout");
         let url = first.strip_prefix("shoal listening on ").unwrap_or_else(|| panic!("unexpected first line {first:?}")).to_string();
         // Keep draining stdout so the server never blocks on a full pipe.
         std::thread::spawn(move || for _ in lines {});
+        if std::env::var_os("SHOAL_TEST_NODE_LOG").is_some() {
+            eprintln!("[{}] listens at {url}", child.id());
+        }
         self.url = url;
         self.child = Some(child);
     }

@@ -138,6 +138,11 @@ pub(crate) struct ProgressAnswer {
     /// Copies being built (or built) here from files, and how far they are.
     #[serde(default)]
     pub copies: Vec<(PartitionId, crate::copy::CopyProgress)>,
+    /// Per partition: the history each collection's copy is on (collection id, history
+    /// uuid). A copy on another history than its active's (a returning node's, before its
+    /// rollback) is not caught up, whatever its seqnos.
+    #[serde(default)]
+    pub histories: Vec<(PartitionId, Vec<(u32, u64)>)>,
 }
 
 /// Starts a rebalance (leader only); answers how many copies it builds. Its plan goes into
@@ -362,7 +367,7 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
                 // (before, a dead source counted as 0 and every copy of it as caught up).
                 let active = map.partitions[usize::from(*p)].active;
                 match (progress.get(&(*p, *n)), progress.get(&(*p, active))) {
-                    (Some(have), Some(want)) => have + CATCH_UP_SLACK >= *want,
+                    (Some((have, on)), Some((want, active_on))) => on == active_on && have + CATCH_UP_SLACK >= *want,
                     _ => false,
                 }
             })
@@ -569,11 +574,18 @@ fn set_moves(node: &ClusterNode, state: &str) {
 
 /// Every copy's progress, from the answers of the nodes that hold them (missing when a
 /// node did not answer).
-fn progress_of(answers: &HashMap<NodeId, Option<ProgressAnswer>>) -> HashMap<(PartitionId, NodeId), u64> {
+/// A copy's progress: its seqnos summed over collections, and the history each collection's
+/// copy is on (collection id, history uuid).
+type CopyProgressAt<'a> = (u64, &'a [(u32, u64)]);
+
+/// Per (partition, holder): its copy's progress.
+fn progress_of(answers: &HashMap<NodeId, Option<ProgressAnswer>>) -> HashMap<(PartitionId, NodeId), CopyProgressAt<'_>> {
     let mut out = HashMap::new();
     for (holder, answer) in answers {
-        for (p, s) in answer.iter().flat_map(|a| &a.partitions) {
-            out.insert((*p, *holder), *s);
+        let Some(answer) = answer else { continue };
+        let histories: HashMap<PartitionId, &[(u32, u64)]> = answer.histories.iter().map(|(p, h)| (*p, h.as_slice())).collect();
+        for (p, s) in &answer.partitions {
+            out.insert((*p, *holder), (*s, histories.get(p).copied().unwrap_or_default()));
         }
     }
     out
@@ -623,7 +635,9 @@ async fn progress_answers(node: &Arc<ClusterNode>, map: &PartitionMap) -> HashMa
 /// A node's copies' progress: per partition, seqnos summed over collections.
 pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
     let state = node.state();
-    let sums = node.seqno_sums();
+    let positions = node.collection_positions();
+    let sums: Vec<(PartitionId, u64)> = positions.iter().map(|(p, v)| (*p, v.iter().map(|(_, pos)| pos.seqno).sum())).collect();
+    let histories = positions.iter().map(|(p, v)| (*p, v.iter().map(|(id, pos)| (*id, pos.uuid)).collect())).collect();
     let (mut unsettled, mut building) = (Vec::new(), Vec::new());
     if let Some(map) = &state.map {
         for (p, copies) in map.iter() {
@@ -640,7 +654,7 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
             }
         }
     }
-    ProgressAnswer { partitions: sums.into_iter().collect(), unsettled, building, copies: node.copies.progress() }
+    ProgressAnswer { partitions: sums, unsettled, building, copies: node.copies.progress(), histories }
 }
 
 /// An active's side of a hand-over: freezes the partitions (writes refused), waits until

@@ -402,14 +402,25 @@ pub(crate) async fn serve_versions(node: &Arc<ClusterNode>, req: VersionsRequest
         return Err(ClusterError::BadMessage(format!("at most {VERSIONS_KEYS_MAX} keys per versions call")));
     }
     let coll = node.collection_by_id(req.collection).ok_or_else(|| ClusterError::Refused(format!("no collection {}", req.collection)))?;
+    // Only the copy the replica follows answers: the active, or the active frozen for a
+    // hand-over (its copy is a replica already, and still the newest).
+    let p = req.partition;
+    let state = node.engine.store().partition_state(p).map_err(|e| ClusterError::Storage(e.to_string()))?;
+    if !(state == PartitionState::Active || (state == PartitionState::Replica && node.is_frozen(p))) {
+        return Err(ClusterError::Refused(format!("partition {p} is {state} here, not the copy to repair from")));
+    }
     blocking(move || {
         let mut changes = Vec::with_capacity(req.keys.len());
         for key in req.keys {
             let Ok(k) = std::str::from_utf8(&key) else { continue };
+            if shoal_storage::partition_of(&key, coll.partition_count()) != p {
+                return Err(ClusterError::BadMessage(format!("a key of another partition than {p}")));
+            }
             // A key the active no longer has (deleted, then purged or not) is left out: the
             // replica does not have it either after its rollback. Its tombstone is not
-            // restored; a reader of the key sees the same "not found".
-            if let Ok(doc) = coll.get(k) {
+            // restored; a reader of the key sees the same "not found". A key that cannot be
+            // read fails the call: left out, it would be lost.
+            if let Some(doc) = coll.current_version(k).map_err(|e| ClusterError::Storage(e.to_string()))? {
                 changes.push(WireChange {
                     seqno: doc.seqno,
                     key,
@@ -420,9 +431,9 @@ pub(crate) async fn serve_versions(node: &Arc<ClusterNode>, req: VersionsRequest
                 });
             }
         }
-        VersionsAnswer { changes }
+        Ok(VersionsAnswer { changes })
     })
-    .await
+    .await?
 }
 
 impl ClusterNode {
@@ -443,20 +454,20 @@ impl ClusterNode {
     /// How far this node's copy of each partition is, in each of the cluster's collections:
     /// partition → (collection id, seqno).
     pub(crate) fn collection_seqnos(&self) -> std::collections::BTreeMap<shoal_cluster::PartitionId, Vec<(u32, u64)>> {
-        let mut out: std::collections::BTreeMap<shoal_cluster::PartitionId, Vec<(u32, u64)>> = std::collections::BTreeMap::new();
+        self.collection_positions().into_iter().map(|(p, v)| (p, v.into_iter().map(|(id, pos)| (id, pos.seqno)).collect())).collect()
+    }
+
+    /// Where this node's copy of each partition is, in each of the cluster's collections:
+    /// partition → (collection id, position: seqno and history).
+    pub(crate) fn collection_positions(&self) -> std::collections::BTreeMap<shoal_cluster::PartitionId, Vec<(u32, StreamPosition)>> {
+        let mut out: std::collections::BTreeMap<shoal_cluster::PartitionId, Vec<(u32, StreamPosition)>> = std::collections::BTreeMap::new();
         for coll in self.cluster_collections() {
             for (p, pos) in coll.positions().iter().enumerate() {
                 if let Ok(p) = shoal_cluster::PartitionId::try_from(p) {
-                    out.entry(p).or_default().push((coll.id(), pos.seqno));
+                    out.entry(p).or_default().push((coll.id(), *pos));
                 }
             }
         }
         out
-    }
-
-    /// How far this node's copy of each partition is, as one number: its seqnos summed over
-    /// the cluster's collections.
-    pub(crate) fn seqno_sums(&self) -> std::collections::BTreeMap<shoal_cluster::PartitionId, u64> {
-        self.collection_seqnos().into_iter().map(|(p, seqnos)| (p, seqnos.iter().map(|(_, s)| s).sum())).collect()
     }
 }

@@ -284,6 +284,12 @@ impl Collection {
         self.partition_for(key.as_bytes()).get(key.as_bytes())
     }
 
+    /// The live version of `key` on an active or replica copy (see
+    /// [`crate::partition::Partition::current_version`]).
+    pub fn current_version(&self, key: &str) -> Result<Option<Document>, ReadError> {
+        self.partition_for(key.as_bytes()).current_version(key.as_bytes())
+    }
+
     /// The high seqno of `key`'s partition, and whether that partition holds any lock.
     /// While the high seqno stays the same, no document of the partition changed: callers
     /// that cache something derived from a document can validate it without reading it.

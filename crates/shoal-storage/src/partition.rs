@@ -419,6 +419,25 @@ impl Partition {
         Ok(Document { cas, seqno: current.meta.seqno, expiry: current.meta.expiry, value: current.body })
     }
 
+    /// The live version of `key` on an active or replica copy, `None` when it has none
+    /// (absent, deleted or expired). For a replica repairing after a rollback: it reads the
+    /// copy it follows, which a hand-over may have turned into a (frozen) replica already,
+    /// where [`Partition::get`] refuses. Errors are errors, never "absent".
+    pub fn current_version(&self, key: &[u8]) -> Result<Option<Document>, ReadError> {
+        validate_key(key).map_err(ReadError::InvalidKey)?;
+        if self.is_dropped() {
+            return Err(ReadError::CollectionDropped);
+        }
+        self.check_state(&[PartitionState::Active, PartitionState::Replica], "active or replica").map_err(ReadError::NotMyPartition)?;
+        let now = self.clock.unix_secs();
+        Ok(self.read_current(key)?.filter(|c| is_live(&c.meta, now)).map(|c| Document {
+            cas: c.meta.cas,
+            seqno: c.meta.seqno,
+            expiry: c.meta.expiry,
+            value: c.body,
+        }))
+    }
+
     /// Get-and-lock: the returned CAS unlocks the document, or mutates it (which unlocks).
     pub fn get_and_lock(&self, key: &[u8], lock_secs: u32) -> Result<Document, ReadError> {
         validate_key(key).map_err(ReadError::InvalidKey)?;

@@ -670,3 +670,31 @@ fn an_ingested_copy_survives_a_crash_right_after_the_ingest() {
         assert_eq!(&got, want, "{name}");
     }
 }
+
+/// A replica repairing after a rollback reads the current versions of the keys it lost
+/// from the copy it follows, which a hand-over may have made a (frozen) replica already:
+/// `current_version` reads active and replica copies, where `get` refuses a replica's,
+/// says "none" for a deleted key, and refuses pending and dead copies rather than answer
+/// "none" (an answer of "none" would make the repair drop the key).
+#[test]
+fn current_versions_are_read_from_active_and_replica_copies_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    let c = store.create_collection("c", 0).unwrap();
+    let keys = keys_in(1, "k", 2);
+    for key in &keys {
+        let _ = c.write(put(key)).unwrap();
+    }
+    let _ = c.write(WriteRequest { key: Bytes::from(keys[1].clone()), op: WriteOp::Remove, value: None, cas: None, expiry: 0 }).unwrap();
+    for state in [PartitionState::Active, PartitionState::Replica] {
+        store.set_partition_state(1, state).unwrap();
+        let doc = c.current_version(&keys[0]).unwrap().unwrap_or_else(|| panic!("{state}: the live key"));
+        assert_eq!(&doc.value[..], b"1", "{state}");
+        assert!(c.current_version(&keys[1]).unwrap().is_none(), "{state}: a deleted key has no current version");
+    }
+    assert!(matches!(c.get(&keys[0]), Err(ReadError::NotMyPartition(_))), "a replica's copy refuses client reads");
+    for state in [PartitionState::Pending, PartitionState::Dead] {
+        store.set_partition_state(1, state).unwrap();
+        assert!(matches!(c.current_version(&keys[0]), Err(ReadError::NotMyPartition(_))), "{state}");
+    }
+}
