@@ -235,26 +235,46 @@ async fn adopt(
 }
 
 /// Rolls this copy back to `to` and restores the keys that removed from the active's
-/// current versions.
+/// current versions. Those are fetched *before* the rollback: a source that cannot answer
+/// (it handed the partition over meanwhile, or is gone) leaves the copy as it was, to be
+/// rolled back on a later pull; fetched after, the keys the rollback removed would be lost
+/// (nothing lists them again).
 async fn roll_back(node: &Arc<ClusterNode>, source_address: &str, coll: &Arc<Collection>, p: u16, to: u64) -> Result<(), ClusterError> {
+    let c = Arc::clone(coll);
+    let doomed = blocking(move || c.keys_above(p, to)).await?.map_err(|e| ClusterError::Storage(e.to_string()))?;
+    let mut versions = fetch_versions(node, source_address, coll, p, &doomed).await?;
     let store = Arc::clone(node.engine.store());
     let c = Arc::clone(coll);
     let report = blocking(move || store.rollback_partition(&c, p, to)).await?.map_err(|e| ClusterError::Storage(e.to_string()))?;
     tracing::info!(collection = coll.name(), partition = p, to = report.seqno, removed = report.removed.len(), "rolled back");
     metrics::counter!("shoal_replica_rollbacks_total").increment(1);
-    for keys in report.removed.chunks(VERSIONS_KEYS_MAX) {
+    // Nothing writes this copy between the two looks (its changes come from this loop); a
+    // key removed that was not listed is fetched now, as before.
+    let listed: std::collections::HashSet<&[u8]> = doomed.iter().map(|k| &k[..]).collect();
+    let unlisted: Vec<bytes::Bytes> = report.removed.iter().filter(|k| !listed.contains(&k[..])).cloned().collect();
+    debug_assert!(unlisted.is_empty(), "a rollback removes only the keys listed before it");
+    versions.extend(fetch_versions(node, source_address, coll, p, &unlisted).await?);
+    let c = Arc::clone(coll);
+    blocking(move || c.restore(p, &versions)).await?.map_err(|e| ClusterError::Storage(e.to_string()))?;
+    Ok(())
+}
+
+/// The active's current versions of `keys` (absent ones left out), as changes of `p`.
+async fn fetch_versions(
+    node: &Arc<ClusterNode>,
+    source_address: &str,
+    coll: &Arc<Collection>,
+    p: u16,
+    keys: &[bytes::Bytes],
+) -> Result<Vec<Change>, ClusterError> {
+    let mut out = Vec::new();
+    for keys in keys.chunks(VERSIONS_KEYS_MAX) {
         let req = VersionsRequest { collection: coll.id(), partition: p, keys: keys.to_vec() };
         let bytes = node.peers.call(source_address, Op::Versions, wire::encode(&req), PULL_TIMEOUT).await?;
         let answer: VersionsAnswer = wire::decode(&bytes).map_err(ClusterError::BadMessage)?;
-        let c = Arc::clone(coll);
-        blocking(move || {
-            let changes: Vec<Change> = answer.changes.into_iter().map(|w| w.into_change(p)).collect();
-            c.restore(p, &changes)
-        })
-        .await?
-        .map_err(|e| ClusterError::Storage(e.to_string()))?;
+        out.extend(answer.changes.into_iter().map(|w| w.into_change(p)));
     }
-    Ok(())
+    Ok(out)
 }
 
 /// The active's side of a pull: records the acknowledgements, then answers what follows

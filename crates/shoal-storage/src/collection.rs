@@ -284,6 +284,12 @@ impl Collection {
         self.partition_for(key.as_bytes()).get(key.as_bytes())
     }
 
+    /// The keys of `partition` a rollback to `to` would remove (see
+    /// [`crate::partition::Partition::keys_above`]).
+    pub fn keys_above(&self, partition: PartitionId, to: SeqNo) -> Result<Vec<Bytes>, ReadError> {
+        self.partitions.get(usize::from(partition)).ok_or(ReadError::NoSuchPartition(partition))?.load().keys_above(to)
+    }
+
     /// The live version of `key` on an active or replica copy (see
     /// [`crate::partition::Partition::current_version`]).
     pub fn current_version(&self, key: &str) -> Result<Option<Document>, ReadError> {

@@ -716,6 +716,24 @@ impl Partition {
     /// is itself the state of a rollback to a lower point; a crash between two batches is an
     /// unclean start, which gives the copy a new history entry at whatever it holds, and
     /// rolling back again from there reaches `to`.
+    /// The keys a rollback to `to` would remove (their latest change is above `to`; all of
+    /// them when `to` is below the purge seqno, as [`Partition::roll_back`] does), so that a
+    /// caller can fetch what replaces them before it rolls back.
+    pub fn keys_above(&self, to: SeqNo) -> Result<Vec<Bytes>, ReadError> {
+        let purge_seqno = self.purge_seqno.load(Ordering::Acquire);
+        let to = if to < purge_seqno { 0 } else { to };
+        let c = self.coll;
+        let mut keys = Vec::new();
+        for guard in self.ks.range(codec::seq_key(c, to + 1)..=codec::seq_key(c, SeqNo::MAX)) {
+            let (k, v) = guard.into_inner()?;
+            let (Some(_), Some((_, _, key))) = (codec::decode_seq_key(&k), codec::decode_seq_value(&v)) else {
+                return Err(ReadError::Corrupt);
+            };
+            keys.push(Bytes::copy_from_slice(key));
+        }
+        Ok(keys)
+    }
+
     pub(crate) fn roll_back(
         &self,
         to: SeqNo,
