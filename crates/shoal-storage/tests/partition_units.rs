@@ -526,11 +526,17 @@ fn an_active_copy_refuses_a_rollback_and_a_rolled_back_replica_keeps_it_across_r
             store.set_partition_state(0, PartitionState::Replica).unwrap();
             let _ = c.apply(0, &all).unwrap();
             let uuid = c.partition_uuids()[0];
+            // A replica lists the keys a rollback removes before it rolls back (to fetch
+            // their current versions first): the same keys.
+            let mut listed = c.keys_above(0, 25).unwrap();
+            listed.sort();
+            assert_eq!(listed, removed, "keys_above lists what the rollback removes");
             let report = store.rollback_partition(&c, 0, 25).unwrap();
             assert_eq!(report.seqno, 25);
             let mut got = report.removed.clone();
             got.sort();
             assert_eq!(got, removed, "the keys whose latest change was above 25");
+            assert!(c.keys_above(0, 25).unwrap().is_empty(), "nothing above 25 after the rollback");
             let log = c.failover_log(0);
             assert_eq!(log.len(), 2);
             assert_eq!((log[0].uuid, log[1].seqno), (uuid, 25), "the history goes on from 25 under a new uuid");
