@@ -12,7 +12,9 @@
 //!   agree within its max offset), and a ping that seems to come from the future extends
 //!   nothing. So a ping delivered late — queued at a paused process, or answered into a
 //!   one-way partition — cannot extend a lease past what the leader accounts for. A ping
-//!   from anyone but the leader the member follows extends nothing.
+//!   from anyone but the leader the member follows extends nothing, nor does one from a
+//!   leader whose map is newer than the member's (it would serve by a map that may have
+//!   moved its partitions).
 //! - no failover can happen without it (the other voters are fewer than a quorum: a one-
 //!   or two-node cluster).
 //!
@@ -281,6 +283,12 @@ struct PingRequest {
     /// answered recently).
     #[serde(default)]
     grant: bool,
+    /// The map version the leader had applied when it sent the ping. A member behind it
+    /// takes no lease from it: it would serve by a map that may have moved its partitions
+    /// (a node back from a failover or a partition learns the log and the leader's pings
+    /// on separate paths).
+    #[serde(default)]
+    map_version: u64,
 }
 
 /// A member's side of the leader's ping: when it comes from the leader this member follows,
@@ -295,7 +303,7 @@ pub(crate) fn serve_ping(node: &ClusterNode, body: &[u8]) -> Result<PingAnswer, 
         node.lease.revoke();
     } else if follows {
         node.lease.heard(req.leader);
-        if req.grant {
+        if req.grant && state.map_version() >= req.map_version {
             node.lease.grant(req.sent_unix_ms);
         }
     }
@@ -367,7 +375,7 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
                     if grant {
                         granted.insert(id, sent);
                     }
-                    let ping = PingRequest { leader: n.id, sent_unix_ms: unix_ms(), grant };
+                    let ping = PingRequest { leader: n.id, sent_unix_ms: unix_ms(), grant, map_version: n.state().map_version() };
                     (serde_json::to_vec(&ping).unwrap_or_default(), sent)
                 };
                 if let Ok(answer) = n.peers.call(&address, Op::Ping, body, PING_TIMEOUT).await {
