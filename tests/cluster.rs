@@ -1349,6 +1349,12 @@ async fn cluster_add_brings_in_a_lone_empty_node() {
 
     let (ok, _, err) = a.cli(&["cluster", "add", &c.addr()]);
     assert!(!ok && err.contains("holds collections"), "a node with collections is refused: {err}");
+    // A lone node given a secret of its own on the command line would pass it again at
+    // every start, and the cluster would refuse it: refused now.
+    let d = Node::start(&[&plain[..], &["--cluster-secret", "some-other-secret"]].concat());
+    wait_for(&http, &d.u("/v1/cluster"), "d founded its own cluster", |v| member_states(v) == ["active"]).await;
+    let (ok, _, err) = a.cli(&["cluster", "add", &d.addr()]);
+    assert!(!ok && err.contains("--cluster-secret"), "a node started with another secret is refused: {err}");
     for bad in ["no-port", "host:0", "host:99999", "a/b:80", ""] {
         let r = http.post(a.u("/v1/cluster/nodes")).json(&json!({"address": bad})).send().await.unwrap();
         assert_eq!(r.status().as_u16(), 400, "address {bad:?}");

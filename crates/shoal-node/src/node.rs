@@ -126,6 +126,9 @@ pub struct ClusterNode {
     pub(crate) advertise: String,
     join: Option<String>,
     secret: String,
+    /// The secret came from `--cluster-secret` (every start passes it again), not from the
+    /// file beside the data.
+    secret_given: bool,
     pub(crate) meta: MetaNode,
     pub(crate) peers: Arc<dyn Peers>,
     pub(crate) acks: Acks,
@@ -199,6 +202,7 @@ impl ClusterNode {
         }
         let identity = Identity::load_or_create(&dir)?;
         let founding = identity.cluster_id.is_none() && config.join.is_none();
+        let secret_given = config.secret.is_some();
         let secret = identity::secret(&dir, config.secret.as_deref(), founding)?;
         let peers = peers(&secret)?;
         if identity.cluster_id.is_none() && config.join.is_some() {
@@ -224,6 +228,7 @@ impl ClusterNode {
             advertise: config.advertise,
             join: config.join,
             secret,
+            secret_given,
             meta,
             peers,
             acks: Acks::default(),
@@ -374,6 +379,12 @@ impl ClusterNode {
         }
         if invitation.join == self.advertise {
             return Err(ClusterError::Refused("a node cannot add itself".into()));
+        }
+        if self.secret_given && invitation.secret != self.secret {
+            // Every later start would pass its own secret again, and the cluster refuses it.
+            return Err(ClusterError::Refused(
+                "this node was started with --cluster-secret of another cluster; start it without one to be added".into(),
+            ));
         }
         identity::store_join_request(&self.dir, &invitation)?;
         tracing::info!(join = %invitation.join, "invited into a cluster; restarting to join it");
