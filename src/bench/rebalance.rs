@@ -44,6 +44,9 @@ pub struct RebalanceArgs {
     /// The cluster's `rebalance_mb_per_s` during the rebalance (0: no limit).
     #[arg(long)]
     mb_per_s: Option<u32>,
+    /// The cluster's `rebalance_moves_per_node` during the rebalance (default: the setting's).
+    #[arg(long)]
+    moves_per_node: Option<u32>,
     /// Which methods the swap runs: `files`, `stream` or both.
     #[arg(long, value_delimiter = ',', default_value = "files,stream")]
     methods: Vec<String>,
@@ -255,6 +258,9 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
     println!("loaded {docs} documents in {:.1} s", loaded.elapsed().as_secs_f64());
     for n in &nodes {
         n.wait_idle(Duration::from_secs(120));
+    }
+    if let Some(moves) = args.moves_per_node {
+        client.cluster_settings(&json!({"rebalance_moves_per_node": moves})).await?;
     }
     if let Some(mb) = args.mb_per_s {
         client.cluster_settings(&json!({"rebalance_mb_per_s": mb})).await?;
