@@ -271,11 +271,13 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16) -> Result<IngestSt
         return Err(ClusterError::BadMessage(format!("asked for partition {p}, got {}", header.export.partition)));
     }
     node.copies.set(p, |c| c.bytes_total = header.bytes_estimate);
-    let (tx, rx) = mpsc::channel::<Result<Vec<(Bytes, Bytes)>, PartitionError>>(COPY_QUEUE_CHUNKS);
+    // The records are decoded on the ingest's thread, below the foreground's priority; the
+    // runtime's threads (which serve requests) only move the chunks.
+    let (tx, rx) = mpsc::channel::<Result<Bytes, PartitionError>>(COPY_QUEUE_CHUNKS);
     let store = Arc::clone(node.engine.store());
     let export = header.export.clone();
-    let ingest = background("shoal-ingest", move || store.ingest_partition(&export, Batches { rx, batch: Vec::new().into_iter() }))?;
-    let pumped = pump(node, p, &mut stream, &mut decoder, &tx).await;
+    let ingest = background("shoal-ingest", move || store.ingest_partition(&export, Records { rx, decoder, done: false }))?;
+    let pumped = pump(node, p, &mut stream, &tx).await;
     if let Err(e) = &pumped {
         // The ingest must not finish on a part of the copy.
         let _ = tx.send(Err(PartitionError::Malformed(e.to_string()))).await;
@@ -331,46 +333,23 @@ fn lower_priority() {
 #[cfg(not(target_os = "linux"))]
 fn lower_priority() {}
 
-/// Moves records from the network to the ingest until the end marker.
+/// Moves the copy's chunks from the network to the ingest until the stream ends (the
+/// ingest checks that it ended with the end marker).
 async fn pump(
     node: &ClusterNode,
     p: u16,
     stream: &mut ChunkStream,
-    decoder: &mut FrameDecoder,
-    tx: &mpsc::Sender<Result<Vec<(Bytes, Bytes)>, PartitionError>>,
+    tx: &mpsc::Sender<Result<Bytes, PartitionError>>,
 ) -> Result<(), ClusterError> {
-    loop {
-        let mut batch = Vec::new();
-        let mut bytes = 0u64;
-        let mut ended = false;
-        while let Some(frame) = decoder.next_frame().map_err(bad)? {
-            match frame {
-                Frame::Record(k, v) => {
-                    bytes += (k.len() + v.len()) as u64;
-                    batch.push((k, v));
-                }
-                Frame::End => ended = true,
-                Frame::Header(_) => return Err(ClusterError::BadMessage("a second header".into())),
-            }
+    while let Some(chunk) = next_chunk(stream).await? {
+        let bytes = chunk.len() as u64;
+        if tx.send(Ok(chunk)).await.is_err() {
+            // The ingest stopped (it refused a record): its error says why.
+            return Ok(());
         }
-        if !batch.is_empty() {
-            if tx.send(Ok(batch)).await.is_err() {
-                // The ingest stopped (it refused a record): its error says why.
-                return Ok(());
-            }
-            node.copies.set(p, |c| c.bytes_done += bytes);
-        }
-        if ended {
-            return match next_chunk(stream).await? {
-                None => decoder.finish().map_err(bad),
-                Some(_) => Err(bad(FrameError::Trailing)),
-            };
-        }
-        match next_chunk(stream).await? {
-            Some(chunk) => decoder.push(&chunk),
-            None => return Err(bad(decoder.finish().err().unwrap_or(FrameError::Truncated))),
-        }
+        node.copies.set(p, |c| c.bytes_done += bytes);
     }
+    Ok(())
 }
 
 async fn next_chunk(stream: &mut ChunkStream) -> Result<Option<Bytes>, ClusterError> {
@@ -385,23 +364,44 @@ fn bad(e: FrameError) -> ClusterError {
     ClusterError::BadMessage(e.to_string())
 }
 
-/// The records of the copy as the ingest reads them (blocking on the network side).
-struct Batches {
-    rx: mpsc::Receiver<Result<Vec<(Bytes, Bytes)>, PartitionError>>,
-    batch: std::vec::IntoIter<(Bytes, Bytes)>,
+/// The records of the copy as the ingest reads them, decoded from the chunks the network
+/// side passes on (blocking on it). A stream that ends without its end marker, or with
+/// anything after it, is an error: the ingest must not finish on part of a copy.
+struct Records {
+    rx: mpsc::Receiver<Result<Bytes, PartitionError>>,
+    decoder: FrameDecoder,
+    done: bool,
 }
 
-impl Iterator for Batches {
+impl Iterator for Records {
     type Item = Result<(Bytes, Bytes), PartitionError>;
 
     fn next(&mut self) -> Option<Self::Item> {
+        if self.done {
+            return None;
+        }
+        let malformed = |e: FrameError| PartitionError::Malformed(e.to_string());
         loop {
-            if let Some(record) = self.batch.next() {
-                return Some(Ok(record));
-            }
-            match self.rx.blocking_recv()? {
-                Ok(batch) => self.batch = batch.into_iter(),
-                Err(e) => return Some(Err(e)),
+            let failed = match self.decoder.next_frame() {
+                Ok(Some(Frame::Record(k, v))) => return Some(Ok((k, v))),
+                Ok(Some(Frame::End) | None) => None,
+                Ok(Some(Frame::Header(_))) => Some(PartitionError::Malformed("a second header".into())),
+                Err(e) => Some(malformed(e)),
+            };
+            let next = match failed {
+                Some(e) => Some(Err(e)),
+                None => self.rx.blocking_recv(),
+            };
+            match next {
+                Some(Ok(chunk)) => self.decoder.push(&chunk),
+                Some(Err(e)) => {
+                    self.done = true;
+                    return Some(Err(e));
+                }
+                None => {
+                    self.done = true;
+                    return self.decoder.finish().err().map(|e| Err(malformed(e)));
+                }
             }
         }
     }
@@ -460,6 +460,61 @@ pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc:
 
 #[cfg(test)]
 mod tests {
+
+    /// The ingest's side of a copy: `chunks` (a stream cut anywhere) through `Records`.
+    fn records_of(stream: &[u8], cut: usize) -> Vec<Result<(Bytes, Bytes), String>> {
+        let mut decoder = FrameDecoder::default();
+        let mut at = 0;
+        // The header is read on the network side first, as `copy` does.
+        loop {
+            match decoder.next_frame().unwrap() {
+                Some(Frame::Header(_)) => break,
+                Some(f) => panic!("{f:?} before the header"),
+                None => {
+                    let end = (at + cut).min(stream.len());
+                    decoder.push(&stream[at..end]);
+                    at = end;
+                }
+            }
+        }
+        let (tx, rx) = mpsc::channel(COPY_QUEUE_CHUNKS);
+        let rest: Vec<Bytes> = stream[at..].chunks(cut).map(Bytes::copy_from_slice).collect();
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                for chunk in rest {
+                    tx.blocking_send(Ok(chunk)).unwrap();
+                }
+            });
+            Records { rx, decoder, done: false }.map(|r| r.map_err(|e| e.to_string())).collect()
+        })
+    }
+
+    #[test]
+    fn the_ingest_decodes_whole_copies_and_refuses_cut_or_padded_ones() {
+        let mut out = BytesMut::new();
+        FrameEncoder::header(
+            &mut out,
+            &CopyHeader { export: shoal_storage::ExportHeader { partition: 1, collections: Vec::new() }, bytes_estimate: 0 },
+        );
+        let mut encoder = FrameEncoder::default();
+        for i in 0..50u32 {
+            encoder.record(&mut out, format!("k{i}").as_bytes(), &[7u8; 300]);
+        }
+        let body = out.clone();
+        encoder.end(&mut out);
+        for cut in [1, 7, 64, 4096] {
+            let got = records_of(&out, cut);
+            assert_eq!(got.len(), 50, "cut {cut}");
+            assert!(got.iter().all(Result::is_ok), "cut {cut}");
+            assert_eq!(got[49].as_ref().unwrap().0, Bytes::from("k49"));
+            let cut_off = records_of(&body, cut);
+            assert!(cut_off.last().is_some_and(Result::is_err), "a copy without its end marker fails (cut {cut})");
+            let mut padded = out.clone();
+            padded.extend_from_slice(b"x");
+            assert!(records_of(&padded, cut).last().is_some_and(Result::is_err), "bytes after the end fail (cut {cut})");
+        }
+    }
+
     use super::*;
 
     #[test]
