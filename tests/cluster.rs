@@ -1359,6 +1359,10 @@ async fn cluster_add_brings_in_a_lone_empty_node() {
         let r = http.post(a.u("/v1/cluster/nodes")).json(&json!({"address": bad})).send().await.unwrap();
         assert_eq!(r.status().as_u16(), 400, "address {bad:?}");
     }
+    // CLUSTER_BODY_MAX_BYTES (64 KiB) for the body of a cluster call, this one included.
+    let oversized = format!(r#"{{"address": "{}:1"}}"#, "h".repeat(64 * 1024));
+    let r = http.post(a.u("/v1/cluster/nodes")).body(oversized).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 413, "an oversized body");
     for body in ["{", "[]", r#"{"address": "x:1", "extra": 1}"#, r#"{"address": 7}"#] {
         let r = http.post(a.u("/v1/cluster/nodes")).body(body).send().await.unwrap();
         assert_eq!(r.status().as_u16(), 400, "body {body}");

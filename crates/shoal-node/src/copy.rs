@@ -460,6 +460,7 @@ pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc:
 
 #[cfg(test)]
 mod tests {
+    use super::*;
 
     /// The ingest's side of a copy: `chunks` (a stream cut anywhere) through `Records`.
     fn records_of(stream: &[u8], cut: usize) -> Vec<Result<(Bytes, Bytes), String>> {
@@ -514,8 +515,6 @@ mod tests {
             assert!(records_of(&padded, cut).last().is_some_and(Result::is_err), "bytes after the end fail (cut {cut})");
         }
     }
-
-    use super::*;
 
     #[test]
     fn only_empty_copies_with_a_backlog_are_chosen() {

@@ -106,14 +106,7 @@ pub fn join_request(dir: &Path) -> Result<Option<Invitation>, ClusterError> {
 pub fn store_join_request(dir: &Path, invitation: &Invitation) -> Result<(), ClusterError> {
     check_secret(&invitation.secret)?;
     let bytes = serde_json::to_vec(invitation).map_err(|e| ClusterError::Identity(e.to_string()))?;
-    shoal_storage::write_atomically(dir, JOIN_REQUEST_FILE, &bytes)
-        .map_err(|e| ClusterError::Identity(format!("cannot write {}: {e}", dir.join(JOIN_REQUEST_FILE).display())))?;
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        let _ = std::fs::set_permissions(dir.join(JOIN_REQUEST_FILE), std::fs::Permissions::from_mode(0o600));
-    }
-    Ok(())
+    write_private(dir, JOIN_REQUEST_FILE, &bytes)
 }
 
 /// Forgets an invitation (joined, or refused for good).
@@ -135,12 +128,18 @@ fn check_secret(s: &str) -> Result<(), ClusterError> {
 }
 
 fn write_secret(dir: &Path, s: &str) -> Result<(), ClusterError> {
-    shoal_storage::write_atomically(dir, SECRET_FILE, s.as_bytes())
-        .map_err(|e| ClusterError::Identity(format!("cannot write {}: {e}", dir.join(SECRET_FILE).display())))?;
+    write_private(dir, SECRET_FILE, s.as_bytes())
+}
+
+/// Writes `name` in `dir` atomically, readable by this user only (mode 0600): it holds the
+/// cluster secret.
+fn write_private(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), ClusterError> {
+    shoal_storage::write_atomically(dir, name, bytes)
+        .map_err(|e| ClusterError::Identity(format!("cannot write {}: {e}", dir.join(name).display())))?;
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
-        let _ = std::fs::set_permissions(dir.join(SECRET_FILE), std::fs::Permissions::from_mode(0o600));
+        let _ = std::fs::set_permissions(dir.join(name), std::fs::Permissions::from_mode(0o600));
     }
     Ok(())
 }

@@ -1087,6 +1087,15 @@ impl ClusterNode {
         self.frozen.lock().get(&p).is_some_and(|until| *until > Instant::now())
     }
 
+    /// Whether this node's copy of `p` is the one its replicas follow: the active, or the
+    /// active frozen for a hand-over (a replica in storage already, and still the newest).
+    pub(crate) fn copy_serves(&self, p: u16) -> bool {
+        self.engine
+            .store()
+            .partition_state(p)
+            .is_ok_and(|s| s == PartitionState::Active || (s == PartitionState::Replica && self.is_frozen(p)))
+    }
+
     /// What the node's metrics show of the cluster: partitions by state, each replica's lag
     /// behind this node's active copies, the map version.
     pub fn stats(&self) -> ClusterStats {

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use shoal_cluster::NodeId;
 use shoal_meta::{MemberState, MetaState};
-use shoal_storage::{Change, Collection, PartitionError, PartitionState, StreamPosition};
+use shoal_storage::{Change, Collection, PartitionError, StreamPosition};
 use tokio::sync::watch;
 
 use crate::node::{blocking, ClusterNode};
@@ -284,7 +284,6 @@ pub(crate) async fn serve_pull(node: &Arc<ClusterNode>, req: PullRequest) -> Res
     let map = state.map.as_ref().ok_or_else(|| ClusterError::Refused("no partition map yet".into()))?;
     let from = NodeId(req.from);
     let me = NodeId(node.id);
-    let store = node.engine.store();
     // A promotion's catch-up: `from` and this node are fenced replicas of partitions the
     // failed node was active for; this node's copies no longer change.
     let catch_up = req.catch_up_for.map(NodeId).filter(|f| state.members.get(f).is_some_and(|m| m.state == MemberState::Failed));
@@ -294,11 +293,10 @@ pub(crate) async fn serve_pull(node: &Arc<ClusterNode>, req: PullRequest) -> Res
             req.catch_up_for.unwrap_or(0)
         )));
     }
-    // This node's copy of a partition it serves as the active (or as the frozen active of a
-    // hand-over). Checked again before each read: a long-polled pull outlives maps, and a
-    // copy dropped meanwhile would answer "roll back to 0" with no history.
-    let copy_serves =
-        |p: u16| store.partition_state(p).is_ok_and(|s| s == PartitionState::Active || (s == PartitionState::Replica && node.is_frozen(p)));
+    // This node's copy of a partition it serves as the active (`ClusterNode::copy_serves`).
+    // Checked again before each read: a long-polled pull outlives maps, and a copy dropped
+    // meanwhile would answer "roll back to 0" with no history.
+    let copy_serves = |p: u16| node.copy_serves(p);
     // Only parts this node is active for and `from` is a replica of count as acknowledgements.
     let (mut served, refused): (Vec<PullPart>, Vec<PullPart>) = req.parts.into_iter().partition(|part| {
         let copies = map.partitions.get(usize::from(part.partition));
@@ -422,12 +420,10 @@ pub(crate) async fn serve_versions(node: &Arc<ClusterNode>, req: VersionsRequest
         return Err(ClusterError::BadMessage(format!("at most {VERSIONS_KEYS_MAX} keys per versions call")));
     }
     let coll = node.collection_by_id(req.collection).ok_or_else(|| ClusterError::Refused(format!("no collection {}", req.collection)))?;
-    // Only the copy the replica follows answers: the active, or the active frozen for a
-    // hand-over (its copy is a replica already, and still the newest).
+    // Only the copy the replica follows answers.
     let p = req.partition;
-    let state = node.engine.store().partition_state(p).map_err(|e| ClusterError::Storage(e.to_string()))?;
-    if !(state == PartitionState::Active || (state == PartitionState::Replica && node.is_frozen(p))) {
-        return Err(ClusterError::Refused(format!("partition {p} is {state} here, not the copy to repair from")));
+    if !node.copy_serves(p) {
+        return Err(ClusterError::Refused(format!("partition {p} is not served here: not the copy to repair from")));
     }
     blocking(move || {
         let mut changes = Vec::with_capacity(req.keys.len());

@@ -30,6 +30,9 @@ pub const FORWARDED_HEADER: &str = "x-shoal-forwarded";
 pub const DIRECT_HEADER: &str = "x-shoal-route";
 /// Largest body of a call between members (a Raft snapshot chunk, a pull with its acks).
 pub const INTERNAL_BODY_MAX_BYTES: usize = 64 * 1024 * 1024;
+/// Largest body of a cluster call from a client (settings, failover, recover, rebalance,
+/// add): a few fields.
+pub const CLUSTER_BODY_MAX_BYTES: usize = 64 * 1024;
 /// Largest answer a member accepts from another (a replication batch).
 pub const PEER_ANSWER_MAX_BYTES: usize = 256 * 1024 * 1024;
 /// How long a forwarded request may take on the node it went to.
@@ -372,7 +375,7 @@ struct SettingsBody {
 /// `PUT /v1/cluster/settings`.
 pub async fn settings(State(state): State<AppState>, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
-    let body = extract::body(&state, body, 64 * 1024).await?;
+    let body = extract::body(&state, body, CLUSTER_BODY_MAX_BYTES).await?;
     let s: SettingsBody = extract::json_body(&body)?;
     let patch = SettingsPatch {
         replicas: s.replicas,
@@ -395,7 +398,7 @@ struct NodeBody {
 /// `POST /v1/cluster/failover` (on the leader; another member forwards it there).
 pub async fn failover(State(state): State<AppState>, RawQuery(q): RawQuery, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
-    let body = extract::body(&state, body, 64 * 1024).await?;
+    let body = extract::body(&state, body, CLUSTER_BODY_MAX_BYTES).await?;
     let req: NodeBody = extract::json_body(&body)?;
     if let Some(response) = to_leader(&state, Method::POST, "/v1/cluster/failover", &headers, &body).await? {
         return Ok(response);
@@ -415,7 +418,7 @@ struct AddBody {
 /// to join this cluster; answers once it is a member (`added`).
 pub async fn add_node(State(state): State<AppState>, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
-    let body = extract::body(&state, body, 64 * 1024).await?;
+    let body = extract::body(&state, body, CLUSTER_BODY_MAX_BYTES).await?;
     let req: AddBody = extract::json_body(&body)?;
     let valid = req.address.rsplit_once(':').is_some_and(|(host, port)| {
         !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0) && !req.address.contains(['/', ' ', '@', '?', '#'])
@@ -431,7 +434,7 @@ pub async fn add_node(State(state): State<AppState>, RawQuery(q): RawQuery, body
 /// `POST /v1/cluster/recover` (on the leader).
 pub async fn recover(State(state): State<AppState>, RawQuery(q): RawQuery, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
-    let body = extract::body(&state, body, 64 * 1024).await?;
+    let body = extract::body(&state, body, CLUSTER_BODY_MAX_BYTES).await?;
     let req: NodeBody = extract::json_body(&body)?;
     // On the leader: it resets the count of automatic failovers.
     if let Some(response) = to_leader(&state, Method::POST, "/v1/cluster/recover", &headers, &body).await? {
@@ -451,7 +454,7 @@ struct RebalanceBody {
 /// `POST /v1/cluster/rebalance` (on the leader).
 pub async fn rebalance(State(state): State<AppState>, RawQuery(q): RawQuery, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
-    let body = extract::body(&state, body, 64 * 1024).await?;
+    let body = extract::body(&state, body, CLUSTER_BODY_MAX_BYTES).await?;
     let req: RebalanceBody = if body.iter().all(u8::is_ascii_whitespace) { RebalanceBody::default() } else { extract::json_body(&body)? };
     if let Some(response) = to_leader(&state, Method::POST, "/v1/cluster/rebalance", &headers, &body).await? {
         return Ok(response);

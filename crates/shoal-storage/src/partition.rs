@@ -720,18 +720,24 @@ impl Partition {
     /// them when `to` is below the purge seqno, as [`Partition::roll_back`] does), so that a
     /// caller can fetch what replaces them before it rolls back.
     pub fn keys_above(&self, to: SeqNo) -> Result<Vec<Bytes>, ReadError> {
-        let purge_seqno = self.purge_seqno.load(Ordering::Acquire);
+        Ok(self.latest_above(to, self.purge_seqno.load(Ordering::Acquire))?.1.into_iter().map(|(_, key)| key).collect())
+    }
+
+    /// The point a rollback to `to` goes to (0 below `purge_seqno`), and every by-sequence
+    /// entry above it, newest first: each key's latest change is there (one entry per key),
+    /// so these are exactly the keys whose latest change a rollback removes.
+    fn latest_above(&self, to: SeqNo, purge_seqno: SeqNo) -> Result<(SeqNo, Vec<(SeqNo, Bytes)>), ReadError> {
         let to = if to < purge_seqno { 0 } else { to };
         let c = self.coll;
-        let mut keys = Vec::new();
-        for guard in self.ks.range(codec::seq_key(c, to + 1)..=codec::seq_key(c, SeqNo::MAX)) {
+        let mut latest = Vec::new();
+        for guard in self.ks.range(codec::seq_key(c, to + 1)..=codec::seq_key(c, SeqNo::MAX)).rev() {
             let (k, v) = guard.into_inner()?;
-            let (Some(_), Some((_, _, key))) = (codec::decode_seq_key(&k), codec::decode_seq_value(&v)) else {
+            let (Some(seqno), Some((_, _, key))) = (codec::decode_seq_key(&k), codec::decode_seq_value(&v)) else {
                 return Err(ReadError::Corrupt);
             };
-            keys.push(Bytes::copy_from_slice(key));
+            latest.push((seqno, Bytes::copy_from_slice(key)));
         }
-        Ok(keys)
+        Ok((to, latest))
     }
 
     pub(crate) fn roll_back(
@@ -751,18 +757,11 @@ impl Partition {
         }
         self.health.check_writable()?;
         let purge_seqno = self.purge_seqno.load(Ordering::Acquire);
-        let to = if to < purge_seqno { 0 } else { to };
         let c = self.coll;
-        // Every by-sequence entry above `to`, newest first: each key's latest change is there
-        // (one entry per key), so these are exactly the keys whose latest change goes.
-        let mut victims: Vec<(SeqNo, Bytes)> = Vec::new();
-        for guard in self.ks.range(codec::seq_key(c, to + 1)..=codec::seq_key(c, SeqNo::MAX)).rev() {
-            let (k, v) = guard.into_inner()?;
-            let (Some(seqno), Some((_, _, key))) = (codec::decode_seq_key(&k), codec::decode_seq_value(&v)) else {
-                return Err(PartitionError::Refused(WriteError::Corrupt));
-            };
-            victims.push((seqno, Bytes::copy_from_slice(key)));
-        }
+        let (to, victims) = self.latest_above(to, purge_seqno).map_err(|e| match e {
+            ReadError::Corrupt => PartitionError::Refused(WriteError::Corrupt),
+            e => PartitionError::from(e),
+        })?;
         let failover: Vec<FailoverEntry> = self
             .failover
             .iter()
