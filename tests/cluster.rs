@@ -1375,6 +1375,22 @@ async fn cluster_add_brings_in_a_lone_empty_node() {
     let r = http.post(c.u("/v1/_internal/invite")).json(&json!({"join": a.addr(), "secret": "forged-secret"})).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 409);
     assert_eq!(get_json(&http, &c.u("/v1/collections")).await.1.as_array().map(Vec::len), Some(1));
+    // Malformed invitations to the lone node: a clear 400, and it stays as it was.
+    for body in ["", "{", "[]", r#"{"join": 7}"#, r#"{"secret": "s"}"#, "\u{0}\u{1}garbage"] {
+        let r = http.post(b.u("/v1/_internal/invite")).body(body).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 400, "invite body {body:?}");
+    }
+    // Well-formed but forged invitations to the lone node: the cluster they name does not
+    // answer to their secret (or is not there), so the node keeps serving alone.
+    for (join, secret) in
+        [(a.addr(), "forged-secret".to_string()), ("127.0.0.1:1".to_string(), SECRET.to_string()), (String::new(), String::new())]
+    {
+        let r = http.post(b.u("/v1/_internal/invite")).json(&json!({"join": join, "secret": secret})).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 409, "forged invitation to {join:?}");
+        assert!(r.text().await.unwrap().contains("does not check out"), "forged invitation to {join:?}");
+    }
+    assert!(!b.dir.join("join-request.json").exists(), "no invitation kept from a malformed or forged one");
+    assert_eq!(get_json(&http, &b.u("/v1/cluster")).await.1["nodes"].as_array().map(Vec::len), Some(1), "b is still alone");
 
     let (ok, out, err) = a.cli(&["cluster", "add", &b.addr()]);
     assert!(ok, "cluster add: {out} {err}");

@@ -12,6 +12,7 @@ pub mod network;
 pub mod node;
 pub mod state;
 pub mod state_machine;
+pub mod vote_gate;
 
 pub use files::StoreError;
 pub use log_store::MetaLogStore;
@@ -22,6 +23,7 @@ pub use state::{
     Settings, SettingsPatch,
 };
 pub use state_machine::{MetaStateMachine, TermLeaders};
+pub use vote_gate::VoteGate;
 
 /// What applying one log entry answers: the command's response, or why every member
 /// refused it.

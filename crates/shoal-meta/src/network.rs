@@ -81,12 +81,14 @@ pub enum RpcHandleError {
     Encode(String),
 }
 
+/// Decodes a received message's body.
+pub(crate) fn decode<T: DeserializeOwned>(kind: RpcKind, body: &[u8]) -> Result<T, RpcHandleError> {
+    serde_json::from_slice(body).map_err(|e| RpcHandleError::BadRequest { kind, why: e.to_string() })
+}
+
 /// Answers one received message with the local Raft: decodes the request, calls Raft, and
 /// encodes its `Result` (a remote Raft error travels back as data, not as a transport error).
 pub(crate) async fn handle_rpc(raft: &Raft<TypeConfig>, kind: RpcKind, body: &[u8]) -> Result<Vec<u8>, RpcHandleError> {
-    fn decode<T: DeserializeOwned>(kind: RpcKind, body: &[u8]) -> Result<T, RpcHandleError> {
-        serde_json::from_slice(body).map_err(|e| RpcHandleError::BadRequest { kind, why: e.to_string() })
-    }
     let encoded = match kind {
         RpcKind::AppendEntries => serde_json::to_vec(&raft.append_entries(decode(kind, body)?).await),
         RpcKind::Vote => serde_json::to_vec(&raft.vote(decode(kind, body)?).await),

@@ -5,25 +5,30 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use openraft::error::{ClientWriteError, RaftError};
+use openraft::raft::{VoteRequest, VoteResponse};
 use openraft::{BasicNode, Config, Raft, RaftMetrics, SnapshotPolicy};
 use thiserror::Error;
 use tokio::sync::watch;
 
-use crate::network::{handle_rpc, MetaNetwork, MetaTransport, RpcHandleError, RpcKind};
+use crate::network::{decode, handle_rpc, MetaNetwork, MetaTransport, RpcHandleError, RpcKind};
 use crate::state::{MetaCommand, MetaReject, MetaResponse, MetaState};
 use crate::state_machine::TermLeaders;
+use crate::vote_gate::VoteGate;
 use crate::{open_storage, StoreError, TypeConfig};
 
 /// A leader sends a heartbeat this often. Metadata changes are rare; the heartbeat is what
 /// keeps followers from electing, so it is well below the election timeout.
 pub const HEARTBEAT_INTERVAL_MS: u64 = 250;
-/// A follower that hears nothing for a random time in this range starts an election. Wide
-/// enough for a shared 2-core machine under load not to elect on a scheduling hiccup, short
-/// enough that a lost metadata leader is replaced well within the 5 s auto-failover timeout.
-pub const ELECTION_TIMEOUT_MIN_MS: u64 = 1_000;
-pub const ELECTION_TIMEOUT_MAX_MS: u64 = 2_000;
+/// A follower that hears nothing for openraft's leader lease (`ELECTION_TIMEOUT_MAX_MS`)
+/// plus a random time in this range starts an election: 2.25–3 s of silence. Long enough
+/// for a shared 2-core machine under load not to elect on a scheduling hiccup (heartbeats
+/// go every 250 ms), short enough that a lost metadata leader is replaced and failed over
+/// within the lowest auto-failover timeout (2 s) plus 2 s.
+pub const ELECTION_TIMEOUT_MIN_MS: u64 = 750;
+pub const ELECTION_TIMEOUT_MAX_MS: u64 = 1_500;
 /// A snapshot is built after this many entries since the last one; the log behind it is purged.
 pub const SNAPSHOT_LOGS_SINCE_LAST: u64 = 1_000;
 /// Entries kept behind a snapshot, so a briefly lagging member catches up from the log rather
@@ -102,13 +107,15 @@ pub struct MetaNode {
     raft: Raft<TypeConfig>,
     applied: watch::Receiver<Arc<MetaState>>,
     leaders: watch::Receiver<TermLeaders>,
+    gate: VoteGate,
 }
 
 impl MetaNode {
     /// Opens the member `id` with its log in `dir` (a directory of its own, never the
     /// document store's), talking to the others through `transport`. A member that has a log
     /// rejoins its cluster by itself; a new one waits for `initialize` or for a leader to add it.
-    pub async fn open<T: MetaTransport>(dir: &Path, id: u64, transport: Arc<T>) -> Result<MetaNode, OpenError> {
+    /// It votes for no candidate within `vote_hold` of vouching for a leader (`VoteGate`).
+    pub async fn open<T: MetaTransport>(dir: &Path, id: u64, transport: Arc<T>, vote_hold: Duration) -> Result<MetaNode, OpenError> {
         let (log, sm) = open_storage(dir)?;
         let applied = sm.subscribe();
         let leaders = sm.leaders();
@@ -126,7 +133,7 @@ impl MetaNode {
         };
         let config = Arc::new(config.validate().map_err(|e| OpenError::Config(e.to_string()))?);
         let raft = Raft::new(id, config, MetaNetwork::new(transport), log, sm).await.map_err(|e| OpenError::Raft(e.to_string()))?;
-        Ok(MetaNode { id, raft, applied, leaders })
+        Ok(MetaNode { id, raft, applied, leaders, gate: VoteGate::new(vote_hold) })
     }
 
     pub fn id(&self) -> u64 {
@@ -224,8 +231,31 @@ impl MetaNode {
     }
 
     /// Answers a message from another member (the server's end of `MetaTransport`).
+    /// A vote request passes the `VoteGate` first; one it holds back is refused as openraft
+    /// refuses one within its own leader lease (this member's vote, not granted, no log id).
     pub async fn handle_rpc(&self, kind: RpcKind, body: &[u8]) -> Result<Vec<u8>, RpcHandleError> {
-        handle_rpc(&self.raft, kind, body).await
+        if kind != RpcKind::Vote {
+            return handle_rpc(&self.raft, kind, body).await;
+        }
+        let req: VoteRequest<u64> = decode(kind, body)?;
+        let candidate = req.vote.leader_id().voted_for();
+        let Some(ticket) = self.gate.admit_vote() else {
+            let vote = self.raft.metrics().borrow().vote;
+            let refused: Result<VoteResponse<u64>, RaftError<u64>> = Ok(VoteResponse::new(vote, None, false));
+            return serde_json::to_vec(&refused).map_err(|e| RpcHandleError::Encode(e.to_string()));
+        };
+        let answer = self.raft.vote(req).await;
+        if let (Ok(resp), Some(candidate)) = (&answer, candidate) {
+            if resp.vote_granted {
+                ticket.granted(candidate);
+            }
+        }
+        serde_json::to_vec(&answer).map_err(|e| RpcHandleError::Encode(e.to_string()))
+    }
+
+    /// This member's vote gate: the cluster layer vouches through it.
+    pub fn vote_gate(&self) -> &VoteGate {
+        &self.gate
     }
 
     /// Builds a snapshot now (Raft also builds one every `SNAPSHOT_LOGS_SINCE_LAST` entries).

@@ -19,7 +19,7 @@ fn address(id: u64) -> String {
 }
 
 async fn start(router: &Arc<InProcessRouter>, dirs: &BTreeMap<u64, TempDir>, id: u64) -> MetaNode {
-    let node = MetaNode::open(dirs[&id].path(), id, Arc::clone(router)).await.unwrap();
+    let node = MetaNode::open(dirs[&id].path(), id, Arc::clone(router), std::time::Duration::from_millis(1_500)).await.unwrap();
     router.serve(&address(id), &node);
     node
 }

@@ -58,6 +58,12 @@ pub struct CopyProgress {
     /// Files: `queued`, `copying`, `done`, `failed` (then the stream takes over). Stream:
     /// [`STREAMING`], `done` (past its first snapshot).
     pub state: String,
+    /// When the copy started receiving and when it was whole, in milliseconds since the
+    /// Unix epoch on this node's clock (for the rate over all copies).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_unix_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_unix_ms: Option<u64>,
 }
 
 /// A stream copy's state while it backfills.
@@ -122,8 +128,10 @@ impl Copies {
         metrics::counter!("shoal_rebalance_bytes_total", "method" => "stream").increment(bytes);
         c.bytes_done += bytes;
         c.bytes_total = c.bytes_total.max(c.bytes_done);
+        c.started_unix_ms.get_or_insert_with(crate::failover::unix_ms);
         if done {
             c.state = "done".into();
+            c.finished_unix_ms = Some(crate::failover::unix_ms());
         }
     }
 
@@ -200,7 +208,10 @@ fn start_queued(node: &Arc<ClusterNode>) {
 /// Builds this node's copy of partition `p` from `source`'s export, in the background; when
 /// it ends (either way), the partition follows the map again and the next queued copy starts.
 fn start(node: &Arc<ClusterNode>, source: u64, address: String, p: u16) {
-    node.copies.set(p, |c| c.state = "copying".into());
+    node.copies.set(p, |c| {
+        c.state = "copying".into();
+        c.started_unix_ms = Some(crate::failover::unix_ms());
+    });
     let node = Arc::clone(node);
     tokio::spawn(async move {
         let started = Instant::now();
@@ -220,6 +231,7 @@ fn start(node: &Arc<ClusterNode>, source: u64, address: String, p: u16) {
                     c.state = "done".into();
                     c.bytes_done = stats.bytes;
                     c.bytes_total = stats.bytes;
+                    c.finished_unix_ms = Some(crate::failover::unix_ms());
                 });
                 metrics::counter!("shoal_rebalance_bytes_total", "method" => "files").increment(stats.bytes);
             }
@@ -229,6 +241,7 @@ fn start(node: &Arc<ClusterNode>, source: u64, address: String, p: u16) {
                 node.copies.set(p, |c| {
                     c.state = "failed".into();
                     c.method = "stream".into();
+                    c.started_unix_ms = None;
                 });
                 // Whatever was ingested goes: the stream starts from an empty copy.
                 let store = Arc::clone(node.engine.store());

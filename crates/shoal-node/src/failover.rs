@@ -14,26 +14,32 @@
 //!   one-way partition — cannot extend a lease past what the leader accounts for. A ping
 //!   from anyone but the leader the member follows extends nothing, nor does one from a
 //!   leader whose map is newer than the member's (it would serve by a map that may have
-//!   moved its partitions).
+//!   moved its partitions); and a granted lease is void once the member follows another
+//!   leader, or none (a candidate).
 //! - no failover can happen without it (the other voters are fewer than a quorum: a one-
 //!   or two-node cluster).
 //!
-//! A leader pings only once an entry of its own term is committed, so every leader that
-//! ever granted a lease is in the log, and a new leader knows the last one before it (its
-//! *predecessor*, `MetaNode::predecessor`).
+//! A member that answers a ping as its leader's *vouches* for that leader, through the
+//! metadata log's `VoteGate`: it votes for no candidate until `LEASE` after it last
+//! vouched, and vouches for no one but its candidate until `LEASE` after a vote (a leader
+//! that voted for another leads no more either). A leader pings only once an entry of its
+//! own term is committed, so every leader that ever held or granted a lease is in the log,
+//! and a new leader knows the last one before it (its *predecessor*,
+//! `MetaNode::predecessor`). The predecessor's lease rested on a quorum of voters; this
+//! leader's election quorum meets it, and every voter in it but this node voted at least
+//! `LEASE` after it last vouched. So the predecessor's lease was over by this leader's
+//! start, or by `LEASE` after this node last vouched, whichever is later (*the
+//! predecessor's end*).
 //!
 //! A failover waits out the node's lease before it promotes anything, so no two copies
 //! ever serve one partition. The leader marks the node `failed` first (no ping grants it
 //! anything after that), then waits until the latest of:
 //! - `LEASE + MAX_CLOCK_OFFSET` after the last grant it sent the node (it grants only to
 //!   members that answered within `PING_TIMEOUT`, so a dead one stops being granted soon);
-//! - for a new leader, what the previous leader may have granted: its grants stopped when
-//!   its own lease lapsed, which was before `LEASE` after this leader's election (a voter
-//!   that answered its pings did so before voting for this one), so `2 × LEASE +
-//!   MAX_CLOCK_OFFSET` from this leader's start;
-//! - for the predecessor itself, its own lease as leader, over by `LEASE` after this
-//!   leader's start, and leases it was granted before its election: `LEASE +
-//!   MAX_CLOCK_OFFSET` from this leader's start.
+//! - for the predecessor itself, the predecessor's end (its leases granted by leaders
+//!   before it were void once it stood for election);
+//! - for any other member, what the predecessor may have granted it: `LEASE +
+//!   MAX_CLOCK_OFFSET` after the predecessor's end.
 //!
 //! **Failover** (the metadata leader, by hand or after `auto_failover_timeout_s` of missed
 //! pings), in two committed steps:
@@ -56,7 +62,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use shoal_cluster::failover::CollectionSeqnos;
 use shoal_cluster::{NodeId, PartitionId};
-use shoal_meta::{MemberState, MetaCommand, MetaNode};
+use shoal_meta::{MemberState, MetaCommand, MetaNode, VoteGate};
 
 use crate::node::ClusterNode;
 use crate::peers::Op;
@@ -75,6 +81,9 @@ const CLOCK_WARN_EVERY: Duration = Duration::from_secs(10);
 pub const PING_INTERVAL: Duration = Duration::from_millis(250);
 /// A ping with no answer in this long counts as missed.
 pub const PING_TIMEOUT: Duration = Duration::from_millis(1_000);
+/// How long a new leader gives its predecessor to answer before judging it by its silence
+/// before the election (two ping rounds: one that is alive answers within them).
+pub const PREDECESSOR_GRACE: Duration = Duration::from_millis(500);
 /// How long the leader waits for a replica's fence report.
 pub const FENCE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long the leader waits for a promoted replica to catch up from the other fenced ones
@@ -84,8 +93,9 @@ pub const CATCH_UP_TIMEOUT: Duration = Duration::from_secs(60);
 /// This node's lease; see the module documentation.
 #[derive(Default)]
 pub struct Lease {
-    /// Until when the pings of the leader this member follows keep it serving.
-    until: Mutex<Option<Instant>>,
+    /// Until when the pings of the leader this member follows keep it serving, and which
+    /// leader granted it: it is void once this member follows another (or none).
+    until: Mutex<Option<(u64, Instant)>>,
     /// As leader: until when the pings a quorum of voters answered as their leader's keep
     /// it serving (`LEASE` after the quorum's oldest send time).
     quorum_until: Mutex<Option<Instant>>,
@@ -96,7 +106,7 @@ pub struct Lease {
 }
 
 /// Now, in milliseconds since the Unix epoch (0 if the clock is before it).
-fn unix_ms() -> u64 {
+pub(crate) fn unix_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
@@ -106,9 +116,9 @@ impl Lease {
         *self.last_leader_ping.lock() = Some((leader, Instant::now()));
     }
 
-    /// Extends the lease to `LEASE` after `sent_unix_ms` (the grant's send time on the
-    /// leader's clock), read on this member's clock; see the module documentation.
-    fn grant(&self, sent_unix_ms: u64) {
+    /// Extends the lease to `LEASE` after `sent_unix_ms` (the grant's send time on
+    /// `leader`'s clock), read on this member's clock; see the module documentation.
+    fn grant(&self, leader: u64, sent_unix_ms: u64) {
         let age_ms = i128::from(unix_ms()) - i128::from(sent_unix_ms);
         if age_ms < -(MAX_CLOCK_OFFSET.as_millis() as i128) {
             let mut warned = self.clock_warned.lock();
@@ -126,8 +136,9 @@ impl Lease {
         let Some(left) = LEASE.checked_sub(age) else { return };
         let next = Instant::now() + left;
         let mut until = self.until.lock();
-        if until.is_none_or(|u| u < next) {
-            *until = Some(next);
+        match *until {
+            Some((granter, u)) if granter == leader && u >= next => {}
+            _ => *until = Some((leader, next)),
         }
     }
 
@@ -142,11 +153,15 @@ impl Lease {
 
     /// Whether this node leads with a lease of its own (see the module documentation).
     fn leading(&self, meta: &MetaNode) -> bool {
-        leader_with_quorum(meta) && self.quorum_until.lock().is_some_and(|u| Instant::now() < u)
+        leader_with_quorum(meta)
+            && !meta.vote_gate().voted_for_another(meta.id())
+            && self.quorum_until.lock().is_some_and(|u| Instant::now() < u)
     }
 
     pub(crate) fn valid(&self, meta: &MetaNode) -> bool {
-        irreplaceable(meta) || self.leading(meta) || self.until.lock().is_some_and(|u| Instant::now() < u)
+        irreplaceable(meta)
+            || self.leading(meta)
+            || self.until.lock().is_some_and(|(granter, u)| Instant::now() < u && meta.leader() == Some(granter))
     }
 }
 
@@ -217,13 +232,13 @@ impl Monitor {
     /// answer, or since this leader started (or recovered it). The predecessor — the old
     /// leader, when it failed — is silent since the last ping this node had from it (or an
     /// election timeout before this leader started, when none), so it is not given the
-    /// whole auto-failover timeout again; but it too gets `PING_TIMEOUT` to answer this
+    /// whole auto-failover timeout again; but it too gets `PREDECESSOR_GRACE` to answer this
     /// leader (a short pause is not a failure).
     fn silent_for(&self, node: u64, lease: &Lease) -> Option<Duration> {
         let start = (*self.leader_since.lock())?;
         let mut since = self.first_seen.lock().get(&node).map_or(start, |f| (*f).max(start));
         if *self.predecessor.lock() == Some(node) {
-            if start.elapsed() < PING_TIMEOUT {
+            if start.elapsed() < PREDECESSOR_GRACE {
                 return Some(Duration::ZERO);
             }
             let elected_after = start.checked_sub(Duration::from_millis(shoal_meta::node::ELECTION_TIMEOUT_MIN_MS)).unwrap_or(start);
@@ -236,10 +251,14 @@ impl Monitor {
 
     /// How long `node` may still hold a lease, once it is committed `failed`; see the module
     /// documentation.
-    fn lease_wait(&self, node: u64) -> Duration {
+    fn lease_wait(&self, node: u64, gate: &VoteGate) -> Duration {
         let now = Instant::now();
-        let previous = if *self.predecessor.lock() == Some(node) { LEASE + MAX_CLOCK_OFFSET } else { LEASE * 2 + MAX_CLOCK_OFFSET };
-        let from_previous = self.leader_since.lock().map_or(now + previous, |start| start + previous);
+        // The previous leader's own lease ended by this leader's start, or `LEASE` after
+        // this node last vouched for it, whichever is later (see the module documentation).
+        let start = self.leader_since.lock().unwrap_or(now);
+        let previous_led_until = gate.last_vouched().map_or(start, |v| (v + LEASE).max(start));
+        let from_previous =
+            if *self.predecessor.lock() == Some(node) { previous_led_until } else { previous_led_until + LEASE + MAX_CLOCK_OFFSET };
         let from_mine = self.granted.lock().get(&node).map(|sent| *sent + LEASE + MAX_CLOCK_OFFSET);
         from_mine.map_or(from_previous, |m| m.max(from_previous)).saturating_duration_since(now)
     }
@@ -298,13 +317,15 @@ pub(crate) fn serve_ping(node: &ClusterNode, body: &[u8]) -> Result<PingAnswer, 
     let req: PingRequest = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
     let state = node.state();
     let failed = state.members.get(&NodeId(node.id)).is_some_and(|m| m.state == MemberState::Failed);
-    let follows = !failed && req.leader != node.id && node.meta.leader() == Some(req.leader);
+    // Vouching goes through the vote gate (see the module documentation); it refuses while
+    // this member votes, or has just voted, for another.
+    let follows = !failed && req.leader != node.id && node.meta.leader() == Some(req.leader) && node.meta.vote_gate().vouch(req.leader);
     if failed {
         node.lease.revoke();
     } else if follows {
         node.lease.heard(req.leader);
         if req.grant && state.map_version() >= req.map_version {
-            node.lease.grant(req.sent_unix_ms);
+            node.lease.grant(req.leader, req.sent_unix_ms);
         }
     }
     Ok(PingAnswer { node: node.id, map_version: state.map_version(), leased: follows })
@@ -484,7 +505,7 @@ pub async fn failover(node: &Arc<ClusterNode>, target: u64) -> Result<FailoverRe
         }
         node.propose(MetaCommand::SetMemberState { node: NodeId(target), state: MemberState::Failed }).await?;
     }
-    tokio::time::sleep(node.monitor.lease_wait(target)).await;
+    tokio::time::sleep(node.monitor.lease_wait(target, node.meta.vote_gate())).await;
     // Step 2: the fence reports.
     let holders: HashSet<NodeId> =
         map.partitions.iter().filter(|c| c.active.0 == target).flat_map(|c| c.replicas.iter().copied()).filter(|r| r.0 != target).collect();
@@ -671,7 +692,7 @@ mod tests {
     use super::*;
 
     fn left(lease: &Lease) -> Option<Duration> {
-        lease.until.lock().map(|u| u.saturating_duration_since(Instant::now()))
+        lease.until.lock().map(|(_, u)| u.saturating_duration_since(Instant::now()))
     }
 
     /// A grant runs `LEASE` from the ping's send time: a late ping gives less, one older
@@ -679,27 +700,70 @@ mod tests {
     #[test]
     fn a_grant_runs_from_the_pings_send_time_within_the_clock_offset() {
         let fresh = Lease::default();
-        fresh.grant(unix_ms());
+        fresh.grant(1, unix_ms());
         assert!(left(&fresh).is_some_and(|l| l > LEASE - Duration::from_millis(200) && l <= LEASE), "{:?}", left(&fresh));
 
         let late = Lease::default();
-        late.grant(unix_ms() - 1_000);
+        late.grant(1, unix_ms() - 1_000);
         assert!(left(&late).is_some_and(|l| l <= LEASE - Duration::from_millis(1_000)), "a ping a second late: {:?}", left(&late));
 
         let stale = Lease::default();
-        stale.grant(unix_ms() - LEASE.as_millis() as u64 - 1);
+        stale.grant(1, unix_ms() - LEASE.as_millis() as u64 - 1);
         assert_eq!(left(&stale), None, "a ping older than the lease extends nothing");
 
         let ahead = Lease::default();
-        ahead.grant(unix_ms() + MAX_CLOCK_OFFSET.as_millis() as u64 + 1_000);
+        ahead.grant(1, unix_ms() + MAX_CLOCK_OFFSET.as_millis() as u64 + 1_000);
         assert_eq!(left(&ahead), None, "a ping from past the clock offset in the future extends nothing");
 
         let within = Lease::default();
-        within.grant(unix_ms() + MAX_CLOCK_OFFSET.as_millis() as u64 / 2);
+        within.grant(1, unix_ms() + MAX_CLOCK_OFFSET.as_millis() as u64 / 2);
         assert!(left(&within).is_some_and(|l| l <= LEASE), "within the offset: at most LEASE from now: {:?}", left(&within));
 
         // A later grant never shortens the lease.
-        fresh.grant(unix_ms() - 1_000);
+        fresh.grant(1, unix_ms() - 1_000);
         assert!(left(&fresh).is_some_and(|l| l > LEASE - Duration::from_millis(400)));
+    }
+
+    /// A grant from another leader replaces the lease (it is void once the member follows
+    /// someone else, which `valid` checks against the log's leader).
+    #[test]
+    fn a_grant_belongs_to_its_leader() {
+        let lease = Lease::default();
+        lease.grant(1, unix_ms());
+        lease.grant(2, unix_ms() - 1_000);
+        assert_eq!(lease.until.lock().map(|(g, _)| g), Some(2));
+        assert!(left(&lease).is_some_and(|l| l <= LEASE - Duration::from_millis(1_000)));
+    }
+
+    /// What a new leader waits before promoting in place of a failed member: for its
+    /// predecessor nothing once it vouched for no one within `LEASE`; for another member the
+    /// predecessor's last grants (`LEASE + MAX_CLOCK_OFFSET` after that); and always its own
+    /// grants' `LEASE + MAX_CLOCK_OFFSET`.
+    #[test]
+    fn a_new_leader_waits_out_only_the_leases_that_may_still_run() {
+        let slack = Duration::from_millis(100);
+        let monitor = Monitor::default();
+        let start = Instant::now() - Duration::from_secs(1);
+        *monitor.leader_since.lock() = Some(start);
+        *monitor.predecessor.lock() = Some(7);
+        let gate = VoteGate::new(LEASE);
+        assert_eq!(monitor.lease_wait(7, &gate), Duration::ZERO, "never vouched: the predecessor's lease ended by the election");
+        let member = monitor.lease_wait(8, &gate);
+        let expected = LEASE + MAX_CLOCK_OFFSET - Duration::from_secs(1);
+        assert!(member > expected - slack && member <= expected, "the predecessor's grants: {member:?}");
+
+        // This node vouched for its predecessor just now: it may lead for `LEASE` more.
+        assert!(gate.vouch(7));
+        let predecessor = monitor.lease_wait(7, &gate);
+        assert!(predecessor > LEASE - slack && predecessor <= LEASE, "{predecessor:?}");
+        let member = monitor.lease_wait(8, &gate);
+        assert!(member > LEASE * 2 + MAX_CLOCK_OFFSET - slack && member <= LEASE * 2 + MAX_CLOCK_OFFSET, "{member:?}");
+
+        // Its own grant to a member: `LEASE + MAX_CLOCK_OFFSET` from the grant.
+        let fresh = Monitor::default();
+        *fresh.leader_since.lock() = Some(Instant::now() - Duration::from_secs(10));
+        fresh.granted.lock().insert(9, Instant::now());
+        let own = fresh.lease_wait(9, &VoteGate::new(LEASE));
+        assert!(own > LEASE + MAX_CLOCK_OFFSET - slack && own <= LEASE + MAX_CLOCK_OFFSET, "{own:?}");
     }
 }

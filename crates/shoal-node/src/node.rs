@@ -31,6 +31,9 @@ pub const JOIN_TIMEOUT: Duration = Duration::from_secs(60);
 pub const INVITE_WAIT: Duration = Duration::from_secs(60);
 /// How long the invited node has to answer the invitation itself.
 const INVITE_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the invited node waits for the cluster it is invited to to confirm the
+/// invitation's secret (within `INVITE_CALL_TIMEOUT`).
+const INVITE_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 /// Voting members of the metadata log; members beyond it are learners (they receive the
 /// log but do not vote), so elections stay quick in a large cluster.
 pub const META_VOTERS_MAX: usize = 5;
@@ -217,7 +220,7 @@ impl ClusterNode {
         }
         let meta_dir = dir.join("meta");
         std::fs::create_dir_all(&meta_dir).map_err(|e| ClusterError::Meta(format!("cannot create {}: {e}", meta_dir.display())))?;
-        let meta = MetaNode::open(&meta_dir, identity.node_id, Arc::new(MetaPeers(Arc::clone(&peers))))
+        let meta = MetaNode::open(&meta_dir, identity.node_id, Arc::new(MetaPeers(Arc::clone(&peers))), crate::failover::LEASE)
             .await
             .map_err(|e| ClusterError::Meta(e.to_string()))?;
         Ok(Arc::new(ClusterNode {
@@ -360,7 +363,7 @@ impl ClusterNode {
     /// The invited side of [`ClusterNode::invite`]: only a lone node with no collections
     /// accepts (nothing it holds could be lost); it keeps the invitation and asks to be
     /// restarted.
-    fn accept_invitation(&self, body: &[u8]) -> Result<JoinRequest, ClusterError> {
+    async fn accept_invitation(&self, body: &[u8]) -> Result<JoinRequest, ClusterError> {
         let invitation: identity::Invitation = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
         if !self.is_ready() {
             return Err(ClusterError::Refused("this node is still starting".into()));
@@ -385,6 +388,12 @@ impl ClusterNode {
             return Err(ClusterError::Refused(
                 "this node was started with --cluster-secret of another cluster; start it without one to be added".into(),
             ));
+        }
+        // The invitation comes without this node's secret: it is acted on only once the
+        // cluster it names answers to the secret it carries, so a forged one changes nothing.
+        let check = self.peers.call_with_secret(&invitation.secret, &invitation.join, Op::Identify, Vec::new(), INVITE_CHECK_TIMEOUT);
+        if let Err(e) = check.await {
+            return Err(ClusterError::Refused(format!("the invitation does not check out with the cluster it names: {e}")));
         }
         identity::store_join_request(&self.dir, &invitation)?;
         tracing::info!(join = %invitation.join, "invited into a cluster; restarting to join it");
@@ -615,7 +624,7 @@ impl ClusterNode {
         match op {
             Op::Raft(kind) => self.meta.handle_rpc(kind, body).await.map_err(|e| ClusterError::BadMessage(e.to_string())),
             Op::Invite => {
-                let answer = self.accept_invitation(body)?;
+                let answer = self.accept_invitation(body).await?;
                 serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
             }
             Op::Join => {

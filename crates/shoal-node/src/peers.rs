@@ -110,6 +110,10 @@ pub type PeerStreamFuture = Pin<Box<dyn Future<Output = Result<ChunkStream, Peer
 pub trait Peers: Send + Sync + 'static {
     fn call(&self, address: &str, op: Op, body: Vec<u8>, timeout: Duration) -> PeerFuture;
 
+    /// Like `call`, with `secret` in place of this node's own (an invited node checks the
+    /// invitation's secret with the cluster before it acts on it).
+    fn call_with_secret(&self, secret: &str, address: &str, op: Op, body: Vec<u8>, timeout: Duration) -> PeerFuture;
+
     /// Like `call`, but the answer comes as a stream of chunks; `timeout` bounds the wait
     /// for the answer to start (the caller bounds the gaps between chunks).
     fn stream(&self, address: &str, op: Op, body: Vec<u8>, timeout: Duration) -> PeerStreamFuture;

@@ -98,6 +98,13 @@ pub struct MoveStatus {
     pub bytes_total: u64,
     #[serde(default)]
     pub bytes_done: u64,
+    /// When the receiver started building the copy and when it was whole (milliseconds
+    /// since the Unix epoch, the receiver's clock): the rate into the receivers is the
+    /// bytes over the span of these.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copy_started_unix_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copy_finished_unix_ms: Option<u64>,
 }
 
 #[derive(Default)]
@@ -290,6 +297,8 @@ fn moves(current: &PartitionMap, target: &PartitionMap) -> Vec<MoveStatus> {
                     state: "waiting".into(),
                     bytes_total: 0,
                     bytes_done: 0,
+                    copy_started_unix_ms: None,
+                    copy_finished_unix_ms: None,
                 });
             }
         }
@@ -601,6 +610,8 @@ fn show_copies(node: &ClusterNode, answers: &HashMap<NodeId, Option<ProgressAnsw
         m.method = copy.method.clone();
         m.bytes_total = copy.bytes_total.max(copy.bytes_done);
         m.bytes_done = copy.bytes_done;
+        m.copy_started_unix_ms = copy.started_unix_ms;
+        m.copy_finished_unix_ms = copy.finished_unix_ms;
         m.state = match copy.state.as_str() {
             "copying" | crate::copy::STREAMING => "copying".into(),
             "queued" => "queued".into(),

@@ -144,6 +144,10 @@ impl HttpPeers {
 
 impl Peers for HttpPeers {
     fn call(&self, address: &str, op: Op, body: Vec<u8>, timeout: Duration) -> PeerFuture {
+        self.call_with_secret(&self.secret, address, op, body, timeout)
+    }
+
+    fn call_with_secret(&self, secret: &str, address: &str, op: Op, body: Vec<u8>, timeout: Duration) -> PeerFuture {
         if self.faults.is_cut(address) {
             let address = address.to_string();
             return Box::pin(async move {
@@ -154,7 +158,7 @@ impl Peers for HttpPeers {
         let request = self
             .client
             .post(format!("http://{address}/v1/_internal/{}", op.name()))
-            .header(SECRET_HEADER, &self.secret)
+            .header(SECRET_HEADER, secret)
             .timeout(timeout)
             .body(body)
             .send();
