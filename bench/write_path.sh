@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 12, item 8: random-key upserts of 180-byte documents from 200 connections (wrk -t2
 # -c200, keys over 1M), at durability none and persist, and in the same run Redis 7 `SET`
-# with `appendfsync always` (redis-benchmark -r, the same sizes and connections).
+# with `appendfsync always` (redis-benchmark -r, the same sizes and connections); and, as
+# the floor under them, wrk on `GET /v1/health` (no storage work) with the same connections.
 # Needs: a release build; wrk, redis-server and redis-benchmark are installed from Debian's
 # packages when missing.
 # Usage: bench/write_path.sh [seconds per run] [runs]
@@ -21,6 +22,10 @@ redis-server --port 6398 --dir "$work/redis" --save '' --appendonly yes --append
 sleep 0.5
 for i in $(seq "$runs"); do
   echo "--- run $i"
+  # The HTTP floor: the same connections on an endpoint that does no work (no body, no
+  # storage), so a reader sees what the HTTP stack and wrk alone leave of the 2 cores.
+  echo "\$ wrk -t2 -c200 -d${secs}s --latency http://127.0.0.1:7070/v1/health"
+  wrk -t2 -c200 -d"${secs}s" --latency http://127.0.0.1:7070/v1/health | grep -E "Requests/sec|^ +(50|99)%|Non-2xx"
   for d in none persist; do
     echo "\$ DURABILITY=$d wrk -t2 -c200 -d${secs}s --latency -s bench/wrk/upsert.lua http://127.0.0.1:7070"
     DURABILITY=$d wrk -t2 -c200 -d"${secs}s" --latency -s "$lua" http://127.0.0.1:7070 | grep -E "Requests/sec|^ +(50|99)%|Non-2xx"
