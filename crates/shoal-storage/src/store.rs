@@ -650,6 +650,14 @@ impl Store {
         Ok(Arc::new(Partition::open(parts)?))
     }
 
+    /// Partition `p`'s folder on disk, its memtable flushed first so that every record it
+    /// holds is in a table file (`shoal bench copy` times copying these files whole).
+    pub fn partition_files_flushed(&self, p: PartitionId) -> Result<PathBuf, crate::PartitionError> {
+        let ks = self.unit(p)?.ks.read().clone();
+        ks.rotate_memtable_and_wait()?;
+        Ok(ks.path().to_path_buf())
+    }
+
     pub(crate) fn unit(&self, p: PartitionId) -> Result<&PartitionUnit, crate::PartitionError> {
         self.units.get(usize::from(p)).ok_or(crate::PartitionError::NoSuchPartition(p))
     }
