@@ -752,6 +752,17 @@ async fn a_rebalance_copies_large_partitions_as_files_and_loses_nothing() {
     let moves = status["moves"].as_array().unwrap();
     assert!(moves.iter().all(|m| m["method"] == "files"), "every copy was built from files: {status}");
     assert!(status["bytes_done"].as_u64().unwrap() > 12_000 * 20, "the copies' bytes are counted: {status}");
+    // The plan gave every move its bytes before any copy started: its source partition's
+    // live documents, which the copy's records (keys, metadata, by-sequence entries) exceed.
+    for m in moves {
+        let (planned, done) = (m["bytes_planned"].as_u64().unwrap_or(0), m["bytes_done"].as_u64().unwrap_or(0));
+        assert!(planned > 0 && planned <= done, "planned {planned}, carried {done}: {m}");
+    }
+    assert_eq!(
+        status["bytes_planned"].as_u64(),
+        Some(moves.iter().map(|m| m["bytes_planned"].as_u64().unwrap_or(0)).sum::<u64>()),
+        "{status}"
+    );
 }
 
 /// A copy by files whose link breaks midway is dropped and built from the change stream

@@ -134,6 +134,8 @@ struct Outcome {
     /// on this machine); the polled figure when a move lacks them.
     copy_secs: f64,
     bytes: u64,
+    /// What the plan gave the moves before they started (their sources' live documents).
+    bytes_planned: u64,
     moves: usize,
     /// Copies that had to move (the least a rebalance can do).
     needed: usize,
@@ -164,16 +166,17 @@ pub async fn run(args: RebalanceArgs) -> Result<(), CliError> {
             outcomes.push(swap(&args, docs, method, scenario).await?);
         }
     }
-    println!("\n| rebalance | method | rebalance s | copy s (polled) | copy s (first start to last end) | MB moved | MB/s into the receivers | moves / copies that had to move | fg p50 / p99 ms before | fg p50 / p99 ms during | fg errors |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("\n| rebalance | method | rebalance s | copy s (polled) | copy s (first start to last end) | MB planned (live documents) | MB moved | MB/s into the receivers | moves / copies that had to move | fg p50 / p99 ms before | fg p50 / p99 ms during | fg errors |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for o in &outcomes {
         println!(
-            "| {} | {} | {:.1} | {:.1} | {:.2} | {:.0} | {:.0} | {} / {} | {:.2} / {:.2} ({} ops) | {:.2} / {:.2} ({} ops) | {} |",
+            "| {} | {} | {:.1} | {:.1} | {:.2} | {:.0} | {:.0} | {:.0} | {} / {} | {:.2} / {:.2} ({} ops) | {:.2} / {:.2} ({} ops) | {} |",
             o.scenario.name(),
             o.method,
             o.secs,
             o.polled_copy_secs,
             o.copy_secs,
+            o.bytes_planned as f64 / 1e6,
             o.bytes as f64 / 1e6,
             o.bytes as f64 / 1e6 / o.copy_secs.max(1e-9),
             o.moves,
@@ -343,6 +346,7 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
 
     let moves = status["moves"].as_array().map_or(0, Vec::len);
     let bytes = status["bytes_done"].as_u64().unwrap_or(0);
+    let bytes_planned = status["bytes_planned"].as_u64().unwrap_or(0);
     // The copies are done when the progress stops growing (then hand-over and settling).
     let copy_end = samples.iter().find(|s| s.bytes_done >= bytes && bytes > 0).map_or(rebalance_end, |s| s.t);
     let polled_copy_secs = if method == "files" { copy_end - rebalance_start } else { rebalance_end - rebalance_start };
@@ -384,6 +388,7 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
         polled_copy_secs,
         copy_secs,
         bytes,
+        bytes_planned,
         moves,
         needed,
         before,

@@ -69,10 +69,15 @@ pub struct RebalanceStatus {
     pub moves_total: usize,
     pub moves_done: usize,
     /// Bytes the copies carry (for copies by files, estimated by their sources until each
-    /// ends; for copies from the change stream, keys and values as they arrive, with no
-    /// estimate ahead), how many arrived, and the rate since the rebalance started.
+    /// ends; for copies from the change stream, keys and values as they arrive; for a copy
+    /// not yet under way, or one that has carried less, what the plan gave it), how many
+    /// arrived, and the rate since the rebalance started.
     #[serde(default)]
     pub bytes_total: u64,
+    /// What the plan gave the moves before any started: their source partitions' live
+    /// document bytes.
+    #[serde(default)]
+    pub bytes_planned: u64,
     #[serde(default)]
     pub bytes_done: u64,
     #[serde(default)]
@@ -98,6 +103,10 @@ pub struct MoveStatus {
     pub bytes_total: u64,
     #[serde(default)]
     pub bytes_done: u64,
+    /// The source partition's live document bytes when the plan started: what the move is
+    /// planned to carry, known before any copy starts (records add keys and metadata).
+    #[serde(default)]
+    pub bytes_planned: u64,
     /// When the receiver started building the copy and when it was whole (milliseconds
     /// since the Unix epoch, the receiver's clock): the rate into the receivers is the
     /// bytes over the span of these.
@@ -150,6 +159,10 @@ pub(crate) struct ProgressAnswer {
     /// rollback) is not caught up, whatever its seqnos.
     #[serde(default)]
     pub histories: Vec<(PartitionId, Vec<(u32, u64)>)>,
+    /// Per partition this node is active for: the bytes of its live documents (what a
+    /// rebalance plans to move for a copy of it).
+    #[serde(default)]
+    pub sizes: Vec<(PartitionId, u64)>,
 }
 
 /// Starts a rebalance (leader only); answers how many copies it builds. Its plan goes into
@@ -297,6 +310,7 @@ fn moves(current: &PartitionMap, target: &PartitionMap) -> Vec<MoveStatus> {
                     state: "waiting".into(),
                     bytes_total: 0,
                     bytes_done: 0,
+                    bytes_planned: 0,
                     copy_started_unix_ms: None,
                     copy_finished_unix_ms: None,
                 });
@@ -324,6 +338,7 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
     }
     let current = node.state().map.clone().ok_or_else(|| ClusterError::Refused("no partition map".into()))?;
     let target = &plan.target;
+    plan_bytes(node, &current).await;
     // 1. Build: every new copy joins as a replica (a resumed plan finds them there).
     let mut build = current.clone();
     for (copies, want) in build.partitions.iter_mut().zip(&target.partitions) {
@@ -618,12 +633,29 @@ fn show_copies(node: &ClusterNode, answers: &HashMap<NodeId, Option<ProgressAnsw
             _ => "catching up".into(),
         };
     }
-    let (total, done) = status.moves.iter().fold((0u64, 0u64), |(t, d), m| (t + m.bytes_total, d + m.bytes_done));
+    let (total, done) = status.moves.iter().fold((0u64, 0u64), |(t, d), m| (t + m.bytes_total.max(m.bytes_planned), d + m.bytes_done));
     let secs = started.elapsed().as_secs_f64();
     status.bytes_total = total;
     status.bytes_done = done;
     status.bytes_per_s = if secs > 0.0 { done as f64 / secs } else { 0.0 };
     status.eta_s = (status.bytes_per_s > 0.0).then(|| total.saturating_sub(done) as f64 / status.bytes_per_s);
+}
+
+/// Puts into the status what each move is planned to carry: its source partition's live
+/// document bytes, as the actives report them (0 where one did not answer).
+async fn plan_bytes(node: &Arc<ClusterNode>, map: &PartitionMap) {
+    let answers = progress_answers(node, map).await;
+    let sizes: HashMap<(PartitionId, u64), u64> = answers
+        .iter()
+        .filter_map(|(holder, answer)| answer.as_ref().map(|a| (holder, a)))
+        .flat_map(|(holder, a)| a.sizes.iter().map(move |(p, bytes)| ((*p, holder.0), *bytes)))
+        .collect();
+    let mut status = node.rebalancer.status.lock();
+    for m in &mut status.moves {
+        m.bytes_planned = m.from.and_then(|from| sizes.get(&(m.id, from)).copied()).unwrap_or(0);
+    }
+    status.bytes_planned = status.moves.iter().map(|m| m.bytes_planned).sum();
+    tracing::info!(moves = status.moves.len(), mb_planned = status.bytes_planned as f64 / 1e6, "rebalance planned");
 }
 
 /// The progress answer of each node holding a copy in `map` (`None` when it did not answer).
@@ -665,7 +697,20 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
             }
         }
     }
-    ProgressAnswer { partitions: sums, unsettled, building, copies: node.copies.progress(), histories }
+    let store = node.engine.store();
+    let sizes = state
+        .map
+        .as_ref()
+        .map(|map| {
+            map.iter()
+                .filter(|(_, copies)| copies.active == NodeId(node.id))
+                .map(|(p, _)| {
+                    (p, store.list_collections().iter().filter_map(|c| store.collection(&c.name)).map(|c| c.partition_bytes(p)).sum())
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    ProgressAnswer { partitions: sums, unsettled, building, copies: node.copies.progress(), histories, sizes }
 }
 
 /// An active's side of a hand-over: freezes the partitions (writes refused), waits until

@@ -96,6 +96,11 @@ impl Collection {
         CollectionInfo { name: self.name.clone(), docs: docs.max(0) as u64, bytes: bytes.max(0) as u64, max_ttl: self.max_ttl }
     }
 
+    /// Bytes of the live documents in partition `partition` (0 for one that does not exist).
+    pub fn partition_bytes(&self, partition: PartitionId) -> u64 {
+        self.partitions.get(usize::from(partition)).map_or(0, |slot| slot.load().docs_bytes.load(Ordering::Relaxed).max(0) as u64)
+    }
+
     /// The high seqno of every partition, in partition order.
     /// Partition `partition`'s high seqno (0 for a partition that does not exist).
     pub fn high_seqno(&self, partition: PartitionId) -> SeqNo {
