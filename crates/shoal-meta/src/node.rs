@@ -29,6 +29,8 @@ pub const HEARTBEAT_INTERVAL_MS: u64 = 250;
 /// within the lowest auto-failover timeout (2 s) plus 2 s.
 pub const ELECTION_TIMEOUT_MIN_MS: u64 = 750;
 pub const ELECTION_TIMEOUT_MAX_MS: u64 = 1_500;
+/// How long a vote request may take Raft to decide; past it the candidate hears a refusal.
+pub const VOTE_HANDLE_TIMEOUT: Duration = Duration::from_secs(2);
 /// A snapshot is built after this many entries since the last one; the log behind it is purged.
 pub const SNAPSHOT_LOGS_SINCE_LAST: u64 = 1_000;
 /// Entries kept behind a snapshot, so a briefly lagging member catches up from the log rather
@@ -244,7 +246,16 @@ impl MetaNode {
             let refused: Result<VoteResponse<u64>, RaftError<u64>> = Ok(VoteResponse::new(vote, None, false));
             return serde_json::to_vec(&refused).map_err(|e| RpcHandleError::Encode(e.to_string()));
         };
-        let answer = self.raft.vote(req).await;
+        let answer = match tokio::time::timeout(VOTE_HANDLE_TIMEOUT, self.raft.vote(req)).await {
+            Ok(answer) => answer,
+            Err(_) => {
+                // Raft may still grant it: counted as granted, so this member vouches for no
+                // one else for the hold; the candidate hears a refusal.
+                ticket.granted(candidate.unwrap_or(u64::MAX));
+                let vote = self.raft.metrics().borrow().vote;
+                Ok(VoteResponse::new(vote, None, false))
+            }
+        };
         if let (Ok(resp), Some(candidate)) = (&answer, candidate) {
             if resp.vote_granted {
                 ticket.granted(candidate);

@@ -12,7 +12,10 @@
 //!
 //! openraft has a lease of its own (a follower refuses votes for `election_timeout_max`
 //! after the leader's last heartbeat); the gate adds the same rule for the pings, which
-//! travel apart from the log's messages.
+//! travel apart from the log's messages. The gate's state is not kept across a restart:
+//! that is safe because openraft, on start, refuses votes for `election_timeout_max` (it
+//! sets its vote's time to the start), so the hold must not exceed that (shoal-node checks
+//! it at compile time).
 
 use std::time::{Duration, Instant};
 
@@ -42,7 +45,7 @@ pub struct VoteTicket<'a> {
 
 impl VoteTicket<'_> {
     /// The vote was granted to `candidate`.
-    pub fn granted(self, candidate: u64) {
+    pub fn granted(&self, candidate: u64) {
         self.gate.state.lock().voted = Some((candidate, Instant::now()));
     }
 }
@@ -114,6 +117,7 @@ mod tests {
         assert!(!gate.vouch(1), "no vouching while a vote is handled");
         assert!(gate.admit_vote().is_none(), "one vote at a time");
         ticket.granted(2);
+        drop(ticket);
         assert!(!gate.vouch(1), "voted for another");
         assert!(gate.voted_for_another(1));
         assert!(!gate.voted_for_another(2));

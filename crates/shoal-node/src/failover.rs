@@ -72,6 +72,9 @@ use crate::ClusterError;
 /// How long a lease lasts after the send time of the ping that granted it (or of the pings
 /// a quorum answered).
 pub const LEASE: Duration = Duration::from_millis(1_500);
+// The vote gate holds votes for `LEASE`; after a restart openraft's own start-up lease
+// (`ELECTION_TIMEOUT_MAX_MS`) stands in for the gate's lost state, so it must be as long.
+const _: () = assert!(LEASE.as_millis() <= shoal_meta::node::ELECTION_TIMEOUT_MAX_MS as u128);
 /// Members' wall clocks agree within this (a ping's send time is read on the member's
 /// clock).
 pub const MAX_CLOCK_OFFSET: Duration = Duration::from_millis(250);
@@ -195,6 +198,8 @@ pub struct Monitor {
     leader_since: Mutex<Option<Instant>>,
     /// The leader before this one (`MetaNode::predecessor`), when known.
     predecessor: Mutex<Option<u64>>,
+    /// This leadership's health judgement started at its election (not after a pause).
+    just_elected: Mutex<bool>,
     /// When each voter last answered, as its leader's, a ping sent at that time.
     leased_sent: Mutex<HashMap<u64, Instant>>,
     /// When this leader last sent each member a ping that granted a lease. Its lock is held
@@ -237,7 +242,7 @@ impl Monitor {
     fn silent_for(&self, node: u64, lease: &Lease) -> Option<Duration> {
         let start = (*self.leader_since.lock())?;
         let mut since = self.first_seen.lock().get(&node).map_or(start, |f| (*f).max(start));
-        if *self.predecessor.lock() == Some(node) {
+        if *self.predecessor.lock() == Some(node) && *self.just_elected.lock() {
             if start.elapsed() < PREDECESSOR_GRACE {
                 return Some(Duration::ZERO);
             }
@@ -264,15 +269,27 @@ impl Monitor {
     }
 
     /// Starts a leadership: what the previous one saw says nothing now.
-    fn lead(&self, predecessor: Option<u64>, lease: &Lease) {
+    /// `elected`: a new leadership, whose predecessor is judged by its silence before the
+    /// election; otherwise this leader starts over after a pause or starvation, and judges
+    /// every member, its predecessor too, from now. The grants it sent are never forgotten:
+    /// they are what a failover must wait out (entries older than a lease wait nothing).
+    fn lead(&self, predecessor: Option<u64>, lease: &Lease, elected: bool) {
         *self.leader_since.lock() = Some(Instant::now());
         *self.predecessor.lock() = predecessor;
+        *self.just_elected.lock() = elected;
         self.last_ok.lock().clear();
         self.leased_sent.lock().clear();
-        self.granted.lock().clear();
         self.watched_since.lock().clear();
         self.first_seen.lock().clear();
         *lease.quorum_until.lock() = None;
+    }
+
+    /// Leadership lost: nothing this node saw as leader says anything now (its grants stay,
+    /// see `lead`).
+    fn step_down(&self) {
+        *self.leader_since.lock() = None;
+        *self.last_look.lock() = None;
+        *self.predecessor.lock() = None;
     }
 
     /// Records that `voter` answered a ping sent at `sent` as its leader's, and moves this
@@ -319,14 +336,17 @@ pub(crate) fn serve_ping(node: &ClusterNode, body: &[u8]) -> Result<PingAnswer, 
     let failed = state.members.get(&NodeId(node.id)).is_some_and(|m| m.state == MemberState::Failed);
     // Vouching goes through the vote gate (see the module documentation); it refuses while
     // this member votes, or has just voted, for another.
-    let follows = !failed && req.leader != node.id && node.meta.leader() == Some(req.leader) && node.meta.vote_gate().vouch(req.leader);
+    let following = !failed && req.leader != node.id && node.meta.leader() == Some(req.leader);
+    if following {
+        // Heard, whether or not it may vouch: a member that wins an election later judges
+        // this leader's silence from here.
+        node.lease.heard(req.leader);
+    }
+    let follows = following && node.meta.vote_gate().vouch(req.leader);
     if failed {
         node.lease.revoke();
-    } else if follows {
-        node.lease.heard(req.leader);
-        if req.grant && state.map_version() >= req.map_version {
-            node.lease.grant(req.leader, req.sent_unix_ms);
-        }
+    } else if follows && req.grant && state.map_version() >= req.map_version {
+        node.lease.grant(req.leader, req.sent_unix_ms);
     }
     Ok(PingAnswer { node: node.id, map_version: state.map_version(), leased: follows })
 }
@@ -342,19 +362,18 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
         }
         // Leads, and an entry of its own term is committed (see the module documentation).
         let Some(predecessor) = node.meta.predecessor() else {
-            *node.monitor.leader_since.lock() = None;
-            *node.monitor.last_look.lock() = None;
+            node.monitor.step_down();
             continue;
         };
         let gap = node.monitor.last_look.lock().replace(Instant::now()).map(|t| t.elapsed());
         if node.monitor.leader_since.lock().is_none() {
             tracing::info!(predecessor, "leading; judging members' health from now");
-            node.monitor.lead(predecessor, &node.lease);
+            node.monitor.lead(predecessor, &node.lease, true);
         } else if let Some(gap) = gap.filter(|g| *g > PING_TIMEOUT) {
             // Paused or starved: the members' silence is this node's own, and its lease
             // needs a fresh quorum of answers.
             tracing::warn!(gap_ms = gap.as_millis() as u64, "this leader did not run for a while; judging members' health afresh");
-            node.monitor.lead(predecessor, &node.lease);
+            node.monitor.lead(predecessor, &node.lease, false);
         }
         if !leader_with_quorum(&node.meta) {
             continue;
@@ -765,5 +784,27 @@ mod tests {
         fresh.granted.lock().insert(9, Instant::now());
         let own = fresh.lease_wait(9, &VoteGate::new(LEASE));
         assert!(own > LEASE + MAX_CLOCK_OFFSET - slack && own <= LEASE + MAX_CLOCK_OFFSET, "{own:?}");
+    }
+
+    /// After a pause (the gap path), a leader judges its predecessor from now, not by its
+    /// silence before the election, and a failover still waits out the grants it sent
+    /// before the pause.
+    #[test]
+    fn a_leader_that_starts_over_after_a_pause_keeps_its_grants_and_judges_its_predecessor_afresh() {
+        let (monitor, lease, gate) = (Monitor::default(), Lease::default(), VoteGate::new(LEASE));
+        *lease.last_leader_ping.lock() = Some((7, Instant::now() - Duration::from_secs(3_600)));
+        monitor.lead(Some(7), &lease, true);
+        *monitor.leader_since.lock() = Some(Instant::now() - PREDECESSOR_GRACE - Duration::from_millis(10));
+        assert!(monitor.silent_for(7, &lease).is_some_and(|s| s >= Duration::from_secs(3_600)), "elected: silent since its last ping");
+        monitor.granted.lock().insert(7, Instant::now());
+
+        monitor.lead(Some(7), &lease, false);
+        assert!(monitor.silent_for(7, &lease).is_some_and(|s| s < Duration::from_secs(1)), "after a pause: judged from now");
+        let wait = monitor.lease_wait(7, &gate);
+        assert!(wait > LEASE + MAX_CLOCK_OFFSET - Duration::from_millis(100), "its grant is waited out: {wait:?}");
+
+        monitor.step_down();
+        assert_eq!(*monitor.predecessor.lock(), None, "no predecessor outside a leadership");
+        assert!(monitor.lease_wait(8, &gate) >= LEASE + MAX_CLOCK_OFFSET - Duration::from_millis(100), "no start: the longest wait");
     }
 }
