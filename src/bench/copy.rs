@@ -143,30 +143,14 @@ pub fn run(args: CopyArgs) -> Result<(), CliError> {
         for p in 0..args.partitions {
             dst.set_partition_state(p, PartitionState::Pending).map_err(other)?;
         }
-        let next = AtomicUsize::new(0);
         let started = Instant::now();
-        let copied: Result<Vec<u64>, CliError> = std::thread::scope(|s| {
-            let workers: Vec<_> = (0..threads.max(1))
-                .map(|_| {
-                    s.spawn(|| -> Result<u64, CliError> {
-                        let mut bytes = 0;
-                        loop {
-                            let p = next.fetch_add(1, Ordering::Relaxed);
-                            let Ok(p) = u16::try_from(p) else { return Ok(bytes) };
-                            if p >= args.partitions {
-                                return Ok(bytes);
-                            }
-                            let export = src.export_partition(p).map_err(other)?;
-                            let header = export.header().clone();
-                            bytes += dst.ingest_partition(&header, export).map_err(other)?.bytes;
-                        }
-                    })
-                })
-                .collect();
-            workers.into_iter().map(|w| w.join().map_err(|_| other("a copy thread panicked"))?).collect()
+        let copied = per_partition(threads, args.partitions, |p| {
+            let export = src.export_partition(p).map_err(other)?;
+            let header = export.header().clone();
+            Ok(dst.ingest_partition(&header, export).map_err(other)?.bytes)
         });
         let secs = started.elapsed().as_secs_f64();
-        let bytes: u64 = copied?.iter().sum();
+        let bytes = copied?;
         println!("| export → ingest (fsynced) | {threads} | {:.0} | {secs:.2} | {:.0} |", bytes as f64 / 1e6, bytes as f64 / 1e6 / secs);
         let copy = dst.collection("c").ok_or_else(|| other("the copy lost its collection"))?;
         if copy.info().docs != args.docs as u64 {
@@ -185,25 +169,13 @@ pub fn run(args: CopyArgs) -> Result<(), CliError> {
     drop(src);
     for &threads in &args.threads {
         let dir = root.path().join(format!("files-{threads}"));
-        let next = AtomicUsize::new(0);
         let started = Instant::now();
-        let shipped: Result<Vec<u64>, CliError> = std::thread::scope(|s| {
-            let workers: Vec<_> = (0..threads.max(1))
-                .map(|_| {
-                    s.spawn(|| -> Result<u64, CliError> {
-                        let mut bytes = 0;
-                        while let Some(folder) = folders.get(next.fetch_add(1, Ordering::Relaxed)) {
-                            let to = dir.join(folder.file_name().unwrap_or_default());
-                            bytes += ship_folder(folder, &to)?;
-                        }
-                        Ok(bytes)
-                    })
-                })
-                .collect();
-            workers.into_iter().map(|w| w.join().map_err(|_| other("a file-copy thread panicked"))?).collect()
+        let shipped = per_partition(threads, args.partitions, |p| {
+            let folder = folders.get(usize::from(p)).ok_or_else(|| other(format!("no folder for partition {p}")))?;
+            ship_folder(folder, &dir.join(folder.file_name().unwrap_or_default()))
         });
         let secs = started.elapsed().as_secs_f64();
-        let file_bytes: u64 = shipped?.iter().sum();
+        let file_bytes = shipped?;
         println!(
             "| files whole (read, XXH3, write, fsync; {:.0} MB on disk) | {threads} | {:.0} | {secs:.2} | {:.0} |",
             file_bytes as f64 / 1e6,
@@ -213,6 +185,26 @@ pub fn run(args: CopyArgs) -> Result<(), CliError> {
         std::fs::remove_dir_all(&dir).map_err(other)?;
     }
     Ok(())
+}
+
+/// Runs `copy` once for every partition on `threads` threads (each takes the next partition
+/// left) and answers the bytes they report, summed.
+fn per_partition(threads: usize, partitions: u16, copy: impl Fn(u16) -> Result<u64, CliError> + Sync) -> Result<u64, CliError> {
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads.max(1))
+            .map(|_| {
+                s.spawn(|| -> Result<u64, CliError> {
+                    let mut bytes = 0;
+                    while let Some(p) = u16::try_from(next.fetch_add(1, Ordering::Relaxed)).ok().filter(|p| *p < partitions) {
+                        bytes += copy(p)?;
+                    }
+                    Ok(bytes)
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().map_err(|_| other("a copy thread panicked"))?).sum()
+    })
 }
 
 /// Chunk size of a file shipped whole.
