@@ -241,9 +241,9 @@ impl MetaNode {
         }
         let req: VoteRequest<u64> = decode(kind, body)?;
         let candidate = req.vote.leader_id().voted_for();
+        let refusal = || VoteResponse::new(self.raft.metrics().borrow().vote, None, false);
         let Some(ticket) = self.gate.admit_vote() else {
-            let vote = self.raft.metrics().borrow().vote;
-            let refused: Result<VoteResponse<u64>, RaftError<u64>> = Ok(VoteResponse::new(vote, None, false));
+            let refused: Result<VoteResponse<u64>, RaftError<u64>> = Ok(refusal());
             return serde_json::to_vec(&refused).map_err(|e| RpcHandleError::Encode(e.to_string()));
         };
         let answer = match tokio::time::timeout(VOTE_HANDLE_TIMEOUT, self.raft.vote(req)).await {
@@ -252,8 +252,7 @@ impl MetaNode {
                 // Raft may still grant it: counted as granted, so this member vouches for no
                 // one else for the hold; the candidate hears a refusal.
                 ticket.granted(candidate.unwrap_or(u64::MAX));
-                let vote = self.raft.metrics().borrow().vote;
-                Ok(VoteResponse::new(vote, None, false))
+                Ok(refusal())
             }
         };
         if let (Ok(resp), Some(candidate)) = (&answer, candidate) {

@@ -698,15 +698,14 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
         }
     }
     let store = node.engine.store();
+    let collections: Vec<_> = store.list_collections().iter().filter_map(|c| store.collection(&c.name)).collect();
     let sizes = state
         .map
         .as_ref()
         .map(|map| {
             map.iter()
                 .filter(|(_, copies)| copies.active == NodeId(node.id))
-                .map(|(p, _)| {
-                    (p, store.list_collections().iter().filter_map(|c| store.collection(&c.name)).map(|c| c.partition_bytes(p)).sum())
-                })
+                .map(|(p, _)| (p, collections.iter().map(|c| c.partition_bytes(p)).sum()))
                 .collect()
         })
         .unwrap_or_default();
