@@ -27,6 +27,9 @@ pub struct CopyHeader {
     pub export: ExportHeader,
     /// About how many bytes of records follow (for progress).
     pub bytes_estimate: u64,
+    /// A copy by files: the files and memtable items the records carry (`crate::files`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub files: Option<crate::FileManifest>,
 }
 
 /// Why a copy stream cannot be read.
@@ -186,7 +189,7 @@ mod tests {
     use super::*;
 
     fn header() -> CopyHeader {
-        CopyHeader { export: ExportHeader { partition: 3, collections: Vec::new() }, bytes_estimate: 10 }
+        CopyHeader { export: ExportHeader { partition: 3, collections: Vec::new() }, bytes_estimate: 10, files: None }
     }
 
     fn stream(records: &[(&[u8], &[u8])]) -> Vec<u8> {

@@ -12,6 +12,7 @@ mod clock;
 mod codec;
 mod collection;
 mod error;
+pub mod files;
 pub mod health;
 mod partition;
 mod rollback;
@@ -32,6 +33,7 @@ pub use health::{StorageHealth, StorageState, TaskHealth, TaskReport};
 pub use partition::{Document, FailoverEntry, MutationOutcome, ReadLimit, WriteOp, WriteRequest};
 pub use rollback::{is_history, rollback_seqno, RollbackReport};
 pub use store::{validate_collection_name, write_atomically, Store, StoreConfig, BLOB_THRESHOLD_DEFAULT_BYTES};
+pub use files::{FileManifest, PartitionFiles};
 pub use unit::{ExportHeader, ExportedCollection, IngestStats, PartitionExport, PartitionState};
 
 /// Index of a virtual partition (vBucket).

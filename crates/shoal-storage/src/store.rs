@@ -658,11 +658,26 @@ impl Store {
         Ok(ks.path().to_path_buf())
     }
 
+    /// Compacts partition `p`'s keyspace whole (every table into its last level), so that
+    /// benches and tests can hold a partition whose files span levels.
+    pub fn compact_partition(&self, p: PartitionId) -> Result<(), crate::PartitionError> {
+        let ks = self.unit(p)?.ks.read().clone();
+        ks.rotate_memtable_and_wait()?;
+        ks.major_compact()?;
+        Ok(())
+    }
+
     pub(crate) fn unit(&self, p: PartitionId) -> Result<&PartitionUnit, crate::PartitionError> {
         self.units.get(usize::from(p)).ok_or(crate::PartitionError::NoSuchPartition(p))
     }
 
     /// The live collections, in id order.
+    /// Whether a dropped collection's keys may still lie in the partitions' keyspaces
+    /// (the reclaimer has not finished with it).
+    pub(crate) fn reclaim_pending(&self) -> bool {
+        self.meta.prefix(GONE_PREFIX).next().is_some()
+    }
+
     pub(crate) fn collections_by_id(&self) -> Vec<Arc<Collection>> {
         let mut out: Vec<Arc<Collection>> = self.collections.read().values().cloned().collect();
         out.sort_by_key(|c| c.id);

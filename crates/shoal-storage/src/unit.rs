@@ -309,6 +309,46 @@ impl Store {
         let unit = self.unit(p)?;
         // One operation at a time per partition; others' ingests run alongside.
         let _op = unit.op.lock();
+        let (by_id, ks) = self.check_ingest(header, &unit)?;
+        let mut live: BTreeMap<u32, LiveCount> = BTreeMap::new();
+        let mut stats = IngestStats::default();
+        let mut ingestion = ks.start_ingestion()?;
+        let mut prev: Option<Bytes> = None;
+        for record in records {
+            let (k, v) = record?;
+            // fjall panics on keys out of order: refuse them here instead.
+            if prev.as_ref().is_some_and(|prev| k <= *prev) {
+                return Err(PartitionError::Malformed("records out of key order".into()));
+            }
+            let coll = check_record(header, &k, &v)?;
+            if let Some((meta, body)) = (k.get(4) == Some(&codec::TAG_DOC)).then(|| codec::decode_doc_value(&v)).flatten() {
+                if !meta.deleted {
+                    let slot = live.entry(coll).or_default();
+                    slot.count += 1;
+                    slot.bytes += body.len() as i64;
+                }
+            }
+            stats.records += 1;
+            stats.bytes += (k.len() + v.len()) as u64;
+            ingestion.write(k.clone(), v)?;
+            prev = Some(k);
+        }
+        ingestion.finish()?;
+        self.finish_ingest(header, &by_id, &live)?;
+        tracing::info!(partition = p, records = stats.records, bytes = stats.bytes, "partition ingested");
+        Ok(stats)
+    }
+
+    /// What every ingest checks first (its caller holds the partition's operation lock):
+    /// the copy is `pending` here, the store writable, the header's collections in order,
+    /// known here and with a history, and the keyspace empty. Answers the collections by
+    /// id and the keyspace.
+    pub(crate) fn check_ingest(
+        &self,
+        header: &ExportHeader,
+        unit: &crate::store::PartitionUnit,
+    ) -> Result<(BTreeMap<u32, Arc<Collection>>, fjall::Keyspace), PartitionError> {
+        let p = header.partition;
         let state = unit.owner.state();
         if state != PartitionState::Pending {
             return Err(PartitionError::NotMine(NotMine {
@@ -335,31 +375,18 @@ impl Store {
         if ks.iter().next().is_some() {
             return Err(PartitionError::NotEmpty(p));
         }
-        let mut live: BTreeMap<u32, LiveCount> = BTreeMap::new();
-        let mut stats = IngestStats::default();
-        let mut ingestion = ks.start_ingestion()?;
-        let mut prev: Option<Bytes> = None;
-        for record in records {
-            let (k, v) = record?;
-            // fjall panics on keys out of order: refuse them here instead.
-            if prev.as_ref().is_some_and(|prev| k <= *prev) {
-                return Err(PartitionError::Malformed("records out of key order".into()));
-            }
-            let coll = check_record(header, &k, &v)?;
-            if let Some((meta, body)) = (k.get(4) == Some(&codec::TAG_DOC)).then(|| codec::decode_doc_value(&v)).flatten() {
-                if !meta.deleted {
-                    let slot = live.entry(coll).or_default();
-                    slot.count += 1;
-                    slot.bytes += body.len() as i64;
-                }
-            }
-            stats.records += 1;
-            stats.bytes += (k.len() + v.len()) as u64;
-            ingestion.write(k.clone(), v)?;
-            prev = Some(k);
-        }
-        ingestion.finish()?;
-        // The records are durable; now the copies that read them.
+        Ok((by_id, ks))
+    }
+
+    /// What every ingest does once its data is durable: every collection's copy continues
+    /// the source's history from the header's positions, with `live` documents.
+    pub(crate) fn finish_ingest(
+        &self,
+        header: &ExportHeader,
+        by_id: &BTreeMap<u32, Arc<Collection>>,
+        live: &BTreeMap<u32, LiveCount>,
+    ) -> Result<(), PartitionError> {
+        let p = header.partition;
         let mut batch = self.paths[0].db.batch();
         for c in &header.collections {
             let rec =
@@ -369,7 +396,7 @@ impl Store {
         batch.commit()?;
         self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
         let _ddl = self.ddl.lock();
-        for (id, collection) in &by_id {
+        for (id, collection) in by_id {
             let exported = header.collections.iter().find(|c| c.id == *id);
             let part = self.new_partition(
                 collection,
@@ -381,8 +408,7 @@ impl Store {
             )?;
             collection.replace_partition(p, part)?;
         }
-        tracing::info!(partition = p, records = stats.records, bytes = stats.bytes, "partition ingested");
-        Ok(stats)
+        Ok(())
     }
 
     /// Drops this node's copy of partition `p` whole: every collection's part of it is

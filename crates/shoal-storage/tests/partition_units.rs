@@ -1,4 +1,4 @@
-//! A partition as a unit: export → ingest → catch-up against the source (the copy equals
+//! A partition as a unit: export → ingest (as records or as files) → catch-up against the source (the copy equals
 //! the source at the export's position, then follows it while the source keeps writing),
 //! replicated changes keep their seqno and CAS, states refuse what they must, and survive
 //! a restart.
@@ -219,6 +219,7 @@ proptest! {
         during in prop::collection::vec(op(), 0..250),
         after in prop::collection::vec(op(), 0..250),
         p in 0u16..PARTITIONS,
+        files in any::<bool>(),
     ) {
         let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let src = open(d1.path());
@@ -229,14 +230,28 @@ proptest! {
 
         dst.drop_partition(p).unwrap();
         dst.set_partition_state(p, PartitionState::Pending).unwrap();
-        let export = src.export_partition(p).unwrap();
-        let header: ExportHeader = export.header().clone();
+        // Records, or the keyspace's files (`crate::files`): either copy must do.
+        let (header, export) = if files {
+            let export = src.export_partition_files(p).unwrap();
+            (export.header().clone(), Err(export))
+        } else {
+            let export = src.export_partition(p).unwrap();
+            (export.header().clone(), Ok(export))
+        };
         let at_export = [state_of(&a, p), state_of(&b, p)];
         // The source goes on writing; the export is a snapshot and does not see it.
         run(&a, &during);
         run(&b, &during[..during.len() / 3]);
-        let stats = dst.ingest_partition(&header, export).unwrap();
-        prop_assert!(stats.records >= at_export.iter().map(|m| m.len() as u64).sum::<u64>());
+        match export {
+            Ok(records) => {
+                let stats = dst.ingest_partition(&header, records).unwrap();
+                prop_assert!(stats.records >= at_export.iter().map(|m| m.len() as u64).sum::<u64>());
+            }
+            Err(files) => {
+                let manifest = files.manifest().clone();
+                let _ = dst.import_partition_files(&header, &manifest, files).unwrap();
+            }
+        }
 
         dst.set_partition_state(p, PartitionState::Replica).unwrap();
         let (da, db) = (dst.collection("a").unwrap(), dst.collection("b").unwrap());

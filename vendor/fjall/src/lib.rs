@@ -171,6 +171,9 @@ pub use tx::optimistic::{
 #[doc(hidden)]
 pub use lsm_tree::{AbstractTree, AnyTree, Error as LsmError, TreeType};
 
+// SHOAL-PATCH: what `Keyspace::export_files` / `import_files` speak.
+pub use lsm_tree::{ImportBlobFile, ImportManifest, ImportTable, InternalValue, TreeExport, ValueType};
+
 pub use lsm_tree::{
     CompressionType, KvPair, KvSeparationOptions, SeqNo, Slice, UserKey, UserValue,
 };

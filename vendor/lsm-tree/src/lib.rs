@@ -182,6 +182,7 @@ pub use {
     format_version::FormatVersion,
     ingestion::AnyIngestion,
     tree::ingest::DeferredVersion,
+    tree::import::{ImportBlobFile, ImportManifest, ImportTable, PreparedImport, TreeExport},
     iter_guard::IterGuard as Guard,
     memtable::{Memtable, MemtableId},
     seqno::SequenceNumberCounter,

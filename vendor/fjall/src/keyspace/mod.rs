@@ -301,6 +301,44 @@ impl Keyspace {
         Ingestion::new(self)
     }
 
+    /// SHOAL-PATCH: the keyspace's files as a reader at `snapshot` sees them, kept on disk
+    /// until the export is dropped, with the memtables' items below the snapshot
+    /// (`lsm_tree::Tree::export_at`; vendor/fjall/SHOAL-PATCH.md).
+    ///
+    /// # Errors
+    ///
+    /// Will return `Err` if the snapshot's version cannot be exported.
+    pub fn export_files(&self, snapshot: &crate::Snapshot) -> crate::Result<lsm_tree::TreeExport> {
+        self.tree.export_at(snapshot.seqno()).map_err(Into::into)
+    }
+
+    /// SHOAL-PATCH: adopts another keyspace's exported files, already written under this
+    /// keyspace's folder by their ids, and its memtable items (`lsm_tree::Tree::import`):
+    /// the files are read and checked first; only their registration takes the journal
+    /// lock, so that no write of this database takes a seqno between it and the counter's
+    /// raise; the version is made durable after the lock is released, as an ingest's.
+    /// The keyspace must be empty.
+    ///
+    /// # Errors
+    ///
+    /// Will return `Err` if the keyspace is not empty, the files do not fit or an IO error
+    /// occurs; nothing is registered then.
+    pub fn import_files(&self, manifest: &lsm_tree::ImportManifest, memtable: Vec<lsm_tree::InternalValue>) -> crate::Result<()> {
+        let Some(prepared) = self.tree.import(manifest, memtable)? else {
+            return Ok(());
+        };
+        let journal_lock = self.supervisor.journal.get_writer()?;
+        let registered = prepared.register();
+        drop(journal_lock);
+        registered
+            .and_then(lsm_tree::DeferredVersion::publish)
+            .inspect(|()| {
+                self.worker_messager.try_send(WorkerMessage::Compact(self.clone())).ok();
+                self.supervisor.snapshot_tracker.gc();
+            })
+            .map_err(Into::into)
+    }
+
     pub(crate) fn from_database(
         keyspace_id: InternalKeyspaceId,
         db: &Database,

@@ -1,0 +1,418 @@
+//! A partition copied as its files (issue 14; `docs/research/file-shipping-moves.md`): the
+//! source ships its keyspace's table and blob files byte for byte, as they stood at a
+//! snapshot, and the receiver adopts them into its empty keyspace (the vendored lsm-tree's
+//! `export_at` / `import`, RocksDB's import model): neither side decodes or re-encodes a
+//! record, so the copy runs at what the disks and the link give. The records of
+//! [`crate::Store::export_partition`] remain the way when this one cannot be used.
+//!
+//! On the wire it is a copy stream (`copy_stream`) whose header carries a [`FileManifest`];
+//! its records are tagged by their key's first byte:
+//! - [`TAG_ITEM`]: one memtable item below the snapshot (none of the files holds it yet):
+//!   key = tag + user key; value = value type (`u8`), seqno (`u64` LE), value;
+//! - [`TAG_CHUNK`]: a piece of a file: key = tag + the file's index (`u32` BE: the
+//!   manifest's tables level by level, then its blob files); value = the bytes.
+//!
+//! Items come first, then each file's chunks in order, one file after another. Each file is
+//! checked against its XXH3-128 (the source's version records it) and fsynced as it ends.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{NotMine, PartitionError};
+use crate::partition::LiveCount;
+use crate::store::Store;
+use crate::unit::{ExportHeader, ExportedCollection, IngestStats, PartitionState};
+use crate::PartitionId;
+
+/// Key tag of a memtable item.
+pub const TAG_ITEM: u8 = 0;
+/// Key tag of a file chunk.
+pub const TAG_CHUNK: u8 = 1;
+/// Bytes of a file per chunk.
+pub const FILE_CHUNK_BYTES: usize = 1024 * 1024;
+/// Most files one partition's copy may list (a keyspace holds tens to hundreds).
+pub const FILES_MAX: usize = 100_000;
+
+/// One file of a [`FileManifest`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShippedFile {
+    pub id: u64,
+    /// XXH3-128 of the whole file, 32 hex digits.
+    pub checksum: String,
+    /// A table's global seqno (0 for blob files).
+    #[serde(default)]
+    pub global_seqno: u64,
+    pub size: u64,
+}
+
+/// One collection's live documents in the copy (a receiver counts nothing itself).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LiveDocs {
+    pub collection: u32,
+    pub count: i64,
+    pub bytes: i64,
+}
+
+/// What a copy by files carries besides its [`ExportHeader`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileManifest {
+    pub blob_tree: bool,
+    /// Levels, each level's runs (newest first), each run's tables.
+    pub levels: Vec<Vec<Vec<ShippedFile>>>,
+    pub blob_files: Vec<ShippedFile>,
+    /// Memtable items that come before the files.
+    pub items: u64,
+    pub live: Vec<LiveDocs>,
+}
+
+impl FileManifest {
+    fn from_export(export: &fjall::TreeExport, live: Vec<LiveDocs>) -> FileManifest {
+        let table = |t: &fjall::ImportTable| ShippedFile {
+            id: t.id,
+            checksum: format!("{:032x}", t.checksum),
+            global_seqno: t.global_seqno,
+            size: t.file_size,
+        };
+        let m = &export.manifest;
+        FileManifest {
+            blob_tree: m.blob_tree,
+            levels: m.levels.iter().map(|l| l.iter().map(|r| r.iter().map(table).collect()).collect()).collect(),
+            blob_files: m
+                .blob_files
+                .iter()
+                .map(|b| ShippedFile { id: b.id, checksum: format!("{:032x}", b.checksum), global_seqno: 0, size: b.file_size })
+                .collect(),
+            items: export.memtable.len() as u64,
+            live,
+        }
+    }
+
+    /// Every file in stream order, with whether it is a blob file.
+    pub fn files(&self) -> impl Iterator<Item = (&ShippedFile, bool)> {
+        self.levels.iter().flatten().flatten().map(|f| (f, false)).chain(self.blob_files.iter().map(|f| (f, true)))
+    }
+
+    /// Bytes of every file.
+    pub fn file_bytes(&self) -> u64 {
+        self.files().map(|(f, _)| f.size).sum()
+    }
+
+    fn to_import(&self) -> Result<fjall::ImportManifest, PartitionError> {
+        let sum = |f: &ShippedFile| {
+            u128::from_str_radix(&f.checksum, 16)
+                .ok()
+                .filter(|_| f.checksum.len() == 32)
+                .ok_or_else(|| PartitionError::Malformed(format!("file {} has a bad checksum {:?}", f.id, f.checksum)))
+        };
+        let mut levels = Vec::with_capacity(self.levels.len());
+        for level in &self.levels {
+            let mut runs = Vec::with_capacity(level.len());
+            for run in level {
+                let mut tables = Vec::with_capacity(run.len());
+                for f in run {
+                    tables.push(fjall::ImportTable { id: f.id, checksum: sum(f)?, global_seqno: f.global_seqno, file_size: f.size });
+                }
+                runs.push(tables);
+            }
+            levels.push(runs);
+        }
+        let mut blob_files = Vec::with_capacity(self.blob_files.len());
+        for f in &self.blob_files {
+            blob_files.push(fjall::ImportBlobFile { id: f.id, checksum: sum(f)?, file_size: f.size });
+        }
+        Ok(fjall::ImportManifest { blob_tree: self.blob_tree, levels, blob_files })
+    }
+}
+
+/// A partition's export as files: its header and manifest, then its records (see the
+/// module's doc) as an iterator. Holds the snapshot's files on disk until dropped.
+pub struct PartitionFiles {
+    header: ExportHeader,
+    manifest: FileManifest,
+    export: fjall::TreeExport,
+    items: std::vec::IntoIter<fjall::InternalValue>,
+    /// Files still to send: index, path, size.
+    todo: VecDeque<(u32, PathBuf, u64)>,
+    open: Option<(u32, File, u64)>,
+}
+
+impl PartitionFiles {
+    pub fn header(&self) -> &ExportHeader {
+        &self.header
+    }
+
+    pub fn manifest(&self) -> &FileManifest {
+        &self.manifest
+    }
+
+    fn next_chunk(&mut self) -> Option<Result<(Bytes, Bytes), PartitionError>> {
+        loop {
+            if let Some((index, file, left)) = &mut self.open {
+                if *left == 0 {
+                    self.open = None;
+                    continue;
+                }
+                let n = usize::try_from(*left).unwrap_or(usize::MAX).min(FILE_CHUNK_BYTES);
+                let mut buf = vec![0u8; n];
+                if let Err(e) = file.read_exact(&mut buf) {
+                    let index = *index;
+                    self.open = None;
+                    self.todo.clear();
+                    return Some(Err(PartitionError::Malformed(format!("reading file {index} of the export: {e}"))));
+                }
+                *left -= n as u64;
+                return Some(Ok((chunk_key(*index), Bytes::from(buf))));
+            }
+            let (index, path, size) = self.todo.pop_front()?;
+            match File::open(&path) {
+                // An empty file is one empty chunk, so that every file has a chunk.
+                Ok(_) if size == 0 => return Some(Ok((chunk_key(index), Bytes::new()))),
+                Ok(file) => self.open = Some((index, file, size)),
+                Err(e) => {
+                    self.todo.clear();
+                    return Some(Err(PartitionError::Malformed(format!("opening {}: {e}", path.display()))));
+                }
+            }
+        }
+    }
+}
+
+impl Iterator for PartitionFiles {
+    type Item = Result<(Bytes, Bytes), PartitionError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if let Some(item) = self.items.next() {
+            let mut key = Vec::with_capacity(1 + item.key.user_key.len());
+            key.push(TAG_ITEM);
+            key.extend_from_slice(&item.key.user_key);
+            let mut value = Vec::with_capacity(9 + item.value.len());
+            value.push(u8::from(item.key.value_type));
+            value.extend_from_slice(&item.key.seqno.to_le_bytes());
+            value.extend_from_slice(&item.value);
+            return Some(Ok((Bytes::from(key), Bytes::from(value))));
+        }
+        self.next_chunk()
+    }
+}
+
+/// Why a partition cannot be exported as files now (the records can).
+fn unavailable(why: &str) -> PartitionError {
+    PartitionError::Malformed(format!("no export as files: {why}"))
+}
+
+impl Store {
+    /// Starts an export of partition `p` as files: a consistent snapshot of every
+    /// collection's part of it (as [`Store::export_partition`]), as the keyspace's files at
+    /// that snapshot. Refused while a dropped collection's keys may remain in the keyspace
+    /// (they would travel along); [`Store::export_partition`] then serves.
+    pub fn export_partition_files(&self, p: PartitionId) -> Result<PartitionFiles, PartitionError> {
+        let unit = self.unit(p)?;
+        let state = unit.owner.state();
+        if !matches!(state, PartitionState::Active | PartitionState::Replica) {
+            return Err(PartitionError::NotMine(NotMine {
+                partition: p,
+                state,
+                wanted: "active or replica",
+                map_version: self.map_version.load(Ordering::Acquire),
+            }));
+        }
+        if self.reclaim_pending() {
+            return Err(unavailable("a dropped collection's keys are still being deleted"));
+        }
+        let collections = self.collections_by_id();
+        let parts: Vec<_> = collections.iter().map(|c| c.partition_arc(p)).collect();
+        // Every collection's sequencer is held while the snapshot is taken and the live
+        // counts read: no commit lands between them.
+        let mut held = Vec::with_capacity(parts.len());
+        for part in &parts {
+            held.push(part.hold()?);
+        }
+        let snapshot = unit.db.snapshot();
+        let ks = unit.ks.read().clone();
+        let header = ExportHeader {
+            partition: p,
+            collections: parts
+                .iter()
+                .zip(&held)
+                .map(|(part, (high, _))| ExportedCollection {
+                    id: part.coll,
+                    seqno: *high,
+                    failover: part.failover_log().to_vec(),
+                    purge_seqno: part.purge_seqno.load(Ordering::Acquire),
+                })
+                .collect(),
+        };
+        let live = parts
+            .iter()
+            .map(|part| LiveDocs {
+                collection: part.coll,
+                count: part.docs_count.load(Ordering::Relaxed),
+                bytes: part.docs_bytes.load(Ordering::Relaxed),
+            })
+            .collect();
+        drop(held);
+        let mut export = ks.export_files(&snapshot)?;
+        drop(snapshot);
+        let manifest = FileManifest::from_export(&export, live);
+        let items = std::mem::take(&mut export.memtable).into_iter();
+        let mut todo = VecDeque::new();
+        for (index, (f, blob)) in manifest.files().enumerate() {
+            let index = u32::try_from(index).map_err(|_| unavailable("too many files"))?;
+            todo.push_back((index, if blob { export.blob_file_path(f.id) } else { export.table_path(f.id) }, f.size));
+        }
+        if todo.len() > FILES_MAX {
+            return Err(unavailable("too many files"));
+        }
+        Ok(PartitionFiles { header, manifest, export, items, todo, open: None })
+    }
+
+    /// Loads a copy by files of partition `p` (see the module's doc) into this node's copy,
+    /// which must be `pending` and empty, as [`Store::ingest_partition`] does with records:
+    /// each file is written under the keyspace's folder, checked against its checksum and
+    /// fsynced, then the keyspace adopts them all in one version; then every collection's
+    /// copy continues the source's history from the header's positions. On an error
+    /// nothing is adopted (files already written stay until the partition is dropped, as
+    /// a failed copy's is).
+    pub fn import_partition_files<I>(&self, header: &ExportHeader, manifest: &FileManifest, records: I) -> Result<IngestStats, PartitionError>
+    where
+        I: IntoIterator<Item = Result<(Bytes, Bytes), PartitionError>>,
+    {
+        let p = header.partition;
+        let unit = self.unit(p)?;
+        let _op = unit.op.lock();
+        let (by_id, ks) = self.check_ingest(header, unit)?;
+        let import = manifest.to_import()?;
+        let files: Vec<(&ShippedFile, bool)> = manifest.files().collect();
+        if files.len() > FILES_MAX {
+            return Err(PartitionError::Malformed(format!("{} files is over the limit of {FILES_MAX}", files.len())));
+        }
+        let mut ids = std::collections::HashSet::new();
+        if let Some((f, _)) = files.iter().find(|(f, blob)| !ids.insert((*blob, f.id))) {
+            return Err(PartitionError::Malformed(format!("file id {} listed twice", f.id)));
+        }
+        for c in &manifest.live {
+            if !by_id.contains_key(&c.collection) {
+                return Err(PartitionError::UnknownCollection(c.collection));
+            }
+        }
+        let tables = ks.path().join("tables");
+        let blobs = ks.path().join("blobs");
+        std::fs::create_dir_all(&tables).and_then(|()| std::fs::create_dir_all(&blobs)).map_err(io)?;
+
+        let mut stats = IngestStats::default();
+        let mut items = Vec::new();
+        let mut writing: Option<FileWriter> = None;
+        let mut next_file = 0usize;
+        for record in records {
+            let (k, v) = record?;
+            stats.records += 1;
+            stats.bytes += (k.len() + v.len()) as u64;
+            match k.first().copied() {
+                Some(TAG_ITEM) => {
+                    if next_file > 0 || writing.is_some() {
+                        return Err(PartitionError::Malformed("a memtable item after the files began".into()));
+                    }
+                    items.push(decode_item(&k[1..], &v)?);
+                }
+                Some(TAG_CHUNK) => {
+                    let index = k.get(1..5).and_then(|b| b.try_into().ok()).map(u32::from_be_bytes).filter(|_| k.len() == 5);
+                    let index = index.ok_or_else(|| PartitionError::Malformed("a file chunk with a malformed key".into()))? as usize;
+                    if writing.as_ref().is_some_and(|w| w.index != index) {
+                        return Err(PartitionError::Malformed(format!("file {index} began before file {} ended", next_file - 1)));
+                    }
+                    if writing.is_none() {
+                        if index != next_file {
+                            return Err(PartitionError::Malformed(format!("file {index} came where file {next_file} was due")));
+                        }
+                        let (f, blob) = files.get(index).ok_or_else(|| PartitionError::Malformed(format!("no file {index} in the manifest")))?;
+                        writing = Some(FileWriter::create(index, if *blob { &blobs } else { &tables }, f)?);
+                        next_file += 1;
+                    }
+                    if let Some(w) = &mut writing {
+                        if w.write(&v)? {
+                            writing = None;
+                        }
+                    }
+                }
+                _ => return Err(PartitionError::Malformed("a record of a copy by files with an unknown tag".into())),
+            }
+        }
+        if writing.is_some() || next_file != files.len() {
+            return Err(PartitionError::Malformed(format!("the copy ended after {next_file} of {} files", files.len())));
+        }
+        if items.len() as u64 != manifest.items {
+            return Err(PartitionError::Malformed(format!("{} memtable items came of {}", items.len(), manifest.items)));
+        }
+        ks.import_files(&import, items)?;
+        let live: BTreeMap<u32, LiveCount> =
+            manifest.live.iter().map(|c| (c.collection, LiveCount { count: c.count, bytes: c.bytes })).collect();
+        self.finish_ingest(header, &by_id, &live)?;
+        tracing::info!(partition = p, files = files.len(), bytes = stats.bytes, "partition copy adopted from files");
+        Ok(stats)
+    }
+}
+
+fn chunk_key(index: u32) -> Bytes {
+    let mut key = Vec::with_capacity(5);
+    key.push(TAG_CHUNK);
+    key.extend_from_slice(&index.to_be_bytes());
+    Bytes::from(key)
+}
+
+fn io(e: std::io::Error) -> PartitionError {
+    PartitionError::Engine(fjall::Error::Io(e))
+}
+
+fn decode_item(key: &[u8], v: &[u8]) -> Result<fjall::InternalValue, PartitionError> {
+    let bad = || PartitionError::Malformed("a malformed memtable item".into());
+    if key.is_empty() || key.len() > u16::MAX as usize || v.len() < 9 {
+        return Err(bad());
+    }
+    let value_type = fjall::ValueType::try_from(v[0]).map_err(|()| bad())?;
+    let seqno = u64::from_le_bytes(v[1..9].try_into().map_err(|_| bad())?);
+    Ok(fjall::InternalValue::from_components(key.to_vec(), v[9..].to_vec(), seqno, value_type))
+}
+
+/// One file being received: written as its chunks come, hashed, fsynced at its end.
+struct FileWriter {
+    index: usize,
+    file: File,
+    path: PathBuf,
+    hash: xxhash_rust::xxh3::Xxh3,
+    left: u64,
+    checksum: String,
+}
+
+impl FileWriter {
+    fn create(index: usize, folder: &std::path::Path, f: &ShippedFile) -> Result<FileWriter, PartitionError> {
+        let path = folder.join(f.id.to_string());
+        // A new file only: an id already here would be another file's.
+        let file = File::options().write(true).create_new(true).open(&path).map_err(io)?;
+        Ok(FileWriter { index, file, path, hash: xxhash_rust::xxh3::Xxh3::new(), left: f.size, checksum: f.checksum.clone() })
+    }
+
+    /// Writes a chunk; answers whether the file is whole (then checked and fsynced).
+    fn write(&mut self, chunk: &[u8]) -> Result<bool, PartitionError> {
+        if chunk.len() as u64 > self.left {
+            return Err(PartitionError::Malformed(format!("file {} is longer than its manifest says", self.index)));
+        }
+        self.file.write_all(chunk).map_err(io)?;
+        self.hash.update(chunk);
+        self.left -= chunk.len() as u64;
+        if self.left > 0 {
+            return Ok(false);
+        }
+        let got = format!("{:032x}", self.hash.digest128());
+        if got != self.checksum {
+            return Err(PartitionError::Malformed(format!("{} arrived with checksum {got}, not {}", self.path.display(), self.checksum)));
+        }
+        self.file.sync_all().map_err(io)?;
+        Ok(true)
+    }
+}
