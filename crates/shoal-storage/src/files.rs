@@ -135,7 +135,8 @@ impl FileManifest {
 pub struct PartitionFiles {
     header: ExportHeader,
     manifest: FileManifest,
-    export: fjall::TreeExport,
+    /// Pins the snapshot's files (compaction cannot delete them) until the copy ends.
+    _export: fjall::TreeExport,
     items: std::vec::IntoIter<fjall::InternalValue>,
     /// Files still to send: index, path, size.
     todo: VecDeque<(u32, PathBuf, u64)>,
@@ -269,7 +270,7 @@ impl Store {
         if todo.len() > FILES_MAX {
             return Err(unavailable("too many files"));
         }
-        Ok(PartitionFiles { header, manifest, export, items, todo, open: None })
+        Ok(PartitionFiles { header, manifest, _export: export, items, todo, open: None })
     }
 
     /// Loads a copy by files of partition `p` (see the module's doc) into this node's copy,

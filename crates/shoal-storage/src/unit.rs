@@ -309,7 +309,7 @@ impl Store {
         let unit = self.unit(p)?;
         // One operation at a time per partition; others' ingests run alongside.
         let _op = unit.op.lock();
-        let (by_id, ks) = self.check_ingest(header, &unit)?;
+        let (by_id, ks) = self.check_ingest(header, unit)?;
         let mut live: BTreeMap<u32, LiveCount> = BTreeMap::new();
         let mut stats = IngestStats::default();
         let mut ingestion = ks.start_ingestion()?;
