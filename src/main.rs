@@ -129,6 +129,10 @@ struct ServeArgs {
     /// files: for the rebalance benchmark's comparison.
     #[arg(long, hide = true)]
     copy_by_stream: bool,
+    /// Builds new copies of partitions on this node from the source's records, not its
+    /// files: for the rebalance benchmark's comparison.
+    #[arg(long, hide = true)]
+    copy_by_records: bool,
     /// The address other members and clients reach this node at (default: the listen
     /// address; set it when listening on 0.0.0.0).
     #[arg(long)]
@@ -217,6 +221,7 @@ async fn serve(args: ServeArgs) -> Result<(), cli::CliError> {
             join: args.join,
             secret: args.cluster_secret,
             copy_by_stream: args.copy_by_stream,
+            copy_by_records: args.copy_by_records,
         },
         fault_injection: args.fault_injection,
     };

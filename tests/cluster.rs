@@ -743,14 +743,15 @@ async fn a_copied_data_directory_cannot_pose_as_its_member() {
     assert!(info["node"].as_u64().is_some(), "{info}");
 }
 
-/// A rebalance builds a new copy of a large partition from the active's files (an export
-/// streamed and ingested as tables), then catches it up from the change stream; writes
+/// A rebalance builds a new copy of a large partition from the active's files (its
+/// keyspace's table and blob files, adopted whole), then catches it up from the change stream; writes
 /// acknowledged by a majority while it runs survive the loss of the node the data came from.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_rebalance_copies_large_partitions_as_files_and_loses_nothing() {
     let status = files_rebalance(false).await;
     let moves = status["moves"].as_array().unwrap();
     assert!(moves.iter().all(|m| m["method"] == "files"), "every copy was built from files: {status}");
+    assert!(moves.iter().all(|m| m["shipped"] == "files"), "every copy's snapshot came as the keyspace's files: {status}");
     assert!(status["bytes_done"].as_u64().unwrap() > 12_000 * 20, "the copies' bytes are counted: {status}");
     // The plan gave every move its bytes before any copy started: its source partition's
     // live documents, which the copy's records (keys, metadata, by-sequence entries) exceed.

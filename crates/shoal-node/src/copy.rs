@@ -1,9 +1,15 @@
 //! File-based copies (the `"files"` method): a new copy of a partition is built from the
-//! active's export — a consistent snapshot of the partition's keyspace, streamed in key order
-//! as length-prefixed records — ingested as table files (`Store::ingest_partition`: no
-//! journal, no write path), and then catches up from the change stream at the export's
-//! positions like any replica. This is seed 003's fix: the copy moves sorted runs, not
-//! changes one by one.
+//! active's export — a consistent snapshot of the partition's keyspace — and then catches up
+//! from the change stream at the export's positions like any replica. This is seed 003's
+//! fix: the copy moves files and sorted runs, not changes one by one. The snapshot travels
+//! in one of two shapes (the progress's `shipped`):
+//! - `files`: the keyspace's table and blob files byte for byte, adopted whole by the
+//!   receiver (`Store::export_partition_files` / `import_partition_files`): neither side
+//!   decodes a record;
+//! - `records`: the snapshot's records in key order, written into new table files on the
+//!   receiver (`Store::export_partition` / `ingest_partition`) — when the source cannot
+//!   export files (a dropped collection's keys are still being deleted), or the receiver
+//!   runs with `--copy-by-records` (the benchmark's comparison).
 //!
 //! A replica takes this path when its copy of a partition is empty and the active's first
 //! answer shows a backfill of at least `COPY_MIN_CHANGES` changes; otherwise (a small
@@ -45,6 +51,8 @@ pub const COPY_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct ExportRequest {
     pub from: u64,
     pub partition: u16,
+    /// The receiver takes the keyspace's files (else records).
+    pub files: bool,
 }
 
 /// How one copy being built here goes (shown in the rebalance's progress).
@@ -64,6 +72,9 @@ pub struct CopyProgress {
     pub started_unix_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_unix_ms: Option<u64>,
+    /// A `files` copy's snapshot: shipped as the keyspace's `files`, or as `records`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub shipped: String,
 }
 
 /// A stream copy's state while it backfills.
@@ -83,11 +94,13 @@ pub struct Copies {
     queue: Mutex<std::collections::VecDeque<(u16, u64, String)>>,
     /// Every copy backfills from the change stream (`ClusterConfig::copy_by_stream`).
     stream_only: bool,
+    /// Copies ask for records, not files (`ClusterConfig::copy_by_records`).
+    by_records: bool,
 }
 
 impl Copies {
-    pub(crate) fn new(stream_only: bool) -> Copies {
-        Copies { stream_only, ..Copies::default() }
+    pub(crate) fn new(stream_only: bool, by_records: bool) -> Copies {
+        Copies { stream_only, by_records, ..Copies::default() }
     }
 
     /// Whether partition `p` is being built from files here, or waits to be (its parts are
@@ -267,7 +280,7 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16) -> Result<IngestSt
     })
     .await?
     .map_err(|e| ClusterError::Storage(e.to_string()))?;
-    let request = crate::wire::encode(&ExportRequest { from: node.id, partition: p });
+    let request = crate::wire::encode(&ExportRequest { from: node.id, partition: p, files: !node.copies.by_records });
     let mut stream = node.peers.stream(address, Op::Export, request, COPY_IDLE_TIMEOUT).await?;
     let mut decoder = FrameDecoder::default();
     let header = loop {
@@ -283,13 +296,23 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16) -> Result<IngestSt
     if header.export.partition != p {
         return Err(ClusterError::BadMessage(format!("asked for partition {p}, got {}", header.export.partition)));
     }
-    node.copies.set(p, |c| c.bytes_total = header.bytes_estimate);
+    let files = header.files.clone();
+    node.copies.set(p, |c| {
+        c.bytes_total = header.bytes_estimate;
+        c.shipped = if files.is_some() { "files" } else { "records" }.into();
+    });
     // The records are decoded on the ingest's thread, below the foreground's priority; the
     // runtime's threads (which serve requests) only move the chunks.
     let (tx, rx) = mpsc::channel::<Result<Bytes, PartitionError>>(COPY_QUEUE_CHUNKS);
     let store = Arc::clone(node.engine.store());
     let export = header.export.clone();
-    let ingest = background("shoal-ingest", move || store.ingest_partition(&export, Records { rx, decoder, done: false }))?;
+    let ingest = background("shoal-ingest", move || {
+        let records = Records { rx, decoder, done: false };
+        match files {
+            Some(manifest) => store.import_partition_files(&export, &manifest, records),
+            None => store.ingest_partition(&export, records),
+        }
+    })?;
     let pumped = pump(node, p, &mut stream, &tx).await;
     if let Err(e) = &pumped {
         // The ingest must not finish on a part of the copy.
@@ -436,12 +459,27 @@ pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc:
             req.partition, req.from, map.version
         )));
     }
-    let export = node.engine.store().export_partition(req.partition).map_err(|e| ClusterError::Storage(e.to_string()))?;
+    let store = node.engine.store();
+    let files = if req.files {
+        store.export_partition_files(req.partition).map_err(|e| tracing::info!(partition = req.partition, error = %e, "sending records")).ok()
+    } else {
+        None
+    };
+    let (header, export): (CopyHeader, Box<dyn Iterator<Item = Result<(Bytes, Bytes), PartitionError>> + Send>) = match files {
+        Some(files) => {
+            let manifest = files.manifest().clone();
+            let bytes_estimate = manifest.file_bytes();
+            (CopyHeader { export: files.header().clone(), bytes_estimate, files: Some(manifest) }, Box::new(files))
+        }
+        None => {
+            let records = store.export_partition(req.partition).map_err(|e| ClusterError::Storage(e.to_string()))?;
+            (CopyHeader { export: records.header().clone(), bytes_estimate: records.estimated_bytes(), files: None }, Box::new(records))
+        }
+    };
     let (tx, rx) = mpsc::channel(COPY_QUEUE_CHUNKS);
     let node = Arc::clone(node);
     // The receiver sees a broken stream if this thread cannot start or dies.
     background("shoal-export", move || {
-        let header = CopyHeader { export: export.header().clone(), bytes_estimate: export.estimated_bytes() };
         let mut out = BytesMut::with_capacity(COPY_CHUNK_BYTES + 64 * 1024);
         FrameEncoder::header(&mut out, &header);
         let mut encoder = FrameEncoder::default();
@@ -508,7 +546,7 @@ mod tests {
         let mut out = BytesMut::new();
         FrameEncoder::header(
             &mut out,
-            &CopyHeader { export: shoal_storage::ExportHeader { partition: 1, collections: Vec::new() }, bytes_estimate: 0 },
+            &CopyHeader { export: shoal_storage::ExportHeader { partition: 1, collections: Vec::new() }, bytes_estimate: 0, files: None },
         );
         let mut encoder = FrameEncoder::default();
         for i in 0..50u32 {
@@ -547,7 +585,7 @@ mod tests {
         copies.streamed.lock().insert(4);
         assert_eq!(choose(&copies, &asked, &backlog), vec![5], "one runs, one waits, one failed before");
         assert!(copies.is_building(6) && copies.is_building(1) && !copies.is_building(5));
-        assert_eq!(choose(&Copies::new(true), &asked, &backlog), Vec::<u16>::new(), "a node told to copy by stream never copies files");
+        assert_eq!(choose(&Copies::new(true, false), &asked, &backlog), Vec::<u16>::new(), "a node told to copy by stream never copies files");
     }
 
     #[test]

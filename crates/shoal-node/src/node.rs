@@ -68,6 +68,9 @@ pub struct ClusterConfig {
     /// Build every new copy here from the change stream, never from files (`serve
     /// --copy-by-stream`, hidden): for the benchmark's stream figure and for tests.
     pub copy_by_stream: bool,
+    /// Ask for a new copy's snapshot as records, not as the keyspace's files (`serve
+    /// --copy-by-records`, hidden): for the benchmark's comparison.
+    pub copy_by_records: bool,
 }
 
 /// Where a request for a key goes.
@@ -240,7 +243,7 @@ impl ClusterNode {
             frozen: Mutex::new(HashMap::new()),
             store_map: tokio::sync::watch::Sender::new(0),
             rebalancer: crate::rebalance::Rebalancer::default(),
-            copies: crate::copy::Copies::new(config.copy_by_stream),
+            copies: crate::copy::Copies::new(config.copy_by_stream, config.copy_by_records),
             lease: crate::failover::Lease::default(),
             ready: watch::channel(false).0,
             served: std::sync::atomic::AtomicBool::new(false),

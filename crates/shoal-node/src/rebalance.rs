@@ -98,6 +98,10 @@ pub struct MoveStatus {
     /// `files` (a copy of the partition's tables) or `stream` (a backfill from the
     /// change stream: small partitions, copies that hold data, and the fallback).
     pub method: String,
+    /// A `files` copy's snapshot: shipped as the keyspace's `files` (adopted whole) or as
+    /// `records` (the fallback).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub shipped: String,
     pub state: String,
     #[serde(default)]
     pub bytes_total: u64,
@@ -307,6 +311,7 @@ fn moves(current: &PartitionMap, target: &PartitionMap) -> Vec<MoveStatus> {
                     from: Some(cur.active.0),
                     to: n.0,
                     method: "stream".into(),
+                    shipped: String::new(),
                     state: "waiting".into(),
                     bytes_total: 0,
                     bytes_done: 0,
@@ -424,6 +429,7 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
                         from = ?m.from,
                         to = m.to,
                         method = %m.method,
+                        shipped = %m.shipped,
                         bytes = m.bytes_done,
                         secs = started.elapsed().as_secs_f64(),
                         "move {next}"
@@ -623,6 +629,7 @@ fn show_copies(node: &ClusterNode, answers: &HashMap<NodeId, Option<ProgressAnsw
         let copy = answers.get(&NodeId(m.to)).and_then(|a| a.as_ref()).and_then(|a| a.copies.iter().find(|(p, _)| *p == m.id));
         let Some((_, copy)) = copy else { continue };
         m.method = copy.method.clone();
+        m.shipped = copy.shipped.clone();
         m.bytes_total = copy.bytes_total.max(copy.bytes_done);
         m.bytes_done = copy.bytes_done;
         m.copy_started_unix_ms = copy.started_unix_ms;
