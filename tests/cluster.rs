@@ -315,8 +315,8 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
     }
 
     // An export for a node the map does not name as a replica is refused, not streamed.
-    let mut ask = vec![1u8]; // postcard: `from` = 1 (a varint), then the partition
-    ask.push(0);
+    // Postcard: `from` = 1 (a varint), the partition 0, `files` = true.
+    let ask = vec![1u8, 0, 1];
     let r = http.post(first.u("/v1/_internal/export")).header("x-shoal-cluster-secret", SECRET).body(ask).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 409, "{}", r.text().await.unwrap_or_default());
 

@@ -3,8 +3,8 @@
 //! threads (each thread copies whole partitions), in process: the storage engine's own copy
 //! ceiling, which a rebalance's network and coordination then cost a share of. A plain
 //! export (read only) is timed too, to show what the copy spends on writing; and the same
-//! partitions' files copied whole (read, hashed, written, fsynced, not adopted by a tree):
-//! the ceiling of a move that would ship table files instead of records.
+//! partitions copied as their files (exported at a snapshot, written, hashed, fsynced and
+//! adopted whole by the empty copy: what a rebalance ships by default).
 //! `bench/partition_copy.sh` runs it beside `dd` on the same disk.
 
 use std::path::{Path, PathBuf};
@@ -160,30 +160,42 @@ pub fn run(args: CopyArgs) -> Result<(), CliError> {
         drop(dst);
         std::fs::remove_dir_all(&dir).map_err(other)?;
     }
-    // The same partitions shipped as files whole (each memtable flushed first, so every
-    // record is in a table): read, hash (XXH3-128, as a receiver would check each file),
-    // write and fsync. Nothing adopts them into a tree (docs/research/file-shipping-moves.md):
-    // this is the ceiling such a move would approach, beside the records' one above.
-    let folders: Vec<PathBuf> = (0..args.partitions).map(|p| src.partition_files_flushed(p).map_err(other)).collect::<Result<_, _>>()?;
-    src.close().map_err(other)?;
-    drop(src);
+    // The same partitions copied as their files (what a rebalance ships by default): each
+    // keyspace's table and blob files at a snapshot, read, written into the empty copy,
+    // hashed and fsynced, then adopted whole (`Store::import_partition_files`). The rate is
+    // the records' bytes (the same documents as above) over the time; the files' own bytes
+    // are printed beside.
     for &threads in &args.threads {
         let dir = root.path().join(format!("files-{threads}"));
+        let dst = open(&dir, args.partitions, args.blob_threshold)?;
+        dst.create_collection_as("c", 0, Some(coll.id())).map_err(other)?;
+        for p in 0..args.partitions {
+            dst.set_partition_state(p, PartitionState::Pending).map_err(other)?;
+        }
         let started = Instant::now();
         let shipped = per_partition(threads, args.partitions, |p| {
-            let folder = folders.get(usize::from(p)).ok_or_else(|| other(format!("no folder for partition {p}")))?;
-            ship_folder(folder, &dir.join(folder.file_name().unwrap_or_default()))
+            let export = src.export_partition_files(p).map_err(other)?;
+            let (header, manifest) = (export.header().clone(), export.manifest().clone());
+            dst.import_partition_files(&header, &manifest, export).map_err(other)?;
+            Ok(manifest.file_bytes())
         });
         let secs = started.elapsed().as_secs_f64();
         let file_bytes = shipped?;
         println!(
-            "| files whole (read, XXH3, write, fsync; {:.0} MB on disk) | {threads} | {:.0} | {secs:.2} | {:.0} |",
+            "| export files → import (adopted, fsynced; {:.0} MB of files) | {threads} | {:.0} | {secs:.2} | {:.0} |",
             file_bytes as f64 / 1e6,
             bytes as f64 / 1e6,
             bytes as f64 / 1e6 / secs
         );
+        let copy = dst.collection("c").ok_or_else(|| other("the copy lost its collection"))?;
+        if copy.info().docs != args.docs as u64 {
+            return Err(other(format!("the copy by files holds {} documents, not {}", copy.info().docs, args.docs)));
+        }
+        dst.close().map_err(other)?;
+        drop(dst);
         std::fs::remove_dir_all(&dir).map_err(other)?;
     }
+    src.close().map_err(other)?;
     Ok(())
 }
 
@@ -205,42 +217,6 @@ fn per_partition(threads: usize, partitions: u16, copy: impl Fn(u16) -> Result<u
             .collect();
         workers.into_iter().map(|w| w.join().map_err(|_| other("a copy thread panicked"))?).sum()
     })
-}
-
-/// Chunk size of a file shipped whole.
-const SHIP_CHUNK_BYTES: usize = 4 * 1024 * 1024;
-
-/// Copies every file under `from` to `to` (same layout): read in chunks, hashed, written,
-/// each file fsynced, then its folder; answers the bytes copied.
-fn ship_folder(from: &Path, to: &Path) -> Result<u64, CliError> {
-    use std::io::{Read, Write};
-    std::fs::create_dir_all(to).map_err(other)?;
-    let mut bytes = 0;
-    let mut buf = vec![0u8; SHIP_CHUNK_BYTES];
-    for entry in std::fs::read_dir(from).map_err(other)? {
-        let entry = entry.map_err(other)?;
-        let (path, target) = (entry.path(), to.join(entry.file_name()));
-        if entry.file_type().map_err(other)?.is_dir() {
-            bytes += ship_folder(&path, &target)?;
-            continue;
-        }
-        let mut input = std::fs::File::open(&path).map_err(other)?;
-        let mut output = std::fs::File::create(&target).map_err(other)?;
-        let mut hash = xxhash_rust::xxh3::Xxh3::new();
-        loop {
-            let n = input.read(&mut buf).map_err(other)?;
-            if n == 0 {
-                break;
-            }
-            hash.update(&buf[..n]);
-            output.write_all(&buf[..n]).map_err(other)?;
-            bytes += n as u64;
-        }
-        std::hint::black_box(hash.digest128());
-        output.sync_all().map_err(other)?;
-    }
-    std::fs::File::open(to).and_then(|d| d.sync_all()).map_err(other)?;
-    Ok(bytes)
 }
 
 #[cfg(test)]

@@ -47,8 +47,10 @@ pub struct RebalanceArgs {
     /// The cluster's `rebalance_moves_per_node` during the rebalance (default: the setting's).
     #[arg(long)]
     moves_per_node: Option<u32>,
-    /// Which methods the swap runs: `files`, `stream` or both.
-    #[arg(long, value_delimiter = ',', default_value = "files,stream")]
+    /// Which methods the swap runs: `files` (the keyspace's files, adopted whole),
+    /// `records` (the snapshot's records, ingested as new tables) and `stream` (the
+    /// change stream), in any combination.
+    #[arg(long, value_delimiter = ',', default_value = "files,records,stream")]
     methods: Vec<String>,
     /// Which rebalances to run, each on a fresh cluster: `swap` (add one node and eject
     /// one, in one rebalance; by every method), `add` (add one), `remove` (eject one); the
@@ -166,11 +168,11 @@ pub async fn run(args: RebalanceArgs) -> Result<(), CliError> {
             outcomes.push(swap(&args, docs, method, scenario).await?);
         }
     }
-    println!("\n| rebalance | method | rebalance s | copy s (polled) | copy s (first start to last end) | MB planned (live documents) | MB moved | MB/s into the receivers | moves / copies that had to move | fg p50 / p99 ms before | fg p50 / p99 ms during | fg errors |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("\n| rebalance | method | rebalance s | copy s (polled) | copy s (first start to last end) | MB planned (live documents) | MB moved | MB/s into the receivers | document MB/s (planned / copy s) | moves / copies that had to move | fg p50 / p99 ms before | fg p50 / p99 ms during | fg errors |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for o in &outcomes {
         println!(
-            "| {} | {} | {:.1} | {:.1} | {:.2} | {:.0} | {:.0} | {:.0} | {} / {} | {:.2} / {:.2} ({} ops) | {:.2} / {:.2} ({} ops) | {} |",
+            "| {} | {} | {:.1} | {:.1} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {} / {} | {:.2} / {:.2} ({} ops) | {:.2} / {:.2} ({} ops) | {} |",
             o.scenario.name(),
             o.method,
             o.secs,
@@ -179,6 +181,7 @@ pub async fn run(args: RebalanceArgs) -> Result<(), CliError> {
             o.bytes_planned as f64 / 1e6,
             o.bytes as f64 / 1e6,
             o.bytes as f64 / 1e6 / o.copy_secs.max(1e-9),
+            o.bytes_planned as f64 / 1e6 / o.copy_secs.max(1e-9),
             o.moves,
             o.needed,
             o.before.0,
@@ -199,14 +202,24 @@ pub async fn run(args: RebalanceArgs) -> Result<(), CliError> {
         }
     }
     let swap_by = |method: &str| outcomes.iter().find(|o| o.scenario == Scenario::Swap && o.method == method);
-    if let (Some(f), Some(s)) = (swap_by("files"), swap_by("stream")) {
-        // The stream run moves the same partitions; its bytes are the files run's.
-        let files_rate = f.bytes as f64 / f.copy_secs.max(1e-9);
-        let stream_rate = f.bytes as f64 / s.copy_secs.max(1e-9);
+    // The swaps move the same partitions: their rates compare as times. The records run's
+    // bytes are the unit of the engine's copy ceiling below (records MB/s).
+    let records_bytes = swap_by("records").map(|r| r.bytes);
+    for (a, b) in [("files", "stream"), ("files", "records"), ("records", "stream")] {
+        if let (Some(x), Some(y)) = (swap_by(a), swap_by(b)) {
+            println!(
+                "swap {a} / {b}: {:.1}× faster (copy s {:.2} against {:.2})",
+                y.copy_secs / x.copy_secs.max(1e-9),
+                x.copy_secs,
+                y.copy_secs
+            );
+        }
+    }
+    if let (Some(f), Some(rb)) = (swap_by("files"), records_bytes) {
         println!(
-            "files / stream: {:.1}× (same partitions; stream MB/s counted with the files run's bytes: {:.0})",
-            files_rate / stream_rate,
-            stream_rate / 1e6
+            "swap files in records MB/s (the records run's {:.0} MB over the files run's copy s): {:.0}",
+            rb as f64 / 1e6,
+            rb as f64 / 1e6 / f.copy_secs.max(1e-9)
         );
     }
     if let Some(path) = &args.chart {
@@ -295,8 +308,10 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
     tokio::time::sleep(Duration::from_secs(args.before_secs)).await;
 
     let mut extra = joining.clone();
-    if method == "stream" {
-        extra.push("--copy-by-stream".into());
+    match method {
+        "stream" => extra.push("--copy-by-stream".into()),
+        "records" => extra.push("--copy-by-records".into()),
+        _ => {}
     }
     let newcomer = match scenario.joins() {
         true => Some(Node::start_named(&format!("rebalance-{label}-new"), args.partitions, &extra)?),
@@ -349,7 +364,7 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
     let bytes_planned = status["bytes_planned"].as_u64().unwrap_or(0);
     // The copies are done when the progress stops growing (then hand-over and settling).
     let copy_end = samples.iter().find(|s| s.bytes_done >= bytes && bytes > 0).map_or(rebalance_end, |s| s.t);
-    let polled_copy_secs = if method == "files" { copy_end - rebalance_start } else { rebalance_end - rebalance_start };
+    let polled_copy_secs = if method != "stream" { copy_end - rebalance_start } else { rebalance_end - rebalance_start };
     let copy_secs = copy_span_secs(&status).unwrap_or(polled_copy_secs);
     let log = log.lock().map_err(|_| CliError::Bench("a foreground task panicked".into()))?;
     let window = |from: f64, to: f64| {

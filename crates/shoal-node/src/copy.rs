@@ -443,6 +443,9 @@ impl Iterator for Records {
     }
 }
 
+/// An export's records, of either shape (files or records).
+type ExportRecords = dyn Iterator<Item = Result<(Bytes, Bytes), PartitionError>> + Send;
+
 /// The active's side: an export of the partition, as chunks of the copy stream. Only a
 /// member the map names as a replica of a partition this node is active for gets one.
 pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc::Receiver<Result<Bytes, ClusterError>>, ClusterError> {
@@ -461,11 +464,14 @@ pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc:
     }
     let store = node.engine.store();
     let files = if req.files {
-        store.export_partition_files(req.partition).map_err(|e| tracing::info!(partition = req.partition, error = %e, "sending records")).ok()
+        store
+            .export_partition_files(req.partition)
+            .map_err(|e| tracing::info!(partition = req.partition, error = %e, "sending records"))
+            .ok()
     } else {
         None
     };
-    let (header, export): (CopyHeader, Box<dyn Iterator<Item = Result<(Bytes, Bytes), PartitionError>> + Send>) = match files {
+    let (header, export): (CopyHeader, Box<ExportRecords>) = match files {
         Some(files) => {
             let manifest = files.manifest().clone();
             let bytes_estimate = manifest.file_bytes();
@@ -585,7 +591,11 @@ mod tests {
         copies.streamed.lock().insert(4);
         assert_eq!(choose(&copies, &asked, &backlog), vec![5], "one runs, one waits, one failed before");
         assert!(copies.is_building(6) && copies.is_building(1) && !copies.is_building(5));
-        assert_eq!(choose(&Copies::new(true, false), &asked, &backlog), Vec::<u16>::new(), "a node told to copy by stream never copies files");
+        assert_eq!(
+            choose(&Copies::new(true, false), &asked, &backlog),
+            Vec::<u16>::new(),
+            "a node told to copy by stream never copies files"
+        );
     }
 
     #[test]

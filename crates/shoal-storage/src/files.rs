@@ -38,6 +38,9 @@ pub const TAG_CHUNK: u8 = 1;
 pub const FILE_CHUNK_BYTES: usize = 1024 * 1024;
 /// Most files one partition's copy may list (a keyspace holds tens to hundreds).
 pub const FILES_MAX: usize = 100_000;
+/// Most bytes of memtable items one copy may carry (they are held in memory until the
+/// files are adopted; a keyspace's memtables hold a few tens of MB).
+pub const ITEMS_MAX_BYTES: u64 = 512 * 1024 * 1024;
 
 /// One file of a [`FileManifest`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -280,7 +283,12 @@ impl Store {
     /// copy continues the source's history from the header's positions. On an error
     /// nothing is adopted (files already written stay until the partition is dropped, as
     /// a failed copy's is).
-    pub fn import_partition_files<I>(&self, header: &ExportHeader, manifest: &FileManifest, records: I) -> Result<IngestStats, PartitionError>
+    pub fn import_partition_files<I>(
+        &self,
+        header: &ExportHeader,
+        manifest: &FileManifest,
+        records: I,
+    ) -> Result<IngestStats, PartitionError>
     where
         I: IntoIterator<Item = Result<(Bytes, Bytes), PartitionError>>,
     {
@@ -308,6 +316,7 @@ impl Store {
 
         let mut stats = IngestStats::default();
         let mut items = Vec::new();
+        let mut items_bytes = 0u64;
         let mut writing: Option<FileWriter> = None;
         let mut next_file = 0usize;
         for record in records {
@@ -318,6 +327,10 @@ impl Store {
                 Some(TAG_ITEM) => {
                     if next_file > 0 || writing.is_some() {
                         return Err(PartitionError::Malformed("a memtable item after the files began".into()));
+                    }
+                    items_bytes += (k.len() + v.len()) as u64;
+                    if items_bytes > ITEMS_MAX_BYTES {
+                        return Err(PartitionError::Malformed(format!("memtable items over {ITEMS_MAX_BYTES} bytes")));
                     }
                     items.push(decode_item(&k[1..], &v)?);
                 }
@@ -331,7 +344,8 @@ impl Store {
                         if index != next_file {
                             return Err(PartitionError::Malformed(format!("file {index} came where file {next_file} was due")));
                         }
-                        let (f, blob) = files.get(index).ok_or_else(|| PartitionError::Malformed(format!("no file {index} in the manifest")))?;
+                        let (f, blob) =
+                            files.get(index).ok_or_else(|| PartitionError::Malformed(format!("no file {index} in the manifest")))?;
                         writing = Some(FileWriter::create(index, if *blob { &blobs } else { &tables }, f)?);
                         next_file += 1;
                     }

@@ -29,11 +29,11 @@ pub use clock::{IdSource, ManualClock, RandomIds, SeededIds, SystemClock, TimeSo
 pub use collection::{Collection, CollectionInfo};
 pub use consumer::{follow, ChangeConsumer, ChangeReader, ChangeSource, FollowLimits, PartitionBatch};
 pub use error::{is_corruption, CatalogError, ChangesError, CollectionError, NotMine, OpenError, PartitionError, ReadError, WriteError};
+pub use files::{FileManifest, PartitionFiles};
 pub use health::{StorageHealth, StorageState, TaskHealth, TaskReport};
 pub use partition::{Document, FailoverEntry, MutationOutcome, ReadLimit, WriteOp, WriteRequest};
 pub use rollback::{is_history, rollback_seqno, RollbackReport};
 pub use store::{validate_collection_name, write_atomically, Store, StoreConfig, BLOB_THRESHOLD_DEFAULT_BYTES};
-pub use files::{FileManifest, PartitionFiles};
 pub use unit::{ExportHeader, ExportedCollection, IngestStats, PartitionExport, PartitionState};
 
 /// Index of a virtual partition (vBucket).
