@@ -152,9 +152,9 @@ pub fn run(args: CopyArgs) -> Result<(), CliError> {
         let secs = started.elapsed().as_secs_f64();
         let bytes = copied?;
         println!("| export → ingest (fsynced) | {threads} | {:.0} | {secs:.2} | {:.0} |", bytes as f64 / 1e6, bytes as f64 / 1e6 / secs);
-        let copy = dst.collection("c").ok_or_else(|| other("the copy lost its collection"))?;
-        if copy.info().docs != args.docs as u64 {
-            return Err(other(format!("the copy holds {} documents, not {}", copy.info().docs, args.docs)));
+        let docs = dst.collection("c").ok_or_else(|| other("the copy lost its collection"))?.info().docs;
+        if docs != args.docs as u64 {
+            return Err(other(format!("the copy holds {docs} documents, not {}", args.docs)));
         }
         dst.close().map_err(other)?;
         drop(dst);
@@ -174,7 +174,7 @@ pub fn run(args: CopyArgs) -> Result<(), CliError> {
         }
         let started = Instant::now();
         let shipped = per_partition(threads, args.partitions, |p| {
-            let export = src.export_partition_files(p).map_err(other)?;
+            let export = src.export_partition_files(p, shoal_storage::files::EXPORT_FLUSH_WAIT_MAX).map_err(other)?;
             let (header, manifest) = (export.header().clone(), export.manifest().clone());
             dst.import_partition_files(&header, &manifest, export).map_err(other)?;
             Ok(manifest.file_bytes())
@@ -187,9 +187,9 @@ pub fn run(args: CopyArgs) -> Result<(), CliError> {
             bytes as f64 / 1e6,
             bytes as f64 / 1e6 / secs
         );
-        let copy = dst.collection("c").ok_or_else(|| other("the copy lost its collection"))?;
-        if copy.info().docs != args.docs as u64 {
-            return Err(other(format!("the copy by files holds {} documents, not {}", copy.info().docs, args.docs)));
+        let docs = dst.collection("c").ok_or_else(|| other("the copy lost its collection"))?.info().docs;
+        if docs != args.docs as u64 {
+            return Err(other(format!("the copy by files holds {docs} documents, not {}", args.docs)));
         }
         dst.close().map_err(other)?;
         drop(dst);

@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use shoal_storage::{
@@ -131,7 +132,10 @@ fn load(src: &Store) -> Vec<String> {
 
 #[test]
 fn a_copy_by_files_equals_its_source_then_follows_it_and_its_own_writes_win() {
-    for busy in [false, true] {
+    // Without a flush at the export the memtable's items travel as such; with one, inside a
+    // file.
+    for (busy, flush) in [(false, false), (true, false), (false, true), (true, true)] {
+        let flush_wait = if flush { shoal_storage::files::EXPORT_FLUSH_WAIT_MAX } else { Duration::ZERO };
         let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let src = open(d1.path());
         let (a, b) = (src.create_collection("a", 0).unwrap(), src.create_collection("b", 0).unwrap());
@@ -142,14 +146,18 @@ fn a_copy_by_files_equals_its_source_then_follows_it_and_its_own_writes_win() {
         // Documents of the receiver's other partitions.
         let elsewhere = dst.collection("a").unwrap().info().docs;
 
-        let export = src.export_partition_files(P).unwrap();
+        let export = src.export_partition_files(P, flush_wait).unwrap();
         let header: ExportHeader = export.header().clone();
         let manifest: FileManifest = export.manifest().clone();
         // The test covers what it says: tables on two levels, blob files, memtable items.
         let levels_used = manifest.levels.iter().filter(|l| !l.is_empty()).count();
         assert!(levels_used >= 2, "tables on {levels_used} levels: {manifest:?}");
         assert!(!manifest.blob_files.is_empty(), "no blob files");
-        assert!(manifest.items > 0, "no memtable items");
+        if flush {
+            assert_eq!(manifest.items, 0, "the flush at the export put the memtable's items in a file");
+        } else {
+            assert!(manifest.items > 0, "no memtable items");
+        }
         let at_export = (state_of(&a, P), state_of(&b, P), reads(&a, &keys), reads(&b, &keys));
 
         // The source goes on writing, flushing and compacting; the export's files stay.
@@ -162,8 +170,8 @@ fn a_copy_by_files_equals_its_source_then_follows_it_and_its_own_writes_win() {
         assert!(stats.bytes >= manifest.file_bytes());
         dst.set_partition_state(P, PartitionState::Replica).unwrap();
         let (da, db) = (dst.collection("a").unwrap(), dst.collection("b").unwrap());
-        assert_eq!(state_of(&da, P), at_export.0, "busy={busy}");
-        assert_eq!(state_of(&db, P), at_export.1, "busy={busy}");
+        assert_eq!(state_of(&da, P), at_export.0, "busy={busy} flush={flush}");
+        assert_eq!(state_of(&db, P), at_export.1, "busy={busy} flush={flush}");
         assert_eq!(da.info().docs - elsewhere, at_export.0.values().filter(|c| !c.deleted).count() as u64, "live counts travel");
         for (c, dc, exported) in [(&a, &da, &header.collections[0]), (&b, &db, &header.collections[1])] {
             assert_eq!(dc.high_seqnos()[usize::from(P)], exported.seqno);
@@ -180,7 +188,7 @@ fn a_copy_by_files_equals_its_source_then_follows_it_and_its_own_writes_win() {
         drop(dst);
         let dst = open(d2.path());
         let (da, db) = (dst.collection("a").unwrap(), dst.collection("b").unwrap());
-        assert_eq!(state_of(&da, P), state_of(&a, P), "busy={busy}: after a restart");
+        assert_eq!(state_of(&da, P), state_of(&a, P), "busy={busy} flush={flush}: after a restart");
         assert_eq!(state_of(&db, P), state_of(&b, P));
 
         // Promoted, the copy serves point reads as the source does, and its own writes win
@@ -205,13 +213,13 @@ fn a_copy_by_files_equals_its_source_then_follows_it_and_its_own_writes_win() {
         drop((da, db));
         drop(dst);
         let dst = open(d2.path());
-        assert_eq!(reads(&dst.collection("a").unwrap(), &keys), mine, "busy={busy}: after the second restart");
+        assert_eq!(reads(&dst.collection("a").unwrap(), &keys), mine, "busy={busy} flush={flush}: after the second restart");
     }
 }
 
 /// The records of a good export, and its header and manifest.
 fn good_copy(src: &Store) -> (ExportHeader, FileManifest, Vec<(Bytes, Bytes)>) {
-    let export = src.export_partition_files(P).unwrap();
+    let export = src.export_partition_files(P, Duration::ZERO).unwrap();
     let (header, manifest) = (export.header().clone(), export.manifest().clone());
     (header, manifest, export.map(Result::unwrap).collect())
 }
@@ -287,7 +295,7 @@ fn a_copy_by_files_refuses_a_bad_stream_and_adopts_nothing() {
 
     // While a dropped collection's keys may remain, the source exports records only.
     src.drop_collection("b").unwrap();
-    assert!(src.export_partition_files(P).is_err());
+    assert!(src.export_partition_files(P, Duration::ZERO).is_err());
     let _ = src.run_reclaimer();
-    assert!(src.export_partition_files(P).is_ok());
+    assert!(src.export_partition_files(P, Duration::ZERO).is_ok());
 }

@@ -232,7 +232,9 @@ proptest! {
         dst.set_partition_state(p, PartitionState::Pending).unwrap();
         // Records, or the keyspace's files (`crate::files`): either copy must do.
         let (header, export) = if files {
-            let export = src.export_partition_files(p).unwrap();
+            // With the memtable flushed at the export (its items inside a file) or not.
+            let flush_wait = if before.len() % 2 == 0 { shoal_storage::files::EXPORT_FLUSH_WAIT_MAX } else { std::time::Duration::ZERO };
+            let export = src.export_partition_files(p, flush_wait).unwrap();
             (export.header().clone(), Err(export))
         } else {
             let export = src.export_partition(p).unwrap();

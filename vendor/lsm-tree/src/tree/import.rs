@@ -90,16 +90,30 @@ fn refused(what: String) -> crate::Error {
 }
 
 impl Tree {
-    /// The tree as a reader at snapshot `seqno` sees it, as files and memtable items.
+    /// The tree as a reader at snapshot `seqno` sees it, as files and memtable items. The
+    /// latest version serves if every table in it predates the snapshot (a flush of the
+    /// memtables the snapshot saw, started when it was taken, has then already turned
+    /// their items into files); else the version the snapshot reads from, whose memtables
+    /// then travel as items.
     ///
     /// # Errors
     ///
-    /// Refuses a version holding an item at or above `seqno` (it cannot happen: a version
-    /// chosen for a snapshot predates it; checked because a receiver would otherwise adopt
-    /// changes the snapshot does not hold).
+    /// Refuses a version holding an item at or above `seqno` (it cannot happen for the
+    /// snapshot's own version: it predates the snapshot; checked because a receiver would
+    /// otherwise adopt changes the snapshot does not hold).
     pub fn export_at(&self, seqno: SeqNo) -> crate::Result<TreeExport> {
-        #[expect(clippy::expect_used, reason = "lock is expected to not be poisoned")]
-        let pinned = self.version_history.read().expect("lock is poisoned").get_version_for_snapshot(seqno);
+        let (latest, at) = {
+            #[expect(clippy::expect_used, reason = "lock is expected to not be poisoned")]
+            let history = self.version_history.read().expect("lock is poisoned");
+            (history.latest_version(), history.get_version_for_snapshot(seqno))
+        };
+        match self.export_version(latest, seqno) {
+            Ok(export) => Ok(export),
+            Err(_) => self.export_version(at, seqno),
+        }
+    }
+
+    fn export_version(&self, pinned: SuperVersion, seqno: SeqNo) -> crate::Result<TreeExport> {
         let version = &pinned.version;
         let mut levels = Vec::with_capacity(version.level_count());
         for level in version.iter_levels() {
