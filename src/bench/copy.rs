@@ -183,7 +183,7 @@ pub fn run(args: CopyArgs) -> Result<(), CliError> {
         }
         let started = Instant::now();
         let shipped = per_partition(threads, args.partitions, |p| {
-            let export = src.export_partition_files(p, shoal_storage::files::EXPORT_FLUSH_WAIT_MAX).map_err(other)?;
+            let export = src.export_partition_files(p).map_err(other)?;
             let (header, manifest) = (export.header().clone(), export.manifest().clone());
             dst.import_partition_files(&header, &manifest, export).map_err(other)?;
             Ok(manifest.file_bytes())

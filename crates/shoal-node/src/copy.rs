@@ -465,7 +465,7 @@ pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc:
     let store = node.engine.store();
     let files = if req.files {
         store
-            .export_partition_files(req.partition, shoal_storage::files::EXPORT_FLUSH_WAIT_MAX)
+            .export_partition_files(req.partition)
             .map_err(|e| tracing::info!(partition = req.partition, error = %e, "sending records"))
             .ok()
     } else {

@@ -22,7 +22,6 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
-use fjall::AbstractTree as _;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{NotMine, PartitionError};
@@ -39,12 +38,6 @@ pub const TAG_CHUNK: u8 = 1;
 pub const FILE_CHUNK_BYTES: usize = 1024 * 1024;
 /// Most files one partition's copy may list (a keyspace holds tens to hundreds).
 pub const FILES_MAX: usize = 100_000;
-/// How long an export waits by default for the flush of the memtable its snapshot saw
-/// (started as the snapshot is taken), so that its items travel inside files; past it they
-/// travel as items (the receiver writes them into a table itself).
-pub const EXPORT_FLUSH_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(30);
-/// How often an export looks whether that flush is done.
-const EXPORT_FLUSH_POLL: std::time::Duration = std::time::Duration::from_millis(5);
 /// Most bytes of memtable items one copy may carry (they are held in memory until the
 /// files are adopted; a keyspace's memtables hold a few tens of MB).
 pub const ITEMS_MAX_BYTES: u64 = 512 * 1024 * 1024;
@@ -221,10 +214,14 @@ impl Store {
     /// Starts an export of partition `p` as files: a consistent snapshot of every
     /// collection's part of it (as [`Store::export_partition`]), as the keyspace's files at
     /// that snapshot. Refused while a dropped collection's keys may remain in the keyspace
-    /// (they would travel along); [`Store::export_partition`] then serves. The memtable the
-    /// snapshot sees is flushed first, waited for up to `flush_wait` (none: its items
-    /// travel as such).
-    pub fn export_partition_files(&self, p: PartitionId, flush_wait: std::time::Duration) -> Result<PartitionFiles, PartitionError> {
+    /// (they would travel along); [`Store::export_partition`] then serves.
+    ///
+    /// The memtable's items below the snapshot travel as items, and the receiver writes
+    /// them into a table on its copy's (low-priority) thread. Flushing the memtable first
+    /// instead would run that table build in the engine's flush workers, at the
+    /// foreground's priority, on every source at once: measured, a 0.3 s stall of every
+    /// node's requests as a swap started (`bench/results/2026-11-24-issue14-file-shipping.md`).
+    pub fn export_partition_files(&self, p: PartitionId) -> Result<PartitionFiles, PartitionError> {
         let unit = self.unit(p)?;
         let state = unit.owner.state();
         if !matches!(state, PartitionState::Active | PartitionState::Replica) {
@@ -247,10 +244,6 @@ impl Store {
             held.push(part.hold()?);
         }
         let ks = unit.ks.read().clone();
-        // The memtable the snapshot sees is sealed now and flushed in the background: its
-        // items then travel inside a file, where the receiver would otherwise build that
-        // table itself. Later writes go to a new memtable.
-        let rotated = !flush_wait.is_zero() && ks.rotate_memtable()?;
         let snapshot = unit.db.snapshot();
         let header = ExportHeader {
             partition: p,
@@ -274,12 +267,6 @@ impl Store {
             })
             .collect();
         drop(held);
-        if rotated {
-            let waited = std::time::Instant::now();
-            while ks.tree.sealed_memtable_count() > 0 && waited.elapsed() < flush_wait {
-                std::thread::sleep(EXPORT_FLUSH_POLL);
-            }
-        }
         let mut export = ks.export_files(&snapshot)?;
         drop(snapshot);
         let manifest = FileManifest::from_export(&export, live);

@@ -6,7 +6,6 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use shoal_storage::{
@@ -132,10 +131,8 @@ fn load(src: &Store) -> Vec<String> {
 
 #[test]
 fn a_copy_by_files_equals_its_source_then_follows_it_and_its_own_writes_win() {
-    // Without a flush at the export the memtable's items travel as such; with one, inside a
-    // file.
+    // The memtable's items travel as such; flushed before the export, inside a file.
     for (busy, flush) in [(false, false), (true, false), (false, true), (true, true)] {
-        let flush_wait = if flush { shoal_storage::files::EXPORT_FLUSH_WAIT_MAX } else { Duration::ZERO };
         let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let src = open(d1.path());
         let (a, b) = (src.create_collection("a", 0).unwrap(), src.create_collection("b", 0).unwrap());
@@ -146,7 +143,10 @@ fn a_copy_by_files_equals_its_source_then_follows_it_and_its_own_writes_win() {
         // Documents of the receiver's other partitions.
         let elsewhere = dst.collection("a").unwrap().info().docs;
 
-        let export = src.export_partition_files(P, flush_wait).unwrap();
+        if flush {
+            let _ = src.partition_files_flushed(P).unwrap();
+        }
+        let export = src.export_partition_files(P).unwrap();
         let header: ExportHeader = export.header().clone();
         let manifest: FileManifest = export.manifest().clone();
         // The test covers what it says: tables on two levels, blob files, memtable items.
@@ -154,7 +154,7 @@ fn a_copy_by_files_equals_its_source_then_follows_it_and_its_own_writes_win() {
         assert!(levels_used >= 2, "tables on {levels_used} levels: {manifest:?}");
         assert!(!manifest.blob_files.is_empty(), "no blob files");
         if flush {
-            assert_eq!(manifest.items, 0, "the flush at the export put the memtable's items in a file");
+            assert_eq!(manifest.items, 0, "the flush put the memtable's items in a file");
         } else {
             assert!(manifest.items > 0, "no memtable items");
         }
@@ -219,7 +219,7 @@ fn a_copy_by_files_equals_its_source_then_follows_it_and_its_own_writes_win() {
 
 /// The records of a good export, and its header and manifest.
 fn good_copy(src: &Store) -> (ExportHeader, FileManifest, Vec<(Bytes, Bytes)>) {
-    let export = src.export_partition_files(P, Duration::ZERO).unwrap();
+    let export = src.export_partition_files(P).unwrap();
     let (header, manifest) = (export.header().clone(), export.manifest().clone());
     (header, manifest, export.map(Result::unwrap).collect())
 }
@@ -295,7 +295,7 @@ fn a_copy_by_files_refuses_a_bad_stream_and_adopts_nothing() {
 
     // While a dropped collection's keys may remain, the source exports records only.
     src.drop_collection("b").unwrap();
-    assert!(src.export_partition_files(P, Duration::ZERO).is_err());
+    assert!(src.export_partition_files(P).is_err());
     let _ = src.run_reclaimer();
-    assert!(src.export_partition_files(P, Duration::ZERO).is_ok());
+    assert!(src.export_partition_files(P).is_ok());
 }

@@ -232,9 +232,11 @@ proptest! {
         dst.set_partition_state(p, PartitionState::Pending).unwrap();
         // Records, or the keyspace's files (`crate::files`): either copy must do.
         let (header, export) = if files {
-            // With the memtable flushed at the export (its items inside a file) or not.
-            let flush_wait = if before.len() % 2 == 0 { shoal_storage::files::EXPORT_FLUSH_WAIT_MAX } else { std::time::Duration::ZERO };
-            let export = src.export_partition_files(p, flush_wait).unwrap();
+            // With the memtable flushed first (its items inside a file) or not.
+            if before.len() % 2 == 0 {
+                let _ = src.partition_files_flushed(p).unwrap();
+            }
+            let export = src.export_partition_files(p).unwrap();
             (export.header().clone(), Err(export))
         } else {
             let export = src.export_partition(p).unwrap();
