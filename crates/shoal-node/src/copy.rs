@@ -197,29 +197,10 @@ pub(crate) fn enqueue(node: &Arc<ClusterNode>, source: u64, address: &str, parti
     start_queued(node);
 }
 
-/// A node that serves nothing yet (active for no partition: a new one) builds this many
-/// times `rebalance_moves_per_node` copies at once, as Couchbase batches more moves towards
-/// an empty node: no request of its own waits behind them, and a copy's time is mostly
-/// waiting (fsyncs, the link), so more at once fill the disk.
-pub const EMPTY_NODE_MOVES_FACTOR: usize = 4;
-
-/// How many copies a node builds at once: the setting, times `EMPTY_NODE_MOVES_FACTOR` on
-/// a node that serves nothing yet.
-pub(crate) fn copy_limit(moves_per_node: u32, serves_nothing: bool) -> usize {
-    let base = usize::try_from(moves_per_node).unwrap_or(usize::MAX).max(1);
-    if serves_nothing {
-        base.saturating_mul(EMPTY_NODE_MOVES_FACTOR)
-    } else {
-        base
-    }
-}
-
-/// Starts queued copies while fewer than [`copy_limit`] run. A queued copy whose partition
-/// this node no longer follows from that source is dropped (the pulls take over).
+/// Starts queued copies while fewer than `rebalance_moves_per_node` run. A queued copy whose
+/// partition this node no longer follows from that source is dropped (the pulls take over).
 fn start_queued(node: &Arc<ClusterNode>) {
-    let state = node.state();
-    let serves_nothing = state.map.as_ref().is_none_or(|m| m.partitions.iter().all(|c| c.active.0 != node.id));
-    let limit = copy_limit(state.settings.rebalance_moves_per_node, serves_nothing);
+    let limit = usize::try_from(node.state().settings.rebalance_moves_per_node).unwrap_or(usize::MAX).max(1);
     while node.copies.running() < limit {
         let Some((p, source, address)) = node.copies.queue.lock().pop_front() else { return };
         let state = node.state();
@@ -589,13 +570,6 @@ mod tests {
             let mut padded = out.clone();
             padded.extend_from_slice(b"x");
             assert!(records_of(&padded, cut).last().is_some_and(Result::is_err), "bytes after the end fail (cut {cut})");
-        }
-    }
-
-    #[test]
-    fn an_empty_node_builds_more_copies_at_once() {
-        for (setting, serves_nothing, want) in [(4, false, 4), (4, true, 16), (1, true, 4), (0, false, 1), (0, true, 4)] {
-            assert_eq!(copy_limit(setting, serves_nothing), want, "{setting} {serves_nothing}");
         }
     }
 
