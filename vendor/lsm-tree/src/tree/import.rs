@@ -4,7 +4,9 @@
 // format: the adopted tables keep their ids, their levels and runs and their seqnos (item
 // seqnos and global seqno alike), the blob files keep their ids (tables' indirections name
 // them), and the receiving tree's seqno counter is raised above them all, so later writes
-// win over adopted versions, as a Lamport clock's.
+// win over adopted versions, as a Lamport clock's. The source's blob GC statistics do not
+// travel: the receiver's start empty, so blob bytes that were already dead before the move
+// do not count towards its blob GC (space, not correctness).
 
 use super::Tree;
 use crate::{
