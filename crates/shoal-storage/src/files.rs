@@ -19,15 +19,14 @@ use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;
 use std::io::{Read, Write};
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use crate::error::{NotMine, PartitionError};
+use crate::error::PartitionError;
 use crate::partition::LiveCount;
 use crate::store::Store;
-use crate::unit::{ExportHeader, ExportedCollection, IngestStats, PartitionState};
+use crate::unit::{ExportHeader, IngestStats, PartitionSnapshot};
 use crate::PartitionId;
 
 /// Key tag of a memtable item.
@@ -38,6 +37,11 @@ pub const TAG_CHUNK: u8 = 1;
 pub const FILE_CHUNK_BYTES: usize = 1024 * 1024;
 /// Most files one partition's copy may list (a keyspace holds tens to hundreds).
 pub const FILES_MAX: usize = 100_000;
+/// A received file's bytes are handed to the disk every this many bytes (`sync_file_range`,
+/// not waited for), as RocksDB's `bytes_per_sync`: the kernel would otherwise hold a whole
+/// file (up to 64 MiB) in memory until its fsync, leaving the disk idle while it arrives and
+/// then stalling the copy on one large flush.
+pub const WRITEBACK_BYTES: u64 = 8 * 1024 * 1024;
 /// Most bytes of memtable items one copy may carry (they are held in memory until the
 /// files are adopted; a keyspace's memtables hold a few tens of MB).
 pub const ITEMS_MAX_BYTES: u64 = 512 * 1024 * 1024;
@@ -222,51 +226,11 @@ impl Store {
     /// foreground's priority, on every source at once: measured, a 0.3 s stall of every
     /// node's requests as a swap started (`bench/results/2026-11-24-issue14-file-shipping.md`).
     pub fn export_partition_files(&self, p: PartitionId) -> Result<PartitionFiles, PartitionError> {
-        let unit = self.unit(p)?;
-        let state = unit.owner.state();
-        if !matches!(state, PartitionState::Active | PartitionState::Replica) {
-            return Err(PartitionError::NotMine(NotMine {
-                partition: p,
-                state,
-                wanted: "active or replica",
-                map_version: self.map_version.load(Ordering::Acquire),
-            }));
-        }
         if self.reclaim_pending() {
             return Err(unavailable("a dropped collection's keys are still being deleted"));
         }
-        let collections = self.collections_by_id();
-        let parts: Vec<_> = collections.iter().map(|c| c.partition_arc(p)).collect();
-        // Every collection's sequencer is held while the snapshot is taken and the live
-        // counts read: no commit lands between them.
-        let mut held = Vec::with_capacity(parts.len());
-        for part in &parts {
-            held.push(part.hold()?);
-        }
-        let ks = unit.ks.read().clone();
-        let snapshot = unit.db.snapshot();
-        let header = ExportHeader {
-            partition: p,
-            collections: parts
-                .iter()
-                .zip(&held)
-                .map(|(part, (high, _))| ExportedCollection {
-                    id: part.coll,
-                    seqno: *high,
-                    failover: part.failover_log().to_vec(),
-                    purge_seqno: part.purge_seqno.load(Ordering::Acquire),
-                })
-                .collect(),
-        };
-        let live = parts
-            .iter()
-            .map(|part| LiveDocs {
-                collection: part.coll,
-                count: part.docs_count.load(Ordering::Relaxed),
-                bytes: part.docs_bytes.load(Ordering::Relaxed),
-            })
-            .collect();
-        drop(held);
+        let PartitionSnapshot { snapshot, ks, header, live } = self.snapshot_partition(p)?;
+        let live = live.into_iter().map(|(collection, l)| LiveDocs { collection, count: l.count, bytes: l.bytes }).collect();
         let mut export = ks.export_files(&snapshot)?;
         drop(snapshot);
         let manifest = FileManifest::from_export(&export, live);
@@ -408,6 +372,9 @@ struct FileWriter {
     hash: xxhash_rust::xxh3::Xxh3,
     left: u64,
     checksum: String,
+    /// Bytes written, and how many of them were handed to the disk.
+    written: u64,
+    handed: u64,
 }
 
 impl FileWriter {
@@ -415,7 +382,16 @@ impl FileWriter {
         let path = folder.join(f.id.to_string());
         // A new file only: an id already here would be another file's.
         let file = File::options().write(true).create_new(true).open(&path).map_err(io)?;
-        Ok(FileWriter { index, file, path, hash: xxhash_rust::xxh3::Xxh3::new(), left: f.size, checksum: f.checksum.clone() })
+        Ok(FileWriter {
+            index,
+            file,
+            path,
+            hash: xxhash_rust::xxh3::Xxh3::new(),
+            left: f.size,
+            checksum: f.checksum.clone(),
+            written: 0,
+            handed: 0,
+        })
     }
 
     /// Writes a chunk; answers whether the file is whole (then checked and fsynced).
@@ -426,6 +402,11 @@ impl FileWriter {
         self.file.write_all(chunk).map_err(io)?;
         self.hash.update(chunk);
         self.left -= chunk.len() as u64;
+        self.written += chunk.len() as u64;
+        if self.written - self.handed >= WRITEBACK_BYTES {
+            start_writeback(&self.file, self.handed, self.written - self.handed);
+            self.handed = self.written;
+        }
         if self.left > 0 {
             return Ok(false);
         }
@@ -437,3 +418,22 @@ impl FileWriter {
         Ok(true)
     }
 }
+
+/// Starts writing `len` bytes of `file` from `offset` to the disk without waiting for it
+/// (the fsync at the file's end still makes it durable). Hand-written: one libc call
+/// (`sync_file_range(SYNC_FILE_RANGE_WRITE)`), which no crate wraps more simply; a failure
+/// only loses the head start.
+#[cfg(target_os = "linux")]
+fn start_writeback(file: &File, offset: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    let (Ok(offset), Ok(len)) = (libc::off64_t::try_from(offset), libc::off64_t::try_from(len)) else { return };
+    // SAFETY: the descriptor is open for the duration of the call; the call takes no
+    // pointers and only schedules writeback of this file's pages.
+    let done = unsafe { libc::sync_file_range(file.as_raw_fd(), offset, len, libc::SYNC_FILE_RANGE_WRITE) };
+    if done != 0 {
+        tracing::debug!("could not start a received file's writeback");
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn start_writeback(_file: &File, _offset: u64, _len: u64) {}

@@ -159,6 +159,15 @@ impl Iterator for PartitionExport {
     }
 }
 
+/// A partition's engine snapshot, its keyspace, where it stands per collection and each
+/// collection's live documents at it ([`Store::snapshot_partition`]).
+pub(crate) struct PartitionSnapshot {
+    pub snapshot: fjall::Snapshot,
+    pub ks: fjall::Keyspace,
+    pub header: ExportHeader,
+    pub live: Vec<(u32, LiveCount)>,
+}
+
 /// What an ingest loaded.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct IngestStats {
@@ -247,6 +256,24 @@ impl Store {
     /// Starts an export of partition `p`: a consistent snapshot of every collection's part
     /// of it, at the positions in its header. The partition must be active or a replica.
     pub fn export_partition(&self, p: PartitionId) -> Result<PartitionExport, PartitionError> {
+        let snap = self.snapshot_partition(p)?;
+        let estimated_bytes = snap
+            .live
+            .iter()
+            .map(|(_, live)| {
+                let count = u64::try_from(live.count).unwrap_or(0);
+                let bytes = u64::try_from(live.bytes).unwrap_or(0);
+                bytes + count * EXPORT_BYTES_PER_DOC_ESTIMATE
+            })
+            .sum();
+        let todo = snap.header.collections.iter().map(|c| c.id).collect();
+        Ok(PartitionExport { header: snap.header, snapshot: snap.snapshot, ks: snap.ks, todo, iter: None, estimated_bytes })
+    }
+
+    /// A consistent snapshot of partition `p`, which must be active or a replica: every
+    /// collection's sequencer is held while the engine snapshot is taken and the positions
+    /// and live counts are read, so no commit lands between them.
+    pub(crate) fn snapshot_partition(&self, p: PartitionId) -> Result<PartitionSnapshot, PartitionError> {
         let unit = self.unit(p)?;
         let state = unit.owner.state();
         if !matches!(state, PartitionState::Active | PartitionState::Replica) {
@@ -259,12 +286,11 @@ impl Store {
         }
         let collections = self.collections_by_id();
         let parts: Vec<Arc<Partition>> = collections.iter().map(|c| c.partition_arc(p)).collect();
-        // Every collection's sequencer is held while the snapshot is taken: no commit lands
-        // between the positions and the snapshot.
         let mut held = Vec::with_capacity(parts.len());
         for part in &parts {
             held.push(part.hold()?);
         }
+        let ks = unit.ks.read().clone();
         let snapshot = unit.db.snapshot();
         let header = ExportHeader {
             partition: p,
@@ -279,17 +305,14 @@ impl Store {
                 })
                 .collect(),
         };
-        drop(held);
-        let estimated_bytes = parts
+        let live = parts
             .iter()
             .map(|part| {
-                let count = u64::try_from(part.docs_count.load(Ordering::Relaxed)).unwrap_or(0);
-                let bytes = u64::try_from(part.docs_bytes.load(Ordering::Relaxed)).unwrap_or(0);
-                bytes + count * EXPORT_BYTES_PER_DOC_ESTIMATE
+                (part.coll, LiveCount { count: part.docs_count.load(Ordering::Relaxed), bytes: part.docs_bytes.load(Ordering::Relaxed) })
             })
-            .sum();
-        let todo = header.collections.iter().map(|c| c.id).collect();
-        Ok(PartitionExport { header, snapshot, ks: unit.ks.read().clone(), todo, iter: None, estimated_bytes })
+            .collect();
+        drop(held);
+        Ok(PartitionSnapshot { snapshot, ks, header, live })
     }
 
     /// Loads an export of partition `p` from another node (or this one) into this node's
