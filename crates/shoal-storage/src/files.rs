@@ -75,6 +75,10 @@ pub struct FileManifest {
     pub blob_files: Vec<ShippedFile>,
     /// Memtable items that come before the files.
     pub items: u64,
+    /// XXH3-128 of the items' records as sent ([`ItemsHash`]), 32 hex digits: files carry
+    /// their own checksums, the items this one.
+    #[serde(default)]
+    pub items_checksum: String,
     pub live: Vec<LiveDocs>,
 }
 
@@ -96,6 +100,7 @@ impl FileManifest {
                 .map(|b| ShippedFile { id: b.id, checksum: format!("{:032x}", b.checksum), global_seqno: 0, size: b.file_size })
                 .collect(),
             items: export.memtable.len() as u64,
+            items_checksum: String::new(),
             live,
         }
     }
@@ -144,7 +149,7 @@ pub struct PartitionFiles {
     manifest: FileManifest,
     /// Pins the snapshot's files (compaction cannot delete them) until the copy ends.
     _export: fjall::TreeExport,
-    items: std::vec::IntoIter<fjall::InternalValue>,
+    items: std::vec::IntoIter<(Bytes, Bytes)>,
     /// Files still to send: index, path, size.
     todo: VecDeque<(u32, PathBuf, u64)>,
     open: Option<(u32, File, u64)>,
@@ -195,15 +200,8 @@ impl Iterator for PartitionFiles {
     type Item = Result<(Bytes, Bytes), PartitionError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        if let Some(item) = self.items.next() {
-            let mut key = Vec::with_capacity(1 + item.key.user_key.len());
-            key.push(TAG_ITEM);
-            key.extend_from_slice(&item.key.user_key);
-            let mut value = Vec::with_capacity(9 + item.value.len());
-            value.push(u8::from(item.key.value_type));
-            value.extend_from_slice(&item.key.seqno.to_le_bytes());
-            value.extend_from_slice(&item.value);
-            return Some(Ok((Bytes::from(key), Bytes::from(value))));
+        if let Some(record) = self.items.next() {
+            return Some(Ok(record));
         }
         self.next_chunk()
     }
@@ -233,8 +231,14 @@ impl Store {
         let live = live.into_iter().map(|(collection, l)| LiveDocs { collection, count: l.count, bytes: l.bytes }).collect();
         let mut export = ks.export_files(&snapshot)?;
         drop(snapshot);
-        let manifest = FileManifest::from_export(&export, live);
-        let items = std::mem::take(&mut export.memtable).into_iter();
+        let mut manifest = FileManifest::from_export(&export, live);
+        let items: Vec<(Bytes, Bytes)> = std::mem::take(&mut export.memtable).iter().map(encode_item).collect();
+        let mut hash = ItemsHash::default();
+        for (k, v) in &items {
+            hash.add(k, v);
+        }
+        manifest.items_checksum = hash.hex();
+        let items = items.into_iter();
         let mut todo = VecDeque::new();
         for (index, (f, blob)) in manifest.files().enumerate() {
             let index = u32::try_from(index).map_err(|_| unavailable("too many files"))?;
@@ -287,6 +291,7 @@ impl Store {
         let mut stats = IngestStats::default();
         let mut items = Vec::new();
         let mut items_bytes = 0u64;
+        let mut items_hash = ItemsHash::default();
         let mut writing: Option<FileWriter> = None;
         let mut next_file = 0usize;
         for record in records {
@@ -302,6 +307,7 @@ impl Store {
                     if items_bytes > ITEMS_MAX_BYTES {
                         return Err(PartitionError::Malformed(format!("memtable items over {ITEMS_MAX_BYTES} bytes")));
                     }
+                    items_hash.add(&k, &v);
                     items.push(decode_item(&k[1..], &v)?);
                 }
                 Some(TAG_CHUNK) => {
@@ -334,6 +340,9 @@ impl Store {
         if items.len() as u64 != manifest.items {
             return Err(PartitionError::Malformed(format!("{} memtable items came of {}", items.len(), manifest.items)));
         }
+        if items_hash.hex() != manifest.items_checksum {
+            return Err(PartitionError::Malformed("the memtable items do not match their checksum".into()));
+        }
         ks.import_files(&import, items)?;
         let live: BTreeMap<u32, LiveCount> =
             manifest.live.iter().map(|c| (c.collection, LiveCount { count: c.count, bytes: c.bytes })).collect();
@@ -352,6 +361,35 @@ fn chunk_key(index: u32) -> Bytes {
 
 fn io(e: std::io::Error) -> PartitionError {
     PartitionError::Engine(fjall::Error::Io(e))
+}
+
+/// A memtable item as a record of a copy by files (see the module's doc).
+fn encode_item(item: &fjall::InternalValue) -> (Bytes, Bytes) {
+    let mut key = Vec::with_capacity(1 + item.key.user_key.len());
+    key.push(TAG_ITEM);
+    key.extend_from_slice(&item.key.user_key);
+    let mut value = Vec::with_capacity(9 + item.value.len());
+    value.push(u8::from(item.key.value_type));
+    value.extend_from_slice(&item.key.seqno.to_le_bytes());
+    value.extend_from_slice(&item.value);
+    (Bytes::from(key), Bytes::from(value))
+}
+
+/// XXH3-128 over item records: each key's and value's length (`u64` LE) and bytes.
+#[derive(Default)]
+struct ItemsHash(xxhash_rust::xxh3::Xxh3);
+
+impl ItemsHash {
+    fn add(&mut self, k: &[u8], v: &[u8]) {
+        self.0.update(&(k.len() as u64).to_le_bytes());
+        self.0.update(k);
+        self.0.update(&(v.len() as u64).to_le_bytes());
+        self.0.update(v);
+    }
+
+    fn hex(&self) -> String {
+        format!("{:032x}", self.0.digest128())
+    }
 }
 
 fn decode_item(key: &[u8], v: &[u8]) -> Result<fjall::InternalValue, PartitionError> {

@@ -299,3 +299,96 @@ fn a_copy_by_files_refuses_a_bad_stream_and_adopts_nothing() {
     let _ = src.run_reclaimer();
     assert!(src.export_partition_files(P).is_ok());
 }
+
+/// One way to damage a copy by files in transit.
+#[derive(Clone, Debug)]
+enum Damage {
+    /// Flip one byte of a record's key or value.
+    Flip { record: usize, in_key: bool, at: usize, mask: u8 },
+    /// Cut the stream after this many records.
+    Cut(usize),
+    /// Send a record twice.
+    Repeat(usize),
+    /// Drop a record.
+    Drop(usize),
+}
+
+fn damage() -> impl proptest::strategy::Strategy<Value = Damage> {
+    use proptest::prelude::*;
+    prop_oneof![
+        (any::<usize>(), any::<bool>(), any::<usize>(), 1u8..=255).prop_map(|(record, in_key, at, mask)| Damage::Flip {
+            record,
+            in_key,
+            at,
+            mask
+        }),
+        any::<usize>().prop_map(Damage::Cut),
+        any::<usize>().prop_map(Damage::Repeat),
+        any::<usize>().prop_map(Damage::Drop),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 24, ..proptest::prelude::ProptestConfig::default() })]
+
+    /// Whatever a damaged copy by files carries, the receiver refuses it with a clear error
+    /// (never a panic, never a copy that differs from the source), and a good copy goes in
+    /// after the failed one is dropped.
+    #[test]
+    fn a_damaged_copy_by_files_is_refused_or_equal_to_its_source(hits in proptest::collection::vec(damage(), 1..4)) {
+        let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let src = open(d1.path());
+        let _ = src.create_collection("a", 0).unwrap();
+        let _ = src.create_collection("b", 0).unwrap();
+        let _ = load(&src);
+        let dst = receiver(&src, d2.path(), false);
+        let (header, manifest, good) = good_copy(&src);
+        let mut records = good.clone();
+        for hit in &hits {
+            let n = records.len().max(1);
+            match *hit {
+                Damage::Flip { record, in_key, at, mask } => {
+                    let (k, v) = &mut records[record % n];
+                    let target = if in_key { k } else { v };
+                    if !target.is_empty() {
+                        let mut bytes = target.to_vec();
+                        let i = at % bytes.len();
+                        bytes[i] ^= mask;
+                        *target = Bytes::from(bytes);
+                    }
+                }
+                Damage::Cut(at) => records.truncate(at % n),
+                Damage::Repeat(at) => {
+                    let r = records[at % n].clone();
+                    records.insert(at % n, r);
+                }
+                Damage::Drop(at) => {
+                    records.remove(at % n);
+                }
+            }
+        }
+        dst.drop_partition(P).unwrap();
+        dst.set_partition_state(P, PartitionState::Pending).unwrap();
+        match dst.import_partition_files(&header, &manifest, records.iter().cloned().map(Ok)) {
+            Ok(_) => {
+                // Only a change that altered nothing the copy keeps may pass (an item's
+                // value type flipped to an equal one cannot happen; equal bytes can).
+                dst.set_partition_state(P, PartitionState::Replica).unwrap();
+                for name in ["a", "b"] {
+                    proptest::prop_assert_eq!(
+                        state_of(&dst.collection(name).unwrap(), P),
+                        state_of(&src.collection(name).unwrap(), P)
+                    );
+                }
+            }
+            Err(e) => {
+                proptest::prop_assert!(matches!(e, PartitionError::Malformed(_) | PartitionError::Engine(_)), "{e}");
+                dst.drop_partition(P).unwrap();
+                dst.set_partition_state(P, PartitionState::Pending).unwrap();
+                let _ = dst.import_partition_files(&header, &manifest, good.iter().cloned().map(Ok)).unwrap();
+                dst.set_partition_state(P, PartitionState::Replica).unwrap();
+                proptest::prop_assert_eq!(state_of(&dst.collection("a").unwrap(), P), state_of(&src.collection("a").unwrap(), P));
+            }
+        }
+    }
+}
