@@ -83,7 +83,12 @@ pub struct FileManifest {
 }
 
 impl FileManifest {
-    fn from_export(export: &fjall::TreeExport, live: Vec<LiveDocs>) -> FileManifest {
+    /// The manifest of `export`'s files, and of `items`, its memtable items as records.
+    fn from_export(export: &fjall::TreeExport, live: Vec<LiveDocs>, items: &[(Bytes, Bytes)]) -> FileManifest {
+        let mut hash = ItemsHash::default();
+        for (k, v) in items {
+            hash.add(k, v);
+        }
         let table = |t: &fjall::ImportTable| ShippedFile {
             id: t.id,
             checksum: format!("{:032x}", t.checksum),
@@ -99,8 +104,8 @@ impl FileManifest {
                 .iter()
                 .map(|b| ShippedFile { id: b.id, checksum: format!("{:032x}", b.checksum), global_seqno: 0, size: b.file_size })
                 .collect(),
-            items: export.memtable.len() as u64,
-            items_checksum: String::new(),
+            items: items.len() as u64,
+            items_checksum: hash.hex(),
             live,
         }
     }
@@ -231,13 +236,8 @@ impl Store {
         let live = live.into_iter().map(|(collection, l)| LiveDocs { collection, count: l.count, bytes: l.bytes }).collect();
         let mut export = ks.export_files(&snapshot)?;
         drop(snapshot);
-        let mut manifest = FileManifest::from_export(&export, live);
         let items: Vec<(Bytes, Bytes)> = std::mem::take(&mut export.memtable).iter().map(encode_item).collect();
-        let mut hash = ItemsHash::default();
-        for (k, v) in &items {
-            hash.add(k, v);
-        }
-        manifest.items_checksum = hash.hex();
+        let manifest = FileManifest::from_export(&export, live, &items);
         let items = items.into_iter();
         let mut todo = VecDeque::new();
         for (index, (f, blob)) in manifest.files().enumerate() {
@@ -267,9 +267,7 @@ impl Store {
         I: IntoIterator<Item = Result<(Bytes, Bytes), PartitionError>>,
     {
         let p = header.partition;
-        let unit = self.unit(p)?;
-        let _op = unit.op.lock();
-        let (by_id, ks) = self.check_ingest(header, unit)?;
+        let (_op, by_id, ks) = self.check_ingest(header)?;
         let import = manifest.to_import()?;
         let files: Vec<(&ShippedFile, bool)> = manifest.files().collect();
         if files.len() > FILES_MAX {
@@ -284,8 +282,8 @@ impl Store {
                 return Err(PartitionError::UnknownCollection(c.collection));
             }
         }
-        let tables = ks.path().join("tables");
-        let blobs = ks.path().join("blobs");
+        let tables = ks.path().join(fjall::TABLES_FOLDER);
+        let blobs = ks.path().join(fjall::BLOBS_FOLDER);
         std::fs::create_dir_all(&tables).and_then(|()| std::fs::create_dir_all(&blobs)).map_err(io)?;
 
         let mut stats = IngestStats::default();
@@ -300,7 +298,7 @@ impl Store {
             stats.bytes += (k.len() + v.len()) as u64;
             match k.first().copied() {
                 Some(TAG_ITEM) => {
-                    if next_file > 0 || writing.is_some() {
+                    if next_file > 0 {
                         return Err(PartitionError::Malformed("a memtable item after the files began".into()));
                     }
                     items_bytes += (k.len() + v.len()) as u64;

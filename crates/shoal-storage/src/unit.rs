@@ -168,6 +168,10 @@ pub(crate) struct PartitionSnapshot {
     pub live: Vec<(u32, LiveCount)>,
 }
 
+/// What an ingest holds once its checks passed ([`Store::check_ingest`]): the partition's
+/// operation lock, the collections by id and the partition's keyspace.
+pub(crate) type IngestStart<'a> = (parking_lot::MutexGuard<'a, ()>, BTreeMap<u32, Arc<Collection>>, fjall::Keyspace);
+
 /// What an ingest loaded.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct IngestStats {
@@ -329,10 +333,7 @@ impl Store {
         I: IntoIterator<Item = Result<(Bytes, Bytes), PartitionError>>,
     {
         let p = header.partition;
-        let unit = self.unit(p)?;
-        // One operation at a time per partition; others' ingests run alongside.
-        let _op = unit.op.lock();
-        let (by_id, ks) = self.check_ingest(header, unit)?;
+        let (_op, by_id, ks) = self.check_ingest(header)?;
         let mut live: BTreeMap<u32, LiveCount> = BTreeMap::new();
         let mut stats = IngestStats::default();
         let mut ingestion = ks.start_ingestion()?;
@@ -362,16 +363,15 @@ impl Store {
         Ok(stats)
     }
 
-    /// What every ingest checks first (its caller holds the partition's operation lock):
-    /// the copy is `pending` here, the store writable, the header's collections in order,
-    /// known here and with a history, and the keyspace empty. Answers the collections by
-    /// id and the keyspace.
-    pub(crate) fn check_ingest(
-        &self,
-        header: &ExportHeader,
-        unit: &crate::store::PartitionUnit,
-    ) -> Result<(BTreeMap<u32, Arc<Collection>>, fjall::Keyspace), PartitionError> {
+    /// What every ingest does first: it takes the partition's operation lock (one
+    /// operation at a time per partition; other partitions' ingests run alongside) and
+    /// checks that the copy is `pending` here, the store writable, the header's collections
+    /// in order, known here and with a history, and the keyspace empty. Answers the lock,
+    /// the collections by id and the keyspace.
+    pub(crate) fn check_ingest(&self, header: &ExportHeader) -> Result<IngestStart<'_>, PartitionError> {
         let p = header.partition;
+        let unit = self.unit(p)?;
+        let op = unit.op.lock();
         let state = unit.owner.state();
         if state != PartitionState::Pending {
             return Err(PartitionError::NotMine(NotMine {
@@ -398,7 +398,7 @@ impl Store {
         if ks.iter().next().is_some() {
             return Err(PartitionError::NotEmpty(p));
         }
-        Ok((by_id, ks))
+        Ok((op, by_id, ks))
     }
 
     /// What every ingest does once its data is durable: every collection's copy continues

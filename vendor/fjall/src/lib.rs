@@ -173,6 +173,8 @@ pub use lsm_tree::{AbstractTree, AnyTree, Error as LsmError, TreeType};
 
 // SHOAL-PATCH: what `Keyspace::export_files` / `import_files` speak.
 pub use lsm_tree::{ImportBlobFile, ImportManifest, ImportTable, InternalValue, TreeExport, ValueType};
+#[doc(hidden)]
+pub use lsm_tree::file::{BLOBS_FOLDER, TABLES_FOLDER};
 
 pub use lsm_tree::{
     CompressionType, KvPair, KvSeparationOptions, SeqNo, Slice, UserKey, UserValue,

@@ -92,30 +92,17 @@ fn refused(what: String) -> crate::Error {
 }
 
 impl Tree {
-    /// The tree as a reader at snapshot `seqno` sees it, as files and memtable items. The
-    /// latest version serves if every table in it predates the snapshot (a flush of the
-    /// memtables the snapshot saw, started when it was taken, has then already turned
-    /// their items into files); else the version the snapshot reads from, whose memtables
-    /// then travel as items.
+    /// The tree as a reader at snapshot `seqno` sees it: the files of the version the
+    /// snapshot reads from, and its memtables' items below the snapshot.
     ///
     /// # Errors
     ///
-    /// Refuses a version holding an item at or above `seqno` (it cannot happen for the
-    /// snapshot's own version: it predates the snapshot; checked because a receiver would
-    /// otherwise adopt changes the snapshot does not hold).
+    /// Refuses a version holding an item at or above `seqno` (it cannot happen: the
+    /// snapshot's version predates it; checked because a receiver would otherwise adopt
+    /// changes the snapshot does not hold).
     pub fn export_at(&self, seqno: SeqNo) -> crate::Result<TreeExport> {
-        let (latest, at) = {
-            #[expect(clippy::expect_used, reason = "lock is expected to not be poisoned")]
-            let history = self.version_history.read().expect("lock is poisoned");
-            (history.latest_version(), history.get_version_for_snapshot(seqno))
-        };
-        match self.export_version(latest, seqno) {
-            Ok(export) => Ok(export),
-            Err(_) => self.export_version(at, seqno),
-        }
-    }
-
-    fn export_version(&self, pinned: SuperVersion, seqno: SeqNo) -> crate::Result<TreeExport> {
+        #[expect(clippy::expect_used, reason = "lock is expected to not be poisoned")]
+        let pinned = self.version_history.read().expect("lock is poisoned").get_version_for_snapshot(seqno);
         let version = &pinned.version;
         let mut levels = Vec::with_capacity(version.level_count());
         for level in version.iter_levels() {
@@ -227,7 +214,7 @@ impl Tree {
             for run in level {
                 let mut tables = Vec::with_capacity(run.len());
                 for t in run {
-                    tables.push(Table::recover(
+                    let table = Table::recover(
                         tables_folder.join(t.id.to_string()),
                         Checksum::from_raw(t.checksum),
                         t.global_seqno,
@@ -238,17 +225,17 @@ impl Tree {
                         pin_index,
                         #[cfg(feature = "metrics")]
                         self.metrics.clone(),
-                    )?);
+                    )?;
+                    if table.id() != t.id {
+                        return Err(refused(format!("table file {} names table {}", t.id, table.id())));
+                    }
+                    tables.push(table);
                 }
                 runs.push(tables);
             }
             levels.push(runs);
         }
         for table in levels.iter().flatten().flatten() {
-            let expected = manifest.tables().find(|t| t.id == table.id());
-            if expected.is_none() {
-                return Err(refused(format!("table file {} names another id", table.id())));
-            }
             if let Some(linked) = table.list_blob_file_references()? {
                 if let Some(missing) = linked.iter().find(|l| !manifest.blob_files.iter().any(|b| b.id == l.blob_file_id)) {
                     return Err(refused(format!("table {} points into blob file {}, which is not adopted", table.id(), missing.blob_file_id)));
