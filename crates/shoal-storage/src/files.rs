@@ -182,7 +182,7 @@ impl PartitionFiles {
                     let index = *index;
                     self.open = None;
                     self.todo.clear();
-                    return Some(Err(PartitionError::Malformed(format!("reading file {index} of the export: {e}"))));
+                    return Some(Err(io(std::io::Error::new(e.kind(), format!("reading file {index} of the export: {e}")))));
                 }
                 *left -= n as u64;
                 return Some(Ok((chunk_key(*index), Bytes::from(buf))));
@@ -194,7 +194,7 @@ impl PartitionFiles {
                 Ok(file) => self.open = Some((index, file, size)),
                 Err(e) => {
                     self.todo.clear();
-                    return Some(Err(PartitionError::Malformed(format!("opening {}: {e}", path.display()))));
+                    return Some(Err(io(std::io::Error::new(e.kind(), format!("opening {}: {e}", path.display())))));
                 }
             }
         }

@@ -263,6 +263,13 @@ fn a_copy_by_files_refuses_a_bad_stream_and_adopts_nothing() {
     if let Some(f) = twice.levels.iter().flatten().flatten().next().cloned() {
         twice.levels[0].push(vec![f]);
     }
+    let mut too_many = manifest.clone();
+    let one = too_many.levels.iter().flatten().flatten().next().cloned().unwrap();
+    too_many.levels[0].push(
+        (0..=shoal_storage::files::FILES_MAX as u64)
+            .map(|id| shoal_storage::files::ShippedFile { id: id + 1_000_000, ..one.clone() })
+            .collect(),
+    );
     let mut fewer_items = manifest.clone();
     fewer_items.items += 1;
     let mut unknown_live = manifest.clone();
@@ -277,6 +284,7 @@ fn a_copy_by_files_refuses_a_bad_stream_and_adopts_nothing() {
         ("a malformed checksum", &bad_sum, ok(&records)),
         ("a file listed twice", &twice, ok(&records)),
         ("an item missing", &fewer_items, ok(&records)),
+        ("more files than FILES_MAX", &too_many, ok(&records)),
         ("a collection this node lacks", &unknown_live, ok(&records)),
     ] {
         dst.drop_partition(P).unwrap();
