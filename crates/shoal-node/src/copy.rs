@@ -29,7 +29,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use shoal_cluster::NodeId;
 use shoal_storage::copy_stream::{CopyHeader, Frame, FrameDecoder, FrameEncoder, FrameError};
-use shoal_storage::{IngestStats, PartitionError, PartitionState};
+use shoal_storage::{IngestStats, PartitionError, PartitionState, Store};
 use tokio::sync::mpsc;
 
 use crate::node::{blocking, ClusterNode};
@@ -448,6 +448,12 @@ type ExportRecords = dyn Iterator<Item = Result<(Bytes, Bytes), PartitionError>>
 
 /// The active's side: an export of the partition, as chunks of the copy stream. Only a
 /// member the map names as a replica of a partition this node is active for gets one.
+///
+/// Only that check runs on the caller's (the runtime's) thread. The export itself, even
+/// taking its snapshot (which copies and hashes the memtables' items), runs on the copy's
+/// thread below the foreground's priority: on a runtime thread it held a worker for
+/// milliseconds per move, and every request queued behind it waited (seen as the
+/// foreground's p99 during a rebalance).
 pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc::Receiver<Result<Bytes, ClusterError>>, ClusterError> {
     let req: ExportRequest = crate::wire::decode(body).map_err(ClusterError::BadMessage)?;
     let state = node.state();
@@ -462,30 +468,18 @@ pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc:
             req.partition, req.from, map.version
         )));
     }
-    let store = node.engine.store();
-    let files = if req.files {
-        store
-            .export_partition_files(req.partition)
-            .map_err(|e| tracing::info!(partition = req.partition, error = %e, "sending records"))
-            .ok()
-    } else {
-        None
-    };
-    let (header, export): (CopyHeader, Box<ExportRecords>) = match files {
-        Some(files) => {
-            let manifest = files.manifest().clone();
-            let bytes_estimate = manifest.file_bytes();
-            (CopyHeader { export: files.header().clone(), bytes_estimate, files: Some(manifest) }, Box::new(files))
-        }
-        None => {
-            let records = store.export_partition(req.partition).map_err(|e| ClusterError::Storage(e.to_string()))?;
-            (CopyHeader { export: records.header().clone(), bytes_estimate: records.estimated_bytes(), files: None }, Box::new(records))
-        }
-    };
     let (tx, rx) = mpsc::channel(COPY_QUEUE_CHUNKS);
     let node = Arc::clone(node);
     // The receiver sees a broken stream if this thread cannot start or dies.
     background("shoal-export", move || {
+        let (header, export) = match export_of(node.engine.store(), &req) {
+            Ok(export) => export,
+            Err(e) => {
+                // The receiver sees an error, never a header: it keeps nothing.
+                let _ = tx.blocking_send(Err(e));
+                return;
+            }
+        };
         let mut out = BytesMut::with_capacity(COPY_CHUNK_BYTES + 64 * 1024);
         FrameEncoder::header(&mut out, &header);
         let mut encoder = FrameEncoder::default();
@@ -513,6 +507,30 @@ pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc:
         send(&mut out);
     })?;
     Ok(rx)
+}
+
+/// The export the receiver asked for: the partition's files where it asked for them and
+/// they can be sent, its records otherwise; with the copy's header.
+fn export_of(store: &Store, req: &ExportRequest) -> Result<(CopyHeader, Box<ExportRecords>), ClusterError> {
+    let files = if req.files {
+        store
+            .export_partition_files(req.partition)
+            .map_err(|e| tracing::info!(partition = req.partition, error = %e, "sending records"))
+            .ok()
+    } else {
+        None
+    };
+    Ok(match files {
+        Some(files) => {
+            let manifest = files.manifest().clone();
+            let bytes_estimate = manifest.file_bytes();
+            (CopyHeader { export: files.header().clone(), bytes_estimate, files: Some(manifest) }, Box::new(files))
+        }
+        None => {
+            let records = store.export_partition(req.partition).map_err(|e| ClusterError::Storage(e.to_string()))?;
+            (CopyHeader { export: records.header().clone(), bytes_estimate: records.estimated_bytes(), files: None }, Box::new(records))
+        }
+    })
 }
 
 #[cfg(test)]
