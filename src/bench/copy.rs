@@ -41,13 +41,16 @@ pub struct CopyArgs {
 
 impl CopyArgs {
     /// The ceiling `shoal bench rebalance` prints: `docs` documents, on 1 and as many
-    /// threads as cores.
+    /// threads as cores, and as many as copies a node builds at once by default
+    /// (`rebalance_moves_per_node`): a copy that writes its files directly waits on the
+    /// disk, so copies at once can beat one per core, and a ceiling must not be lower than
+    /// what the cluster does with the same engine.
     pub(crate) fn ceiling(dir: PathBuf, docs: usize, doc_bytes: usize, partitions: u16) -> CopyArgs {
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-        let mut threads = vec![1];
-        if cores > 1 {
-            threads.push(cores);
-        }
+        let moves = usize::try_from(shoal_meta::state::REBALANCE_MOVES_PER_NODE_DEFAULT).unwrap_or(1);
+        let mut threads = vec![1, cores, moves];
+        threads.sort_unstable();
+        threads.dedup();
         CopyArgs { dir, docs, doc_bytes, partitions, threads, blob_threshold: None }
     }
 }
