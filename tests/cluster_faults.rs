@@ -6,6 +6,10 @@
 //! followed by automatic failover when the node stays away, recovery and a rebalance. Every history must be linearizable, so no
 //! acknowledged majority write is lost and no read sees a deposed copy.
 //!
+//! A second test runs the same clients through moves by files (a rebalance that grows the
+//! cluster, then one that sheds a node), so the copies' snapshot, catch-up and hand-over
+//! are checked by Porcupine too.
+//!
 //! `cargo test` runs the short version (3 nodes, a few faults). The long run is
 //! `scripts/cluster-faults.sh` (README), which sets `SHOAL_FAULT_NODES`, `SHOAL_FAULT_ROUNDS`
 //! and `SHOAL_FAULT_REPORT` for this same test.
@@ -241,4 +245,99 @@ async fn a_cluster_under_kills_pauses_and_partitions_stays_linearizable_for_majo
         std::fs::write(format!("{path}.history.ndjson"), history.lines()).unwrap();
     }
     assert!(ok, "Porcupine found the cluster's history not linearizable:\n{out}");
+}
+
+/// Moves by files under the same clients: one node, loaded so that every partition is
+/// copied as its keyspace's files, grows to three and then sheds the first, while clients
+/// do majority operations on the hot keys through every node. Every copy must ship files,
+/// and the history must be linearizable: no acknowledged write lost across a copy's
+/// snapshot, catch-up and hand-over, no read answered by a copy still being built.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn moves_by_files_stay_linearizable() {
+    // 4 partitions, so that each holds more changes than a copy by files needs.
+    let args = ["--cluster-secret", common::cluster::SECRET, "--analytics-partitions", "0", "--partitions", "4"];
+    let mut first = common::Node::start(&args);
+    first.pin_port();
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    assert_eq!(http.put(first.u("/v1/collections/lin")).send().await.unwrap().status().as_u16(), 201);
+    const FILLER: usize = 12_000;
+    let pad = "x".repeat(200);
+    for chunk in (0..FILLER).collect::<Vec<_>>().chunks(2_000) {
+        let body: String = chunk
+            .iter()
+            .map(|i| json!({"op": "upsert", "key": format!("f{i:05}"), "value": {"i": i, "pad": pad}}).to_string() + "\n")
+            .collect();
+        let r = http.post(first.u("/v1/collections/lin/_bulk")).body(body).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        assert!(!r.text().await.unwrap().contains("\"error\""), "a bulk line failed");
+    }
+    // Paced, so that the copies run while the clients do.
+    let r = http.put(first.u("/v1/cluster/settings")).json(&json!({"rebalance_mb_per_s": 2})).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200, "{}", r.text().await.unwrap_or_default());
+    let join = first.addr();
+    let mut nodes = vec![first];
+    for _ in 0..2 {
+        let mut node = common::Node::start(&[&args[..], &["--join", &join][..]].concat());
+        node.pin_port();
+        nodes.push(node);
+    }
+    wait_for(&http, &nodes[0].u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
+
+    let history = Arc::new(History::default());
+    let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut clients = Vec::new();
+    for i in 0..CLIENTS {
+        // The clients go through the nodes that stay (the first leaves in the second rebalance).
+        let target: Target = Arc::new(std::sync::RwLock::new(urls[1 + i % 2].clone()));
+        let (history, others, stop) = (Arc::clone(&history), urls[1..].to_vec(), Arc::clone(&stop));
+        clients.push(tokio::spawn(async move {
+            let mut slice = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                let w = Workload {
+                    collection: "lin",
+                    keys: KEYS,
+                    write_params: "?durability=majority",
+                    read_params: "?consistency=majority",
+                    others: &others,
+                    until: Instant::now() + Duration::from_secs(2),
+                };
+                run_client(Arc::clone(&target), &w, i, 5_000 + i as u64 * 100 + slice, &history).await;
+                slice += 1;
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Grow: copies to the new nodes. Then shed the first: copies to the others from what
+    // it and they hold.
+    let (_, info) = get_json(&http, &nodes[0].u("/v1/cluster")).await;
+    let first_id = node_id(&info, &nodes[0]).unwrap();
+    let mut shipped = Vec::new();
+    for eject in [Vec::new(), vec![first_id]] {
+        rebalance(&http, &nodes[1], &eject).await;
+        let (_, status) = get_json(&http, &nodes[1].u("/v1/cluster/rebalance")).await;
+        let moves = status["moves"].as_array().cloned().unwrap_or_default();
+        assert!(!moves.is_empty(), "{status}");
+        shipped.extend(moves.iter().map(|m| (m["method"].clone(), m["shipped"].clone())));
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, std::sync::atomic::Ordering::Release);
+    for c in clients {
+        c.await.unwrap();
+    }
+    assert!(
+        !shipped.is_empty() && shipped.iter().all(|(method, how)| method == "files" && how == "files"),
+        "every copy by files: {shipped:?}"
+    );
+    let records = history.records();
+    let acked = records.iter().filter(|r| r["kind"] != "get" && r["outcome"] == "ok").count();
+    let reads = records.iter().filter(|r| r["kind"] == "get").count();
+    assert!(acked > 50 && reads > 50, "too little happened to check: {acked} acknowledged writes, {reads} reads");
+    let (ok, out) = check(&history.lines());
+    eprintln!(
+        "moves by files: {} copies, {} operations, {acked} acknowledged writes, {reads} reads; linearizable: {ok}",
+        shipped.len(),
+        records.len()
+    );
+    assert!(ok, "Porcupine found the history of moves by files not linearizable:\n{out}");
 }
