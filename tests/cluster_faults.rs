@@ -69,6 +69,34 @@ async fn partition(http: &reqwest::Client, nodes: &[common::Node], victim: usize
     }
 }
 
+/// Client `i`: majority operations on the hot keys through `target` and `others`, in
+/// 2-second slices (each its own seed from `seed_base`) until `stop`, so that the load spans
+/// every fault and move.
+fn spawn_client(
+    i: usize,
+    target: Target,
+    others: Vec<String>,
+    seed_base: u64,
+    history: Arc<History>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut slice = 0u64;
+        while !stop.load(std::sync::atomic::Ordering::Acquire) {
+            let w = Workload {
+                collection: "lin",
+                keys: KEYS,
+                write_params: "?durability=majority",
+                read_params: "?consistency=majority",
+                others: &others,
+                until: Instant::now() + Duration::from_secs(2),
+            };
+            run_client(Arc::clone(&target), &w, i, seed_base + i as u64 * 100 + slice, &history).await;
+            slice += 1;
+        }
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_cluster_under_kills_pauses_and_partitions_stays_linearizable_for_majority_operations() {
     let nodes_n = env_or("SHOAL_FAULT_NODES", 3);
@@ -93,24 +121,7 @@ async fn a_cluster_under_kills_pauses_and_partitions_stays_linearizable_for_majo
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut clients = Vec::new();
     for i in 0..CLIENTS {
-        let (target, history, others, stop) = (Arc::clone(&target), Arc::clone(&history), urls.clone(), Arc::clone(&stop));
-        clients.push(tokio::spawn(async move {
-            // Clients run in slices until told to stop, so the load spans every fault.
-            let mut slice = 0u64;
-            while !stop.load(std::sync::atomic::Ordering::Acquire) {
-                let until = Instant::now() + Duration::from_secs(2);
-                let w = Workload {
-                    collection: "lin",
-                    keys: KEYS,
-                    write_params: "?durability=majority",
-                    read_params: "?consistency=majority",
-                    others: &others,
-                    until,
-                };
-                run_client(Arc::clone(&target), &w, i, seed * 1000 + i as u64 * 100 + slice, &history).await;
-                slice += 1;
-            }
-        }));
+        clients.push(spawn_client(i, Arc::clone(&target), urls.clone(), seed * 1000, Arc::clone(&history), Arc::clone(&stop)));
     }
 
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -290,22 +301,7 @@ async fn moves_by_files_stay_linearizable() {
     for i in 0..CLIENTS {
         // The clients go through the nodes that stay (the first leaves in the second rebalance).
         let target: Target = Arc::new(std::sync::RwLock::new(urls[1 + i % 2].clone()));
-        let (history, others, stop) = (Arc::clone(&history), urls[1..].to_vec(), Arc::clone(&stop));
-        clients.push(tokio::spawn(async move {
-            let mut slice = 0u64;
-            while !stop.load(std::sync::atomic::Ordering::Acquire) {
-                let w = Workload {
-                    collection: "lin",
-                    keys: KEYS,
-                    write_params: "?durability=majority",
-                    read_params: "?consistency=majority",
-                    others: &others,
-                    until: Instant::now() + Duration::from_secs(2),
-                };
-                run_client(Arc::clone(&target), &w, i, 5_000 + i as u64 * 100 + slice, &history).await;
-                slice += 1;
-            }
-        }));
+        clients.push(spawn_client(i, target, urls[1..].to_vec(), 5_000, Arc::clone(&history), Arc::clone(&stop)));
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
     // Grow: copies to the new nodes. Then shed the first: copies to the others from what
