@@ -306,18 +306,38 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
         ("raft-vote", "1"),
         ("faults", "{}"),
     ] {
-        let r =
-            http.post(first.u(&format!("/v1/_internal/{op}"))).header("x-shoal-cluster-secret", SECRET).body(body).send().await.unwrap();
+        let r = http
+            .post(first.u(&format!("/v1/_internal/{op}")))
+            .header("x-shoal-cluster-secret", SECRET)
+            .header("connection", "upgrade")
+            .header("upgrade", "shoal-copy")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
         let status = r.status().as_u16();
         let v: Value = r.json().await.unwrap();
         assert!(status == 400 || status == 404, "{op}: {status} {v}");
         assert_eq!(v["error"], "bad_request", "{op}: {v}");
     }
 
-    // An export for a node the map does not name as a replica is refused, not streamed.
+    // An export answers only over a connection that switches to the copy protocol.
     // Postcard: `from` = 1 (a varint), the partition 0, `files` = true.
     let ask = vec![1u8, 0, 1];
-    let r = http.post(first.u("/v1/_internal/export")).header("x-shoal-cluster-secret", SECRET).body(ask).send().await.unwrap();
+    let r = http.post(first.u("/v1/_internal/export")).header("x-shoal-cluster-secret", SECRET).body(ask.clone()).send().await.unwrap();
+    let status = r.status().as_u16();
+    let v: Value = r.json().await.unwrap();
+    assert!(status == 400 && v["reason"].as_str().is_some_and(|r| r.contains("Upgrade: shoal-copy")), "{status} {v}");
+    // An export for a node the map does not name as a replica is refused, not streamed.
+    let r = http
+        .post(first.u("/v1/_internal/export"))
+        .header("x-shoal-cluster-secret", SECRET)
+        .header("connection", "upgrade")
+        .header("upgrade", "shoal-copy")
+        .body(ask)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 409, "{}", r.text().await.unwrap_or_default());
 
     // A page of documents asked under another map version (SQL that ran across a map

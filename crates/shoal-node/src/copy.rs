@@ -348,30 +348,12 @@ fn background<T: Send + 'static>(
     std::thread::Builder::new()
         .name(name.to_string())
         .spawn(move || {
-            lower_priority();
+            shoal_storage::threads::lower_this_thread(COPY_NICENESS);
             let _ = tx.send(work());
         })
         .map_err(|e| ClusterError::Storage(format!("cannot start a copy thread: {e}")))?;
     Ok(rx)
 }
-
-/// Lowers this thread's scheduling priority by `COPY_NICENESS`. Hand-written: one libc call
-/// (Linux keeps the nice value per thread); a crate would wrap the same call.
-#[cfg(target_os = "linux")]
-fn lower_priority() {
-    // SAFETY: gettid and setpriority take no pointers and only touch this thread's
-    // scheduling attributes.
-    let done = unsafe {
-        let tid = libc::gettid();
-        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, COPY_NICENESS)
-    };
-    if done != 0 {
-        tracing::debug!("could not lower a copy thread's priority");
-    }
-}
-
-#[cfg(not(target_os = "linux"))]
-fn lower_priority() {}
 
 /// Moves the copy's chunks from the network to the ingest until the stream ends (the
 /// ingest checks that it ended with the end marker).

@@ -16,6 +16,7 @@ use serde::Deserialize;
 use shoal_meta::{MemberState, MetaCommand, MetaReject, SettingsPatch};
 use shoal_node::{ChunkStream, ClusterError, ClusterNode, Op, PeerError, PeerFuture, PeerStreamFuture, Peers, Route};
 
+use crate::copy_io::{CopyIo, COPY_PROTOCOL};
 use crate::docs::json_response;
 use crate::error::ApiError;
 use crate::extract;
@@ -128,17 +129,23 @@ async fn set_faults(state: &AppState, body: &[u8]) -> Result<Response, ApiError>
     Ok(json_response(StatusCode::OK, b"{}".to_vec()))
 }
 
-/// `Peers` over HTTP: one pooled client, the secret in a header.
+/// `Peers` over HTTP: one pooled client, the secret in a header; copies on their own
+/// client and thread (`copy_io`).
 pub struct HttpPeers {
     client: reqwest::Client,
+    /// Used only from `copy_io`'s thread, so that its connections live there. HTTP/1.1:
+    /// a copy's connection switches protocols.
+    copy_client: reqwest::Client,
+    copy_io: std::sync::Arc<CopyIo>,
     secret: String,
     faults: std::sync::Arc<Faults>,
 }
 
 impl HttpPeers {
-    pub fn new(secret: &str, faults: std::sync::Arc<Faults>) -> Result<HttpPeers, reqwest::Error> {
+    pub fn new(secret: &str, faults: std::sync::Arc<Faults>, copy_io: std::sync::Arc<CopyIo>) -> Result<HttpPeers, reqwest::Error> {
         let client = reqwest::Client::builder().tcp_nodelay(true).no_proxy().pool_max_idle_per_host(64).build()?;
-        Ok(HttpPeers { client, secret: secret.to_string(), faults })
+        let copy_client = reqwest::Client::builder().tcp_nodelay(true).no_proxy().http1_only().pool_max_idle_per_host(0).build()?;
+        Ok(HttpPeers { client, copy_client, copy_io, secret: secret.to_string(), faults })
     }
 }
 
@@ -189,26 +196,17 @@ impl Peers for HttpPeers {
         // No overall timeout: a copy takes as long as its size needs; the caller bounds
         // the gaps between chunks. The answer must start within `timeout`.
         let request =
-            self.client.post(format!("http://{address}/v1/_internal/{}", op.name())).header(SECRET_HEADER, &self.secret).body(body).send();
+            self.copy_client.post(format!("http://{address}/v1/_internal/{}", op.name())).header(SECRET_HEADER, &self.secret).body(body);
         let address = address.to_string();
-        let faults = std::sync::Arc::clone(&self.faults);
+        let (faults, copy_io) = (std::sync::Arc::clone(&self.faults), std::sync::Arc::clone(&self.copy_io));
         Box::pin(async move {
-            let unreachable = |why: String| PeerError::Unreachable { address: address.clone(), why };
-            let response = tokio::time::timeout(timeout, request)
-                .await
-                .map_err(|_| unreachable(format!("no answer in {timeout:?}")))?
-                .map_err(|e| unreachable(e.to_string()))?;
-            let status = response.status();
-            if !status.is_success() {
-                let bytes = response.bytes().await.map_err(|e| unreachable(e.to_string()))?;
-                return Err(refusal(address, status, &bytes));
-            }
-            let chunks = response.bytes_stream().map(move |chunk| {
+            let chunks = copy_io.receive(&address, request, timeout).await?;
+            let chunks = futures::stream::unfold(chunks, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) }).map(move |chunk| {
                 // A cut made while the copy runs breaks it, as a dropped link would.
                 if faults.is_cut(&address) {
                     return Err(PeerError::Unreachable { address: address.clone(), why: "cut off by fault injection".into() });
                 }
-                chunk.map_err(|e| PeerError::Unreachable { address: address.clone(), why: e.to_string() })
+                chunk
             });
             Ok(Box::pin(chunks) as ChunkStream)
         })
@@ -216,7 +214,7 @@ impl Peers for HttpPeers {
 }
 
 /// The error a member's non-success answer means.
-fn refusal(address: String, status: StatusCode, bytes: &[u8]) -> PeerError {
+pub(crate) fn refusal(address: String, status: StatusCode, bytes: &[u8]) -> PeerError {
     let (code, message) = HttpPeers::error_of(status, bytes);
     // A member that is busy or between leaders may answer later: retry as if down.
     if status == StatusCode::SERVICE_UNAVAILABLE {
@@ -266,7 +264,9 @@ pub fn cluster_error(e: ClusterError) -> ApiError {
 }
 
 /// `POST /v1/_internal/{op}`: a call from another member, if it carries the secret.
-pub async fn internal(State(state): State<AppState>, Path(op): Path<String>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+pub async fn internal(State(state): State<AppState>, Path(op): Path<String>, request: Request) -> Result<Response, ApiError> {
+    let (mut parts, body) = request.into_parts();
+    let headers = &parts.headers;
     let node = &state.cluster;
     let given = headers.get(SECRET_HEADER).map(|v| v.as_bytes()).unwrap_or_default();
     // An invitation comes from a cluster whose secret this node does not know yet; only a
@@ -280,13 +280,15 @@ pub async fn internal(State(state): State<AppState>, Path(op): Path<String>, hea
     }
     let op = Op::from_name(&op).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "bad_request", format!("no internal call {op}")))?;
     if op == Op::Export {
+        // The copy's bytes go over the same connection switched to the copy protocol, on
+        // the copies' own thread (`copy_io`).
+        let asked = parts.headers.get(header::UPGRADE).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(COPY_PROTOCOL.as_bytes()));
+        let upgrade = parts.extensions.remove::<hyper::upgrade::OnUpgrade>().filter(|_| asked).ok_or_else(|| {
+            ApiError::bad_request(format!("an export answers over HTTP/1.1 switched to `{COPY_PROTOCOL}` (`Upgrade: {COPY_PROTOCOL}`)"))
+        })?;
         let chunks = node.export_stream(&body).map_err(cluster_error)?;
-        // An error mid-copy ends the body abruptly: the receiver sees no end marker and
-        // keeps nothing.
-        let chunks =
-            futures::stream::unfold(chunks, |mut rx| async move { rx.recv().await.map(|c| (c.map_err(std::io::Error::other), rx)) });
-        let body = Body::from_stream(chunks);
-        return Ok((StatusCode::OK, [(header::CONTENT_TYPE, "application/octet-stream")], body).into_response());
+        state.copy_io.send(upgrade, chunks);
+        return Ok((StatusCode::SWITCHING_PROTOCOLS, [(header::CONNECTION, "upgrade"), (header::UPGRADE, COPY_PROTOCOL)]).into_response());
     }
     let answer = node.handle(op, &body).await.map_err(cluster_error)?;
     Ok((StatusCode::OK, [(header::CONTENT_TYPE, "application/octet-stream")], answer).into_response())

@@ -307,7 +307,7 @@ async fn serve_one(tcp: TcpStream, router: Router, limits: ConnectionLimits, clo
         .keep_alive_interval(H2_KEEPALIVE_INTERVAL)
         .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT)
         .max_concurrent_streams(H2_STREAMS_MAX);
-    let conn = builder.serve_connection(io, service);
+    let conn = builder.serve_connection_with_upgrades(io, service);
     tokio::pin!(conn);
     let mut ticker = tokio::time::interval(TIMEOUT_CHECK_INTERVAL.min(limits.idle_timeout / 2).min(limits.header_read_timeout / 2));
     let mut graceful = false;

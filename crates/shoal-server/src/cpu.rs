@@ -9,6 +9,8 @@
 
 use std::sync::Arc;
 
+use shoal_storage::threads::lower_this_thread;
+
 use crate::ApiError;
 
 /// How much lower than the I/O threads the pool runs (Linux `nice` units; CFS gives a
@@ -39,21 +41,6 @@ impl CpuPool {
         });
         rx.await.map_err(|_| ApiError::internal("CPU worker failed"))
     }
-}
-
-/// Lowers the calling thread's scheduling priority (Linux: `setpriority` on the thread id
-/// affects that thread only). Elsewhere, or if refused, the thread keeps its priority.
-pub fn lower_this_thread(nice: i32) {
-    #[cfg(target_os = "linux")]
-    {
-        // SAFETY: gettid and setpriority take no pointers and only affect this thread.
-        let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, nice) };
-        if rc != 0 {
-            tracing::debug!(error = %std::io::Error::last_os_error(), "could not lower the CPU pool's priority");
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = nice;
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@ mod changes;
 pub mod cluster;
 mod collections;
 mod conn;
+mod copy_io;
 mod cpu;
 mod docs;
 mod error;
@@ -30,7 +31,6 @@ use thiserror::Error;
 use tokio::sync::watch;
 
 pub use conn::{BODY_READ_TIMEOUT, CONNECTIONS_MAX, HEADER_READ_TIMEOUT, IDLE_TIMEOUT};
-pub use cpu::lower_this_thread;
 pub use error::ApiError;
 
 #[derive(Debug, Error)]
@@ -108,6 +108,8 @@ pub struct AppState {
     pub forwarder: reqwest::Client,
     /// The members this node is cut off from by fault injection.
     pub faults: Arc<cluster::Faults>,
+    /// The thread that moves partition copies' bytes, off the request threads.
+    pub copy_io: Arc<copy_io::CopyIo>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -193,8 +195,10 @@ impl Server {
         }
         let faults = Arc::new(cluster::Faults::new(config.fault_injection));
         let peer_faults = Arc::clone(&faults);
+        let copy_io = Arc::new(copy_io::CopyIo::start()?);
+        let peer_copy_io = Arc::clone(&copy_io);
         let cluster = ClusterNode::open(Arc::clone(&engine), cluster_config, move |secret| {
-            cluster::HttpPeers::new(secret, peer_faults)
+            cluster::HttpPeers::new(secret, peer_faults, peer_copy_io)
                 .map(|p| Arc::new(p) as Arc<dyn shoal_node::Peers>)
                 .map_err(|e| shoal_node::ClusterError::Identity(e.to_string()))
         })
@@ -211,6 +215,7 @@ impl Server {
             cluster,
             forwarder: cluster::forwarder()?,
             faults,
+            copy_io,
         };
         Ok(Server { listener, state, shutdown_tx, connections: config.connections })
     }

@@ -91,7 +91,7 @@ impl FileManifest {
         }
         let table = |t: &fjall::ImportTable| ShippedFile {
             id: t.id,
-            checksum: format!("{:032x}", t.checksum),
+            checksum: hex128(t.checksum),
             global_seqno: t.global_seqno,
             size: t.file_size,
         };
@@ -102,7 +102,7 @@ impl FileManifest {
             blob_files: m
                 .blob_files
                 .iter()
-                .map(|b| ShippedFile { id: b.id, checksum: format!("{:032x}", b.checksum), global_seqno: 0, size: b.file_size })
+                .map(|b| ShippedFile { id: b.id, checksum: hex128(b.checksum), global_seqno: 0, size: b.file_size })
                 .collect(),
             items: items.len() as u64,
             items_checksum: hash.hex(),
@@ -386,8 +386,13 @@ impl ItemsHash {
     }
 
     fn hex(&self) -> String {
-        format!("{:032x}", self.0.digest128())
+        hex128(self.0.digest128())
     }
+}
+
+/// An XXH3-128 checksum as the manifest writes it: 32 lower-case hex digits.
+fn hex128(checksum: u128) -> String {
+    format!("{checksum:032x}")
 }
 
 fn decode_item(key: &[u8], v: &[u8]) -> Result<fjall::InternalValue, PartitionError> {
@@ -434,7 +439,7 @@ impl FileWriter {
         if self.left > 0 {
             return Ok(false);
         }
-        let got = format!("{:032x}", self.hash.digest128());
+        let got = hex128(self.hash.digest128());
         if got != self.checksum {
             return Err(PartitionError::Malformed(format!("{} arrived with checksum {got}, not {}", self.path.display(), self.checksum)));
         }

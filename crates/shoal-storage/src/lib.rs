@@ -18,6 +18,7 @@ mod partition;
 mod rollback;
 mod store;
 mod syncer;
+pub mod threads;
 mod unit;
 
 pub mod changes;
