@@ -332,14 +332,11 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16) -> Result<IngestSt
     Ok(stats)
 }
 
-/// How much lower than the foreground a copy's export and ingest run (a thread's nice
-/// value on Linux): the scheduler gives the cores to requests first, so a copy takes what
-/// they leave ("foreground requests first", issue 14) instead of doubling their p99.
-pub const COPY_NICENESS: i32 = 10;
-
-/// Runs `work` on a thread of its own at `COPY_NICENESS` and answers its result. Not the
-/// runtime's blocking pool: those threads are reused, and a thread's priority once lowered
-/// cannot be raised again without privileges.
+/// Runs `work` on a thread of its own at the idle priority
+/// (`shoal_storage::threads::idle_this_thread`: the scheduler gives the cores to requests
+/// first, so a copy takes what they leave — "foreground requests first", issue 14) and
+/// answers its result. Not the runtime's blocking pool: those threads are reused, and a
+/// thread's priority once lowered cannot be raised again without privileges.
 fn background<T: Send + 'static>(
     name: &str,
     work: impl FnOnce() -> T + Send + 'static,
@@ -348,7 +345,7 @@ fn background<T: Send + 'static>(
     std::thread::Builder::new()
         .name(name.to_string())
         .spawn(move || {
-            shoal_storage::threads::lower_this_thread(COPY_NICENESS);
+            shoal_storage::threads::idle_this_thread();
             let _ = tx.send(work());
         })
         .map_err(|e| ClusterError::Storage(format!("cannot start a copy thread: {e}")))?;

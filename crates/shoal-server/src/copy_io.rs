@@ -8,14 +8,14 @@
 //! So the export switches its connection from HTTP to the copy stream's own bytes (an
 //! HTTP/1.1 upgrade to [`COPY_PROTOCOL`], after the usual request and its checks), and both
 //! ends move those bytes on [`CopyIo`]'s thread: a runtime of its own, one thread, at the
-//! copies' lower priority (`shoal_node::COPY_NICENESS`). The request threads only see the
+//! copies' idle priority (`shoal_storage::threads::idle_this_thread`). The request threads only see the
 //! call start, and the chunks the copy hands to the ingest.
 
 use std::time::Duration;
 
 use axum::http::header;
 use bytes::{Bytes, BytesMut};
-use shoal_node::copy::{COPY_IDLE_TIMEOUT, COPY_NICENESS};
+use shoal_node::copy::COPY_IDLE_TIMEOUT;
 use shoal_node::{ClusterError, PeerError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
@@ -29,7 +29,7 @@ pub const COPY_READ_BYTES: usize = 1024 * 1024;
 /// Chunks read ahead of the copy's ingest.
 const COPY_READ_AHEAD_CHUNKS: usize = 4;
 
-/// The copies' network thread: a current-thread runtime at the copies' priority. It stops
+/// The copies' network thread: a current-thread runtime at the idle priority. It stops
 /// when this is dropped (copies under way break, and their receivers fall back).
 pub struct CopyIo {
     handle: tokio::runtime::Handle,
@@ -42,7 +42,7 @@ impl CopyIo {
         let handle = runtime.handle().clone();
         let (stop, stopped) = oneshot::channel::<()>();
         std::thread::Builder::new().name("shoal-copy-io".into()).spawn(move || {
-            shoal_storage::threads::lower_this_thread(COPY_NICENESS);
+            shoal_storage::threads::idle_this_thread();
             runtime.block_on(async {
                 let _ = stopped.await;
             });
