@@ -1413,14 +1413,27 @@ async fn cluster_add_brings_in_a_lone_empty_node() {
         assert_eq!(r.status().as_u16(), 400, "invite body {body:?}");
     }
     // Well-formed but forged invitations to the lone node: the cluster they name does not
-    // answer to their secret (or is not there), so the node keeps serving alone.
-    for (join, secret) in
-        [(a.addr(), "forged-secret".to_string()), ("127.0.0.1:1".to_string(), SECRET.to_string()), (String::new(), String::new())]
-    {
+    // answer to their secret (or is not there, or takes the call and never answers: the
+    // check gives up after its timeout), so the node keeps serving alone.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_addr = silent.local_addr().unwrap().to_string();
+    let held = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((tcp, _)) = silent.accept().await {
+            held.push(tcp);
+        }
+    });
+    for (join, secret) in [
+        (a.addr(), "forged-secret".to_string()),
+        ("127.0.0.1:1".to_string(), SECRET.to_string()),
+        (String::new(), String::new()),
+        (silent_addr, SECRET.to_string()),
+    ] {
         let r = http.post(b.u("/v1/_internal/invite")).json(&json!({"join": join, "secret": secret})).send().await.unwrap();
         assert_eq!(r.status().as_u16(), 409, "forged invitation to {join:?}");
         assert!(r.text().await.unwrap().contains("does not check out"), "forged invitation to {join:?}");
     }
+    held.abort();
     assert!(!b.dir.join("join-request.json").exists(), "no invitation kept from a malformed or forged one");
     assert_eq!(get_json(&http, &b.u("/v1/cluster")).await.1["nodes"].as_array().map(Vec::len), Some(1), "b is still alone");
 
