@@ -719,6 +719,23 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
     ProgressAnswer { partitions: sums, unsettled, building, copies: node.copies.progress(), histories, sizes }
 }
 
+/// A hand-over that waits this long for one new active logs what it waited for.
+const SLOW_HANDOVER_WAIT: Duration = Duration::from_millis(50);
+
+/// The partition a hand-over waited longest for: the new active's acknowledgement when the
+/// wait began and when it ended, against the position it had to reach.
+#[derive(Debug)]
+#[allow(dead_code)] // read by its `Debug` form, in the log
+struct SlowWait {
+    waited: Duration,
+    partition: u16,
+    to: u64,
+    seqno: u64,
+    uuid: u64,
+    before: Option<crate::acks::CopyAck>,
+    after: Option<crate::acks::CopyAck>,
+}
+
 /// An active's side of a hand-over: freezes the partitions (writes refused), waits until
 /// each new active holds everything this copy has, and answers. The freeze ends when the map
 /// that moves the role is applied, or after `FREEZE_MAX`.
@@ -746,14 +763,24 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
     let frozen_at = Instant::now();
     let state = node.state();
     let store = node.engine.store();
+    // The partition the hand-over waited longest for, with the acknowledgement it had
+    // from the new active when the wait began (logged when the freeze was long).
+    let mut slowest: Option<SlowWait> = None;
     for (p, to) in &req.partitions {
         for (name, def) in &state.collections {
             let Some(coll) = store.collection(name).filter(|c| c.id() == def.id) else { continue };
             let Some(pos) = coll.positions().get(usize::from(*p)).copied() else { continue };
+            let before = node.acks.get(def.id, *p, *to);
+            let began = Instant::now();
             let reached = node
                 .acks
                 .wait(Part { collection: def.id, partition: *p, uuid: pos.uuid }, &[*to], 1, Need::Received(pos.seqno), until)
                 .await;
+            let waited = began.elapsed();
+            if slowest.as_ref().is_none_or(|s| waited > s.waited) {
+                let after = node.acks.get(def.id, *p, *to);
+                slowest = Some(SlowWait { waited, partition: *p, to: *to, seqno: pos.seqno, uuid: pos.uuid, before, after });
+            }
             if !reached {
                 node.frozen.lock().remove(p);
                 node.apply_current_map().await?;
@@ -766,5 +793,8 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
         freeze_ms = frozen_at.elapsed().as_millis(),
         "handing over: every new active holds what this copy has"
     );
+    if let Some(slow) = slowest.filter(|s| s.waited >= SLOW_HANDOVER_WAIT) {
+        tracing::info!(?slow, "a hand-over waited long for one new active");
+    }
     Ok(())
 }
