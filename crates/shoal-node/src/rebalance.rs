@@ -755,10 +755,10 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
         }
     }
     node.apply_current_map().await?;
-    // Held pulls (up to `PULL_WAIT`) answer now (`serve_pull` answers a poke at once), so
-    // each new active pulls again at once — with the partitions it began to follow since its
-    // last pull — and acknowledges what it holds. Otherwise the freeze could wait out a held
-    // pull: 474 ms in bench runs, with every request to the frozen partitions waiting as long.
+    // Held pulls (up to `PULL_WAIT`) answer now, so each new active pulls again at once —
+    // with the partitions it began to follow since its last pull — and acknowledges what it
+    // holds. Otherwise the freeze could wait out a held pull: 474 ms in one bench run, with
+    // every request to the frozen partitions waiting as long.
     node.acks.start_round();
     let frozen_at = Instant::now();
     let state = node.state();
