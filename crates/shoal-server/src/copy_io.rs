@@ -2,8 +2,9 @@
 //!
 //! A copy sends a partition's files (a gigabyte or more) over one connection. Served as an
 //! HTTP body, its socket reads and writes ran on the runtime's worker threads, beside every
-//! client request: on 2 cores shared by four nodes, the kernel's copying of those bytes
-//! was most of what kept the foreground's p99 at 5–8× its value during a rebalance.
+//! client request: the receiving node's request threads spent half their CPU on it during a
+//! swap (bench/results/2026-11-24-issue14-copy-io.md; the foreground's p99 itself barely
+//! moved — most of its rise is the copies' kernel time on shared cores).
 //!
 //! So the export switches its connection from HTTP to the copy stream's own bytes (an
 //! HTTP/1.1 upgrade to [`COPY_PROTOCOL`], after the usual request and its checks), and both

@@ -23,9 +23,10 @@ pub fn lower_this_thread(nice: i32) {
 
 /// Runs the calling thread only on cores no other thread wants (Linux `SCHED_IDLE`): a
 /// request thread that wakes takes the core from it at once, where a nice thread keeps the
-/// core until its slice ends (a partition copy at nice 10 held the foreground's p99 at 8–10×
-/// its value before the copy on 2 shared cores; at `SCHED_IDLE`, 5–7×). Where that is
-/// refused, the thread takes [`IDLE_FALLBACK_NICE`].
+/// core until its slice ends (during a partition copy on 2 shared cores the foreground's p99
+/// was 8.0–10.5 ms with the copy threads at nice 10 and 5.2–6.9 ms at `SCHED_IDLE`, against
+/// 1.1–1.8 ms before the copy). Where that is refused, the thread takes
+/// [`IDLE_FALLBACK_NICE`].
 pub fn idle_this_thread() {
     #[cfg(target_os = "linux")]
     {
