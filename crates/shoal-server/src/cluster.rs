@@ -628,16 +628,7 @@ async fn forward(
             request = request.header(*name, v.as_bytes());
         }
     }
-    let answer = request.body(body).send().await.map_err(|e| {
-        if e.is_timeout() {
-            let mut err =
-                ApiError::new(StatusCode::REQUEST_TIMEOUT, "timeout", format!("the node holding the key did not answer in time: {e}"));
-            err.details.push(("ambiguous", serde_json::Value::Bool(true)));
-            err
-        } else {
-            ApiError::unavailable(format!("the node holding the key is unreachable: {e}"))
-        }
-    })?;
+    let answer = request.body(body).send().await.map_err(|e| crate::spread::lost_call("the node holding the key", &e))?;
     let status = answer.status();
     let mut out = HeaderMap::new();
     for name in FORWARDED_ANSWER_HEADERS {
@@ -647,7 +638,7 @@ async fn forward(
             }
         }
     }
-    let bytes = answer.bytes().await.map_err(|e| ApiError::unavailable(format!("the node holding the key stopped answering: {e}")))?;
+    let bytes = answer.bytes().await.map_err(|e| crate::spread::lost_call("the node holding the key", &e))?;
     let mut response = Response::new(Body::from(bytes));
     *response.status_mut() = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     *response.headers_mut() = out;

@@ -121,9 +121,10 @@ pub(crate) async fn call_all(state: &AppState, path_and_query: &str, calls: Vec<
             .body(body)
             .send()
             .await
-            .map_err(|e| CallError { error: unreachable(&address, &e) })?;
+            .map_err(|e| CallError { error: lost_call(&format!("member {address} holding these keys"), &e) })?;
         let status = answer.status();
-        let bytes = answer.bytes().await.map_err(|e| CallError { error: unreachable(&address, &e) })?;
+        let bytes =
+            answer.bytes().await.map_err(|e| CallError { error: lost_call(&format!("member {address} holding these keys"), &e) })?;
         if !status.is_success() {
             let error = ApiError::from_answer(StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY), &bytes);
             return Err(CallError { error });
@@ -133,11 +134,48 @@ pub(crate) async fn call_all(state: &AppState, path_and_query: &str, calls: Vec<
     futures::future::join_all(calls).await
 }
 
-fn unreachable(address: &str, e: &reqwest::Error) -> ApiError {
+/// The error for a call to `whom` that failed. Only a call that never connected is known
+/// not to have reached it (`unavailable`); any other failure — a timeout, a connection
+/// closed after the request went out (the member was killed mid-request), an answer cut
+/// short — may follow a write that happened there: `408 timeout`, flagged ambiguous.
+/// (Porcupine caught a forwarded write answered `unavailable` that had happened.)
+pub(crate) fn lost_call(whom: &str, e: &reqwest::Error) -> ApiError {
     if e.is_connect() {
-        return ApiError::unavailable(format!("member {address} holding these keys is unreachable: {e}"));
+        return ApiError::unavailable(format!("{whom} is unreachable: {e}"));
     }
-    let mut err = ApiError::new(StatusCode::REQUEST_TIMEOUT, "timeout", format!("member {address} holding these keys did not answer: {e}"));
+    let mut err = ApiError::new(StatusCode::REQUEST_TIMEOUT, "timeout", format!("{whom} did not answer: {e}"));
     err.details.push(("ambiguous", serde_json::Value::Bool(true)));
     err
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    /// A member that takes the request and dies before answering may have applied it; one
+    /// that never took the connection did nothing.
+    #[tokio::test]
+    async fn a_call_cut_after_it_went_out_is_ambiguous_and_one_never_connected_is_not() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 4096];
+            let _ = socket.read(&mut buf).await;
+            // Closed without an answer, as by `kill -9` mid-request.
+        });
+        let http = reqwest::Client::new();
+        let cut = http.put(format!("http://{address}/v1/collections/c/docs/k")).body("{}").send().await.unwrap_err();
+        let err = lost_call("member", &cut);
+        assert_eq!(err.status, StatusCode::REQUEST_TIMEOUT, "{err:?}");
+        assert!(err.details.iter().any(|(k, v)| *k == "ambiguous" && *v == serde_json::Value::Bool(true)), "{err:?}");
+
+        // A port nothing listens on: the connection is refused.
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        let refused = http.put(format!("http://{closed}/v1/collections/c/docs/k")).body("{}").send().await.unwrap_err();
+        let err = lost_call("member", &refused);
+        assert_eq!(err.status, StatusCode::SERVICE_UNAVAILABLE, "{err:?}");
+        assert!(err.details.is_empty(), "{err:?}");
+    }
 }
