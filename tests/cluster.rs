@@ -778,6 +778,10 @@ async fn a_rebalance_copies_large_partitions_as_files_and_loses_nothing() {
     for m in moves {
         let (planned, done) = (m["bytes_planned"].as_u64().unwrap_or(0), m["bytes_done"].as_u64().unwrap_or(0));
         assert!(planned > 0 && planned <= done, "planned {planned}, carried {done}: {m}");
+        // A move is caught up only once its copy is whole: never on the positions an ingest
+        // set before the copy said it was done.
+        let finished = m["copy_finished_unix_ms"].as_u64();
+        assert!(finished.is_some_and(|f| Some(f) >= m["copy_started_unix_ms"].as_u64()), "a move done on a copy under way: {m}");
     }
     assert_eq!(
         status["bytes_planned"].as_u64(),

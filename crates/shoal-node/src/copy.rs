@@ -81,6 +81,13 @@ pub struct CopyProgress {
     pub shipped: String,
 }
 
+impl CopyProgress {
+    /// A file copy queued or under way: the partition is pending here, not a replica yet.
+    pub fn is_building(&self) -> bool {
+        self.state == "copying" || self.state == "queued"
+    }
+}
+
 /// A stream copy's state while it backfills.
 pub const STREAMING: &str = "streaming";
 
@@ -110,7 +117,7 @@ impl Copies {
     /// Whether partition `p` is being built from files here, or waits to be (its parts are
     /// not pulled meanwhile).
     pub fn is_building(&self, p: u16) -> bool {
-        self.building.lock().get(&p).is_some_and(|c| c.state == "copying" || c.state == "queued")
+        self.building.lock().get(&p).is_some_and(CopyProgress::is_building)
     }
 
     pub fn progress(&self) -> Vec<(u16, CopyProgress)> {
@@ -292,7 +299,11 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16) -> Result<IngestSt
             Some(Frame::Header(h)) => break h,
             Some(_) => return Err(ClusterError::BadMessage("a copy without its header".into())),
             None => match next_chunk(&mut stream).await? {
-                Some(chunk) => decoder.push(&chunk),
+                Some(chunk) => {
+                    // Counted as the pump counts: a small copy can arrive whole in its first chunk.
+                    node.copies.set(p, |c| c.bytes_done += chunk.len() as u64);
+                    decoder.push(&chunk);
+                }
                 None => return Err(bad(FrameError::Truncated)),
             },
         }

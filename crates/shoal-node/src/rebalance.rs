@@ -685,7 +685,14 @@ async fn progress_answers(node: &Arc<ClusterNode>, map: &PartitionMap) -> HashMa
 /// A node's copies' progress: per partition, seqnos summed over collections.
 pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
     let state = node.state();
-    let positions = node.collection_positions();
+    // The copies first, the positions after: a copy still being built (its ingest may have
+    // set the export's positions already, before the copy's progress says `done` with its
+    // bytes) reports no position, so the rebalance never takes it for caught up while the
+    // partition is pending here. Read in the other order, a copy finishing in between
+    // would show caught up with the progress of a copy under way (CI saw a move `done`
+    // with 0 bytes carried).
+    let copies = node.copies.progress();
+    let positions = reported_positions(&copies, node.collection_positions());
     let sums: Vec<(PartitionId, u64)> = positions.iter().map(|(p, v)| (*p, v.iter().map(|(_, pos)| pos.seqno).sum())).collect();
     let histories = positions.iter().map(|(p, v)| (*p, v.iter().map(|(id, pos)| (*id, pos.uuid)).collect())).collect();
     let (mut unsettled, mut building) = (Vec::new(), Vec::new());
@@ -716,7 +723,16 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
                 .collect()
         })
         .unwrap_or_default();
-    ProgressAnswer { partitions: sums, unsettled, building, copies: node.copies.progress(), histories, sizes }
+    ProgressAnswer { partitions: sums, unsettled, building, copies, histories, sizes }
+}
+
+/// The positions a progress answer reports: every copy's here but those of copies still
+/// being built from files (queued or copying), which are not replicas yet.
+fn reported_positions<P>(
+    copies: &[(PartitionId, crate::copy::CopyProgress)],
+    positions: BTreeMap<PartitionId, P>,
+) -> Vec<(PartitionId, P)> {
+    positions.into_iter().filter(|(p, _)| !copies.iter().any(|(q, c)| q == p && c.is_building())).collect()
 }
 
 /// A hand-over that waits this long for one new active logs what it waited for.
@@ -755,10 +771,10 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
         }
     }
     node.apply_current_map().await?;
-    // Held pulls (up to `PULL_WAIT`) answer now, so each new active pulls again at once —
-    // with the partitions it began to follow since its last pull — and acknowledges what it
-    // holds. Otherwise the freeze could wait out a held pull: 474 ms in one bench run, with
-    // every request to the frozen partitions waiting as long.
+    // Held pulls (up to `PULL_WAIT`) answer now (`serve_pull` answers a poke at once), so
+    // each new active pulls again at once — with the partitions it began to follow since its
+    // last pull — and acknowledges what it holds. Otherwise the freeze could wait out a held
+    // pull: 474 ms in bench runs, with every request to the frozen partitions waiting as long.
     node.acks.start_round();
     let frozen_at = Instant::now();
     let state = node.state();
@@ -797,4 +813,31 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
         tracing::info!(?slow, "a hand-over waited long for one new active");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::copy::CopyProgress;
+
+    #[test]
+    fn a_copy_under_way_reports_no_position() {
+        let copy = |state: &str| CopyProgress { method: "files".into(), state: state.into(), ..CopyProgress::default() };
+        // Partition → the state of the copy built here (None: no copy, an old replica).
+        let table: [(Option<&str>, bool); 6] = [
+            (None, true),
+            (Some("queued"), false),
+            (Some("copying"), false),
+            (Some("done"), true),
+            (Some("failed"), true),
+            (Some(crate::copy::STREAMING), true),
+        ];
+        let copies: Vec<(PartitionId, CopyProgress)> =
+            table.iter().enumerate().filter_map(|(p, (state, _))| state.map(|s| (p as PartitionId, copy(s)))).collect();
+        let positions: BTreeMap<PartitionId, u64> = (0..table.len()).map(|p| (p as PartitionId, 100 + p as u64)).collect();
+        let reported: BTreeMap<PartitionId, u64> = reported_positions(&copies, positions).into_iter().collect();
+        for (p, (state, shown)) in table.iter().enumerate() {
+            assert_eq!(reported.contains_key(&(p as PartitionId)), *shown, "partition {p}, copy {state:?}");
+        }
+    }
 }

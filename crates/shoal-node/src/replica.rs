@@ -324,6 +324,12 @@ pub(crate) async fn serve_pull(node: &Arc<ClusterNode>, req: PullRequest) -> Res
     let deadline = Instant::now() + Duration::from_millis(u64::from(req.wait_ms)).min(PULL_WAIT);
     let mut poke = node.acks.poked();
     poke.borrow_and_update();
+    // A round begun since the replica's last answer (a majority read's confirmation, a
+    // hand-over) is answered at once, and so is one begun while this pull waits: the replica
+    // then acknowledges the round, with every part it follows now, one round trip later
+    // instead of after `PULL_WAIT`. (A hand-over froze its partitions for 474 ms waiting
+    // out a held pull that a poke woke but did not answer.)
+    let mut poked = req.round < node.acks.round();
     let colls: Vec<Arc<Collection>> = {
         let mut ids: Vec<u32> = served.iter().map(|p| p.collection).collect();
         ids.sort_unstable();
@@ -346,7 +352,7 @@ pub(crate) async fn serve_pull(node: &Arc<ClusterNode>, req: PullRequest) -> Res
         let parts = served.clone();
         let read = blocking(move || read_parts(&n, &parts)).await?;
         let any = read.iter().any(|p| !matches!(&p.kind, PartKind::Changes { history: None, changes, .. } if changes.is_empty()));
-        if any || Instant::now() >= deadline || !answer.parts.is_empty() {
+        if any || poked || Instant::now() >= deadline || !answer.parts.is_empty() {
             answer.round = node.acks.round();
             answer.parts.extend(read);
             return Ok(answer);
@@ -360,7 +366,7 @@ pub(crate) async fn serve_pull(node: &Arc<ClusterNode>, req: PullRequest) -> Res
         };
         tokio::select! {
             _ = tokio::time::sleep(left) => {}
-            _ = poke.changed() => {}
+            _ = poke.changed() => poked = true,
             _ = any_change => {}
         }
     }
