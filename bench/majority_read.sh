@@ -23,7 +23,7 @@ for _ in $(seq 1 100); do
   [ "$(curl -s "$base/v1/cluster" | field 'len(json.load(sys.stdin)["nodes"])')" -ge 3 ] && break
   sleep 0.2
 done
-# (A rebalance of a cluster without collections waits for one before it ends.)
+# The collection the reads go to.
 curl -sf -XPUT "$base/v1/collections/c" >/dev/null
 curl -sf -XPOST "$base/v1/cluster/rebalance" -d '{}' >/dev/null
 for _ in $(seq 1 300); do

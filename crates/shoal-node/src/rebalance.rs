@@ -692,7 +692,14 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
     // would show caught up with the progress of a copy under way (CI saw a move `done`
     // with 0 bytes carried).
     let copies = node.copies.progress();
-    let positions = reported_positions(&copies, node.collection_positions());
+    let mut positions = node.collection_positions();
+    // Every partition this node holds a copy of has a position, even with no collection
+    // (all at 0, on no history): a rebalance of a cluster without collections is caught
+    // up at once (before, it waited for a collection to be created).
+    for (p, _) in state.map.iter().flat_map(|m| m.iter()).filter(|(_, c)| c.holds(NodeId(node.id))) {
+        positions.entry(p).or_default();
+    }
+    let positions = reported_positions(&copies, positions);
     let sums: Vec<(PartitionId, u64)> = positions.iter().map(|(p, v)| (*p, v.iter().map(|(_, pos)| pos.seqno).sum())).collect();
     let histories = positions.iter().map(|(p, v)| (*p, v.iter().map(|(id, pos)| (*id, pos.uuid)).collect())).collect();
     let (mut unsettled, mut building) = (Vec::new(), Vec::new());
