@@ -674,3 +674,22 @@ async fn a_reader_that_stops_reading_a_streamed_answer_is_closed() {
     println!("closed after {:?}", start.elapsed());
     drop(s);
 }
+
+/// A body over its limit is refused before it is read, and the client, still sending it,
+/// gets the `413`: the server closes the connection only after the client has closed its
+/// side (or a short linger). Closing with the body unread made the kernel reset the
+/// connection, and a client could lose the answer ("error sending request").
+#[test]
+fn a_refused_oversized_body_still_gets_its_answer() {
+    let node = Node::start(&[]);
+    let a = addr(&node);
+    assert_eq!(http(a, "PUT", "/v1/collections/c", b"").status, 201);
+    // `_get` takes at most 4 MiB; 16 MiB is more than the socket buffers hold.
+    let body = format!("{{\"keys\":[\"{}\"]}}", "k".repeat(16 << 20));
+    for _ in 0..3 {
+        let answer = http(a, "POST", "/v1/collections/c/_get", body.as_bytes());
+        assert_eq!(answer.status, 413, "{answer:?}");
+        assert_eq!(answer.json()["error"], "too_large");
+    }
+    assert_eq!(http(a, "GET", "/v1/health", b"").status, 200, "the node serves on");
+}

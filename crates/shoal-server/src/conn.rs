@@ -55,6 +55,11 @@ const H2_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 const H2_STREAMS_MAX: u32 = 256;
 /// Longest a refusal over the connection cap may take to write.
 const REFUSAL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+/// A connection that ended with its answer sent is closed only once the client has closed
+/// its side, or after this long (a lingering close, as nginx's `lingering_timeout`)...
+const LINGER_TIMEOUT: Duration = Duration::from_secs(2);
+/// ...or after this many bytes were read and thrown away meanwhile.
+const LINGER_MAX_BYTES: usize = 64 << 20;
 /// Pause after an accept error (out of file descriptors) before accepting again.
 const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
 /// How long a shutdown waits for open requests (long feeds are told to end at once).
@@ -75,6 +80,9 @@ struct Activity {
     preface_matched: AtomicUsize,
     /// Whether a write is waiting for room in the socket (the peer is not reading).
     write_blocked: std::sync::atomic::AtomicBool,
+    /// Whether the connection was handed to an upgrade (a copy stream): its socket is no
+    /// longer this connection's to read.
+    upgraded: std::sync::atomic::AtomicBool,
 }
 
 impl Activity {
@@ -87,6 +95,7 @@ impl Activity {
             h2: std::sync::atomic::AtomicBool::new(false),
             preface_matched: AtomicUsize::new(0),
             write_blocked: std::sync::atomic::AtomicBool::new(false),
+            upgraded: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -287,15 +296,65 @@ async fn refuse(mut tcp: TcpStream) {
 }
 
 async fn serve_one(tcp: TcpStream, router: Router, limits: ConnectionLimits, closing: &mut watch::Receiver<bool>) {
+    // A second descriptor of the socket: when hyper is done with the connection and drops
+    // its own, the socket stays open for `linger`.
+    let lingering = {
+        use std::os::fd::AsFd;
+        tcp.as_fd().try_clone_to_owned().ok().map(std::net::TcpStream::from)
+    };
     let activity = Activity::new();
-    let io = TokioIo::new(Watched { io: tcp, activity: Arc::clone(&activity) });
-    let tracker = Arc::clone(&activity);
+    if drive(tcp, router, limits, closing, &activity).await && !activity.upgraded.load(Ordering::Acquire) {
+        if let Some(tcp) = lingering {
+            linger(tcp).await;
+        }
+    }
+}
+
+/// After the last answer of a connection that ended normally: its side is shut (the answer
+/// is all sent), and whatever the client still sends is read and thrown away until it
+/// closes its side, for at most [`LINGER_TIMEOUT`] and [`LINGER_MAX_BYTES`]. Closing a
+/// socket with unread bytes in it makes the kernel reset the connection, and a reset can
+/// destroy an answer the client has not read yet. That is the case of a request refused
+/// before its body was read (`413` for a body over its limit): the client is still
+/// sending. A test saw the client get "error sending request" instead of the `413`.
+async fn linger(tcp: std::net::TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut tcp) = TcpStream::from_std(tcp) else { return };
+    let _ = tcp.shutdown().await;
+    let drain = async {
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut read = 0usize;
+        while read < LINGER_MAX_BYTES {
+            match tcp.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => read += n,
+            }
+        }
+    };
+    let _ = tokio::time::timeout(LINGER_TIMEOUT, drain).await;
+}
+
+/// Serves one connection until it ends; answers whether it ended by itself (the client or
+/// the protocol closed it), not by one of the timeouts here (then it is simply dropped).
+async fn drive(
+    tcp: TcpStream,
+    router: Router,
+    limits: ConnectionLimits,
+    closing: &mut watch::Receiver<bool>,
+    activity: &Arc<Activity>,
+) -> bool {
+    let io = TokioIo::new(Watched { io: tcp, activity: Arc::clone(activity) });
+    let tracker = Arc::clone(activity);
     let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
         let in_flight = InFlight::start(&tracker);
         let router = router.clone();
+        let tracker = Arc::clone(&tracker);
         async move {
             use tower::ServiceExt;
             let response = router.oneshot(req.map(Body::new)).await.unwrap_or_else(|never| match never {});
+            if response.status() == axum::http::StatusCode::SWITCHING_PROTOCOLS {
+                tracker.upgraded.store(true, Ordering::Release);
+            }
             Ok::<_, std::convert::Infallible>(response.map(|inner| Body::new(TrackedBody { inner, _in_flight: in_flight })))
         }
     });
@@ -317,24 +376,24 @@ async fn serve_one(tcp: TcpStream, router: Router, limits: ConnectionLimits, clo
                 if let Err(e) = r {
                     tracing::debug!(error = %e, "connection ended with an error");
                 }
-                return;
+                return true;
             }
             _ = ticker.tick() => {
                 // Dropping the connection closes it.
                 if activity.in_flight.load(Ordering::Acquire) == 0 {
                     if activity.head_for().is_some_and(|d| d >= limits.header_read_timeout) {
                         tracing::debug!("closing a connection whose request headers did not arrive in time");
-                        return;
+                        return false;
                     }
                     if activity.idle_for() >= limits.idle_timeout {
                         tracing::debug!("closing an idle connection");
-                        return;
+                        return false;
                     }
                 } else if activity.write_blocked.load(Ordering::Relaxed) && activity.idle_for() >= limits.idle_timeout {
                     // An answer the peer stopped reading would hold the connection, the
                     // answer and whatever produces it (a feed) forever.
                     tracing::debug!("closing a connection whose peer stopped reading");
-                    return;
+                    return false;
                 }
             }
             _ = closing.wait_for(|c| *c), if !graceful => {
