@@ -678,7 +678,10 @@ pub(crate) async fn serve_fence(node: &Arc<ClusterNode>, req: FenceRequest) -> R
     let Some(map) = &state.map else { return Ok(FenceAnswer { partitions: Vec::new() }) };
     let partitions: Vec<PartitionId> = map.iter().filter(|(_, c)| c.active == failed && c.replicas.contains(&me)).map(|(p, _)| p).collect();
     let mut seqnos = node.collection_seqnos();
-    let partitions = partitions.into_iter().map(|p| (p, seqnos.remove(&p).unwrap_or_default())).collect();
+    // A copy still being built from files is not a replica yet (pending here, its data not
+    // adopted): it is never offered for promotion, as the rebalance never counts it caught up.
+    let building: Vec<PartitionId> = node.copies.progress().into_iter().filter(|(_, c)| c.is_building()).map(|(p, _)| p).collect();
+    let partitions = partitions.into_iter().filter(|p| !building.contains(p)).map(|p| (p, seqnos.remove(&p).unwrap_or_default())).collect();
     Ok(FenceAnswer { partitions })
 }
 
