@@ -13,7 +13,9 @@
 //!   request on a connection the server is closing at that moment. (hyper's own header
 //!   timer also runs while a keep-alive connection waits idle, which is exactly that race,
 //!   so it is not used.)
-//! - request bodies have their own deadline (see [`crate::extract::body`]).
+//! - request bodies have their own deadline (see [`crate::extract::body`]);
+//! - a connection that ended normally closes lingering (see `linger`): a refused body's
+//!   unread bytes would otherwise make the kernel reset it before the client read the answer.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
