@@ -68,6 +68,11 @@ pub struct RebalanceArgs {
     /// Where the chart goes (PNG); none if not given.
     #[arg(long)]
     chart: Option<PathBuf>,
+    /// Writes every foreground request (scenario, seconds from the rebalance's start,
+    /// latency ms, success, operation, partition) to this CSV file, to see how the slow
+    /// ones spread over time and partitions.
+    #[arg(long)]
+    requests_csv: Option<PathBuf>,
 }
 
 const SECRET: &str = "bench-rebalance-secret";
@@ -293,7 +298,7 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
 
     // The foreground load goes to the nodes that stay (they forward where needed).
     let targets: Vec<String> = nodes[1..].iter().map(|n| n.url.clone()).collect();
-    let log: Arc<Mutex<Vec<(f64, f64, bool)>>> = Arc::default();
+    let log: Arc<Mutex<Vec<Request>>> = Arc::default();
     let began = Instant::now();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Each partition's active when the load starts: printed beside a slow request.
@@ -368,7 +373,7 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
     let copy_secs = copy_span_secs(&status).unwrap_or(polled_copy_secs);
     let log = log.lock().map_err(|_| CliError::Bench("a foreground task panicked".into()))?;
     let window = |from: f64, to: f64| {
-        let mut lat: Vec<f64> = log.iter().filter(|(t, _, ok)| *ok && *t >= from && *t < to).map(|(_, l, _)| *l).collect();
+        let mut lat: Vec<f64> = log.iter().filter(|r| r.ok && r.at >= from && r.at < to).map(|r| r.ms).collect();
         lat.sort_by(f64::total_cmp);
         let pct = |q: f64| lat.get(((lat.len() as f64 * q) as usize).min(lat.len().saturating_sub(1))).copied().unwrap_or(0.0);
         (pct(0.5), pct(0.99), lat.len())
@@ -383,6 +388,9 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
             p99_series.push((t + 0.5, w.1));
         }
         t += 1.0;
+    }
+    if let Some(path) = &args.requests_csv {
+        write_requests(path, &label, rebalance_start, &log)?;
     }
     println!(
         "{} by {method}: rebalance {:.1} s, {} moves ({} copies had to move), {:.0} MB from files, foreground p99 {:.2} ms before, {:.2} ms during",
@@ -527,12 +535,40 @@ struct Foreground {
     direct: Option<Arc<std::sync::RwLock<Vec<String>>>>,
 }
 
-async fn foreground(
-    load: Foreground,
-    log: Arc<Mutex<Vec<(f64, f64, bool)>>>,
-    began: Instant,
-    stop: Arc<std::sync::atomic::AtomicBool>,
-) -> u64 {
+/// One foreground request as the load saw it.
+struct Request {
+    /// Seconds since the load began.
+    at: f64,
+    ms: f64,
+    ok: bool,
+    get: bool,
+    partition: u16,
+}
+
+/// Appends the scenario's requests to `path` (a header first when the file is new).
+fn write_requests(path: &std::path::Path, label: &str, rebalance_start: f64, log: &[Request]) -> Result<(), CliError> {
+    use std::io::Write as _;
+    let fresh = !path.exists();
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| CliError::Bench(format!("{}: {e}", path.display())))?;
+    let mut out = std::io::BufWriter::new(file);
+    let mut write = || -> std::io::Result<()> {
+        if fresh {
+            writeln!(out, "scenario,t_from_rebalance_s,ms,ok,op,partition")?;
+        }
+        for r in log {
+            let op = if r.get { "get" } else { "upsert" };
+            writeln!(out, "{label},{:.4},{:.3},{},{op},{}", r.at - rebalance_start, r.ms, r.ok, r.partition)?;
+        }
+        out.flush()
+    };
+    write().map_err(|e| CliError::Bench(format!("{}: {e}", path.display())))
+}
+
+async fn foreground(load: Foreground, log: Arc<Mutex<Vec<Request>>>, began: Instant, stop: Arc<std::sync::atomic::AtomicBool>) -> u64 {
     let Foreground { targets, docs, rate, actives, direct } = load;
     let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).no_proxy().build().unwrap_or_default();
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
@@ -602,7 +638,7 @@ async fn foreground(
                 }
             }
             if let Ok(mut log) = log.lock() {
-                log.push((at, ms, ok));
+                log.push(Request { at, ms, ok, get, partition: p });
             }
         }));
         inflight.retain(|t| !t.is_finished());
