@@ -666,7 +666,8 @@ pub enum ClusterCmd {
         auto_failover_timeout_s: Option<u32>,
         #[arg(long)]
         auto_failover_max_count: Option<u32>,
-        /// Megabytes per second each node sends to partitions' new copies (0: no limit).
+        /// Megabytes per second each node sends to partitions' new copies at most (0: no
+        /// fixed limit; the elastic budget, which yields to requests, still applies).
         #[arg(long)]
         rebalance_mb_per_s: Option<u32>,
         /// Copies a node builds at once.

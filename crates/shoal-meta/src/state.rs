@@ -30,9 +30,9 @@ pub const AUTO_FAILOVER_MAX_COUNT_DEFAULT: u32 = shoal_cluster::failover::AUTO_F
 pub const AUTO_FAILOVER_MAX_COUNT_MAX: u32 = 16;
 /// Replica copies per partition by default (issue 13).
 pub const REPLICAS_DEFAULT: u8 = 1;
-/// Rebalance budget defaults and bounds.
-pub const REBALANCE_MB_PER_S_DEFAULT: u32 = 100;
-/// 0 means no limit.
+/// Rebalance budget defaults and bounds. 0: no fixed limit (the copies' elastic budget,
+/// which yields to the foreground, still paces them: `shoal_node::elastic`).
+pub const REBALANCE_MB_PER_S_DEFAULT: u32 = 0;
 pub const REBALANCE_MB_PER_S_MAX: u32 = 100_000;
 pub const REBALANCE_MOVES_PER_NODE_DEFAULT: u32 = 4;
 pub const REBALANCE_MOVES_PER_NODE_MAX: u32 = 64;

@@ -182,7 +182,7 @@ mod tests {
     use super::*;
 
     fn part(seqno: u64, persisted: u64, uuid: u64, consistent: bool) -> PullPart {
-        PullPart { collection: 1, partition: 3, seqno, uuid, persisted, consistent }
+        PullPart { collection: 1, partition: 3, seqno, uuid, persisted, consistent, peek: false }
     }
 
     #[test]

@@ -32,6 +32,7 @@ use shoal_storage::copy_stream::{CopyHeader, Frame, FrameDecoder, FrameEncoder, 
 use shoal_storage::{IngestStats, PartitionError, PartitionState, Store};
 use tokio::sync::mpsc;
 
+use crate::elastic::Elastic;
 use crate::node::{blocking, ClusterNode};
 use crate::peers::{ChunkStream, Op};
 use crate::ClusterError;
@@ -100,6 +101,10 @@ pub struct Copies {
     streamed: Mutex<std::collections::BTreeSet<u16>>,
     /// When the next exported chunk may leave (the bandwidth budget).
     pace: Mutex<Option<Instant>>,
+    /// When the next received chunk may go to its ingest (the elastic budget alone).
+    pace_in: Mutex<Option<Instant>>,
+    /// The rate copies may move at while requests wait for cores, as measured here.
+    pub(crate) elastic: Arc<Elastic>,
     /// Copies waiting for a slot (`rebalance_moves_per_node` run at once): partition, the
     /// active to copy from and its address.
     queue: Mutex<std::collections::VecDeque<(u16, u64, String)>>,
@@ -111,7 +116,7 @@ pub struct Copies {
 
 impl Copies {
     pub(crate) fn new(stream_only: bool, by_records: bool) -> Copies {
-        Copies { stream_only, by_records, ..Copies::default() }
+        Copies { stream_only, by_records, elastic: Elastic::start(), ..Copies::default() }
     }
 
     /// Whether partition `p` is being built from files here, or waits to be (its parts are
@@ -132,7 +137,8 @@ impl Copies {
         self.queue.lock().retain(|(p, _, _)| replica(*p));
     }
 
-    fn may_copy(&self, p: u16) -> bool {
+    /// Whether partition `p` may still be built from files here.
+    pub(crate) fn may_copy(&self, p: u16) -> bool {
         !self.stream_only && !self.streamed.lock().contains(&p) && !self.is_building(p)
     }
 
@@ -167,18 +173,33 @@ impl Copies {
         f(self.building.lock().entry(p).or_default());
     }
 
-    /// Waits so that exports leave this node at most `mb_per_s` (0: no limit).
+    /// How long an export of `bytes` waits before it leaves: the exports of this node move
+    /// at most the elastic budget, and `mb_per_s` (the setting; 0: no limit).
     fn pace(&self, bytes: usize, mb_per_s: u32) -> Duration {
-        if mb_per_s == 0 {
-            return Duration::ZERO;
-        }
-        let cost = Duration::from_secs_f64(bytes as f64 / (f64::from(mb_per_s) * 1_000_000.0));
-        let now = Instant::now();
-        let mut next = self.pace.lock();
-        let start = next.map_or(now, |n| n.max(now));
-        *next = Some(start + cost);
-        start - now
+        let elastic = self.elastic.mb_per_s();
+        let budget = if mb_per_s == 0 { elastic } else { elastic.min(f64::from(mb_per_s)) };
+        wait_for(&self.pace, bytes, budget)
     }
+
+    /// How long a received chunk of `bytes` waits before it goes to its ingest: the copies
+    /// into this node move at most its elastic budget (a receiver's probe sees its own cores).
+    fn pace_in(&self, bytes: usize) -> Duration {
+        wait_for(&self.pace_in, bytes, self.elastic.mb_per_s())
+    }
+}
+
+/// A token bucket of one slot: `bytes` at `mb_per_s` (0 or less: no limit) start when the
+/// last ones have had their time, and the caller waits the answer.
+fn wait_for(next: &Mutex<Option<Instant>>, bytes: usize, mb_per_s: f64) -> Duration {
+    if mb_per_s <= 0.0 {
+        return Duration::ZERO;
+    }
+    let cost = Duration::from_secs_f64(bytes as f64 / (mb_per_s * 1_000_000.0));
+    let now = Instant::now();
+    let mut next = next.lock();
+    let start = next.map_or(now, |n| n.max(now));
+    *next = Some(start + cost);
+    start - now
 }
 
 /// Which of the partitions in a pull answer should be built from files: the copy here is
@@ -328,7 +349,9 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16) -> Result<IngestSt
             None => store.ingest_partition(&export, records),
         }
     })?;
+    let copying = node.copies.elastic.copying();
     let pumped = pump(node, p, &mut stream, &tx).await;
+    drop(copying);
     if let Err(e) = &pumped {
         // The ingest must not finish on a part of the copy.
         let _ = tx.send(Err(PartitionError::Malformed(e.to_string()))).await;
@@ -373,6 +396,10 @@ async fn pump(
 ) -> Result<(), ClusterError> {
     while let Some(chunk) = next_chunk(stream).await? {
         let bytes = chunk.len() as u64;
+        let wait = node.copies.pace_in(chunk.len());
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
         if tx.send(Ok(chunk)).await.is_err() {
             // The ingest stopped (it refused a record): its error says why.
             return Ok(());
@@ -466,6 +493,7 @@ pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc:
     let node = Arc::clone(node);
     // The receiver sees a broken stream if this thread cannot start or dies.
     background("shoal-export", move || {
+        let _copying = node.copies.elastic.copying();
         let (header, export) = match export_of(node.engine.store(), &req) {
             Ok(export) => export,
             Err(e) => {
@@ -620,11 +648,27 @@ mod tests {
 
     #[test]
     fn pacing_spreads_chunks_over_the_budget() {
-        let copies = Copies::default();
-        assert_eq!(copies.pace(1_000_000, 0), Duration::ZERO);
-        let first = copies.pace(1_000_000, 10);
-        let second = copies.pace(1_000_000, 10);
+        let slot = Mutex::new(None);
+        assert_eq!(wait_for(&slot, 1_000_000, 0.0), Duration::ZERO);
+        let first = wait_for(&slot, 1_000_000, 10.0);
+        let second = wait_for(&slot, 1_000_000, 10.0);
         assert!(first <= Duration::from_millis(5), "{first:?}");
         assert!(second >= Duration::from_millis(90) && second <= Duration::from_millis(100), "{second:?}");
+    }
+
+    #[test]
+    fn exports_take_the_lower_of_the_setting_and_the_elastic_budget() {
+        // The elastic budget starts at 4× its floor (64 MB/s): 64 MB take a second.
+        let copies = Copies::default();
+        copies.pace(64_000_000, 0);
+        let elastic = copies.pace(1, 0);
+        assert!(elastic >= Duration::from_millis(900) && elastic <= Duration::from_secs(1), "{elastic:?}");
+        // A setting below it rules: 10 MB at 10 MB/s.
+        let copies = Copies::default();
+        copies.pace(10_000_000, 10);
+        let setting = copies.pace(1, 10);
+        assert!(setting >= Duration::from_millis(900) && setting <= Duration::from_secs(1), "{setting:?}");
+        // Received chunks wait on the elastic budget, in a bucket of their own.
+        assert!(copies.pace_in(1) <= Duration::from_millis(5));
     }
 }

@@ -636,7 +636,7 @@ pub(crate) async fn serve_catch_up(node: &Arc<ClusterNode>, req: CatchUpRequest)
             if pos.seqno >= until {
                 break;
             }
-            let part = PullPart { collection, partition: p, seqno: pos.seqno, uuid: pos.uuid, persisted: 0, consistent: true };
+            let part = PullPart { collection, partition: p, seqno: pos.seqno, uuid: pos.uuid, persisted: 0, consistent: true, peek: false };
             let request = PullRequest {
                 from: node.id,
                 map_version: node.state().map_version(),

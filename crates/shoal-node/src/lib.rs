@@ -13,11 +13,13 @@
 //! - [`acks`]: what the active copy knows of its replicas; majority waits.
 //! - [`replica`]: replicas pulling the active's change stream; the active serving pulls.
 //! - [`failover`]: the leader's health checks, leases, fencing and promotion.
+//! - [`elastic`]: the copies' budget, cut while requests wait for cores.
 //! - [`rebalance`]: bringing nodes in and out by streaming copies, with a hand-over.
 //! - [`sql`]: SQL run on one member reading the other members' partitions.
 
 pub mod acks;
 pub mod copy;
+pub mod elastic;
 pub mod failover;
 pub mod identity;
 pub mod node;

@@ -159,8 +159,10 @@ fn parts_from(node: &ClusterNode, state: &MetaState, source: u64, snapshot_end: 
         for &p in &partitions {
             let Some(pos) = positions.get(usize::from(p)) else { continue };
             let persisted = coll.persisted_watch(p).map(|w| *w.borrow()).unwrap_or(0);
-            let consistent = snapshot_end.get(&(def.id, p)).is_some_and(|end| pos.seqno >= *end);
-            parts.push(PullPart { collection: def.id, partition: p, seqno: pos.seqno, uuid: pos.uuid, persisted, consistent });
+            let end = snapshot_end.get(&(def.id, p));
+            let consistent = end.is_some_and(|end| pos.seqno >= *end);
+            let peek = end.is_none() && pos.seqno == 0 && node.copies.may_copy(p);
+            parts.push(PullPart { collection: def.id, partition: p, seqno: pos.seqno, uuid: pos.uuid, persisted, consistent, peek });
         }
     }
     parts
@@ -409,7 +411,8 @@ fn read_part(coll: &Collection, part: &PullPart) -> PartKind {
     }
     let mine = coll.positions().get(usize::from(p)).map_or(0, |pos| pos.uuid);
     let history = (part.uuid != mine).then_some(history);
-    match reader.try_next(PULL_BATCH_CHANGES, true) {
+    let changes = if part.peek { Ok(Vec::new()) } else { reader.try_next(PULL_BATCH_CHANGES, true) };
+    match changes {
         Ok(changes) => PartKind::Changes {
             history,
             changes: changes.into_iter().map(WireChange::from_change).collect(),

@@ -58,6 +58,12 @@ pub struct PullPart {
     /// Whether the copy holds a state the partition really had (not the middle of a
     /// backfill): only then does it count towards a majority.
     pub consistent: bool,
+    /// Only the part's position and backlog, no changes: an empty copy asks so first, to
+    /// choose between a copy by files and the stream before anything is read for it (its
+    /// first batch, read and sent at the requests' priority and then dropped for a copy by
+    /// files, was most of the foreground's slow requests at a rebalance's start).
+    #[serde(default)]
+    pub peek: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
