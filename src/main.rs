@@ -133,6 +133,10 @@ struct ServeArgs {
     /// files: for the rebalance benchmark's comparison.
     #[arg(long, hide = true)]
     copy_by_records: bool,
+    /// Copies partitions to and from this node as fast as they can, without the elastic
+    /// budget that yields to requests: for the rebalance benchmark's comparison.
+    #[arg(long, hide = true)]
+    copy_unpaced: bool,
     /// The address other members and clients reach this node at (default: the listen
     /// address; set it when listening on 0.0.0.0).
     #[arg(long)]
@@ -222,6 +226,7 @@ async fn serve(args: ServeArgs) -> Result<(), cli::CliError> {
             secret: args.cluster_secret,
             copy_by_stream: args.copy_by_stream,
             copy_by_records: args.copy_by_records,
+            copy_unpaced: args.copy_unpaced,
         },
         fault_injection: args.fault_injection,
     };

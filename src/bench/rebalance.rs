@@ -48,6 +48,7 @@ pub struct RebalanceArgs {
     #[arg(long)]
     moves_per_node: Option<u32>,
     /// Which methods the swap runs: `files` (the keyspace's files, adopted whole),
+    /// `files-unpaced` (the same without the elastic budget that yields to requests),
     /// `records` (the snapshot's records, ingested as new tables) and `stream` (the
     /// change stream), in any combination.
     #[arg(long, value_delimiter = ',', default_value = "files,records,stream")]
@@ -76,6 +77,8 @@ pub struct RebalanceArgs {
 }
 
 const SECRET: &str = "bench-rebalance-secret";
+/// The method name of a copy by files without the elastic budget.
+const UNPACED: &str = "files-unpaced";
 /// Documents per `_bulk` while loading.
 const LOAD_SLICE: usize = 2_000;
 /// Foreground failures printed (the rest are counted).
@@ -210,7 +213,17 @@ pub async fn run(args: RebalanceArgs) -> Result<(), CliError> {
     // The swaps move the same partitions: their rates compare as times. The records run's
     // bytes are the unit of the engine's copy ceiling below (records MB/s).
     let records_bytes = swap_by("records").map(|r| r.bytes);
-    for (a, b) in [("files", "stream"), ("files", "records"), ("records", "stream")] {
+    for o in &outcomes {
+        println!(
+            "{} {}: foreground p99 during / before {:.1}× ({:.2} / {:.2} ms)",
+            o.scenario.name(),
+            o.method,
+            o.during.1 / o.before.1.max(1e-9),
+            o.during.1,
+            o.before.1
+        );
+    }
+    for (a, b) in [("files", "stream"), ("files", "records"), ("records", "stream"), (UNPACED, "files"), (UNPACED, "stream")] {
         if let (Some(x), Some(y)) = (swap_by(a), swap_by(b)) {
             println!(
                 "swap {a} / {b}: {:.1}× faster (copy s {:.2} against {:.2})",
@@ -266,7 +279,11 @@ pub async fn run(args: RebalanceArgs) -> Result<(), CliError> {
 async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenario) -> Result<Outcome, CliError> {
     let label = format!("{}-{method}", scenario.name());
     println!("\n--- {} by {method}", scenario.name());
-    let base = vec!["--cluster-secret".to_string(), SECRET.to_string(), "--analytics-partitions".into(), "0".into()];
+    let mut base = vec!["--cluster-secret".to_string(), SECRET.to_string(), "--analytics-partitions".into(), "0".into()];
+    if method == UNPACED {
+        // Every node: sources pace their exports as receivers pace their ingest.
+        base.push("--copy-unpaced".into());
+    }
     let first = Node::start_named(&format!("rebalance-{label}-0"), args.partitions, &base)?;
     let join = first.url.trim_start_matches("http://").to_string();
     let mut nodes = vec![first];

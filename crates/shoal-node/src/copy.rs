@@ -27,7 +27,7 @@ use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use shoal_cluster::NodeId;
+use shoal_cluster::{NodeId, PartitionId};
 use shoal_storage::copy_stream::{CopyHeader, Frame, FrameDecoder, FrameEncoder, FrameError};
 use shoal_storage::{IngestStats, PartitionError, PartitionState, Store};
 use tokio::sync::mpsc;
@@ -115,8 +115,9 @@ pub struct Copies {
 }
 
 impl Copies {
-    pub(crate) fn new(stream_only: bool, by_records: bool) -> Copies {
-        Copies { stream_only, by_records, elastic: Elastic::start(), ..Copies::default() }
+    pub(crate) fn new(stream_only: bool, by_records: bool, unpaced: bool) -> Copies {
+        let elastic = if unpaced { Elastic::off() } else { Elastic::start() };
+        Copies { stream_only, by_records, elastic, ..Copies::default() }
     }
 
     /// Whether partition `p` is being built from files here, or waits to be (its parts are
@@ -176,16 +177,27 @@ impl Copies {
     /// How long an export of `bytes` waits before it leaves: the exports of this node move
     /// at most the elastic budget, and `mb_per_s` (the setting; 0: no limit).
     fn pace(&self, bytes: usize, mb_per_s: u32) -> Duration {
-        let elastic = self.elastic.mb_per_s();
-        let budget = if mb_per_s == 0 { elastic } else { elastic.min(f64::from(mb_per_s)) };
-        wait_for(&self.pace, bytes, budget)
+        let setting = (mb_per_s > 0).then(|| f64::from(mb_per_s));
+        let budget = [self.elastic.limit(), setting].into_iter().flatten().reduce(f64::min);
+        wait_for(&self.pace, bytes, budget.unwrap_or(0.0))
     }
 
     /// How long a received chunk of `bytes` waits before it goes to its ingest: the copies
     /// into this node move at most its elastic budget (a receiver's probe sees its own cores).
     fn pace_in(&self, bytes: usize) -> Duration {
-        wait_for(&self.pace_in, bytes, self.elastic.mb_per_s())
+        wait_for(&self.pace_in, bytes, self.elastic.limit().unwrap_or(0.0))
     }
+}
+
+/// What a node reports of its copies (positions in a rebalance's progress, seqnos in a
+/// failover's fence): every copy's but those still being built from files (queued or
+/// copying), which are not replicas yet. One filter for both, so that no copy is taken for
+/// caught up by one and offered for promotion by the other.
+pub(crate) fn without_building<P>(
+    copies: &[(PartitionId, CopyProgress)],
+    reported: impl IntoIterator<Item = (PartitionId, P)>,
+) -> Vec<(PartitionId, P)> {
+    reported.into_iter().filter(|(p, _)| !copies.iter().any(|(q, c)| q == p && c.is_building())).collect()
 }
 
 /// A token bucket of one slot: `bytes` at `mb_per_s` (0 or less: no limit) start when the
@@ -640,7 +652,7 @@ mod tests {
         assert_eq!(choose(&copies, &asked, &backlog), vec![5], "one runs, one waits, one failed before");
         assert!(copies.is_building(6) && copies.is_building(1) && !copies.is_building(5));
         assert_eq!(
-            choose(&Copies::new(true, false), &asked, &backlog),
+            choose(&Copies::new(true, false, true), &asked, &backlog),
             Vec::<u16>::new(),
             "a node told to copy by stream never copies files"
         );
@@ -670,5 +682,12 @@ mod tests {
         assert!(setting >= Duration::from_millis(900) && setting <= Duration::from_secs(1), "{setting:?}");
         // Received chunks wait on the elastic budget, in a bucket of their own.
         assert!(copies.pace_in(1) <= Duration::from_millis(5));
+        // Without the elastic budget, only the setting paces.
+        let copies = Copies::new(false, false, true);
+        copies.pace(64_000_000, 0);
+        assert_eq!(copies.pace(1, 0), Duration::ZERO);
+        copies.pace(10_000_000, 10);
+        assert!(copies.pace(1, 10) >= Duration::from_millis(900));
+        assert_eq!(copies.pace_in(64_000_000), Duration::ZERO);
     }
 }

@@ -86,11 +86,14 @@ pub struct Elastic {
     bytes_per_s: AtomicU64,
     /// Copies running on this node (as source or receiver): the probe runs while any do.
     running: AtomicUsize,
+    /// Off: copies move as fast as they can (`serve --copy-unpaced`, for the benchmark's
+    /// comparison).
+    off: bool,
 }
 
 impl Default for Elastic {
     fn default() -> Elastic {
-        Elastic { bytes_per_s: AtomicU64::new(to_bytes(Budget::default().mb_per_s())), running: AtomicUsize::new(0) }
+        Elastic { bytes_per_s: AtomicU64::new(to_bytes(Budget::default().mb_per_s())), running: AtomicUsize::new(0), off: false }
     }
 }
 
@@ -99,9 +102,14 @@ fn to_bytes(mb_per_s: f64) -> u64 {
 }
 
 impl Elastic {
-    /// The budget now, in MB/s.
-    pub fn mb_per_s(&self) -> f64 {
-        self.bytes_per_s.load(Ordering::Relaxed) as f64 / 1_000_000.0
+    /// No budget: copies move as fast as they can, with no probe.
+    pub fn off() -> Arc<Elastic> {
+        Arc::new(Elastic { off: true, ..Elastic::default() })
+    }
+
+    /// The budget now, in MB/s; `None` when it is off.
+    pub fn limit(&self) -> Option<f64> {
+        (!self.off).then(|| self.bytes_per_s.load(Ordering::Relaxed) as f64 / 1_000_000.0)
     }
 
     /// A budget kept by its probe thread, which ends when the budget is dropped. Call it on

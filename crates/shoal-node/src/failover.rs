@@ -680,8 +680,8 @@ pub(crate) async fn serve_fence(node: &Arc<ClusterNode>, req: FenceRequest) -> R
     let mut seqnos = node.collection_seqnos();
     // A copy still being built from files is not a replica yet (pending here, its data not
     // adopted): it is never offered for promotion, as the rebalance never counts it caught up.
-    let building: Vec<PartitionId> = node.copies.progress().into_iter().filter(|(_, c)| c.is_building()).map(|(p, _)| p).collect();
-    let partitions = partitions.into_iter().filter(|p| !building.contains(p)).map(|p| (p, seqnos.remove(&p).unwrap_or_default())).collect();
+    let seqnos = partitions.into_iter().map(|p| (p, seqnos.remove(&p).unwrap_or_default()));
+    let partitions = crate::copy::without_building(&node.copies.progress(), seqnos);
     Ok(FenceAnswer { partitions })
 }
 

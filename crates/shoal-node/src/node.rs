@@ -71,6 +71,9 @@ pub struct ClusterConfig {
     /// Ask for a new copy's snapshot as records, not as the keyspace's files (`serve
     /// --copy-by-records`, hidden): for the benchmark's comparison.
     pub copy_by_records: bool,
+    /// Copies here move as fast as they can, without the elastic budget that yields to
+    /// requests (`serve --copy-unpaced`, hidden): for the benchmark's comparison.
+    pub copy_unpaced: bool,
 }
 
 /// Where a request for a key goes.
@@ -243,7 +246,7 @@ impl ClusterNode {
             frozen: Mutex::new(HashMap::new()),
             store_map: tokio::sync::watch::Sender::new(0),
             rebalancer: crate::rebalance::Rebalancer::default(),
-            copies: crate::copy::Copies::new(config.copy_by_stream, config.copy_by_records),
+            copies: crate::copy::Copies::new(config.copy_by_stream, config.copy_by_records, config.copy_unpaced),
             lease: crate::failover::Lease::default(),
             ready: watch::channel(false).0,
             served: std::sync::atomic::AtomicBool::new(false),

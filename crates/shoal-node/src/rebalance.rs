@@ -699,7 +699,7 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
     for (p, _) in state.map.iter().flat_map(|m| m.iter()).filter(|(_, c)| c.holds(NodeId(node.id))) {
         positions.entry(p).or_default();
     }
-    let positions = reported_positions(&copies, positions);
+    let positions = crate::copy::without_building(&copies, positions);
     let sums: Vec<(PartitionId, u64)> = positions.iter().map(|(p, v)| (*p, v.iter().map(|(_, pos)| pos.seqno).sum())).collect();
     let histories = positions.iter().map(|(p, v)| (*p, v.iter().map(|(id, pos)| (*id, pos.uuid)).collect())).collect();
     let (mut unsettled, mut building) = (Vec::new(), Vec::new());
@@ -731,15 +731,6 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
         })
         .unwrap_or_default();
     ProgressAnswer { partitions: sums, unsettled, building, copies, histories, sizes }
-}
-
-/// The positions a progress answer reports: every copy's here but those of copies still
-/// being built from files (queued or copying), which are not replicas yet.
-fn reported_positions<P>(
-    copies: &[(PartitionId, crate::copy::CopyProgress)],
-    positions: BTreeMap<PartitionId, P>,
-) -> Vec<(PartitionId, P)> {
-    positions.into_iter().filter(|(p, _)| !copies.iter().any(|(q, c)| q == p && c.is_building())).collect()
 }
 
 /// A hand-over that waits this long for one new active logs what it waited for.
@@ -842,7 +833,7 @@ mod tests {
         let copies: Vec<(PartitionId, CopyProgress)> =
             table.iter().enumerate().filter_map(|(p, (state, _))| state.map(|s| (p as PartitionId, copy(s)))).collect();
         let positions: BTreeMap<PartitionId, u64> = (0..table.len()).map(|p| (p as PartitionId, 100 + p as u64)).collect();
-        let reported: BTreeMap<PartitionId, u64> = reported_positions(&copies, positions).into_iter().collect();
+        let reported: BTreeMap<PartitionId, u64> = crate::copy::without_building(&copies, positions).into_iter().collect();
         for (p, (state, shown)) in table.iter().enumerate() {
             assert_eq!(reported.contains_key(&(p as PartitionId)), *shown, "partition {p}, copy {state:?}");
         }
