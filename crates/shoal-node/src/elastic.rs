@@ -17,9 +17,9 @@
 //! A source's exports move at the lower of its budget and `rebalance_mb_per_s`; a
 //! receiver hands on what arrives at its own budget (its probe sees its own cores).
 //!
-//! The bench (2 cores shared by 4 nodes and the load, 400 requests/s): unpaced, a swap
-//! copied at 310–420 MB/s with the p99 at 3.9–7.0 ms against 0.9–1.3 ms before; paced by
-//! this budget, 140–200 MB/s with the p99 at 1.9–2.5 ms against 1.0–1.2 ms before
+//! The bench (2 cores shared by 4 nodes and the load, 400 requests/s, 4 paired swaps):
+//! unpaced, copies at 314–452 MB/s and the foreground's p99 3.5–7.0× its value before;
+//! paced by this budget, 160–231 MB/s and 1.4–2.2× (median 1.8×)
 //! (bench/results/2026-11-25-issue14-elastic-budget.md).
 //!
 //! Hand-written: no crate measures scheduling latency or runs such a controller.
@@ -33,8 +33,8 @@ pub const PROBE_SLEEP: Duration = Duration::from_millis(1);
 /// Wake-ups judged together.
 pub const PROBE_WINDOW: usize = 20;
 /// A wake-up later than this (beyond its sleep) counts as a request kept waiting. On the
-/// bench's 2 shared cores, 0.1 % of wake-ups came this late before a swap and 0.8 % during
-/// an unpaced one; a millisecond is about the foreground's p99 there, the most the target
+/// bench's 2 shared cores, under 0.1 % of wake-ups came this late before a swap and 0.8–0.9 %
+/// during an unpaced one; a millisecond is about the foreground's p99 there, the most the target
 /// (p99 within 2× during a rebalance) leaves to spend.
 pub const LATE_WAKE: Duration = Duration::from_millis(1);
 /// The budget never falls below this (MB/s): a busy foreground slows a copy, never stops it.
