@@ -693,3 +693,42 @@ fn a_refused_oversized_body_still_gets_its_answer() {
     }
     assert_eq!(http(a, "GET", "/v1/health", b"").status, 200, "the node serves on");
 }
+
+/// After a refused body the server drains what the client still sends only for a while
+/// (`LINGER_TIMEOUT`, 2 s in all) and only so much (`LINGER_MAX_BYTES`, 64 MiB): a client
+/// that trickles on, or one that never stops sending, is cut off (its writes then fail).
+#[test]
+fn a_lingering_connection_is_cut_off_in_time_and_in_bytes() {
+    let node = Node::start(&[]);
+    let a = addr(&node);
+    assert_eq!(http(a, "PUT", "/v1/collections/c", b"").status, 201);
+    let refused = || {
+        let mut s = TcpStream::connect(a).expect("connect");
+        let head = format!("POST /v1/collections/c/_get HTTP/1.1\r\nHost: shoal\r\nContent-Length: {}\r\n\r\n", 1u64 << 40);
+        s.write_all(head.as_bytes()).expect("write head");
+        assert_eq!(read_answer(&mut s, Duration::from_secs(10)).status, 413);
+        s
+    };
+    // Sends `chunk` bytes at a time, `pause` apart, until a write fails (answers true) or
+    // `most` bytes went out (false).
+    let send_until_cut = |s: &mut TcpStream, chunk: usize, pause: Duration, most: usize| {
+        let bytes = vec![b' '; chunk];
+        let mut sent = 0;
+        while sent < most {
+            match s.write_all(&bytes) {
+                Ok(()) => sent += chunk,
+                Err(e) if closed_by_peer(&e) => return true,
+                Err(e) => panic!("write: {e}"),
+            }
+            std::thread::sleep(pause);
+        }
+        false
+    };
+    // A byte every 50 ms, for up to 60 s: the 2 s bound cuts it off.
+    let mut trickle = refused();
+    assert!(send_until_cut(&mut trickle, 1, Duration::from_millis(50), 1_200), "a trickling client was drained for a minute");
+    // 1 MiB at a time, up to 1 GiB: the 64 MiB bound (or the 2 s one) cuts it off.
+    let mut flood = refused();
+    assert!(send_until_cut(&mut flood, 1 << 20, Duration::ZERO, 1 << 30), "a flooding client was drained of 1 GiB");
+    assert_eq!(http(a, "GET", "/v1/health", b"").status, 200, "the node serves on");
+}

@@ -201,6 +201,24 @@ mod tests {
     }
 
     #[test]
+    fn the_probe_moves_the_budget_only_while_a_copy_runs() {
+        let elastic = Elastic::start();
+        let start = Budget::default().mb_per_s();
+        // Idle: the probe measures nothing, and the budget stays where it starts.
+        std::thread::sleep(PROBE_IDLE * 2);
+        assert_eq!(elastic.limit(), Some(start));
+        let copying = elastic.copying();
+        // Its first window either halves the budget or raises it; either way it moves.
+        let moved = (0..500).any(|_| {
+            std::thread::sleep(PROBE_SLEEP * 10);
+            elastic.limit() != Some(start)
+        });
+        assert!(moved, "the budget never left {start} MB/s while a copy ran");
+        drop(copying);
+        assert_eq!(Elastic::off().limit(), None, "an unpaced node has no budget");
+    }
+
+    #[test]
     fn calm_windows_reach_the_top_and_late_ones_the_floor() {
         let mut b = Budget::default();
         for _ in 0..200 {

@@ -70,9 +70,15 @@ pub fn consistency(value: Option<&str>) -> Result<shoal_index::Consistency, ApiE
 /// deadline by a second (Apache's `mod_reqtimeout` rule, `body=20,MinRate=500`).
 pub const BODY_MIN_BYTES_PER_SEC: usize = 500;
 
-/// Reads the whole body, refusing more than `limit` bytes with `too_large` and a body that
-/// arrives too slowly (see [`BODY_MIN_BYTES_PER_SEC`]) with `timeout`.
+/// Reads the whole body, refusing more than `limit` bytes (declared or sent) with
+/// `too_large` and a body that arrives too slowly (see [`BODY_MIN_BYTES_PER_SEC`]) with `timeout`.
 pub async fn body(state: &crate::AppState, body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {
+    // A body whose declared length is over the limit is refused before any of it is awaited
+    // (as nginx does): waiting for its first bytes held the answer until the body timeout.
+    let declared = http_body::Body::size_hint(&body).lower();
+    if declared > limit as u64 {
+        return Err(ApiError::body_too_large(format!("the body is larger than {limit} bytes ({declared} declared)")));
+    }
     let mut stream = body.into_data_stream();
     let started = tokio::time::Instant::now();
     let mut deadline = started + state.body_timeout;
