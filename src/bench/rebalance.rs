@@ -343,6 +343,9 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
     let cpu_before: Vec<Option<u64>> = nodes.iter().chain(newcomer.as_ref()).map(|n| n.cpu_ticks()).collect();
     let threads_before: Vec<_> = nodes.iter().chain(newcomer.as_ref()).map(|n| n.thread_ticks()).collect();
     let rebalance_start = began.elapsed().as_secs_f64();
+    // To line the requests' times up with the nodes' logs.
+    let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs_f64();
+    println!("the {} rebalance starts at unix {unix:.3}", scenario.name());
     let mut samples = Vec::new();
     let eject = if scenario.ejects() { vec![leaving] } else { Vec::new() };
     let status = rebalance(&client, &eject, Some((&mut samples, began))).await?;
