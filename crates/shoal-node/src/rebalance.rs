@@ -738,8 +738,6 @@ const SLOW_HANDOVER_WAIT: Duration = Duration::from_millis(50);
 
 /// The partition a hand-over waited longest for: the new active's acknowledgement when the
 /// wait began and when it ended, against the position it had to reach.
-#[derive(Debug)]
-#[allow(dead_code)] // read by its `Debug` form, in the log
 struct SlowWait {
     waited: Duration,
     partition: u16,
@@ -808,7 +806,16 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
         "handing over: every new active holds what this copy has"
     );
     if let Some(slow) = slowest.filter(|s| s.waited >= SLOW_HANDOVER_WAIT) {
-        tracing::info!(?slow, "a hand-over waited long for one new active");
+        tracing::info!(
+            waited_ms = slow.waited.as_millis(),
+            partition = slow.partition,
+            to = slow.to,
+            seqno = slow.seqno,
+            uuid = slow.uuid,
+            before = ?slow.before,
+            after = ?slow.after,
+            "a hand-over waited long for one new active"
+        );
     }
     Ok(())
 }
