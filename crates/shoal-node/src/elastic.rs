@@ -152,9 +152,11 @@ fn probe(elastic: std::sync::Weak<Elastic>) {
     loop {
         let Some(e) = elastic.upgrade() else { return };
         if e.running.load(Ordering::Relaxed) == 0 {
-            drop(e);
-            // A later copy starts cautious again.
+            // A later copy starts cautious again: the budget the copies read, too (it kept
+            // the last copy's rate before, at 4,000 MB/s after a calm one).
             budget = Budget::default();
+            e.bytes_per_s.store(to_bytes(budget.mb_per_s()), Ordering::Relaxed);
+            drop(e);
             window.clear();
             std::thread::sleep(PROBE_IDLE);
             continue;
@@ -215,6 +217,12 @@ mod tests {
         });
         assert!(moved, "the budget never left {start} MB/s while a copy ran");
         drop(copying);
+        // With no copy running, the budget goes back to where a copy starts.
+        let reset = (0..500).any(|_| {
+            std::thread::sleep(PROBE_SLEEP * 10);
+            elastic.limit() == Some(start)
+        });
+        assert!(reset, "the budget stayed at {:?} MB/s after the copy", elastic.limit());
         assert_eq!(Elastic::off().limit(), None, "an unpaced node has no budget");
     }
 
