@@ -442,6 +442,7 @@ impl Store {
         let unit = self.unit(p)?;
         let _op = unit.op.lock();
         let _ddl = self.ddl.lock();
+        let started = std::time::Instant::now();
         self.persist_state(p, PartitionState::Dead)?;
         unit.owner.set(PartitionState::Dead);
         let collections = self.collections_by_id();
@@ -463,7 +464,7 @@ impl Store {
             let part = self.new_partition(collection, p, Vec::new(), 0, LiveCount::default(), None)?;
             collection.replace_partition(p, part)?;
         }
-        tracing::info!(partition = p, "partition dropped");
+        tracing::info!(partition = p, ms = started.elapsed().as_secs_f64() * 1e3, "partition dropped");
         Ok(())
     }
 }

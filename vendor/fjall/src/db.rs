@@ -463,11 +463,26 @@ impl Database {
     ) -> crate::Result<Keyspace> {
         assert!(is_valid_keyspace_name(name));
 
-        let keyspaces = self.supervisor.keyspaces.write().expect("lock is poisoned");
-
-        Ok(if let Some(keyspace) = keyspaces.get(name) {
+        // SHOAL-PATCH: the keyspace map is only read here; creation is serialized by the
+        // meta keyspace's DDL lock and inserts into the map at its very end (see
+        // `MetaKeyspace::create_keyspace`). Upstream held the map's write lock throughout.
+        let existing = |name: &str| {
+            self.supervisor
+                .keyspaces
+                .read()
+                .expect("lock is poisoned")
+                .get(name)
+                .cloned()
+        };
+        if let Some(keyspace) = existing(name) {
             log::trace!("Opening existing keyspace {name:?}");
-            keyspace.clone()
+            return Ok(keyspace);
+        }
+        let ddl = self.meta_keyspace.lock_ddl();
+
+        Ok(if let Some(keyspace) = existing(name) {
+            log::trace!("Opening existing keyspace {name:?}");
+            keyspace
         } else {
             let keyspace_id = self.allocate_keyspace_id()?;
 
@@ -487,7 +502,7 @@ impl Database {
             let handle = Keyspace::create_new(keyspace_id, self, name.clone(), opts)?;
 
             self.meta_keyspace
-                .create_keyspace(keyspace_id, &name, handle.clone(), keyspaces)?;
+                .create_keyspace(keyspace_id, &name, handle.clone(), &ddl)?;
 
             #[cfg(feature = "__internal_whitebox")]
             crate::drop::increment_drop_counter();

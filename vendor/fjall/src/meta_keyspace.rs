@@ -5,7 +5,7 @@
 use crate::{db::Keyspaces, keyspace::InternalKeyspaceId, Keyspace};
 use byteview::StrView;
 use lsm_tree::{AbstractTree, AnyTree, SeqNo, SequenceNumberCounter, UserValue};
-use std::sync::{Arc, RwLock, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 pub fn encode_config_key(keyspace_id: InternalKeyspaceId, name: &str) -> crate::UserKey {
     use byteorder::{WriteBytesExt, BE};
@@ -54,6 +54,11 @@ pub struct MetaKeyspace {
 
     seqno_generator: SequenceNumberCounter,
     visible_seqno: SequenceNumberCounter,
+
+    /// SHOAL-PATCH: serializes keyspace creation and removal, so their file writes, the
+    /// meta keyspace's fsynced ingestion and its maintenance run *without* the keyspace
+    /// map's write lock (see `create_keyspace`).
+    ddl: Arc<Mutex<()>>,
 }
 
 impl MetaKeyspace {
@@ -68,7 +73,13 @@ impl MetaKeyspace {
             keyspaces,
             seqno_generator,
             visible_seqno,
+            ddl: Arc::default(),
         }
+    }
+
+    /// SHOAL-PATCH: held across a keyspace's creation or removal (see `create_keyspace`).
+    pub(crate) fn lock_ddl(&self) -> MutexGuard<'_, ()> {
+        self.ddl.lock().expect("lock is poisoned")
     }
 
     #[cfg(test)]
@@ -103,7 +114,7 @@ impl MetaKeyspace {
         keyspace_id: InternalKeyspaceId,
         name: &str,
         keyspace: Keyspace,
-        mut keyspaces: RwLockWriteGuard<'_, Keyspaces>,
+        _ddl: &MutexGuard<'_, ()>,
     ) -> crate::Result<()> {
         let mut kvs = keyspace.config.encode_kvs(keyspace_id);
 
@@ -136,7 +147,16 @@ impl MetaKeyspace {
 
         ingestion.finish()?;
 
-        keyspaces.insert(name.into(), keyspace);
+        // SHOAL-PATCH: upstream holds the keyspace map's write lock from before the
+        // keyspace's folder is created until after this maintenance. Every batch commit
+        // reads that map while it holds the journal writer, so each keyspace creation
+        // stalled every write to the database for its fsyncs (10-33 ms measured, per
+        // partition a rebalance drops). Callers hold the DDL lock instead, and the map is
+        // locked only to insert.
+        self.keyspaces
+            .write()
+            .expect("lock is poisoned")
+            .insert(name.into(), keyspace);
 
         self.maintenance()
             .inspect_err(|e| {
@@ -148,9 +168,17 @@ impl MetaKeyspace {
     }
 
     pub(crate) fn remove_keyspace(&self, name: &str) -> crate::Result<()> {
-        let mut lock = self.keyspaces.write().expect("lock is poisoned");
+        // SHOAL-PATCH: as in `create_keyspace`, the DDL lock, not the keyspace map's write
+        // lock, is held across the fsynced ingestion; the map is locked only to remove.
+        let _ddl = self.lock_ddl();
 
-        let Some(keyspace) = lock.get(name) else {
+        let Some(keyspace_id) = self
+            .keyspaces
+            .read()
+            .expect("lock is poisoned")
+            .get(name)
+            .map(|keyspace| keyspace.id)
+        else {
             return Ok(());
         };
 
@@ -162,7 +190,7 @@ impl MetaKeyspace {
             let pfx: Vec<u8> = {
                 let mut v = vec![];
                 v.push(b'c');
-                v.extend(keyspace.id.to_be_bytes());
+                v.extend(keyspace_id.to_be_bytes());
                 v
             };
 
@@ -177,14 +205,14 @@ impl MetaKeyspace {
             let mut key: Vec<u8> =
                 Vec::with_capacity(std::mem::size_of::<InternalKeyspaceId>() + 1);
             key.push(b'n');
-            key.extend(keyspace.id.to_be_bytes());
+            key.extend(keyspace_id.to_be_bytes());
             ingestion.write_tombstone(key)?;
         }
         ingestion.finish()?;
 
         self.visible_seqno.fetch_max(seqno + 1);
 
-        lock.remove(name);
+        self.keyspaces.write().expect("lock is poisoned").remove(name);
 
         self.maintenance()
             .inspect_err(|e| {
