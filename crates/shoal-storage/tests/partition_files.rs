@@ -274,6 +274,10 @@ fn a_copy_by_files_refuses_a_bad_stream_and_adopts_nothing() {
     fewer_items.items += 1;
     let mut unknown_live = manifest.clone();
     unknown_live.live[0].collection = 77;
+    // One item past the limit: refused on its length, before it is hashed or decoded (its
+    // zeroed pages are never touched, so the test holds no such memory).
+    let mut huge_item = records.clone();
+    huge_item[items[0]].1 = Bytes::from(vec![0u8; shoal_storage::files::ITEMS_MAX_BYTES as usize + 1]);
     for (what, m, recs) in [
         ("a flipped byte", &manifest, ok(&flipped)),
         ("a cut stream", &manifest, ok(&cut)),
@@ -286,11 +290,13 @@ fn a_copy_by_files_refuses_a_bad_stream_and_adopts_nothing() {
         ("an item missing", &fewer_items, ok(&records)),
         ("more files than FILES_MAX", &too_many, ok(&records)),
         ("a collection this node lacks", &unknown_live, ok(&records)),
+        ("memtable items over ITEMS_MAX_BYTES", &manifest, ok(&huge_item)),
     ] {
         dst.drop_partition(P).unwrap();
         dst.set_partition_state(P, PartitionState::Pending).unwrap();
         let err = dst.import_partition_files(&header, m, recs).expect_err(what);
         assert!(matches!(err, PartitionError::Malformed(_) | PartitionError::UnknownCollection(_)), "{what}: {err}");
+        assert!(!what.contains("ITEMS_MAX_BYTES") || err.to_string().contains("memtable items over"), "{what}: {err}");
         assert!(dst.collection("a").unwrap().get(&keys[1]).is_err(), "{what}: nothing adopted");
     }
     // After a drop, a good copy goes in; a second one finds the partition not empty.
