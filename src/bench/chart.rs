@@ -44,7 +44,19 @@ pub fn line_chart(path: &Path, title: &str, x_label: &str, y_label: &str, series
     let y_max = all.fold(0.0f64, |m, p| m.max(p.1)) * 1.1;
     let root = BitMapBackend::new(path, (1000, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
-    let palette = [BLUE, RED, GREEN, MAGENTA, BLACK, CYAN];
+    // Ten colours: a rebalance bench draws two series per scenario and method (up to eight).
+    let palette = [
+        BLUE,
+        RED,
+        GREEN,
+        MAGENTA,
+        BLACK,
+        CYAN,
+        RGBColor(255, 140, 0),
+        RGBColor(128, 0, 128),
+        RGBColor(0, 128, 128),
+        RGBColor(139, 69, 19),
+    ];
     macro_rules! draw {
         ($chart:expr) => {{
             let mut chart = $chart;
