@@ -20,7 +20,12 @@
 //! The bench (2 cores shared by 4 nodes and the load, 400 requests/s, 4 paired swaps):
 //! unpaced, copies at 314–452 MB/s and the foreground's p99 3.5–7.0× its value before;
 //! paced by this budget, 160–231 MB/s and 1.4–2.2× (median 1.8×)
-//! (bench/results/2026-11-25-issue14-elastic-budget.md).
+//! (bench/results/2026-11-25-issue14-elastic-budget.md). Measured since: that pace came
+//! mostly from the probe's reset of the budget whenever no copy runs for an instant (at
+//! every wave of copies), not from late wake-ups, which the probe hardly ever sees; with the
+//! budget kept through short pauses copies reach 285–422 MB/s and the p99 2.4–4.5×
+//! (bench/results/2026-11-25-issue14-budget-reset.md). Needed: a signal that tracks what
+//! requests wait on.
 //!
 //! Hand-written: no crate measures scheduling latency or runs such a controller.
 
