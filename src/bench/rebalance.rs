@@ -344,7 +344,7 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
     let threads_before: Vec<_> = nodes.iter().chain(newcomer.as_ref()).map(|n| n.thread_ticks()).collect();
     let rebalance_start = began.elapsed().as_secs_f64();
     // To line the requests' times up with the nodes' logs.
-    let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs_f64();
+    let unix = unix_now();
     println!("the {} rebalance starts at unix {unix:.3}", scenario.name());
     let mut samples = Vec::new();
     let eject = if scenario.ejects() { vec![leaving] } else { Vec::new() };
@@ -645,7 +645,7 @@ async fn foreground(load: Foreground, log: Arc<Mutex<Vec<Request>>>, began: Inst
             let ok = failure.is_none();
             let ms = sent.elapsed().as_secs_f64() * 1000.0;
             if ms >= SLOW_SHOWN_MS {
-                let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs_f64();
+                let unix = unix_now();
                 println!(
                     "slow foreground request at {at:.2} s (ended at unix {unix:.3}): {ms:.0} ms, {} {} (partition {p}, active at the start: node {active})",
                     if get { "get" } else { "upsert" },
@@ -667,6 +667,11 @@ async fn foreground(load: Foreground, log: Arc<Mutex<Vec<Request>>>, began: Inst
         let _ = t.await;
     }
     errors.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Seconds since the Unix epoch (to line the bench's events up with the nodes' logs).
+fn unix_now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs_f64()
 }
 
 /// Tries of a direct foreground request (a newer map each time it is told `421`).

@@ -29,7 +29,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use shoal_cluster::{NodeId, PartitionId};
 use shoal_storage::copy_stream::{CopyHeader, Frame, FrameDecoder, FrameEncoder, FrameError};
-use shoal_storage::{IngestStats, PartitionError, PartitionState, Store};
+use shoal_storage::{FilePiece, IngestStats, PartitionError, PartitionState, Store};
 use tokio::sync::mpsc;
 
 use crate::elastic::Elastic;
@@ -50,6 +50,28 @@ pub const COPY_UNCOPIED_BYTES: usize = 64 * 1024;
 const COPY_QUEUE_CHUNKS: usize = 8;
 /// A copy whose source sends nothing for this long fails (and falls back to the stream).
 pub const COPY_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What an export hands to the connection that carries it: bytes of the copy stream, or a
+/// chunk of a file that the connection sends as it stands on disk (`sendfile`), the value
+/// of the record whose head came just before.
+#[derive(Debug)]
+pub enum Outgoing {
+    Bytes(Bytes),
+    File { file: Arc<std::fs::File>, offset: u64, len: usize },
+}
+
+impl Outgoing {
+    pub fn len(&self) -> usize {
+        match self {
+            Outgoing::Bytes(b) => b.len(),
+            Outgoing::File { len, .. } => *len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
 
 /// What a replica asks of the active: an export of `partition`.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -476,8 +498,8 @@ impl Iterator for Records {
     }
 }
 
-/// An export's records, of either shape (files or records).
-type ExportRecords = dyn Iterator<Item = Result<(Bytes, Bytes), PartitionError>> + Send;
+/// An export's pieces, of either shape (files or records).
+type ExportRecords = dyn Iterator<Item = Result<FilePiece, PartitionError>> + Send;
 
 /// The active's side: an export of the partition, as chunks of the copy stream. Only a
 /// member the map names as a replica of a partition this node is active for gets one.
@@ -487,7 +509,7 @@ type ExportRecords = dyn Iterator<Item = Result<(Bytes, Bytes), PartitionError>>
 /// thread below the foreground's priority: on a runtime thread it held a worker for
 /// milliseconds per move, and every request queued behind it waited (seen as the
 /// foreground's p99 during a rebalance).
-pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc::Receiver<Result<Bytes, ClusterError>>, ClusterError> {
+pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc::Receiver<Result<Outgoing, ClusterError>>, ClusterError> {
     let req: ExportRequest = crate::wire::decode(body).map_err(ClusterError::BadMessage)?;
     let state = node.state();
     let map = state.map.as_ref().ok_or_else(|| ClusterError::Refused("no partition map yet".into()))?;
@@ -517,36 +539,45 @@ pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc:
         let mut out = BytesMut::with_capacity(COPY_CHUNK_BYTES + 64 * 1024);
         FrameEncoder::header(&mut out, &header);
         let mut encoder = FrameEncoder::default();
-        let send = |bytes: Bytes| {
-            let wait = node.copies.pace(bytes.len(), node.state().settings.rebalance_mb_per_s);
+        let send = |out: Outgoing| {
+            let wait = node.copies.pace(out.len(), node.state().settings.rebalance_mb_per_s);
             if !wait.is_zero() {
                 std::thread::sleep(wait);
             }
-            tx.blocking_send(Ok(bytes)).is_ok()
+            tx.blocking_send(Ok(out)).is_ok()
         };
-        for record in export {
-            match record {
-                // A file's chunk goes out as it was read, behind its frame's head.
-                Ok((k, v)) if v.len() >= COPY_UNCOPIED_BYTES => {
-                    encoder.record_head(&mut out, &k, v.len());
-                    if !send(out.split().freeze()) || !send(v) {
+        let bytes = |b: &mut BytesMut| Outgoing::Bytes(b.split().freeze());
+        for piece in export {
+            match piece {
+                // A file's chunk goes out from the file itself, behind its frame's head.
+                Ok(FilePiece::Chunk { key, file, offset, len }) => {
+                    encoder.record_head(&mut out, &key, len);
+                    if !send(bytes(&mut out)) || !send(Outgoing::File { file, offset, len }) {
                         return; // the receiver went away
                     }
                     continue;
                 }
-                Ok((k, v)) => encoder.record(&mut out, &k, &v),
+                // A long value goes out as it is, behind its frame's head.
+                Ok(FilePiece::Record(k, v)) if v.len() >= COPY_UNCOPIED_BYTES => {
+                    encoder.record_head(&mut out, &k, v.len());
+                    if !send(bytes(&mut out)) || !send(Outgoing::Bytes(v)) {
+                        return; // the receiver went away
+                    }
+                    continue;
+                }
+                Ok(FilePiece::Record(k, v)) => encoder.record(&mut out, &k, &v),
                 Err(e) => {
                     // The receiver sees an error, never an end marker: it keeps nothing.
                     let _ = tx.blocking_send(Err(ClusterError::Storage(e.to_string())));
                     return;
                 }
             }
-            if out.len() >= COPY_CHUNK_BYTES && !send(out.split().freeze()) {
+            if out.len() >= COPY_CHUNK_BYTES && !send(bytes(&mut out)) {
                 return; // the receiver went away
             }
         }
         encoder.end(&mut out);
-        send(out.split().freeze());
+        send(bytes(&mut out));
     })?;
     Ok(rx)
 }
@@ -564,13 +595,16 @@ fn export_of(store: &Store, req: &ExportRequest) -> Result<(CopyHeader, Box<Expo
     };
     Ok(match files {
         Some(files) => {
-            let manifest = files.manifest().clone();
+            let (manifest, header) = (files.manifest().clone(), files.header().clone());
             let bytes_estimate = manifest.file_bytes();
-            (CopyHeader { export: files.header().clone(), bytes_estimate, files: Some(manifest) }, Box::new(files))
+            let mut files = files;
+            let pieces = std::iter::from_fn(move || files.next_piece());
+            (CopyHeader { export: header, bytes_estimate, files: Some(manifest) }, Box::new(pieces))
         }
         None => {
             let records = store.export_partition(req.partition).map_err(|e| ClusterError::Storage(e.to_string()))?;
-            (CopyHeader { export: records.header().clone(), bytes_estimate: records.estimated_bytes(), files: None }, Box::new(records))
+            let header = CopyHeader { export: records.header().clone(), bytes_estimate: records.estimated_bytes(), files: None };
+            (header, Box::new(records.map(|r| r.map(|(k, v)| FilePiece::Record(k, v)))))
         }
     })
 }

@@ -698,7 +698,7 @@ impl ClusterNode {
     pub fn export_stream(
         self: &Arc<Self>,
         body: &[u8],
-    ) -> Result<tokio::sync::mpsc::Receiver<Result<bytes::Bytes, ClusterError>>, ClusterError> {
+    ) -> Result<tokio::sync::mpsc::Receiver<Result<crate::copy::Outgoing, ClusterError>>, ClusterError> {
         crate::copy::serve_export(self, body)
     }
 

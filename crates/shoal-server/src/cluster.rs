@@ -287,7 +287,8 @@ pub async fn internal(State(state): State<AppState>, Path(op): Path<String>, req
             ApiError::bad_request(format!("an export answers over HTTP/1.1 switched to `{COPY_PROTOCOL}` (`Upgrade: {COPY_PROTOCOL}`)"))
         })?;
         let chunks = node.export_stream(&body).map_err(cluster_error)?;
-        state.copy_io.send(upgrade, chunks);
+        let socket = parts.extensions.remove::<crate::conn::Socket>();
+        state.copy_io.send(upgrade, socket, chunks);
         return Ok((StatusCode::SWITCHING_PROTOCOLS, [(header::CONNECTION, "upgrade"), (header::UPGRADE, COPY_PROTOCOL)]).into_response());
     }
     let answer = node.handle(op, &body).await.map_err(cluster_error)?;

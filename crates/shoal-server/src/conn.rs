@@ -197,6 +197,12 @@ impl AsyncWrite for Watched {
     }
 }
 
+/// A second descriptor of a request's socket, in the request's extensions: an export
+/// switched to the copy protocol writes its files to it with `sendfile` (`copy_io`), which
+/// the upgraded connection hyper hands over cannot do.
+#[derive(Clone, Debug)]
+pub(crate) struct Socket(pub(crate) Arc<std::net::TcpStream>);
+
 /// Counts a request in flight until its answer's body is done (or dropped).
 struct InFlight(Arc<Activity>);
 
@@ -300,13 +306,15 @@ async fn refuse(mut tcp: TcpStream) {
 async fn serve_one(tcp: TcpStream, router: Router, limits: ConnectionLimits, closing: &mut watch::Receiver<bool>) {
     // A second descriptor of the socket: when hyper is done with the connection and drops
     // its own, the socket stays open for `linger`.
+    // Also handed to each request that asks to switch protocols (`Socket`): an upgraded
+    // copy writes to the socket itself.
     let lingering = {
         use std::os::fd::AsFd;
-        tcp.as_fd().try_clone_to_owned().ok().map(std::net::TcpStream::from)
+        tcp.as_fd().try_clone_to_owned().ok().map(|fd| Socket(Arc::new(std::net::TcpStream::from(fd))))
     };
     let activity = Activity::new();
-    if drive(tcp, router, limits, closing, &activity).await && !activity.upgraded.load(Ordering::Acquire) {
-        if let Some(tcp) = lingering {
+    if drive(tcp, router, limits, closing, &activity, lingering.clone()).await && !activity.upgraded.load(Ordering::Acquire) {
+        if let Some(tcp) = lingering.and_then(|s| Arc::try_unwrap(s.0).or_else(|s| s.try_clone()).ok()) {
             linger(tcp).await;
         }
     }
@@ -344,10 +352,14 @@ async fn drive(
     limits: ConnectionLimits,
     closing: &mut watch::Receiver<bool>,
     activity: &Arc<Activity>,
+    socket: Option<Socket>,
 ) -> bool {
     let io = TokioIo::new(Watched { io: tcp, activity: Arc::clone(activity) });
     let tracker = Arc::clone(activity);
-    let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+    let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
+        if let Some(socket) = socket.as_ref().filter(|_| req.headers().contains_key(axum::http::header::UPGRADE)) {
+            req.extensions_mut().insert(socket.clone());
+        }
         let in_flight = InFlight::start(&tracker);
         let router = router.clone();
         let tracker = Arc::clone(&tracker);

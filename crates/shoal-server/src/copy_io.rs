@@ -16,9 +16,14 @@ use std::time::Duration;
 
 use axum::http::header;
 use bytes::{Bytes, BytesMut};
-use shoal_node::copy::COPY_IDLE_TIMEOUT;
+use hyper_util::rt::TokioIo;
+use shoal_node::copy::{Outgoing, COPY_IDLE_TIMEOUT};
 use shoal_node::{ClusterError, PeerError};
+use shoal_storage::files::read_chunk;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::conn::Socket;
 use tokio::sync::{mpsc, oneshot};
 
 /// The protocol an export's connection switches to (the `Upgrade` header's value): the
@@ -52,29 +57,41 @@ impl CopyIo {
     }
 
     /// The source's side: once `upgrade` completes (the `101` answer is out), writes the
-    /// export's chunks to the connection and closes it. An export that fails, or a receiver
-    /// that stops reading for [`COPY_IDLE_TIMEOUT`], ends the connection without the
-    /// stream's end marker: the receiver keeps nothing.
-    pub fn send(&self, upgrade: hyper::upgrade::OnUpgrade, mut chunks: mpsc::Receiver<Result<Bytes, ClusterError>>) {
+    /// export's pieces to the connection and closes it: bytes as they are, files' chunks
+    /// straight from the page cache (`sendfile`) where the connection is a plain socket. An
+    /// export that fails, or a receiver that stops reading for [`COPY_IDLE_TIMEOUT`], ends
+    /// the connection without the stream's end marker: the receiver keeps nothing.
+    pub(crate) fn send(
+        &self,
+        upgrade: hyper::upgrade::OnUpgrade,
+        socket: Option<Socket>,
+        mut pieces: mpsc::Receiver<Result<Outgoing, ClusterError>>,
+    ) {
         self.handle.spawn(async move {
-            let io = match tokio::time::timeout(COPY_IDLE_TIMEOUT, upgrade).await {
+            let upgraded = match tokio::time::timeout(COPY_IDLE_TIMEOUT, upgrade).await {
                 Ok(Ok(io)) => io,
                 Ok(Err(e)) => return tracing::debug!(error = %e, "a copy's connection did not switch protocols"),
                 Err(_) => return tracing::debug!("a copy's connection did not switch protocols in time"),
             };
-            let mut io = hyper_util::rt::TokioIo::new(io);
-            while let Some(chunk) = chunks.recv().await {
-                let chunk = match chunk {
-                    Ok(chunk) => chunk,
+            // The socket itself where the connection has one (hyper's side of it stays
+            // open, unused, until the copy ends).
+            let tcp = socket.and_then(|s| s.0.try_clone().ok()).and_then(|s| TcpStream::from_std(s).ok());
+            let mut out = match tcp {
+                Some(tcp) => Out::Socket { tcp, _upgraded: upgraded },
+                None => Out::Other(TokioIo::new(upgraded)),
+            };
+            while let Some(piece) = pieces.recv().await {
+                let piece = match piece {
+                    Ok(piece) => piece,
                     Err(e) => return tracing::info!(error = %e, "an export failed; its copy ends without its end marker"),
                 };
-                match tokio::time::timeout(COPY_IDLE_TIMEOUT, io.write_all(&chunk)).await {
+                match tokio::time::timeout(COPY_IDLE_TIMEOUT, out.write(piece)).await {
                     Ok(Ok(())) => {}
-                    Ok(Err(e)) => return tracing::debug!(error = %e, "a copy's receiver went away"),
+                    Ok(Err(e)) => return tracing::debug!(error = %e, "a copy's receiver went away, or its file could not be read"),
                     Err(_) => return tracing::info!("a copy's receiver stopped reading; closing its connection"),
                 }
             }
-            let _ = tokio::time::timeout(COPY_IDLE_TIMEOUT, io.shutdown()).await;
+            let _ = tokio::time::timeout(COPY_IDLE_TIMEOUT, out.shutdown()).await;
         });
     }
 
@@ -151,5 +168,109 @@ impl CopyIo {
             Ok(outcome) => outcome.map(|()| rx),
             Err(_) => Err(stopped),
         }
+    }
+}
+
+/// The connection an export writes to.
+enum Out {
+    /// The socket itself (every connection `conn` serves), and hyper's upgraded side of it,
+    /// held (unused) until the copy ends.
+    Socket { tcp: TcpStream, _upgraded: hyper::upgrade::Upgraded },
+    /// Anything else an upgrade may carry: files' chunks are read, then written.
+    Other(TokioIo<hyper::upgrade::Upgraded>),
+}
+
+impl Out {
+    async fn write(&mut self, piece: Outgoing) -> std::io::Result<()> {
+        match (self, piece) {
+            (Out::Socket { tcp, .. }, Outgoing::Bytes(b)) => tcp.write_all(&b).await,
+            (Out::Socket { tcp, .. }, Outgoing::File { file, offset, len }) => send_file(tcp, &file, offset, len).await,
+            (Out::Other(io), Outgoing::Bytes(b)) => io.write_all(&b).await,
+            (Out::Other(io), Outgoing::File { file, offset, len }) => io.write_all(&read_chunk(&file, offset, len)?).await,
+        }
+    }
+
+    async fn shutdown(&mut self) -> std::io::Result<()> {
+        match self {
+            Out::Socket { tcp, .. } => tcp.shutdown().await,
+            Out::Other(io) => io.shutdown().await,
+        }
+    }
+}
+
+/// Sends `len` bytes of `file` from `offset` to the socket with `sendfile(2)`: the kernel
+/// hands the page cache's pages to the socket, with no copy through user space. The export
+/// used to read each 1 MiB chunk into a fresh buffer and write it: a memset, a read's copy
+/// and a send's copy per byte, and the fresh pages' clearing, on the source's cores
+/// (bench/results/2026-11-25-issue14-sendfile.md). Hand-written: tokio has no `sendfile`,
+/// and the crates that wrap it are thin unmaintained shims over the same call.
+async fn send_file(tcp: &TcpStream, file: &std::fs::File, mut offset: u64, mut len: usize) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd as _;
+    while len > 0 {
+        let sent = tcp
+            .async_io(tokio::io::Interest::WRITABLE, || {
+                let mut off = libc::off_t::try_from(offset).map_err(|_| std::io::Error::other("a file offset past off_t"))?;
+                // SAFETY: both descriptors stay open for the call (borrowed above), and
+                // `off` is a valid `off_t` the call may update.
+                let n = unsafe { libc::sendfile(tcp.as_raw_fd(), file.as_raw_fd(), &mut off, len) };
+                usize::try_from(n).map_err(|_| std::io::Error::last_os_error())
+            })
+            .await?;
+        if sent == 0 {
+            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "a file ended before its chunk did"));
+        }
+        offset += sent as u64;
+        len -= sent;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write as _;
+
+    /// A file (already unlinked) of `len` bytes that differ from one offset to the next.
+    fn file_of(len: usize) -> std::fs::File {
+        let path = std::env::temp_dir().join(format!("shoal-send-file-{}-{len}", std::process::id()));
+        let mut f = std::fs::File::options().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let bytes: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        f.write_all(&bytes).unwrap();
+        f
+    }
+
+    async fn pair() -> (TcpStream, tokio::task::JoinHandle<Vec<u8>>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let reader = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut got = Vec::new();
+            s.read_to_end(&mut got).await.unwrap();
+            got
+        });
+        (TcpStream::connect(address).await.unwrap(), reader)
+    }
+
+    #[tokio::test]
+    async fn send_file_sends_exactly_the_range_through_a_full_socket() {
+        // Larger than the socket's buffers: the call meets a full socket and waits.
+        let len = 12 * 1024 * 1024 + 7;
+        let file = file_of(len + 5_000);
+        let (mut tcp, reader) = pair().await;
+        send_file(&tcp, &file, 4_321, len).await.unwrap();
+        tcp.shutdown().await.unwrap();
+        drop(tcp);
+        let got = reader.await.unwrap();
+        assert_eq!(got.len(), len);
+        assert!(got.iter().enumerate().all(|(i, b)| *b == ((i + 4_321) % 251) as u8), "the bytes are the file's from the offset");
+    }
+
+    #[tokio::test]
+    async fn send_file_refuses_a_range_past_the_files_end() {
+        let file = file_of(10_000);
+        let (tcp, _reader) = pair().await;
+        let e = send_file(&tcp, &file, 6_000, 8_000).await.unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof, "{e}");
     }
 }

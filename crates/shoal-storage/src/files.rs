@@ -17,8 +17,9 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
@@ -157,7 +158,43 @@ pub struct PartitionFiles {
     items: std::vec::IntoIter<(Bytes, Bytes)>,
     /// Files still to send: index, path, size.
     todo: VecDeque<(u32, PathBuf, u64)>,
-    open: Option<(u32, File, u64)>,
+    /// The file being sent: its index, the file, the offset of its next chunk, bytes left.
+    open: Option<(u32, Arc<File>, u64, u64)>,
+}
+
+/// A piece of an export as files: a record, or a chunk of one of the snapshot's files left
+/// on disk, for a caller that sends it without reading it (`sendfile`: the bytes go from
+/// the page cache to the socket with no copy through user space, and with no buffer to
+/// fill and clear per chunk).
+#[derive(Debug)]
+pub enum FilePiece {
+    Record(Bytes, Bytes),
+    /// `len` bytes of `file` at `offset`: the value of the record keyed `key`.
+    Chunk {
+        key: Bytes,
+        file: Arc<File>,
+        offset: u64,
+        len: usize,
+    },
+}
+
+impl FilePiece {
+    /// The piece as a record, a chunk's bytes read from its file.
+    pub fn into_record(self) -> Result<(Bytes, Bytes), PartitionError> {
+        match self {
+            FilePiece::Record(k, v) => Ok((k, v)),
+            FilePiece::Chunk { key, file, offset, len } => Ok((key, read_chunk(&file, offset, len).map_err(io)?)),
+        }
+    }
+}
+
+/// `len` bytes of `file` at `offset` (a [`FilePiece::Chunk`]'s value).
+pub fn read_chunk(file: &File, offset: u64, len: usize) -> std::io::Result<Bytes> {
+    use std::os::unix::fs::FileExt as _;
+    let mut buf = vec![0u8; len];
+    file.read_exact_at(&mut buf, offset)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("reading a chunk of the export at {offset}: {e}")))?;
+    Ok(Bytes::from(buf))
 }
 
 impl PartitionFiles {
@@ -169,29 +206,29 @@ impl PartitionFiles {
         &self.manifest
     }
 
-    fn next_chunk(&mut self) -> Option<Result<(Bytes, Bytes), PartitionError>> {
+    /// The next piece: the memtable's items first, then each file's chunks of at most
+    /// [`FILE_CHUNK_BYTES`], in order (the file's bytes are not read here).
+    pub fn next_piece(&mut self) -> Option<Result<FilePiece, PartitionError>> {
+        if let Some((k, v)) = self.items.next() {
+            return Some(Ok(FilePiece::Record(k, v)));
+        }
         loop {
-            if let Some((index, file, left)) = &mut self.open {
+            if let Some((index, file, offset, left)) = &mut self.open {
                 if *left == 0 {
                     self.open = None;
                     continue;
                 }
-                let n = usize::try_from(*left).unwrap_or(usize::MAX).min(FILE_CHUNK_BYTES);
-                let mut buf = vec![0u8; n];
-                if let Err(e) = file.read_exact(&mut buf) {
-                    let index = *index;
-                    self.open = None;
-                    self.todo.clear();
-                    return Some(Err(io(std::io::Error::new(e.kind(), format!("reading file {index} of the export: {e}")))));
-                }
-                *left -= n as u64;
-                return Some(Ok((chunk_key(*index), Bytes::from(buf))));
+                let len = usize::try_from(*left).unwrap_or(usize::MAX).min(FILE_CHUNK_BYTES);
+                let piece = FilePiece::Chunk { key: chunk_key(*index), file: Arc::clone(file), offset: *offset, len };
+                *offset += len as u64;
+                *left -= len as u64;
+                return Some(Ok(piece));
             }
             let (index, path, size) = self.todo.pop_front()?;
             match File::open(&path) {
                 // An empty file is one empty chunk, so that every file has a chunk.
-                Ok(_) if size == 0 => return Some(Ok((chunk_key(index), Bytes::new()))),
-                Ok(file) => self.open = Some((index, file, size)),
+                Ok(_) if size == 0 => return Some(Ok(FilePiece::Record(chunk_key(index), Bytes::new()))),
+                Ok(file) => self.open = Some((index, Arc::new(file), 0, size)),
                 Err(e) => {
                     self.todo.clear();
                     return Some(Err(io(std::io::Error::new(e.kind(), format!("opening {}: {e}", path.display())))));
@@ -205,10 +242,13 @@ impl Iterator for PartitionFiles {
     type Item = Result<(Bytes, Bytes), PartitionError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        if let Some(record) = self.items.next() {
-            return Some(Ok(record));
+        let piece = self.next_piece()?;
+        let record = piece.and_then(FilePiece::into_record);
+        if record.is_err() {
+            self.open = None;
+            self.todo.clear();
         }
-        self.next_chunk()
+        Some(record)
     }
 }
 

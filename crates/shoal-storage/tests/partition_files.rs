@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use shoal_storage::{
-    Change, Collection, ExportHeader, FileManifest, PartitionError, PartitionState, ReadError, Store, StoreConfig, StreamPosition,
-    WriteError, WriteOp, WriteRequest,
+    Change, Collection, ExportHeader, FileManifest, FilePiece, PartitionError, PartitionState, ReadError, Store, StoreConfig,
+    StreamPosition, WriteError, WriteOp, WriteRequest,
 };
 
 const PARTITIONS: u16 = 4;
@@ -222,6 +222,44 @@ fn good_copy(src: &Store) -> (ExportHeader, FileManifest, Vec<(Bytes, Bytes)>) {
     let export = src.export_partition_files(P).unwrap();
     let (header, manifest) = (export.header().clone(), export.manifest().clone());
     (header, manifest, export.map(Result::unwrap).collect())
+}
+
+#[test]
+fn an_exports_pieces_cover_each_file_in_order_in_bounded_chunks_and_read_as_its_records() {
+    let d = tempfile::tempdir().unwrap();
+    let src = open(d.path());
+    let _ = (src.create_collection("a", 0).unwrap(), src.create_collection("b", 0).unwrap());
+    let _ = load(&src);
+    let (_, manifest, records) = good_copy(&src);
+    let mut export = src.export_partition_files(P).unwrap();
+    // Per file index: the bytes its chunks covered so far.
+    let mut covered: BTreeMap<Bytes, u64> = BTreeMap::new();
+    let mut read = Vec::new();
+    let (mut items, mut chunks) = (0, 0);
+    while let Some(piece) = export.next_piece() {
+        match piece.unwrap() {
+            FilePiece::Record(k, v) => {
+                let item = k[0] == shoal_storage::files::TAG_ITEM;
+                assert!(!item || chunks == 0, "an item after a file's chunk");
+                items += usize::from(item);
+                read.push((k, v));
+            }
+            FilePiece::Chunk { key, file, offset, len } => {
+                chunks += 1;
+                assert!(len > 0 && len <= shoal_storage::files::FILE_CHUNK_BYTES, "a chunk of {len} bytes");
+                let at = covered.entry(key.clone()).or_default();
+                assert_eq!(offset, *at, "a chunk of file {key:?} out of order");
+                *at += len as u64;
+                let bytes = shoal_storage::files::read_chunk(&file, offset, len).unwrap();
+                read.push((key, bytes));
+            }
+        }
+    }
+    assert_eq!(items as u64, manifest.items);
+    let sizes: Vec<u64> = manifest.files().map(|(f, _)| f.size).filter(|s| *s > 0).collect();
+    assert!(chunks >= sizes.len() && !sizes.is_empty());
+    assert_eq!(covered.values().copied().collect::<Vec<_>>(), sizes, "each file's chunks cover it whole, in manifest order");
+    assert!(read == records, "the pieces, read, are the export's records");
 }
 
 #[test]
