@@ -27,8 +27,8 @@
 //! between copies shorter than [`BUDGET_KEPT`]: it used to go back to its start whenever no
 //! copy ran for an instant (at every wave of copies), and that, not the probe, held copies
 //! near 190 MB/s (bench/results/2026-11-25-issue14-budget-reset.md). With both, and the
-//! sources sending with `sendfile`, swaps moved
-//! 1.37× faster at the same p99 ratio (median 1.85×, four pairs, same results file).
+//! sources sending with `sendfile`, swaps moved 1.37× faster at the same p99 ratio (median
+//! 1.85×, four pairs, same results file).
 //!
 //! Hand-written: no crate measures scheduling latency or runs such a controller.
 
