@@ -22,9 +22,9 @@ use shoal_node::{ClusterError, PeerError};
 use shoal_storage::files::read_chunk;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::conn::Socket;
-use tokio::sync::{mpsc, oneshot};
 
 /// The protocol an export's connection switches to (the `Upgrade` header's value): the
 /// copy stream's frames, raw, until the source closes its side.
