@@ -548,31 +548,26 @@ pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc:
         };
         let bytes = |b: &mut BytesMut| Outgoing::Bytes(b.split().freeze());
         for piece in export {
-            match piece {
-                // A file's chunk goes out from the file itself, behind its frame's head.
-                Ok(FilePiece::Chunk { key, file, offset, len }) => {
-                    encoder.record_head(&mut out, &key, len);
-                    if !send(bytes(&mut out)) || !send(Outgoing::File { file, offset, len }) {
+            // A file's chunk (from the file itself) or a long value goes out as it is, behind
+            // its frame's head; shorter values are copied into the chunk being filled.
+            let (key, value) = match piece {
+                Ok(FilePiece::Chunk { key, file, offset, len }) => (key, Outgoing::File { file, offset, len }),
+                Ok(FilePiece::Record(k, v)) if v.len() >= COPY_UNCOPIED_BYTES => (k, Outgoing::Bytes(v)),
+                Ok(FilePiece::Record(k, v)) => {
+                    encoder.record(&mut out, &k, &v);
+                    if out.len() >= COPY_CHUNK_BYTES && !send(bytes(&mut out)) {
                         return; // the receiver went away
                     }
                     continue;
                 }
-                // A long value goes out as it is, behind its frame's head.
-                Ok(FilePiece::Record(k, v)) if v.len() >= COPY_UNCOPIED_BYTES => {
-                    encoder.record_head(&mut out, &k, v.len());
-                    if !send(bytes(&mut out)) || !send(Outgoing::Bytes(v)) {
-                        return; // the receiver went away
-                    }
-                    continue;
-                }
-                Ok(FilePiece::Record(k, v)) => encoder.record(&mut out, &k, &v),
                 Err(e) => {
                     // The receiver sees an error, never an end marker: it keeps nothing.
                     let _ = tx.blocking_send(Err(ClusterError::Storage(e.to_string())));
                     return;
                 }
-            }
-            if out.len() >= COPY_CHUNK_BYTES && !send(bytes(&mut out)) {
+            };
+            encoder.record_head(&mut out, &key, value.len());
+            if !send(bytes(&mut out)) || !send(value) {
                 return; // the receiver went away
             }
         }
@@ -594,10 +589,9 @@ fn export_of(store: &Store, req: &ExportRequest) -> Result<(CopyHeader, Box<Expo
         None
     };
     Ok(match files {
-        Some(files) => {
+        Some(mut files) => {
             let (manifest, header) = (files.manifest().clone(), files.header().clone());
             let bytes_estimate = manifest.file_bytes();
-            let mut files = files;
             let pieces = std::iter::from_fn(move || files.next_piece());
             (CopyHeader { export: header, bytes_estimate, files: Some(manifest) }, Box::new(pieces))
         }

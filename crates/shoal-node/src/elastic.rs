@@ -183,8 +183,9 @@ fn probe(elastic: std::sync::Weak<Elastic>) {
     loop {
         let Some(e) = elastic.upgrade() else { return };
         if e.running.load(Ordering::Relaxed) == 0 {
-            // A later rebalance's copies start cautious again: the budget the copies read,
-            // too (it kept the last copy's rate before, at 4,000 MB/s after a calm one).
+            // The budget reached is kept through a short pause; after `BUDGET_KEPT` a later
+            // rebalance's copies start cautious again, the budget the copies read too (a
+            // kept budget could sit at 4,000 MB/s after a calm copy).
             let idle = idle_since.get_or_insert_with(Instant::now).elapsed();
             let kept = budget != Budget::default();
             budget = budget.after_idle(idle);
