@@ -185,8 +185,7 @@ impl Out {
         match (self, piece) {
             (Out::Socket { tcp, .. }, Outgoing::Bytes(b)) => tcp.write_all(&b).await,
             (Out::Socket { tcp, .. }, Outgoing::File { file, offset, len }) => send_file(tcp, &file, offset, len).await,
-            (Out::Other(io), Outgoing::Bytes(b)) => io.write_all(&b).await,
-            (Out::Other(io), Outgoing::File { file, offset, len }) => io.write_all(&read_chunk(&file, offset, len)?).await,
+            (Out::Other(io), piece) => write_read(io, piece).await,
         }
     }
 
@@ -195,6 +194,15 @@ impl Out {
             Out::Socket { tcp, .. } => tcp.shutdown().await,
             Out::Other(io) => io.shutdown().await,
         }
+    }
+}
+
+/// Writes `piece` to a connection that is not a plain socket: a file's chunk is read, then
+/// written.
+async fn write_read<W: tokio::io::AsyncWrite + Unpin>(io: &mut W, piece: Outgoing) -> std::io::Result<()> {
+    match piece {
+        Outgoing::Bytes(b) => io.write_all(&b).await,
+        Outgoing::File { file, offset, len } => io.write_all(&read_chunk(&file, offset, len)?).await,
     }
 }
 
@@ -264,6 +272,27 @@ mod tests {
         let got = reader.await.unwrap();
         assert_eq!(got.len(), len);
         assert!(got.iter().enumerate().all(|(i, b)| *b == ((i + 4_321) % 251) as u8), "the bytes are the file's from the offset");
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_is_not_a_socket_gets_files_chunks_read_and_written() {
+        let file = std::sync::Arc::new(file_of(3 * 1024 * 1024));
+        let (mut ours, mut theirs) = tokio::io::duplex(64 * 1024);
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            theirs.read_to_end(&mut got).await.unwrap();
+            got
+        });
+        write_read(&mut ours, Outgoing::Bytes(Bytes::from_static(b"head"))).await.unwrap();
+        write_read(&mut ours, Outgoing::File { file: std::sync::Arc::clone(&file), offset: 1_000, len: 2 * 1024 * 1024 }).await.unwrap();
+        let past = write_read(&mut ours, Outgoing::File { file, offset: 3 * 1024 * 1024 - 10, len: 20 }).await.unwrap_err();
+        assert_eq!(past.kind(), std::io::ErrorKind::UnexpectedEof, "{past}");
+        ours.shutdown().await.unwrap();
+        drop(ours);
+        let got = reader.await.unwrap();
+        assert_eq!(&got[..4], b"head");
+        assert_eq!(got.len(), 4 + 2 * 1024 * 1024, "the failed chunk sent nothing");
+        assert!(got[4..].iter().enumerate().all(|(i, b)| *b == ((i + 1_000) % 251) as u8), "the file's bytes from the offset");
     }
 
     #[tokio::test]
