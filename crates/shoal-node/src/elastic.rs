@@ -13,7 +13,8 @@
 //! [`PROBE_SLEEP`] again and again while copies run and measures how late it wakes: the wait
 //! for a core that a request would have had. [`Budget`] (a pure state machine, tested by
 //! tables) turns each window of those samples into the rate copies may move: halved when
-//! [`LATE_TO_CUT`] wake-ups of a window came later than [`LATE_WAKE`], grown step by step
+//! [`LATE_TO_CUT`] wake-ups of a window came later than the bar (at most [`LATE_WAKE`]; lower
+//! on a machine that was calm before the copies, [`Baseline`]), grown step by step
 //! when at most [`CALM_LATE`] did, held between. A source's exports move at the lower of its
 //! budget and `rebalance_mb_per_s`; a receiver hands on what arrives at its own budget (its
 //! probe sees its own cores).
@@ -40,9 +41,24 @@ use std::time::{Duration, Instant};
 pub const PROBE_SLEEP: Duration = Duration::from_millis(1);
 /// Wake-ups judged together.
 pub const PROBE_WINDOW: usize = 20;
-/// A wake-up later than this (beyond its sleep) counts as late: a core was not there when a
-/// request would have wanted it (see the module's doc for the shares measured).
+/// A wake-up later than this (beyond its sleep) counts as late on a busy machine: a core was
+/// not there when a request would have wanted it (see the module's doc for the shares
+/// measured). The most the bar ever is; on a calmer machine it is lower ([`Baseline`]).
 pub const LATE_WAKE: Duration = Duration::from_micros(250);
+/// The lowest the bar for a late wake-up goes, however calm the machine was before the
+/// copies: a thread's timer slack alone (50 µs by default) makes wake-ups this late.
+pub const LATE_WAKE_MIN: Duration = Duration::from_micros(100);
+/// Wake-ups measured while no copy runs that set the bar: the last few seconds before a copy.
+pub const BASELINE_SAMPLES: usize = 400;
+/// Fewer samples than this (a node just started) and the bar is [`LATE_WAKE`].
+pub const BASELINE_MIN_SAMPLES: usize = 100;
+/// The bar is this quantile of the wake-ups before the copies. If copies changed nothing, 3
+/// of a window of 20 ([`LATE_TO_CUT`]) would pass it once in about 50 windows. On a calm
+/// machine (quantiles 50/90/95/98.5 %: about 67/100/120–145/170–200 µs), a remove moved
+/// 123–147 MB/s with the p99 1.7–2.1× its value before at this quantile; 72–101 MB/s at
+/// 1.3–1.5× at the 95th; 346 MB/s at 4.1× at the 98.5th
+/// (bench/results/2026-11-25-issue14-relative-bar.md).
+const BASELINE_QUANTILE: f64 = 0.97;
 /// A window with at least this many late wake-ups halves the budget. Before a swap, 1.5 %
 /// of wake-ups are late: 3 of a window of 20 then come once in 300 windows.
 pub const LATE_TO_CUT: usize = 3;
@@ -56,9 +72,10 @@ pub const ELASTIC_MAX_MB_PER_S: f64 = 4_000.0;
 const GROWTH: f64 = 0.1;
 /// A late window cuts the budget to this share of what it is.
 const CUT: f64 = 0.5;
-/// With no copy running, the probe thread sleeps this long between looks (and measures
-/// nothing); [`PROBE_IDLE_STEP`] until the budget is reset.
-const PROBE_IDLE: Duration = Duration::from_millis(100);
+/// With no copy running, the probe thread sleeps this long between looks (each a measured
+/// [`PROBE_SLEEP`] for the [`Baseline`] once the budget is reset); [`PROBE_IDLE_STEP`] until
+/// then.
+const PROBE_IDLE: Duration = Duration::from_millis(20);
 /// How often an idle probe looks for a new copy while it still keeps the budget.
 const PROBE_IDLE_STEP: Duration = Duration::from_millis(5);
 /// A copy that starts within this of the last one's end goes on at the budget reached; after
@@ -96,9 +113,10 @@ impl Budget {
         }
     }
 
-    /// One window's wake-ups (their lateness beyond the sleep) observed: the new budget.
-    pub fn observe(&mut self, lateness: &[Duration]) -> f64 {
-        let late = lateness.iter().filter(|l| **l > LATE_WAKE).count();
+    /// One window's wake-ups (their lateness beyond the sleep) observed, each late past `bar`
+    /// ([`Baseline::bar`]): the new budget.
+    pub fn observe(&mut self, lateness: &[Duration], bar: Duration) -> f64 {
+        let late = lateness.iter().filter(|l| **l > bar).count();
         if late >= LATE_TO_CUT {
             self.mb_per_s = (self.mb_per_s * CUT).max(ELASTIC_MIN_MB_PER_S);
         } else if late <= CALM_LATE {
@@ -106,6 +124,42 @@ impl Budget {
         }
         debug_assert!((ELASTIC_MIN_MB_PER_S..=ELASTIC_MAX_MB_PER_S).contains(&self.mb_per_s));
         self.mb_per_s
+    }
+}
+
+/// How late the probe woke while no copy ran, which sets the bar for a late wake-up during
+/// copies: the target is the foreground's p99 against its value before a rebalance, so the
+/// signal is lateness against lateness before.
+///
+/// A fixed bar of 250 µs suited a busy machine (1.5 % of wake-ups over it before a swap) but
+/// not a calm one: there, with the foreground's p99 at 0.6–0.8 ms before, removes moved at
+/// 360–410 MB/s with a p99 3.4–5.5× (copies added a few hundred µs per hop, under the bar),
+/// and with a bar of 120 µs at 110–150 MB/s within 2×
+/// (bench/results/2026-11-25-issue14-relative-bar.md).
+#[derive(Debug, Clone, Default)]
+pub struct Baseline {
+    /// The last [`BASELINE_SAMPLES`] wake-ups' lateness, oldest first.
+    samples: std::collections::VecDeque<Duration>,
+}
+
+impl Baseline {
+    pub fn add(&mut self, lateness: Duration) {
+        if self.samples.len() == BASELINE_SAMPLES {
+            self.samples.pop_front();
+        }
+        self.samples.push_back(lateness);
+    }
+
+    /// The bar: the [`BASELINE_QUANTILE`] of the samples, within
+    /// [`LATE_WAKE_MIN`]..=[`LATE_WAKE`]; [`LATE_WAKE`] with too few samples.
+    pub fn bar(&self) -> Duration {
+        if self.samples.len() < BASELINE_MIN_SAMPLES {
+            return LATE_WAKE;
+        }
+        let mut sorted: Vec<Duration> = self.samples.iter().copied().collect();
+        sorted.sort_unstable();
+        let at = ((sorted.len() as f64 * BASELINE_QUANTILE) as usize).min(sorted.len() - 1);
+        sorted[at].clamp(LATE_WAKE_MIN, LATE_WAKE)
     }
 }
 
@@ -180,6 +234,9 @@ fn probe(elastic: std::sync::Weak<Elastic>) {
     let mut budget = Budget::default();
     let mut window = Vec::with_capacity(PROBE_WINDOW);
     let mut idle_since: Option<Instant> = None;
+    let mut baseline = Baseline::default();
+    // The bar of the copies under way, set when the first of them starts.
+    let mut bar = LATE_WAKE;
     loop {
         let Some(e) = elastic.upgrade() else { return };
         if e.running.load(Ordering::Relaxed) == 0 {
@@ -192,24 +249,39 @@ fn probe(elastic: std::sync::Weak<Elastic>) {
             e.bytes_per_s.store(to_bytes(budget.mb_per_s()), Ordering::Relaxed);
             drop(e);
             window.clear();
-            std::thread::sleep(if kept { PROBE_IDLE_STEP } else { PROBE_IDLE });
+            if kept {
+                std::thread::sleep(PROBE_IDLE_STEP);
+            } else {
+                // Long enough after the last copy for the machine to be itself again.
+                baseline.add(sleep_lateness());
+                std::thread::sleep(PROBE_IDLE);
+            }
             continue;
         }
-        idle_since = None;
-        let asleep = Instant::now();
-        std::thread::sleep(PROBE_SLEEP);
-        let late = asleep.elapsed().saturating_sub(PROBE_SLEEP);
-        if late > LATE_WAKE {
+        if idle_since.take().is_some_and(|idle| idle.elapsed() >= BUDGET_KEPT) {
+            bar = baseline.bar();
+            metrics::gauge!("shoal_rebalance_probe_bar_us").set(bar.as_secs_f64() * 1e6);
+            tracing::info!(bar_us = bar.as_micros() as u64, "copies start; a wake-up later than the bar is late");
+        }
+        let late = sleep_lateness();
+        if late > bar {
             metrics::counter!("shoal_rebalance_probe_late_total").increment(1);
         }
         window.push(late);
         if window.len() == PROBE_WINDOW {
-            let mb_per_s = budget.observe(&window);
+            let mb_per_s = budget.observe(&window, bar);
             e.bytes_per_s.store(to_bytes(mb_per_s), Ordering::Relaxed);
             metrics::gauge!("shoal_rebalance_elastic_mb_per_s").set(mb_per_s);
             window.clear();
         }
     }
+}
+
+/// Sleeps [`PROBE_SLEEP`]; how much later than that it woke.
+fn sleep_lateness() -> Duration {
+    let asleep = Instant::now();
+    std::thread::sleep(PROBE_SLEEP);
+    asleep.elapsed().saturating_sub(PROBE_SLEEP)
 }
 
 #[cfg(test)]
@@ -239,7 +311,43 @@ mod tests {
         ];
         for (before, window, after) in table {
             let mut b = Budget { mb_per_s: *before };
-            assert_eq!(b.observe(window), *after, "from {before} MB/s after {window:?}");
+            assert_eq!(b.observe(window, LATE_WAKE), *after, "from {before} MB/s after {window:?}");
+        }
+    }
+
+    #[test]
+    fn a_wake_up_is_late_against_the_bar_it_is_given() {
+        // The same window: calm against the busy machine's bar, late against a calm one's.
+        let window = [Duration::from_micros(180); 3];
+        let mut b = Budget { mb_per_s: 400.0 };
+        assert_eq!(b.observe(&window, LATE_WAKE), 440.0);
+        assert_eq!(b.observe(&window, LATE_WAKE_MIN), 220.0);
+    }
+
+    #[test]
+    fn the_bar_is_a_high_quantile_of_the_wake_ups_before_within_its_bounds() {
+        let us = Duration::from_micros;
+        // (samples: (lateness µs, how many), the bar)
+        let table: &[(&[(u64, usize)], Duration)] = &[
+            // Too few to judge by: the busy machine's bar.
+            (&[(10, BASELINE_MIN_SAMPLES - 1)], LATE_WAKE),
+            // Calm: never below the floor.
+            (&[(10, BASELINE_MIN_SAMPLES)], LATE_WAKE_MIN),
+            // 5 % of them at 150 µs: the 97th percentile is 150 µs.
+            (&[(60, 380), (150, 20)], us(150)),
+            // 2 % at 150 µs: past the quantile, so the floor.
+            (&[(60, 392), (150, 8)], LATE_WAKE_MIN),
+            // Busy: never above the fixed bar.
+            (&[(60, 300), (900, 100)], LATE_WAKE),
+            // Only the last `BASELINE_SAMPLES` count: a busy past is forgotten.
+            (&[(900, 1_000), (60, BASELINE_SAMPLES)], LATE_WAKE_MIN),
+        ];
+        for (samples, bar) in table {
+            let mut b = Baseline::default();
+            for (late, n) in *samples {
+                (0..*n).for_each(|_| b.add(us(*late)));
+            }
+            assert_eq!(b.bar(), *bar, "{samples:?}");
         }
     }
 
@@ -287,11 +395,11 @@ mod tests {
     fn calm_windows_reach_the_top_and_late_ones_the_floor() {
         let mut b = Budget::default();
         for _ in 0..200 {
-            b.observe(&[CALM; PROBE_WINDOW]);
+            b.observe(&[CALM; PROBE_WINDOW], LATE_WAKE_MIN);
         }
         assert_eq!(b.mb_per_s(), ELASTIC_MAX_MB_PER_S);
         for _ in 0..40 {
-            b.observe(&[LATE; LATE_TO_CUT]);
+            b.observe(&[LATE; LATE_TO_CUT], LATE_WAKE);
         }
         assert_eq!(b.mb_per_s(), ELASTIC_MIN_MB_PER_S);
     }
