@@ -50,6 +50,9 @@ pub const COPY_UNCOPIED_BYTES: usize = 64 * 1024;
 const COPY_QUEUE_CHUNKS: usize = 8;
 /// A copy whose source sends nothing for this long fails (and falls back to the stream).
 pub const COPY_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// A copy waits at most this long for the partition states here to follow the map that
+/// made this node a copy (then it tries anyway, and fails to the stream if still dead).
+pub const COPY_MAP_WAIT: Duration = Duration::from_secs(10);
 
 /// What an export hands to the connection that carries it: bytes of the copy stream, or a
 /// chunk of a file that the connection sends as it stands on disk (`sendfile`), the value
@@ -280,13 +283,14 @@ fn start_queued(node: &Arc<ClusterNode>) {
             node.copies.building.lock().remove(&p);
             continue;
         }
-        start(node, source, address, p);
+        start(node, source, address, p, state.map_version());
     }
 }
 
 /// Builds this node's copy of partition `p` from `source`'s export, in the background; when
 /// it ends (either way), the partition follows the map again and the next queued copy starts.
-fn start(node: &Arc<ClusterNode>, source: u64, address: String, p: u16) {
+/// `map_version` is the map that made this node a copy of `p`.
+fn start(node: &Arc<ClusterNode>, source: u64, address: String, p: u16, map_version: u64) {
     node.copies.set(p, |c| {
         c.state = "copying".into();
         c.started_unix_ms = Some(crate::failover::unix_ms());
@@ -294,7 +298,7 @@ fn start(node: &Arc<ClusterNode>, source: u64, address: String, p: u16) {
     let node = Arc::clone(node);
     tokio::spawn(async move {
         let started = Instant::now();
-        let outcome = copy(&node, &address, p).await;
+        let outcome = copy(&node, &address, p, map_version).await;
         match &outcome {
             Ok(stats) => {
                 let secs = started.elapsed().as_secs_f64();
@@ -336,8 +340,14 @@ fn start(node: &Arc<ClusterNode>, source: u64, address: String, p: u16) {
     });
 }
 
-/// One copy: pending, export → ingest, then a replica.
-async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16) -> Result<IngestStats, ClusterError> {
+/// One copy: pending, export → ingest, then a replica. The pulls can see the map that
+/// made this node a copy of `p` (`map_version`) before the partition states here follow
+/// it: the copy waits for them (else it would find the partition still dead here, fail,
+/// and leave it to the unpaced change stream).
+async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16, map_version: u64) -> Result<IngestStats, ClusterError> {
+    if !node.wait_store_follows(map_version, COPY_MAP_WAIT).await {
+        tracing::warn!(partition = p, map_version, "the partition states here do not follow the map yet");
+    }
     let store = Arc::clone(node.engine.store());
     blocking(move || match store.partition_state(p)? {
         PartitionState::Replica => store.set_partition_state(p, PartitionState::Pending),

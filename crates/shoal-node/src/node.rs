@@ -51,6 +51,8 @@ pub const UNHEARD_REPLICA_GRACE: Duration = Duration::from_secs(5);
 /// How long a request that reaches a node still entering its cluster (founding, joining
 /// or rejoining after a restart) waits for it to serve before it is refused.
 pub const STARTUP_WAIT: Duration = Duration::from_secs(10);
+/// The longest map delay fault injection takes (`ClusterNode::delay_maps`).
+pub const MAP_DELAY_MAX: Duration = Duration::from_secs(30);
 /// The reconcile loop tries again after a failure this often.
 const RECONCILE_RETRY: Duration = Duration::from_secs(1);
 /// Time between looks when a caller waits for this node to apply something.
@@ -174,6 +176,8 @@ pub struct ClusterNode {
     /// Fault injection only: collections (by id) whose replicated changes this node leaves
     /// unapplied, as a replica lagging in one collection would.
     held: Mutex<std::collections::HashSet<u32>>,
+    /// Fault injection: how long each map waits before the partition states follow it.
+    map_delay: Mutex<Duration>,
 }
 
 impl ClusterNode {
@@ -256,6 +260,7 @@ impl ClusterNode {
             stop: watch::channel(false).0,
             monitor: crate::failover::Monitor::default(),
             held: Mutex::new(std::collections::HashSet::new()),
+            map_delay: Mutex::new(Duration::ZERO),
         }))
     }
 
@@ -1067,6 +1072,12 @@ impl ClusterNode {
         if store.partition_state(shoal_storage::partition_of(key, store.partitions())).is_ok_and(|s| s == PartitionState::Active) {
             return true;
         }
+        self.wait_store_follows(version, max).await
+    }
+
+    /// Waits until this node's partition states follow map `version` (or a newer one), at
+    /// most `max`; answers whether they do.
+    pub(crate) async fn wait_store_follows(&self, version: u64, max: Duration) -> bool {
         let mut follows = self.store_map.subscribe();
         let followed = matches!(tokio::time::timeout(max, follows.wait_for(|v| *v >= version)).await, Ok(Ok(_)));
         followed
@@ -1090,6 +1101,14 @@ impl ClusterNode {
             .collect::<Result<std::collections::HashSet<u32>, ClusterError>>()?;
         *self.held.lock() = ids;
         Ok(())
+    }
+
+    /// Fault injection (`serve --fault-injection`): every map waits `delay` (at most
+    /// [`MAP_DELAY_MAX`]) before the partition states here follow it, while the metadata
+    /// (what the pulls and the router read) has it already — as a slow fsync would.
+    pub fn delay_maps(&self, delay: Duration) {
+        debug_assert!(delay <= MAP_DELAY_MAX, "the caller checks the bound");
+        *self.map_delay.lock() = delay.min(MAP_DELAY_MAX);
     }
 
     /// Whether replicated changes of collection `id` are held back (fault injection).
@@ -1214,6 +1233,10 @@ impl ClusterNode {
         self.copies.retain_replicas(|p| {
             desired.get(usize::from(p)).is_some_and(|(_, s)| matches!(s, PartitionState::Replica | PartitionState::Pending))
         });
+        let delay = *self.map_delay.lock();
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         let store = Arc::clone(self.engine.store());
         let version = map.version;
         let (states, drops) = blocking(move || {

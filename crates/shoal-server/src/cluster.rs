@@ -114,17 +114,26 @@ struct FaultsBody {
     /// replica lagging in one collection would; empty releases them.
     #[serde(default)]
     hold: Vec<String>,
+    /// Milliseconds each partition map waits here before the partition states follow it
+    /// (the metadata has it at once); 0 or absent: none.
+    #[serde(default)]
+    map_delay_ms: u64,
 }
 
-/// `POST /v1/_internal/faults {"cut": [address, ...], "hold"?: [collection, ...]}` (with the
+/// `POST /v1/_internal/faults {"cut": [address, ...], "hold"?: [collection, ...], "map_delay_ms"?: n}` (with the
 /// cluster secret, on a node started with `--fault-injection`).
 async fn set_faults(state: &AppState, body: &[u8]) -> Result<Response, ApiError> {
     if !state.faults.enabled {
         return Err(ApiError::new(StatusCode::NOT_FOUND, "bad_request", "fault injection is off on this node (serve --fault-injection)"));
     }
     let req: FaultsBody = extract::json_body(body)?;
+    let delay = Duration::from_millis(req.map_delay_ms);
+    if delay > shoal_node::node::MAP_DELAY_MAX {
+        return Err(ApiError::bad_request(format!("map_delay_ms is over {} ms", shoal_node::node::MAP_DELAY_MAX.as_millis())));
+    }
     state.cluster.hold_collections(&req.hold).map_err(|e| ApiError::bad_request(e.to_string()))?;
-    tracing::warn!(cut = ?req.cut, hold = ?req.hold, "fault injection: calls to these members fail, replicated changes of these collections wait");
+    state.cluster.delay_maps(delay);
+    tracing::warn!(cut = ?req.cut, hold = ?req.hold, ?delay, "fault injection: calls to these members fail, replicated changes of these collections wait, maps wait");
     *state.faults.cut.write() = req.cut.into_iter().collect();
     Ok(json_response(StatusCode::OK, b"{}".to_vec()))
 }
