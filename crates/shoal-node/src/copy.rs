@@ -202,15 +202,30 @@ impl Copies {
     /// How long an export of `bytes` waits before it leaves: the exports of this node move
     /// at most the elastic budget, and `mb_per_s` (the setting; 0: no limit).
     fn pace(&self, bytes: usize, mb_per_s: u32) -> Duration {
+        wait_for(&self.pace, bytes, self.budget(mb_per_s))
+    }
+
+    /// The lower of the elastic budget and `mb_per_s` (the setting; 0: no limit), in MB/s;
+    /// 0 for no limit at all.
+    fn budget(&self, mb_per_s: u32) -> f64 {
         let setting = (mb_per_s > 0).then(|| f64::from(mb_per_s));
-        let budget = [self.elastic.limit(), setting].into_iter().flatten().reduce(f64::min);
-        wait_for(&self.pace, bytes, budget.unwrap_or(0.0))
+        [self.elastic.limit(), setting].into_iter().flatten().reduce(f64::min).unwrap_or(0.0)
     }
 
     /// How long a received chunk of `bytes` waits before it goes to its ingest: the copies
     /// into this node move at most its elastic budget (a receiver's probe sees its own cores).
     fn pace_in(&self, bytes: usize) -> Duration {
         wait_for(&self.pace_in, bytes, self.elastic.limit().unwrap_or(0.0))
+    }
+
+    /// How long new copies built from the change stream wait after taking `bytes`: at most
+    /// the lower of the elastic budget and `mb_per_s` (the setting; 0: no limit), in the
+    /// same bucket as the file copies into this node (a stream copy has no export to pace).
+    pub(crate) fn pace_stream(&self, bytes: usize, mb_per_s: u32) -> Duration {
+        if bytes == 0 {
+            return Duration::ZERO;
+        }
+        wait_for(&self.pace_in, bytes, self.budget(mb_per_s))
     }
 }
 

@@ -44,13 +44,26 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
     // Where each part's last answer said its snapshot ends: the part is consistent once its
     // position reaches it. Unknown (the first pull) counts as not consistent.
     let mut snapshot_end: HashMap<(u32, u16), u64> = HashMap::new();
+    // New copies built from the change stream (`"stream"`): what they take moves under the
+    // node's copy budget, as file copies do.
+    let mut pacing = StreamPacing::default();
+    let mut copying = None;
     loop {
         if *stop.borrow() {
             break;
         }
         let state = node.state();
         let Some(address) = following(&node, &state, source) else { break };
-        let parts = parts_from(&node, &state, source, &snapshot_end);
+        let mut parts = parts_from(&node, &state, source, &snapshot_end);
+        let deferred = pacing.defer(&mut parts, Instant::now());
+        // Held from one pull to the next while copies are built (the probe measures then).
+        copying = pacing.is_building().then(|| copying.take().unwrap_or_else(|| node.copies.elastic.copying()));
+        if parts.is_empty() && !deferred.is_zero() {
+            tokio::select! {
+                _ = tokio::time::sleep(deferred) => continue,
+                _ = stop.changed() => continue,
+            }
+        }
         if parts.is_empty() {
             // Nothing to follow yet (no collections): look again later.
             tokio::select! {
@@ -65,7 +78,14 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
             parts.iter().filter(|p| !p.consistent).map(|p| ((p.collection, p.partition), p.seqno)).collect();
         let asked: Vec<(u16, u64)> = parts.iter().map(|p| (p.partition, p.seqno)).collect();
         let map_version = state.map.as_ref().map_or(0, |m| m.version);
-        let wait_ms = if first { 0 } else { u32::try_from(PULL_WAIT.as_millis()).unwrap_or(u32::MAX) };
+        let wait = if first {
+            Duration::ZERO
+        } else if deferred.is_zero() {
+            PULL_WAIT
+        } else {
+            deferred.min(PULL_WAIT)
+        };
+        let wait_ms = u32::try_from(wait.as_millis()).unwrap_or(u32::MAX);
         let request = PullRequest { from: node.id, map_version, round, wait_ms, parts, catch_up_for: None };
         let call = node.peers.call(&address, Op::Pull, wire::encode(&request), PULL_TIMEOUT);
         let answer = tokio::select! {
@@ -98,6 +118,7 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
             .collect();
         let by_files = crate::copy::choose(&node.copies, &asked, &backlog);
         crate::copy::enqueue(&node, source, &address, &by_files);
+        let mut streamed = 0u64;
         for part in answer.parts {
             // Fault injection: a held collection's changes wait (a part with none goes on,
             // so the copy still reaches its snapshot's end where there is nothing to hold).
@@ -116,7 +137,11 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
             match apply_part(&node, &address, part).await {
                 Ok(Some(end)) => {
                     if let Some(&from) = backfilling.get(&key) {
-                        node.copies.add_stream_bytes(key.1, bytes, last.unwrap_or(from).max(from) >= end);
+                        let done = last.unwrap_or(from).max(from) >= end;
+                        node.copies.add_stream_bytes(key.1, bytes, done);
+                        if pacing.took(key, from, done) {
+                            streamed += bytes;
+                        }
                     }
                     snapshot_end.insert(key, end);
                 }
@@ -127,8 +152,59 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
                 }
             }
         }
+        let mb_per_s = node.state().settings.rebalance_mb_per_s;
+        pacing.paced(Instant::now(), node.copies.pace_stream(usize::try_from(streamed).unwrap_or(usize::MAX), mb_per_s));
     }
     tracing::info!(source, "replication stopped");
+}
+
+/// The pacing of the new copies one replication stream builds from the change stream: a
+/// part that began at seqno 0 is a new copy until its first snapshot is whole. What such
+/// parts take moves at most the node's copy budget (`Copies::pace_stream`): after an answer
+/// that brought them `n` bytes, they sit out the pulls until `n` bytes' time has passed.
+/// The other parts of the stream (replicas that follow live, whose acknowledgements
+/// majority writes wait on, and copies catching up from where they were) are never held.
+#[derive(Debug, Default)]
+struct StreamPacing {
+    /// The parts being built, each as (collection, partition).
+    building: std::collections::HashSet<(u32, u16)>,
+    /// Until when they sit out.
+    not_before: Option<Instant>,
+}
+
+impl StreamPacing {
+    /// Takes the parts being built out of `parts` while they sit out; answers how long
+    /// they still do (zero: they are asked for).
+    fn defer(&mut self, parts: &mut Vec<PullPart>, now: Instant) -> Duration {
+        let left = self.not_before.map_or(Duration::ZERO, |t| t.saturating_duration_since(now));
+        if !left.is_zero() {
+            parts.retain(|p| !self.building.contains(&(p.collection, p.partition)));
+        }
+        left
+    }
+
+    /// Whether a copy is being built from the stream (the budget's probe measures then).
+    fn is_building(&self) -> bool {
+        !self.building.is_empty()
+    }
+
+    /// A part still backfilling from `from` took changes; `done` once its first snapshot is
+    /// whole. Answers whether what it took counts against the budget (a new copy's).
+    fn took(&mut self, key: (u32, u16), from: u64, done: bool) -> bool {
+        if from == 0 {
+            self.building.insert(key);
+        }
+        let counted = self.building.contains(&key);
+        if done {
+            self.building.remove(&key);
+        }
+        counted
+    }
+
+    /// The answer's new copies must wait `wait` before they take more.
+    fn paced(&mut self, now: Instant, wait: Duration) {
+        self.not_before = (!wait.is_zero()).then(|| now + wait);
+    }
 }
 
 /// The address of `source` if this node should follow it now.
@@ -494,5 +570,50 @@ impl ClusterNode {
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn part(collection: u32, partition: u16) -> PullPart {
+        PullPart { collection, partition, seqno: 7, uuid: 1, persisted: 7, consistent: false, peek: false }
+    }
+
+    #[test]
+    fn only_new_copies_sit_out_their_pacing_and_only_until_it_ends() {
+        let now = Instant::now();
+        let mut pacing = StreamPacing::default();
+        // A new copy (from seqno 0) and a copy catching up from where it was (from 40).
+        assert!(pacing.took((1, 3), 0, false), "a new copy's bytes are paced");
+        assert!(!pacing.took((1, 4), 40, false), "a copy catching up is not");
+        assert!(pacing.is_building());
+        pacing.paced(now, Duration::from_millis(10));
+        // (when, parts sitting out, time left)
+        type Row = (Duration, &'static [(u32, u16)], Duration);
+        let table: &[Row] = &[
+            (Duration::ZERO, &[(1, 3)], Duration::from_millis(10)),
+            (Duration::from_millis(4), &[(1, 3)], Duration::from_millis(6)),
+            (Duration::from_millis(10), &[], Duration::ZERO),
+            (Duration::from_millis(50), &[], Duration::ZERO),
+        ];
+        for (at, out, left) in table {
+            let mut parts = vec![part(1, 3), part(1, 4), part(2, 3)];
+            assert_eq!(pacing.defer(&mut parts, now + *at), *left, "at {at:?}");
+            let kept: Vec<(u32, u16)> = parts.iter().map(|p| (p.collection, p.partition)).collect();
+            let expected: Vec<(u32, u16)> = [(1, 3), (1, 4), (2, 3)].into_iter().filter(|k| !out.contains(k)).collect();
+            assert_eq!(kept, expected, "at {at:?}");
+        }
+        // Its first snapshot whole, the copy is a replica: never held again.
+        assert!(pacing.took((1, 3), 512, true), "its last bytes still count");
+        assert!(!pacing.is_building());
+        pacing.paced(now, Duration::from_millis(10));
+        let mut parts = vec![part(1, 3)];
+        pacing.defer(&mut parts, now);
+        assert_eq!(parts.len(), 1);
+        // No wait: nothing sits out.
+        pacing.paced(now, Duration::ZERO);
+        assert_eq!(pacing.defer(&mut parts, now), Duration::ZERO);
     }
 }
