@@ -797,10 +797,14 @@ async fn a_copy_cut_off_midway_falls_back_to_the_stream_and_loses_nothing() {
     let status = files_rebalance(true).await;
     let moves = status["moves"].as_array().unwrap();
     assert!(moves.iter().any(|m| m["method"] == "stream"), "a broken copy fell back to the stream: {status}");
-    assert!(
-        moves.iter().filter(|m| m["method"] == "stream").all(|m| m["bytes_done"].as_u64() > Some(0)),
-        "a stream copy's bytes are counted too: {status}"
-    );
+    // A stream copy's bytes are counted too: not only its first consistent batch (a read
+    // from the active's in-memory tail is consistent at every one; 268 kB of 1.6 MB were
+    // shown), but until the move is handed over, which may leave the last
+    // `CATCH_UP_SLACK` changes (about a third of these partitions) uncounted.
+    for m in moves.iter().filter(|m| m["method"] == "stream") {
+        let (planned, done) = (m["bytes_planned"].as_u64().unwrap_or(0), m["bytes_done"].as_u64().unwrap_or(0));
+        assert!(planned > 0 && done * 2 >= planned, "a stream copy carried {done} of its {planned} planned bytes: {m}");
+    }
 }
 
 /// Loads a one-node cluster (4 partitions, so that each holds more than a copy by files

@@ -34,6 +34,11 @@ pub const PULL_TIMEOUT: Duration = Duration::from_secs(5);
 pub const PULL_BATCH_CHANGES: usize = 512;
 /// Wait before pulling again after a failed pull.
 const PULL_RETRY: Duration = Duration::from_millis(200);
+/// A new copy built from the change stream this close (in changes) to its active's high
+/// seqno is no longer paced: a rebalance may hand its partition over now (it is within
+/// `rebalance::CATCH_UP_SLACK`), and the active's writes wait, frozen, for the last
+/// changes (a paced tail held a freeze of 22 partitions for 868 ms in a stream swap).
+pub const UNPACED_WITHIN: u64 = 2 * crate::rebalance::CATCH_UP_SLACK;
 /// Keys asked for in one versions call (a rollback's repairs).
 pub const VERSIONS_KEYS_MAX: usize = 1_000;
 
@@ -74,8 +79,11 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
         let first = parts.iter().any(|p| !snapshot_end.contains_key(&(p.collection, p.partition)));
         // Parts still backfilling, and where each stood: what arrives for them is a copy's
         // progress (`Copies::add_stream_bytes`).
-        let backfilling: HashMap<(u32, u16), u64> =
-            parts.iter().filter(|p| !p.consistent).map(|p| ((p.collection, p.partition), p.seqno)).collect();
+        let backfilling: HashMap<(u32, u16), u64> = parts
+            .iter()
+            .filter(|p| !p.consistent || pacing.tracks((p.collection, p.partition)))
+            .map(|p| ((p.collection, p.partition), p.seqno))
+            .collect();
         let asked: Vec<(u16, u64)> = parts.iter().map(|p| (p.partition, p.seqno)).collect();
         let map_version = state.map.as_ref().map_or(0, |m| m.version);
         let wait = if first {
@@ -127,19 +135,21 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
                 continue;
             }
             let key = (part.collection, part.partition);
-            let (bytes, last) = match &part.kind {
-                PartKind::Changes { changes, .. } => (
+            let (bytes, last, high) = match &part.kind {
+                PartKind::Changes { changes, high, .. } => (
                     changes.iter().map(|c| c.key.len() + c.value.as_ref().map_or(0, |v| v.len())).sum::<usize>() as u64,
                     changes.last().map(|c| c.seqno),
+                    *high,
                 ),
-                _ => (0, None),
+                _ => (0, None, 0),
             };
             match apply_part(&node, &address, part).await {
                 Ok(Some(end)) => {
                     if let Some(&from) = backfilling.get(&key) {
-                        let done = last.unwrap_or(from).max(from) >= end;
+                        let done = backfilled(from, last, end, high);
                         node.copies.add_stream_bytes(key.1, bytes, done);
-                        if pacing.took(key, from, done) {
+                        let near = last.unwrap_or(from).max(from).saturating_add(UNPACED_WITHIN) >= high;
+                        if pacing.took(key, from, done, near) {
                             streamed += bytes;
                         }
                     }
@@ -158,47 +168,66 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
     tracing::info!(source, "replication stopped");
 }
 
-/// The pacing of the new copies one replication stream builds from the change stream: a
-/// part that began at seqno 0 is a new copy until its first snapshot is whole. What such
-/// parts take moves at most the node's copy budget (`Copies::pace_stream`): after an answer
-/// that brought them `n` bytes, they sit out the pulls until `n` bytes' time has passed.
-/// The other parts of the stream (replicas that follow live, whose acknowledgements
-/// majority writes wait on, and copies catching up from where they were) are never held.
+/// Whether a copy backfilling from the change stream (at `from` before an answer that took
+/// it to `last`) is built: it holds a consistent state (past the snapshot's `end`) and is
+/// within a batch of the active's `high`. Consistent alone is not enough: a read from the
+/// active's in-memory tail is consistent at every batch, and a copy 6 MB short of its
+/// active showed as done after its first 512 changes.
+fn backfilled(from: u64, last: Option<u64>, end: u64, high: u64) -> bool {
+    let at = last.unwrap_or(from).max(from);
+    at >= end && at.saturating_add(PULL_BATCH_CHANGES as u64) >= high
+}
+
+/// The copies one replication stream is building from the change stream, from their
+/// first backfilled answer until [`backfilled`]; those that began at seqno 0 are new copies
+/// (a move's), the others catch up from where they were (a restarted replica).
+///
+/// What new copies take moves at most the node's copy budget (`Copies::pace_stream`): after
+/// an answer that brought them `n` bytes, they sit out the pulls until `n` bytes' time has
+/// passed. The other parts of the stream (replicas that follow live, whose
+/// acknowledgements majority writes wait on, and copies catching up) are never held.
 #[derive(Debug, Default)]
 struct StreamPacing {
-    /// The parts being built, each as (collection, partition).
-    building: std::collections::HashSet<(u32, u16)>,
-    /// Until when they sit out.
+    /// The parts being built, each as (collection, partition), and whether it is a new copy.
+    building: HashMap<(u32, u16), bool>,
+    /// Until when the new copies sit out.
     not_before: Option<Instant>,
 }
 
 impl StreamPacing {
-    /// Takes the parts being built out of `parts` while they sit out; answers how long
-    /// they still do (zero: they are asked for).
+    /// Takes the new copies out of `parts` while they sit out; answers how long they still
+    /// do (zero: they are asked for).
     fn defer(&mut self, parts: &mut Vec<PullPart>, now: Instant) -> Duration {
         let left = self.not_before.map_or(Duration::ZERO, |t| t.saturating_duration_since(now));
         if !left.is_zero() {
-            parts.retain(|p| !self.building.contains(&(p.collection, p.partition)));
+            parts.retain(|p| self.building.get(&(p.collection, p.partition)) != Some(&true));
         }
         left
     }
 
-    /// Whether a copy is being built from the stream (the budget's probe measures then).
+    /// Whether a new copy is being built from the stream (the budget's probe measures then).
     fn is_building(&self) -> bool {
-        !self.building.is_empty()
+        self.building.values().any(|new| *new)
     }
 
-    /// A part still backfilling from `from` took changes; `done` once its first snapshot is
-    /// whole. Answers whether what it took counts against the budget (a new copy's).
-    fn took(&mut self, key: (u32, u16), from: u64, done: bool) -> bool {
-        if from == 0 {
-            self.building.insert(key);
+    /// Whether `key` is being built (its bytes are a copy's progress until it is built).
+    fn tracks(&self, key: (u32, u16)) -> bool {
+        self.building.contains_key(&key)
+    }
+
+    /// A part backfilling from `from` took changes; `done` once [`backfilled`]; `near` once
+    /// within [`UNPACED_WITHIN`] of its active. Answers whether what it took counts against
+    /// the budget (a new copy's, until it is near).
+    fn took(&mut self, key: (u32, u16), from: u64, done: bool, near: bool) -> bool {
+        let new = self.building.entry(key).or_insert(from == 0);
+        let paced = *new;
+        if near {
+            *new = false;
         }
-        let counted = self.building.contains(&key);
         if done {
             self.building.remove(&key);
         }
-        counted
+        paced
     }
 
     /// The answer's new copies must wait `wait` before they take more.
@@ -582,13 +611,34 @@ mod tests {
     }
 
     #[test]
+    fn a_stream_copy_is_built_once_consistent_and_within_a_batch_of_its_active() {
+        let batch = PULL_BATCH_CHANGES as u64;
+        // (from, last taken, snapshot end, active's high, built)
+        let table = [
+            (0, Some(512), 512, 3_000, false),
+            (0, Some(512), 3_000, 3_000, false),
+            (2_488, Some(3_000), 3_000, 3_000, true),
+            (2_000, Some(2_600), 2_600, 2_600 + batch, true),
+            (2_000, Some(2_600), 2_600, 2_601 + batch, false),
+            (2_000, Some(2_500), 2_600, 2_600, false),
+            (3_000, None, 3_000, 3_000, true),
+            (0, None, 0, 0, true),
+        ];
+        for (from, last, end, high, built) in table {
+            assert_eq!(backfilled(from, last, end, high), built, "{from} {last:?} {end} {high}");
+        }
+    }
+
+    #[test]
     fn only_new_copies_sit_out_their_pacing_and_only_until_it_ends() {
         let now = Instant::now();
         let mut pacing = StreamPacing::default();
         // A new copy (from seqno 0) and a copy catching up from where it was (from 40).
-        assert!(pacing.took((1, 3), 0, false), "a new copy's bytes are paced");
-        assert!(!pacing.took((1, 4), 40, false), "a copy catching up is not");
+        assert!(pacing.took((1, 3), 0, false, false), "a new copy's bytes are paced");
+        assert!(!pacing.took((1, 4), 40, false, false), "a copy catching up is not");
         assert!(pacing.is_building());
+        assert!(pacing.tracks((1, 3)) && pacing.tracks((1, 4)) && !pacing.tracks((2, 3)), "both are progress until built");
+        assert!(pacing.took((1, 3), 512, false, false), "a new copy stays one past its first answer");
         pacing.paced(now, Duration::from_millis(10));
         // (when, parts sitting out, time left)
         type Row = (Duration, &'static [(u32, u16)], Duration);
@@ -605,9 +655,16 @@ mod tests {
             let expected: Vec<(u32, u16)> = [(1, 3), (1, 4), (2, 3)].into_iter().filter(|k| !out.contains(k)).collect();
             assert_eq!(kept, expected, "at {at:?}");
         }
-        // Its first snapshot whole, the copy is a replica: never held again.
-        assert!(pacing.took((1, 3), 512, true), "its last bytes still count");
-        assert!(!pacing.is_building());
+        // Near its active, it is paced no more (the bytes that took it there still count),
+        // but it is still being built.
+        assert!(pacing.took((1, 3), 1_024, false, true), "the bytes that took it near count");
+        assert!(!pacing.is_building() && pacing.tracks((1, 3)));
+        pacing.paced(now, Duration::from_millis(10));
+        let mut parts = vec![part(1, 3)];
+        pacing.defer(&mut parts, now);
+        assert_eq!(parts.len(), 1, "a copy near its active is not held");
+        assert!(!pacing.took((1, 3), 1_536, true, true), "nor counted");
+        assert!(!pacing.tracks((1, 3)));
         pacing.paced(now, Duration::from_millis(10));
         let mut parts = vec![part(1, 3)];
         pacing.defer(&mut parts, now);
