@@ -60,6 +60,7 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
         let state = node.state();
         let Some(address) = following(&node, &state, source) else { break };
         let mut parts = parts_from(&node, &state, source, &snapshot_end);
+        pacing.follow_only(&parts);
         let deferred = pacing.defer(&mut parts, Instant::now());
         // Held from one pull to the next while copies are built (the probe measures then).
         copying = pacing.is_building().then(|| copying.take().unwrap_or_else(|| node.copies.elastic.copying()));
@@ -203,6 +204,12 @@ impl StreamPacing {
             parts.retain(|p| self.building.get(&(p.collection, p.partition)) != Some(&true));
         }
         left
+    }
+
+    /// Forgets the copies this stream follows no more (the map moved them, a stop undid
+    /// their move): else a new copy left here would keep the budget's probe measuring.
+    fn follow_only(&mut self, parts: &[PullPart]) {
+        self.building.retain(|key, _| parts.iter().any(|p| (p.collection, p.partition) == *key));
     }
 
     /// Whether a new copy is being built from the stream (the budget's probe measures then).
@@ -672,5 +679,17 @@ mod tests {
         // No wait: nothing sits out.
         pacing.paced(now, Duration::ZERO);
         assert_eq!(pacing.defer(&mut parts, now), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_copy_the_stream_follows_no_more_is_forgotten() {
+        let mut pacing = StreamPacing::default();
+        pacing.took((1, 3), 0, false, false);
+        pacing.took((1, 4), 0, false, false);
+        pacing.follow_only(&[part(1, 4), part(2, 9)]);
+        assert!(!pacing.tracks((1, 3)), "moved away: forgotten");
+        assert!(pacing.tracks((1, 4)) && !pacing.tracks((2, 9)));
+        pacing.follow_only(&[]);
+        assert!(!pacing.is_building(), "the probe may rest");
     }
 }
