@@ -68,6 +68,9 @@ impl StorageState {
 pub struct StorageHealth {
     state: AtomicU8,
     detail: Mutex<Detail>,
+    /// The data paths and the reserve (bytes), to look at when the engine answers
+    /// `Poisoned` without saying why ([`StorageHealth::engine_error`]).
+    disks: Mutex<(Vec<std::path::PathBuf>, u64)>,
 }
 
 #[derive(Debug, Default)]
@@ -142,14 +145,30 @@ impl StorageHealth {
         }
     }
 
+    /// The data paths whose free space [`StorageHealth::engine_error`] looks at.
+    pub(crate) fn set_disks(&self, paths: Vec<std::path::PathBuf>, reserve_bytes: u64) {
+        *self.disks.lock() = (paths, reserve_bytes);
+    }
+
+    /// Whether some data path has no more than the reserve free now.
+    fn a_disk_is_full(&self) -> bool {
+        let disks = self.disks.lock();
+        disks.0.iter().any(|p| free_bytes(p).is_ok_and(|free| free <= disks.1))
+    }
+
     /// Classifies an engine error met while writing. Out of space poisons the engine (it
     /// refuses writes until reopened): a full disk that needs a restart once space is back.
-    /// A poisoned engine while the disk is known to be full is the same case (a background
-    /// flush met the full disk). Anything else fails the store.
+    /// A poisoned engine while the disk is full is the same case: a background flush met
+    /// the full disk, or another writer's commit did and this one only saw the poison —
+    /// known full by the watchdog, or found full now (under load, the disk filled between
+    /// two of the watchdog's looks and the node stayed read-only for good: a CI failure of
+    /// `tests/disk_full.rs`). Anything else fails the store.
     pub(crate) fn engine_error(&self, err: &fjall::Error) {
+        let poisoned = matches!(err, fjall::Error::Poisoned);
+        let full_now = poisoned && self.a_disk_is_full();
         let mut detail = self.detail.lock();
         let state = self.state.load(Ordering::Acquire);
-        let out_of_space = is_out_of_space(err) || (matches!(err, fjall::Error::Poisoned) && state != STATE_OK);
+        let out_of_space = is_out_of_space(err) || (poisoned && (state != STATE_OK || full_now));
         match state {
             STATE_OK | STATE_DISK_FULL if out_of_space => {
                 self.state.store(STATE_DISK_FULL_POISONED, Ordering::Release);
@@ -310,5 +329,26 @@ mod tests {
         let h = StorageHealth::default();
         h.engine_error(&fjall::Error::Io(std::io::Error::from_raw_os_error(libc::EIO)));
         assert!(matches!(h.check_writable(), Err(WriteError::ReadOnly(_))));
+    }
+
+    #[test]
+    fn a_poisoned_engine_on_a_disk_found_full_is_a_full_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        // The watchdog has not looked yet; the disk is full now (every byte under the reserve).
+        let h = StorageHealth::default();
+        h.set_disks(vec![dir.path().to_path_buf()], u64::MAX);
+        h.engine_error(&fjall::Error::Poisoned);
+        assert!(matches!(h.state(), StorageState::DiskFull { poisoned: true, .. }), "{:?}", h.state());
+        h.observe_free(0, 1000, 64);
+        assert!(h.restart_needed(), "space back: the engine is reopened");
+        // The disk has room: a poisoned engine is a failure, for good.
+        let h = StorageHealth::default();
+        h.set_disks(vec![dir.path().to_path_buf()], 0);
+        h.engine_error(&fjall::Error::Poisoned);
+        assert!(matches!(h.check_writable(), Err(WriteError::ReadOnly(_))));
+        // No paths known: as before.
+        let h = StorageHealth::default();
+        h.engine_error(&fjall::Error::Poisoned);
+        assert_eq!(h.state().as_str(), "failed");
     }
 }

@@ -192,6 +192,7 @@ impl Store {
         let recovered_unclean = existed && !clean_marker.exists();
         let cache_per_path = (config.cache_bytes / config.data_paths.len() as u64).max(1024 * 1024);
         let health = Arc::new(StorageHealth::default());
+        health.set_disks(config.data_paths.clone(), config.disk_reserve_bytes);
         let mut paths = Vec::new();
         for path in &config.data_paths {
             let db = fjall::Database::builder(path.join(DB_DIR)).cache_size(cache_per_path).open()?;
