@@ -1037,15 +1037,19 @@ async fn three_loaded_nodes(args: &[&str]) -> (Vec<Node>, reqwest::Client, Strin
 /// map here waits a while before the states follow it; every copy still goes by files.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_copy_waits_for_the_map_that_makes_it_a_replica() {
-    let args = [&MOVE_ARGS[..], &["--fault-injection"]].concat();
-    let (nodes, http, _) = three_loaded_nodes(&args).await;
+    // 64 partitions: then some removal always copies a partition to a node that already
+    // follows that partition's source for another one, whose pulls run when the map comes
+    // (with 4 partitions, a third of random node ids gave none; checked with the placement).
+    const PARTITIONS: u16 = 64;
+    let args = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", "64", "--fault-injection"];
+    let (nodes, http, _) = three_joined_nodes(&args).await;
+    assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    rebalance(&http, &nodes[0], &[]).await;
     let (_, info) = get_json(&http, &nodes[0].u("/v1/cluster")).await;
     let (_, before) = get_json(&http, &nodes[0].u("/v1/cluster/map")).await;
     let current: shoal_cluster::PartitionMap = serde_json::from_value(before).unwrap();
     let ids: Vec<u64> = nodes.iter().map(|n| node_id(&info, n).unwrap()).collect();
-    // The node to eject: one whose removal copies a partition to a node that already
-    // follows the copy's source for another partition (its pulls are running when the map
-    // comes). The plan is the leader's: placement is a pure function.
+    // The plan is the leader's: placement is a pure function.
     let follows = |to: u64, source: u64, but: u16| {
         current
             .partitions
@@ -1053,16 +1057,35 @@ async fn a_copy_waits_for_the_map_that_makes_it_a_replica() {
             .enumerate()
             .any(|(q, c)| q != usize::from(but) && c.active.0 == source && c.replicas.contains(&shoal_cluster::NodeId(to)))
     };
-    let leaving = ids.iter().copied().find(|&l| {
-        let stay: Vec<shoal_cluster::Node> =
-            ids.iter().filter(|&&i| i != l).map(|&i| shoal_cluster::Node { id: shoal_cluster::NodeId(i), weight: 1 }).collect();
-        let target = shoal_cluster::place(4, &stay, 1, Some(&current)).unwrap();
-        (0..4u16).any(|p| {
-            let (now, then) = (&current.partitions[usize::from(p)], &target.partitions[usize::from(p)]);
-            then.nodes().any(|t| !now.holds(t) && follows(t.0, now.active.0, p))
+    let (leaving, racing) = ids
+        .iter()
+        .map(|&l| {
+            let stay: Vec<shoal_cluster::Node> =
+                ids.iter().filter(|&&i| i != l).map(|&i| shoal_cluster::Node { id: shoal_cluster::NodeId(i), weight: 1 }).collect();
+            let target = shoal_cluster::place(PARTITIONS, &stay, 1, Some(&current)).unwrap();
+            let racing: Vec<u16> = (0..PARTITIONS)
+                .filter(|&p| {
+                    let (now, then) = (&current.partitions[usize::from(p)], &target.partitions[usize::from(p)]);
+                    then.nodes().any(|t| !now.holds(t) && follows(t.0, now.active.0, p))
+                })
+                .take(2)
+                .collect();
+            (l, racing)
         })
-    });
-    let leaving = leaving.expect("some removal copies to a node that follows the source already");
+        .find(|(_, racing)| !racing.is_empty())
+        .expect("some removal copies to a node that follows the source already");
+    // Those partitions get enough documents to be copied by files; the others stay empty.
+    let keys: Vec<String> = racing
+        .iter()
+        .flat_map(|&p| {
+            (0..).map(|i| format!("k{i}")).filter(move |k| shoal_storage::partition_of(k.as_bytes(), PARTITIONS) == p).take(2_100)
+        })
+        .collect();
+    for chunk in keys.chunks(2_000) {
+        let body: String = chunk.iter().map(|k| json!({"op": "upsert", "key": k, "value": {"k": k}}).to_string() + "\n").collect();
+        let r = http.post(nodes[0].u("/v1/collections/c/_bulk?durability=persist")).body(body).send().await.unwrap();
+        assert!(!r.text().await.unwrap().contains("\"error\""), "a bulk line failed");
+    }
     for n in &nodes {
         let r = http
             .post(n.u("/v1/_internal/faults"))
@@ -1077,8 +1100,11 @@ async fn a_copy_waits_for_the_map_that_makes_it_a_replica() {
     rebalance(&http, &nodes[stay], &[leaving]).await;
     let (_, status) = get_json(&http, &nodes[stay].u("/v1/cluster/rebalance")).await;
     let moves = status["moves"].as_array().unwrap();
-    assert!(!moves.is_empty(), "{status}");
-    assert!(moves.iter().all(|m| m["method"] == "files"), "every copy was built from files: {status}");
+    for p in &racing {
+        let mine: Vec<&Value> = moves.iter().filter(|m| m["id"] == *p).collect();
+        assert!(!mine.is_empty(), "partition {p} moved: {status}");
+        assert!(mine.iter().all(|m| m["method"] == "files"), "partition {p} was built from files: {status}");
+    }
     // Past its bound a delay is refused, and changes nothing.
     let r = http
         .post(nodes[stay].u("/v1/_internal/faults"))
@@ -1088,14 +1114,11 @@ async fn a_copy_waits_for_the_map_that_makes_it_a_replica() {
         .await
         .unwrap();
     assert_eq!(r.status(), 400);
-    let keys: Vec<String> = (0..MOVE_KEYS).map(|i| format!("k{i:05}")).collect();
-    for keys in keys.chunks(4_000) {
-        let r = http.post(nodes[stay].u("/v1/collections/c/_get")).json(&json!({"keys": keys})).send().await.unwrap();
-        let v: Value = r.json().await.unwrap();
-        let docs = v["docs"].as_array().unwrap_or_else(|| panic!("{v}"));
-        for (key, doc) in keys.iter().zip(docs) {
-            assert!(doc.get("value").is_some(), "{key} lost: {doc}");
-        }
+    let r = http.post(nodes[stay].u("/v1/collections/c/_get")).json(&json!({"keys": keys})).send().await.unwrap();
+    let v: Value = r.json().await.unwrap();
+    let docs = v["docs"].as_array().unwrap_or_else(|| panic!("{v}"));
+    for (key, doc) in keys.iter().zip(docs) {
+        assert!(doc.get("value").is_some(), "{key} lost: {doc}");
     }
 }
 
