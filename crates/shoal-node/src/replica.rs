@@ -147,9 +147,10 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
             match apply_part(&node, &address, part).await {
                 Ok(Some(end)) => {
                     if let Some(&from) = backfilling.get(&key) {
-                        let done = backfilled(from, last, end, high);
+                        let at = last.unwrap_or(from).max(from);
+                        let done = backfilled(at, end, high);
                         node.copies.add_stream_bytes(key.1, bytes, done);
-                        let near = last.unwrap_or(from).max(from).saturating_add(UNPACED_WITHIN) >= high;
+                        let near = at.saturating_add(UNPACED_WITHIN) >= high;
                         if pacing.took(key, from, done, near) {
                             streamed += bytes;
                         }
@@ -169,13 +170,12 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
     tracing::info!(source, "replication stopped");
 }
 
-/// Whether a copy backfilling from the change stream (at `from` before an answer that took
-/// it to `last`) is built: it holds a consistent state (past the snapshot's `end`) and is
-/// within a batch of the active's `high`. Consistent alone is not enough: a read from the
-/// active's in-memory tail is consistent at every batch, and a copy 6 MB short of its
-/// active showed as done after its first 512 changes.
-fn backfilled(from: u64, last: Option<u64>, end: u64, high: u64) -> bool {
-    let at = last.unwrap_or(from).max(from);
+/// Whether a copy backfilling from the change stream, now at seqno `at`, is built: it holds
+/// a consistent state (past the snapshot's `end`) and is within a batch of the active's
+/// `high`. Consistent alone is not enough: a read from the active's in-memory tail is
+/// consistent at every batch, and a copy 6 MB short of its active showed as done after its
+/// first 512 changes.
+fn backfilled(at: u64, end: u64, high: u64) -> bool {
     at >= end && at.saturating_add(PULL_BATCH_CHANGES as u64) >= high
 }
 
@@ -620,19 +620,18 @@ mod tests {
     #[test]
     fn a_stream_copy_is_built_once_consistent_and_within_a_batch_of_its_active() {
         let batch = PULL_BATCH_CHANGES as u64;
-        // (from, last taken, snapshot end, active's high, built)
+        // (where the copy is after the answer, snapshot end, active's high, built)
         let table = [
-            (0, Some(512), 512, 3_000, false),
-            (0, Some(512), 3_000, 3_000, false),
-            (2_488, Some(3_000), 3_000, 3_000, true),
-            (2_000, Some(2_600), 2_600, 2_600 + batch, true),
-            (2_000, Some(2_600), 2_600, 2_601 + batch, false),
-            (2_000, Some(2_500), 2_600, 2_600, false),
-            (3_000, None, 3_000, 3_000, true),
-            (0, None, 0, 0, true),
+            (512, 512, 3_000, false),
+            (512, 3_000, 3_000, false),
+            (3_000, 3_000, 3_000, true),
+            (2_600, 2_600, 2_600 + batch, true),
+            (2_600, 2_600, 2_601 + batch, false),
+            (2_500, 2_600, 2_600, false),
+            (0, 0, 0, true),
         ];
-        for (from, last, end, high, built) in table {
-            assert_eq!(backfilled(from, last, end, high), built, "{from} {last:?} {end} {high}");
+        for (at, end, high, built) in table {
+            assert_eq!(backfilled(at, end, high), built, "{at} {end} {high}");
         }
     }
 

@@ -68,8 +68,8 @@ impl StorageState {
 pub struct StorageHealth {
     state: AtomicU8,
     detail: Mutex<Detail>,
-    /// The data paths and the reserve (bytes), to look at when the engine answers
-    /// `Poisoned` without saying why ([`StorageHealth::engine_error`]).
+    /// The data paths and the reserve (bytes) the watchdog looks at, also when the engine
+    /// answers `Poisoned` without saying why ([`StorageHealth::engine_error`]).
     disks: Mutex<(Vec<std::path::PathBuf>, u64)>,
 }
 
@@ -145,30 +145,38 @@ impl StorageHealth {
         }
     }
 
-    /// The data paths whose free space [`StorageHealth::engine_error`] looks at.
+    /// The data paths the watchdog looks at, and the reserve each must keep free.
     pub(crate) fn set_disks(&self, paths: Vec<std::path::PathBuf>, reserve_bytes: u64) {
         *self.disks.lock() = (paths, reserve_bytes);
     }
 
-    /// Whether some data path has no more than the reserve free now.
-    fn a_disk_is_full(&self) -> bool {
+    /// The watchdog's look: every data path's free space against the reserve
+    /// ([`StorageHealth::observe_free`]).
+    pub(crate) fn watch_disks(&self) {
         let disks = self.disks.lock();
-        disks.0.iter().any(|p| free_bytes(p).is_ok_and(|free| free <= disks.1))
+        for (i, path) in disks.0.iter().enumerate() {
+            match free_bytes(path) {
+                Ok(free) => self.observe_free(i, free, disks.1),
+                Err(err) => tracing::warn!(%err, path = i, "cannot read the free space of a data path"),
+            }
+        }
     }
 
     /// Classifies an engine error met while writing. Out of space poisons the engine (it
     /// refuses writes until reopened): a full disk that needs a restart once space is back.
     /// A poisoned engine while the disk is full is the same case: a background flush met
-    /// the full disk, or another writer's commit did and this one only saw the poison —
-    /// known full by the watchdog, or found full now (under load, the disk filled between
-    /// two of the watchdog's looks and the node stayed read-only for good: a CI failure of
-    /// `tests/disk_full.rs`). Anything else fails the store.
+    /// the full disk, or another writer's commit did and this one only saw the poison. So a
+    /// poison met while all looked well first has the watchdog look now (under load, the
+    /// disk filled between two of its looks and the node stayed read-only for good: a CI
+    /// failure of `tests/disk_full.rs`). Anything else fails the store.
     pub(crate) fn engine_error(&self, err: &fjall::Error) {
         let poisoned = matches!(err, fjall::Error::Poisoned);
-        let full_now = poisoned && self.a_disk_is_full();
+        if poisoned && self.state.load(Ordering::Acquire) == STATE_OK {
+            self.watch_disks();
+        }
         let mut detail = self.detail.lock();
         let state = self.state.load(Ordering::Acquire);
-        let out_of_space = is_out_of_space(err) || (poisoned && (state != STATE_OK || full_now));
+        let out_of_space = is_out_of_space(err) || (poisoned && state != STATE_OK);
         match state {
             STATE_OK | STATE_DISK_FULL if out_of_space => {
                 self.state.store(STATE_DISK_FULL_POISONED, Ordering::Release);

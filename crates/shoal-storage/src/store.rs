@@ -289,12 +289,7 @@ impl Store {
 
     /// Reads every data path's free space once and updates the disk-full state.
     pub fn watch_disks(&self) {
-        for (i, path) in self.config.data_paths.iter().enumerate() {
-            match crate::health::free_bytes(path) {
-                Ok(free) => self.health.observe_free(i, free, self.config.disk_reserve_bytes),
-                Err(err) => tracing::warn!(%err, path = i, "cannot read the free space of a data path"),
-            }
-        }
+        self.health.watch_disks();
     }
 
     pub fn partitions(&self) -> u16 {
