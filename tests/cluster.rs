@@ -1197,7 +1197,15 @@ async fn a_stopped_rebalance_keeps_the_moves_it_finished() {
     assert_eq!(http.post(nodes[0].u("/v1/collections/slow/_bulk")).body(body).send().await.unwrap().status(), 200);
     // Malformed fault switches are refused whole, and change nothing (checked by the copy
     // of `c` finishing below: nothing is cut or held by them).
-    for bad in ["{", r#"{"cut": "x"}"#, r#"{"cut": [], "hold": ["no-such-collection"]}"#, r#"{"cut": [], "drop": true}"#] {
+    for bad in [
+        "{",
+        r#"{"cut": "x"}"#,
+        r#"{"cut": [], "hold": ["no-such-collection"]}"#,
+        r#"{"cut": [], "drop": true}"#,
+        r#"{"cut": [], "map_delay_ms": -1}"#,
+        r#"{"cut": [], "map_delay_ms": "1s"}"#,
+        r#"{"cut": [], "map_delay_ms": 30001}"#,
+    ] {
         let r = http.post(fourth.u("/v1/_internal/faults")).header("x-shoal-cluster-secret", SECRET).body(bad).send().await.unwrap();
         assert_eq!(r.status(), 400, "{bad}");
         let code = r.json::<Value>().await.unwrap()["error"].clone();
