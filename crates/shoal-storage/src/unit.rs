@@ -249,6 +249,19 @@ impl Store {
             unit.owner.set(*state);
             tracing::info!(partition = p, from = %before, to = %state, "partition state");
         }
+        // A writer checks that its partition is active and commits under the partition's
+        // sequencer, so one that passed the check just before the change may still be about
+        // to commit. Waiting for each sequencer once lets it land: when this returns, every
+        // write this copy took as active is in its high seqno (a hand-over reads it next and
+        // waits for the new active to hold it; a write landing after that read would be
+        // acknowledged here and then lost).
+        for ((p, state), before) in changes.iter().zip(&befores) {
+            if *before == PartitionState::Active && *state != PartitionState::Active {
+                for collection in &collections {
+                    drop(collection.partition_arc(*p).hold()?);
+                }
+            }
+        }
         Ok(())
     }
 

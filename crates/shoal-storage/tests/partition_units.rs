@@ -353,6 +353,59 @@ fn many_partitions_change_state_at_once() {
     }
 }
 
+/// A copy that stops being active has every write it acknowledged as active in the high
+/// seqno read right after the change: a hand-over reads that position and waits for the new
+/// active to hold it, so a write that passed the active check before the change but
+/// committed after that read would be acknowledged and then lost. Writers race the change
+/// on four threads, many times over.
+#[test]
+fn a_copy_leaving_active_holds_every_write_it_acknowledged_when_the_change_returns() {
+    const ROUNDS: usize = 200;
+    const WRITERS: usize = 4;
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    let c = store.create_collection("c", 0).unwrap();
+    let p = 1u16;
+    let keys = Arc::new(keys_in(p, "w", 64));
+    for round in 0..ROUNDS {
+        store.set_partition_state(p, PartitionState::Active).unwrap();
+        let start = c.high_seqnos()[usize::from(p)];
+        let go = Arc::new(std::sync::Barrier::new(WRITERS + 1));
+        let writers: Vec<_> = (0..WRITERS)
+            .map(|w| {
+                let (c, keys, go) = (Arc::clone(&c), Arc::clone(&keys), Arc::clone(&go));
+                std::thread::spawn(move || {
+                    go.wait();
+                    let mut acked = Vec::new();
+                    for i in 0.. {
+                        match c.write(put(&keys[(w * 16 + i) % keys.len()])) {
+                            Ok((outcome, _)) => acked.push(outcome.seqno),
+                            Err(WriteError::NotMyPartition(_)) => return acked,
+                            Err(e) => panic!("round {round}: {e}"),
+                        }
+                    }
+                    acked
+                })
+            })
+            .collect();
+        go.wait();
+        // Let the writers get going (a few writes each), then change the state under them.
+        while c.high_seqnos()[usize::from(p)] < start + 8 {
+            std::thread::yield_now();
+        }
+        store.set_partition_states(&[(p, PartitionState::Replica)]).unwrap();
+        let high = c.positions()[usize::from(p)].seqno;
+        for w in writers {
+            for seqno in w.join().unwrap() {
+                assert!(
+                    seqno <= high,
+                    "round {round}: a write acknowledged at seqno {seqno} past the position {high} read after the change"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn states_refuse_what_they_must_and_survive_a_restart() {
     let dir = tempfile::tempdir().unwrap();
