@@ -124,6 +124,11 @@ pub struct Copies {
     building: Mutex<BTreeMap<u16, CopyProgress>>,
     /// Partitions whose file copy failed: they backfill from the change stream instead.
     streamed: Mutex<std::collections::BTreeSet<u16>>,
+    /// Copies under way of partitions the map no longer keeps here: each stops at its next
+    /// chunk. Its ingest holds the partition's lock until it ends, and the map's drop of the
+    /// partition waits for that lock: a paced copy left to finish held the map's application
+    /// (and every map after it) for as long as its bytes took.
+    cancelled: Mutex<std::collections::BTreeSet<u16>>,
     /// When the next exported chunk may leave (the bandwidth budget).
     pace: Mutex<Option<Instant>>,
     /// When the next received chunk may go to its ingest (the elastic budget alone).
@@ -158,9 +163,21 @@ impl Copies {
     /// Forgets the copies of partitions this node holds as a replica no more (they became
     /// active, or went away): what the next rebalance shows is its own.
     pub(crate) fn retain_replicas(&self, replica: impl Fn(u16) -> bool) {
-        self.building.lock().retain(|p, c| c.state == "copying" || replica(*p));
+        let mut cancelled = self.cancelled.lock();
+        self.building.lock().retain(|p, c| {
+            let copying = c.state == "copying";
+            if copying && !replica(*p) {
+                cancelled.insert(*p);
+            }
+            copying || replica(*p)
+        });
         self.streamed.lock().retain(|p| replica(*p));
         self.queue.lock().retain(|(p, _, _)| replica(*p));
+    }
+
+    /// Whether the copy of partition `p` under way was cancelled (see `cancelled`).
+    fn is_cancelled(&self, p: u16) -> bool {
+        self.cancelled.lock().contains(&p)
     }
 
     /// Whether partition `p` may still be built from files here.
@@ -314,6 +331,7 @@ fn start(node: &Arc<ClusterNode>, source: u64, address: String, p: u16, map_vers
     tokio::spawn(async move {
         let started = Instant::now();
         let outcome = copy(&node, &address, p, map_version).await;
+        node.copies.cancelled.lock().remove(&p);
         match &outcome {
             Ok(stats) => {
                 let secs = started.elapsed().as_secs_f64();
@@ -458,6 +476,9 @@ async fn pump(
         let wait = node.copies.pace_in(chunk.len());
         if !wait.is_zero() {
             tokio::time::sleep(wait).await;
+        }
+        if node.copies.is_cancelled(p) {
+            return Err(ClusterError::Refused(format!("the map no longer keeps partition {p} here; its copy stops")));
         }
         if tx.send(Ok(chunk)).await.is_err() {
             // The ingest stopped (it refused a record): its error says why.

@@ -151,6 +151,8 @@ pub struct ClusterNode {
     /// Partitions this node holds active but was asked to hand over (a rebalance): writes
     /// stop until the new map is in.
     pub(crate) frozen: Mutex<HashMap<u16, Instant>>,
+    /// Held while the map is applied (`apply_current_map`): one application at a time.
+    applying: tokio::sync::Mutex<()>,
     /// The map version this node's copies follow (their states set by `apply_map`): a
     /// moment behind the metadata it has applied, and what a request routed here waits for.
     store_map: tokio::sync::watch::Sender<u64>,
@@ -248,6 +250,7 @@ impl ClusterNode {
             apply_lock: tokio::sync::Mutex::new(()),
             replicators: Mutex::new(HashMap::new()),
             frozen: Mutex::new(HashMap::new()),
+            applying: tokio::sync::Mutex::new(()),
             store_map: tokio::sync::watch::Sender::new(0),
             rebalancer: crate::rebalance::Rebalancer::default(),
             copies: crate::copy::Copies::new(config.copy_by_stream, config.copy_by_records, config.copy_unpaced),
@@ -1025,14 +1028,16 @@ impl ClusterNode {
                 }
             }
         }
-        if let Some(map) = &state.map {
-            self.apply_map(state, map).await?;
-        }
-        Ok(())
+        self.apply_current_map().await
     }
 
-    /// Applies the current map again now (a freeze changed).
+    /// Applies the current map: partition states and replication follow it (and the
+    /// freezes). One application at a time, each from the state and freezes as they are
+    /// once it runs: the reconcile loop, a hand-over and a finished copy all apply it, and
+    /// one working from an older look, landing after a newer one, undid it — a freeze
+    /// thawed under its hand-over, or a new active set back to a replica.
     pub(crate) async fn apply_current_map(self: &Arc<Self>) -> Result<(), ClusterError> {
+        let _one = self.applying.lock().await;
         let state = self.state();
         match &state.map {
             Some(map) => self.apply_map(&state, map).await,

@@ -52,6 +52,12 @@ pub const CATCH_UP_MAX: Duration = Duration::from_secs(3_600);
 pub const SETTLE_MAX: Duration = Duration::from_secs(30);
 /// Longest an active keeps partitions frozen for a hand-over before it thaws them.
 pub const FREEZE_MAX: Duration = Duration::from_secs(30);
+/// A hand-over whose sources all answered only after this is not committed: a source
+/// thaws its partitions (active again) `FREEZE_MAX` after its freeze began, and a map moving
+/// them committed after that would leave the writes it took meanwhile on a copy that is no
+/// longer active. Half of `FREEZE_MAX` leaves the other half for the map's commit and for
+/// the sources to apply it.
+pub const HANDOVER_COMMIT_WITHIN: Duration = Duration::from_secs(FREEZE_MAX.as_secs() / 2);
 /// Longest an active asked to hand over waits to apply the rebalance's plan from the log.
 const PLAN_WAIT: Duration = Duration::from_secs(5);
 /// A move's state once its new copy is within `CATCH_UP_SLACK` of its active.
@@ -507,10 +513,22 @@ async fn hand_over(
             handovers.entry(cur.active.0).or_default().push((p, want.active.0));
         }
     }
+    // Every source at once: their freezes overlap instead of adding up, and each runs from
+    // about the same start, which the check below bounds.
+    let mut calls = Vec::with_capacity(handovers.len());
     for (from, partitions) in &handovers {
         let address = state.members.get(&NodeId(*from)).map(|m| m.address.clone()).ok_or(ClusterError::NodeNotFound(*from))?;
         let body = serde_json::to_vec(&HandoverRequest { partitions: partitions.clone() }).unwrap_or_default();
-        node.peers.call(&address, Op::Handover, body, CALL_TIMEOUT).await?;
+        calls.push(node.peers.call(&address, Op::Handover, body, CALL_TIMEOUT));
+    }
+    for answer in futures::future::join_all(calls).await {
+        answer?;
+    }
+    let answered = handover_started.elapsed();
+    if answered > HANDOVER_COMMIT_WITHIN {
+        return Err(ClusterError::Refused(format!(
+            "the hand-over's sources answered after {answered:?}, too close to their freezes' end ({FREEZE_MAX:?}) to move the partitions now"
+        )));
     }
     let mut next = map.clone();
     for &p in ready {
