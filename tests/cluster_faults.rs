@@ -196,6 +196,10 @@ async fn a_cluster_under_kills_pauses_and_partitions_stays_linearizable_for_majo
         // Bring the cluster back to full strength: recover a failed-over node, rebalance.
         // Every failed member, not only the victim: on two shared cores a member starved
         // during a fault may be failed over too (counted, and recovered like the victim).
+        // Such a failover comes at most the auto-failover timeout after the silence that
+        // caused it, so the look waits that out: one decided just after the look used up
+        // the automatic failovers, and the next fault's victim was never failed over.
+        tokio::time::sleep(Duration::from_secs(failover_timeout_s as u64 + 1)).await;
         let (_, info) = get_json(&http, &nodes[watcher].u("/v1/cluster")).await;
         let failed: Vec<u64> = info["nodes"]
             .as_array()
