@@ -993,6 +993,83 @@ fn joined(args: &[&str], join: &str) -> Node {
 /// `serve` flags of the move tests' nodes: 4 partitions, so that each holds more than a
 /// copy by files needs.
 const MOVE_ARGS: [&str; 6] = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", "4"];
+/// A wave whose sources answer the hand-over only after `HANDOVER_COMMIT_WITHIN` (half the
+/// limit of their freezes, after which they take writes again) is not committed: the
+/// rebalance fails and says why, nothing a majority acknowledged meanwhile is lost, and a
+/// new rebalance moves the partitions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hand_over_answered_too_late_is_not_committed_and_loses_nothing() {
+    let args = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", "4", "--fault-injection"];
+    let (nodes, http, join) = three_joined_nodes(&args).await;
+    assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    rebalance(&http, &nodes[0], &[]).await;
+    let body: String = (0..400).map(|i| json!({"op": "upsert", "key": format!("k{i:03}"), "value": {"i": i}}).to_string() + "\n").collect();
+    let r = http.post(nodes[0].u("/v1/collections/c/_bulk?durability=majority")).body(body).send().await.unwrap();
+    assert!(!r.text().await.unwrap().contains("\"error\""), "a bulk line failed");
+    let fourth = joined(&args, &join);
+    wait_for(&http, &nodes[0].u("/v1/cluster"), "four members", |v| member_states(v).len() == 4).await;
+    // Every old member applies maps late, so a source freezes (and answers) only after the
+    // bound; the new node does not.
+    let delay = shoal_node::rebalance::HANDOVER_COMMIT_WITHIN + Duration::from_secs(1);
+    let set_delay = |ms: u128| {
+        let http = http.clone();
+        let urls: Vec<String> = nodes.iter().map(|n| n.u("/v1/_internal/faults")).collect();
+        async move {
+            for url in urls {
+                let r = http
+                    .post(url)
+                    .header("x-shoal-cluster-secret", SECRET)
+                    .json(&json!({"cut": [], "map_delay_ms": ms}))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+            }
+        }
+    };
+    set_delay(delay.as_millis()).await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (http, url, stop) = (http.clone(), nodes[1].u("/v1/collections/c/docs"), std::sync::Arc::clone(&stop));
+        tokio::spawn(async move {
+            let mut acked = Vec::new();
+            for i in 0usize.. {
+                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                let r = http.put(format!("{url}/w{i:05}?durability=majority")).body(json!({"w": i}).to_string()).send().await;
+                if r.is_ok_and(|r| r.status() == 200) {
+                    acked.push(i);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            acked
+        })
+    };
+    let r = http.post(nodes[1].u("/v1/cluster/rebalance")).json(&json!({})).send().await.unwrap();
+    assert_eq!(r.status(), 202);
+    let status = wait_for(&http, &nodes[1].u("/v1/cluster/rebalance"), "the rebalance's end", |v| v["state"] != "running").await;
+    assert_eq!(status["state"], "failed", "{status}");
+    assert!(status["message"].as_str().is_some_and(|m| m.contains("too close to their freezes' end")), "{status}");
+
+    // Released, a new rebalance moves them (a map application already delayed may still
+    // hold the next hand-over up: tried until one completes); everything acknowledged is there.
+    set_delay(0).await;
+    common::cluster::rebalance_when_possible(&http, &nodes[1], &[]).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let acked = writer.await.unwrap();
+    assert!(!acked.is_empty(), "majority writes were acknowledged meanwhile");
+    let (_, info) = get_json(&http, &nodes[1].u("/v1/cluster")).await;
+    let fourth_id = node_id(&info, &fourth).unwrap();
+    let (_, map) = get_json(&http, &nodes[1].u("/v1/cluster/map")).await;
+    assert!(map["partitions"].as_array().unwrap().iter().any(|p| p["active"] == fourth_id), "the new node took active copies: {map}");
+    let keys: Vec<String> = (0..400).map(|i| format!("k{i:03}")).chain(acked.iter().map(|i| format!("w{i:05}"))).collect();
+    for key in keys {
+        let (status, doc) = get_json(&http, &fourth.u(&format!("/v1/collections/c/docs/{key}"))).await;
+        assert_eq!(status, 200, "{key}: {doc}");
+    }
+}
+
 /// Documents (of ~500 bytes, keys `k00000`...) the move tests load.
 const MOVE_KEYS: usize = 12_000;
 

@@ -653,6 +653,23 @@ fn export_of(store: &Store, req: &ExportRequest) -> Result<(CopyHeader, Box<Expo
 mod tests {
     use super::*;
 
+    /// A copy under way of a partition the map no longer keeps here is cancelled (its pump
+    /// stops at the next chunk); one the map still wants, or one merely queued, is not.
+    #[test]
+    fn a_copy_under_way_whose_partition_moves_away_is_cancelled() {
+        let copies = Copies::default();
+        for p in [1, 2, 3] {
+            copies.set(p, |c| c.state = "copying".into());
+        }
+        copies.set(4, |c| c.state = "queued".into());
+        // The map keeps 1 here, and moves 2, 3 and 4 away.
+        copies.retain_replicas(|p| p == 1);
+        assert!(!copies.is_cancelled(1), "still a copy here");
+        assert!(copies.is_cancelled(2) && copies.is_cancelled(3), "moved away while copying");
+        assert!(!copies.is_cancelled(4) && !copies.is_building(4), "a queued copy is forgotten, not cancelled");
+        assert!(copies.is_building(2), "a cancelled copy shows until it ends");
+    }
+
     /// The ingest's side of a copy: `chunks` (a stream cut anywhere) through `Records`.
     fn records_of(stream: &[u8], cut: usize) -> Vec<Result<(Bytes, Bytes), String>> {
         let mut decoder = FrameDecoder::default();
