@@ -50,6 +50,12 @@ pub const COPY_UNCOPIED_BYTES: usize = 64 * 1024;
 const COPY_QUEUE_CHUNKS: usize = 8;
 /// A copy whose source sends nothing for this long fails (and falls back to the stream).
 pub const COPY_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// A received chunk waits at most this long for the budget before it goes to its ingest.
+/// Stream copies take from the same bucket (`Copies::pace_stream`), a whole pull answer at a
+/// time, so at a low `rebalance_mb_per_s` the bucket can be booked far ahead; a copy that
+/// waited all of that would read nothing for longer than its source's `COPY_IDLE_TIMEOUT`,
+/// and the source would close it. Half of it leaves the socket's buffers the rest.
+pub const PUMP_WAIT_MAX: Duration = Duration::from_secs(COPY_IDLE_TIMEOUT.as_secs() / 2);
 /// A copy waits at most this long for the partition states here to follow the map that
 /// made this node a copy (then it tries anyway, and fails to the stream if still dead).
 pub const COPY_MAP_WAIT: Duration = Duration::from_secs(10);
@@ -233,6 +239,12 @@ impl Copies {
     /// into this node move at most its elastic budget (a receiver's probe sees its own cores).
     fn pace_in(&self, bytes: usize) -> Duration {
         wait_for(&self.pace_in, bytes, self.elastic.limit().unwrap_or(0.0))
+    }
+
+    /// How long a received chunk of `bytes` waits before it goes to its ingest: its turn in
+    /// the budget, at most `PUMP_WAIT_MAX`.
+    fn pump_wait(&self, bytes: usize) -> Duration {
+        self.pace_in(bytes).min(PUMP_WAIT_MAX)
     }
 
     /// How long new copies built from the change stream wait after taking `bytes`: at most
@@ -473,7 +485,7 @@ async fn pump(
 ) -> Result<(), ClusterError> {
     while let Some(chunk) = next_chunk(stream).await? {
         let bytes = chunk.len() as u64;
-        let wait = node.copies.pace_in(chunk.len());
+        let wait = node.copies.pump_wait(chunk.len());
         if !wait.is_zero() {
             tokio::time::sleep(wait).await;
         }
@@ -652,6 +664,18 @@ fn export_of(store: &Store, req: &ExportRequest) -> Result<(CopyHeader, Box<Expo
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Stream copies booking the shared bucket far ahead (a big pull answer at a low
+    /// setting) hold a received chunk for at most `PUMP_WAIT_MAX`, inside its source's idle
+    /// timeout.
+    #[test]
+    fn a_received_chunk_waits_less_than_its_source_lets_it_be_idle() {
+        let copies = Copies::default();
+        assert!(copies.pace_stream(100 * 1_000_000, 1).is_zero(), "the first booking goes at once");
+        let wait = copies.pump_wait(1_000_000);
+        assert_eq!(wait, PUMP_WAIT_MAX, "the bucket is booked 100 s ahead");
+        assert!(PUMP_WAIT_MAX < COPY_IDLE_TIMEOUT);
+    }
 
     /// A copy under way of a partition the map no longer keeps here is cancelled (its pump
     /// stops at the next chunk); one the map still wants, or one merely queued, is not.
