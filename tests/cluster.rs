@@ -774,10 +774,12 @@ async fn a_rebalance_copies_large_partitions_as_files_and_loses_nothing() {
     assert!(moves.iter().all(|m| m["shipped"] == "files"), "every copy's snapshot came as the keyspace's files: {status}");
     assert!(status["bytes_done"].as_u64().unwrap() > 12_000 * 20, "the copies' bytes are counted: {status}");
     // The plan gave every move its bytes before any copy started: its source partition's
-    // live documents, which the copy's records (keys, metadata, by-sequence entries) exceed.
+    // live documents. The copy carries its tables as they are on disk: the records (keys,
+    // metadata, by-sequence entries) in LZ4-compressed blocks, so within a small factor of
+    // the documents either way.
     for m in moves {
         let (planned, done) = (m["bytes_planned"].as_u64().unwrap_or(0), m["bytes_done"].as_u64().unwrap_or(0));
-        assert!(planned > 0 && planned <= done, "planned {planned}, carried {done}: {m}");
+        assert!(planned > 0 && done > 0 && done <= planned * 4 && done * 4 >= planned, "planned {planned}, carried {done}: {m}");
         // A move is caught up only once its copy is whole: never on the positions an ingest
         // set before the copy said it was done.
         let finished = m["copy_finished_unix_ms"].as_u64();
