@@ -775,11 +775,13 @@ async fn a_rebalance_copies_large_partitions_as_files_and_loses_nothing() {
     assert!(status["bytes_done"].as_u64().unwrap() > 12_000 * 20, "the copies' bytes are counted: {status}");
     // The plan gave every move its bytes before any copy started: its source partition's
     // live documents. The copy carries its tables as they are on disk: the records (keys,
-    // metadata, by-sequence entries) in LZ4-compressed blocks, so within a small factor of
-    // the documents either way.
+    // metadata, by-sequence entries) in LZ4-compressed blocks, with the writes made since
+    // the plan. Here the documents are about 26 bytes, smaller than a record's key, metadata
+    // and by-sequence entry together (a CI run carried 4.6x the plan), so the factor is
+    // wide: it still catches bytes counted from the wrong files or not at all.
     for m in moves {
         let (planned, done) = (m["bytes_planned"].as_u64().unwrap_or(0), m["bytes_done"].as_u64().unwrap_or(0));
-        assert!(planned > 0 && done > 0 && done <= planned * 4 && done * 4 >= planned, "planned {planned}, carried {done}: {m}");
+        assert!(planned > 0 && done > 0 && done <= planned * 16 && done * 4 >= planned, "planned {planned}, carried {done}: {m}");
         // A move is caught up only once its copy is whole: never on the positions an ingest
         // set before the copy said it was done.
         let finished = m["copy_finished_unix_ms"].as_u64();
