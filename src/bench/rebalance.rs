@@ -246,7 +246,12 @@ pub async fn run(args: RebalanceArgs) -> Result<(), CliError> {
             let rate: Vec<(f64, f64)> = o
                 .samples
                 .windows(2)
-                .map(|w| (w[1].t - o.rebalance_start, (w[1].bytes_done - w[0].bytes_done) as f64 / 1e6 / (w[1].t - w[0].t).max(1e-9)))
+                // The progress's bytes can fall back (a failed copy's, or the last status's
+                // count at the end): no negative rate, and no wrapped one (a remove's chart
+                // once showed 1e12 MB/s).
+                .map(|w| {
+                    (w[1].t - o.rebalance_start, w[1].bytes_done.saturating_sub(w[0].bytes_done) as f64 / 1e6 / (w[1].t - w[0].t).max(1e-9))
+                })
                 .collect();
             let label = format!("{} {}", o.scenario.name(), o.method);
             series.push(Series { name: format!("{label}: MB/s into the receivers"), points: rate });
