@@ -32,7 +32,7 @@ use shoal_meta::{MemberState, MetaCommand, MetaReject, RebalancePlan};
 
 use crate::acks::{Need, Part};
 use crate::node::ClusterNode;
-use crate::peers::Op;
+use crate::peers::{Op, PeerError};
 use crate::ClusterError;
 
 /// Partitions ready to move wait for the others, but at most this long after the previous
@@ -519,7 +519,19 @@ async fn hand_over(
     for (from, partitions) in &handovers {
         let address = state.members.get(&NodeId(*from)).map(|m| m.address.clone()).ok_or(ClusterError::NodeNotFound(*from))?;
         let body = serde_json::to_vec(&HandoverRequest { partitions: partitions.clone() }).unwrap_or_default();
-        calls.push(node.peers.call(&address, Op::Handover, body, CALL_TIMEOUT));
+        calls.push(async move {
+            // A call whose connection failed (a pooled connection closed under it, a reset)
+            // is sent once more while the wave may still commit: a source's side of a
+            // hand-over can run twice (it freezes again and waits for the same positions).
+            // A CI run failed a whole rebalance on one "error sending request".
+            match node.peers.call(&address, Op::Handover, body.clone(), CALL_TIMEOUT).await {
+                Err(PeerError::Unreachable { why, .. }) if handover_started.elapsed() < HANDOVER_COMMIT_WITHIN => {
+                    tracing::info!(%address, %why, "a hand-over call failed; sending it once more");
+                    node.peers.call(&address, Op::Handover, body, CALL_TIMEOUT).await
+                }
+                answer => answer,
+            }
+        });
     }
     for answer in futures::future::join_all(calls).await {
         answer?;

@@ -180,7 +180,7 @@ impl Peers for HttpPeers {
             .send();
         let address = address.to_string();
         Box::pin(async move {
-            let unreachable = |e: reqwest::Error| PeerError::Unreachable { address: address.clone(), why: e.to_string() };
+            let unreachable = |e: reqwest::Error| PeerError::Unreachable { address: address.clone(), why: error_chain(&e) };
             let response = request.await.map_err(unreachable)?;
             let status = response.status();
             let bytes = response.bytes().await.map_err(unreachable)?;
@@ -220,6 +220,19 @@ impl Peers for HttpPeers {
             Ok(Box::pin(chunks) as ChunkStream)
         })
     }
+}
+
+/// An error and its sources, outermost first: reqwest's own text ("error sending request
+/// for url …") hides whether the connect, a reused connection or the answer failed.
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
 
 /// The error a member's non-success answer means.
