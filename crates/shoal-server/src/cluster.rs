@@ -672,3 +672,27 @@ async fn forward(
 pub fn forwarder() -> Result<reqwest::Client, reqwest::Error> {
     reqwest::Client::builder().tcp_nodelay(true).no_proxy().pool_max_idle_per_host(256).build()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("{text}")]
+    struct Layer {
+        text: &'static str,
+        #[source]
+        cause: Option<Box<Layer>>,
+    }
+
+    #[test]
+    fn an_unreachable_peer_says_every_cause() {
+        let inner = Layer { text: "connection closed before message completed", cause: None };
+        let outer = Layer { text: "error sending request for url (http://a/v1/_internal/handover)", cause: Some(Box::new(inner)) };
+        assert_eq!(
+            error_chain(&outer),
+            "error sending request for url (http://a/v1/_internal/handover): connection closed before message completed"
+        );
+        assert_eq!(error_chain(&Layer { text: "refused", cause: None }), "refused");
+    }
+}
