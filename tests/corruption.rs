@@ -291,11 +291,11 @@ const MARKED_DOC: usize = 200;
 const SMALL_MARK: &str = "qwxzjkybpfhm";
 
 fn small_doc(i: usize) -> Value {
+    let mut doc = json!({"tag": format!("SMALLDOC-{i:04}"), "v": i});
     if i == MARKED_DOC {
-        json!({"tag": format!("SMALLDOC-{i:04}"), "v": i, "mark": SMALL_MARK})
-    } else {
-        json!({"tag": format!("SMALLDOC-{i:04}"), "v": i})
+        doc["mark"] = json!(SMALL_MARK);
     }
+    doc
 }
 
 async fn get(node: &Node, c: &reqwest::Client, key: &str) -> (StatusCode, Value) {
@@ -359,14 +359,18 @@ async fn a_flipped_bit_in_a_document_answers_corrupt() {
 
     node.restart();
     // Reading a damaged document says so: not 404, not a stale or a wrong body.
-    assert_corrupt(get(&node, &c, "s0200").await, "get of the damaged small document");
+    let marked = format!("s{MARKED_DOC:04}");
+    assert_corrupt(get(&node, &c, &marked).await, "get of the damaged small document");
     assert_corrupt(get(&node, &c, "b03").await, "get of the damaged big document");
     // Writing over it would hide the damage: the write reads the current record and fails
     // the same way (and so does a delete), and the record stays as it is.
-    assert_corrupt(put(&node, &c, "s0200", small_doc(0).to_string()).await, "upsert over the damaged small document");
+    assert_corrupt(put(&node, &c, &marked, small_doc(0).to_string()).await, "upsert over the damaged small document");
     assert_corrupt(put(&node, &c, "b03", big_doc(0)).await, "upsert over the damaged big document");
-    assert_corrupt(send(&c, reqwest::Method::DELETE, node.u("/v1/collections/c/docs/s0200"), None).await, "delete of the damaged document");
-    assert_corrupt(get(&node, &c, "s0200").await, "the damaged document after the refused writes");
+    assert_corrupt(
+        send(&c, reqwest::Method::DELETE, node.u(&format!("/v1/collections/c/docs/{marked}")), None).await,
+        "delete of the damaged document",
+    );
+    assert_corrupt(get(&node, &c, &marked).await, "the damaged document after the refused writes");
 
     // Everything else keeps working: documents in other blocks and other blobs, writes.
     for i in [0, SMALL_DOCS - 1] {
