@@ -1237,6 +1237,93 @@ async fn an_added_node_takes_its_copies_and_no_replica_is_rebuilt() {
     }
 }
 
+/// A node that serves nothing yet builds more copies at once (DESIGN.md: a concurrency
+/// budget "larger towards an empty node"): with `rebalance_moves_per_node` at 1, a joining
+/// node builds its two copies by files at the same time, while receivers that are already
+/// the active of a partition build theirs one after another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_empty_node_builds_more_copies_at_once() {
+    let (mut nodes, http, join) = three_joined_nodes(&MOVE_ARGS).await;
+    assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    rebalance(&http, &nodes[0], &[]).await;
+    // Pads that LZ4 cannot shrink, so that each copy takes a second or more at 1 MB/s.
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let mut pad = || -> String {
+        (0..32)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                format!("{x:016x}")
+            })
+            .collect()
+    };
+    for chunk in (0..MOVE_KEYS).collect::<Vec<_>>().chunks(2_000) {
+        let body: String = chunk
+            .iter()
+            .map(|i| json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"i": i, "pad": pad()}}).to_string() + "\n")
+            .collect();
+        let r = http.post(nodes[0].u("/v1/collections/c/_bulk?durability=persist")).body(body).send().await.unwrap();
+        assert!(!r.text().await.unwrap().contains("\"error\""), "a bulk line failed");
+    }
+    let r = http
+        .put(nodes[0].u("/v1/cluster/settings"))
+        .json(&json!({"rebalance_moves_per_node": 1, "rebalance_mb_per_s": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+    // The copies by files into `to` in a rebalance's status: (start, end) in ms.
+    let copies_into = |status: &Value, to: u64| -> Vec<(u64, u64)> {
+        status["moves"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["to"] == to && m["method"] == "files")
+            .map(|m| (m["copy_started_unix_ms"].as_u64().unwrap(), m["copy_finished_unix_ms"].as_u64().unwrap()))
+            .collect()
+    };
+    let overlap = |a: (u64, u64), b: (u64, u64)| a.0 < b.1 && b.0 < a.1;
+
+    // A fourth node joins: it is the active of nothing until its moves are handed over.
+    nodes.push(joined(&MOVE_ARGS, &join));
+    let info = wait_for(&http, &nodes[0].u("/v1/cluster"), "four members", |v| member_states(v).len() == 4).await;
+    let fourth = node_id(&info, &nodes[3]).unwrap();
+    rebalance(&http, &nodes[0], &[]).await;
+    let (_, status) = get_json(&http, &nodes[0].u("/v1/cluster/rebalance")).await;
+    let into_fourth = copies_into(&status, fourth);
+    assert_eq!(into_fourth.len(), 2, "the new node builds two copies from files: {status}");
+    assert!(overlap(into_fourth[0], into_fourth[1]), "the empty node built its two copies at once: {into_fourth:?}");
+
+    // Two nodes leave; the two that stay are each the active of a partition, and take the
+    // copies they lack one at a time.
+    let (_, map) = get_json(&http, &nodes[0].u("/v1/cluster/map")).await;
+    let map: shoal_cluster::PartitionMap = serde_json::from_value(map).unwrap();
+    let ids: Vec<u64> = nodes.iter().map(|n| node_id(&info, n).unwrap()).collect();
+    let active = |id: u64| map.partitions.iter().any(|c| c.active.0 == id);
+    let held = |id: u64| map.partitions.iter().filter(|c| c.holds(shoal_cluster::NodeId(id))).count();
+    let (a, b) = (0..4)
+        .flat_map(|a| (a + 1..4).map(move |b| (a, b)))
+        .filter(|&(a, b)| active(ids[a]) && active(ids[b]))
+        .min_by_key(|&(a, b)| held(ids[a]) + held(ids[b]))
+        .expect("two nodes that are actives");
+    let stay = [ids[a], ids[b]];
+    let eject: Vec<u64> = ids.iter().copied().filter(|id| !stay.contains(id)).collect();
+    rebalance(&http, &nodes[a], &eject).await;
+    let (_, status) = get_json(&http, &nodes[a].u("/v1/cluster/rebalance")).await;
+    let mut busiest = 0;
+    for id in stay {
+        let copies = copies_into(&status, id);
+        busiest = busiest.max(copies.len());
+        for (i, x) in copies.iter().enumerate() {
+            for y in &copies[i + 1..] {
+                assert!(!overlap(*x, *y), "node {id}, which serves, built two copies at once: {copies:?}");
+            }
+        }
+    }
+    assert!(busiest >= 2, "a node that stays builds two copies or more from files: {status}");
+}
+
 /// A rebalance moves each partition once its new copies have caught up, so a stop keeps
 /// the moves already done and undoes only the others (API.md: "finished moves stay, a move
 /// in flight is rolled back"). The test computes the plan as the leader does (placement is

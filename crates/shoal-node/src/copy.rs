@@ -310,14 +310,37 @@ pub(crate) fn enqueue(node: &Arc<ClusterNode>, source: u64, address: &str, parti
     start_queued(node);
 }
 
-/// Starts queued copies while fewer than `rebalance_moves_per_node` run. A queued copy whose
-/// partition this node no longer follows from that source is dropped (the pulls take over).
+/// How many times `rebalance_moves_per_node` copies a node that serves nothing yet builds at
+/// once (DESIGN.md: "a concurrency budget, larger towards an empty node"). Such a node — the
+/// active of no partition, as a node that joined is until its first moves are handed over —
+/// has no requests of its own to protect, so it takes more of its copies in parallel, as
+/// Couchbase's rebalance batches more moves towards an empty node; the bandwidth and elastic
+/// budgets still bound the bytes.
+pub const EMPTY_NODE_COPIES_FACTOR: u32 = 2;
+
+/// Copies a node builds at once: `moves_per_node` (the setting), or
+/// [`EMPTY_NODE_COPIES_FACTOR`] times it, within the setting's own bound, on a node that is
+/// the active of no partition (`serves_nothing`). Always at least one.
+pub fn copy_slots(moves_per_node: u32, serves_nothing: bool) -> usize {
+    let slots = if serves_nothing {
+        moves_per_node.saturating_mul(EMPTY_NODE_COPIES_FACTOR).min(shoal_meta::state::REBALANCE_MOVES_PER_NODE_MAX).max(moves_per_node)
+    } else {
+        moves_per_node
+    };
+    usize::try_from(slots).unwrap_or(usize::MAX).max(1)
+}
+
+/// Starts queued copies while fewer than [`copy_slots`] run. A queued copy whose partition
+/// this node no longer follows from that source is dropped (the pulls take over).
 fn start_queued(node: &Arc<ClusterNode>) {
-    let limit = usize::try_from(node.state().settings.rebalance_moves_per_node).unwrap_or(usize::MAX).max(1);
-    while node.copies.running() < limit {
-        let Some((p, source, address)) = node.copies.queue.lock().pop_front() else { return };
+    loop {
         let state = node.state();
         let me = NodeId(node.id);
+        let serves_nothing = state.map.as_ref().is_some_and(|m| m.partitions.iter().all(|c| c.active != me));
+        if node.copies.running() >= copy_slots(state.settings.rebalance_moves_per_node, serves_nothing) {
+            return;
+        }
+        let Some((p, source, address)) = node.copies.queue.lock().pop_front() else { return };
         let still = state
             .map
             .as_ref()
@@ -675,6 +698,27 @@ mod tests {
         let wait = copies.pump_wait(1_000_000);
         assert_eq!(wait, PUMP_WAIT_MAX, "the bucket is booked 100 s ahead");
         assert!(PUMP_WAIT_MAX < COPY_IDLE_TIMEOUT);
+    }
+
+    /// A node that serves nothing builds twice the setting's copies at once, within the
+    /// setting's bound; any other, the setting; never none.
+    #[test]
+    fn an_empty_node_builds_more_copies_at_once() {
+        let max = shoal_meta::state::REBALANCE_MOVES_PER_NODE_MAX;
+        for (moves_per_node, serves_nothing, slots) in [
+            (4, false, 4),
+            (4, true, 8),
+            (1, true, 2),
+            (1, false, 1),
+            (max / 2 + 1, true, max as usize),
+            (max, true, max as usize),
+            (max, false, max as usize),
+            (0, false, 1),
+            (0, true, 1),
+            (u32::MAX, true, u32::MAX as usize),
+        ] {
+            assert_eq!(copy_slots(moves_per_node, serves_nothing), slots, "{moves_per_node} per node, serves nothing: {serves_nothing}");
+        }
     }
 
     /// A copy under way of a partition the map no longer keeps here is cancelled (its pump
