@@ -324,6 +324,12 @@ impl Store {
         self.paths.iter().map(|p| p.db.disk_space().unwrap_or(0)).sum()
     }
 
+    /// The storage engine's background work under way or waiting: memtable flushes queued
+    /// and compactions running, over every data path.
+    pub fn background_work(&self) -> usize {
+        self.paths.iter().map(|p| p.db.outstanding_flushes() + p.db.active_compactions()).sum()
+    }
+
     pub fn collection(&self, name: &str) -> Option<Arc<Collection>> {
         self.collections.read().get(name).cloned()
     }
