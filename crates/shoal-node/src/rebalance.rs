@@ -148,7 +148,7 @@ pub(crate) struct HandoverRequest {
     pub partitions: Vec<(PartitionId, u64)>,
 }
 
-#[derive(Serialize, Deserialize)]
+#[derive(Serialize, Deserialize, Default)]
 pub(crate) struct ProgressAnswer {
     /// Per partition this node holds a copy of: its seqnos summed over collections.
     pub partitions: Vec<(PartitionId, u64)>,
@@ -173,6 +173,11 @@ pub(crate) struct ProgressAnswer {
     /// rebalance plans to move for a copy of it).
     #[serde(default)]
     pub sizes: Vec<(PartitionId, u64)>,
+    /// Per partition this node is active for: the replicas it hears on its current history
+    /// (every collection's copy acknowledged on it, past its first snapshot). A hand-over
+    /// waits for those acknowledgements; see [`heard_by_active`].
+    #[serde(default)]
+    pub heard: Vec<(PartitionId, Vec<u64>)>,
 }
 
 /// Starts a rebalance (leader only); answers how many copies it builds. Its plan goes into
@@ -412,7 +417,11 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
             .iter()
             .zip(&target.partitions)
             .filter(|((p, cur), want)| {
-                *cur != *want && new_copies.iter().filter(|(np, _)| np == p).all(|(_, n)| caught_up.contains(&(*p, n.0)))
+                *cur != *want
+                    && new_copies
+                        .iter()
+                        .filter(|(np, _)| np == p)
+                        .all(|(_, n)| caught_up.contains(&(*p, n.0)) && heard_by_active(&answers, &map, *p, *n))
             })
             .map(|((p, _), _)| p)
             .collect();
@@ -651,6 +660,22 @@ fn progress_of(answers: &HashMap<NodeId, Option<ProgressAnswer>>) -> HashMap<(Pa
     out
 }
 
+/// Whether partition `p`'s active (in `map`) hears new copy `n` on its current history, by
+/// its progress answer (a copy that is the active hears itself). A copy by files is caught up
+/// by its own position as soon as it is adopted, before its first pull tells its active so;
+/// handed over then, the active froze the partition until that pull came (82 ms in a bench
+/// add, every request to the partition waiting as long:
+/// bench/results/2026-11-28-issue14-empty-node-and-like-for-like-ceiling.md). An active that
+/// did not answer hears nobody.
+fn heard_by_active(answers: &HashMap<NodeId, Option<ProgressAnswer>>, map: &PartitionMap, p: PartitionId, n: NodeId) -> bool {
+    let Some(active) = map.partitions.get(usize::from(p)).map(|c| c.active) else { return false };
+    active == n
+        || answers
+            .get(&active)
+            .and_then(Option::as_ref)
+            .is_some_and(|a| a.heard.iter().any(|(q, replicas)| *q == p && replicas.contains(&n.0)))
+}
+
 /// Puts the receivers' file copies into the status: each move's method and bytes, and the
 /// totals, rate and time left.
 fn show_copies(node: &ClusterNode, answers: &HashMap<NodeId, Option<ProgressAnswer>>, started: Instant) {
@@ -760,7 +785,31 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
                 .collect()
         })
         .unwrap_or_default();
-    ProgressAnswer { partitions: sums, unsettled, building, copies, histories, sizes }
+    let positions: Vec<(u32, Vec<_>)> = collections.iter().map(|c| (c.id(), c.positions())).collect();
+    let heard = state
+        .map
+        .as_ref()
+        .map(|map| {
+            map.iter()
+                .filter(|(_, copies)| copies.active == NodeId(node.id))
+                .map(|(p, copies)| {
+                    let heard = copies
+                        .replicas
+                        .iter()
+                        .map(|r| r.0)
+                        .filter(|r| {
+                            positions.iter().all(|(id, at)| {
+                                let uuid = at.get(usize::from(p)).map(|pos| pos.uuid);
+                                node.acks.get(*id, p, *r).is_some_and(|ack| ack.consistent && Some(ack.uuid) == uuid)
+                            })
+                        })
+                        .collect();
+                    (p, heard)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    ProgressAnswer { partitions: sums, unsettled, building, copies, histories, sizes, heard }
 }
 
 /// A hand-over that waits this long for one new active logs what it waited for.
@@ -854,6 +903,29 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
 mod tests {
     use super::*;
     use crate::copy::CopyProgress;
+
+    /// A new copy is heard by its partition's active only when the active's own answer
+    /// lists it for that partition; a copy that is the active hears itself; an active that
+    /// did not answer, or a partition not in the map, hears nobody.
+    #[test]
+    fn a_new_copy_is_handed_over_only_once_its_active_hears_it() {
+        let map = PartitionMap {
+            version: 3,
+            partitions: vec![
+                shoal_cluster::Copies { active: NodeId(1), replicas: vec![NodeId(2), NodeId(3)] },
+                shoal_cluster::Copies { active: NodeId(4), replicas: vec![NodeId(3)] },
+            ],
+        };
+        let answer = |heard: Vec<(PartitionId, Vec<u64>)>| Some(ProgressAnswer { heard, ..ProgressAnswer::default() });
+        let mut answers = HashMap::new();
+        answers.insert(NodeId(1), answer(vec![(0, vec![2])]));
+        // Node 3 says it hears node 2 on partition 0, but it is not that partition's active.
+        answers.insert(NodeId(3), answer(vec![(0, vec![2, 3])]));
+        answers.insert(NodeId(4), None);
+        for (p, n, heard) in [(0, 2, true), (0, 3, false), (0, 1, true), (1, 3, false), (1, 4, true), (2, 2, false)] {
+            assert_eq!(heard_by_active(&answers, &map, p, NodeId(n)), heard, "partition {p}, copy on {n}");
+        }
+    }
 
     #[test]
     fn a_copy_under_way_reports_no_position() {
