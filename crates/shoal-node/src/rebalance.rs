@@ -785,7 +785,13 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
                 .collect()
         })
         .unwrap_or_default();
-    let positions: Vec<(u32, Vec<_>)> = collections.iter().map(|c| (c.id(), c.positions())).collect();
+    // The collections of the metadata, as the hand-over's freeze waits for them.
+    let positions: Vec<(u32, Vec<_>)> = state
+        .collections
+        .iter()
+        .filter_map(|(name, def)| store.collection(name).filter(|c| c.id() == def.id))
+        .map(|c| (c.id(), c.positions()))
+        .collect();
     let heard = state
         .map
         .as_ref()
