@@ -757,34 +757,23 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
     let positions = crate::copy::without_building(&copies, positions);
     let sums: Vec<(PartitionId, u64)> = positions.iter().map(|(p, v)| (*p, v.iter().map(|(_, pos)| pos.seqno).sum())).collect();
     let histories = positions.iter().map(|(p, v)| (*p, v.iter().map(|(id, pos)| (*id, pos.uuid)).collect())).collect();
+    // The partitions this node is the active of, with their copies.
+    let mine: Vec<(PartitionId, &shoal_cluster::Copies)> =
+        state.map.as_ref().map(|m| m.iter().filter(|(_, c)| c.active == NodeId(node.id)).collect()).unwrap_or_default();
     let (mut unsettled, mut building) = (Vec::new(), Vec::new());
-    if let Some(map) = &state.map {
-        for (p, copies) in map.iter() {
-            if copies.active != NodeId(node.id) || copies.replicas.is_empty() {
-                continue;
-            }
-            let replicas: Vec<u64> = copies.replicas.iter().map(|r| r.0).collect();
-            let health: Vec<_> =
-                state.collections.values().map(|def| node.acks.health(def.id, p, &replicas, crate::node::HEALTHY_ACK_WINDOW)).collect();
-            if health.iter().any(|h| h.healthy < replicas.len()) {
-                unsettled.push(p);
-            } else if health.iter().any(|h| h.consistent < replicas.len()) {
-                building.push(p);
-            }
+    for &(p, copies) in mine.iter().filter(|(_, c)| !c.replicas.is_empty()) {
+        let replicas: Vec<u64> = copies.replicas.iter().map(|r| r.0).collect();
+        let health: Vec<_> =
+            state.collections.values().map(|def| node.acks.health(def.id, p, &replicas, crate::node::HEALTHY_ACK_WINDOW)).collect();
+        if health.iter().any(|h| h.healthy < replicas.len()) {
+            unsettled.push(p);
+        } else if health.iter().any(|h| h.consistent < replicas.len()) {
+            building.push(p);
         }
     }
     let store = node.engine.store();
     let collections: Vec<_> = store.list_collections().iter().filter_map(|c| store.collection(&c.name)).collect();
-    let sizes = state
-        .map
-        .as_ref()
-        .map(|map| {
-            map.iter()
-                .filter(|(_, copies)| copies.active == NodeId(node.id))
-                .map(|(p, _)| (p, collections.iter().map(|c| c.partition_bytes(p)).sum()))
-                .collect()
-        })
-        .unwrap_or_default();
+    let sizes = mine.iter().map(|&(p, _)| (p, collections.iter().map(|c| c.partition_bytes(p)).sum())).collect();
     // The collections of the metadata, as the hand-over's freeze waits for them.
     let positions: Vec<(u32, Vec<_>)> = state
         .collections
@@ -792,29 +781,23 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
         .filter_map(|(name, def)| store.collection(name).filter(|c| c.id() == def.id))
         .map(|c| (c.id(), c.positions()))
         .collect();
-    let heard = state
-        .map
-        .as_ref()
-        .map(|map| {
-            map.iter()
-                .filter(|(_, copies)| copies.active == NodeId(node.id))
-                .map(|(p, copies)| {
-                    let heard = copies
-                        .replicas
-                        .iter()
-                        .map(|r| r.0)
-                        .filter(|r| {
-                            positions.iter().all(|(id, at)| {
-                                let uuid = at.get(usize::from(p)).map(|pos| pos.uuid);
-                                node.acks.get(*id, p, *r).is_some_and(|ack| ack.consistent && Some(ack.uuid) == uuid)
-                            })
-                        })
-                        .collect();
-                    (p, heard)
+    let heard = mine
+        .iter()
+        .map(|&(p, copies)| {
+            let heard = copies
+                .replicas
+                .iter()
+                .map(|r| r.0)
+                .filter(|r| {
+                    positions.iter().all(|(id, at)| {
+                        let uuid = at.get(usize::from(p)).map(|pos| pos.uuid);
+                        node.acks.get(*id, p, *r).is_some_and(|ack| ack.consistent && Some(ack.uuid) == uuid)
+                    })
                 })
-                .collect()
+                .collect();
+            (p, heard)
         })
-        .unwrap_or_default();
+        .collect();
     ProgressAnswer { partitions: sums, unsettled, building, copies, histories, sizes, heard }
 }
 
