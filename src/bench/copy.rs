@@ -161,9 +161,8 @@ pub fn run(args: CopyArgs) -> Result<(), CliError> {
     let threads = args.threads.iter().copied().max().unwrap_or(1);
     copy_files(&src, &root.path().join("files-as-loaded"), &args, coll.id(), threads, bytes, "memtables as loaded")?;
 
-    // Every partition's memtable flushed once before anything is timed, so that each
-    // method below starts from the same source (a copy by files would otherwise pay the flush of
-    // what the load left in memory, and only on its first run); the flush's time is shown.
+    // Then every partition's memtable flushed, untimed (its time is shown), so that each
+    // method below copies tables only: the engine's ceiling without the memtables' items.
     let started = Instant::now();
     for p in 0..args.partitions {
         src.partition_files_flushed(p).map_err(other)?;
@@ -172,11 +171,7 @@ pub fn run(args: CopyArgs) -> Result<(), CliError> {
 
     for &threads in &args.threads {
         let dir = root.path().join(format!("dst-{threads}"));
-        let dst = open(&dir, args.partitions, args.blob_threshold)?;
-        dst.create_collection_as("c", 0, Some(coll.id())).map_err(other)?;
-        for p in 0..args.partitions {
-            dst.set_partition_state(p, PartitionState::Pending).map_err(other)?;
-        }
+        let dst = empty_copy(&dir, &args, coll.id())?;
         let started = Instant::now();
         let copied = per_partition(threads, args.partitions, |p| {
             let export = src.export_partition(p).map_err(other)?;
@@ -186,13 +181,7 @@ pub fn run(args: CopyArgs) -> Result<(), CliError> {
         let secs = started.elapsed().as_secs_f64();
         let bytes = copied?;
         println!("| export → ingest (fsynced) | {threads} | {:.0} | {secs:.2} | {:.0} |", bytes as f64 / 1e6, bytes as f64 / 1e6 / secs);
-        let docs = dst.collection("c").ok_or_else(|| other("the copy lost its collection"))?.info().docs;
-        if docs != args.docs as u64 {
-            return Err(other(format!("the copy holds {docs} documents, not {}", args.docs)));
-        }
-        dst.close().map_err(other)?;
-        drop(dst);
-        std::fs::remove_dir_all(&dir).map_err(other)?;
+        check_and_remove(dst, &dir, &args, "the copy")?;
     }
     // The same partitions copied as their files (what a rebalance ships by default): each
     // keyspace's table and blob files at a snapshot, read, written into the empty copy,
@@ -211,11 +200,7 @@ pub fn run(args: CopyArgs) -> Result<(), CliError> {
 /// time; the files' own bytes beside, and `what` of the source's state), checks the copy
 /// holds every document, and removes it.
 fn copy_files(src: &Store, dir: &Path, args: &CopyArgs, coll: u32, threads: usize, records_bytes: u64, what: &str) -> Result<(), CliError> {
-    let dst = open(dir, args.partitions, args.blob_threshold)?;
-    dst.create_collection_as("c", 0, Some(coll)).map_err(other)?;
-    for p in 0..args.partitions {
-        dst.set_partition_state(p, PartitionState::Pending).map_err(other)?;
-    }
+    let dst = empty_copy(dir, args, coll)?;
     let started = Instant::now();
     let shipped = per_partition(threads, args.partitions, |p| {
         let export = src.export_partition_files(p).map_err(other)?;
@@ -231,9 +216,26 @@ fn copy_files(src: &Store, dir: &Path, args: &CopyArgs, coll: u32, threads: usiz
         records_bytes as f64 / 1e6,
         records_bytes as f64 / 1e6 / secs
     );
-    let docs = dst.collection("c").ok_or_else(|| other("the copy lost its collection"))?.info().docs;
+    check_and_remove(dst, dir, args, "the copy by files")
+}
+
+/// A fresh store at `dir` with collection `c` (id `coll`) and every partition pending: what
+/// a copy is ingested or imported into.
+fn empty_copy(dir: &Path, args: &CopyArgs, coll: u32) -> Result<Arc<Store>, CliError> {
+    let dst = open(dir, args.partitions, args.blob_threshold)?;
+    dst.create_collection_as("c", 0, Some(coll)).map_err(other)?;
+    for p in 0..args.partitions {
+        dst.set_partition_state(p, PartitionState::Pending).map_err(other)?;
+    }
+    Ok(dst)
+}
+
+/// Checks that the copy `dst` (`what`, for the error) holds every document loaded, then
+/// closes it and removes `dir`.
+fn check_and_remove(dst: Arc<Store>, dir: &Path, args: &CopyArgs, what: &str) -> Result<(), CliError> {
+    let docs = dst.collection("c").ok_or_else(|| other(format!("{what} lost its collection")))?.info().docs;
     if docs != args.docs as u64 {
-        return Err(other(format!("the copy by files holds {docs} documents, not {}", args.docs)));
+        return Err(other(format!("{what} holds {docs} documents, not {}", args.docs)));
     }
     dst.close().map_err(other)?;
     drop(dst);
