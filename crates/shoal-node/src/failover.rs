@@ -675,7 +675,7 @@ pub(crate) async fn serve_catch_up(node: &Arc<ClusterNode>, req: CatchUpRequest)
     for (collection, source, address, until) in req.sources {
         let coll = node.collection_by_id(collection).ok_or_else(|| ClusterError::Refused(format!("no collection {collection}")))?;
         loop {
-            let pos = coll.positions().get(usize::from(p)).copied().ok_or_else(|| ClusterError::Refused(format!("no partition {p}")))?;
+            let pos = coll.position(p).ok_or_else(|| ClusterError::Refused(format!("no partition {p}")))?;
             if pos.seqno >= until {
                 break;
             }

@@ -922,7 +922,7 @@ impl ClusterNode {
         if wanted == 0 {
             return Ok(());
         }
-        let Some(StreamPosition { seqno, uuid }) = collection.positions().get(usize::from(p)).copied() else {
+        let Some(StreamPosition { seqno, uuid }) = collection.position(p) else {
             return Err(MajorityError::NotActive);
         };
         self.enough_healthy(collection.id(), p, &replicas, wanted).await?;
@@ -936,7 +936,7 @@ impl ClusterNode {
             return Err(MajorityError::Timeout);
         }
         // Still the active of the same history: nothing was promoted meanwhile.
-        match collection.positions().get(usize::from(p)) {
+        match collection.position(p) {
             Some(pos) if pos.uuid == uuid && self.serving() => Ok(()),
             _ => Err(MajorityError::NotActive),
         }

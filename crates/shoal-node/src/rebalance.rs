@@ -849,7 +849,7 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
     for (p, to) in &req.partitions {
         for (name, def) in &state.collections {
             let Some(coll) = store.collection(name).filter(|c| c.id() == def.id) else { continue };
-            let Some(pos) = coll.positions().get(usize::from(*p)).copied() else { continue };
+            let Some(pos) = coll.position(*p) else { continue };
             let before = node.acks.get(def.id, *p, *to);
             let began = Instant::now();
             let reached = node

@@ -521,7 +521,7 @@ fn read_part(coll: &Collection, part: &PullPart) -> PartKind {
     if let Some(to) = rollback.filter(|&to| to < part.seqno) {
         return PartKind::Rollback { to, history };
     }
-    let mine = coll.positions().get(usize::from(p)).map_or(0, |pos| pos.uuid);
+    let mine = coll.position(p).map_or(0, |pos| pos.uuid);
     let history = (part.uuid != mine).then_some(history);
     let changes = if part.peek { Ok(Vec::new()) } else { reader.try_next(PULL_BATCH_CHANGES, true) };
     match changes {

@@ -115,6 +115,16 @@ impl Collection {
         self.partitions.iter().map(|p| p.load().uuid()).collect()
     }
 
+    /// Partition `partition`'s change-stream position now (see [`Collection::positions`]);
+    /// `None` for a partition the collection does not have. One partition's, without the
+    /// others': a replica's pull reads it for each part it serves.
+    pub fn position(&self, partition: PartitionId) -> Option<StreamPosition> {
+        self.partitions.get(usize::from(partition)).map(|p| {
+            let p = p.load();
+            StreamPosition { seqno: p.high_seqno(), uuid: p.uuid() }
+        })
+    }
+
     /// Every partition's change-stream position now (high seqno and history UUID): where
     /// a reader that has seen everything up to this moment goes on from.
     pub fn positions(&self) -> Vec<StreamPosition> {
