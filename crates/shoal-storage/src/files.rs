@@ -84,11 +84,13 @@ pub struct FileManifest {
 }
 
 impl FileManifest {
-    /// The manifest of `export`'s files, and of `items`, its memtable items as records.
-    fn from_export(export: &fjall::TreeExport, live: Vec<LiveDocs>, items: &[(Bytes, Bytes)]) -> FileManifest {
+    /// The manifest of `export`'s files, and of `items`, its memtable items (hashed as the
+    /// records they travel as, without making those records: they are made one by one as
+    /// they are sent).
+    fn from_export(export: &fjall::TreeExport, live: Vec<LiveDocs>, items: &[fjall::InternalValue]) -> FileManifest {
         let mut hash = ItemsHash::default();
-        for (k, v) in items {
-            hash.add(k, v);
+        for item in items {
+            hash.add_item(item);
         }
         let table = |t: &fjall::ImportTable| ShippedFile {
             id: t.id,
@@ -155,7 +157,11 @@ pub struct PartitionFiles {
     manifest: FileManifest,
     /// Pins the snapshot's files (compaction cannot delete them) until the copy ends.
     _export: fjall::TreeExport,
-    items: std::vec::IntoIter<(Bytes, Bytes)>,
+    /// The memtable's items still to send, each encoded as a record when its turn comes: a
+    /// copy begins without first copying a memtable's worth of bytes (up to
+    /// `PARTITION_MEMTABLE_MAX_BYTES` per partition, on every source at once as a
+    /// rebalance starts).
+    items: std::vec::IntoIter<fjall::InternalValue>,
     /// Files still to send: index, path, size.
     todo: VecDeque<(u32, PathBuf, u64)>,
     /// The file being sent: its index, the file, the offset of its next chunk, bytes left.
@@ -209,7 +215,8 @@ impl PartitionFiles {
     /// The next piece: the memtable's items first, then each file's chunks of at most
     /// [`FILE_CHUNK_BYTES`], in order (the file's bytes are not read here).
     pub fn next_piece(&mut self) -> Option<Result<FilePiece, PartitionError>> {
-        if let Some((k, v)) = self.items.next() {
+        if let Some(item) = self.items.next() {
+            let (k, v) = encode_item(&item);
             return Some(Ok(FilePiece::Record(k, v)));
         }
         loop {
@@ -276,7 +283,7 @@ impl Store {
         let live = live.into_iter().map(|(collection, l)| LiveDocs { collection, count: l.count, bytes: l.bytes }).collect();
         let mut export = ks.export_files(&snapshot)?;
         drop(snapshot);
-        let items: Vec<(Bytes, Bytes)> = std::mem::take(&mut export.memtable).iter().map(encode_item).collect();
+        let items = std::mem::take(&mut export.memtable);
         let manifest = FileManifest::from_export(&export, live, &items);
         let items = items.into_iter();
         let mut todo = VecDeque::new();
@@ -422,6 +429,18 @@ impl ItemsHash {
         self.0.update(&(k.len() as u64).to_le_bytes());
         self.0.update(k);
         self.0.update(&(v.len() as u64).to_le_bytes());
+        self.0.update(v);
+    }
+
+    /// Adds `item` as [`ItemsHash::add`] adds its record ([`encode_item`]), piece by piece.
+    fn add_item(&mut self, item: &fjall::InternalValue) {
+        let (k, v) = (&item.key.user_key, &item.value);
+        self.0.update(&(1 + k.len() as u64).to_le_bytes());
+        self.0.update(&[TAG_ITEM]);
+        self.0.update(k);
+        self.0.update(&(9 + v.len() as u64).to_le_bytes());
+        self.0.update(&[u8::from(item.key.value_type)]);
+        self.0.update(&item.key.seqno.to_le_bytes());
         self.0.update(v);
     }
 
@@ -637,6 +656,30 @@ fn start_writeback(_file: &File, _offset: u64, _len: u64) {}
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The source hashes its memtable items in place; the receiver hashes the records they
+    /// travel as. Both must agree, for every kind of item (empty value, tombstone, long key).
+    #[test]
+    fn an_item_hashes_in_place_as_its_record_does() {
+        let items = [
+            fjall::InternalValue::from_components(b"k".to_vec(), b"v".to_vec(), 7, fjall::ValueType::Value),
+            fjall::InternalValue::from_components(b"gone".to_vec(), Vec::new(), u64::MAX >> 1, fjall::ValueType::Tombstone),
+            fjall::InternalValue::from_components(vec![0xff; 300], vec![1; 5000], 0, fjall::ValueType::Value),
+        ];
+        let (mut in_place, mut records) = (ItemsHash::default(), ItemsHash::default());
+        for item in &items {
+            in_place.add_item(item);
+            let (k, v) = encode_item(item);
+            records.add(&k, &v);
+            let back = decode_item(&k[1..], &v).unwrap();
+            assert_eq!(u8::from(back.key.value_type), u8::from(item.key.value_type));
+            assert_eq!((back.key, back.value), (item.key.clone(), item.value.clone()));
+        }
+        assert_eq!(in_place.hex(), records.hex());
+        let mut fewer = ItemsHash::default();
+        items[..2].iter().for_each(|i| fewer.add_item(i));
+        assert_ne!(fewer.hex(), records.hex());
+    }
 
     /// Both ways of writing a received file leave exactly its bytes, whatever the sizes of
     /// the chunks and of the file (empty, under a block, across the staging buffer).
