@@ -25,6 +25,7 @@ use crate::AppState;
 /// The header that carries the cluster secret between members.
 pub const SECRET_HEADER: &str = "x-shoal-cluster-secret";
 /// Set on a request one member forwards to another: the receiver never forwards it again.
+/// Its value is the version of the map the request was routed by (older members sent `1`).
 pub const FORWARDED_HEADER: &str = "x-shoal-forwarded";
 /// Set by clients that route by the map themselves: a misrouted request is refused with
 /// `not_my_partition` rather than forwarded.
@@ -42,6 +43,10 @@ pub const FORWARD_TIMEOUT: Duration = Duration::from_secs(30);
 /// where it went (a hand-over commits it within its freeze) before it answers
 /// `not_my_partition`.
 pub const HANDOVER_WAIT: Duration = Duration::from_secs(5);
+/// Longest a member waits for the map a forwarded request was routed by, when the sender
+/// applied it first (members apply a commit within milliseconds of each other; the header
+/// is also a client's to set, so the wait is short, and the request goes on after it).
+pub const FORWARDED_MAP_WAIT: Duration = Duration::from_secs(1);
 /// A forwarded request refused as misrouted is sent again after a newer map, or this long.
 pub(crate) const FORWARD_RETRY_PAUSE: Duration = Duration::from_millis(100);
 /// The time a request (one key, or the keys of a `_get` / `_bulk`) has to find where its
@@ -520,7 +525,8 @@ async fn to_leader(state: &AppState, method: Method, path: &str, headers: &Heade
         return Ok(None);
     }
     let (_, address) = state.cluster.leader().ok_or_else(|| ApiError::unavailable("no metadata leader now; try again"))?;
-    forward(state, &address, method, path, headers, Bytes::copy_from_slice(body)).await.map(Some)
+    let map = state.cluster.state().map_version();
+    forward(state, &address, map, method, path, headers, Bytes::copy_from_slice(body)).await.map(Some)
 }
 
 /// Routes a key request: passes it on when this node serves the key's partition, forwards
@@ -532,6 +538,11 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     if !node.serving() {
         // Just started: give it a moment to enter the cluster, then route by its map.
         node.serving_soon().await;
+    }
+    if let Some(routed_by) = forwarded_by_map(req.headers()).filter(|v| *v > node.state().map_version()) {
+        // A member that applied a newer map sent it here: wait for that map rather than
+        // refuse by an older one (the sender would wait for a map newer than its own).
+        node.wait_map_after(routed_by - 1, FORWARDED_MAP_WAIT).await;
     }
     let mut route = node.route(key.as_bytes());
     if req.headers().contains_key(FORWARDED_HEADER) || req.headers().contains_key(DIRECT_HEADER) {
@@ -587,7 +598,7 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
                     continue;
                 }
             },
-            Route::Forward { ref address, .. } => match forward(&state, address, method.clone(), &path, &headers, body.clone()).await {
+            Route::Forward { ref address, .. } => match forward(&state, address, routed_at, method.clone(), &path, &headers, body.clone()).await {
                 Ok(r) => r,
                 Err(e) => return e.into_response(),
             },
@@ -636,6 +647,7 @@ const FORWARDED_ANSWER_HEADERS: &[&str] = &["content-type", "etag", "x-shoal-exp
 async fn forward(
     state: &AppState,
     address: &str,
+    routed_at: u64,
     method: Method,
     path: &str,
     headers: &HeaderMap,
@@ -644,8 +656,11 @@ async fn forward(
     if state.faults.is_cut(address) {
         return Err(Faults::cut_error(address));
     }
-    let mut request =
-        state.forwarder.request(method, format!("http://{address}{path}")).timeout(FORWARD_TIMEOUT).header(FORWARDED_HEADER, "1");
+    let mut request = state
+        .forwarder
+        .request(method, format!("http://{address}{path}"))
+        .timeout(FORWARD_TIMEOUT)
+        .header(FORWARDED_HEADER, routed_at.to_string());
     for name in FORWARDED_REQUEST_HEADERS {
         if let Some(v) = headers.get(*name) {
             request = request.header(*name, v.as_bytes());
@@ -666,6 +681,12 @@ async fn forward(
     *response.status_mut() = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     *response.headers_mut() = out;
     Ok(response)
+}
+
+/// The map version a forwarded request was routed by (its [`FORWARDED_HEADER`]); `None` when
+/// not forwarded or unreadable.
+fn forwarded_by_map(headers: &HeaderMap) -> Option<u64> {
+    headers.get(FORWARDED_HEADER)?.to_str().ok()?.parse().ok()
 }
 
 /// The client used to forward requests.
