@@ -257,10 +257,15 @@ impl Tree {
         let mut top_seqno = levels.iter().flatten().flatten().map(Table::get_highest_seqno).max().unwrap_or(0);
         top_seqno = top_seqno.max(memtable.iter().map(|i| i.key.seqno).max().unwrap_or(0));
 
-        // The memtable items: one table, newest of all, with their own seqnos.
+        // The memtable items: one table, newest of all, with their own seqnos. Its data
+        // blocks are not compressed: the table sits on top of level 0, so the tree's next
+        // compaction rewrites it (compressed then), and compressing it here was a quarter of
+        // a receiving node's copy CPU (perf, a rebalance by files), spent while the copies
+        // share the cores with the foreground. (fjall's default policy leaves levels 0 and 1
+        // uncompressed for the same reason; Shoal compresses them, `partition_block_compression`.)
         let mut l0_top = Vec::new();
         if !memtable.is_empty() {
-            if let Some((tables, _)) = self.flush_to_tables(memtable.into_iter().map(Ok))? {
+            if let Some((tables, _)) = self.write_l0_tables(memtable.into_iter().map(Ok), crate::CompressionType::None)? {
                 l0_top = tables;
             }
         }

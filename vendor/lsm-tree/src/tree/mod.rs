@@ -344,91 +344,7 @@ impl AbstractTree for Tree {
         &self,
         stream: impl Iterator<Item = crate::Result<InternalValue>>,
     ) -> crate::Result<Option<(Vec<Table>, Option<Vec<BlobFile>>)>> {
-        use crate::{file::TABLES_FOLDER, table::multi_writer::MultiWriter};
-        use std::time::Instant;
-
-        let start = Instant::now();
-
-        let folder = self.config.path.join(TABLES_FOLDER);
-
-        let data_block_size = self.config.data_block_size_policy.get(0);
-
-        let data_block_restart_interval = self.config.data_block_restart_interval_policy.get(0);
-        let index_block_restart_interval = self.config.index_block_restart_interval_policy.get(0);
-
-        let data_block_compression = self.config.data_block_compression_policy.get(0);
-        let index_block_compression = self.config.index_block_compression_policy.get(0);
-
-        let data_block_hash_ratio = self.config.data_block_hash_ratio_policy.get(0);
-
-        let index_partitioning = self.config.index_block_partitioning_policy.get(0);
-        let filter_partitioning = self.config.filter_block_partitioning_policy.get(0);
-
-        log::debug!(
-            "Flushing memtable(s) to {}, data_block_restart_interval={data_block_restart_interval}, index_block_restart_interval={index_block_restart_interval}, data_block_size={data_block_size}, data_block_compression={data_block_compression:?}, index_block_compression={index_block_compression:?}",
-            folder.display(),
-        );
-
-        let mut table_writer = MultiWriter::new(
-            folder.clone(),
-            self.table_id_counter.clone(),
-            64 * 1_024 * 1_024,
-            0,
-        )?
-        .use_data_block_restart_interval(data_block_restart_interval)
-        .use_index_block_restart_interval(index_block_restart_interval)
-        .use_data_block_compression(data_block_compression)
-        .use_index_block_compression(index_block_compression)
-        .use_data_block_size(data_block_size)
-        .use_data_block_hash_ratio(data_block_hash_ratio)
-        .use_bloom_policy({
-            use crate::config::FilterPolicyEntry::{Bloom, None};
-            use crate::table::filter::BloomConstructionPolicy;
-
-            match self.config.filter_policy.get(0) {
-                Bloom(policy) => policy,
-                None => BloomConstructionPolicy::BitsPerKey(0.0),
-            }
-        });
-
-        if index_partitioning {
-            table_writer = table_writer.use_partitioned_index();
-        }
-        if filter_partitioning {
-            table_writer = table_writer.use_partitioned_filter();
-        }
-
-        for item in stream {
-            table_writer.write(item?)?;
-        }
-
-        let result = table_writer.finish()?;
-
-        log::debug!("Flushed memtable(s) in {:?}", start.elapsed());
-
-        let pin_filter = self.config.filter_block_pinning_policy.get(0);
-        let pin_index = self.config.index_block_pinning_policy.get(0);
-
-        // Load tables
-        let tables = result
-            .into_iter()
-            .map(|(table_id, checksum)| -> crate::Result<Table> {
-                Table::recover(
-                    folder.join(table_id.to_string()),
-                    checksum,
-                    0,
-                    self.id,
-                    self.config.cache.clone(),
-                    self.config.descriptor_table.clone(),
-                    pin_filter,
-                    pin_index,
-                    #[cfg(feature = "metrics")]
-                    self.metrics.clone(),
-                )
-            })
-            .collect::<crate::Result<Vec<_>>>()?;
-
-        Ok(Some((tables, None)))
+        self.write_l0_tables(stream, self.config.data_block_compression_policy.get(0))
     }
 
     #[expect(clippy::significant_drop_tightening)]
@@ -675,6 +591,99 @@ impl AbstractTree for Tree {
 }
 
 impl Tree {
+    /// SHOAL-PATCH: `flush_to_tables`'s body, with the data blocks' compression given: an
+    /// import writes its memtable items uncompressed (see `import`).
+    pub(crate) fn write_l0_tables(
+        &self,
+        stream: impl Iterator<Item = crate::Result<InternalValue>>,
+        data_block_compression: crate::CompressionType,
+    ) -> crate::Result<Option<(Vec<Table>, Option<Vec<BlobFile>>)>> {
+        use crate::{file::TABLES_FOLDER, table::multi_writer::MultiWriter};
+        use std::time::Instant;
+
+        let start = Instant::now();
+
+        let folder = self.config.path.join(TABLES_FOLDER);
+
+        let data_block_size = self.config.data_block_size_policy.get(0);
+
+        let data_block_restart_interval = self.config.data_block_restart_interval_policy.get(0);
+        let index_block_restart_interval = self.config.index_block_restart_interval_policy.get(0);
+
+        let index_block_compression = self.config.index_block_compression_policy.get(0);
+
+        let data_block_hash_ratio = self.config.data_block_hash_ratio_policy.get(0);
+
+        let index_partitioning = self.config.index_block_partitioning_policy.get(0);
+        let filter_partitioning = self.config.filter_block_partitioning_policy.get(0);
+
+        log::debug!(
+            "Flushing memtable(s) to {}, data_block_restart_interval={data_block_restart_interval}, index_block_restart_interval={index_block_restart_interval}, data_block_size={data_block_size}, data_block_compression={data_block_compression:?}, index_block_compression={index_block_compression:?}",
+            folder.display(),
+        );
+
+        let mut table_writer = MultiWriter::new(
+            folder.clone(),
+            self.table_id_counter.clone(),
+            64 * 1_024 * 1_024,
+            0,
+        )?
+        .use_data_block_restart_interval(data_block_restart_interval)
+        .use_index_block_restart_interval(index_block_restart_interval)
+        .use_data_block_compression(data_block_compression)
+        .use_index_block_compression(index_block_compression)
+        .use_data_block_size(data_block_size)
+        .use_data_block_hash_ratio(data_block_hash_ratio)
+        .use_bloom_policy({
+            use crate::config::FilterPolicyEntry::{Bloom, None};
+            use crate::table::filter::BloomConstructionPolicy;
+
+            match self.config.filter_policy.get(0) {
+                Bloom(policy) => policy,
+                None => BloomConstructionPolicy::BitsPerKey(0.0),
+            }
+        });
+
+        if index_partitioning {
+            table_writer = table_writer.use_partitioned_index();
+        }
+        if filter_partitioning {
+            table_writer = table_writer.use_partitioned_filter();
+        }
+
+        for item in stream {
+            table_writer.write(item?)?;
+        }
+
+        let result = table_writer.finish()?;
+
+        log::debug!("Flushed memtable(s) in {:?}", start.elapsed());
+
+        let pin_filter = self.config.filter_block_pinning_policy.get(0);
+        let pin_index = self.config.index_block_pinning_policy.get(0);
+
+        // Load tables
+        let tables = result
+            .into_iter()
+            .map(|(table_id, checksum)| -> crate::Result<Table> {
+                Table::recover(
+                    folder.join(table_id.to_string()),
+                    checksum,
+                    0,
+                    self.id,
+                    self.config.cache.clone(),
+                    self.config.descriptor_table.clone(),
+                    pin_filter,
+                    pin_index,
+                    #[cfg(feature = "metrics")]
+                    self.metrics.clone(),
+                )
+            })
+            .collect::<crate::Result<Vec<_>>>()?;
+
+        Ok(Some((tables, None)))
+    }
+
     #[doc(hidden)]
     pub fn create_internal_range<'a, K: AsRef<[u8]> + 'a, R: RangeBounds<K> + 'a>(
         version: SuperVersion,
