@@ -112,7 +112,12 @@ async fn a_three_node_cluster_forms_replicates_fails_over_and_recovers() {
     // map waits for it, a bounded time, then answers by its own. A client may set the
     // header too: a map that never comes, or a value that is no version, is no hang.
     for routed_by in [u64::MAX.to_string(), "not a version".to_string()] {
-        let r = http.get(nodes[0].u(&format!("/v1/collections/c/docs/{misrouted}"))).header("x-shoal-forwarded", &routed_by).send().await.unwrap();
+        let r = http
+            .get(nodes[0].u(&format!("/v1/collections/c/docs/{misrouted}")))
+            .header("x-shoal-forwarded", &routed_by)
+            .send()
+            .await
+            .unwrap();
         assert_eq!(r.status().as_u16(), 421, "forwarded by map {routed_by:?}");
         assert_eq!(r.json::<Value>().await.unwrap()["error"], "not_my_partition");
     }

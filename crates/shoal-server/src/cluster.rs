@@ -598,10 +598,12 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
                     continue;
                 }
             },
-            Route::Forward { ref address, .. } => match forward(&state, address, routed_at, method.clone(), &path, &headers, body.clone()).await {
-                Ok(r) => r,
-                Err(e) => return e.into_response(),
-            },
+            Route::Forward { ref address, .. } => {
+                match forward(&state, address, routed_at, method.clone(), &path, &headers, body.clone()).await {
+                    Ok(r) => r,
+                    Err(e) => return e.into_response(),
+                }
+            }
             other => return refuse(&state, other),
         };
         if answer.status() != StatusCode::MISDIRECTED_REQUEST || !reroute.again(node, routed_at).await {
