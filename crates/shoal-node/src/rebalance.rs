@@ -775,12 +775,7 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
     let collections: Vec<_> = store.list_collections().iter().filter_map(|c| store.collection(&c.name)).collect();
     let sizes = mine.iter().map(|&(p, _)| (p, collections.iter().map(|c| c.partition_bytes(p)).sum())).collect();
     // The collections of the metadata, as the hand-over's freeze waits for them.
-    let positions: Vec<(u32, Vec<_>)> = state
-        .collections
-        .iter()
-        .filter_map(|(name, def)| store.collection(name).filter(|c| c.id() == def.id))
-        .map(|c| (c.id(), c.positions()))
-        .collect();
+    let meta_collections = node.cluster_collections();
     let heard = mine
         .iter()
         .map(|&(p, copies)| {
@@ -789,9 +784,9 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
                 .iter()
                 .map(|r| r.0)
                 .filter(|r| {
-                    positions.iter().all(|(id, at)| {
-                        let uuid = at.get(usize::from(p)).map(|pos| pos.uuid);
-                        node.acks.get(*id, p, *r).is_some_and(|ack| ack.consistent && Some(ack.uuid) == uuid)
+                    meta_collections.iter().all(|c| {
+                        let uuid = c.position(p).map(|pos| pos.uuid);
+                        node.acks.get(c.id(), p, *r).is_some_and(|ack| ack.consistent && Some(ack.uuid) == uuid)
                     })
                 })
                 .collect();
