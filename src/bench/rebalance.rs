@@ -66,6 +66,12 @@ pub struct RebalanceArgs {
     /// of through the nodes that stay (which forward).
     #[arg(long)]
     direct: bool,
+    /// The foreground upserts' `durability` (`none`, `persist`, `majority`,
+    /// `persist_majority`); the server's default if not given. With `majority`, an upsert
+    /// waits for its partition's replica, so the load sees how long a hand-over leaves
+    /// replicas without their new active.
+    #[arg(long, value_parser = ["none", "persist", "majority", "persist_majority"])]
+    durability: Option<String>,
     /// Where the chart goes (PNG); none if not given.
     #[arg(long)]
     chart: Option<PathBuf>,
@@ -330,7 +336,7 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
         true => Some(Arc::new(std::sync::RwLock::new(routes(&info, &map)))),
         false => None,
     };
-    let load = Foreground { targets, docs, rate: args.rate, actives, direct };
+    let load = Foreground { targets, docs, rate: args.rate, actives, direct, durability: args.durability.clone() };
     let fg = tokio::spawn(foreground(load, Arc::clone(&log), began, Arc::clone(&stop)));
     tokio::time::sleep(Duration::from_secs(args.before_secs)).await;
 
@@ -558,6 +564,8 @@ struct Foreground {
     actives: Vec<u64>,
     /// Each partition's active's base URL, for a smart client's load (`--direct`).
     direct: Option<Arc<std::sync::RwLock<Vec<String>>>>,
+    /// The upserts' `durability` query parameter, if any.
+    durability: Option<String>,
 }
 
 /// One foreground request as the load saw it.
@@ -594,7 +602,8 @@ fn write_requests(path: &std::path::Path, label: &str, rebalance_start: f64, log
 }
 
 async fn foreground(load: Foreground, log: Arc<Mutex<Vec<Request>>>, began: Instant, stop: Arc<std::sync::atomic::AtomicBool>) -> u64 {
-    let Foreground { targets, docs, rate, actives, direct } = load;
+    let Foreground { targets, docs, rate, actives, direct, durability } = load;
+    let durable = durability.map(|d| format!("?durability={d}")).unwrap_or_default();
     let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).no_proxy().build().unwrap_or_default();
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let interval = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
@@ -606,10 +615,11 @@ async fn foreground(load: Foreground, log: Arc<Mutex<Vec<Request>>>, began: Inst
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
         ticker.tick().await;
         let key = format!("doc-{:09}", rng.random_range(0..docs.max(1)));
-        let url = format!("{}/v1/collections/bench/docs/{key}", targets[i % targets.len()]);
+        let get = i.is_multiple_of(2);
+        let query = if get { String::new() } else { durable.clone() };
+        let url = format!("{}/v1/collections/bench/docs/{key}{query}", targets[i % targets.len()]);
         let p = shoal_storage::partition_of(key.as_bytes(), u16::try_from(actives.len()).unwrap_or(u16::MAX));
         let active = actives.get(usize::from(p)).copied().unwrap_or(0);
-        let get = i.is_multiple_of(2);
         i += 1;
         let (http, log, errors, direct, ask) = (http.clone(), Arc::clone(&log), Arc::clone(&errors), direct.clone(), targets[0].clone());
         inflight.push(tokio::spawn(async move {
@@ -627,7 +637,7 @@ async fn foreground(load: Foreground, log: Arc<Mutex<Vec<Request>>>, began: Inst
                     let mut tries = 0;
                     loop {
                         let base = routes.read().ok().and_then(|r| r.get(usize::from(p)).cloned()).unwrap_or_default();
-                        let r = send(format!("{base}/v1/collections/bench/docs/{key}")).await;
+                        let r = send(format!("{base}/v1/collections/bench/docs/{key}{query}")).await;
                         tries += 1;
                         if tries >= DIRECT_TRIES || !r.as_ref().is_ok_and(|r| r.status() == reqwest::StatusCode::MISDIRECTED_REQUEST) {
                             break r;
