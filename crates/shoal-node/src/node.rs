@@ -53,6 +53,13 @@ pub const UNHEARD_REPLICA_GRACE: Duration = Duration::from_secs(5);
 pub const STARTUP_WAIT: Duration = Duration::from_secs(10);
 /// The longest map delay fault injection takes (`ClusterNode::delay_maps`).
 pub const MAP_DELAY_MAX: Duration = Duration::from_secs(30);
+/// Copies a map moved away are retired at once (dead, never served, in one durable write)
+/// and their data discarded this long after: on the sources of a bench add, the discards (a
+/// keyspace deleted and another created, 5–15 ms apiece, 115–167 ms per source) ran just
+/// as the new map took effect everywhere, and majority writes — to every partition, moved
+/// or not — waited up to 80–124 ms then; discarded a second later, 5.5 ms at most
+/// (bench/results/2026-11-28-issue14-discard-after-hand-over.md).
+pub const DISCARD_AFTER: Duration = Duration::from_secs(1);
 /// The reconcile loop tries again after a failure this often.
 const RECONCILE_RETRY: Duration = Duration::from_secs(1);
 /// Time between looks when a caller waits for this node to apply something.
@@ -325,6 +332,8 @@ impl ClusterNode {
             node.ready.send_replace(true);
             tracing::info!(node = node.id, address = %node.advertise, "in the cluster");
             tokio::spawn(crate::failover::run_monitor(Arc::clone(&node)));
+            // Copies retired before a restart and not discarded yet.
+            node.discard_later();
             node.reconcile_loop().await;
         });
     }
@@ -1245,48 +1254,85 @@ impl ClusterNode {
         let store = Arc::clone(self.engine.store());
         let version = map.version;
         let (states, drops) = blocking(move || {
+            let storage = |e: shoal_storage::PartitionError| ClusterError::Storage(e.to_string());
+            // A retired copy this map gives a role here again is discarded first: it comes
+            // back empty, as a dropped copy always did.
+            let retired = store.retired_partitions().map_err(storage)?;
+            let revived: Vec<u16> =
+                retired.into_iter().filter(|p| desired.get(usize::from(*p)).is_some_and(|(_, s)| *s != PartitionState::Dead)).collect();
+            store.discard_retired(&revived).map_err(storage)?;
             let (mut drops, mut states) = (Vec::new(), Vec::new());
             for (p, s) in desired {
-                let now = store.partition_state(p).map_err(|e| ClusterError::Storage(e.to_string()))?;
+                let now = store.partition_state(p).map_err(storage)?;
                 if now == s {
                     continue;
                 }
                 if s == PartitionState::Dead && !failed && now != PartitionState::Dead {
                     // The map moved this copy elsewhere (a rebalance handed it over, or
-                    // fewer replicas are wanted): its data goes whole, in O(1). A failed
-                    // node keeps its copies: recovery rolls them back and catches them up.
+                    // fewer replicas are wanted): it is retired now, its data discarded
+                    // whole, in O(1), `DISCARD_AFTER`. A failed node keeps its copies:
+                    // recovery rolls them back and catches them up.
                     drops.push(p);
                 } else {
                     states.push((p, s));
                 }
             }
             // Every new state in one durable batch: requests routed here wait for it.
-            store.set_partition_states(&states).map_err(|e| ClusterError::Storage(e.to_string()))?;
+            store.set_partition_states(&states).map_err(storage)?;
+            store.retire_partitions(&drops).map_err(storage)?;
             store.set_map_version(version);
-            Ok::<_, ClusterError>((states.len(), drops))
+            Ok::<_, ClusterError>((states.len(), drops.len()))
         })
         .await??;
-        // The copies this map keeps here follow it: requests routed here go on now, not
-        // after the drops below (each an fsync and a keyspace deletion, of partitions no
-        // request is routed here for any more).
+        // The copies this map keeps here follow it: requests routed here go on now, and the
+        // replicas here follow their (new) actives.
         self.store_map.send_if_modified(|v| {
             let newer = version > *v;
             *v = (*v).max(version);
             newer
         });
-        let changed = states + drops.len();
-        let store = Arc::clone(self.engine.store());
-        blocking(move || {
-            for p in drops {
-                store.drop_partition(p).map_err(|e| ClusterError::Storage(e.to_string()))?;
-            }
-            Ok::<_, ClusterError>(())
-        })
-        .await??;
+        self.follow_actives(state, map, failed);
+        let changed = states + drops;
+        if drops > 0 {
+            self.discard_later();
+        }
         if changed > 0 {
             tracing::info!(map_version = version, changed, "partition states follow the map");
         }
-        // Replication: one stream per node this one holds replicas of.
+        Ok(())
+    }
+
+    /// Discards the data of the copies retired here, `DISCARD_AFTER` from now: each between
+    /// two applications of the map (so that none gives it a role meanwhile), one at a time
+    /// (so that a map waits for one discard at most, not for all of them).
+    fn discard_later(self: &Arc<Self>) {
+        let node = Arc::clone(self);
+        tokio::spawn(async move {
+            tokio::time::sleep(DISCARD_AFTER).await;
+            let store = Arc::clone(node.engine.store());
+            let listed = Arc::clone(&store);
+            let retired = match blocking(move || listed.retired_partitions()).await {
+                Ok(Ok(retired)) => retired,
+                Ok(Err(e)) => return tracing::warn!(error = %e, "listing retired copies"),
+                Err(e) => return tracing::warn!(error = %e, "listing retired copies"),
+            };
+            for p in retired {
+                let _one = node.applying.lock().await;
+                let store = Arc::clone(&store);
+                match blocking(move || store.discard_retired(&[p])).await {
+                    Ok(Ok(())) => {}
+                    // Its record stays: the next discard or restart tries again.
+                    Ok(Err(e)) => tracing::warn!(partition = p, error = %e, "discarding a retired copy"),
+                    Err(e) => tracing::warn!(partition = p, error = %e, "discarding a retired copy"),
+                }
+            }
+        });
+    }
+
+    /// Replication: one stream per node this one holds replicas of in `map` (none on a
+    /// failed node); streams from other nodes stop.
+    fn follow_actives(self: &Arc<Self>, state: &MetaState, map: &PartitionMap, failed: bool) {
+        let me = NodeId(self.id);
         let sources: HashSet<u64> = if failed {
             HashSet::new()
         } else {
@@ -1312,7 +1358,6 @@ impl ClusterNode {
                 tokio::spawn(crate::replica::replicate_from(Arc::clone(self), source, rx));
             }
         }
-        Ok(())
     }
 }
 

@@ -699,15 +699,6 @@ impl Store {
         create_partition_keyspace(db, p, self.memtable_bytes, self.config.blob_threshold_bytes)
     }
 
-    pub(crate) fn persist_state(&self, p: PartitionId, state: PartitionState) -> Result<(), crate::PartitionError> {
-        self.health.check_writable()?;
-        let mut batch = self.paths[0].db.batch();
-        self.stage_state(&mut batch, p, state);
-        batch.commit()?;
-        self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
-        Ok(())
-    }
-
     /// Adds partition `p`'s state record to `batch` (of the metadata's database).
     pub(crate) fn stage_state(&self, batch: &mut fjall::OwnedWriteBatch, p: PartitionId, state: PartitionState) {
         batch.insert(&self.meta, state_key(p), json_bytes(&StateRecord { state }));
@@ -931,6 +922,13 @@ fn catalog_key(key: &str) -> Result<Vec<u8>, CatalogError> {
 
 fn state_key(p: PartitionId) -> Vec<u8> {
     format!("state/{p:04x}").into_bytes()
+}
+
+/// Marks partitions retired and not yet discarded ([`Store::retire_partitions`]).
+pub(crate) const RETIRED_PREFIX: &str = "retired/";
+
+pub(crate) fn retired_key(p: PartitionId) -> Vec<u8> {
+    format!("{RETIRED_PREFIX}{p:04x}").into_bytes()
 }
 
 fn create_partition_keyspace(

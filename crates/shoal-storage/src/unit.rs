@@ -452,34 +452,110 @@ impl Store {
     /// lets go; no tombstone per key), and an empty one takes its place, `dead` until given
     /// a state.
     pub fn drop_partition(&self, p: PartitionId) -> Result<(), PartitionError> {
-        let unit = self.unit(p)?;
-        let _op = unit.op.lock();
-        let _ddl = self.ddl.lock();
-        let started = std::time::Instant::now();
-        self.persist_state(p, PartitionState::Dead)?;
-        unit.owner.set(PartitionState::Dead);
-        let collections = self.collections_by_id();
-        for collection in &collections {
-            collection.partition_arc(p).close()?;
+        self.drop_partitions(&[p])
+    }
+
+    /// Drops this node's copies of partitions `ps`, each as [`Store::drop_partition`] does:
+    /// retired in one durable write, then discarded.
+    pub fn drop_partitions(&self, ps: &[PartitionId]) -> Result<(), PartitionError> {
+        self.retire_partitions(ps)?;
+        self.discard_retired(ps)
+    }
+
+    /// Takes this node's copies of partitions `ps` out of service for good, in one durable
+    /// write for all of them: each is `dead`, without its records, and marked retired. Every
+    /// collection's part of it is refused from now on. Its data stays on disk, never served,
+    /// until [`Store::discard_retired`] deletes it: a hand-over retires every partition a
+    /// source handed over at once, and the deletions (a keyspace deleted and another created,
+    /// 5–15 ms apiece) are better done once the new map has settled.
+    pub fn retire_partitions(&self, ps: &[PartitionId]) -> Result<(), PartitionError> {
+        let ps = sorted_once(ps);
+        if ps.is_empty() {
+            return Ok(());
         }
+        let units = ps.iter().map(|p| self.unit(*p)).collect::<Result<Vec<_>, _>>()?;
+        let collections = self.collections_by_id();
+        // Partition order, then the store's: the order every partition operation takes.
+        let _ops: Vec<_> = units.iter().map(|u| u.op.lock()).collect();
+        let _ddl = self.ddl.lock();
+        self.health.check_writable()?;
+        // Durably first: a crash from here on finds each copy dead and retired (what is left
+        // of its data is never served, and the restart discards it).
         let mut batch = self.paths[0].db.batch();
-        for collection in &collections {
-            batch.remove(&self.meta, crate::store::partition_key(collection.id, p));
+        for &p in &ps {
+            self.stage_state(&mut batch, p, PartitionState::Dead);
+            batch.insert(&self.meta, crate::store::retired_key(p), []);
+            for collection in &collections {
+                batch.remove(&self.meta, crate::store::partition_key(collection.id, p));
+            }
         }
         batch.commit()?;
         self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
-        {
-            let mut ks = unit.ks.write();
-            unit.db.delete_keyspace(ks.clone())?;
-            *ks = self.create_partition_keyspace(&unit.db, p)?;
+        for (&p, unit) in ps.iter().zip(&units) {
+            unit.owner.set(PartitionState::Dead);
+            for collection in &collections {
+                collection.partition_arc(p).close()?;
+            }
         }
-        for collection in &collections {
-            let part = self.new_partition(collection, p, Vec::new(), 0, LiveCount::default(), None)?;
-            collection.replace_partition(p, part)?;
-        }
-        tracing::info!(partition = p, ms = started.elapsed().as_secs_f64() * 1e3, "partition dropped");
         Ok(())
     }
+
+    /// Deletes the data of those of `ps` that are retired and still dead, one partition at
+    /// a time: the keyspace is deleted (its files go once the last reader lets go; no
+    /// tombstone per key) and an empty one takes its place, `dead` until given a state.
+    /// Others are left alone: a partition is only ever given a state again after its
+    /// discard, so one that is not retired any more was discarded already.
+    pub fn discard_retired(&self, ps: &[PartitionId]) -> Result<(), PartitionError> {
+        let started = std::time::Instant::now();
+        let mut discarded = Vec::new();
+        for p in sorted_once(ps) {
+            let unit = self.unit(p)?;
+            let _op = unit.op.lock();
+            let _ddl = self.ddl.lock();
+            if unit.owner.state() != PartitionState::Dead || self.meta.get(crate::store::retired_key(p))?.is_none() {
+                continue;
+            }
+            {
+                let mut ks = unit.ks.write();
+                unit.db.delete_keyspace(ks.clone())?;
+                *ks = self.create_partition_keyspace(&unit.db, p)?;
+            }
+            for collection in &self.collections_by_id() {
+                let part = self.new_partition(collection, p, Vec::new(), 0, LiveCount::default(), None)?;
+                collection.replace_partition(p, part)?;
+            }
+            // Not fsynced on its own: the state that gives the partition a role again is, and
+            // the journal makes this earlier write durable with it.
+            self.meta.remove(crate::store::retired_key(p))?;
+            discarded.push(p);
+        }
+        if !discarded.is_empty() {
+            tracing::info!(partitions = ?discarded, ms = started.elapsed().as_secs_f64() * 1e3, "partitions discarded");
+        }
+        Ok(())
+    }
+
+    /// The partitions retired and not yet discarded (a restart finds those a crash left).
+    pub fn retired_partitions(&self) -> Result<Vec<PartitionId>, PartitionError> {
+        let mut out = Vec::new();
+        for guard in self.meta.prefix(crate::store::RETIRED_PREFIX) {
+            let key = guard.key()?;
+            let p = std::str::from_utf8(&key[crate::store::RETIRED_PREFIX.len()..]).ok().and_then(|h| u16::from_str_radix(h, 16).ok());
+            match p {
+                Some(p) if p < self.partitions() => out.push(p),
+                _ => tracing::warn!(key = %String::from_utf8_lossy(&key), "ignoring a malformed retired-partition record"),
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// `ps` in partition order, each once.
+fn sorted_once(ps: &[PartitionId]) -> Vec<PartitionId> {
+    let mut ps = ps.to_vec();
+    ps.sort_unstable();
+    ps.dedup();
+    ps
 }
 
 /// Checks one record of a copy: its collection is in the header, its tag is known and its
@@ -578,5 +654,98 @@ mod tests {
         let gone = (0..400).map(|i| format!("k{i}")).find(|k| partition_of(k.as_bytes(), 2) == 0).unwrap();
         assert!(matches!(c.get(&gone), Err(crate::ReadError::NotFound)));
         assert_eq!(c.high_seqnos()[0], 0);
+    }
+
+    #[test]
+    fn partitions_dropped_together_are_each_dead_and_empty_after_a_restart_and_the_rest_keep_theirs() {
+        use crate::{partition_of, StoreConfig, WriteOp, WriteRequest};
+        let dir = tempfile::tempdir().unwrap();
+        let config = || StoreConfig { data_paths: vec![dir.path().to_path_buf()], partitions: Some(4), ..StoreConfig::default() };
+        let keys: Vec<String> = (0..200).map(|i| format!("k{i}")).collect();
+        let in_partition = |p: u16| keys.iter().filter(|k| partition_of(k.as_bytes(), 4) == p).count();
+        {
+            let store = Store::open(config()).unwrap();
+            let c = store.create_collection("c", 0).unwrap();
+            for k in &keys {
+                let req = WriteRequest {
+                    key: Bytes::from(k.clone()),
+                    op: WriteOp::Upsert,
+                    value: Some(Bytes::from_static(b"{}")),
+                    cas: None,
+                    expiry: 0,
+                };
+                let _ = c.write(req).unwrap();
+            }
+            // Out of order and repeated: each is dropped once.
+            store.drop_partitions(&[2, 0, 2]).unwrap();
+            store.drop_partitions(&[]).unwrap();
+            for p in [0, 2] {
+                assert_eq!(store.partition_state(p).unwrap(), PartitionState::Dead);
+                assert_eq!(store.units[usize::from(p)].ks.read().iter().count(), 0, "partition {p} is empty");
+            }
+        }
+        let store = Store::open(config()).unwrap();
+        let c = store.collection("c").unwrap();
+        for p in 0..4u16 {
+            let dropped = p == 0 || p == 2;
+            let state = store.partition_state(p).unwrap();
+            assert_eq!(state == PartitionState::Dead, dropped, "partition {p} after the restart: {state:?}");
+            let docs = store.units[usize::from(p)].ks.read().range(codec::tag_range(c.id(), codec::TAG_DOC)).count();
+            assert_eq!(docs, if dropped { 0 } else { in_partition(p) }, "partition {p}'s documents");
+            if dropped {
+                assert_eq!(c.high_seqnos()[usize::from(p)], 0, "partition {p}'s records went with it");
+            }
+        }
+    }
+
+    #[test]
+    fn a_retired_partition_is_never_served_its_data_outlives_a_restart_until_discarded_and_only_then() {
+        use crate::{partition_of, ReadError, StoreConfig, WriteOp, WriteRequest};
+        let dir = tempfile::tempdir().unwrap();
+        let config = || StoreConfig { data_paths: vec![dir.path().to_path_buf()], partitions: Some(2), ..StoreConfig::default() };
+        let keys: Vec<String> = (0..100).map(|i| format!("k{i}")).collect();
+        let key_in = |p: u16| keys.iter().find(|k| partition_of(k.as_bytes(), 2) == p).unwrap().clone();
+        let docs = |store: &Store, p: u16, c: &Collection| {
+            store.units[usize::from(p)].ks.read().range(codec::tag_range(c.id(), codec::TAG_DOC)).count()
+        };
+        {
+            let store = Store::open(config()).unwrap();
+            let c = store.create_collection("c", 0).unwrap();
+            for k in &keys {
+                let req = WriteRequest {
+                    key: Bytes::from(k.clone()),
+                    op: WriteOp::Upsert,
+                    value: Some(Bytes::from_static(b"{}")),
+                    cas: None,
+                    expiry: 0,
+                };
+                let _ = c.write(req).unwrap();
+            }
+            store.retire_partitions(&[1]).unwrap();
+            assert_eq!(store.partition_state(1).unwrap(), PartitionState::Dead);
+            assert!(matches!(c.get(&key_in(1)), Err(ReadError::NotMyPartition(_))), "refused at once");
+            assert!(docs(&store, 1, &c) > 0, "its data waits for the discard");
+            assert_eq!(store.retired_partitions().unwrap(), vec![1]);
+            // Not retired: a discard leaves it alone.
+            store.discard_retired(&[0]).unwrap();
+            assert!(c.get(&key_in(0)).is_ok());
+        }
+        // A crash before the discard: the restart finds the partition retired, still dead.
+        let store = Store::open(config()).unwrap();
+        let c = store.collection("c").unwrap();
+        assert_eq!(store.partition_state(1).unwrap(), PartitionState::Dead);
+        assert_eq!(store.retired_partitions().unwrap(), vec![1]);
+        assert!(docs(&store, 1, &c) > 0);
+        store.discard_retired(&[1]).unwrap();
+        assert_eq!(docs(&store, 1, &c), 0);
+        assert!(store.retired_partitions().unwrap().is_empty());
+        // Given a role again, it starts empty; a second discard does not touch it.
+        store.set_partition_state(1, PartitionState::Active).unwrap();
+        let req =
+            WriteRequest { key: Bytes::from(key_in(1)), op: WriteOp::Upsert, value: Some(Bytes::from_static(b"{}")), cas: None, expiry: 0 };
+        let _ = c.write(req).unwrap();
+        store.discard_retired(&[1]).unwrap();
+        assert_eq!(docs(&store, 1, &c), 1);
+        assert!(c.get(&key_in(0)).is_ok(), "the other partition keeps its documents");
     }
 }
