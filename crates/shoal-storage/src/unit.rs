@@ -656,9 +656,21 @@ mod tests {
         assert_eq!(c.high_seqnos()[0], 0);
     }
 
+    /// Writes `{}` at `key`.
+    fn upsert(c: &Collection, key: &str) {
+        let req = crate::WriteRequest {
+            key: Bytes::from(key.to_owned()),
+            op: crate::WriteOp::Upsert,
+            value: Some(Bytes::from_static(b"{}")),
+            cas: None,
+            expiry: 0,
+        };
+        let _ = c.write(req).unwrap();
+    }
+
     #[test]
     fn partitions_dropped_together_are_each_dead_and_empty_after_a_restart_and_the_rest_keep_theirs() {
-        use crate::{partition_of, StoreConfig, WriteOp, WriteRequest};
+        use crate::{partition_of, StoreConfig};
         let dir = tempfile::tempdir().unwrap();
         let config = || StoreConfig { data_paths: vec![dir.path().to_path_buf()], partitions: Some(4), ..StoreConfig::default() };
         let keys: Vec<String> = (0..200).map(|i| format!("k{i}")).collect();
@@ -667,14 +679,7 @@ mod tests {
             let store = Store::open(config()).unwrap();
             let c = store.create_collection("c", 0).unwrap();
             for k in &keys {
-                let req = WriteRequest {
-                    key: Bytes::from(k.clone()),
-                    op: WriteOp::Upsert,
-                    value: Some(Bytes::from_static(b"{}")),
-                    cas: None,
-                    expiry: 0,
-                };
-                let _ = c.write(req).unwrap();
+                upsert(&c, k);
             }
             // Out of order and repeated: each is dropped once.
             store.drop_partitions(&[2, 0, 2]).unwrap();
@@ -700,7 +705,7 @@ mod tests {
 
     #[test]
     fn a_retired_partition_is_never_served_its_data_outlives_a_restart_until_discarded_and_only_then() {
-        use crate::{partition_of, ReadError, StoreConfig, WriteOp, WriteRequest};
+        use crate::{partition_of, ReadError, StoreConfig};
         let dir = tempfile::tempdir().unwrap();
         let config = || StoreConfig { data_paths: vec![dir.path().to_path_buf()], partitions: Some(2), ..StoreConfig::default() };
         let keys: Vec<String> = (0..100).map(|i| format!("k{i}")).collect();
@@ -712,14 +717,7 @@ mod tests {
             let store = Store::open(config()).unwrap();
             let c = store.create_collection("c", 0).unwrap();
             for k in &keys {
-                let req = WriteRequest {
-                    key: Bytes::from(k.clone()),
-                    op: WriteOp::Upsert,
-                    value: Some(Bytes::from_static(b"{}")),
-                    cas: None,
-                    expiry: 0,
-                };
-                let _ = c.write(req).unwrap();
+                upsert(&c, k);
             }
             store.retire_partitions(&[1]).unwrap();
             assert_eq!(store.partition_state(1).unwrap(), PartitionState::Dead);
@@ -741,9 +739,7 @@ mod tests {
         assert!(store.retired_partitions().unwrap().is_empty());
         // Given a role again, it starts empty; a second discard does not touch it.
         store.set_partition_state(1, PartitionState::Active).unwrap();
-        let req =
-            WriteRequest { key: Bytes::from(key_in(1)), op: WriteOp::Upsert, value: Some(Bytes::from_static(b"{}")), cas: None, expiry: 0 };
-        let _ = c.write(req).unwrap();
+        upsert(&c, &key_in(1));
         store.discard_retired(&[1]).unwrap();
         assert_eq!(docs(&store, 1, &c), 1);
         assert!(c.get(&key_in(0)).is_ok(), "the other partition keeps its documents");
