@@ -57,8 +57,8 @@ pub const MAP_DELAY_MAX: Duration = Duration::from_secs(30);
 /// and their data discarded this long after: on the sources of a bench add, the discards (a
 /// keyspace deleted and another created, 5–15 ms apiece, 115–167 ms per source) ran just
 /// as the new map took effect everywhere, and majority writes — to every partition, moved
-/// or not — waited up to 80–124 ms then; discarded a second later, 5.5 ms at most
-/// (bench/results/2026-11-28-issue14-discard-after-hand-over.md).
+/// or not — waited up to 79–124 ms then; discarded a second later, 6.5 and 6.7 ms at most,
+/// and 2.8 ms while the discard ran (bench/results/2026-11-28-issue14-discard-after-hand-over.md).
 pub const DISCARD_AFTER: Duration = Duration::from_secs(1);
 /// The reconcile loop tries again after a failure this often.
 const RECONCILE_RETRY: Duration = Duration::from_secs(1);

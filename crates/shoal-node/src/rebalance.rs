@@ -542,14 +542,24 @@ async fn hand_over(
             }
         });
     }
+    let too_late = |what: String| {
+        ClusterError::Refused(format!("{what}, too close to their freezes' end ({FREEZE_MAX:?}) to move the partitions now"))
+    };
     for answer in futures::future::join_all(calls).await {
-        answer?;
+        if let Err(e) = answer {
+            // A call that failed past the bound (timed out behind map applications queued on
+            // a slow source) is a late answer too: the wave is not committed either way.
+            let after = handover_started.elapsed();
+            return Err(if after > HANDOVER_COMMIT_WITHIN {
+                too_late(format!("a hand-over's source did not answer ({e}) after {after:?}"))
+            } else {
+                e.into()
+            });
+        }
     }
     let answered = handover_started.elapsed();
     if answered > HANDOVER_COMMIT_WITHIN {
-        return Err(ClusterError::Refused(format!(
-            "the hand-over's sources answered after {answered:?}, too close to their freezes' end ({FREEZE_MAX:?}) to move the partitions now"
-        )));
+        return Err(too_late(format!("the hand-over's sources answered after {answered:?}")));
     }
     let mut next = map.clone();
     for &p in ready {
