@@ -846,30 +846,28 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
     // pull: 474 ms in bench runs, with every request to the frozen partitions waiting as long.
     node.acks.start_round();
     let frozen_at = Instant::now();
-    let state = node.state();
-    let store = node.engine.store();
+    let collections = node.cluster_collections();
     // The partition the hand-over waited longest for, with the acknowledgement it had
     // from the new active when the wait began (logged when the freeze was long).
     let mut slowest: Option<SlowWait> = None;
     for (p, to) in &req.partitions {
-        for (name, def) in &state.collections {
-            let Some(coll) = store.collection(name).filter(|c| c.id() == def.id) else { continue };
+        for coll in &collections {
             let Some(pos) = coll.position(*p) else { continue };
-            let before = node.acks.get(def.id, *p, *to);
+            let before = node.acks.get(coll.id(), *p, *to);
             let began = Instant::now();
             let reached = node
                 .acks
-                .wait(Part { collection: def.id, partition: *p, uuid: pos.uuid }, &[*to], 1, Need::Received(pos.seqno), until)
+                .wait(Part { collection: coll.id(), partition: *p, uuid: pos.uuid }, &[*to], 1, Need::Received(pos.seqno), until)
                 .await;
             let waited = began.elapsed();
             if slowest.as_ref().is_none_or(|s| waited > s.waited) {
-                let after = node.acks.get(def.id, *p, *to);
+                let after = node.acks.get(coll.id(), *p, *to);
                 slowest = Some(SlowWait { waited, partition: *p, to: *to, seqno: pos.seqno, uuid: pos.uuid, before, after });
             }
             if !reached {
                 node.frozen.lock().remove(p);
                 node.apply_current_map().await?;
-                return Err(ClusterError::Refused(format!("node {to} did not catch up on partition {p} of {name} in time")));
+                return Err(ClusterError::Refused(format!("node {to} did not catch up on partition {p} of {} in time", coll.name())));
             }
         }
     }
