@@ -934,6 +934,14 @@ async fn files_rebalance(cut: bool) -> Value {
     let (acked, attempted) = writer.await.unwrap();
     let (rounds, misrouted) = many.await.unwrap();
     assert!(rounds > 0, "the many-key requests ran");
+    // The first node held every copy and keeps about two of three: the ones it handed over
+    // are dead at once, and their data is discarded soon after (none stays retired).
+    let dead = common::metric(&http, &nodes[0], "shoal_partitions{state=\"dead\"}").await;
+    assert!(dead.is_some_and(|d| d >= 1.0), "the first node handed copies over: {dead:?} dead");
+    common::eventually(30, "the handed-over copies' data discarded", || async {
+        common::metric(&http, &nodes[0], "shoal_partitions_retired").await == Some(0.0)
+    })
+    .await;
     assert!(misrouted.is_empty(), "many-key answers said misrouted: {misrouted:?}");
     let moves = status["moves"].as_array().unwrap();
     assert!(!moves.is_empty(), "the new nodes take copies: {status}");

@@ -49,8 +49,9 @@ pub struct RebalanceArgs {
     moves_per_node: Option<u32>,
     /// Which methods the swap runs: `files` (the keyspace's files, adopted whole),
     /// `files-unpaced` (the same without the elastic budget that yields to requests),
-    /// `records` (the snapshot's records, ingested as new tables) and `stream` (the
-    /// change stream), in any combination.
+    /// `records` (the snapshot's records, ingested as new tables), `stream` (the change
+    /// stream) and `stream-unpaced` (the change stream without the elastic budget: with
+    /// `files-unpaced`, the two methods' own speeds), in any combination.
     #[arg(long, value_delimiter = ',', default_value = "files,records,stream")]
     methods: Vec<String>,
     /// Which rebalances to run, each on a fresh cluster: `swap` (add one node and eject
@@ -85,6 +86,10 @@ pub struct RebalanceArgs {
 const SECRET: &str = "bench-rebalance-secret";
 /// The method name of a copy by files without the elastic budget.
 const UNPACED: &str = "files-unpaced";
+/// The method name of a copy by the change stream without the elastic budget.
+const STREAM_UNPACED: &str = "stream-unpaced";
+/// Every method `--methods` takes.
+const METHODS: [&str; 5] = ["files", UNPACED, "records", "stream", STREAM_UNPACED];
 /// Documents per `_bulk` while loading.
 const LOAD_SLICE: usize = 2_000;
 /// Foreground failures printed (the rest are counted).
@@ -174,6 +179,9 @@ pub async fn run(args: RebalanceArgs) -> Result<(), CliError> {
          foreground {} ops/s; every node on this machine's {cores} cores and one disk",
         args.nodes, args.partitions, docs, args.doc_bytes, args.mb_per_node, args.rate
     );
+    if let Some(m) = args.methods.iter().find(|m| !METHODS.contains(&m.as_str())) {
+        return Err(CliError::Bench(format!("unknown method {m:?}: one of {}", METHODS.join(", "))));
+    }
     let mut outcomes = Vec::new();
     for scenario in &args.scenarios {
         let scenario = Scenario::parse(scenario)?;
@@ -229,7 +237,7 @@ pub async fn run(args: RebalanceArgs) -> Result<(), CliError> {
             o.before.1
         );
     }
-    for (a, b) in [("files", "stream"), ("files", "records"), ("records", "stream"), (UNPACED, "files"), (UNPACED, "stream")] {
+    for (a, b) in [("files", "stream"), ("files", "records"), ("records", "stream"), (UNPACED, "files"), (UNPACED, "stream"), (UNPACED, STREAM_UNPACED)] {
         if let (Some(x), Some(y)) = (swap_by(a), swap_by(b)) {
             println!(
                 "swap {a} / {b}: {:.1}× faster (copy s {:.2} against {:.2})",
@@ -291,7 +299,7 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
     let label = format!("{}-{method}", scenario.name());
     println!("\n--- {} by {method}", scenario.name());
     let mut base = vec!["--cluster-secret".to_string(), SECRET.to_string(), "--analytics-partitions".into(), "0".into()];
-    if method == UNPACED {
+    if method == UNPACED || method == STREAM_UNPACED {
         // Every node: sources pace their exports as receivers pace their ingest.
         base.push("--copy-unpaced".into());
     }
@@ -342,7 +350,7 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
 
     let mut extra = joining.clone();
     match method {
-        "stream" => extra.push("--copy-by-stream".into()),
+        "stream" | STREAM_UNPACED => extra.push("--copy-by-stream".into()),
         "records" => extra.push("--copy-by-records".into()),
         _ => {}
     }
@@ -400,7 +408,7 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
     let bytes_planned = status["bytes_planned"].as_u64().unwrap_or(0);
     // The copies are done when the progress stops growing (then hand-over and settling).
     let copy_end = samples.iter().find(|s| s.bytes_done >= bytes && bytes > 0).map_or(rebalance_end, |s| s.t);
-    let polled_copy_secs = if method != "stream" { copy_end - rebalance_start } else { rebalance_end - rebalance_start };
+    let polled_copy_secs = if method != "stream" && method != STREAM_UNPACED { copy_end - rebalance_start } else { rebalance_end - rebalance_start };
     let copy_secs = copy_span_secs(&status).unwrap_or(polled_copy_secs);
     let log = log.lock().map_err(|_| CliError::Bench("a foreground task panicked".into()))?;
     let window = |from: f64, to: f64| {

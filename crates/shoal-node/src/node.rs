@@ -123,6 +123,10 @@ pub struct ClusterStats {
     pub partitions: Vec<(&'static str, usize)>,
     pub replicas: Vec<ReplicaLag>,
     pub map_version: u64,
+    /// Copies moved away and retired (never served again) whose data is not yet
+    /// discarded: nonzero for about `DISCARD_AFTER` after a hand-over, and until the next
+    /// start after a crash.
+    pub retired: usize,
 }
 
 /// How far one replica is behind this node's active copies.
@@ -1191,6 +1195,7 @@ impl ClusterNode {
             partitions: partitions.into_iter().collect(),
             replicas: lag.into_values().collect(),
             map_version: state.map_version(),
+            retired: store.retired_partitions().map_or(0, |r| r.len()),
         }
     }
 

@@ -129,6 +129,10 @@ fn describe_metrics() {
         Unit::Seconds,
         "How long a lagging replica has not acknowledged this node's changes, by replica node (0 when caught up)"
     );
+    describe_gauge!(
+        "shoal_partitions_retired",
+        "Copies this node handed over and retired (never served again) whose data it has not discarded yet"
+    );
     describe_gauge!("shoal_cluster_map_version", "The partition map version this node has applied");
     describe_counter!(
         "shoal_replica_rollbacks_total",
@@ -210,6 +214,7 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         metrics::gauge!("shoal_replication_lag_seconds", "replica" => replica).set(lag.seconds);
     }
     metrics::gauge!("shoal_cluster_map_version").set(cluster.map_version as f64);
+    metrics::gauge!("shoal_partitions_retired").set(cluster.retired as f64);
     (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
 }
 
