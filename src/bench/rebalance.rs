@@ -237,7 +237,14 @@ pub async fn run(args: RebalanceArgs) -> Result<(), CliError> {
             o.before.1
         );
     }
-    for (a, b) in [("files", "stream"), ("files", "records"), ("records", "stream"), (UNPACED, "files"), (UNPACED, "stream"), (UNPACED, STREAM_UNPACED)] {
+    for (a, b) in [
+        ("files", "stream"),
+        ("files", "records"),
+        ("records", "stream"),
+        (UNPACED, "files"),
+        (UNPACED, "stream"),
+        (UNPACED, STREAM_UNPACED),
+    ] {
         if let (Some(x), Some(y)) = (swap_by(a), swap_by(b)) {
             println!(
                 "swap {a} / {b}: {:.1}× faster (copy s {:.2} against {:.2})",
@@ -408,7 +415,8 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
     let bytes_planned = status["bytes_planned"].as_u64().unwrap_or(0);
     // The copies are done when the progress stops growing (then hand-over and settling).
     let copy_end = samples.iter().find(|s| s.bytes_done >= bytes && bytes > 0).map_or(rebalance_end, |s| s.t);
-    let polled_copy_secs = if method != "stream" && method != STREAM_UNPACED { copy_end - rebalance_start } else { rebalance_end - rebalance_start };
+    let polled_copy_secs =
+        if method != "stream" && method != STREAM_UNPACED { copy_end - rebalance_start } else { rebalance_end - rebalance_start };
     let copy_secs = copy_span_secs(&status).unwrap_or(polled_copy_secs);
     let log = log.lock().map_err(|_| CliError::Bench("a foreground task panicked".into()))?;
     let window = |from: f64, to: f64| {

@@ -1093,6 +1093,12 @@ impl ClusterNode {
         self.wait_store_follows(version, max).await
     }
 
+    /// The map version this node's partition states follow (every copy it retired or gave a
+    /// role by then has its state).
+    pub(crate) fn applied_map_version(&self) -> u64 {
+        *self.store_map.borrow()
+    }
+
     /// Waits until this node's partition states follow map `version` (or a newer one), at
     /// most `max`; answers whether they do.
     pub(crate) async fn wait_store_follows(&self, version: u64, max: Duration) -> bool {

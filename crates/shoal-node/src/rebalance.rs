@@ -178,6 +178,24 @@ pub(crate) struct ProgressAnswer {
     /// waits for those acknowledgements; see [`heard_by_active`].
     #[serde(default)]
     pub heard: Vec<(PartitionId, Vec<u64>)>,
+    /// The map version this node's partition states followed when it read its positions
+    /// (see [`under_map`]).
+    #[serde(default)]
+    pub map_version: u64,
+}
+
+/// `answer` as it counts against map `version`: a node that had not applied that map yet
+/// when it answered says nothing of its copies under it. Its positions may be of a copy
+/// the map retired and that it discards when it applies a later map giving it back — a
+/// copy caught up by them is empty once it gets its role (a CI run handed a partition
+/// over to such a copy: `a_rebalance_stops_on_request_and_outlives_its_leader`).
+fn under_map(mut answer: ProgressAnswer, version: u64) -> ProgressAnswer {
+    if answer.map_version < version {
+        answer.partitions.clear();
+        answer.histories.clear();
+        answer.heard.clear();
+    }
+    answer
 }
 
 /// Starts a rebalance (leader only); answers how many copies it builds. Its plan goes into
@@ -743,13 +761,19 @@ async fn progress_answers(node: &Arc<ClusterNode>, map: &PartitionMap) -> HashMa
     futures::future::join_all(calls)
         .await
         .into_iter()
-        .map(|(holder, answer)| (holder, answer.ok().and_then(|b| serde_json::from_slice::<ProgressAnswer>(&b).ok())))
+        .map(|(holder, answer)| {
+            let answer = answer.ok().and_then(|b| serde_json::from_slice::<ProgressAnswer>(&b).ok());
+            (holder, answer.map(|a| under_map(a, map.version)))
+        })
         .collect()
 }
 
 /// A node's copies' progress: per partition, seqnos summed over collections.
 pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
     let state = node.state();
+    // The map the partition states follow, before the positions: they are of that map or a
+    // later one.
+    let map_version = node.applied_map_version();
     // The copies first, the positions after: a copy still being built (its ingest may have
     // set the export's positions already, before the copy's progress says `done` with its
     // bytes) reports no position, so the rebalance never takes it for caught up while the
@@ -803,7 +827,7 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
             (p, heard)
         })
         .collect();
-    ProgressAnswer { partitions: sums, unsettled, building, copies, histories, sizes, heard }
+    ProgressAnswer { partitions: sums, unsettled, building, copies, histories, sizes, heard, map_version }
 }
 
 /// A hand-over that waits this long for one new active logs what it waited for.
@@ -844,7 +868,14 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
     // each new active pulls again at once — with the partitions it began to follow since its
     // last pull — and acknowledges what it holds. Otherwise the freeze could wait out a held
     // pull: 474 ms in bench runs, with every request to the frozen partitions waiting as long.
-    node.acks.start_round();
+    //
+    // Only an acknowledgement of this round counts (sent after the new active heard of it):
+    // one recorded before may be of a copy the new active has discarded since. A copy that
+    // left a node and comes back within `DISCARD_AFTER` is discarded when the map gives it
+    // back — after its last pulls had acknowledged the old data. A CI run handed a
+    // partition over on such an acknowledgement to an empty copy, and the old active, now
+    // its replica, rolled back to 0 (`a_rebalance_stops_on_request_and_outlives_its_leader`).
+    let round = node.acks.start_round();
     let frozen_at = Instant::now();
     let collections = node.cluster_collections();
     // The partition the hand-over waited longest for, with the acknowledgement it had
@@ -857,7 +888,13 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
             let began = Instant::now();
             let reached = node
                 .acks
-                .wait(Part { collection: coll.id(), partition: *p, uuid: pos.uuid }, &[*to], 1, Need::Received(pos.seqno), until)
+                .wait(
+                    Part { collection: coll.id(), partition: *p, uuid: pos.uuid },
+                    &[*to],
+                    1,
+                    Need::Confirmed { seqno: pos.seqno, round },
+                    until,
+                )
                 .await;
             let waited = began.elapsed();
             if slowest.as_ref().is_none_or(|s| waited > s.waited) {
@@ -916,6 +953,28 @@ mod tests {
         answers.insert(NodeId(4), None);
         for (p, n, heard) in [(0, 2, true), (0, 3, false), (0, 1, true), (1, 3, false), (1, 4, true), (2, 2, false)] {
             assert_eq!(heard_by_active(&answers, &map, p, NodeId(n)), heard, "partition {p}, copy on {n}");
+        }
+    }
+
+    /// Positions count against a map only from a node whose partition states followed it
+    /// when it read them; what else it says (its copies, its sizes) counts either way.
+    #[test]
+    fn positions_count_only_from_a_node_that_applied_the_map() {
+        let answer = |map_version: u64| ProgressAnswer {
+            partitions: vec![(2, 900)],
+            histories: vec![(2, vec![(1, 77)])],
+            heard: vec![(2, vec![4])],
+            sizes: vec![(2, 1_000)],
+            map_version,
+            ..ProgressAnswer::default()
+        };
+        // (map version the node followed, the map's version, positions kept)
+        for (followed, map, kept) in [(8, 9, false), (9, 9, true), (10, 9, true), (0, 1, false)] {
+            let a = under_map(answer(followed), map);
+            assert_eq!(!a.partitions.is_empty(), kept, "followed {followed}, map {map}");
+            assert_eq!(!a.histories.is_empty(), kept, "followed {followed}, map {map}");
+            assert_eq!(!a.heard.is_empty(), kept, "followed {followed}, map {map}");
+            assert_eq!(a.sizes, vec![(2, 1_000)], "sizes count either way");
         }
     }
 

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use shoal_cluster::NodeId;
 use shoal_meta::{MemberState, MetaState};
-use shoal_storage::{Change, Collection, PartitionError, StreamPosition};
+use shoal_storage::{Change, Collection, PartitionError, PartitionState, StreamPosition};
 use tokio::sync::watch;
 
 use crate::node::{blocking, ClusterNode};
@@ -264,6 +264,11 @@ fn parts_from(node: &ClusterNode, state: &MetaState, source: u64, snapshot_end: 
         .map(|(p, _)| p)
         .collect();
     let store = node.engine.store();
+    // Only copies whose state follows a map that makes them replicas: the metadata can be
+    // ahead of the states, and a copy still dead here may be a retired one, whose positions
+    // are of data it discards before it follows (read first: see `collection_positions`).
+    let partitions: Vec<u16> =
+        partitions.into_iter().filter(|p| store.partition_state(*p).is_ok_and(|s| s != PartitionState::Dead)).collect();
     let mut parts = Vec::new();
     for (name, def) in &state.collections {
         let Some(coll) = store.collection(name).filter(|c| c.id() == def.id) else { continue };
@@ -595,12 +600,17 @@ impl ClusterNode {
     }
 
     /// Where this node's copy of each partition is, in each of the cluster's collections:
-    /// partition → (collection id, position: seqno and history).
+    /// partition → (collection id, position: seqno and history). Dead copies have none: a
+    /// retired copy keeps its old positions until its data is discarded, and must never
+    /// count as holding them (its state is read first: one not dead then was discarded
+    /// before it got its role).
     pub(crate) fn collection_positions(&self) -> std::collections::BTreeMap<shoal_cluster::PartitionId, Vec<(u32, StreamPosition)>> {
+        let store = self.engine.store();
+        let live: Vec<bool> = (0..store.partitions()).map(|p| store.partition_state(p).is_ok_and(|s| s != PartitionState::Dead)).collect();
         let mut out: std::collections::BTreeMap<shoal_cluster::PartitionId, Vec<(u32, StreamPosition)>> = std::collections::BTreeMap::new();
         for coll in self.cluster_collections() {
             for (p, pos) in coll.positions().iter().enumerate() {
-                if let Ok(p) = shoal_cluster::PartitionId::try_from(p) {
+                if let (Ok(p), Some(true)) = (shoal_cluster::PartitionId::try_from(p), live.get(p)) {
                     out.entry(p).or_default().push((coll.id(), *pos));
                 }
             }
