@@ -1266,12 +1266,8 @@ impl ClusterNode {
         let version = map.version;
         let (states, drops) = blocking(move || {
             let storage = |e: shoal_storage::PartitionError| ClusterError::Storage(e.to_string());
-            // A retired copy this map gives a role here again is discarded first: it comes
-            // back empty, as a dropped copy always did.
-            let retired = store.retired_partitions().map_err(storage)?;
-            let revived: Vec<u16> =
-                retired.into_iter().filter(|p| desired.get(usize::from(*p)).is_some_and(|(_, s)| *s != PartitionState::Dead)).collect();
-            store.discard_retired(&revived).map_err(storage)?;
+            // A retired copy this map gives a role here again is discarded first
+            // (`set_partition_states` does it): it comes back empty, as a dropped copy always did.
             let (mut drops, mut states) = (Vec::new(), Vec::new());
             for (p, s) in desired {
                 let now = store.partition_state(p).map_err(storage)?;

@@ -210,6 +210,21 @@ impl Store {
         // Partition order, then the store's: the order every partition operation takes.
         let _ops: Vec<_> = units.iter().map(|u| u.op.lock()).collect();
         let _ddl = self.ddl.lock();
+        // A retired copy given a role again is discarded first, whoever retired it and
+        // whenever: its data is of a copy taken out of service, and its partition objects
+        // are closed (a copy retired after the caller last looked, then given a state
+        // without its discard, refused every change as dead for good: a long fault run's
+        // rebalance never ended).
+        let started = std::time::Instant::now();
+        let mut discarded = Vec::new();
+        for ((p, state), unit) in changes.iter().zip(&units) {
+            if *state != PartitionState::Dead && self.discard_locked(*p, unit)? {
+                discarded.push(*p);
+            }
+        }
+        if !discarded.is_empty() {
+            tracing::info!(partitions = ?discarded, ms = started.elapsed().as_secs_f64() * 1e3, "retired copies discarded as they take a role again");
+        }
         let befores: Vec<PartitionState> = units.iter().map(|u| u.owner.state()).collect();
         let collections = self.collections_by_id();
         let mut batch = self.paths[0].db.batch();
@@ -512,27 +527,35 @@ impl Store {
             let unit = self.unit(p)?;
             let _op = unit.op.lock();
             let _ddl = self.ddl.lock();
-            if unit.owner.state() != PartitionState::Dead || self.meta.get(crate::store::retired_key(p))?.is_none() {
-                continue;
+            if self.discard_locked(p, unit)? {
+                discarded.push(p);
             }
-            {
-                let mut ks = unit.ks.write();
-                unit.db.delete_keyspace(ks.clone())?;
-                *ks = self.create_partition_keyspace(&unit.db, p)?;
-            }
-            for collection in &self.collections_by_id() {
-                let part = self.new_partition(collection, p, Vec::new(), 0, LiveCount::default(), None)?;
-                collection.replace_partition(p, part)?;
-            }
-            // Not fsynced on its own: the state that gives the partition a role again is, and
-            // the journal makes this earlier write durable with it.
-            self.meta.remove(crate::store::retired_key(p))?;
-            discarded.push(p);
         }
         if !discarded.is_empty() {
             tracing::info!(partitions = ?discarded, ms = started.elapsed().as_secs_f64() * 1e3, "partitions discarded");
         }
         Ok(())
+    }
+
+    /// [`Store::discard_retired`] of one partition, its operation and DDL locks held:
+    /// answers whether it was retired (and is discarded now).
+    fn discard_locked(&self, p: PartitionId, unit: &crate::store::PartitionUnit) -> Result<bool, PartitionError> {
+        if unit.owner.state() != PartitionState::Dead || self.meta.get(crate::store::retired_key(p))?.is_none() {
+            return Ok(false);
+        }
+        {
+            let mut ks = unit.ks.write();
+            unit.db.delete_keyspace(ks.clone())?;
+            *ks = self.create_partition_keyspace(&unit.db, p)?;
+        }
+        for collection in &self.collections_by_id() {
+            let part = self.new_partition(collection, p, Vec::new(), 0, LiveCount::default(), None)?;
+            collection.replace_partition(p, part)?;
+        }
+        // Not fsynced on its own: the state that gives the partition a role again is, and
+        // the journal makes this earlier write durable with it.
+        self.meta.remove(crate::store::retired_key(p))?;
+        Ok(true)
     }
 
     /// The partitions retired and not yet discarded (a restart finds those a crash left).
@@ -743,5 +766,30 @@ mod tests {
         store.discard_retired(&[1]).unwrap();
         assert_eq!(docs(&store, 1, &c), 1);
         assert!(c.get(&key_in(0)).is_ok(), "the other partition keeps its documents");
+    }
+
+    /// A retired partition given a state again without its discard (a map applied while a
+    /// failed copy was being dropped) is discarded by that state change: it takes writes,
+    /// empty, instead of refusing them as dead for good from its closed objects.
+    #[test]
+    fn a_retired_partition_given_a_role_is_discarded_first_and_takes_writes() {
+        use crate::{partition_of, StoreConfig};
+        let dir = tempfile::tempdir().unwrap();
+        let store =
+            Store::open(StoreConfig { data_paths: vec![dir.path().to_path_buf()], partitions: Some(2), ..StoreConfig::default() }).unwrap();
+        let c = store.create_collection("c", 0).unwrap();
+        let keys: Vec<String> = (0..100).map(|i| format!("k{i}")).filter(|k| partition_of(k.as_bytes(), 2) == 1).collect();
+        for k in &keys {
+            upsert(&c, k);
+        }
+        store.retire_partitions(&[1]).unwrap();
+        for state in [PartitionState::Replica, PartitionState::Active] {
+            store.set_partition_state(1, state).unwrap();
+            assert!(store.retired_partitions().unwrap().is_empty(), "{state}: discarded");
+            assert_eq!(c.positions()[1].seqno, 0, "{state}: it starts empty");
+        }
+        upsert(&c, &keys[0]);
+        assert_eq!(c.positions()[1].seqno, 1, "it takes writes");
+        assert!(c.get(&keys[1]).is_err(), "none of its old documents is served");
     }
 }
