@@ -265,10 +265,8 @@ fn parts_from(node: &ClusterNode, state: &MetaState, source: u64, snapshot_end: 
         .collect();
     let store = node.engine.store();
     // Only copies whose state follows a map that makes them replicas: the metadata can be
-    // ahead of the states, and a copy still dead here may be a retired one, whose positions
-    // are of data it discards before it follows (read first: see `collection_positions`).
-    let partitions: Vec<u16> =
-        partitions.into_iter().filter(|p| store.partition_state(*p).is_ok_and(|s| s != PartitionState::Dead)).collect();
+    // ahead of the states (see `copy_has_position`).
+    let partitions: Vec<u16> = partitions.into_iter().filter(|p| node.copy_has_position(*p)).collect();
     let mut parts = Vec::new();
     for (name, def) in &state.collections {
         let Some(coll) = store.collection(name).filter(|c| c.id() == def.id) else { continue };
@@ -599,14 +597,19 @@ impl ClusterNode {
         self.collection_positions().into_iter().map(|(p, v)| (p, v.into_iter().map(|(id, pos)| (id, pos.seqno)).collect())).collect()
     }
 
+    /// Whether this node's copy of `p` has a position to report or acknowledge: it is not
+    /// dead. A retired copy keeps its old positions until its data is discarded, and must
+    /// never count as holding them. Ask before reading the positions: a copy not dead then
+    /// was discarded before it got its role.
+    pub(crate) fn copy_has_position(&self, p: u16) -> bool {
+        self.engine.store().partition_state(p).is_ok_and(|s| s != PartitionState::Dead)
+    }
+
     /// Where this node's copy of each partition is, in each of the cluster's collections:
-    /// partition → (collection id, position: seqno and history). Dead copies have none: a
-    /// retired copy keeps its old positions until its data is discarded, and must never
-    /// count as holding them (its state is read first: one not dead then was discarded
-    /// before it got its role).
+    /// partition → (collection id, position: seqno and history), for the copies that have
+    /// one (`copy_has_position`).
     pub(crate) fn collection_positions(&self) -> std::collections::BTreeMap<shoal_cluster::PartitionId, Vec<(u32, StreamPosition)>> {
-        let store = self.engine.store();
-        let live: Vec<bool> = (0..store.partitions()).map(|p| store.partition_state(p).is_ok_and(|s| s != PartitionState::Dead)).collect();
+        let live: Vec<bool> = (0..self.engine.store().partitions()).map(|p| self.copy_has_position(p)).collect();
         let mut out: std::collections::BTreeMap<shoal_cluster::PartitionId, Vec<(u32, StreamPosition)>> = std::collections::BTreeMap::new();
         for coll in self.cluster_collections() {
             for (p, pos) in coll.positions().iter().enumerate() {
