@@ -10,8 +10,13 @@ fuzz_target!(|data: &[u8]| {
     let Some((&chunk, data)) = data.split_first() else { return };
     let mut decoder = FrameDecoder::default();
     let mut frames = Vec::new();
-    for piece in data.chunks(usize::from(chunk).max(1)) {
-        decoder.push(piece);
+    for (i, piece) in data.chunks(usize::from(chunk).max(1)).enumerate() {
+        // Both ways in: copied, and kept as it came (records may be slices of it).
+        if i % 2 == 0 {
+            decoder.push(piece);
+        } else {
+            decoder.push_bytes(bytes::Bytes::copy_from_slice(piece));
+        }
         loop {
             match decoder.next_frame() {
                 Ok(Some(frame)) => frames.push(frame),

@@ -368,11 +368,12 @@ fn start(node: &Arc<ClusterNode>, source: u64, address: String, p: u16, map_vers
         let outcome = copy(&node, &address, p, map_version).await;
         node.copies.cancelled.lock().remove(&p);
         match &outcome {
-            Ok(stats) => {
+            Ok((stats, phases)) => {
                 let secs = started.elapsed().as_secs_f64();
                 tracing::info!(
                     partition = p,
                     source,
+                    phases_ms = %phases.summary(),
                     records = stats.records,
                     bytes = stats.bytes,
                     mb_per_s = stats.bytes as f64 / 1e6 / secs.max(1e-9),
@@ -401,9 +402,11 @@ fn start(node: &Arc<ClusterNode>, source: u64, address: String, p: u16, map_vers
                 }
             }
         }
+        let applying = Instant::now();
         if let Err(e) = node.apply_current_map().await {
             tracing::warn!(partition = p, error = %e, "applying the map after a copy");
         }
+        tracing::debug!(partition = p, ms = applying.elapsed().as_millis(), "the map applied after a copy");
         start_queued(&node);
     });
 }
@@ -412,7 +415,8 @@ fn start(node: &Arc<ClusterNode>, source: u64, address: String, p: u16, map_vers
 /// made this node a copy of `p` (`map_version`) before the partition states here follow
 /// it: the copy waits for them (else it would find the partition still dead here, fail,
 /// and leave it to the unpaced change stream).
-async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16, map_version: u64) -> Result<IngestStats, ClusterError> {
+async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16, map_version: u64) -> Result<(IngestStats, Phases), ClusterError> {
+    let mut phases = Phases::start();
     if !node.wait_store_follows(map_version, COPY_MAP_WAIT).await {
         tracing::warn!(partition = p, map_version, "the partition states here do not follow the map yet");
     }
@@ -424,6 +428,7 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16, map_version: u64) 
     })
     .await?
     .map_err(|e| ClusterError::Storage(e.to_string()))?;
+    phases.mark(Phase::Pending);
     let request = crate::wire::encode(&ExportRequest { from: node.id, partition: p, files: !node.copies.by_records });
     let mut stream = node.peers.stream(address, Op::Export, request, COPY_IDLE_TIMEOUT).await?;
     let mut decoder = FrameDecoder::default();
@@ -435,7 +440,7 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16, map_version: u64) 
                 Some(chunk) => {
                     // Counted as the pump counts: a small copy can arrive whole in its first chunk.
                     node.copies.set(p, |c| c.bytes_done += chunk.len() as u64);
-                    decoder.push(&chunk);
+                    decoder.push_bytes(chunk);
                 }
                 None => return Err(bad(FrameError::Truncated)),
             },
@@ -444,6 +449,7 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16, map_version: u64) 
     if header.export.partition != p {
         return Err(ClusterError::BadMessage(format!("asked for partition {p}, got {}", header.export.partition)));
     }
+    phases.mark(Phase::Header);
     let files = header.files.clone();
     node.copies.set(p, |c| {
         c.bytes_total = header.bytes_estimate;
@@ -464,6 +470,7 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16, map_version: u64) 
     let copying = node.copies.elastic.copying();
     let pumped = pump(node, p, &mut stream, &tx).await;
     drop(copying);
+    phases.mark(Phase::Received);
     if let Err(e) = &pumped {
         // The ingest must not finish on a part of the copy.
         let _ = tx.send(Err(PartitionError::Malformed(e.to_string()))).await;
@@ -472,10 +479,59 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16, map_version: u64) 
     let ingested = ingest.await.map_err(|_| ClusterError::Storage("the ingest thread died".into()))?;
     pumped?;
     let stats = ingested.map_err(|e| ClusterError::Storage(e.to_string()))?;
+    phases.mark(Phase::Adopted);
     // A replica now, at the export's positions: the pulls take it from there.
     let store = Arc::clone(node.engine.store());
     blocking(move || store.set_partition_state(p, PartitionState::Replica)).await?.map_err(|e| ClusterError::Storage(e.to_string()))?;
-    Ok(stats)
+    phases.mark(Phase::Replica);
+    Ok((stats, phases))
+}
+
+/// The steps of one copy, in order, whose ends [`Phases`] times (logged with each copy, so
+/// that a slow copy says where its time went).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// The node's partition states follow the map, and the copy is pending here.
+    Pending,
+    /// The source's header arrived: its snapshot is taken.
+    Header,
+    /// The last chunk arrived and was handed to the import.
+    Received,
+    /// The import finished: files fsynced and adopted (or records ingested).
+    Adopted,
+    /// The copy is a replica, durably.
+    Replica,
+}
+
+/// Milliseconds from a copy's start to the end of each [`Phase`] it reached.
+struct Phases {
+    started: Instant,
+    ends: Vec<(Phase, u64)>,
+}
+
+impl Phases {
+    fn start() -> Phases {
+        Phases { started: Instant::now(), ends: Vec::with_capacity(5) }
+    }
+
+    fn mark(&mut self, phase: Phase) {
+        debug_assert!(self.ends.last().is_none_or(|(last, _)| (*last as u8) < phase as u8), "phases end in order");
+        self.ends.push((phase, u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)));
+    }
+
+    /// Each phase's own milliseconds, e.g. `pending=3 header=12 received=200 adopted=30 replica=4`.
+    fn summary(&self) -> String {
+        let mut last = 0;
+        let mut out = String::new();
+        for (phase, end) in &self.ends {
+            if !out.is_empty() {
+                out.push(' ');
+            }
+            out.push_str(&format!("{}={}", format!("{phase:?}").to_lowercase(), end.saturating_sub(last)));
+            last = *end;
+        }
+        out
+    }
 }
 
 /// Runs `work` on a thread of its own at the idle priority
@@ -565,7 +621,7 @@ impl Iterator for Records {
                 None => self.rx.blocking_recv(),
             };
             match next {
-                Some(Ok(chunk)) => self.decoder.push(&chunk),
+                Some(Ok(chunk)) => self.decoder.push_bytes(chunk),
                 Some(Err(e)) => {
                     self.done = true;
                     return Some(Err(e));
@@ -607,8 +663,10 @@ pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc:
     let (tx, rx) = mpsc::channel(COPY_QUEUE_CHUNKS);
     let node = Arc::clone(node);
     // The receiver sees a broken stream if this thread cannot start or dies.
+    let asked = Instant::now();
     background("shoal-export", move || {
         let _copying = node.copies.elastic.copying();
+        let began = asked.elapsed();
         let (header, export) = match export_of(node.engine.store(), &req) {
             Ok(export) => export,
             Err(e) => {
@@ -617,6 +675,12 @@ pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc:
                 return;
             }
         };
+        tracing::debug!(
+            partition = req.partition,
+            thread_ms = began.as_millis(),
+            snapshot_ms = asked.elapsed().saturating_sub(began).as_millis(),
+            "an export's snapshot is taken"
+        );
         let mut out = BytesMut::with_capacity(COPY_CHUNK_BYTES + 64 * 1024);
         FrameEncoder::header(&mut out, &header);
         let mut encoder = FrameEncoder::default();

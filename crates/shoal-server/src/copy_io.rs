@@ -12,10 +12,11 @@
 //! copies' idle priority (`shoal_storage::threads::idle_this_thread`). The request threads only see the
 //! call start, and the chunks the copy hands to the ingest.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::header;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use hyper_util::rt::TokioIo;
 use shoal_node::copy::{Outgoing, COPY_IDLE_TIMEOUT};
 use shoal_node::{ClusterError, PeerError};
@@ -34,11 +35,61 @@ pub const COPY_PROTOCOL: &str = "shoal-copy";
 pub const COPY_READ_BYTES: usize = 1024 * 1024;
 /// Chunks read ahead of the copy's ingest.
 const COPY_READ_AHEAD_CHUNKS: usize = 4;
+/// Read buffers kept for reuse once their chunk is done with: enough for the chunks in
+/// flight of 8 copies at once (`COPY_READ_AHEAD_CHUNKS` each); 32 MiB held at most.
+const COPY_POOLED_CHUNKS: usize = 32;
+
+/// The receiver's read buffers, reused. A fresh 1 MiB buffer per read was memory the kernel
+/// had to zero on first touch (huge pages: `clear_page_erms` under the socket read): 9 % of
+/// the receiving node's CPU in a swap, more than the read's own copy (perf,
+/// bench/results/2026-11-29-issue14-receive-path.md). A chunk hands its buffer back here when
+/// the last slice of it is dropped (`Bytes::from_owner`). Hand-written: a free list of
+/// `Vec`s behind a mutex; the pool crates either allocate their own chunk type or zero
+/// what they hand out.
+#[derive(Default)]
+struct ChunkPool {
+    free: parking_lot::Mutex<Vec<Vec<u8>>>,
+}
+
+impl ChunkPool {
+    fn take(self: &Arc<Self>) -> Vec<u8> {
+        self.free.lock().pop().unwrap_or_else(|| Vec::with_capacity(COPY_READ_BYTES))
+    }
+
+    /// `buf` as a chunk that comes back to this pool when done with.
+    fn chunk(self: &Arc<Self>, buf: Vec<u8>) -> Bytes {
+        Bytes::from_owner(PooledChunk { buf, pool: Arc::clone(self) })
+    }
+}
+
+/// A read buffer lent out as a chunk's bytes.
+struct PooledChunk {
+    buf: Vec<u8>,
+    pool: Arc<ChunkPool>,
+}
+
+impl AsRef<[u8]> for PooledChunk {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for PooledChunk {
+    fn drop(&mut self) {
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.clear();
+        let mut free = self.pool.free.lock();
+        if free.len() < COPY_POOLED_CHUNKS && buf.capacity() >= COPY_READ_BYTES {
+            free.push(buf);
+        }
+    }
+}
 
 /// The copies' network thread: a current-thread runtime at the idle priority. It stops
 /// when this is dropped (copies under way break, and their receivers fall back).
 pub struct CopyIo {
     handle: tokio::runtime::Handle,
+    pool: Arc<ChunkPool>,
     _stop: oneshot::Sender<()>,
 }
 
@@ -53,7 +104,7 @@ impl CopyIo {
                 let _ = stopped.await;
             });
         })?;
-        Ok(CopyIo { handle, _stop: stop })
+        Ok(CopyIo { handle, pool: Arc::default(), _stop: stop })
     }
 
     /// The source's side: once `upgrade` completes (the `101` answer is out), writes the
@@ -115,6 +166,7 @@ impl CopyIo {
             let address = address.clone();
             move |why: String| PeerError::Unreachable { address: address.clone(), why }
         };
+        let pool = Arc::clone(&self.pool);
         self.handle.spawn(async move {
             let response = match tokio::time::timeout(timeout, request.send()).await {
                 Err(_) => return drop(started_tx.send(Err(unreachable(format!("no answer in {timeout:?}"))))),
@@ -142,7 +194,7 @@ impl CopyIo {
                 return;
             }
             loop {
-                let mut chunk = BytesMut::with_capacity(COPY_READ_BYTES);
+                let mut chunk = pool.take();
                 let mut ended = false;
                 while chunk.len() < COPY_READ_BYTES && !ended {
                     let read = tokio::select! {
@@ -156,7 +208,7 @@ impl CopyIo {
                         Err(_) => return drop(tx.send(Err(unreachable(format!("sent nothing for {COPY_IDLE_TIMEOUT:?}")))).await),
                     }
                 }
-                if !chunk.is_empty() && tx.send(Ok(chunk.freeze())).await.is_err() {
+                if !chunk.is_empty() && tx.send(Ok(pool.chunk(chunk))).await.is_err() {
                     return;
                 }
                 if ended {
@@ -293,6 +345,27 @@ mod tests {
         assert_eq!(&got[..4], b"head");
         assert_eq!(got.len(), 4 + 2 * 1024 * 1024, "the failed chunk sent nothing");
         assert!(got[4..].iter().enumerate().all(|(i, b)| *b == ((i + 1_000) % 251) as u8), "the file's bytes from the offset");
+    }
+
+    /// A chunk's buffer comes back when its last slice goes, and is lent again, emptied;
+    /// the pool keeps at most its bound.
+    #[test]
+    fn read_buffers_come_back_when_their_chunk_is_done_with() {
+        let pool = Arc::new(ChunkPool::default());
+        let mut buf = pool.take();
+        buf.extend_from_slice(b"abcdef");
+        let at = buf.as_ptr();
+        let chunk = pool.chunk(buf);
+        let slice = chunk.slice(2..4);
+        drop(chunk);
+        assert!(pool.free.lock().is_empty(), "a slice still holds the buffer");
+        assert_eq!(&slice[..], b"cd");
+        drop(slice);
+        let again = pool.take();
+        assert_eq!((again.as_ptr(), again.len()), (at, 0), "the same buffer, emptied");
+        let chunks: Vec<Bytes> = (0..COPY_POOLED_CHUNKS + 3).map(|_| pool.chunk(pool.take())).collect();
+        drop(chunks);
+        assert_eq!(pool.free.lock().len(), COPY_POOLED_CHUNKS);
     }
 
     #[tokio::test]

@@ -6,6 +6,8 @@
 //! little-endian. A stream without its end (the source died, the link broke) or whose end
 //! does not match what came is refused whole by [`FrameDecoder::finish`].
 
+use std::collections::VecDeque;
+
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -105,9 +107,18 @@ impl FrameEncoder {
 }
 
 /// Reads a copy stream pushed in chunks of any size.
+///
+/// The chunks are kept as they came ([`FrameDecoder::push_bytes`]), and a record that lies
+/// within one chunk is a slice of it, not a copy: a copy's files arrive as 256 KiB records
+/// in 1 MiB reads, and copying each into one growing buffer was a sixth of the receiving
+/// node's CPU during a swap (perf, bench/results/2026-11-29-issue14-receive-path.md). Only a
+/// record that spans two chunks is gathered into bytes of its own.
 #[derive(Default)]
 pub struct FrameDecoder {
-    buf: BytesMut,
+    /// The bytes not decoded yet, in order; none of them empty.
+    chunks: VecDeque<Bytes>,
+    /// Their length, summed.
+    len: usize,
     started: bool,
     ended: bool,
     records: u64,
@@ -115,69 +126,133 @@ pub struct FrameDecoder {
 }
 
 impl FrameDecoder {
+    /// Adds a chunk, copied.
     pub fn push(&mut self, chunk: &[u8]) {
-        self.buf.extend_from_slice(chunk);
+        self.push_bytes(Bytes::copy_from_slice(chunk));
+    }
+
+    /// Adds a chunk as it is: the records decoded from it share its memory.
+    pub fn push_bytes(&mut self, chunk: Bytes) {
+        if !chunk.is_empty() {
+            self.len += chunk.len();
+            self.chunks.push_back(chunk);
+        }
+    }
+
+    /// The first `N` bytes not decoded yet, if that many came.
+    fn peek<const N: usize>(&self) -> Option<[u8; N]> {
+        if self.len < N {
+            return None;
+        }
+        let mut out = [0u8; N];
+        let mut at = 0;
+        for chunk in &self.chunks {
+            let n = chunk.len().min(N - at);
+            out[at..at + n].copy_from_slice(&chunk[..n]);
+            at += n;
+            if at == N {
+                break;
+            }
+        }
+        Some(out)
+    }
+
+    /// The next `n` bytes (at most [`FrameDecoder::len`]): a slice of the first chunk where it
+    /// holds them all, else gathered from the chunks they span.
+    fn take(&mut self, n: usize) -> Bytes {
+        debug_assert!(n <= self.len);
+        self.len -= n;
+        if let Some(front) = self.chunks.front_mut() {
+            if front.len() > n {
+                return front.split_to(n);
+            }
+            if front.len() == n {
+                return self.chunks.pop_front().unwrap_or_default();
+            }
+        }
+        let mut out = BytesMut::with_capacity(n);
+        while out.len() < n {
+            let Some(front) = self.chunks.front_mut() else { break };
+            let want = n - out.len();
+            if front.len() > want {
+                out.extend_from_slice(&front.split_to(want));
+            } else {
+                out.extend_from_slice(front);
+                self.chunks.pop_front();
+            }
+        }
+        out.freeze()
+    }
+
+    /// Drops the next `n` bytes (at most [`FrameDecoder::len`]).
+    fn skip(&mut self, mut n: usize) {
+        debug_assert!(n <= self.len);
+        self.len -= n;
+        while n > 0 {
+            let Some(front) = self.chunks.front_mut() else { break };
+            if front.len() > n {
+                front.advance(n);
+                return;
+            }
+            n -= front.len();
+            self.chunks.pop_front();
+        }
     }
 
     /// The next whole frame, or `None` until more bytes come.
     pub fn next_frame(&mut self) -> Result<Option<Frame>, FrameError> {
         if self.ended {
-            return if self.buf.is_empty() { Ok(None) } else { Err(FrameError::Trailing) };
+            return if self.len == 0 { Ok(None) } else { Err(FrameError::Trailing) };
         }
         if !self.started {
-            if self.buf.len() >= 4 && &self.buf[..4] != MAGIC {
-                return Err(FrameError::Magic);
+            if let Some(magic) = self.peek::<4>() {
+                if &magic != MAGIC {
+                    return Err(FrameError::Magic);
+                }
             }
-            if self.buf.len() < 8 {
-                return Ok(None);
-            }
-            let len = u32::from_le_bytes([self.buf[4], self.buf[5], self.buf[6], self.buf[7]]) as usize;
+            let Some(head) = self.peek::<8>() else { return Ok(None) };
+            let len = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
             if len > COPY_HEADER_MAX_BYTES {
                 return Err(FrameError::HeaderTooLarge(len));
             }
-            if self.buf.len() < 8 + len {
+            if self.len < 8 + len {
                 return Ok(None);
             }
-            self.buf.advance(8);
-            let json = self.buf.split_to(len);
+            self.skip(8);
+            let json = self.take(len);
             let header: CopyHeader = serde_json::from_slice(&json).map_err(|e| FrameError::Header(e.to_string()))?;
             self.started = true;
             return Ok(Some(Frame::Header(header)));
         }
-        if self.buf.len() < 4 {
-            return Ok(None);
-        }
-        let key_len = u32::from_le_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]);
+        let Some(head) = self.peek::<4>() else { return Ok(None) };
+        let key_len = u32::from_le_bytes(head);
         if key_len == END {
-            if self.buf.len() < 20 {
-                return Ok(None);
-            }
-            self.buf.advance(4);
-            let (said, said_bytes) = (self.buf.get_u64_le(), self.buf.get_u64_le());
+            let Some(end) = self.peek::<20>() else { return Ok(None) };
+            self.skip(20);
+            let said = u64::from_le_bytes([end[4], end[5], end[6], end[7], end[8], end[9], end[10], end[11]]);
+            let said_bytes = u64::from_le_bytes([end[12], end[13], end[14], end[15], end[16], end[17], end[18], end[19]]);
             if said != self.records || said_bytes != self.bytes {
                 return Err(FrameError::Count { said, said_bytes, got: self.records, got_bytes: self.bytes });
             }
             self.ended = true;
-            return if self.buf.is_empty() { Ok(Some(Frame::End)) } else { Err(FrameError::Trailing) };
+            return if self.len == 0 { Ok(Some(Frame::End)) } else { Err(FrameError::Trailing) };
         }
         if key_len == 0 {
             return Err(FrameError::EmptyKey);
         }
-        if self.buf.len() < 8 {
-            return Ok(None);
-        }
-        let value_len = u32::from_le_bytes([self.buf[4], self.buf[5], self.buf[6], self.buf[7]]);
+        let Some(head) = self.peek::<8>() else { return Ok(None) };
+        let value_len = u32::from_le_bytes([head[4], head[5], head[6], head[7]]);
         let size = u64::from(key_len) + u64::from(value_len);
         if size > COPY_RECORD_MAX_BYTES as u64 {
             return Err(FrameError::RecordTooLarge(size));
         }
         let (key_len, value_len) = (key_len as usize, value_len as usize);
-        if self.buf.len() < 8 + key_len + value_len {
+        if self.len < 8 + key_len + value_len {
             return Ok(None);
         }
-        self.buf.advance(8);
-        let key = self.buf.split_to(key_len).freeze();
-        let value = self.buf.split_to(value_len).freeze();
+        self.skip(8);
+        let key = self.take(key_len);
+        let value = self.take(value_len);
         self.records += 1;
         self.bytes += size;
         Ok(Some(Frame::Record(key, value)))
@@ -185,7 +260,7 @@ impl FrameDecoder {
 
     /// At the end of the input: whether the copy was whole.
     pub fn finish(&self) -> Result<(), FrameError> {
-        if self.ended && self.buf.is_empty() {
+        if self.ended && self.len == 0 {
             Ok(())
         } else if self.ended {
             Err(FrameError::Trailing)
@@ -252,6 +327,34 @@ mod tests {
         }
         e.end(&mut out);
         assert_eq!(out.to_vec(), stream(&records));
+    }
+
+    /// A record inside one pushed chunk is a slice of it; one across two chunks is whole.
+    #[test]
+    fn records_within_a_chunk_share_its_memory() {
+        let bytes = Bytes::from(stream(&[(b"a", &[1u8; 1000]), (b"b", &[2u8; 1000])]));
+        let cut = bytes.len() - 900;
+        let mut d = FrameDecoder::default();
+        d.push_bytes(bytes.slice(..cut));
+        d.push_bytes(bytes.slice(cut..));
+        assert!(matches!(d.next_frame(), Ok(Some(Frame::Header(_)))));
+        let inside = |v: &Bytes| bytes.as_ptr_range().contains(&v.as_ptr());
+        match d.next_frame() {
+            Ok(Some(Frame::Record(k, v))) => {
+                assert_eq!((&k[..], &v[..]), (&b"a"[..], &[1u8; 1000][..]));
+                assert!(inside(&v), "the first record lies in the first chunk: not copied");
+            }
+            other => panic!("{other:?}"),
+        }
+        match d.next_frame() {
+            Ok(Some(Frame::Record(k, v))) => {
+                assert_eq!((&k[..], &v[..]), (&b"b"[..], &[2u8; 1000][..]));
+                assert!(!inside(&v), "the second spans both chunks: gathered");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(d.next_frame(), Ok(Some(Frame::End)));
+        assert_eq!(d.finish(), Ok(()));
     }
 
     #[test]

@@ -34,8 +34,11 @@ use crate::PartitionId;
 pub const TAG_ITEM: u8 = 0;
 /// Key tag of a file chunk.
 pub const TAG_CHUNK: u8 = 1;
-/// Bytes of a file per chunk.
-pub const FILE_CHUNK_BYTES: usize = 1024 * 1024;
+/// Bytes of a file per chunk. A quarter of what a receiver reads at once (1 MiB, the
+/// server's `COPY_READ_BYTES`), so that about three chunks in four lie within one read and
+/// reach the disk uncopied (`copy_stream::FrameDecoder`); only those that span two reads
+/// are gathered.
+pub const FILE_CHUNK_BYTES: usize = 256 * 1024;
 /// Most files one partition's copy may list (a keyspace holds tens to hundreds).
 pub const FILES_MAX: usize = 100_000;
 /// A received file's bytes are handed to the disk every this many bytes (`sync_file_range`,
@@ -338,6 +341,8 @@ impl Store {
         let mut items_bytes = 0u64;
         let mut items_hash = ItemsHash::default();
         let mut writing: Option<FileWriter> = None;
+        // One staging buffer for the direct writes of all the files, in turn.
+        let mut staging = Vec::new();
         let mut next_file = 0usize;
         for record in records {
             let (k, v) = record?;
@@ -367,12 +372,14 @@ impl Store {
                         }
                         let (f, blob) =
                             files.get(index).ok_or_else(|| PartitionError::Malformed(format!("no file {index} in the manifest")))?;
-                        writing = Some(FileWriter::create(index, if *blob { &blobs } else { &tables }, f)?);
+                        writing = Some(FileWriter::create(index, if *blob { &blobs } else { &tables }, f, &mut staging)?);
                         next_file += 1;
                     }
                     if let Some(w) = &mut writing {
                         if w.write(&v)? {
-                            writing = None;
+                            if let Some(done) = writing.take() {
+                                staging = done.out.into_staging();
+                            }
                         }
                     }
                 }
@@ -475,11 +482,11 @@ struct FileWriter {
 }
 
 impl FileWriter {
-    fn create(index: usize, folder: &std::path::Path, f: &ShippedFile) -> Result<FileWriter, PartitionError> {
+    fn create(index: usize, folder: &std::path::Path, f: &ShippedFile, staging: &mut Vec<u8>) -> Result<FileWriter, PartitionError> {
         let path = folder.join(f.id.to_string());
         Ok(FileWriter {
             index,
-            out: FileOut::create(&path, true)?,
+            out: FileOut::create(&path, true, staging)?,
             path,
             hash: xxhash_rust::xxh3::Xxh3::new(),
             left: f.size,
@@ -546,11 +553,16 @@ enum FileOut {
 
 impl FileOut {
     /// Creates the file (a new one only: an id already there would be another file's),
-    /// directly written if `direct` and the file system takes it.
-    fn create(path: &std::path::Path, direct: bool) -> Result<FileOut, PartitionError> {
+    /// directly written if `direct` and the file system takes it, staged in `staging` (taken;
+    /// [`FileOut::into_staging`] gives it back for the next file: fresh memory for each file
+    /// was pages the kernel zeroed, on the copy's CPU).
+    fn create(path: &std::path::Path, direct: bool, staging: &mut Vec<u8>) -> Result<FileOut, PartitionError> {
         if direct {
             if let Some(file) = open_direct(path)? {
-                let buf = vec![0u8; DIRECT_WRITE_BYTES + DIRECT_ALIGN];
+                let mut buf = std::mem::take(staging);
+                if buf.len() < DIRECT_WRITE_BYTES + DIRECT_ALIGN {
+                    buf = vec![0u8; DIRECT_WRITE_BYTES + DIRECT_ALIGN];
+                }
                 let start = buf.as_ptr().align_offset(DIRECT_ALIGN);
                 debug_assert!(start < DIRECT_ALIGN);
                 return Ok(FileOut::Direct { file, buf, start, staged: 0, offset: 0 });
@@ -585,6 +597,14 @@ impl FileOut {
             }
         }
         Ok(())
+    }
+
+    /// The staging buffer, for the next file (empty for a file written through the cache).
+    fn into_staging(self) -> Vec<u8> {
+        match self {
+            FileOut::Direct { buf, .. } => buf,
+            FileOut::Buffered { .. } => Vec::new(),
+        }
     }
 
     /// Writes what is staged and makes the file durable. A direct file's last block is
@@ -682,16 +702,18 @@ mod tests {
     }
 
     /// Both ways of writing a received file leave exactly its bytes, whatever the sizes of
-    /// the chunks and of the file (empty, under a block, across the staging buffer).
+    /// the chunks and of the file (empty, under a block, across the staging buffer), the
+    /// files in turn sharing one staging buffer (each finds the last one's bytes in it).
     #[test]
     fn a_received_file_holds_exactly_its_bytes_written_directly_or_not() {
         let dir = tempfile::tempdir().unwrap();
+        let mut staging = Vec::new();
         let sizes = [0, 1, DIRECT_ALIGN - 1, DIRECT_ALIGN, DIRECT_WRITE_BYTES + 17, 3 * DIRECT_WRITE_BYTES];
         for direct in [true, false] {
             for (i, size) in sizes.into_iter().enumerate() {
                 let bytes: Vec<u8> = (0..size).map(|j| (j * 31 + i) as u8).collect();
                 let path = dir.path().join(format!("{direct}-{i}"));
-                let mut out = FileOut::create(&path, direct).unwrap();
+                let mut out = FileOut::create(&path, direct, &mut staging).unwrap();
                 // Where this file system takes direct I/O, a direct file is written so.
                 let probe = dir.path().join("probe");
                 let takes_direct = open_direct(&probe).unwrap().is_some();
@@ -701,8 +723,9 @@ mod tests {
                     out.write(chunk).unwrap();
                 }
                 out.finish().unwrap();
+                staging = out.into_staging();
                 assert_eq!(std::fs::read(&path).unwrap(), bytes, "direct {direct}, {size} bytes");
-                assert!(FileOut::create(&path, direct).is_err(), "a file already there is refused");
+                assert!(FileOut::create(&path, direct, &mut Vec::new()).is_err(), "a file already there is refused");
             }
         }
     }
