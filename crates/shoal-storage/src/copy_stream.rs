@@ -110,7 +110,7 @@ impl FrameEncoder {
 ///
 /// The chunks are kept as they came ([`FrameDecoder::push_bytes`]), and a record that lies
 /// within one chunk is a slice of it, not a copy: a copy's files arrive as 256 KiB records
-/// in 1 MiB reads, and copying each into one growing buffer was a sixth of the receiving
+/// in 1 MiB reads, and copying each into one growing buffer was 6.5 % of the receiving
 /// node's CPU during a swap (perf, bench/results/2026-11-29-issue14-receive-path.md). Only a
 /// record that spans two chunks is gathered into bytes of its own.
 #[derive(Default)]
@@ -157,7 +157,7 @@ impl FrameDecoder {
         Some(out)
     }
 
-    /// The next `n` bytes (at most [`FrameDecoder::len`]): a slice of the first chunk where it
+    /// The next `n` bytes (no more than it holds): a slice of the first chunk where it
     /// holds them all, else gathered from the chunks they span.
     fn take(&mut self, n: usize) -> Bytes {
         debug_assert!(n <= self.len);
@@ -184,7 +184,7 @@ impl FrameDecoder {
         out.freeze()
     }
 
-    /// Drops the next `n` bytes (at most [`FrameDecoder::len`]).
+    /// Drops the next `n` bytes (no more than it holds).
     fn skip(&mut self, mut n: usize) {
         debug_assert!(n <= self.len);
         self.len -= n;
