@@ -361,8 +361,11 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
         "records" => extra.push("--copy-by-records".into()),
         _ => {}
     }
+    // Started off the runtime's worker (it blocks until the node listens): on it, the
+    // foreground's requests in flight there would wait too, inside the window measured as
+    // "before".
     let newcomer = match scenario.joins() {
-        true => Some(Node::start_named(&format!("rebalance-{label}-new"), args.partitions, &extra)?),
+        true => Some(tokio::task::block_in_place(|| Node::start_named(&format!("rebalance-{label}-new"), args.partitions, &extra))?),
         false => None,
     };
     wait_members(&client, nodes.len() + usize::from(newcomer.is_some())).await?;
