@@ -10,12 +10,16 @@ fuzz_target!(|data: &[u8]| {
     let Some((&chunk, data)) = data.split_first() else { return };
     let mut decoder = FrameDecoder::default();
     let mut frames = Vec::new();
-    for (i, piece) in data.chunks(usize::from(chunk).max(1)).enumerate() {
-        // Both ways in: copied, and kept as it came (records may be slices of it).
+    // Both ways in: copied (`push`), and kept as it came (`push_bytes` of a slice of one
+    // shared buffer, whose records are then slices of it too).
+    let shared = bytes::Bytes::copy_from_slice(data);
+    let step = usize::from(chunk).max(1);
+    for (i, at) in (0..data.len()).step_by(step).enumerate() {
+        let end = (at + step).min(data.len());
         if i % 2 == 0 {
-            decoder.push(piece);
+            decoder.push(&data[at..end]);
         } else {
-            decoder.push_bytes(bytes::Bytes::copy_from_slice(piece));
+            decoder.push_bytes(shared.slice(at..end));
         }
         loop {
             match decoder.next_frame() {

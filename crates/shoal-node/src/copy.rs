@@ -489,7 +489,7 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16, map_version: u64) 
 
 /// The steps of one copy, in order, whose ends [`Phases`] times (logged with each copy, so
 /// that a slow copy says where its time went).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Phase {
     /// The node's partition states follow the map, and the copy is pending here.
     Pending,
@@ -515,7 +515,7 @@ impl Phases {
     }
 
     fn mark(&mut self, phase: Phase) {
-        debug_assert!(self.ends.last().is_none_or(|(last, _)| (*last as u8) < phase as u8), "phases end in order");
+        debug_assert!(self.ends.last().is_none_or(|(last, _)| *last < phase), "phases end in order");
         self.ends.push((phase, u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)));
     }
 

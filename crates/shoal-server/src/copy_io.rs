@@ -52,7 +52,7 @@ struct ChunkPool {
 }
 
 impl ChunkPool {
-    fn take(self: &Arc<Self>) -> Vec<u8> {
+    fn take(&self) -> Vec<u8> {
         self.free.lock().pop().unwrap_or_else(|| Vec::with_capacity(COPY_READ_BYTES))
     }
 
