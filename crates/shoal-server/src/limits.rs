@@ -13,7 +13,7 @@ use std::sync::Arc;
 use axum::extract::{MatchedPath, Request};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::ApiError;
 
@@ -108,28 +108,55 @@ impl Limits {
     }
 }
 
+/// Why a request got no turn.
+#[derive(Debug, PartialEq, Eq)]
+enum Refused {
+    /// The class's queue is full.
+    QueueFull,
+    /// The gate is closed: the node is shutting down.
+    Closed,
+}
+
+/// A place in a class's queue, given back however the wait ends: with a turn, refused, or
+/// abandoned because the client went away and axum dropped the request's future.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Gate {
+    /// A turn of this class: at once when a slot is free, else after a wait in the queue,
+    /// or refused when the queue is full.
+    async fn admit(&self) -> Result<OwnedSemaphorePermit, Refused> {
+        if let Ok(p) = Arc::clone(&self.running).try_acquire_owned() {
+            return Ok(p);
+        }
+        let place = Waiting(&self.waiting);
+        if self.waiting.fetch_add(1, Ordering::AcqRel) >= self.queue_max {
+            return Err(Refused::QueueFull);
+        }
+        let permit = Arc::clone(&self.running).acquire_owned().await.map_err(|_| Refused::Closed);
+        drop(place);
+        permit
+    }
+}
+
 /// Waits for a turn of the request's class (or refuses it when too many wait), then runs it.
 pub async fn limit(limits: axum::extract::State<Limits>, matched: Option<MatchedPath>, req: Request, next: Next) -> Response {
     let op = crate::ops::operation_name(req.method().as_str(), matched.as_ref().map(|m| m.as_str()));
     let Some(gate) = Class::of(op).and_then(|c| limits.gate(c)) else {
         return next.run(req).await;
     };
-    let permit = match Arc::clone(&gate.running).try_acquire_owned() {
+    let permit = match gate.admit().await {
         Ok(p) => p,
-        Err(_) => {
-            if gate.waiting.fetch_add(1, Ordering::AcqRel) >= gate.queue_max {
-                gate.waiting.fetch_sub(1, Ordering::AcqRel);
-                metrics::counter!("shoal_requests_shed_total", "class" => gate.class.name()).increment(1);
-                return ApiError::unavailable(format!("too many {} requests at once; try again shortly", gate.class.name()))
-                    .into_response();
-            }
-            let permit = Arc::clone(&gate.running).acquire_owned().await;
-            gate.waiting.fetch_sub(1, Ordering::AcqRel);
-            match permit {
-                Ok(p) => p,
-                Err(_) => return ApiError::unavailable("the node is shutting down").into_response(),
-            }
+        Err(Refused::QueueFull) => {
+            metrics::counter!("shoal_requests_shed_total", "class" => gate.class.name()).increment(1);
+            return ApiError::unavailable(format!("too many {} requests at once; try again shortly", gate.class.name())).into_response();
         }
+        Err(Refused::Closed) => return ApiError::unavailable("the node is shutting down").into_response(),
     };
     let response = next.run(req).await;
     drop(permit);
@@ -152,5 +179,45 @@ mod tests {
         }
         let limits = Limits::new(2);
         assert_eq!(limits.gate(Class::Subdoc).map(|g| g.running.available_permits()), Some(4));
+    }
+
+    fn one_slot_gate(queue_max: usize) -> Gate {
+        Gate { class: Class::Query, running: Arc::new(Semaphore::new(1)), waiting: AtomicUsize::new(0), queue_max }
+    }
+
+    /// A client that goes away while queued (axum drops its request's future) gives its place
+    /// back: before, the count only came down once a turn came, so a burst of disconnects
+    /// filled the queue for good and the class answered 503 for the rest of the node's life.
+    #[tokio::test]
+    async fn abandoned_waits_give_their_place_back() {
+        let gate = one_slot_gate(4);
+        let held = gate.admit().await.expect("a free slot");
+        for _ in 0..100 {
+            let wait = gate.admit();
+            tokio::pin!(wait);
+            assert!(futures::poll!(wait.as_mut()).is_pending(), "the only slot is held");
+            assert_eq!(gate.waiting.load(Ordering::Acquire), 1);
+        }
+        assert_eq!(gate.waiting.load(Ordering::Acquire), 0, "every abandoned wait left the queue");
+        drop(held);
+        assert!(gate.admit().await.is_ok(), "the class still admits after 100 abandoned waits");
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_refuses_and_a_turn_frees_its_place() {
+        let gate = one_slot_gate(1);
+        let held = gate.admit().await.expect("a free slot");
+        let first = gate.admit();
+        tokio::pin!(first);
+        assert!(futures::poll!(first.as_mut()).is_pending());
+        assert_eq!(gate.admit().await.err(), Some(Refused::QueueFull), "one waits, the queue holds one");
+        assert_eq!(gate.waiting.load(Ordering::Acquire), 1, "the refusal gave its place back");
+        drop(held);
+        let turn = first.await.expect("the waiter gets the freed slot");
+        assert_eq!(gate.waiting.load(Ordering::Acquire), 0);
+        drop(turn);
+        gate.running.close();
+        assert_eq!(gate.admit().await.err(), Some(Refused::Closed), "a closed gate refuses");
+        assert_eq!(gate.waiting.load(Ordering::Acquire), 0);
     }
 }
