@@ -143,13 +143,25 @@ struct ServeArgs {
     advertise: Option<String>,
 }
 
+/// The log filter: `SHOAL_LOG` (default `info`), with the libraries' own chatter kept down
+/// unless it names them. openraft logs every unreachable member at ERROR, several times a
+/// second while one is down, and the storage engine (fjall, lsm-tree) logs every flush and
+/// ingestion at INFO (a first start printed 128 `Finished ingestion writer` lines); Shoal logs
+/// what matters of both itself. `SHOAL_LOG=info,openraft=info` brings one back.
+fn log_directives(user: Option<String>) -> String {
+    let mut directives = user.unwrap_or_else(|| "info".into());
+    for (target, level) in [("openraft", "off"), ("fjall", "warn"), ("lsm_tree", "warn")] {
+        if !directives.contains(target) {
+            directives.push_str(&format!(",{target}={level}"));
+        }
+    }
+    directives
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
-    // openraft logs every unreachable member at ERROR, several times a second while one is
-    // down; Shoal logs what matters of that itself. `SHOAL_LOG=...,openraft=info` brings it back.
-    let directives = std::env::var("SHOAL_LOG").unwrap_or_else(|_| "info".into());
-    let directives = if directives.contains("openraft") { directives } else { format!("{directives},openraft=off") };
-    let filter = tracing_subscriber::EnvFilter::try_new(&directives).unwrap_or_else(|_| "info,openraft=off".into());
+    let directives = log_directives(std::env::var("SHOAL_LOG").ok());
+    let filter = tracing_subscriber::EnvFilter::try_new(&directives).unwrap_or_else(|_| log_directives(None).into());
     // Colours only on a terminal: logs sent to a file or a pipe stay plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).init();
@@ -304,4 +316,16 @@ fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>, std::io::E
         #[cfg(not(unix))]
         let _ = tokio::signal::ctrl_c().await;
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::log_directives;
+
+    #[test]
+    fn the_libraries_chatter_is_kept_down_unless_named() {
+        assert_eq!(log_directives(None), "info,openraft=off,fjall=warn,lsm_tree=warn");
+        assert_eq!(log_directives(Some("debug,fjall=info".into())), "debug,fjall=info,openraft=off,lsm_tree=warn");
+        assert!(tracing_subscriber::EnvFilter::try_new(log_directives(Some("warn".into()))).is_ok());
+    }
 }

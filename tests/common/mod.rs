@@ -57,7 +57,7 @@ impl Node {
     }
 
     fn spawn(&mut self) {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        let mut child = Command::new(binary())
             .arg("serve")
             .arg("--listen")
             .arg(&self.listen)
@@ -160,8 +160,14 @@ impl Drop for Node {
     }
 }
 
+/// The `shoal` binary the tests start: this build's, or `SHOAL_TEST_BIN` (to run a test
+/// against another build, say to check that a new test fails on an older one).
+pub fn binary() -> PathBuf {
+    std::env::var_os("SHOAL_TEST_BIN").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_shoal")))
+}
+
 pub fn cli(url: &str, args: &[&str], stdin: Option<&str>) -> (bool, String, String) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_shoal"));
+    let mut cmd = Command::new(binary());
     cmd.arg("--url").arg(url).args(args).env("SHOAL_LOG", "warn");
     cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() }).stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = cmd.spawn().expect("spawn cli");

@@ -34,23 +34,6 @@ pub struct FailoverPlan {
     pub replicas_dropped: Vec<PartitionId>,
 }
 
-/// Fails `failed` over: for each partition it was active for, the replica with the highest
-/// acknowledged seqno becomes active (ties go to the replica listed first, the map's
-/// preference); its replica copies leave the map; the version rises by one.
-///
-/// `replica_progress(partition, node)` is the seqno that replica has acknowledged to the
-/// active, or `None` when the copy cannot be promoted (still being built, or its node is
-/// down too). With replication of every `majority` write to a majority of copies, the most
-/// advanced replica holds every write acknowledged at `majority`.
-///
-/// Seqnos alone order copies only when they are on one history — acknowledged to the
-/// current active. A copy's *reported* high seqno may end in changes of an older active
-/// that the current one never had (a replica that was not fenced at the previous failover
-/// and has not rolled back yet); compare those with [`failover_fenced`] and [`HistoryEnd`].
-pub fn failover(map: &PartitionMap, failed: NodeId, replica_progress: &dyn Fn(PartitionId, NodeId) -> Option<SeqNo>) -> FailoverPlan {
-    failover_fenced(map, failed, &|p, n| replica_progress(p, n).map(|seqno| HistoryEnd { epoch: 0, seqno }))
-}
-
 /// Where a copy's history ends: the epoch of its last change and its seqno.
 ///
 /// The epoch is the map version under which the active that sequenced the change was
@@ -60,15 +43,16 @@ pub fn failover(map: &PartitionMap, failed: NodeId, replica_progress: &dyn Fn(Pa
 /// includes every write acknowledged before. So copies compare by epoch first, then seqno
 /// — Raft's "last term, then last index" — never by seqno alone: a copy left behind on an
 /// older active's history can have the higher seqno while lacking acknowledged writes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct HistoryEnd {
     pub epoch: u64,
     pub seqno: SeqNo,
 }
 
-/// [`failover`] with copies compared by where their history ends: for each partition
-/// `failed` was active for, the fenced replica with the greatest [`HistoryEnd`] becomes
-/// active (ties to the replica listed first).
+/// Fails `failed` over: for each partition it was active for, the fenced replica with the
+/// greatest [`HistoryEnd`] becomes active (ties to the replica listed first); its replica
+/// copies leave the map; the version rises by one. Production reports only the replica
+/// [`choose_promotion`] picked (and caught up) for each partition.
 ///
 /// `reported(partition, node)` is the history end a surviving replica reported after it
 /// applied the fence ("`failed` is Failed"), or `None` when it has not (it may still be
@@ -118,57 +102,64 @@ pub fn failover_fenced(map: &PartitionMap, failed: NodeId, reported: &dyn Fn(Par
     plan
 }
 
-/// Where one fenced replica of a partition stands: its seqno in each collection (each
-/// collection of a partition has a sequence of its own).
-pub type CollectionSeqnos = std::collections::BTreeMap<u32, SeqNo>;
+/// Where one fenced replica of a partition stands: where its history ends in each
+/// collection (each collection of a partition has a sequence of its own).
+pub type CollectionEnds = std::collections::BTreeMap<u32, HistoryEnd>;
 
 /// The replica a failover promotes for one partition, and where it must first catch up.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PromotionChoice {
     pub to: NodeId,
-    /// `(collection, source)`: a collection in which another fenced replica is further on,
-    /// and the first such replica holding the furthest seqno. The promoted copy applies the
-    /// changes it lacks from there before it serves.
+    /// `(collection, source)`: a collection in which another fenced replica's history ends
+    /// further on, and the first such replica ending furthest. The promoted copy takes the
+    /// changes it lacks from there before it serves (rolling back first where its own
+    /// history parted from the source's).
     pub catch_up: Vec<(u32, NodeId)>,
 }
 
 /// Whom to promote among a partition's fenced replicas, `reports` in the map's order.
 ///
-/// Within one collection the fenced replicas hold prefixes of the failed active's history,
-/// so the furthest holds everything the others do. Across collections no replica need be
-/// furthest in all: each pulls every collection, and two pulls read them at different
-/// moments, so one replica can be ahead in one collection and behind in another — each
-/// holding `majority` writes the other lacks. So the replica furthest in total is chosen
-/// (the least to copy; ties go to the first listed) and catches up, collection by
-/// collection, from a replica that is furthest there. `None` when there is no report.
-pub fn choose_promotion(reports: &[(NodeId, CollectionSeqnos)]) -> Option<PromotionChoice> {
-    let total = |r: &CollectionSeqnos| r.values().map(|s| u128::from(*s)).sum::<u128>();
-    let mut best: Option<&(NodeId, CollectionSeqnos)> = None;
+/// Copies compare by where their history ends, [`HistoryEnd`] — epoch, then seqno — never
+/// by seqno alone: a replica left behind on an older active's history (down, or not fenced,
+/// at the previous failover) may hold the highest seqno while lacking writes the next
+/// active had acknowledged. Within one collection the copy ending furthest holds every
+/// acknowledged write the others hold. Across collections no replica need be furthest in
+/// all: each pulls every collection, and two pulls read them at different moments, so one
+/// replica can be ahead in one collection and behind in another — each holding `majority`
+/// writes the other lacks. So the replica furthest in the most collections is chosen (then
+/// the furthest in total seqnos, the least to copy; then the first listed) and catches up,
+/// collection by collection, from a replica that is furthest there. `None` when there is
+/// no report.
+///
+/// The failover in production calls this, and so does the simulation (`sim.rs`), which
+/// checks with it that no acknowledged write is lost.
+pub fn choose_promotion(reports: &[(NodeId, CollectionEnds)]) -> Option<PromotionChoice> {
+    let collections: std::collections::BTreeSet<u32> = reports.iter().flat_map(|(_, r)| r.keys().copied()).collect();
+    // The furthest end of each collection and its first holder.
+    let mut furthest: std::collections::BTreeMap<u32, (NodeId, HistoryEnd)> = std::collections::BTreeMap::new();
+    for (node, ends) in reports {
+        for (c, end) in ends {
+            // Strictly greater: an equal end later in the list does not win.
+            if furthest.get(c).is_none_or(|(_, f)| end > f) {
+                furthest.insert(*c, (*node, *end));
+            }
+        }
+    }
+    let score = |ends: &CollectionEnds| {
+        let at_furthest = collections.iter().filter(|c| ends.get(c).is_some_and(|e| furthest.get(c).is_some_and(|(_, f)| e == f))).count();
+        let total = ends.values().map(|e| u128::from(e.seqno)).sum::<u128>();
+        (at_furthest, total)
+    };
+    let mut best: Option<&(NodeId, CollectionEnds)> = None;
     for report in reports {
-        // Strictly greater: an equal total later in the list does not win.
-        if best.is_none_or(|b| total(&report.1) > total(&b.1)) {
+        // Strictly greater: an equal score later in the list does not win.
+        if best.is_none_or(|b| score(&report.1) > score(&b.1)) {
             best = Some(report);
         }
     }
     let (to, mine) = best?;
-    let mut catch_up = Vec::new();
-    let collections: std::collections::BTreeSet<u32> = reports.iter().flat_map(|(_, r)| r.keys().copied()).collect();
-    for c in collections {
-        let here = mine.get(&c).copied().unwrap_or(0);
-        let furthest =
-            reports.iter().filter_map(|(n, r)| r.get(&c).map(|s| (*n, *s))).fold(None, |acc: Option<(NodeId, SeqNo)>, (n, s)| {
-                if acc.is_none_or(|(_, a)| s > a) {
-                    Some((n, s))
-                } else {
-                    acc
-                }
-            });
-        if let Some((source, seqno)) = furthest {
-            if seqno > here {
-                catch_up.push((c, source));
-            }
-        }
-    }
+    let catch_up: Vec<(u32, NodeId)> =
+        furthest.iter().filter(|(c, (_, end))| mine.get(c).is_none_or(|m| m < end)).map(|(c, (source, _))| (*c, *source)).collect();
     debug_assert!(catch_up.iter().all(|(_, source)| source != to));
     Some(PromotionChoice { to: *to, catch_up })
 }
@@ -218,40 +209,32 @@ pub fn promotion_ready(copies: &Copies, copies_configured: usize, failed: NodeId
 /// Why the metadata leader must not fail a node over by itself.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum AutoFailoverRefused {
-    #[error("{failed_over} nodes already failed over automatically; at most {max_count} without an operator")]
-    CountReached { failed_over: usize, max_count: usize },
-    #[error("no replica holds every acknowledged write of partitions {partitions:?}; they wait for the node to return")]
-    WouldLoseData { partitions: Vec<PartitionId> },
+    #[error("{failed_now} nodes are failed over already; at most {max_count} without an operator")]
+    CountReached { failed_now: usize, max_count: usize },
+    #[error("it holds the only copy of partitions {partitions:?}: they wait for the node to return")]
+    OnlyCopy { partitions: Vec<PartitionId> },
 }
 
-/// Whether `failed` may be failed over automatically: fewer than `max_count` nodes failed
-/// over automatically so far (`failed_over`, since an operator last reset the count), and
-/// every partition it is active for has a replica that holds every acknowledged write —
-/// `replica_progress` at least `acknowledged(partition)`, the highest seqno acknowledged to
-/// a client at `majority`. Otherwise the partition's only up-to-date copy is on the failed
-/// node; an operator may still fail it over by hand ([`failover`]).
-pub fn auto_failover_allowed(
-    map: &PartitionMap,
-    failed: NodeId,
-    failed_over: usize,
-    max_count: usize,
-    replica_progress: &dyn Fn(PartitionId, NodeId) -> Option<SeqNo>,
-    acknowledged: &dyn Fn(PartitionId) -> SeqNo,
-) -> Result<(), AutoFailoverRefused> {
-    if failed_over >= max_count {
-        return Err(AutoFailoverRefused::CountReached { failed_over, max_count });
+/// Whether the metadata leader may fail `failed` over by itself (the failover monitor in
+/// production asks this, once `failed` was silent past the timeout): fewer than `max_count`
+/// members are failed over now (`failed_now`: failed, automatically or by hand, and not yet
+/// recovered by an operator — counted in the log's state, so every leader counts the same),
+/// and every partition `failed` is active for has a replica in the map. A partition whose
+/// only copy is on `failed` would be unavailable anyway, and waiting for the node loses
+/// nothing; an operator may still fail it over by hand.
+///
+/// Whether a replica holds every acknowledged write is not asked here: the failover fences
+/// the replicas and promotes one only where [`promotion_ready`] holds, the rest staying
+/// unavailable until the node returns.
+pub fn auto_failover_allowed(map: &PartitionMap, failed: NodeId, failed_now: usize, max_count: usize) -> Result<(), AutoFailoverRefused> {
+    if failed_now >= max_count {
+        return Err(AutoFailoverRefused::CountReached { failed_now, max_count });
     }
-    let partitions: Vec<PartitionId> = map
-        .iter()
-        .filter(|(_, copies)| copies.active == failed)
-        .filter(|(p, copies)| {
-            !copies.replicas.iter().any(|r| *r != failed && replica_progress(*p, *r).is_some_and(|s| s >= acknowledged(*p)))
-        })
-        .map(|(p, _)| p)
-        .collect();
+    let partitions: Vec<PartitionId> =
+        map.iter().filter(|(_, copies)| copies.active == failed && copies.replicas.iter().all(|r| *r == failed)).map(|(p, _)| p).collect();
     if partitions.is_empty() {
         Ok(())
     } else {
-        Err(AutoFailoverRefused::WouldLoseData { partitions })
+        Err(AutoFailoverRefused::OnlyCopy { partitions })
     }
 }

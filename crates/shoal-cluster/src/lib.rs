@@ -12,10 +12,10 @@
 //!   previous map.
 //! - [`plan`]: [`plan_moves`], the minimal copies to build and drop between two maps, and
 //!   the promotions that need no data.
-//! - [`failover`]: [`failover`] (promote the most advanced replica of each partition a failed
-//!   node was active for) and [`auto_failover_allowed`]; for the fenced protocol,
-//!   [`fence_quorum`], [`promotion_ready`] and [`failover_fenced`], which orders copies by
-//!   [`HistoryEnd`] (epoch, then seqno).
+//! - [`failover`]: whom a failover promotes — [`failover::choose_promotion`] (the fenced
+//!   replica whose history ends furthest, by [`HistoryEnd`]: epoch, then seqno) and
+//!   [`failover_fenced`] (the map after it) — once [`promotion_ready`] holds
+//!   ([`fence_quorum`]); and [`auto_failover_allowed`], the monitor's rule.
 //! - [`sim`]: a seeded, deterministic simulation of one partition's replication and
 //!   failover protocol (lossy network, crashes, false suspicions) with a checker for lost
 //!   acknowledged writes and linearizability; `tests/failover_sim.rs` drives it.
@@ -27,8 +27,8 @@ pub mod plan;
 pub mod sim;
 
 pub use failover::{
-    auto_failover_allowed, failover, failover_fenced, fence_quorum, majority, promotion_ready, AutoFailoverRefused, FailoverPlan,
-    HistoryEnd, Promoted,
+    auto_failover_allowed, failover_fenced, fence_quorum, majority, promotion_ready, AutoFailoverRefused, FailoverPlan, HistoryEnd,
+    Promoted,
 };
 pub use map::{Copies, MapError, NodeId, PartitionId, PartitionMap, SeqNo};
 pub use placement::{place, Node, PlaceError};

@@ -18,7 +18,8 @@
 //!   node applies in order at its own pace (the delayed map and fence notifications). At
 //!   random times it fails the current active over: step 1 commits "F is Failed"; replicas
 //!   that applied it stop following F and report their [`HistoryEnd`]; step 2 commits the
-//!   map from [`failover_fenced`] once [`promotion_ready`] holds.
+//!   map from [`failover_fenced`] with the replica [`choose_promotion`] picks, once
+//!   [`promotion_ready`] holds — the functions the failover in production calls.
 //! - The network delays, reorders, drops and duplicates every message. Nodes crash and
 //!   restart; a failover may hit an active that is perfectly alive (false suspicion); in
 //!   half the runs one node applies metadata far behind the others; writers pause now and
@@ -31,8 +32,9 @@
 //!   change the node holds (as if each were fsynced before it is acknowledged or sent),
 //!   and loses only volatile state — acknowledgements counted as active, pending client
 //!   operations (their writes become unknown outcomes), read rounds seen.
-//! - One partition; the map changes only by failing the active over; a failed node never
-//!   comes back (it would rejoin as a new copy through a rebalance).
+//! - One partition; the map changes by failing the active over and by a rebalance that
+//!   fills the slot a failover left vacant with a new, empty copy; a failed node never
+//!   comes back (it would rejoin as a new copy through a rebalance, as those do).
 //! - Read rounds are the simulation's step number, standing in for any counter that rises
 //!   across restarts (a hybrid clock).
 //!
@@ -45,7 +47,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::failover::{failover_fenced, majority, promotion_ready, HistoryEnd};
+use crate::failover::{choose_promotion, failover_fenced, majority, promotion_ready, CollectionEnds, HistoryEnd};
 use crate::map::{Copies, NodeId, PartitionMap};
 
 /// Fewest copies simulated: one active and one replica.
@@ -161,7 +163,9 @@ enum Msg {
     /// and the read round echoed.
     Pull { from: NodeId, to: NodeId, log: Vec<Entry>, echo_round: u64 },
     /// Active to replica: the changes after `prev` (which must match the replica's).
-    Changes { from: NodeId, to: NodeId, prev: usize, prev_entry: Option<Entry>, entries: Vec<Entry>, round: u64 },
+    /// `high`: the active's log length when it answered (a new copy is built once it holds
+    /// that much).
+    Changes { from: NodeId, to: NodeId, prev: usize, prev_entry: Option<Entry>, entries: Vec<Entry>, round: u64, high: usize },
     /// Replica to leader, after applying "`failed` is Failed".
     Report { from: NodeId, failed: NodeId, end: HistoryEnd },
 }
@@ -210,6 +214,9 @@ struct Node {
     reads: Vec<PendingRead>,
     // Volatile, as replica.
     seen_round: BTreeMap<NodeId, u64>,
+    /// A copy a rebalance added is built once it caught up with its active; before, it is
+    /// never fenced nor promoted (production's `without_building`).
+    built: bool,
 }
 
 impl Node {
@@ -286,6 +293,7 @@ fn simulate(seed: u64, config: &SimConfig, traced: bool) -> (Result<RunStats, Vi
             writes: Vec::new(),
             reads: Vec::new(),
             seen_round: BTreeMap::new(),
+            built: true,
         })
         .collect();
     let mut sim = Sim {
@@ -366,7 +374,7 @@ impl Sim {
                 self.report(i);
             }
             88 if self.rng.percent(50) => self.start_failover(),
-            88 => {}
+            88 => self.refill(),
             89..91 => {
                 let i = self.random_node();
                 self.crash(i);
@@ -396,7 +404,13 @@ impl Sim {
         self.trace(|| format!("deliver {msg:?}"));
         match msg {
             Msg::Pull { from, to, log, echo_round } => self.on_pull(from, to, &log, echo_round),
-            Msg::Changes { from, to, prev, prev_entry, entries, round } => self.on_changes(from, to, prev, prev_entry, &entries, round),
+            Msg::Changes { from, to, prev, prev_entry, entries, round, high } => {
+                self.on_changes(from, to, prev, prev_entry, &entries, round);
+                let node = &mut self.nodes[(to.0 - 1) as usize];
+                if node.leader_to_follow() == Some(from) && node.log.len() >= high && node.log.len() == prev + entries.len() {
+                    node.built = true;
+                }
+            }
             Msg::Report { from, failed, end } => self.on_report(from, failed, end),
         }
     }
@@ -431,6 +445,7 @@ impl Sim {
             prev_entry: shared.checked_sub(1).map(|p| node.log[p]),
             entries: node.log[shared..end].to_vec(),
             round: tick,
+            high: node.log.len(),
         };
         self.send(msg);
         self.complete_operations(i);
@@ -524,7 +539,7 @@ impl Sim {
     fn report(&mut self, i: usize) {
         let node = &self.nodes[i];
         let copies = node.copies();
-        if !node.up || !copies.replicas.contains(&node.id) || !node.failed.contains(&copies.active) {
+        if !node.up || !node.built || !copies.replicas.contains(&node.id) || !node.failed.contains(&copies.active) {
             return;
         }
         let msg = Msg::Report { from: node.id, failed: copies.active, end: node.history_end() };
@@ -576,9 +591,19 @@ impl Sim {
         if !ready {
             return;
         }
+        // The production rule: `choose_promotion` over the fenced replicas' reports (one
+        // collection here), then `failover_fenced` with the chosen one.
         let seqno_only = !protocol.promote_by_history_end;
+        let reports: Vec<(NodeId, CollectionEnds)> = map.partitions[0]
+            .replicas
+            .iter()
+            .filter_map(|n| self.reports.get(n).map(|e| (*n, if seqno_only { HistoryEnd { epoch: 0, seqno: e.seqno } } else { *e })))
+            .map(|(n, e)| (n, CollectionEnds::from([(0, e)])))
+            .collect();
+        let choice = choose_promotion(&reports);
+        debug_assert!(choice.as_ref().is_none_or(|c| c.catch_up.is_empty()), "one collection: the chosen copy is furthest");
         let plan = failover_fenced(&map, failed, &|_, n| {
-            self.reports.get(&n).map(|e| if seqno_only { HistoryEnd { epoch: 0, seqno: e.seqno } } else { *e })
+            choice.as_ref().filter(|c| c.to == n).and_then(|_| reports.iter().find(|(r, _)| *r == n)).map(|(_, e)| e[&0])
         });
         assert!(plan.unavailable.is_empty(), "a ready partition has a fenced replica to promote");
         self.stats.promotions += plan.promotions.len();
@@ -587,6 +612,46 @@ impl Sim {
         self.meta.push(MetaEvent::Map(plan.map));
         self.failing = None;
         self.reports.clear();
+    }
+
+    /// A rebalance fills the slot a failover left vacant with a new, empty copy (a new node
+    /// id; a failed node never comes back). Its acknowledgements count once it holds what it
+    /// acknowledges, so the active's majorities can again do without a replica that is
+    /// down — one left on an older active's history, with a higher seqno, which only
+    /// [`HistoryEnd`]'s epoch tells from the copies that hold acknowledged writes.
+    fn refill(&mut self) {
+        let map = self.leader_map().clone();
+        if self.failing.is_some() || map.partitions[0].nodes().count() >= self.config.copies {
+            return;
+        }
+        let id = NodeId(self.nodes.len() as u64 + 1);
+        let mut next = map;
+        next.version += 1;
+        next.partitions[0].replicas.push(id);
+        let failed: BTreeSet<NodeId> = self
+            .meta
+            .iter()
+            .filter_map(|e| match e {
+                MetaEvent::Failed(f) => Some(*f),
+                MetaEvent::Map(_) => None,
+            })
+            .collect();
+        self.trace(|| format!("leader commits {next:?} (a new copy {id} in the vacant slot)"));
+        self.meta.push(MetaEvent::Map(next.clone()));
+        self.nodes.push(Node {
+            id,
+            up: true,
+            log: Vec::new(),
+            applied: self.meta.len(),
+            map: next,
+            failed,
+            matched: BTreeMap::new(),
+            confirmed: BTreeMap::new(),
+            writes: Vec::new(),
+            reads: Vec::new(),
+            seen_round: BTreeMap::new(),
+            built: false,
+        });
     }
 
     /// The node a client sends to: the active of the newest map (a client that just
@@ -661,11 +726,13 @@ impl Sim {
             std::mem::take(&mut node.reads).into_iter().partition(|r| held(r.high) && (unconfirmed_reads || confirmed(r.round)));
         node.writes = waiting;
         node.reads = unanswered;
-        let epoch = node.map.version;
+        // A write is acknowledged at the epoch it was sequenced in (a map that only adds a
+        // copy raises the version under the same active).
+        let epochs: Vec<u64> = done.iter().map(|(_, seqno)| node.log[seqno - 1].epoch).collect();
         let result_at = |high: usize| high.checked_sub(1).map(|p| node.log[p].value);
         let answers: Vec<(usize, Option<u64>)> = answered.iter().map(|r| (r.op, result_at(r.high))).collect();
         let id = node.id;
-        for (op, seqno) in done {
+        for ((op, seqno), epoch) in done.into_iter().zip(epochs) {
             let op = &mut self.ops[op];
             if op.outcome == Outcome::Pending {
                 op.outcome = Outcome::Ok;

@@ -3,9 +3,10 @@
 //! the missing copies.
 
 use shoal_cluster::failover::AUTO_FAILOVER_MAX_COUNT_DEFAULT;
-use shoal_cluster::failover::{choose_promotion, CollectionSeqnos, PromotionChoice};
+use shoal_cluster::failover::{choose_promotion, CollectionEnds, PromotionChoice};
 use shoal_cluster::{
-    auto_failover_allowed, failover, place, plan_moves, AutoFailoverRefused, Copies, Node, NodeId, PartitionMap, Promoted,
+    auto_failover_allowed, failover_fenced, place, plan_moves, AutoFailoverRefused, Copies, HistoryEnd, Node, NodeId, PartitionMap,
+    Promoted,
 };
 
 fn map(rows: &[(u64, &[u64])]) -> PartitionMap {
@@ -13,6 +14,11 @@ fn map(rows: &[(u64, &[u64])]) -> PartitionMap {
         version: 5,
         partitions: rows.iter().map(|(a, r)| Copies { active: NodeId(*a), replicas: r.iter().map(|n| NodeId(*n)).collect() }).collect(),
     }
+}
+
+/// [`failover_fenced`] with every copy on one history (epoch 0): ordered by seqno.
+fn failover(map: &PartitionMap, failed: NodeId, progress: &dyn Fn(u16, NodeId) -> Option<u64>) -> shoal_cluster::FailoverPlan {
+    failover_fenced(map, failed, &|p, n| progress(p, n).map(|seqno| HistoryEnd { epoch: 0, seqno }))
 }
 
 /// Progress by (partition, node); absent means the copy cannot be promoted.
@@ -110,39 +116,24 @@ fn failover_table() {
 
 #[test]
 fn auto_failover_table() {
-    let m = map(&[(1, &[2]), (2, &[1]), (1, &[3])]);
-    let acked = |p: u16| [10, 99, 20][usize::from(p)];
-    let max = AUTO_FAILOVER_MAX_COUNT_DEFAULT;
-    // (name, replica progress, failed node, nodes failed over so far, answer)
-    type Case = (&'static str, &'static [(u16, u64, u64)], u64, usize, Result<(), AutoFailoverRefused>);
+    let m = map(&[(1, &[2]), (2, &[1]), (1, &[3]), (3, &[])]);
+    let max = 2;
+    // (name, failed node, members failed over now, answer)
+    type Case = (&'static str, u64, usize, Result<(), AutoFailoverRefused>);
     let cases: &[Case] = &[
-        ("replicas hold every acknowledged write", &[(0, 2, 10), (2, 3, 25)], 1, 0, Ok(())),
-        (
-            "a replica behind the acknowledged seqno",
-            &[(0, 2, 10), (2, 3, 19)],
-            1,
-            0,
-            Err(AutoFailoverRefused::WouldLoseData { partitions: vec![2] }),
-        ),
-        ("a replica that cannot be promoted", &[(0, 2, 10)], 1, 0, Err(AutoFailoverRefused::WouldLoseData { partitions: vec![2] })),
-        (
-            "one node already failed over",
-            &[(0, 2, 10), (2, 3, 25)],
-            1,
-            1,
-            Err(AutoFailoverRefused::CountReached { failed_over: 1, max_count: max }),
-        ),
-        ("a replica exactly at the acknowledged seqno", &[(1, 1, 99)], 2, 0, Ok(())),
+        ("every partition it is active for has a replica", 1, 0, Ok(())),
+        ("below the count", 2, 1, Ok(())),
+        ("the count reached", 1, 2, Err(AutoFailoverRefused::CountReached { failed_now: 2, max_count: max })),
+        ("the only copy of a partition", 3, 0, Err(AutoFailoverRefused::OnlyCopy { partitions: vec![3] })),
+        ("active for nothing", 4, 0, Ok(())),
     ];
-    for (name, table, failed, failed_over, want) in cases {
-        let got = auto_failover_allowed(&m, NodeId(*failed), *failed_over, max, &progress(table), &acked);
-        assert_eq!(&got, want, "{name}");
+    for (name, failed, failed_now, want) in cases {
+        assert_eq!(&auto_failover_allowed(&m, NodeId(*failed), *failed_now, max), want, "{name}");
     }
-    // The only copy: no replica at all.
-    let lone = map(&[(1, &[])]);
     assert_eq!(
-        auto_failover_allowed(&lone, NodeId(1), 0, max, &|_, _| None, &|_| 0),
-        Err(AutoFailoverRefused::WouldLoseData { partitions: vec![0] })
+        auto_failover_allowed(&m, NodeId(1), 0, AUTO_FAILOVER_MAX_COUNT_DEFAULT),
+        Ok(()),
+        "the default allows one node failed over automatically"
     );
 }
 
@@ -206,7 +197,6 @@ fn promotion_ready_table() {
 
 #[test]
 fn failover_fenced_orders_by_epoch_then_seqno() {
-    use shoal_cluster::{failover_fenced, HistoryEnd};
     // Replica 3 was left unfenced at the previous failover: its seqno is the highest, but
     // on the old active's history (epoch 1). Replica 2 followed the active of epoch 2.
     let before = map(&[(1, &[2, 3])]);
@@ -224,13 +214,20 @@ fn failover_fenced_orders_by_epoch_then_seqno() {
 
 #[test]
 fn promotion_choice_table() {
-    fn reports(rows: &[(u64, &[(u32, u64)])]) -> Vec<(NodeId, CollectionSeqnos)> {
-        rows.iter().map(|(n, r)| (NodeId(*n), r.iter().copied().collect())).collect()
+    /// Reports of `(node, [(collection, seqno)])`, every copy on epoch 0.
+    fn reports(rows: &[(u64, &[(u32, u64)])]) -> Vec<(NodeId, CollectionEnds)> {
+        rows.iter().map(|(n, r)| (NodeId(*n), r.iter().map(|(c, s)| (*c, HistoryEnd { epoch: 0, seqno: *s })).collect())).collect()
+    }
+    /// `(collection, epoch, seqno)`.
+    type End = (u32, u64, u64);
+    /// Reports of `(node, [(collection, epoch, seqno)])`.
+    fn ends(rows: &[(u64, &[End])]) -> Vec<(NodeId, CollectionEnds)> {
+        rows.iter().map(|(n, r)| (NodeId(*n), r.iter().map(|(c, e, s)| (*c, HistoryEnd { epoch: *e, seqno: *s })).collect())).collect()
     }
     /// A case: its name, the fenced replicas' reports, and whom to promote with which
     /// `(collection, source)` catch-ups.
-    type Case = (&'static str, Vec<(NodeId, CollectionSeqnos)>, Option<(u64, &'static [(u32, u64)])>);
-    let cases: [Case; 7] = [
+    type Case = (&'static str, Vec<(NodeId, CollectionEnds)>, Option<(u64, &'static [(u32, u64)])>);
+    let cases: [Case; 10] = [
         ("no report: nothing to promote", reports(&[]), None),
         ("one replica, nothing to copy", reports(&[(2, &[(1, 10), (2, 4)])]), Some((2, &[]))),
         ("one furthest in every collection: no catch-up", reports(&[(2, &[(1, 10), (2, 4)]), (3, &[(1, 9), (2, 4)])]), Some((2, &[]))),
@@ -250,24 +247,33 @@ fn promotion_choice_table() {
             reports(&[(2, &[(1, 5), (2, 1), (3, 1)]), (3, &[(1, 1), (2, 6), (3, 1)]), (4, &[(1, 1), (2, 1), (3, 7)])]),
             Some((4, &[(1, 2), (2, 3)])),
         ),
+        // A replica left on an older active's history (down at the last failover) holds the
+        // highest seqnos, but lacks what the newer active had acknowledged.
+        ("a higher seqno of an older epoch loses", ends(&[(3, &[(1, 1, 90)]), (2, &[(1, 2, 60)])]), Some((2, &[]))),
+        ("stale in every collection: never chosen", ends(&[(3, &[(1, 1, 90), (2, 1, 80)]), (2, &[(1, 2, 6), (2, 2, 4)])]), Some((2, &[]))),
+        (
+            "newer in one collection, stale in the other: catches up there, rolling back",
+            ends(&[(2, &[(1, 2, 6), (2, 1, 9)]), (3, &[(1, 1, 9), (2, 2, 4)])]),
+            Some((2, &[(2, 3)])),
+        ),
     ];
     for (name, reports, want) in cases {
         let got = choose_promotion(&reports);
         let want = want
             .map(|(to, catch_up)| PromotionChoice { to: NodeId(to), catch_up: catch_up.iter().map(|(c, n)| (*c, NodeId(*n))).collect() });
         assert_eq!(got, want, "{name}");
-        // Whatever is chosen ends, after its catch-up, at the furthest seqno of every collection.
+        // Whatever is chosen ends, after its catch-up, at the furthest end of every collection.
         if let Some(choice) = got {
             let mine = &reports.iter().find(|(n, _)| *n == choice.to).unwrap().1;
             for (_, r) in &reports {
-                for (c, s) in r {
+                for (c, end) in r {
                     let after = choice
                         .catch_up
                         .iter()
                         .find(|(cc, _)| cc == c)
                         .map(|(_, src)| reports.iter().find(|(n, _)| n == src).unwrap().1[c])
-                        .unwrap_or_else(|| mine.get(c).copied().unwrap_or(0));
-                    assert!(after >= *s, "{name}: collection {c} ends at {after}, a replica held {s}");
+                        .or_else(|| mine.get(c).copied());
+                    assert!(after.is_some_and(|a| a >= *end), "{name}: collection {c} ends at {after:?}, a replica held {end:?}");
                 }
             }
         }

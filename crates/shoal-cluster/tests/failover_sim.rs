@@ -57,3 +57,28 @@ fn broken_protocols_are_caught() {
         assert!(found.is_some(), "{name}, {copies} copies: {found:?}");
     }
 }
+
+/// Steps of the runs below: long enough for a failover, a rebalance that fills the vacant
+/// slot, and a second failover.
+const LONG_STEPS: u64 = 1_000;
+/// Seeds searched with [`LONG_STEPS`].
+const LONG_SEEDS: u64 = 2_500;
+
+/// Promotion by seqno alone (`choose_promotion` fed every copy at epoch 0) loses acknowledged
+/// writes once a rebalance has filled the slot a failover left vacant: the active then
+/// gathers majorities without a replica that was down at the failover, still on the older
+/// active's history with a higher seqno, and the next failover promotes that copy. (Without
+/// the refill, the vacant slot made every majority wait for it, and the seqno rule could not
+/// be told from the epoch rule.) The rule that runs, epoch then seqno, keeps them all.
+#[test]
+fn promotion_by_seqno_alone_loses_acknowledged_writes_and_by_history_end_does_not() {
+    let seqno_only = SimConfig { copies: 4, steps: LONG_STEPS, protocol: Protocol { promote_by_history_end: false, ..Protocol::SAFE } };
+    let found = (0..LONG_SEEDS).find_map(|seed| run(seed, &seqno_only).err());
+    assert!(found.as_ref().is_some_and(|v| v.invariant == "acknowledged write lost"), "{found:?}");
+    let safe = SimConfig { copies: 4, steps: LONG_STEPS, protocol: Protocol::SAFE };
+    for seed in 0..LONG_SEEDS {
+        if let Err(v) = run(seed, &safe) {
+            panic!("{v:?}");
+        }
+    }
+}

@@ -47,6 +47,10 @@ pub enum IndexError {
     NotReady { name: String, state: &'static str, progress: f64 },
     #[error("the index did not catch up within the timeout")]
     Timeout,
+    /// A partition that came to serve here (moved in, promoted, rolled back) is not yet
+    /// whole in the index: reading it would miss rows.
+    #[error("index {name} is still catching up on partition {partition}, which came to this node lately; try again")]
+    CatchingUp { name: String, partition: shoal_storage::PartitionId },
     #[error("index storage: {0}")]
     Engine(#[from] fjall::Error),
     #[error("index storage is corrupt: {0}")]

@@ -79,6 +79,10 @@ pub struct IndexDef {
     pub id: IndexId,
     /// The definition as the API received it; `shoal-index` parses it.
     pub definition: serde_json::Value,
+    /// A deferred index (`defer_build`) that `BuildIndexes` started: every member builds it,
+    /// members that create it later too.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub built: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -211,6 +215,12 @@ pub enum MetaCommand {
     DropIndex {
         collection: String,
         name: String,
+    },
+    /// Starts building deferred indexes on every member (Couchbase's `BUILD INDEX`); refused
+    /// whole when one of the names is not an index of the collection.
+    BuildIndexes {
+        collection: String,
+        names: Vec<String>,
     },
     /// Compare-and-set: `map.version` must be the current version + 1 (0 before any map).
     SetMap {
@@ -356,6 +366,20 @@ impl MetaState {
                 }
                 Ok(MetaResponse::Done)
             }
+            MetaCommand::BuildIndexes { collection, names } => {
+                let Some(by_name) = self.indexes.get_mut(&collection) else {
+                    return Err(MetaReject::NoSuchIndex { collection, name: names.into_iter().next().unwrap_or_default() });
+                };
+                if let Some(missing) = names.iter().find(|n| !by_name.contains_key(*n)) {
+                    return Err(MetaReject::NoSuchIndex { collection, name: missing.clone() });
+                }
+                for name in &names {
+                    if let Some(def) = by_name.get_mut(name) {
+                        def.built = true;
+                    }
+                }
+                Ok(MetaResponse::Done)
+            }
             MetaCommand::SetMap { map } => self.set_map(map),
             MetaCommand::UpdateSettings { patch } => self.update_settings(patch),
             MetaCommand::BeginRebalance { plan } => {
@@ -441,7 +465,7 @@ impl MetaState {
         let id = self.next_index_id;
         let next = id.checked_add(1).ok_or_else(|| MetaReject::LimitReached { what: "index ids".into() })?;
         self.next_index_id = next;
-        let def = IndexDef { collection: collection.clone(), name: name.clone(), id, definition };
+        let def = IndexDef { collection: collection.clone(), name: name.clone(), id, definition, built: false };
         self.indexes.entry(collection).or_default().insert(name, def);
         Ok(MetaResponse::IndexCreated { id })
     }
@@ -562,6 +586,10 @@ mod tests {
         MetaCommand::CreateIndex { collection: collection.into(), name: name.into(), definition: json!({"keys": ["a"]}) }
     }
 
+    fn build(collection: &str, names: &[&str]) -> MetaCommand {
+        MetaCommand::BuildIndexes { collection: collection.into(), names: names.iter().map(|n| n.to_string()).collect() }
+    }
+
     fn settings(patch: SettingsPatch) -> MetaCommand {
         MetaCommand::UpdateSettings { patch }
     }
@@ -629,6 +657,18 @@ mod tests {
                         Err(R::NoSuchIndex { collection: "c".into(), name: "i".into() }),
                     ),
                     (index("c", "i"), Ok(A::IndexCreated { id: 3 })),
+                ],
+            ),
+            (
+                "a build marks its indexes built, all of them or none",
+                vec![
+                    (create("c"), Ok(A::CollectionCreated { id: 1 })),
+                    (index("c", "i"), Ok(A::IndexCreated { id: 1 })),
+                    (index("c", "j"), Ok(A::IndexCreated { id: 2 })),
+                    (build("c", &["i", "nope"]), Err(R::NoSuchIndex { collection: "c".into(), name: "nope".into() })),
+                    (build("d", &["i"]), Err(R::NoSuchIndex { collection: "d".into(), name: "i".into() })),
+                    (build("c", &["i", "j"]), Ok(A::Done)),
+                    (build("c", &["i"]), Ok(A::Done)),
                 ],
             ),
             (
@@ -715,6 +755,19 @@ mod tests {
                 state.check().unwrap();
             }
         }
+    }
+
+    /// Members that create a built index later build it too: the flag is in the state.
+    #[test]
+    fn a_build_marks_the_named_indexes_built_in_the_state() {
+        let mut state = MetaState::default();
+        for cmd in [create("c"), index("c", "i"), index("c", "j"), index("c", "k"), build("c", &["i", "k"])] {
+            state.apply(cmd).unwrap();
+        }
+        let built: Vec<(&str, bool)> = state.indexes["c"].values().map(|d| (d.name.as_str(), d.built)).collect();
+        assert_eq!(built, vec![("i", true), ("j", false), ("k", true)]);
+        let json = serde_json::to_string(&state).unwrap();
+        assert_eq!(serde_json::from_str::<MetaState>(&json).unwrap(), state, "the flag survives a snapshot");
     }
 
     #[test]

@@ -60,7 +60,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use shoal_cluster::failover::CollectionSeqnos;
+use shoal_cluster::failover::CollectionEnds;
+use shoal_cluster::HistoryEnd;
 use shoal_cluster::{NodeId, PartitionId};
 use shoal_meta::{MemberState, MetaCommand, MetaNode, VoteGate};
 
@@ -485,26 +486,15 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
             // Counted in the log's state, so every leader counts the same: members failed
             // over (automatically or by hand) and not yet recovered by an operator.
             let failed_now = state.members.values().filter(|m| m.state == MemberState::Failed).count();
-            if failed_now >= max_count {
-                if first_look {
-                    tracing::warn!(node = id.0, max_count, "node is down; automatic failovers used up, an operator must fail it over");
+            let Some(map) = state.map.as_ref() else { continue };
+            match shoal_cluster::auto_failover_allowed(map, *id, failed_now, max_count) {
+                Ok(()) => {}
+                Err(refused) => {
+                    if first_look {
+                        tracing::warn!(node = id.0, %refused, "node is down; not failed over automatically: an operator must fail it over");
+                    }
+                    continue;
                 }
-                continue;
-            }
-            let uncovered: Vec<PartitionId> = state
-                .map
-                .as_ref()
-                .map(|m| m.iter().filter(|(_, c)| c.active == *id && c.replicas.is_empty()).map(|(p, _)| p).collect())
-                .unwrap_or_default();
-            if !uncovered.is_empty() {
-                if first_look {
-                    tracing::warn!(
-                        node = id.0,
-                        partitions = uncovered.len(),
-                        "node is down; not failed over automatically: it holds the only copy of some partitions"
-                    );
-                }
-                continue;
             }
             // One automatic failover at a time, on a task of its own: the pings go on while
             // it waits (for a rebalance step, a lease, the fences), or every member's lease
@@ -581,7 +571,7 @@ pub async fn failover(node: &Arc<ClusterNode>, target: u64) -> Result<FailoverRe
         let call = node.peers.call(&m.address, Op::Fence, body, FENCE_TIMEOUT);
         calls.push(async move { (holder, call.await) });
     }
-    let mut progress: HashMap<(PartitionId, NodeId), CollectionSeqnos> = HashMap::new();
+    let mut progress: HashMap<(PartitionId, NodeId), CollectionEnds> = HashMap::new();
     let mut fenced: HashSet<NodeId> = HashSet::new();
     for (holder, answer) in futures::future::join_all(calls).await {
         match answer
@@ -590,8 +580,8 @@ pub async fn failover(node: &Arc<ClusterNode>, target: u64) -> Result<FailoverRe
         {
             Ok(a) => {
                 fenced.insert(holder);
-                for (p, seqnos) in a.partitions {
-                    progress.insert((p, holder), seqnos.into_iter().collect());
+                for (p, ends) in a.partitions {
+                    progress.insert((p, holder), ends.into_iter().map(|(c, epoch, seqno)| (c, HistoryEnd { epoch, seqno })).collect());
                 }
             }
             Err(e) => tracing::warn!(holder = holder.0, error = %e, "no fence report; its copies cannot be promoted"),
@@ -606,28 +596,30 @@ pub async fn failover(node: &Arc<ClusterNode>, target: u64) -> Result<FailoverRe
         if !shoal_cluster::promotion_ready(copies, n, NodeId(target), &|n| fenced.contains(&n)) {
             continue;
         }
-        let reports: Vec<(NodeId, CollectionSeqnos)> =
+        let reports: Vec<(NodeId, CollectionEnds)> =
             copies.replicas.iter().filter_map(|r| progress.get(&(p, *r)).map(|s| (*r, s.clone()))).collect();
         if let Some(choice) = shoal_cluster::failover::choose_promotion(&reports) {
-            let total: u64 = reports.iter().find(|(n, _)| *n == choice.to).map_or(0, |(_, s)| s.values().sum());
-            choices.push((p, choice, reports, total));
+            // Where the chosen copy ends once caught up: the furthest end of any collection.
+            let end = reports.iter().flat_map(|(_, ends)| ends.values().copied()).max().unwrap_or_default();
+            choices.push((p, choice, reports, end));
         }
     }
     let caught_up =
         futures::future::join_all(choices.iter().map(|(p, choice, reports, _)| catch_up(node, &current, target, *p, choice, reports)))
             .await;
-    let chosen: HashMap<PartitionId, (NodeId, u64)> = choices
+    let chosen: HashMap<PartitionId, (NodeId, HistoryEnd)> = choices
         .iter()
         .zip(caught_up)
-        .filter_map(|((p, choice, _, total), ok)| match ok {
-            Ok(()) => Some((*p, (choice.to, *total))),
+        .filter_map(|((p, choice, _, end), ok)| match ok {
+            Ok(()) => Some((*p, (choice.to, *end))),
             Err(e) => {
                 tracing::warn!(partition = p, to = choice.to.0, error = %e, "the replica to promote could not catch up from the others; the partition stays unavailable");
                 None
             }
         })
         .collect();
-    let plan = shoal_cluster::failover(&base, NodeId(target), &|p, r| chosen.get(&p).filter(|(to, _)| *to == r).map(|(_, total)| *total));
+    let plan =
+        shoal_cluster::failover_fenced(&base, NodeId(target), &|p, r| chosen.get(&p).filter(|(to, _)| *to == r).map(|(_, end)| *end));
     let version = plan.map.version;
     node.propose(MetaCommand::SetMap { map: plan.map }).await?;
     metrics::counter!("shoal_failovers_total", "kind" => "any").increment(1);
@@ -642,7 +634,7 @@ async fn catch_up(
     failed: u64,
     p: PartitionId,
     choice: &shoal_cluster::failover::PromotionChoice,
-    reports: &[(NodeId, CollectionSeqnos)],
+    reports: &[(NodeId, CollectionEnds)],
 ) -> Result<(), ClusterError> {
     if choice.catch_up.is_empty() {
         return Ok(());
@@ -650,8 +642,8 @@ async fn catch_up(
     let address_of = |n: NodeId| state.members.get(&n).map(|m| m.address.clone()).ok_or(ClusterError::NodeNotFound(n.0));
     let mut sources = Vec::new();
     for (collection, source) in &choice.catch_up {
-        let until = reports.iter().find(|(n, _)| n == source).and_then(|(_, s)| s.get(collection)).copied().unwrap_or(0);
-        sources.push((*collection, source.0, address_of(*source)?, until));
+        let until = reports.iter().find(|(n, _)| n == source).and_then(|(_, s)| s.get(collection)).copied().unwrap_or_default();
+        sources.push((*collection, source.0, address_of(*source)?, until.epoch, until.seqno));
     }
     tracing::info!(partition = p, to = choice.to.0, ?sources, "the replica to promote catches up from the other fenced replicas first");
     let req = CatchUpRequest { failed, partition: p, sources };
@@ -672,11 +664,15 @@ pub(crate) async fn serve_catch_up(node: &Arc<ClusterNode>, req: CatchUpRequest)
     node.wait_applied(|s| s.members.get(&failed).is_some_and(|m| m.state == MemberState::Failed)).await?;
     let _fenced = node.apply_lock.lock().await;
     let p = req.partition;
-    for (collection, source, address, until) in req.sources {
+    for (collection, source, address, until_epoch, until_seqno) in req.sources {
         let coll = node.collection_by_id(collection).ok_or_else(|| ClusterError::Refused(format!("no collection {collection}")))?;
+        let until = HistoryEnd { epoch: until_epoch, seqno: until_seqno };
         loop {
             let pos = coll.position(p).ok_or_else(|| ClusterError::Refused(format!("no partition {p}")))?;
-            if pos.seqno >= until {
+            let (epoch, seqno) = coll.history_end(p).ok_or_else(|| ClusterError::Refused(format!("no partition {p}")))?;
+            // By where the histories end, not by seqno: a copy of an older epoch with a
+            // higher seqno rolls back (the source answers where they part) and catches up.
+            if (HistoryEnd { epoch, seqno }) >= until {
                 break;
             }
             let part = PullPart { collection, partition: p, seqno: pos.seqno, uuid: pos.uuid, persisted: 0, consistent: true, peek: false };
@@ -697,7 +693,7 @@ pub(crate) async fn serve_catch_up(node: &Arc<ClusterNode>, req: CatchUpRequest)
                 PartKind::Refused { why } => return Err(ClusterError::Refused(format!("node {source} refused a catch-up: {why}"))),
                 PartKind::Changes { changes, .. } if changes.is_empty() => {
                     return Err(ClusterError::Refused(format!(
-                        "node {source} has nothing after seqno {} of collection {collection}, partition {p}; it reported {until}",
+                        "node {source} has nothing after seqno {} of collection {collection}, partition {p}; it reported {until:?}",
                         pos.seqno
                     )))
                 }
@@ -720,11 +716,11 @@ pub(crate) async fn serve_fence(node: &Arc<ClusterNode>, req: FenceRequest) -> R
     let me = NodeId(node.id);
     let Some(map) = &state.map else { return Ok(FenceAnswer { partitions: Vec::new() }) };
     let partitions: Vec<PartitionId> = map.iter().filter(|(_, c)| c.active == failed && c.replicas.contains(&me)).map(|(p, _)| p).collect();
-    let mut seqnos = node.collection_seqnos();
+    let mut ends = node.collection_ends();
     // A copy still being built from files is not a replica yet (pending here, its data not
     // adopted): it is never offered for promotion, as the rebalance never counts it caught up.
-    let seqnos = partitions.into_iter().map(|p| (p, seqnos.remove(&p).unwrap_or_default()));
-    let partitions = crate::copy::without_building(&node.copies.progress(), seqnos);
+    let ends = partitions.into_iter().map(|p| (p, ends.remove(&p).unwrap_or_default()));
+    let partitions = crate::copy::without_building(&node.copies.progress(), ends);
     Ok(FenceAnswer { partitions })
 }
 

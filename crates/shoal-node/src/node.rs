@@ -508,6 +508,10 @@ impl ClusterNode {
                     Ok(_) | Err(ClusterError::Rejected(MetaReject::IndexExists { .. })) => {}
                     Err(e) => return Err(e),
                 }
+                if index.state != shoal_index::IndexState::Deferred {
+                    let names = vec![index.def.name.clone()];
+                    self.propose(MetaCommand::BuildIndexes { collection: info.name.clone(), names }).await?;
+                }
             }
         }
         let state = self.state();
@@ -626,6 +630,29 @@ impl ClusterNode {
         let indexes = self.engine.indexes();
         self.wait_local(|| indexes.list(coll).iter().any(|s| s.def.name == name)).await?;
         indexes.list(coll).into_iter().find(|s| s.def.name == name).ok_or_else(|| ClusterError::Refused("the index went away".into()))
+    }
+
+    /// Starts building deferred indexes cluster-wide (every member, and every member that
+    /// creates them later) and waits until this node has started; answers their status here.
+    pub async fn build_indexes(
+        &self,
+        coll: &Arc<shoal_storage::Collection>,
+        names: &[String],
+    ) -> Result<Vec<shoal_index::IndexStatus>, ClusterError> {
+        if names.is_empty() {
+            return Err(ClusterError::Index(shoal_index::IndexError::Invalid("no index names given".into())));
+        }
+        self.propose(MetaCommand::BuildIndexes { collection: coll.name().to_string(), names: names.to_vec() }).await?;
+        let indexes = self.engine.indexes();
+        let started = |list: &[shoal_index::IndexStatus]| {
+            names.iter().all(|n| list.iter().any(|s| &s.def.name == n && s.state != shoal_index::IndexState::Deferred))
+        };
+        self.wait_local(|| started(&indexes.list(coll))).await?;
+        let list = indexes.list(coll);
+        names
+            .iter()
+            .map(|n| list.iter().find(|s| &s.def.name == n).cloned().ok_or_else(|| ClusterError::Refused(format!("index {n} went away"))))
+            .collect()
     }
 
     /// Drops an index cluster-wide and waits until this node has dropped it.
@@ -776,24 +803,18 @@ impl ClusterNode {
     /// Which partitions this node holds active, by number; `None` when it holds them all
     /// (no map yet, or a one-node cluster).
     pub fn actives_here(&self) -> Option<Vec<bool>> {
-        let state = self.state();
+        self.actives_here_in(&self.state())
+    }
+
+    /// [`ClusterNode::actives_here`] by `state`'s map (one look at the metadata for a read
+    /// pinned to one map version).
+    pub fn actives_here_in(&self, state: &MetaState) -> Option<Vec<bool>> {
         let map = state.map.as_ref()?;
-        let here: Vec<bool> = (0..map.partition_count()).map(|p| matches!(self.route_partition(&state, map, p), Route::Local)).collect();
+        let here: Vec<bool> = (0..map.partition_count()).map(|p| matches!(self.route_partition(state, map, p), Route::Local)).collect();
         if here.iter().all(|h| *h) {
             return None;
         }
         Some(here)
-    }
-
-    /// Whether this node holds a copy of every partition (active or replica), and whether
-    /// some of them are replicas. Without a map, it holds them all, active.
-    pub fn copies_here(&self) -> (bool, bool) {
-        let state = self.state();
-        let Some(map) = &state.map else { return (true, false) };
-        let me = NodeId(self.id);
-        let all = map.partitions.iter().all(|c| c.active == me || c.replicas.contains(&me));
-        let replica = map.partitions.iter().any(|c| c.active != me);
-        (all, replica)
     }
 
     /// Who holds each partition's active copy, for a request over every partition (an
@@ -801,10 +822,14 @@ impl ClusterNode {
     /// `Err(partition)` names a partition with no active copy now (the answer would miss
     /// it). Without a map, every partition is here.
     pub fn active_owners(&self) -> Result<Vec<Option<String>>, u16> {
-        let state = self.state();
+        self.active_owners_in(&self.state())
+    }
+
+    /// [`ClusterNode::active_owners`] by `state`'s map.
+    pub fn active_owners_in(&self, state: &MetaState) -> Result<Vec<Option<String>>, u16> {
         let Some(map) = &state.map else { return Ok(Vec::new()) };
         (0..map.partition_count())
-            .map(|p| match self.route_partition(&state, map, p) {
+            .map(|p| match self.route_partition(state, map, p) {
                 Route::Local => Ok(None),
                 Route::Forward { address, .. } => Ok(Some(address)),
                 Route::Unavailable { partition, .. } => Err(partition),
@@ -1007,6 +1032,18 @@ impl ClusterNode {
             let wanted = state.indexes.get(name);
             let local = indexes.list(&coll);
             if let Some(wanted) = wanted {
+                // Deferred here, built by the cluster: one build for all of them, from one read.
+                let to_build: Vec<String> = local
+                    .iter()
+                    .filter(|s| s.state == shoal_index::IndexState::Deferred && wanted.get(&s.def.name).is_some_and(|w| w.built))
+                    .map(|s| s.def.name.clone())
+                    .collect();
+                if !to_build.is_empty() {
+                    match indexes.build_many(&coll, &to_build).await {
+                        Ok(_) | Err(shoal_index::IndexError::NotFound(_)) => {}
+                        Err(e) => return Err(e.into()),
+                    }
+                }
                 for (index_name, index) in wanted {
                     if local.iter().any(|s| &s.def.name == index_name) {
                         continue;
@@ -1018,6 +1055,8 @@ impl ClusterNode {
                             continue;
                         }
                     };
+                    // Built by the cluster already: this member builds it as it creates it.
+                    let parsed = shoal_index::IndexDef { defer_build: parsed.defer_build && !index.built, ..parsed };
                     // The log's id where it is free here; a node that took local ids past it
                     // (an index rebuilt after damage takes a fresh one) keeps a local id.
                     let created = match indexes.create_as(&coll, parsed.clone(), Some(index.id)).await {
@@ -1285,7 +1324,7 @@ impl ClusterNode {
                 }
             }
             // Every new state in one durable batch: requests routed here wait for it.
-            store.set_partition_states(&states).map_err(storage)?;
+            store.set_partition_states_for_map(&states, version).map_err(storage)?;
             store.retire_partitions(&drops).map_err(storage)?;
             store.set_map_version(version);
             Ok::<_, ClusterError>((states.len(), drops.len()))

@@ -591,10 +591,22 @@ impl ClusterNode {
         state.collections.iter().filter_map(|(name, def)| store.collection(name).filter(|c| c.id() == def.id)).collect()
     }
 
-    /// How far this node's copy of each partition is, in each of the cluster's collections:
-    /// partition → (collection id, seqno).
-    pub(crate) fn collection_seqnos(&self) -> std::collections::BTreeMap<shoal_cluster::PartitionId, Vec<(u32, u64)>> {
-        self.collection_positions().into_iter().map(|(p, v)| (p, v.into_iter().map(|(id, pos)| (id, pos.seqno)).collect())).collect()
+    /// Where this node's copy of each partition ends, in each of the cluster's collections:
+    /// partition → (collection id, epoch, seqno), for the copies that have a position
+    /// (`copy_has_position`).
+    pub(crate) fn collection_ends(&self) -> std::collections::BTreeMap<shoal_cluster::PartitionId, Vec<crate::wire::CollectionEnd>> {
+        let live: Vec<bool> = (0..self.engine.store().partitions()).map(|p| self.copy_has_position(p)).collect();
+        let mut out: std::collections::BTreeMap<shoal_cluster::PartitionId, Vec<crate::wire::CollectionEnd>> =
+            std::collections::BTreeMap::new();
+        for coll in self.cluster_collections() {
+            for (p, live) in live.iter().enumerate() {
+                let Ok(p) = shoal_cluster::PartitionId::try_from(p) else { continue };
+                if let (true, Some((epoch, seqno))) = (*live, coll.history_end(p)) {
+                    out.entry(p).or_default().push((coll.id(), epoch, seqno));
+                }
+            }
+        }
+        out
     }
 
     /// Whether this node's copy of `p` has a position to report or acknowledge: it is not

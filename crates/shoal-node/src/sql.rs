@@ -20,18 +20,22 @@ use crate::{ClusterError, ClusterNode};
 pub const DOCS_ANSWER_MAX_BYTES: usize = 16 * 1024 * 1024;
 /// Most documents one answer holds.
 pub const DOCS_ANSWER_MAX_DOCS: u32 = 8192;
+/// Longest an asked member waits for the map version the query pinned, when the asking
+/// member applied it first.
+const SAME_MAP_WAIT: Duration = Duration::from_secs(1);
 /// A call for documents has this long.
 const DOCS_CALL_TIMEOUT: Duration = Duration::from_secs(60);
 
 impl ClusterNode {
-    /// Where a SQL statement run here reads each partition: `None` when every partition is
-    /// active here (or there is no map), so the statement reads this node alone.
-    pub fn spread(self: &Arc<Self>) -> Result<Option<Arc<Spread>>, u16> {
-        let owners = self.active_owners()?;
+    /// Where a SQL statement run here reads each partition by `state`'s map (the version the
+    /// statement pins): `None` when every partition is active here (or there is no map), so
+    /// the statement reads this node alone.
+    pub fn spread(self: &Arc<Self>, state: &shoal_meta::MetaState) -> Result<Option<Arc<Spread>>, u16> {
+        let owners = self.active_owners_in(state)?;
         if owners.iter().all(Option::is_none) {
             return Ok(None);
         }
-        let remote = Members { node: Arc::clone(self), map_version: self.state().map_version() };
+        let remote = Members { node: Arc::clone(self), map_version: state.map_version() };
         Ok(Some(Arc::new(Spread { owners, remote: Arc::new(remote) })))
     }
 }
@@ -86,7 +90,13 @@ pub(crate) async fn serve_docs(node: &Arc<ClusterNode>, req: DocsRequest) -> Res
     if !node.serving() {
         return Err(ClusterError::Refused("this member lost contact with the metadata leader; it serves nothing now".into()));
     }
-    let version = node.state().map_version();
+    if req.map_version > node.state().map_version() {
+        // The asking member applied the map first: members apply a commit within
+        // milliseconds of each other.
+        node.wait_map_after(req.map_version - 1, SAME_MAP_WAIT).await;
+    }
+    let state = node.state();
+    let version = state.map_version();
     if version != req.map_version {
         return Err(ClusterError::Refused(format!(
             "the partition map changed during the query (version {version} here, {} when it started); run it again",
@@ -99,7 +109,7 @@ pub(crate) async fn serve_docs(node: &Arc<ClusterNode>, req: DocsRequest) -> Res
         .collection(&req.collection)
         .ok_or_else(|| ClusterError::Refused(format!("no collection {} on this member", req.collection)))?;
     // `None`: every partition is active here.
-    let here = node.actives_here();
+    let here = node.actives_here_in(&state);
     let is_here = move |p: u16| here.as_ref().is_none_or(|h| h.get(usize::from(p)).copied().unwrap_or(false));
     let max = req.max.min(DOCS_ANSWER_MAX_DOCS) as usize;
     tokio::task::spawn_blocking(move || {

@@ -122,11 +122,15 @@ pub struct FenceRequest {
     pub failed: u64,
 }
 
+/// Where a copy's history ends in one collection: `(collection id, epoch, seqno)`. Copies
+/// compare by epoch, then seqno (`shoal_cluster::HistoryEnd`).
+pub type CollectionEnd = (u32, u64, u64);
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct FenceAnswer {
-    /// Per partition this member holds a replica of: its seqno in each collection (by
-    /// collection id), each on the failed active's history.
-    pub partitions: Vec<(u16, Vec<(u32, u64)>)>,
+    /// Per partition this member holds a replica of: where its history ends in each
+    /// collection.
+    pub partitions: Vec<(u16, Vec<CollectionEnd>)>,
 }
 
 /// The metadata leader asks the replica it promotes for `partition` to apply, before it
@@ -135,9 +139,9 @@ pub struct FenceAnswer {
 pub struct CatchUpRequest {
     pub failed: u64,
     pub partition: u16,
-    /// `(collection, node, address, seqno)`: where to catch each collection up from, and
-    /// the seqno that node reported (what the copy must reach).
-    pub sources: Vec<(u32, u64, String, u64)>,
+    /// `(collection, node, address, epoch, seqno)`: where to catch each collection up
+    /// from, and where that node reported its history ends (what the copy must reach).
+    pub sources: Vec<(u32, u64, String, u64, u64)>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -70,8 +70,9 @@ impl SchemaProvider for Shadows {
         self.0.shadows.wait_loaded(self.0.timeout).await.map_err(external)?;
         let shadow = self.0.shadows.shadow(coll.id()).ok_or_else(|| external(ShadowError::NotAttached(name.to_string())))?;
         if self.0.consistency == Consistency::RequestPlus {
-            shadow.wait_applied(&coll.high_seqnos(), self.0.timeout).await.map_err(external)?;
+            shadow.wait_applied(&coll.held_high_seqnos(), self.0.timeout).await.map_err(external)?;
         }
+        shadow.wait_whole(self.0.timeout).await.map_err(external)?;
         let s = Arc::clone(&shadow);
         let schema = tokio::task::spawn_blocking(move || s.schema()).await.map_err(|e| DataFusionError::External(Box::new(e)))?;
         Ok(Some(Arc::new(ShadowTable { shadow, schema })))

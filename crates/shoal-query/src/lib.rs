@@ -106,14 +106,18 @@ impl From<DataFusionError> for QueryError {
                 if let Some(ix) = inner.downcast_ref::<shoal_index::IndexError>() {
                     return match ix {
                         shoal_index::IndexError::Timeout => QueryError::Timeout(Duration::ZERO),
-                        shoal_index::IndexError::NotReady { .. } => QueryError::Unavailable(ix.to_string()),
+                        shoal_index::IndexError::NotReady { .. } | shoal_index::IndexError::CatchingUp { .. } => {
+                            QueryError::Unavailable(ix.to_string())
+                        }
                         _ => QueryError::Storage(ix.to_string()),
                     };
                 }
                 if let Some(s) = inner.downcast_ref::<shadow::ShadowError>() {
                     return match s {
                         shadow::ShadowError::Timeout(t) => QueryError::Timeout(*t),
-                        shadow::ShadowError::Off | shadow::ShadowError::NotAttached(_) => QueryError::Unavailable(s.to_string()),
+                        shadow::ShadowError::Off | shadow::ShadowError::NotAttached(_) | shadow::ShadowError::CatchingUp(_) => {
+                            QueryError::Unavailable(s.to_string())
+                        }
                         _ => QueryError::Storage(s.to_string()),
                     };
                 }

@@ -687,7 +687,7 @@ async fn forward(
 
 /// The map version a forwarded request was routed by (its [`FORWARDED_HEADER`]); `None` when
 /// not forwarded or unreadable.
-fn forwarded_by_map(headers: &HeaderMap) -> Option<u64> {
+pub(crate) fn forwarded_by_map(headers: &HeaderMap) -> Option<u64> {
     headers.get(FORWARDED_HEADER)?.to_str().ok()?.parse().ok()
 }
 

@@ -74,7 +74,8 @@ pub async fn list(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery
 pub async fn build(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
     let coll = collection(&state, &uri)?;
-    let status = state.engine.indexes().build(&coll, &index_name(&uri)?).await?;
+    let mut list = state.cluster.build_indexes(&coll, &[index_name(&uri)?]).await.map_err(index_error)?;
+    let status = list.pop().ok_or_else(|| ApiError::internal("a build answered no status"))?;
     Ok(json_response(StatusCode::OK, status_json(&status).to_string().into_bytes()))
 }
 
@@ -90,7 +91,7 @@ pub async fn build_many(State(state): State<AppState>, uri: Uri, RawQuery(q): Ra
     let coll = collection(&state, &uri)?;
     let body = extract::body(&state, body, INDEX_BODY_MAX_BYTES).await?;
     let req: BuildManyBody = extract::json_body(&body)?;
-    let list: Vec<Value> = state.engine.indexes().build_many(&coll, &req.names).await?.iter().map(status_json).collect();
+    let list: Vec<Value> = state.cluster.build_indexes(&coll, &req.names).await.map_err(index_error)?.iter().map(status_json).collect();
     Ok(json_response(StatusCode::OK, Value::Array(list).to_string().into_bytes()))
 }
 
@@ -156,11 +157,23 @@ pub async fn scan(
     let limit = req.limit.unwrap_or(SCAN_ROWS_MAX);
     // In a cluster (the interim design of ARCHITECTURE.md) every member indexes the
     // partitions it holds and answers for those it holds active; the node asked merges
-    // the members' answers in index order.
+    // the members' answers in index order. The scan pins one map version, end to end: the
+    // node asked splits the partitions by it, sends it with each call, and every member
+    // answers by that map or refuses, and so does the node asked once the answers are in
+    // (a partition that moved meanwhile would be counted twice or not at all).
     let node = &state.cluster;
     crate::spread::require_serving(&state).await?;
-    let others = if headers.contains_key(FORWARDED_HEADER) { Vec::new() } else { spread::other_actives(&state)? };
-    let keep = node.actives_here().map(|here| {
+    let forwarded = headers.contains_key(FORWARDED_HEADER);
+    if let Some(routed_by) = crate::cluster::forwarded_by_map(&headers).filter(|v| *v > node.state().map_version()) {
+        node.wait_map_after(routed_by - 1, crate::cluster::FORWARDED_MAP_WAIT).await;
+    }
+    let pinned = node.state();
+    let map_version = pinned.map_version();
+    if forwarded && crate::cluster::forwarded_by_map(&headers).is_some_and(|v| v != map_version) {
+        return Err(map_moved());
+    }
+    let others = if forwarded { Vec::new() } else { spread::other_actives_in(&state, &pinned)? };
+    let keep = node.actives_here_in(&pinned).map(|here| {
         KeepRow(Arc::new(move |id: &str| {
             let p = shoal_storage::partition_of(id.as_bytes(), u16::try_from(here.len()).unwrap_or(u16::MAX));
             here.get(usize::from(p)).copied().unwrap_or(false)
@@ -176,15 +189,27 @@ pub async fn scan(
         tokio::task::spawn_blocking(move || write_rows(&coll, &rows, include_docs)).await.map_err(|e| ApiError::internal(e.to_string()))?
     };
     if others.is_empty() {
-        return Ok(json_response(StatusCode::OK, local.await?));
+        let local = local.await?;
+        if node.state().map_version() != map_version {
+            return Err(map_moved());
+        }
+        return Ok(json_response(StatusCode::OK, local));
     }
     let calls = others.into_iter().map(|address| (address, body.to_vec())).collect();
-    let (remote, local) = tokio::join!(spread::call_all(&state, uri.path(), calls), local);
+    let (remote, local) = tokio::join!(spread::call_all(&state, uri.path(), map_version, calls), local);
     let mut answers = vec![Bytes::from(local?)];
     for answer in remote {
         answers.push(answer.map_err(|failed| failed.error)?);
     }
+    if node.state().map_version() != map_version {
+        return Err(map_moved());
+    }
     Ok(json_response(StatusCode::OK, merge_rows(&answers, descending, limit)?))
+}
+
+/// A scan that spans a change of the partition map: refused, never answered short.
+fn map_moved() -> ApiError {
+    ApiError::unavailable("the partition map changed while the scan ran (partitions moved); run it again")
 }
 
 /// The rows of a scan answer, each with what orders it.

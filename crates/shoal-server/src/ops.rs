@@ -114,6 +114,7 @@ fn describe_metrics() {
     describe_gauge!("shoal_document_bytes", Unit::Bytes, "Bytes of live documents, by collection");
     describe_gauge!("shoal_changes", "Changes made to a collection so far: the sum of its partitions' high seqnos");
     describe_gauge!("shoal_disk_bytes", Unit::Bytes, "Bytes the storage engine holds on disk");
+    describe_gauge!("shoal_analytics_rows", "Live rows of a collection's analytics shadow on this node (its active and replica copies)");
     describe_counter!("shoal_fsyncs_total", "Journal fsyncs done since the node started");
     describe_counter!("shoal_index_rebuilds_total", "Indexes rebuilt from the documents because their storage was found damaged");
     describe_gauge!("shoal_uptime_seconds", Unit::Seconds, "Seconds since the node started");
@@ -198,6 +199,9 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         if let Some(coll) = store.collection(&c.name) {
             let high: u64 = coll.high_seqnos().iter().sum();
             metrics::gauge!("shoal_changes", "collection" => c.name.clone()).set(high as f64);
+            if let Some(shadow) = state.engine.shadows().shadow(coll.id()) {
+                metrics::gauge!("shoal_analytics_rows", "collection" => c.name.clone()).set(shadow.rows() as f64);
+            }
         }
     }
     metrics::gauge!("shoal_disk_bytes").set(store.disk_bytes() as f64);

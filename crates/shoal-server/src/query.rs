@@ -44,17 +44,21 @@ async fn run(state: AppState, q: Option<String>, headers: HeaderMap, body: Body,
     let req: QueryBody = extract::json_body(&body)?;
     let consistency = extract::consistency(req.consistency.as_deref())?;
     // In a cluster (the interim design of ARCHITECTURE.md) the statement runs here whole:
-    // over this node's copies when they are every partition and may serve it, otherwise
-    // reading the partitions active elsewhere from their members (`shoal_node::sql`). The
-    // analytics shadows are this node's alone, so where they are not whole an analytics
-    // statement runs on the row engine across the members instead (slower, same rows), and
-    // its metrics say so (`"engine": "rows across members"`).
+    // over this node's copies when it holds every partition active, otherwise reading the
+    // partitions active elsewhere from their members (`shoal_node::sql`). Replicas are
+    // never read: key and index reads need the active copy, and a replica the rebalance is
+    // still filling would answer short. The analytics shadows are this node's alone, so
+    // where it is not every partition's active an analytics statement runs on the row
+    // engine across the members instead (slower, same rows), and its metrics say so
+    // (`"engine": "rows across members"`). Either way the statement pins the map version
+    // it started under: a partition that moves while it runs could be read twice or not
+    // at all, so the answer is then refused (see below).
     let node = &state.cluster;
     crate::spread::require_serving(&state).await?;
-    let (every_partition, some_replicas) = node.copies_here();
-    let local = every_partition && !(some_replicas && consistency == shoal_index::Consistency::RequestPlus);
-    let map_version = node.state().map_version();
-    let (spread, path) = if local { (None, path) } else { (node.spread().map_err(crate::spread::no_active)?, Path::Operational) };
+    let pinned = node.state();
+    let map_version = pinned.map_version();
+    let local = node.actives_here_in(&pinned).is_none();
+    let (spread, path) = if local { (None, path) } else { (node.spread(&pinned).map_err(crate::spread::no_active)?, Path::Operational) };
     let engine = match path {
         Path::Operational if spread.is_some() => "rows across members",
         Path::Operational => "rows",
@@ -64,14 +68,13 @@ async fn run(state: AppState, q: Option<String>, headers: HeaderMap, body: Body,
     let req = QueryRequest { sql: req.sql, params: req.params, consistency, timeout, spread };
     let ndjson = headers.get(axum::http::header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("application/x-ndjson"));
     let format = if ndjson { RowFormat::Ndjson } else { RowFormat::JsonArrays };
-    let spread = req.spread.is_some();
     let answer = match path {
         Path::Operational => state.engine.query().query(req, format).await?,
         Path::Analytics => state.engine.query().analytics(req, format).await?,
     };
     // The members refuse a page under another map; this node's own part is checked here: a
     // partition that moved while the statement ran may be missing or read twice.
-    if spread && node.state().map_version() != map_version {
+    if node.state().map_version() != map_version {
         return Err(ApiError::unavailable("the partition map changed while the statement ran (partitions moved); run it again"));
     }
     let elapsed_ms = answer.elapsed.as_secs_f64() * 1000.0;

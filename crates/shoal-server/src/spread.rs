@@ -82,8 +82,8 @@ pub(crate) fn remote_groups(places: &[Place]) -> BTreeMap<String, Vec<usize>> {
 /// The other members holding active copies, each once (in partition order of their
 /// first), for a request over every partition; a partition with no active copy now
 /// refuses it.
-pub(crate) fn other_actives(state: &AppState) -> Result<Vec<String>, ApiError> {
-    let owners = state.cluster.active_owners().map_err(no_active)?;
+pub(crate) fn other_actives_in(state: &AppState, meta: &shoal_meta::MetaState) -> Result<Vec<String>, ApiError> {
+    let owners = state.cluster.active_owners_in(meta).map_err(no_active)?;
     let mut out: Vec<String> = Vec::new();
     for address in owners.into_iter().flatten() {
         if !out.contains(&address) {
@@ -103,11 +103,18 @@ pub(crate) struct CallError {
     pub error: ApiError,
 }
 
-/// Posts `body` to `path` on each member concurrently (marked forwarded) and answers their
-/// bodies in the same order. A member that answers with an error status answers that
+/// Posts `body` to `path` on each member concurrently (marked forwarded, by the map version
+/// the caller routed them by) and answers their bodies in the same order. A member that answers with an error status answers that
 /// error for its whole part; a call that may have reached it and got no answer is
 /// `408 timeout` flagged ambiguous (a write may have happened).
-pub(crate) async fn call_all(state: &AppState, path_and_query: &str, calls: Vec<(String, Vec<u8>)>) -> Vec<Result<Bytes, CallError>> {
+pub(crate) async fn call_all(
+    state: &AppState,
+    path_and_query: &str,
+    map_version: u64,
+    calls: Vec<(String, Vec<u8>)>,
+) -> Vec<Result<Bytes, CallError>> {
+    let routed_by = map_version.to_string();
+    let routed_by = &routed_by;
     let calls = calls.into_iter().map(|(address, body)| async move {
         if state.faults.is_cut(&address) {
             return Err(CallError { error: crate::cluster::Faults::cut_error(&address) });
@@ -116,7 +123,7 @@ pub(crate) async fn call_all(state: &AppState, path_and_query: &str, calls: Vec<
             .forwarder
             .post(format!("http://{address}{path_and_query}"))
             .timeout(FORWARD_TIMEOUT)
-            .header(FORWARDED_HEADER, "1")
+            .header(FORWARDED_HEADER, routed_by.as_str())
             .header("content-type", "application/json")
             .body(body)
             .send()

@@ -111,6 +111,47 @@ impl Collection {
         self.partitions.iter().map(|p| p.load().high_seqno()).collect()
     }
 
+    /// [`Collection::high_seqnos`] of the partitions this node holds (active or replica), 0
+    /// for the others: what state derived from this node's copies (indexes, shadows) can
+    /// reach, and so what a `request_plus` read or a build waits for.
+    pub fn held_high_seqnos(&self) -> Vec<SeqNo> {
+        self.partitions
+            .iter()
+            .map(|p| {
+                let p = p.load();
+                if p.is_held() {
+                    p.high_seqno()
+                } else {
+                    0
+                }
+            })
+            .collect()
+    }
+
+    /// The first partition active here whose derived state, at `position(p)`, is not yet
+    /// complete enough to serve: behind the copy's serve floor (the high seqno it opened at,
+    /// see [`Partition::serve_floor`]) or on a history the copy diverged from. Indexes and
+    /// shadows check it before they answer for the partitions this node serves, so that a
+    /// partition that arrived by a move, a promotion or a rollback is never read half-built.
+    pub fn behind_serve_floor(&self, position: impl Fn(PartitionId) -> StreamPosition) -> Option<PartitionId> {
+        self.partitions.iter().find_map(|slot| {
+            let p = slot.load();
+            if !p.is_active() {
+                return None;
+            }
+            let at = position(p.id());
+            let resume = rollback_point(&p, at).unwrap_or(at.seqno);
+            (resume < at.seqno || at.seqno < p.serve_floor()).then_some(p.id())
+        })
+    }
+
+    /// Per partition: whether this node holds a copy of it now, active or replica. State
+    /// derived from a partition that is not held here (it moved away, or is being copied in
+    /// anew) is dropped by its keeper.
+    pub fn held_here(&self) -> Vec<bool> {
+        self.partitions.iter().map(|p| p.load().is_held()).collect()
+    }
+
     pub fn partition_uuids(&self) -> Vec<u64> {
         self.partitions.iter().map(|p| p.load().uuid()).collect()
     }
@@ -122,6 +163,15 @@ impl Collection {
         self.partitions.get(usize::from(partition)).map(|p| {
             let p = p.load();
             StreamPosition { seqno: p.high_seqno(), uuid: p.uuid() }
+        })
+    }
+
+    /// Where partition `partition`'s copy here ends: the epoch of its last failover entry
+    /// and its high seqno (see [`crate::FailoverEntry::epoch`]); copies compare by it.
+    pub fn history_end(&self, partition: PartitionId) -> Option<(u64, SeqNo)> {
+        self.partitions.get(usize::from(partition)).map(|p| {
+            let p = p.load();
+            crate::partition::history_end(p.failover_log(), p.high_seqno())
         })
     }
 

@@ -72,6 +72,20 @@ pub struct MutationOutcome {
 pub struct FailoverEntry {
     pub uuid: u64,
     pub seqno: SeqNo,
+    /// The partition map version under which the copy that began this entry became active
+    /// (0 before any map, and in records written before epochs were kept). One copy is
+    /// active per partition per map version, so copies' histories order by where they end —
+    /// (the last entry's epoch, the high seqno) — as Raft orders logs by last term, then
+    /// index; a promotion must compare them so, never by seqno alone
+    /// (`shoal_cluster::failover::HistoryEnd`). An entry begun for another reason (an
+    /// unclean restart, a replica's rollback) keeps the epoch of the entry before it.
+    #[serde(default)]
+    pub epoch: u64,
+}
+
+/// Where a copy's history ends: the epoch of its last failover entry and its high seqno.
+pub fn history_end(failover: &[FailoverEntry], high: SeqNo) -> (u64, SeqNo) {
+    (failover.last().map_or(0, |e| e.epoch), high)
 }
 
 struct DocLock {
@@ -192,6 +206,12 @@ pub struct Partition {
     failover: Vec<FailoverEntry>,
     /// See [`PartitionParts::high_floor`]; written back with every record of the partition.
     high_floor: SeqNo,
+    /// The high seqno this copy opened at: a start, an ingest, a promotion, a rollback — every
+    /// way a copy comes to serve here makes a new object. State derived from the copy
+    /// (index entries, shadow rows) serves it only once caught up this far
+    /// ([`crate::Collection::behind_serve_floor`]): before, a partition moved here was read
+    /// from an index still rebuilding it, and scans came back short with 200.
+    serve_floor: SeqNo,
     state: Mutex<Sequencer>,
     high_tx: watch::Sender<SeqNo>,
     /// Every change of this copy up to it is fsynced (see `syncer`).
@@ -240,6 +260,7 @@ impl Partition {
             health: parts.health,
             failover: parts.failover,
             high_floor,
+            serve_floor: high,
             state: Mutex::new(Sequencer {
                 high,
                 tail: VecDeque::new(),
@@ -289,6 +310,22 @@ impl Partition {
 
     pub fn high_seqno(&self) -> SeqNo {
         *self.high_tx.borrow()
+    }
+
+    /// The high seqno this copy opened at (see the field).
+    pub fn serve_floor(&self) -> SeqNo {
+        self.serve_floor
+    }
+
+    /// Whether this is the current copy and active here (it serves clients' reads).
+    pub fn is_active(&self) -> bool {
+        self.check_active().is_ok()
+    }
+
+    /// Whether this is the current copy and this node holds it, active or replica (its
+    /// change stream can be read).
+    pub fn is_held(&self) -> bool {
+        self.check_state(&[PartitionState::Active, PartitionState::Replica], "active or replica").is_ok()
     }
 
     pub(crate) fn has_locks(&self) -> bool {
@@ -767,7 +804,7 @@ impl Partition {
             .iter()
             .copied()
             .filter(|e| e.seqno <= to)
-            .chain(std::iter::once(FailoverEntry { uuid: fresh_uuid, seqno: to }))
+            .chain(std::iter::once(FailoverEntry { uuid: fresh_uuid, seqno: to, epoch: self.failover.last().map_or(0, |e| e.epoch) }))
             .collect();
         let purge_seqno = purge_seqno.min(to);
         let (mut count_delta, mut bytes_delta) = (0i64, 0i64);

@@ -189,7 +189,7 @@ mod tests {
     use super::*;
 
     fn log(entries: &[(u64, SeqNo)]) -> Vec<FailoverEntry> {
-        entries.iter().map(|&(uuid, seqno)| FailoverEntry { uuid, seqno }).collect()
+        entries.iter().map(|&(uuid, seqno)| FailoverEntry { uuid, seqno, epoch: 0 }).collect()
     }
 
     #[test]

@@ -24,6 +24,9 @@ use crate::{PartitionId, SeqNo, PARTITIONS_DEFAULT, PARTITIONS_MAX};
 
 const PATH_FILE: &str = "shoal-path.json";
 const CLEAN_SHUTDOWN_FILE: &str = "clean-shutdown";
+/// How long a clean close waits for the memtables to be written as tables before it leaves
+/// them to the journal (the next start then replays it).
+const CLOSE_FLUSH_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 const DB_DIR: &str = "db";
 const META_KEYSPACE: &str = "meta";
 /// Layout version of a data path: 3 keeps each partition in a keyspace of its own, shared
@@ -521,7 +524,13 @@ impl Store {
             }
         }
         batch.commit()?;
-        for path in &self.paths {
+        for (path, root) in self.paths.iter().zip(&self.config.data_paths) {
+            // Every memtable written as tables and the journal sealed: a clean start replays
+            // nothing (a node stopped right after a load of 1M documents replayed its journal
+            // for seconds).
+            if !path.db.flush_and_seal_journal(CLOSE_FLUSH_WAIT)? {
+                tracing::warn!(path = %root.display(), "the memtables were not flushed in time; the next start replays the journal");
+            }
             path.db.persist(fjall::PersistMode::SyncAll)?;
         }
         let first = &self.config.data_paths[0];
@@ -586,7 +595,9 @@ impl Store {
             parts.high_floor = floor.unwrap_or(0);
             let mut partition = Partition::open(parts)?;
             if needs_new_uuid {
-                let entry = FailoverEntry { uuid: self.clock.history_uuid(), seqno: partition.high_seqno() };
+                // The same tenure goes on: the epoch of the entry before.
+                let epoch = failover.last().map_or(0, |e| e.epoch);
+                let entry = FailoverEntry { uuid: self.clock.history_uuid(), seqno: partition.high_seqno(), epoch };
                 partition.push_failover(entry);
                 failover.push(entry);
                 renewed.push((p, PartitionRecord { failover, purge_seqno, live: None, high: partition.high_floor() }));
@@ -992,6 +1003,48 @@ mod tests {
 
     fn config(dir: &Path) -> StoreConfig {
         StoreConfig { data_paths: vec![dir.join("a"), dir.join("b")], partitions: Some(4), ..StoreConfig::default() }
+    }
+
+    /// Every journal file (`*.jnl`) under `dir`.
+    fn journals(dir: &Path) -> std::collections::BTreeSet<PathBuf> {
+        let mut out = std::collections::BTreeSet::new();
+        let mut todo = vec![dir.to_path_buf()];
+        while let Some(d) = todo.pop() {
+            for entry in std::fs::read_dir(&d).unwrap().flatten() {
+                let path = entry.path();
+                if path.is_dir() {
+                    todo.push(path);
+                } else if path.extension().is_some_and(|e| e == "jnl") {
+                    out.insert(path);
+                }
+            }
+        }
+        out
+    }
+
+    /// A node stopped cleanly right after a load replayed its journal for seconds at the next
+    /// start (issue 40: 3.1 s and 6.8 s after 1,000,000 documents). A clean close writes every
+    /// memtable as tables and seals the journal: the journals that held the load are deleted
+    /// (journal files are preallocated, so their names, not their sizes, tell).
+    #[test]
+    fn a_clean_close_leaves_no_journal_to_replay() {
+        let dir = tempfile::tempdir().unwrap();
+        let before;
+        {
+            let store = Store::open(config(dir.path())).unwrap();
+            let c = store.create_collection("c", 0).unwrap();
+            for i in 0..5_000 {
+                let _ = c.write(upsert(&format!("k{i}"), br#"{"pad":"0123456789012345678901234567890123456789"}"#)).unwrap();
+            }
+            before = journals(dir.path());
+            assert!(!before.is_empty(), "the load sits in journals before the close");
+            store.close().unwrap();
+        }
+        let after = journals(dir.path());
+        let kept: Vec<_> = before.intersection(&after).collect();
+        assert!(kept.is_empty(), "a clean close left journals holding the load to replay: {kept:?}");
+        let store = Store::open(config(dir.path())).unwrap();
+        assert_eq!(store.collection("c").map(|c| c.info().docs), Some(5_000), "every document is in the tables");
     }
 
     #[test]

@@ -200,6 +200,12 @@ impl Store {
     /// Partitions that become active start new histories, as in
     /// [`set_partition_state`](Self::set_partition_state).
     pub fn set_partition_states(&self, changes: &[(PartitionId, PartitionState)]) -> Result<(), PartitionError> {
+        self.set_partition_states_for_map(changes, self.map_version.load(Ordering::Acquire))
+    }
+
+    /// [`Store::set_partition_states`] as map version `map_version` places the copies: a
+    /// copy made active begins a history entry of that epoch (see [`FailoverEntry::epoch`]).
+    pub fn set_partition_states_for_map(&self, changes: &[(PartitionId, PartitionState)], map_version: u64) -> Result<(), PartitionError> {
         if changes.is_empty() {
             return Ok(());
         }
@@ -235,7 +241,9 @@ impl Store {
                 for collection in &collections {
                     let part = collection.partition_arc(*p);
                     let mut failover = part.failover_log().to_vec();
-                    failover.push(FailoverEntry { uuid: self.clock().history_uuid(), seqno: part.high_seqno() });
+                    let epoch = map_version.max(self.map_version.load(Ordering::Acquire));
+                    debug_assert!(failover.last().is_none_or(|e| e.epoch <= epoch), "epochs never go back along a history");
+                    failover.push(FailoverEntry { uuid: self.clock().history_uuid(), seqno: part.high_seqno(), epoch });
                     let purge_seqno = part.purge_seqno.load(Ordering::Acquire);
                     let rec =
                         crate::store::PartitionRecord { failover: failover.clone(), purge_seqno, live: None, high: part.high_floor() };

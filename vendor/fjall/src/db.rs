@@ -322,6 +322,58 @@ impl Database {
         Ok(journal_size + keyspaces_size)
     }
 
+    /// SHOAL-PATCH: a clean close that leaves nothing to replay. Seals every keyspace's
+    /// memtable, waits (until `within` runs out) for the flushes to write them as tables,
+    /// then seals the journal: every sealed journal is then flushed whole and deleted, and
+    /// the new active one is empty, so the next open reads no journal. Writes that race the
+    /// close stay in the journal and are replayed as usual. Answers whether everything was
+    /// flushed in time (if not, the journal still holds it: the next open replays it).
+    ///
+    /// # Errors
+    ///
+    /// Returns error, if an IO error occurred.
+    #[doc(hidden)]
+    pub fn flush_and_seal_journal(&self, within: std::time::Duration) -> crate::Result<bool> {
+        if self.is_poisoned.is_poisoned() {
+            return Err(crate::Error::Poisoned);
+        }
+        let deadline = std::time::Instant::now() + within;
+        #[expect(clippy::expect_used)]
+        let keyspaces: Vec<Keyspace> = self
+            .supervisor
+            .keyspaces
+            .read()
+            .expect("lock is poisoned")
+            .values()
+            .cloned()
+            .collect();
+        for keyspace in &keyspaces {
+            if !keyspace.is_deleted.load(std::sync::atomic::Ordering::Acquire) {
+                keyspace.rotate_memtable()?;
+            }
+        }
+        while keyspaces
+            .iter()
+            .any(|k| !k.is_deleted.load(std::sync::atomic::Ordering::Acquire) && k.tree.sealed_memtable_count() > 0)
+        {
+            if std::time::Instant::now() >= deadline {
+                return Ok(false);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let mut journal_writer = self.supervisor.journal.get_writer()?;
+        #[expect(clippy::expect_used)]
+        let mut journal_manager = self.supervisor.journal_manager.write().expect("lock is poisoned");
+        let seqno_map = {
+            #[expect(clippy::expect_used)]
+            let keyspaces = self.supervisor.keyspaces.write().expect("lock is poisoned");
+            self.supervisor.build_seqno_map(&keyspaces)
+        };
+        journal_manager.rotate_journal(&mut journal_writer, seqno_map)?;
+        journal_manager.maintenance()?;
+        Ok(journal_manager.sealed_journal_count() == 0)
+    }
+
     /// Flushes the active journal. The durability depends on the [`PersistMode`]
     /// used.
     ///

@@ -236,7 +236,7 @@ pub(super) fn load(db: &fjall::Database, meta: &fjall::Keyspace, r: &Record, col
         corrupt: AtomicBool::new(false),
         cursors: Mutex::new(cursors),
         items,
-        target: Mutex::new(Some(coll.high_seqnos())),
+        target: Mutex::new(Some(coll.held_high_seqnos())),
         progress: watch::channel(0).0,
         scan: Mutex::new(scan),
     }))

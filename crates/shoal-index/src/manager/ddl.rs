@@ -78,7 +78,7 @@ impl IndexManager {
             // Flipped under the lock that `active()` takes: the maintainer's next round
             // sees all of them or none.
             let colls = self.colls.lock();
-            let highs = coll.high_seqnos();
+            let highs = coll.held_high_seqnos();
             for index in &indexes {
                 if index.deferred.load(Ordering::Acquire) {
                     *index.target.lock() = Some(highs.clone());

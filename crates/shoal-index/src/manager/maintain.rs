@@ -88,9 +88,33 @@ pub(super) async fn maintain(
 /// Partitions are handled in groups whose batches are applied together (see [`group_size`]).
 pub(super) fn run_round(mgr: &IndexManager, coll: &Collection, active: &[Arc<Index>]) -> Result<bool, IndexError> {
     let Plan { scanning, streaming } = plan_scan(mgr, coll, active)?;
-    let highs = coll.high_seqnos();
+    let now = coll.positions();
+    let held = coll.held_here();
+    // Partitions that left this node (or are being copied in anew): their entries go, in one
+    // pass over each index, so that they neither leak nor count in `items`.
+    let gone: Vec<PartitionId> = (0..coll.partition_count())
+        .filter(|&p| {
+            let pi = usize::from(p);
+            !held[pi] && streaming.iter().any(|i| i.cursors.lock()[pi].seqno > 0 || i.items[pi].load(Ordering::Relaxed) != 0)
+        })
+        .collect();
+    if !gone.is_empty() {
+        for index in &streaming {
+            super::stream::drop_partitions(mgr, index, &gone, coll.partition_count())?;
+        }
+        tracing::info!(collection = %coll.name(), partitions = ?gone, "index entries of partitions no longer on this node dropped");
+    }
+    // Behind: short of the high seqno, or on another history (a copy rolled back below the
+    // cursor after a failover has a lower high; `follow` finds where the two part).
     let behind: Vec<PartitionId> = (0..coll.partition_count())
-        .filter(|&p| streaming.iter().any(|i| i.cursors.lock()[usize::from(p)].seqno < highs[usize::from(p)]))
+        .filter(|&p| held[usize::from(p)])
+        .filter(|&p| {
+            let at = now[usize::from(p)];
+            streaming.iter().any(|i| {
+                let c = i.cursors.lock()[usize::from(p)];
+                c.seqno < at.seqno || (c.seqno > 0 && c.uuid != at.uuid)
+            })
+        })
         .collect();
     let size = group_size(behind.len(), mgr.pool.current_num_threads());
     let (scanned, streamed) = rayon::join(

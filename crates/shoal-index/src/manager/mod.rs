@@ -52,7 +52,6 @@ const REBUILDS_METRIC: &str = "shoal_index_rebuilds_total";
 const REBUILD_RETRY: Duration = Duration::from_secs(5);
 /// How long a clean stop waits for the index keyspaces to be flushed into tables.
 const CLOSE_FLUSH_WAIT: Duration = Duration::from_secs(30);
-const CLOSE_FLUSH_POLL: Duration = Duration::from_millis(10);
 /// Memtable of each index keyspace (forward and back), as the storage crate's indexes.
 const INDEX_MEMTABLE_MAX_BYTES: u64 = 16 * 1024 * 1024;
 /// Block cache of the index database.
@@ -356,25 +355,12 @@ impl IndexManager {
         }
     }
 
+    /// Flushes every keyspace of the index database and seals its journal, so that the next
+    /// start replays none of it.
     pub fn close(&self) -> Result<(), IndexError> {
-        let mut keyspaces = vec![self.meta.clone()];
-        for entry in self.colls.lock().values() {
-            for index in entry.indexes.iter().filter(|i| !i.dropped.load(Ordering::Acquire)) {
-                keyspaces.push(index.fwd.clone());
-                keyspaces.push(index.back.clone());
-            }
-        }
-        for ks in &keyspaces {
-            ks.rotate_memtable()?;
-        }
-        let deadline = std::time::Instant::now() + CLOSE_FLUSH_WAIT;
-        while keyspaces.iter().any(|ks| ks.sealed_memtable_count() > 0) {
-            if std::time::Instant::now() >= deadline {
-                // The journal below still holds everything; the next start replays it.
-                tracing::warn!("the index keyspaces were not flushed in time; the next start replays the journal");
-                break;
-            }
-            std::thread::sleep(CLOSE_FLUSH_POLL);
+        if !self.db.flush_and_seal_journal(CLOSE_FLUSH_WAIT)? {
+            // The journal below still holds everything; the next start replays it.
+            tracing::warn!("the index keyspaces were not flushed in time; the next start replays the journal");
         }
         self.db.persist(fjall::PersistMode::SyncAll)?;
         Ok(())

@@ -56,7 +56,7 @@ impl IndexManager {
         timeout: Duration,
     ) -> Result<Arc<Index>, IndexError> {
         let deadline = tokio::time::Instant::now() + timeout;
-        let highs = coll.high_seqnos();
+        let highs = coll.held_high_seqnos();
         if consistency == Consistency::RequestPlus {
             if let Some(e) = self.colls.lock().get(&coll.id()) {
                 e.wake.notify_one();
@@ -72,7 +72,7 @@ impl IndexManager {
                     return Err(IndexError::Rebuilding { name: name.to_string() })
                 }
                 (IndexState::Building, Consistency::NotBounded) => return Err(not_ready("building")),
-                (IndexState::Ready, Consistency::NotBounded) => return Ok(index),
+                (IndexState::Ready, Consistency::NotBounded) => return self.whole(coll, name, index, deadline).await,
                 (_, Consistency::RequestPlus) => {
                     // Subscribed before looking, so no change between the look and the wait
                     // is missed.
@@ -84,7 +84,7 @@ impl IndexManager {
                             break;
                         }
                         if index.caught_up(&highs) && index.state() == IndexState::Ready {
-                            return Ok(index);
+                            return self.whole(coll, name, index, deadline).await;
                         }
                         match tokio::time::timeout_at(deadline, progress.changed()).await {
                             Err(_) => return Err(IndexError::Timeout),
@@ -93,6 +93,41 @@ impl IndexManager {
                         }
                     }
                 }
+            }
+        }
+    }
+}
+
+impl IndexManager {
+    /// Waits (until `deadline`) until `index` holds every partition active here whole: at or
+    /// past the high seqno its copy opened at, on its history (see
+    /// [`Collection::behind_serve_floor`]). A partition that moved here is followed from its
+    /// change stream, at any consistency: a ready index is not yet whole for it.
+    async fn whole(
+        &self,
+        coll: &Collection,
+        name: &str,
+        index: Arc<Index>,
+        deadline: tokio::time::Instant,
+    ) -> Result<Arc<Index>, IndexError> {
+        let mut progress = index.progress.subscribe();
+        let mut woken = false;
+        loop {
+            let behind = coll.behind_serve_floor(|p| index.cursors.lock().get(usize::from(p)).copied().unwrap_or_default());
+            let Some(partition) = behind else { return Ok(index) };
+            if index.dropped.load(Ordering::Acquire) {
+                return Err(IndexError::NotFound(name.to_string()));
+            }
+            if !woken {
+                woken = true;
+                if let Some(e) = self.colls.lock().get(&coll.id()) {
+                    e.wake.notify_one();
+                }
+            }
+            match tokio::time::timeout_at(deadline, progress.changed()).await {
+                Err(_) => return Err(IndexError::CatchingUp { name: name.to_string(), partition }),
+                Ok(Err(_)) => return Err(IndexError::NotFound(name.to_string())),
+                Ok(Ok(())) => {}
             }
         }
     }

@@ -168,34 +168,33 @@ pub(super) fn read_back(index: &Index, key: &[u8]) -> Result<Vec<Vec<u8>>, Index
     }
 }
 
-/// A document key and the composite keys it contributed.
-pub(super) type BackEntry = (fjall::Slice, Vec<Vec<u8>>);
-
-/// The back entries of the documents of partition `p`.
-pub(super) fn back_entries_of(index: &Index, p: PartitionId, partitions: u16) -> Result<Vec<BackEntry>, IndexError> {
-    let mut out = Vec::new();
-    for guard in index.back.iter() {
-        let (doc_key, v) = guard.into_inner()?;
-        if shoal_storage::partition_of(&doc_key, partitions) == p {
-            out.push((doc_key, decode_list(&v)?));
-        }
-    }
-    Ok(out)
-}
-
 /// Removes every entry that came from partition `p` and puts its cursor back to the start.
 pub(super) fn reset_partition(mgr: &IndexManager, index: &Arc<Index>, p: PartitionId, partitions: u16) -> Result<(), IndexError> {
-    let mut batch = mgr.db.batch();
-    for (doc_key, entries) in mgr.checked(index, back_entries_of(index, p, partitions))? {
-        for e in entries {
-            batch.remove(&index.fwd, entry_key(&e, &doc_key));
-        }
-        batch.remove(&index.back, doc_key);
-    }
-    batch.insert(&mgr.meta, cursor_key(index.id, p), encode_cursor(StreamPosition::default(), 0));
-    batch.commit()?;
-    index.cursors.lock()[usize::from(p)] = StreamPosition::default();
-    index.items[usize::from(p)].store(0, Ordering::Relaxed);
+    drop_partitions(mgr, index, &[p], partitions)?;
     tracing::warn!(index = %index.def.name, partition = p, "partition history changed; re-indexing it");
+    Ok(())
+}
+
+/// Removes every entry that came from the partitions `ps` (one read of the back keyspace)
+/// and puts their cursors back to the start, in one batch.
+pub(super) fn drop_partitions(mgr: &IndexManager, index: &Arc<Index>, ps: &[PartitionId], partitions: u16) -> Result<(), IndexError> {
+    let mut batch = mgr.db.batch();
+    for guard in index.back.iter() {
+        let (doc_key, v) = guard.into_inner()?;
+        if ps.contains(&shoal_storage::partition_of(&doc_key, partitions)) {
+            for e in mgr.checked(index, decode_list(&v))? {
+                batch.remove(&index.fwd, entry_key(&e, &doc_key));
+            }
+            batch.remove(&index.back, doc_key);
+        }
+    }
+    for &p in ps {
+        batch.insert(&mgr.meta, cursor_key(index.id, p), encode_cursor(StreamPosition::default(), 0));
+    }
+    batch.commit()?;
+    for &p in ps {
+        index.cursors.lock()[usize::from(p)] = StreamPosition::default();
+        index.items[usize::from(p)].store(0, Ordering::Relaxed);
+    }
     Ok(())
 }

@@ -19,14 +19,29 @@ impl Shadow {
         let ap = &self.aps[i];
         let partitions = self.coll.partition_count();
         let cursors = ap.state.lock().cursors.clone();
-        let highs = self.coll.high_seqnos();
+        let now = self.coll.positions();
+        let held = self.coll.held_here();
         let mut feed = ApFeed { shadow: self, ap, partitions, moved: false };
         let mut budget = ROUND_CHANGES_MAX;
         for (p, from) in &cursors {
+            if !held.get(usize::from(*p)).copied().unwrap_or(false) {
+                // Left this node (or is being copied in anew): its rows go, so that they
+                // neither leak nor count.
+                if from.seqno > 0 {
+                    let mut st = ap.state.lock();
+                    st.reset_partition(*p, partitions);
+                    st.dirty = true;
+                    self.applied[usize::from(*p)].store(0, Ordering::Release);
+                    tracing::info!(collection = %self.coll.name(), partition = p, "analytics rows of a partition no longer on this node dropped");
+                }
+                continue;
+            }
             if budget == 0 {
                 break;
             }
-            if highs.get(usize::from(*p)).is_some_and(|h| from.seqno >= *h) {
+            // Caught up: at the high seqno, on the copy's history (a copy rolled back below
+            // the cursor after a failover has a lower high; `follow` finds where they part).
+            if now.get(usize::from(*p)).is_some_and(|at| from.seqno >= at.seqno && (from.seqno == 0 || from.uuid == at.uuid)) {
                 continue;
             }
             // One storage partition at a time, within what is left of the round's budget.

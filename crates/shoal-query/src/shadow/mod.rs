@@ -41,7 +41,7 @@ use datafusion::arrow::array::{BooleanArray, RecordBatch};
 use datafusion::arrow::datatypes::{Field, SchemaRef};
 use datafusion::arrow::error::ArrowError;
 use parking_lot::Mutex;
-use shoal_storage::{ChangesError, Collection, SeqNo, Store};
+use shoal_storage::{ChangesError, Collection, PartitionId, SeqNo, Store, StreamPosition};
 use tokio::sync::watch;
 
 use crate::merge::merge_fields;
@@ -93,6 +93,10 @@ pub enum ShadowError {
     Off,
     #[error("collection {0} has no analytics shadow yet")]
     NotAttached(String),
+    /// A partition that came to serve here (moved in, promoted, rolled back) is not yet
+    /// whole in the shadow: reading it would miss rows.
+    #[error("the analytics shadow is still catching up on partition {0}, which came to this node lately; try again")]
+    CatchingUp(PartitionId),
 }
 
 fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> ShadowError + '_ {
@@ -160,6 +164,27 @@ impl Shadow {
     /// What a scan reads, per analytics partition, as of now.
     pub fn snapshot(&self, group: Option<&str>) -> Result<Vec<Vec<Part>>, ShadowError> {
         self.aps.iter().map(|ap| ap.state.lock().parts(group).map_err(ShadowError::from)).collect()
+    }
+
+    /// Where the shadow stands in storage partition `p`'s change stream.
+    fn position(&self, p: PartitionId) -> StreamPosition {
+        self.aps[usize::from(p) % self.aps.len()].state.lock().cursor(p)
+    }
+
+    /// Waits (within `timeout`) until the shadow holds every partition active here whole:
+    /// at or past the high seqno its copy opened at, on its history (see
+    /// [`Collection::behind_serve_floor`]), at any consistency.
+    pub async fn wait_whole(&self, timeout: Duration) -> Result<(), ShadowError> {
+        let mut rx = self.progress.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let Some(partition) = self.coll.behind_serve_floor(|p| self.position(p)) else { return Ok(()) };
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return Err(ShadowError::NotAttached(self.coll.name().to_string())),
+                Err(_) => return Err(ShadowError::CatchingUp(partition)),
+            }
+        }
     }
 
     /// Waits until every change up to `highs` (one seqno per storage partition) is applied.

@@ -1,0 +1,278 @@
+//! Reads in a cluster answer exactly what one node holding the same documents would, or
+//! `503` with a reason — on every member, at every moment, while nodes are added and
+//! removed (issue 40). A reader compares every answer with the model of what was written.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::cluster::{get_json, member_states, node_id, rebalance, wait_for, SECRET};
+use common::Node;
+use serde_json::{json, Value};
+
+/// `serve` flags of these tests' nodes: analytics on (two analytics partitions), few
+/// partitions so that rebalances are quick.
+const ARGS: [&str; 6] = ["--cluster-secret", SECRET, "--partitions", "16", "--analytics-partitions", "2"];
+
+fn first_node() -> Node {
+    let mut node = Node::start(&ARGS);
+    node.pin_port();
+    node
+}
+
+fn joined(join: &str) -> Node {
+    let mut node = Node::start(&[&ARGS[..], &["--join", join][..]].concat());
+    node.pin_port();
+    node
+}
+
+fn http() -> reqwest::Client {
+    reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap()
+}
+
+async fn post(http: &reqwest::Client, url: String, body: Value) -> (u16, Value) {
+    let r = http.post(&url).json(&body).send().await.unwrap_or_else(|e| panic!("POST {url}: {e}"));
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+/// Writes `n` documents `k00000`... with `g = i % 10`, `n = i` and some padding.
+async fn load(http: &reqwest::Client, node: &Node, n: usize) {
+    let pad = "p".repeat(400);
+    for chunk in (0..n).collect::<Vec<_>>().chunks(1_000) {
+        let body: String = chunk
+            .iter()
+            .map(|i| json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"g": i % 10, "n": i, "pad": pad}}).to_string() + "\n")
+            .collect();
+        let r = http.post(node.u("/v1/collections/c/_bulk?durability=persist")).body(body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(!r.text().await.unwrap().contains("\"error\""), "a bulk line failed");
+    }
+}
+
+/// What the members hold of everything derived from the documents, summed: index entries
+/// (`items` of `by_g`) and analytics rows. Each member holds its active and replica copies,
+/// so with one replica each sum is twice the documents — unless a moved partition's entries
+/// or rows stayed behind on its old node.
+async fn derived_totals(http: &reqwest::Client, nodes: &[&Node]) -> (u64, u64) {
+    let (mut items, mut rows) = (0, 0);
+    for node in nodes {
+        let (_, list) = get_json(http, &node.u("/v1/collections/c/indexes")).await;
+        items += list.as_array().and_then(|l| l.iter().find(|i| i["name"] == "by_g")).and_then(|i| i["items"].as_u64()).unwrap_or(0);
+        rows += common::metric(http, node, "shoal_analytics_rows{collection=\"c\"}").await.unwrap_or(0.0) as u64;
+    }
+    (items, rows)
+}
+
+/// Waits until the members' derived state sums to `want` entries and rows each.
+async fn derived_settles(http: &reqwest::Client, nodes: &[&Node], want: u64, when: &str) {
+    let deadline = std::time::Instant::now() + common::cluster::WAIT_MAX;
+    loop {
+        let totals = derived_totals(http, nodes).await;
+        if totals == (want, want) {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "{when}: index entries and analytics rows {totals:?}, want {want} each");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// What the reader saw.
+#[derive(Default)]
+struct Tally {
+    exact: AtomicUsize,
+    refused: AtomicUsize,
+    wrong: Mutex<Vec<String>>,
+}
+
+impl Tally {
+    fn judge(&self, what: &str, url: &str, status: u16, body: &Value, right: bool) {
+        match status {
+            200 if right => {
+                self.exact.fetch_add(1, Ordering::Relaxed);
+            }
+            503 => {
+                self.refused.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {
+                // The answer in short: its rows' count, or its first bytes.
+                let rows = body["rows"].as_array().map(Vec::len);
+                let text: String = body.to_string().chars().take(300).collect();
+                let answer = rows.map_or(text, |n| format!("{n} rows"));
+                self.wrong.lock().unwrap().push(format!("{what} through {url}: {status}, {answer}"));
+            }
+        }
+    }
+}
+
+/// Asks every read of the model once through `url`: SQL counts, a point read and an indexed
+/// count, an index scan, an analytics count.
+async fn read_once(http: &reqwest::Client, url: &str, docs: usize, tally: &Tally) {
+    let sql = |path: &'static str, statement: &'static str| {
+        let (http, url) = (http.clone(), format!("{url}{path}"));
+        async move { post(&http, url, json!({ "sql": statement })).await }
+    };
+    let (s, v) = sql("/v1/query", "SELECT count(*) FROM c").await;
+    tally.judge("SQL count", url, s, &v, v["rows"] == json!([[docs]]));
+    let (s, v) = sql("/v1/query", "SELECT n FROM c WHERE meta_id = 'k00500'").await;
+    tally.judge("SQL point read", url, s, &v, v["rows"] == json!([[500]]));
+    let (s, v) = sql("/v1/query", "SELECT count(*) FROM c WHERE g = 7").await;
+    tally.judge("SQL indexed count", url, s, &v, v["rows"] == json!([[docs / 10]]));
+    let (s, v) = post(http, format!("{url}/v1/collections/c/indexes/by_g/scan"), json!({"eq": [3], "limit": docs})).await;
+    tally.judge("index scan", url, s, &v, v["rows"].as_array().is_some_and(|r| r.len() == docs / 10));
+    let (s, v) = sql("/v1/analytics", "SELECT count(*) FROM c").await;
+    tally.judge("analytics count", url, s, &v, v["rows"] == json!([[docs]]));
+}
+
+/// Reads through the members in `urls`, round and round, until `stop`.
+fn reader(urls: Arc<Mutex<Vec<String>>>, docs: usize, stop: Arc<AtomicBool>, tally: Arc<Tally>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let http = http();
+        let mut i = rand::random::<u32>() as usize;
+        while !stop.load(Ordering::Relaxed) {
+            let url = {
+                let urls = urls.lock().unwrap();
+                urls[i % urls.len()].clone()
+            };
+            i += 1;
+            read_once(&http, &url, docs, &tally).await;
+        }
+    })
+}
+
+/// 1 → 2 → 3 → 2 nodes under a reader: every answer of every member is the model's, or a
+/// refusal. Before, a count answered a third of the documents with 200 while a node was
+/// added, index scans came back short, and a two-node cluster refused every SQL point read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reads_stay_exact_on_every_member_while_nodes_are_added_and_removed() {
+    const DOCS: usize = 4_000;
+    const READERS: usize = 3;
+    let http = http();
+    let first = first_node();
+    assert_eq!(http.put(first.u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    let (s, v) = post(&http, first.u("/v1/collections/c/indexes"), json!({"name": "by_g", "keys": ["g"]})).await;
+    assert_eq!(s, 201, "{v}");
+    load(&http, &first, DOCS).await;
+    // Everything derived from the documents has caught up before the reader starts.
+    let (s, v) =
+        post(&http, first.u("/v1/collections/c/indexes/by_g/scan"), json!({"eq": [3], "limit": DOCS, "consistency": "request_plus"})).await;
+    assert_eq!((s, v["rows"].as_array().map(Vec::len)), (200, Some(DOCS / 10)), "{v}");
+    let (s, v) = post(&http, first.u("/v1/analytics"), json!({"sql": "SELECT count(*) FROM c", "consistency": "request_plus"})).await;
+    assert_eq!((s, &v["rows"]), (200, &json!([[DOCS]])), "{v}");
+
+    // Paced, so that the moves take a few seconds each and the readers meet them midway.
+    let r = http
+        .put(first.u("/v1/cluster/settings"))
+        .json(&json!({"rebalance_mb_per_s": 1, "rebalance_moves_per_node": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+
+    let urls = Arc::new(Mutex::new(vec![first.url.clone()]));
+    let (stop, tally) = (Arc::new(AtomicBool::new(false)), Arc::new(Tally::default()));
+    let readers: Vec<_> = (0..READERS).map(|_| reader(Arc::clone(&urls), DOCS, Arc::clone(&stop), Arc::clone(&tally))).collect();
+
+    let join = first.addr();
+    let second = joined(&join);
+    wait_for(&http, &first.u("/v1/cluster"), "two members", |v| member_states(v).len() == 2).await;
+    urls.lock().unwrap().push(second.url.clone());
+    rebalance(&http, &first, &[]).await;
+    let after_add = tally.exact.load(Ordering::Relaxed);
+
+    let third = joined(&join);
+    wait_for(&http, &first.u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
+    urls.lock().unwrap().push(third.url.clone());
+    rebalance(&http, &first, &[]).await;
+    // Index entries and analytics rows left with their partitions: nothing leaked.
+    derived_settles(&http, &[&first, &second, &third], 2 * DOCS as u64, "after 2 -> 3").await;
+
+    // The second leaves: no more reads through it once it is being ejected.
+    let (_, info) = get_json(&http, &first.u("/v1/cluster")).await;
+    let second_id = node_id(&info, &second).unwrap();
+    urls.lock().unwrap().retain(|u| *u != second.url);
+    rebalance(&http, &first, &[second_id]).await;
+
+    stop.store(true, Ordering::Relaxed);
+    for reading in readers {
+        reading.await.unwrap();
+    }
+    // Once all is still, every member answers every read, and exactly (a two-node cluster
+    // refused every SQL point read with 503: the statement ran over this node's replicas).
+    derived_settles(&http, &[&first, &third], 2 * DOCS as u64, "after 3 -> 2").await;
+    let still = Tally::default();
+    for node in [&first, &third] {
+        read_once(&http, &node.url, DOCS, &still).await;
+    }
+    let still_wrong = still.wrong.lock().unwrap().clone();
+    assert!(
+        still_wrong.is_empty() && still.refused.load(Ordering::Relaxed) == 0,
+        "after the rebalances: {still_wrong:#?}, {} refused",
+        still.refused.load(Ordering::Relaxed)
+    );
+    let wrong = tally.wrong.lock().unwrap().clone();
+    let (exact, refused) = (tally.exact.load(Ordering::Relaxed), tally.refused.load(Ordering::Relaxed));
+    eprintln!("reads: {exact} exact, {refused} refused, {} wrong", wrong.len());
+    assert!(
+        wrong.is_empty(),
+        "{} wrong answers (of {}), first: {:#?}",
+        wrong.len(),
+        exact + refused + wrong.len(),
+        &wrong[..wrong.len().min(8)]
+    );
+    assert!(after_add > 0, "the reader read while the first node was added");
+    assert!(exact > after_add, "the reader read after the first rebalance too");
+}
+
+/// `POST .../indexes/_build` on one member builds the indexes on every member, and on
+/// members that join later (Couchbase's `BUILD INDEX`); before, they stayed deferred on
+/// every other node and every scan of them, on any node, answered 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_build_on_one_member_builds_the_indexes_on_every_member_and_on_later_ones() {
+    const DOCS: usize = 500;
+    let http = http();
+    let first = first_node();
+    let join = first.addr();
+    let second = joined(&join);
+    wait_for(&http, &first.u("/v1/cluster"), "two members", |v| member_states(v).len() == 2).await;
+    assert_eq!(http.put(first.u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    rebalance(&http, &first, &[]).await;
+    load(&http, &first, DOCS).await;
+    for name in ["a", "b", "later"] {
+        let (s, v) = post(&http, first.u("/v1/collections/c/indexes"), json!({"name": name, "keys": ["g"], "defer_build": true})).await;
+        assert_eq!(s, 201, "{v}");
+    }
+    let (s, v) = post(&http, second.u("/v1/collections/c/indexes/_build"), json!({"names": ["a", "b"]})).await;
+    assert_eq!(s, 200, "{v}");
+    let (s, v) = post(&http, first.u("/v1/collections/c/indexes/_build"), json!({"names": ["a", "nope"]})).await;
+    assert_eq!(s, 404, "a build naming an unknown index is refused whole: {v}");
+
+    let third = joined(&join);
+    wait_for(&http, &first.u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
+    rebalance(&http, &first, &[]).await;
+    for node in [&first, &second, &third] {
+        let states = wait_for(&http, &node.u("/v1/collections/c/indexes"), "the built indexes ready", |v| {
+            v.as_array().is_some_and(|l| l.iter().filter(|i| i["name"] != "later").all(|i| i["state"] == "ready"))
+        })
+        .await;
+        let later = states.as_array().unwrap().iter().find(|i| i["name"] == "later").cloned().unwrap_or_default();
+        assert_eq!(later["state"], "deferred", "an index nobody built stays deferred on {}: {states}", node.url);
+        for name in ["a", "b"] {
+            let (s, v) =
+                post(&http, node.u(&format!("/v1/collections/c/indexes/{name}/scan")), json!({"eq": [3], "consistency": "request_plus"}))
+                    .await;
+            assert_eq!((s, v["rows"].as_array().map(Vec::len)), (200, Some(DOCS / 10)), "{name} through {}: {v}", node.url);
+        }
+    }
+    // The single-index form goes through the cluster too.
+    let (s, v) = post(&http, third.u("/v1/collections/c/indexes/later/build"), json!({})).await;
+    assert_eq!(s, 200, "{v}");
+    for node in [&first, &second, &third] {
+        wait_for(&http, &node.u("/v1/collections/c/indexes"), "the late build everywhere", |v| {
+            v.as_array().is_some_and(|l| l.iter().all(|i| i["state"] == "ready"))
+        })
+        .await;
+    }
+}
