@@ -16,6 +16,9 @@
 //!   replica whose history ends furthest, by [`HistoryEnd`]: epoch, then seqno) and
 //!   [`failover_fenced`] (the map after it) — once [`promotion_ready`] holds
 //!   ([`fence_quorum`]); and [`auto_failover_allowed`], the monitor's rule.
+//! - [`rebalance`]: the rebalance as a stage machine: [`rebalance::next_step`] decides, from
+//!   one look at the copies' progress, whether to wait, hand a wave of partitions over,
+//!   finish, revert or give up; the node carries the steps out.
 //! - [`sim`]: a seeded, deterministic simulation of one partition's replication and
 //!   failover protocol (lossy network, crashes, false suspicions) with a checker for lost
 //!   acknowledged writes and linearizability; `tests/failover_sim.rs` drives it.
@@ -24,6 +27,7 @@ pub mod failover;
 pub mod map;
 pub mod placement;
 pub mod plan;
+pub mod rebalance;
 pub mod sim;
 
 pub use failover::{

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use shoal_index::{IndexError, IndexManager};
 use shoal_query::shadow::{ShadowError, ShadowManager};
 use shoal_query::{QueryEngine, QueryError};
-use shoal_storage::{CollectionError, CollectionInfo, OpenError, Store, StoreConfig};
+use shoal_storage::{Collection, CollectionError, CollectionInfo, OpenError, SeqNo, Store, StoreConfig};
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -91,6 +91,18 @@ impl Engine {
 
     pub fn shadows(&self) -> &Arc<ShadowManager> {
         &self.shadows
+    }
+
+    /// Where everything derived from `coll` stands in each partition's change stream: the
+    /// lowest of its ready indexes' cursors and its analytics shadow's position (`None` when
+    /// nothing derives from it: no ready index and no shadow).
+    pub fn derived_positions(&self, coll: &Collection) -> Option<Vec<SeqNo>> {
+        let indexes = self.indexes.lowest_positions(coll);
+        let shadow = self.shadows.shadow(coll.id()).map(|s| s.applied_seqnos());
+        match (indexes, shadow) {
+            (Some(i), Some(s)) => Some(i.into_iter().zip(s).map(|(a, b)| a.min(b)).collect()),
+            (one, other) => one.or(other),
+        }
     }
 
     pub fn query(&self) -> &Arc<QueryEngine> {

@@ -582,7 +582,7 @@ async fn pump(
 
 async fn next_chunk(stream: &mut ChunkStream) -> Result<Option<Bytes>, ClusterError> {
     match tokio::time::timeout(COPY_IDLE_TIMEOUT, stream.next()).await {
-        Err(_) => Err(ClusterError::Refused(format!("the copy's source sent nothing for {COPY_IDLE_TIMEOUT:?}"))),
+        Err(_) => Err(ClusterError::Timeout(format!("the copy's source sent nothing for {COPY_IDLE_TIMEOUT:?}"))),
         Ok(None) => Ok(None),
         Ok(Some(chunk)) => Ok(Some(chunk?)),
     }

@@ -60,6 +60,10 @@ pub enum ClusterError {
     /// A request the cluster cannot do in its current state (the reason says why).
     #[error("{0}")]
     Refused(String),
+    /// Something this node waits for did not happen in time (the reason says what): try
+    /// again, unlike a refusal.
+    #[error("{0}")]
+    Timeout(String),
     /// A malformed message from another member.
     #[error("bad message: {0}")]
     BadMessage(String),

@@ -21,12 +21,13 @@
 //! the others; a new leader resumes the plan from the log (moved partitions are at their
 //! target and count as done).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
+use shoal_cluster::rebalance as stages;
 use shoal_cluster::{NodeId, PartitionId, PartitionMap};
 use shoal_meta::{MemberState, MetaCommand, MetaReject, RebalancePlan};
 
@@ -60,18 +61,74 @@ pub const FREEZE_MAX: Duration = Duration::from_secs(30);
 pub const HANDOVER_COMMIT_WITHIN: Duration = Duration::from_secs(FREEZE_MAX.as_secs() / 2);
 /// Longest an active asked to hand over waits to apply the rebalance's plan from the log.
 const PLAN_WAIT: Duration = Duration::from_secs(5);
-/// A move's state once its new copy is within `CATCH_UP_SLACK` of its active.
-const CAUGHT_UP: &str = "caught up";
 /// How often the leader looks at the copies' progress.
 const PROGRESS_POLL: Duration = Duration::from_millis(200);
 /// A progress or hand-over call's timeout.
 const CALL_TIMEOUT: Duration = Duration::from_secs(40);
 
+/// A rebalance's state, as `GET /v1/cluster/rebalance` names it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RebalanceState {
+    /// None ran on this node since it started.
+    #[default]
+    None,
+    Running,
+    Done,
+    /// Stopped on request: the moves done stay, the others were undone.
+    Stopped,
+    /// This node is no longer the metadata leader; the new one goes on with it.
+    Moved,
+    Failed,
+}
+
+/// A move's state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MoveState {
+    /// Planned; its copy not started.
+    Waiting,
+    /// The build map is committed; the copies start.
+    Building,
+    /// A copy by files waiting for a turn on its receiver.
+    Queued,
+    /// Data arriving (files, or the change stream's backfill).
+    Copying,
+    #[serde(rename = "catching up")]
+    CatchingUp,
+    /// Within `CATCH_UP_SLACK` of its active.
+    #[serde(rename = "caught up")]
+    CaughtUp,
+    /// Caught up, while its derived state on the new active (index entries, analytics rows)
+    /// is still being built: the hand-over waits for it.
+    Indexing,
+    /// Every partition moved; replicas settling.
+    Settling,
+    Done,
+    Stopped,
+}
+
+impl MoveState {
+    fn as_str(self) -> &'static str {
+        match self {
+            MoveState::Waiting => "waiting",
+            MoveState::Building => "building",
+            MoveState::Queued => "queued",
+            MoveState::Copying => "copying",
+            MoveState::CatchingUp => "catching up",
+            MoveState::CaughtUp => "caught up",
+            MoveState::Indexing => "indexing",
+            MoveState::Settling => "settling",
+            MoveState::Done => "done",
+            MoveState::Stopped => "stopped",
+        }
+    }
+}
+
 /// What `GET /v1/cluster/rebalance` shows.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct RebalanceStatus {
-    /// `none` (never ran here), `running`, `done`, `failed`.
-    pub state: String,
+    pub state: RebalanceState,
     pub moves_total: usize,
     pub moves_done: usize,
     /// Bytes the copies carry (for copies by files, estimated by their sources until each
@@ -108,7 +165,7 @@ pub struct MoveStatus {
     /// `records` (the fallback).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub shipped: String,
-    pub state: String,
+    pub state: MoveState,
     #[serde(default)]
     pub bytes_total: u64,
     #[serde(default)]
@@ -133,12 +190,7 @@ pub struct Rebalancer {
 
 impl Rebalancer {
     pub fn status(&self) -> RebalanceStatus {
-        let s = self.status.lock().clone();
-        if s.state.is_empty() {
-            RebalanceStatus { state: "none".into(), ..s }
-        } else {
-            s
-        }
+        self.status.lock().clone()
     }
 }
 
@@ -182,6 +234,10 @@ pub(crate) struct ProgressAnswer {
     /// (see [`under_map`]).
     #[serde(default)]
     pub map_version: u64,
+    /// Copies here whose index entries or analytics rows lag the copy by more than
+    /// `CATCH_UP_SLACK`: the rebalance hands no partition to them yet.
+    #[serde(default)]
+    pub derived_behind: Vec<PartitionId>,
 }
 
 /// `answer` as it counts against map `version`: a node that had not applied that map yet
@@ -205,7 +261,7 @@ pub async fn start(node: &Arc<ClusterNode>, eject: Vec<u64>) -> Result<usize, Cl
         return Err(ClusterError::NotLeader { address: node.leader().map(|(_, a)| a) });
     }
     let state = node.state();
-    if state.rebalance.is_some() || node.rebalancer.status.lock().state == "running" {
+    if state.rebalance.is_some() || node.rebalancer.status.lock().state == RebalanceState::Running {
         return Err(ClusterError::RebalanceRunning);
     }
     for id in &eject {
@@ -242,11 +298,11 @@ pub(crate) fn drive(node: &Arc<ClusterNode>) {
     let Some(plan) = state.rebalance.clone() else { return };
     {
         let mut status = node.rebalancer.status.lock();
-        if status.state == "running" {
+        if status.state == RebalanceState::Running {
             return;
         }
         let moves = moves(&plan.from, &plan.target);
-        *status = RebalanceStatus { state: "running".into(), moves_total: moves.len(), moves, ..RebalanceStatus::default() };
+        *status = RebalanceStatus { state: RebalanceState::Running, moves_total: moves.len(), moves, ..RebalanceStatus::default() };
     }
     let n = Arc::clone(node);
     tokio::spawn(async move {
@@ -270,27 +326,27 @@ pub(crate) fn drive(node: &Arc<ClusterNode>) {
         let mut status = n.rebalancer.status.lock();
         match outcome {
             Ok(Finish::Done) => {
-                status.state = "done".into();
+                status.state = RebalanceState::Done;
                 status.moves_done = status.moves_total;
                 for m in &mut status.moves {
-                    m.state = "done".into();
+                    m.state = MoveState::Done;
                 }
                 tracing::info!(moves = status.moves_total, "rebalance done");
             }
             Ok(Finish::Stopped) => {
-                status.state = "stopped".into();
-                for m in status.moves.iter_mut().filter(|m| m.state != "done") {
-                    m.state = "stopped".into();
+                status.state = RebalanceState::Stopped;
+                for m in status.moves.iter_mut().filter(|m| m.state != MoveState::Done) {
+                    m.state = MoveState::Stopped;
                 }
                 tracing::info!(moves_done = status.moves_done, "rebalance stopped; moves done stay, the others are undone");
             }
             Err(e) if handed_on => {
-                status.state = "moved".into();
+                status.state = RebalanceState::Moved;
                 status.message = format!("this node is no longer the metadata leader; the new one goes on with the rebalance ({e})");
                 tracing::info!(error = %e, "rebalance handed on to the new leader");
             }
             Err(e) => {
-                status.state = "failed".into();
+                status.state = RebalanceState::Failed;
                 status.message = e.to_string();
                 tracing::warn!(error = %e, "rebalance failed");
             }
@@ -328,30 +384,27 @@ fn target_map(node: &ClusterNode, eject: &[u64]) -> Result<(PartitionMap, Partit
     Ok((current, target))
 }
 
-/// The copies a rebalance builds (`from` is the active they stream from).
+/// The copies a rebalance builds (`from` is the active they stream from), as the status
+/// shows them.
 fn moves(current: &PartitionMap, target: &PartitionMap) -> Vec<MoveStatus> {
-    let mut out = Vec::new();
-    for ((p, cur), want) in current.iter().zip(&target.partitions) {
-        for n in want.nodes() {
-            if !cur.holds(n) {
-                out.push(MoveStatus {
-                    kind: "partition".into(),
-                    id: p,
-                    from: Some(cur.active.0),
-                    to: n.0,
-                    method: "stream".into(),
-                    shipped: String::new(),
-                    state: "waiting".into(),
-                    bytes_total: 0,
-                    bytes_done: 0,
-                    bytes_planned: 0,
-                    copy_started_unix_ms: None,
-                    copy_finished_unix_ms: None,
-                });
-            }
-        }
-    }
-    out
+    stages::new_copies(current, target)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(p, n)| MoveStatus {
+            kind: "partition".into(),
+            id: p,
+            from: Some(current.partitions[usize::from(p)].active.0),
+            to: n.0,
+            method: "stream".into(),
+            shipped: String::new(),
+            state: MoveState::Waiting,
+            bytes_total: 0,
+            bytes_done: 0,
+            bytes_planned: 0,
+            copy_started_unix_ms: None,
+            copy_finished_unix_ms: None,
+        })
+        .collect()
 }
 
 async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, ClusterError> {
@@ -374,32 +427,19 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
     let target = &plan.target;
     plan_bytes(node, &current).await;
     // 1. Build: every new copy joins as a replica (a resumed plan finds them there).
-    let mut build = current.clone();
-    for (copies, want) in build.partitions.iter_mut().zip(&target.partitions) {
-        for n in want.nodes() {
-            if !copies.holds(n) {
-                copies.replicas.push(n);
-            }
-        }
-    }
+    let build = stages::build_map(&current, target);
     let mut map = current.clone();
     // A target node failed since the plan was made (on starved machines, between the plan
     // and here): say so, rather than have the log refuse a map naming it.
     still_on(&node.state(), &current, target)?;
     if build.partitions != current.partitions {
-        build.version = current.version + 1;
         node.propose(MetaCommand::SetMap { map: build.clone() }).await?;
         map = build;
     }
     drop(one);
-    set_moves(node, "building");
+    set_moves(node, MoveState::Building);
     // 2. Catch up.
-    let new_copies: Vec<(PartitionId, NodeId)> = plan
-        .from
-        .iter()
-        .zip(&target.partitions)
-        .flat_map(|((p, cur), want)| want.nodes().filter(|n| !cur.holds(*n)).map(move |n| (p, n)).collect::<Vec<_>>())
-        .collect();
+    let new_copies = stages::new_copies(&plan.from, target).map_err(|e| ClusterError::Refused(e.to_string()))?;
     // 2 and 3, partition by partition: once every new copy of a partition has caught up,
     // its active role is handed over (with every other partition ready at that look) and a
     // map moves those partitions to their target copies. A stop or a failure afterwards
@@ -410,14 +450,15 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
     let mut last_wave = Instant::now();
     loop {
         let state = node.state();
-        if state.rebalance.as_ref().is_some_and(|p| p.stop) {
-            return revert(node, plan).await.map(|()| Finish::Stopped);
+        let stop_asked = state.rebalance.as_ref().is_some_and(|p| p.stop);
+        if !stop_asked {
+            still_on(&state, &map, target)?;
         }
-        still_on(&state, &map, target)?;
-        let answers = progress_answers(node, &map).await;
+        // A stop asks nobody: the next step is the revert.
+        let answers = if stop_asked { HashMap::new() } else { progress_answers(node, &map).await };
         let progress = progress_of(&answers);
         show_copies(node, &answers, started);
-        let caught_up: HashSet<(PartitionId, u64)> = new_copies
+        let caught_up: BTreeSet<(PartitionId, NodeId)> = new_copies
             .iter()
             .filter(|(p, n)| {
                 // Against the partition's active now (a moved partition's is its new copy).
@@ -429,34 +470,42 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
                     _ => false,
                 }
             })
-            .map(|(p, n)| (*p, n.0))
+            .copied()
             .collect();
-        let ready: Vec<PartitionId> = map
-            .iter()
-            .zip(&target.partitions)
-            .filter(|((p, cur), want)| {
-                *cur != *want
-                    && new_copies
-                        .iter()
-                        .filter(|(np, _)| np == p)
-                        .all(|(_, n)| caught_up.contains(&(*p, n.0)) && heard_by_active(&answers, &map, *p, *n))
-            })
-            .map(|((p, _), _)| p)
-            .collect();
-        let moved = map.partitions.iter().zip(&target.partitions).filter(|(cur, want)| cur == want).count();
+        let heard: BTreeSet<(PartitionId, NodeId)> =
+            new_copies.iter().filter(|(p, n)| heard_by_active(&answers, &map, *p, *n)).copied().collect();
+        let derived_ready = derived_ready(&answers, target);
+        let look = stages::Look {
+            stop_asked,
+            map: &map,
+            target,
+            new_copies: &new_copies,
+            caught_up: &caught_up,
+            heard: &heard,
+            derived_ready: &derived_ready,
+            since_wave: last_wave.elapsed(),
+            out_of_time: Instant::now() >= deadline,
+        };
+        let step = stages::next_step(&look, WAVE_INTERVAL);
         {
             let mut status = node.rebalancer.status.lock();
             for m in &mut status.moves {
                 let at_target = map.partitions.get(usize::from(m.id)) == target.partitions.get(usize::from(m.id));
-                let next = if at_target && caught_up.contains(&(m.id, m.to)) {
-                    "done"
-                } else if caught_up.contains(&(m.id, m.to)) {
-                    CAUGHT_UP
+                let copy = (m.id, NodeId(m.to));
+                let next = if at_target && caught_up.contains(&copy) {
+                    MoveState::Done
+                } else if caught_up.contains(&copy) && !derived_ready.contains(&m.id) {
+                    // The copy holds the data; its index entries and analytics rows on the
+                    // new active are still being built from its change stream.
+                    MoveState::Indexing
+                } else if caught_up.contains(&copy) {
+                    MoveState::CaughtUp
                 } else {
                     continue;
                 };
                 if m.state != next {
-                    m.state = next.into();
+                    m.state = next;
+                    let next = next.as_str();
                     tracing::info!(
                         partition = m.id,
                         from = ?m.from,
@@ -469,37 +518,35 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
                     );
                 }
             }
-            status.moves_done = status.moves.iter().filter(|m| m.state == "done").count();
+            status.moves_done = status.moves.iter().filter(|m| m.state == MoveState::Done).count();
         }
-        if moved == target.partitions.len() && caught_up.len() == new_copies.len() {
-            break;
-        }
-        let all_ready = ready.len() + moved == target.partitions.len();
-        let waited = last_wave.elapsed() >= WAVE_INTERVAL;
-        if ready.is_empty() || !(all_ready || waited) {
-            if Instant::now() >= deadline {
-                let behind = new_copies.len() - caught_up.len();
-                return Err(ClusterError::Refused(format!("{behind} new copies did not catch up in {CATCH_UP_MAX:?}")));
+        match step {
+            stages::Step::Finish => break,
+            stages::Step::Revert => return revert(node, plan).await.map(|()| Finish::Stopped),
+            stages::Step::OutOfTime { behind } => {
+                return Err(ClusterError::Timeout(format!("{behind} new copies did not catch up in {CATCH_UP_MAX:?}")));
             }
-            tokio::time::sleep(PROGRESS_POLL).await;
-            continue;
+            stages::Step::Wait => tokio::time::sleep(PROGRESS_POLL).await,
+            stages::Step::HandOver(ready) => {
+                map = hand_over(node, &map, target, &ready).await?;
+                waves += 1;
+                last_wave = Instant::now();
+            }
         }
-        map = hand_over(node, &map, target, &ready).await?;
-        waves += 1;
-        last_wave = Instant::now();
     }
     let one = node.monitor.lock.lock().await;
     tracing::info!(waves, "every partition is at its target copies");
     for id in &eject {
         node.propose(MetaCommand::SetMemberState { node: NodeId(*id), state: MemberState::Ejected }).await?;
     }
+    node.retire_voters(&eject).await?;
     drop(one);
     // 4. Settle: done when every replica follows its active and holds a whole snapshot of
     // it, so that majority writes work on every partition the moment the rebalance says it
     // is done, and losing an old copy then loses nothing. Replicas still reading their
     // first snapshot are waited for as copies are (`CATCH_UP_MAX`); ones not heard from,
     // `SETTLE_MAX`.
-    set_moves(node, "settling");
+    set_moves(node, MoveState::Settling);
     let started = Instant::now();
     loop {
         let map = node.state().map.clone().unwrap_or_else(|| target.clone());
@@ -579,11 +626,7 @@ async fn hand_over(
     if answered > HANDOVER_COMMIT_WITHIN {
         return Err(too_late(format!("the hand-over's sources answered after {answered:?}")));
     }
-    let mut next = map.clone();
-    for &p in ready {
-        next.partitions[usize::from(p)] = target.partitions[usize::from(p)].clone();
-    }
-    next.version = node.state().map_version() + 1;
+    let next = stages::wave_map(map, target, ready, node.state().map_version() + 1);
     let handed_over_ms = handover_started.elapsed().as_millis();
     node.propose(MetaCommand::SetMap { map: next.clone() }).await?;
     tracing::info!(
@@ -621,16 +664,9 @@ fn map_changed() -> ClusterError {
 async fn revert(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<(), ClusterError> {
     let _one = node.monitor.lock.lock().await;
     let current = node.state().map.clone().ok_or_else(|| ClusterError::Refused("no partition map".into()))?;
-    let mut back = current.clone();
-    for ((copies, before), target) in back.partitions.iter_mut().zip(&plan.from.partitions).zip(&plan.target.partitions) {
-        // A partition already moved to its target copies stays moved.
-        if copies != target {
-            copies.replicas.retain(|r| before.holds(*r));
-        }
-    }
-    let holders = back.nodes();
-    if back.partitions != current.partitions {
-        back.version = current.version + 1;
+    let back = stages::revert_map(&current, &plan.from, &plan.target);
+    let holders = back.as_ref().unwrap_or(&current).nodes();
+    if let Some(back) = back {
         node.propose(MetaCommand::SetMap { map: back }).await?;
     }
     let state = node.state();
@@ -663,9 +699,9 @@ async fn unsettled_of(node: &Arc<ClusterNode>, map: &PartitionMap) -> (usize, us
     (unsettled, building)
 }
 
-fn set_moves(node: &ClusterNode, state: &str) {
+fn set_moves(node: &ClusterNode, state: MoveState) {
     for m in &mut node.rebalancer.status.lock().moves {
-        m.state = state.into();
+        m.state = state;
     }
 }
 
@@ -704,11 +740,27 @@ fn heard_by_active(answers: &HashMap<NodeId, Option<ProgressAnswer>>, map: &Part
             .is_some_and(|a| a.heard.iter().any(|(q, replicas)| *q == p && replicas.contains(&n.0)))
 }
 
+/// The partitions whose target active reported its copy's derived state (index entries,
+/// analytics rows) caught up: it answered, under the map, with a position for the copy, and
+/// did not list it as behind. A node that did not answer says nothing is ready.
+fn derived_ready(answers: &HashMap<NodeId, Option<ProgressAnswer>>, target: &PartitionMap) -> BTreeSet<PartitionId> {
+    target
+        .iter()
+        .filter(|(p, copies)| {
+            answers
+                .get(&copies.active)
+                .and_then(Option::as_ref)
+                .is_some_and(|a| a.partitions.iter().any(|(q, _)| q == p) && !a.derived_behind.contains(p))
+        })
+        .map(|(p, _)| p)
+        .collect()
+}
+
 /// Puts the receivers' file copies into the status: each move's method and bytes, and the
 /// totals, rate and time left.
 fn show_copies(node: &ClusterNode, answers: &HashMap<NodeId, Option<ProgressAnswer>>, started: Instant) {
     let mut status = node.rebalancer.status.lock();
-    for m in status.moves.iter_mut().filter(|m| m.state != CAUGHT_UP) {
+    for m in status.moves.iter_mut().filter(|m| !matches!(m.state, MoveState::CaughtUp | MoveState::Indexing)) {
         let copy = answers.get(&NodeId(m.to)).and_then(|a| a.as_ref()).and_then(|a| a.copies.iter().find(|(p, _)| *p == m.id));
         let Some((_, copy)) = copy else { continue };
         m.method = copy.method.clone();
@@ -718,9 +770,9 @@ fn show_copies(node: &ClusterNode, answers: &HashMap<NodeId, Option<ProgressAnsw
         m.copy_started_unix_ms = copy.started_unix_ms;
         m.copy_finished_unix_ms = copy.finished_unix_ms;
         m.state = match copy.state.as_str() {
-            "copying" | crate::copy::STREAMING => "copying".into(),
-            "queued" => "queued".into(),
-            _ => "catching up".into(),
+            "copying" | crate::copy::STREAMING => MoveState::Copying,
+            "queued" => MoveState::Queued,
+            _ => MoveState::CatchingUp,
         };
     }
     let (total, done) = status.moves.iter().fold((0u64, 0u64), |(t, d), m| (t + m.bytes_total.max(m.bytes_planned), d + m.bytes_done));
@@ -827,7 +879,19 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
             (p, heard)
         })
         .collect();
-    ProgressAnswer { partitions: sums, unsettled, building, copies, histories, sizes, heard, map_version }
+    // The copies here whose derived state (index entries, analytics rows) lags the copy by
+    // more than the catch-up slack in some collection: not to be handed the active role yet.
+    let derived_behind = positions
+        .iter()
+        .map(|(p, _)| *p)
+        .filter(|&p| {
+            meta_collections.iter().any(|c| {
+                let high = c.position(p).map_or(0, |pos| pos.seqno);
+                node.engine.derived_positions(c).is_some_and(|d| d.get(usize::from(p)).copied().unwrap_or(0) + CATCH_UP_SLACK < high)
+            })
+        })
+        .collect();
+    ProgressAnswer { partitions: sums, unsettled, building, copies, histories, sizes, heard, map_version, derived_behind }
 }
 
 /// A hand-over that waits this long for one new active logs what it waited for.
@@ -904,7 +968,7 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
             if !reached {
                 node.frozen.lock().remove(p);
                 node.apply_current_map().await?;
-                return Err(ClusterError::Refused(format!("node {to} did not catch up on partition {p} of {} in time", coll.name())));
+                return Err(ClusterError::Timeout(format!("node {to} did not catch up on partition {p} of {} in time", coll.name())));
             }
         }
     }

@@ -279,6 +279,7 @@ pub fn cluster_error(e: ClusterError) -> ApiError {
             other => ApiError::new(StatusCode::CONFLICT, "bad_request", other.to_string()),
         },
         ClusterError::Refused(why) => ApiError::new(StatusCode::CONFLICT, "bad_request", why),
+        ClusterError::Timeout(why) => ApiError::unavailable(why),
         ClusterError::BadMessage(why) => ApiError::bad_request(why),
         ClusterError::NoLeader(_) | ClusterError::Peer(_) | ClusterError::NotLeader { .. } | ClusterError::ShuttingDown => {
             ApiError::unavailable(e.to_string())
@@ -361,7 +362,7 @@ pub async fn info(State(state): State<AppState>, RawQuery(q): RawQuery) -> Resul
         "replicas": meta.settings.replicas,
         "settings": meta.settings,
         "nodes": nodes,
-        "rebalance": if rebalance.state == "running" { serde_json::to_value(&rebalance).unwrap_or_default() } else { serde_json::Value::Null },
+        "rebalance": if rebalance.state == shoal_node::rebalance::RebalanceState::Running { serde_json::to_value(&rebalance).unwrap_or_default() } else { serde_json::Value::Null },
     });
     Ok(json_response(StatusCode::OK, body.to_string().into_bytes()))
 }

@@ -199,7 +199,12 @@ pub async fn scan(
     let (remote, local) = tokio::join!(spread::call_all(&state, uri.path(), map_version, calls), local);
     let mut answers = vec![Bytes::from(local?)];
     for answer in remote {
-        answers.push(answer.map_err(|failed| failed.error)?);
+        // A scan writes nothing: a member that did not answer makes it unavailable, never
+        // ambiguous (`408` with `ambiguous` is for writes that may have happened).
+        answers.push(answer.map_err(|failed| match failed.error.status {
+            StatusCode::REQUEST_TIMEOUT => ApiError::unavailable(failed.error.reason),
+            _ => failed.error,
+        })?);
     }
     if node.state().map_version() != map_version {
         return Err(map_moved());

@@ -359,6 +359,12 @@ impl Database {
             if std::time::Instant::now() >= deadline {
                 return Ok(false);
             }
+            // Flush messages dropped on a full channel are asked for again.
+            if self.supervisor.flush_manager.len() > 0 {
+                if let Some(keyspace) = keyspaces.first() {
+                    keyspace.worker_messager.try_send(crate::worker_pool::WorkerMessage::Flush).ok();
+                }
+            }
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         let mut journal_writer = self.supervisor.journal.get_writer()?;

@@ -246,6 +246,13 @@ fn worker_tick(ctx: &WorkerState) -> crate::Result<bool> {
                 &ctx.stats,
             )?;
 
+            // SHOAL-PATCH: a `Flush` message may have been dropped on a full channel
+            // (`Keyspace::inner_rotate_memtable` no longer blocks): while flush tasks wait,
+            // each flush asks for the next.
+            if ctx.supervisor.flush_manager.len() > 0 {
+                ctx.sender.try_send(WorkerMessage::Flush).ok();
+            }
+
             for _ in 0..ctx.pool_size {
                 ctx.sender
                     .try_send(WorkerMessage::Compact(task.keyspace.clone()))

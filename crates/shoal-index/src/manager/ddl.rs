@@ -58,6 +58,27 @@ impl IndexManager {
         out
     }
 
+    /// Where the collection's ready indexes stand in each partition's change stream: the
+    /// lowest cursor seqno over them (`None` when it has no ready index). A rebalance hands a
+    /// partition over only once this reaches the new active's copy.
+    pub fn lowest_positions(&self, coll: &Collection) -> Option<Vec<shoal_storage::SeqNo>> {
+        let colls = self.colls.lock();
+        let ready: Vec<&Arc<Index>> = colls
+            .get(&coll.id())?
+            .indexes
+            .iter()
+            .filter(|i| !i.dropped.load(std::sync::atomic::Ordering::Acquire) && i.state() == super::IndexState::Ready)
+            .collect();
+        let first = ready.first()?;
+        let mut lowest: Vec<shoal_storage::SeqNo> = first.cursors.lock().iter().map(|c| c.seqno).collect();
+        for index in &ready[1..] {
+            for (low, c) in lowest.iter_mut().zip(index.cursors.lock().iter()) {
+                *low = (*low).min(c.seqno);
+            }
+        }
+        Some(lowest)
+    }
+
     /// Starts building a deferred index (a no-op for one already building or ready).
     pub async fn build(&self, coll: &Collection, name: &str) -> Result<IndexStatus, IndexError> {
         Ok(self.build_many(coll, &[name.to_string()]).await?.remove(0))

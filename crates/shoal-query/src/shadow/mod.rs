@@ -166,6 +166,11 @@ impl Shadow {
         self.aps.iter().map(|ap| ap.state.lock().parts(group).map_err(ShadowError::from)).collect()
     }
 
+    /// Per storage partition: the last seqno the shadow applied.
+    pub fn applied_seqnos(&self) -> Vec<SeqNo> {
+        self.applied.iter().map(|a| a.load(Ordering::Acquire)).collect()
+    }
+
     /// Where the shadow stands in storage partition `p`'s change stream.
     fn position(&self, p: PartitionId) -> StreamPosition {
         self.aps[usize::from(p) % self.aps.len()].state.lock().cursor(p)

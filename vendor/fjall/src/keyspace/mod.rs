@@ -790,7 +790,13 @@ impl Keyspace {
             keyspace: self.clone(),
         }));
 
-        self.worker_messager.send(WorkerMessage::Flush).ok();
+        // SHOAL-PATCH: never block here. The workers both take messages from this bounded
+        // channel and send to it (a worker handling `RotateMemtable` comes here), so with
+        // the channel full of compaction hand-backs every worker could wait on a send that
+        // only a worker could make room for — a clean close that flushed every keyspace at
+        // once hung so. A dropped message loses nothing: the flush task is queued above, and
+        // each flush sends the next message while tasks wait (`worker_pool.rs`).
+        self.worker_messager.try_send(WorkerMessage::Flush).ok();
 
         {
             // NOTE: If the difference between watermark is too large, and
