@@ -35,7 +35,7 @@ runs=$(grep -c 'reads: ' "$OUT.log")
   echo
   echo "- runs under readers: $runs (each round: nodes added, swapped and removed; a node killed, failed over, recovered and rebalanced in)"
   echo "- reads compared with the model: $((exact + refused + wrong)); exact: $exact; refused with 503: $refused; wrong: $wrong"
-  echo "- every run also checks that, once still, every member answers every read exactly (no refusal), and that index entries and analytics rows sum to twice the documents (nothing leaked)"
+  echo "- every run also checks that, once still, every member comes to answer every read exactly (a refusal on the way allowed, never a wrong answer), and that index entries and analytics rows sum to twice the documents (nothing leaked)"
   echo
   echo "Log: \`$(basename "$OUT").log\`."
 } >"$OUT.md"
