@@ -147,6 +147,26 @@ async fn read_once(http: &reqwest::Client, url: &str, docs: usize, tally: &Tally
     tally.judge("analytics count", url, s, &v, v["rows"] == json!([[docs]]));
 }
 
+/// Stops the readers, prints their tally and checks it holds no wrong answer; answers the
+/// exact reads.
+async fn stop_readers(readers: Vec<tokio::task::JoinHandle<()>>, stop: &AtomicBool, tally: &Tally) -> usize {
+    stop.store(true, Ordering::Relaxed);
+    for reading in readers {
+        reading.await.unwrap();
+    }
+    let wrong = tally.wrong.lock().unwrap().clone();
+    let (exact, refused) = (tally.exact.load(Ordering::Relaxed), tally.refused.load(Ordering::Relaxed));
+    eprintln!("reads: {exact} exact, {refused} refused, {} wrong; first refusals: {:#?}", wrong.len(), tally.reasons.lock().unwrap());
+    assert!(
+        wrong.is_empty(),
+        "{} wrong answers (of {}), first: {:#?}",
+        wrong.len(),
+        exact + refused + wrong.len(),
+        &wrong[..wrong.len().min(8)]
+    );
+    exact
+}
+
 /// Once all is still, every member answers every read, and exactly: a refusal (a lease
 /// that lapsed on a starved machine, say) may be met on the way, never a wrong answer, and
 /// not for good — a two-node cluster refused every SQL point read, for as long as it ran
@@ -249,23 +269,10 @@ async fn reads_stay_exact_on_every_member_while_nodes_are_added_and_removed() {
     urls.lock().unwrap().retain(|u| *u != third.url);
     rebalance(&http, &first, &[third_id]).await;
 
-    stop.store(true, Ordering::Relaxed);
-    for reading in readers {
-        reading.await.unwrap();
-    }
+    let exact = stop_readers(readers, &stop, &tally).await;
     // Once all is still, every member answers every read, and exactly.
     derived_settles(&http, &[&first, &second, &third, &fourth], 2 * DOCS as u64, "after 3 -> 2").await;
     answers_settle(&http, &[&first, &fourth], DOCS, "after the rebalances").await;
-    let wrong = tally.wrong.lock().unwrap().clone();
-    let (exact, refused) = (tally.exact.load(Ordering::Relaxed), tally.refused.load(Ordering::Relaxed));
-    eprintln!("reads: {exact} exact, {refused} refused, {} wrong; first refusals: {:#?}", wrong.len(), tally.reasons.lock().unwrap());
-    assert!(
-        wrong.is_empty(),
-        "{} wrong answers (of {}), first: {:#?}",
-        wrong.len(),
-        exact + refused + wrong.len(),
-        &wrong[..wrong.len().min(8)]
-    );
     assert!(after_add > 0, "the reader read while the first node was added");
     assert!(exact > after_add, "the reader read after the first rebalance too");
 }
@@ -375,20 +382,7 @@ async fn reads_stay_exact_through_a_failover_and_a_recovery() {
     common::cluster::rebalance_when_possible(&http, &nodes[survivor], &[]).await;
     urls.lock().unwrap().push(nodes[victim].url.clone());
     derived_settles(&http, &[&nodes[0], &nodes[1], &nodes[2]], 2 * DOCS as u64, "after the recovery").await;
-    stop.store(true, Ordering::Relaxed);
-    for reading in readers {
-        reading.await.unwrap();
-    }
+    let exact = stop_readers(readers, &stop, &tally).await;
     answers_settle(&http, &[&nodes[0], &nodes[1], &nodes[2]], DOCS, "after the recovery").await;
-    let wrong = tally.wrong.lock().unwrap().clone();
-    let (exact, refused) = (tally.exact.load(Ordering::Relaxed), tally.refused.load(Ordering::Relaxed));
-    eprintln!("reads: {exact} exact, {refused} refused, {} wrong; first refusals: {:#?}", wrong.len(), tally.reasons.lock().unwrap());
-    assert!(
-        wrong.is_empty(),
-        "{} wrong answers (of {}), first: {:#?}",
-        wrong.len(),
-        exact + refused + wrong.len(),
-        &wrong[..wrong.len().min(8)]
-    );
     assert!(after_failover > 0 && exact > after_failover, "the readers read before and after the failover");
 }

@@ -119,11 +119,12 @@ pub struct RunStats {
     pub promotions: usize,
 }
 
-/// SplitMix64: small, fast, and enough to scatter a scheduler's choices.
-struct SplitMix64(u64);
+/// SplitMix64: small, fast, and enough to scatter a scheduler's choices (the seeded models
+/// of `tests/` use it too).
+pub struct SplitMix64(pub u64);
 
 impl SplitMix64 {
-    fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -132,12 +133,12 @@ impl SplitMix64 {
     }
 
     /// Uniform in `0..n` (the modulo bias is irrelevant at these sizes).
-    fn below(&mut self, n: u64) -> u64 {
+    pub fn below(&mut self, n: u64) -> u64 {
         debug_assert!(n > 0);
-        self.next() % n
+        self.next_u64() % n
     }
 
-    fn percent(&mut self, p: u64) -> bool {
+    pub fn percent(&mut self, p: u64) -> bool {
         self.below(100) < p
     }
 }

@@ -11,6 +11,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use shoal_cluster::rebalance::{build_map, new_copies, next_step, revert_map, wave_map, Look, Step};
+use shoal_cluster::sim::SplitMix64;
 use shoal_cluster::{place, Node, NodeId, PartitionId, PartitionMap};
 
 const PARTITIONS: u16 = 12;
@@ -18,23 +19,6 @@ const WAVE_INTERVAL: Duration = Duration::from_secs(15);
 /// Model seconds before the catch-up runs out of time.
 const OUT_OF_TIME_AFTER: u64 = 400;
 const SEEDS: u64 = 3_000;
-
-/// SplitMix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn percent(&mut self, p: u64) -> bool {
-        self.next() % 100 < p
-    }
-}
 
 /// How a run ended.
 #[derive(Debug, PartialEq, Eq)]
@@ -48,9 +32,9 @@ enum End {
 /// `trust_derived`, the leader believes every partition's derived state ready (the broken
 /// variant). Answers how it ended, or the first broken rule.
 fn run(seed: u64, trust_derived: bool) -> Result<End, String> {
-    let mut rng = Rng(seed);
+    let mut rng = SplitMix64(seed);
     let nodes = |ids: &[u64]| ids.iter().map(|&id| Node { id: NodeId(id), weight: 1 }).collect::<Vec<_>>();
-    let (before, after): (Vec<Node>, Vec<Node>) = match rng.next() % 3 {
+    let (before, after): (Vec<Node>, Vec<Node>) = match rng.next_u64() % 3 {
         0 => (nodes(&[1, 2, 3]), nodes(&[1, 2, 3, 4])),
         1 => (nodes(&[1, 2, 3, 4]), nodes(&[1, 2, 3])),
         _ => (nodes(&[1, 2, 3]), nodes(&[1, 2, 4])),
