@@ -145,6 +145,19 @@ async fn read_once(http: &reqwest::Client, url: &str, docs: usize, tally: &Tally
     tally.judge("index scan", url, s, &v, v["rows"].as_array().is_some_and(|r| r.len() == docs / 10));
     let (s, v) = sql("/v1/analytics", "SELECT count(*) FROM c").await;
     tally.judge("analytics count", url, s, &v, v["rows"] == json!([[docs]]));
+    // A change feed from the start names every document once (they were written once);
+    // a member's refusal comes as an error line of the stream.
+    let (s, lines) = match http.get(format!("{url}/v1/collections/c/changes?limit={}", docs * 2)).send().await {
+        Ok(r) => (r.status().as_u16(), r.text().await.unwrap_or_default()),
+        Err(_) => (0, String::new()),
+    };
+    let lines: Vec<Value> = lines.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let refusal = lines.iter().find(|l| l.get("error").is_some()).cloned();
+    let keys: Vec<&str> = lines.iter().filter_map(|l| l["key"].as_str()).collect();
+    let unique: std::collections::HashSet<&str> = keys.iter().copied().collect();
+    let summary = json!({"changes": keys.len(), "keys": unique.len(), "reason": refusal.as_ref().map(|r| r["reason"].clone())});
+    let status = if refusal.is_some() { 503 } else { s };
+    tally.judge("change feed", url, status, &summary, keys.len() == docs && unique.len() == docs);
 }
 
 /// Stops the readers, prints their tally and checks it holds no wrong answer; answers the

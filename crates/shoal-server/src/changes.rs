@@ -52,6 +52,9 @@ struct Params {
     #[serde(default)]
     include_docs: bool,
     timeout: Option<u64>,
+    /// Between members only: the partitions the node asked serves from this one, by the map
+    /// version in the forwarded header (comma-separated).
+    partitions: Option<String>,
 }
 
 pub async fn changes(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery, headers: HeaderMap) -> Result<Response, ApiError> {
@@ -67,12 +70,19 @@ pub async fn changes(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQu
     }
     let since = params.since.as_deref().filter(|s| !s.is_empty() && *s != "0");
     // In a cluster a feed covers every partition wherever its active copy is: the node
-    // asked merges its own and the other members' feeds (each serving its actives).
+    // asked splits the partitions by the map it pins, and merges its own and the other
+    // members' feeds, each member serving the partitions it was given under that map (each
+    // partition once: a member whose own map differs refuses).
     let node = &state.cluster;
     crate::spread::require_serving(&state).await?;
     let timeout = Duration::from_millis(timeout_ms);
-    if !headers.contains_key(FORWARDED_HEADER) {
-        let owners = node.active_owners().map_err(spread::no_active)?;
+    let forwarded = headers.contains_key(FORWARDED_HEADER);
+    if params.partitions.is_some() && !forwarded {
+        return Err(ApiError::bad_request("`partitions` is for calls between members"));
+    }
+    if !forwarded {
+        let pinned = node.state();
+        let owners = node.active_owners_in(&pinned).map_err(spread::no_active)?;
         if owners.iter().any(Option::is_some) {
             let base = match since {
                 None => FeedPosition::start(coll.partition_count()),
@@ -80,14 +90,45 @@ pub async fn changes(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQu
             };
             let spec = Spec { feed: params.feed, limit, timeout, include_docs: params.include_docs };
             let path = uri.path_and_query().map_or_else(|| uri.path().to_string(), |pq| pq.as_str().to_string());
-            return span(&state, coll, since, base, owners, spec, &path);
+            return span(&state, coll, since, base, owners, spec, &path, pinned.map_version());
         }
     }
-    let only = node.actives_here();
+    let only = match params.partitions.as_deref() {
+        Some(list) if forwarded => Some(given_partitions(&state, &headers, list, coll.partition_count()).await?),
+        _ => node.actives_here(),
+    };
     let spec = Spec { feed: params.feed, limit, timeout, include_docs: params.include_docs };
     let rx = local_feed(&state, coll, since, only, spec)?;
     let stream = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<_, std::convert::Infallible>(b), rx)) });
     Ok((StatusCode::OK, [(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(stream)).into_response())
+}
+
+/// The partitions a member's feed serves for the node asked (`list`, by the map version of
+/// the forwarded header): each must be active here under that very map, else the feed is
+/// refused (a partition moved in between would be served twice or not at all).
+async fn given_partitions(state: &AppState, headers: &HeaderMap, list: &str, count: u16) -> Result<Vec<bool>, ApiError> {
+    let node = &state.cluster;
+    let routed_by = crate::cluster::forwarded_by_map(headers);
+    if let Some(v) = routed_by.filter(|v| *v > node.state().map_version()) {
+        node.wait_map_after(v - 1, crate::cluster::FORWARDED_MAP_WAIT).await;
+    }
+    let pinned = node.state();
+    let moved =
+        || ApiError::unavailable("the partition map changed while the feed started (partitions moved); read it again from the last token");
+    if routed_by.is_some_and(|v| v != pinned.map_version()) {
+        return Err(moved());
+    }
+    let here = node.actives_here_in(&pinned);
+    let mut only = vec![false; usize::from(count)];
+    for p in list.split(',').filter(|p| !p.is_empty()) {
+        let p: u16 = p.parse().map_err(|_| ApiError::bad_request(format!("`partitions`: {p} is not a partition")))?;
+        let slot = only.get_mut(usize::from(p)).ok_or_else(|| ApiError::bad_request(format!("`partitions`: no partition {p}")))?;
+        if here.as_ref().is_some_and(|h| !h.get(usize::from(p)).copied().unwrap_or(false)) {
+            return Err(moved());
+        }
+        *slot = true;
+    }
+    Ok(only)
 }
 
 /// What a feed was asked for.
@@ -340,6 +381,7 @@ struct LineHead {
     last: Option<String>,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn span(
     state: &AppState,
     coll: Arc<Collection>,
@@ -348,6 +390,7 @@ fn span(
     owners: Vec<Option<String>>,
     spec: Spec,
     path: &str,
+    map_version: u64,
 ) -> Result<Response, ApiError> {
     let count = usize::from(coll.partition_count());
     if owners.len() != count {
@@ -384,11 +427,14 @@ fn span(
                 });
             }
             Some(address) => {
+                // The member serves exactly the partitions given here, by this map.
+                let given: Vec<String> = served.iter().enumerate().filter(|(_, s)| **s).map(|(p, _)| p.to_string()).collect();
+                let sep = if path.contains('?') { '&' } else { '?' };
                 let request = state
                     .forwarder
-                    .get(format!("http://{address}{path}"))
+                    .get(format!("http://{address}{path}{sep}partitions={}", given.join(",")))
                     .timeout(spec.timeout + FORWARD_TIMEOUT)
-                    .header(FORWARDED_HEADER, "1");
+                    .header(FORWARDED_HEADER, map_version.to_string());
                 let address = address.clone();
                 tokio::spawn(async move {
                     let failed = |reason: String| {
