@@ -881,13 +881,16 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
         .collect();
     // The copies here whose derived state (index entries, analytics rows) lags the copy by
     // more than the catch-up slack in some collection: not to be handed the active role yet.
+    // Each collection's derived positions read once, not once per partition.
+    let derived: Vec<(&Arc<shoal_storage::Collection>, Vec<u64>)> =
+        meta_collections.iter().filter_map(|c| node.engine.derived_positions(c).map(|d| (c, d))).collect();
     let derived_behind = positions
         .iter()
         .map(|(p, _)| *p)
         .filter(|&p| {
-            meta_collections.iter().any(|c| {
+            derived.iter().any(|(c, d)| {
                 let high = c.position(p).map_or(0, |pos| pos.seqno);
-                node.engine.derived_positions(c).is_some_and(|d| d.get(usize::from(p)).copied().unwrap_or(0) + CATCH_UP_SLACK < high)
+                d.get(usize::from(p)).copied().unwrap_or(0) + CATCH_UP_SLACK < high
             })
         })
         .collect();

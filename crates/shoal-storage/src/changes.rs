@@ -36,6 +36,15 @@ pub struct StreamPosition {
     pub uuid: u64,
 }
 
+impl StreamPosition {
+    /// Whether a reader at this position has everything of a partition now at `now`: at or
+    /// past its high seqno, on its history (a position past the high of a copy rolled back
+    /// below it, or on another history, has not: `follow` finds where the two part).
+    pub fn reaches(self, now: StreamPosition) -> bool {
+        self.seqno >= now.seqno && (self.seqno == 0 || self.uuid == now.uuid)
+    }
+}
+
 /// A reader of one partition's change stream; see the module documentation.
 pub struct PartitionSubscription {
     partition: Arc<Partition>,
@@ -204,6 +213,23 @@ fn get_varint(input: &mut &[u8]) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_position_reaches_a_partition_at_its_high_on_its_history() {
+        let at = |seqno, uuid| StreamPosition { seqno, uuid };
+        // (reader, partition now, reaches)
+        let table = [
+            (at(10, 1), at(10, 1), true),
+            (at(12, 1), at(10, 1), true),
+            (at(9, 1), at(10, 1), false),
+            (at(12, 1), at(10, 2), false), // past the high of a copy rolled back, another history
+            (at(0, 0), at(0, 7), true),    // nothing read, nothing there
+            (at(0, 0), at(3, 7), false),
+        ];
+        for (reader, now, want) in table {
+            assert_eq!(reader.reaches(now), want, "{reader:?} against {now:?}");
+        }
+    }
 
     #[test]
     fn token_round_trips() {

@@ -110,10 +110,7 @@ pub(super) fn run_round(mgr: &IndexManager, coll: &Collection, active: &[Arc<Ind
         .filter(|&p| held[usize::from(p)])
         .filter(|&p| {
             let at = now[usize::from(p)];
-            streaming.iter().any(|i| {
-                let c = i.cursors.lock()[usize::from(p)];
-                c.seqno < at.seqno || (c.seqno > 0 && c.uuid != at.uuid)
-            })
+            streaming.iter().any(|i| !i.cursors.lock()[usize::from(p)].reaches(at))
         })
         .collect();
     let size = group_size(behind.len(), mgr.pool.current_num_threads());

@@ -41,7 +41,7 @@ impl Shadow {
             }
             // Caught up: at the high seqno, on the copy's history (a copy rolled back below
             // the cursor after a failover has a lower high; `follow` finds where they part).
-            if now.get(usize::from(*p)).is_some_and(|at| from.seqno >= at.seqno && (from.seqno == 0 || from.uuid == at.uuid)) {
+            if now.get(usize::from(*p)).is_some_and(|at| from.reaches(*at)) {
                 continue;
             }
             // One storage partition at a time, within what is left of the round's budget.
