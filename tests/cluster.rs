@@ -375,7 +375,7 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
     // FORWARD_BODY_MAX_BYTES: past it `413` before it is read whole; a document past
     // DOC_MAX_BYTES within that is the write path's `413`. Nothing is written.
     assert_eq!(http.put(first.u("/v1/collections/big")).send().await.unwrap().status(), 201);
-    for len in [shoal_storage::DOC_MAX_BYTES + 1, shoal_server::cluster::FORWARD_BODY_MAX_BYTES + 1] {
+    for len in [shoal_storage::DOC_MAX_BYTES + 1, shoal_server::routing::FORWARD_BODY_MAX_BYTES + 1] {
         let mut doc = vec![b' '; len];
         doc[0] = b'1';
         let r = http.put(first.u("/v1/collections/big/docs/k")).body(doc).send().await;

@@ -172,6 +172,20 @@ pub fn majority(n_copies: usize) -> usize {
     n_copies / 2 + 1
 }
 
+/// How many copies a partition's majorities and fence quorums are counted over: the
+/// configured count (`replicas` + 1, at most the `data_nodes` the cluster has, failed ones
+/// included), or the copies in the map when a rebalance holds more. Not the map's copies
+/// alone: a failover takes the failed copy out of the map, and a write a majority
+/// acknowledged with it is then on fewer than a majority of the rest — the next failover
+/// could promote a copy without it ([`promotion_ready`]; the seeded simulation in
+/// [`crate::sim`] finds that loss). The failed copy's slot stays counted, never
+/// acknowledging, until a rebalance fills it; so after one failover with one replica,
+/// majority writes answer `durability_impossible` until then.
+pub fn copies_counted(replicas: u8, data_nodes: usize, copies: &Copies) -> usize {
+    let configured = (usize::from(replicas) + 1).min(data_nodes.max(1));
+    configured.max(copies.nodes().count())
+}
+
 /// Surviving replicas that must be fenced (have applied "the active is Failed", stopped
 /// acknowledging it, and reported their history end) before a partition's replica may be
 /// promoted: `n - majority(n) + 1`, the smallest set that meets every majority of the
@@ -236,5 +250,27 @@ pub fn auto_failover_allowed(map: &PartitionMap, failed: NodeId, failed_now: usi
         Ok(())
     } else {
         Err(AutoFailoverRefused::OnlyCopy { partitions })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn majorities_count_the_configured_copies_a_failed_slot_included() {
+        let copies = |n: u64| Copies { active: NodeId(1), replicas: (2..=n).map(NodeId).collect() };
+        // (replicas setting, data nodes, copies in the map, counted)
+        let cases = [
+            ("one replica, both copies in the map", 1, 2, copies(2), 2),
+            ("one replica, its node failed over: the slot stays counted", 1, 2, copies(1), 2),
+            ("two replicas on a 2-node cluster: at most the data nodes", 2, 2, copies(2), 2),
+            ("a rebalance holds more copies than configured", 1, 3, copies(3), 3),
+            ("no replicas", 0, 3, copies(1), 1),
+            ("no data nodes known yet", 1, 0, copies(1), 1),
+        ];
+        for (name, replicas, data_nodes, map_copies, want) in cases {
+            assert_eq!(copies_counted(replicas, data_nodes, &map_copies), want, "{name}");
+        }
     }
 }

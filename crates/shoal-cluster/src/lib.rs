@@ -31,8 +31,8 @@ pub mod rebalance;
 pub mod sim;
 
 pub use failover::{
-    auto_failover_allowed, failover_fenced, fence_quorum, majority, promotion_ready, AutoFailoverRefused, FailoverPlan, HistoryEnd,
-    Promoted,
+    auto_failover_allowed, copies_counted, failover_fenced, fence_quorum, majority, promotion_ready, AutoFailoverRefused, FailoverPlan,
+    HistoryEnd, Promoted,
 };
 pub use map::{Copies, MapError, NodeId, PartitionId, PartitionMap, SeqNo};
 pub use placement::{place, Node, PlaceError};

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use shoal_cluster::NodeId;
 use tokio::sync::watch;
 
 use crate::wire::PullPart;
@@ -71,7 +72,7 @@ pub struct Health {
 
 #[derive(Default)]
 pub struct Acks {
-    by_part: Mutex<HashMap<(u32, u16), HashMap<u64, CopyAck>>>,
+    by_part: Mutex<HashMap<(u32, u16), HashMap<NodeId, CopyAck>>>,
     round: AtomicU64,
     /// Moves on every acknowledgement: waiters look again.
     changed: watch::Sender<u64>,
@@ -81,7 +82,7 @@ pub struct Acks {
 
 impl Acks {
     /// Records a pull's acknowledgements from replica `from`.
-    pub fn record(&self, from: u64, round: u64, parts: &[PullPart]) {
+    pub fn record(&self, from: NodeId, round: u64, parts: &[PullPart]) {
         let now = Instant::now();
         {
             let mut by_part = self.by_part.lock();
@@ -121,7 +122,7 @@ impl Acks {
     }
 
     /// How many of `replicas` meet `need` for `part`.
-    pub fn count(&self, part: Part, replicas: &[u64], need: Need) -> usize {
+    pub fn count(&self, part: Part, replicas: &[NodeId], need: Need) -> usize {
         let by_part = self.by_part.lock();
         let Some(acks) = by_part.get(&(part.collection, part.partition)) else { return 0 };
         replicas.iter().filter(|r| acks.get(r).is_some_and(|a| need.met_by(a, part.uuid))).count()
@@ -130,7 +131,7 @@ impl Acks {
     /// Of `replicas`: how many acknowledged anything within `window` (healthy followers),
     /// and how many were not heard from at all since the acknowledgements were last
     /// cleared (a map change) — those are neither healthy nor known to be down yet.
-    pub fn health(&self, collection: u32, partition: u16, replicas: &[u64], window: Duration) -> Health {
+    pub fn health(&self, collection: u32, partition: u16, replicas: &[NodeId], window: Duration) -> Health {
         let by_part = self.by_part.lock();
         let acks = by_part.get(&(collection, partition));
         let mut health = Health::default();
@@ -153,13 +154,13 @@ impl Acks {
     }
 
     /// The last acknowledgement of `replica`.
-    pub fn get(&self, collection: u32, partition: u16, replica: u64) -> Option<CopyAck> {
+    pub fn get(&self, collection: u32, partition: u16, replica: NodeId) -> Option<CopyAck> {
         self.by_part.lock().get(&(collection, partition)).and_then(|a| a.get(&replica).copied())
     }
 
     /// Waits until `wanted` of `replicas` meet `need` for `part`, or `deadline`; answers
     /// whether they did.
-    pub async fn wait(&self, part: Part, replicas: &[u64], wanted: usize, need: Need, deadline: Instant) -> bool {
+    pub async fn wait(&self, part: Part, replicas: &[NodeId], wanted: usize, need: Need, deadline: Instant) -> bool {
         let mut changed = self.changed.subscribe();
         loop {
             changed.borrow_and_update();
@@ -188,10 +189,10 @@ mod tests {
     #[test]
     fn needs_are_met_only_on_the_same_history_and_a_consistent_copy() {
         let acks = Acks::default();
-        acks.record(7, 0, &[part(10, 4, 99, true)]);
-        acks.record(8, 2, &[part(12, 12, 98, true)]);
-        acks.record(9, 5, &[part(20, 20, 99, false)]);
-        let r = [7, 8, 9];
+        acks.record(NodeId(7), 0, &[part(10, 4, 99, true)]);
+        acks.record(NodeId(8), 2, &[part(12, 12, 98, true)]);
+        acks.record(NodeId(9), 5, &[part(20, 20, 99, false)]);
+        let r = [NodeId(7), NodeId(8), NodeId(9)];
         let table = [
             (Need::Received(10), 1),
             (Need::Received(11), 0),
@@ -211,14 +212,20 @@ mod tests {
         let acks = std::sync::Arc::new(Acks::default());
         let a = std::sync::Arc::clone(&acks);
         let waiter = tokio::spawn(async move {
-            a.wait(Part { collection: 1, partition: 3, uuid: 5 }, &[7, 8], 1, Need::Received(3), Instant::now() + Duration::from_secs(30))
-                .await
+            a.wait(
+                Part { collection: 1, partition: 3, uuid: 5 },
+                &[NodeId(7), NodeId(8)],
+                1,
+                Need::Received(3),
+                Instant::now() + Duration::from_secs(30),
+            )
+            .await
         });
         tokio::task::yield_now().await;
-        acks.record(8, 0, &[part(3, 0, 5, true)]);
+        acks.record(NodeId(8), 0, &[part(3, 0, 5, true)]);
         assert!(waiter.await.unwrap());
         assert!(
-            !acks.wait(Part { collection: 1, partition: 3, uuid: 5 }, &[7, 8], 2, Need::Received(3), Instant::now()).await,
+            !acks.wait(Part { collection: 1, partition: 3, uuid: 5 }, &[NodeId(7), NodeId(8)], 2, Need::Received(3), Instant::now()).await,
             "a passed deadline answers at once"
         );
         let r = acks.start_round();
@@ -228,14 +235,18 @@ mod tests {
     #[test]
     fn health_tells_the_unheard_from_the_silent() {
         let acks = Acks::default();
-        acks.record(7, 0, &[part(1, 1, 5, true)]);
-        acks.record(9, 0, &[part(1, 1, 5, false)]);
-        let h = acks.health(1, 3, &[7, 8, 9], Duration::from_secs(60));
+        acks.record(NodeId(7), 0, &[part(1, 1, 5, true)]);
+        acks.record(NodeId(9), 0, &[part(1, 1, 5, false)]);
+        let h = acks.health(1, 3, &[NodeId(7), NodeId(8), NodeId(9)], Duration::from_secs(60));
         assert_eq!(h, Health { healthy: 2, consistent: 1, unheard: 1 }, "9 is still reading its first snapshot");
         std::thread::sleep(Duration::from_millis(5));
-        let h = acks.health(1, 3, &[7, 8], Duration::from_millis(1));
+        let h = acks.health(1, 3, &[NodeId(7), NodeId(8)], Duration::from_millis(1));
         assert_eq!(h, Health { healthy: 0, consistent: 0, unheard: 1 }, "7 was heard from, too long ago: counted out");
         acks.clear();
-        assert_eq!(acks.health(1, 3, &[7, 8], Duration::from_secs(60)), Health { healthy: 0, consistent: 0, unheard: 2 }, "a map change");
+        assert_eq!(
+            acks.health(1, 3, &[NodeId(7), NodeId(8)], Duration::from_secs(60)),
+            Health { healthy: 0, consistent: 0, unheard: 2 },
+            "a map change"
+        );
     }
 }

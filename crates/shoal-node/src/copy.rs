@@ -85,43 +85,76 @@ impl Outgoing {
 /// What a replica asks of the active: an export of `partition`.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ExportRequest {
-    pub from: u64,
+    pub from: NodeId,
     pub partition: u16,
     /// The receiver takes the keyspace's files (else records).
     pub files: bool,
 }
 
+/// How a copy is built.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CopyMethod {
+    /// A backfill from the active's change stream: small partitions, copies that hold data
+    /// already, and the fallback of a failed file copy.
+    #[default]
+    Stream,
+    /// A snapshot of the partition's tables, shipped as files (or records) and adopted whole.
+    Files,
+}
+
+/// Where one copy being built here is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CopyState {
+    /// A file copy waiting for a slot (`rebalance_moves_per_node`).
+    #[default]
+    Queued,
+    /// A file copy receiving.
+    Copying,
+    /// A stream copy backfilling, before its first snapshot's end.
+    Streaming,
+    /// Whole (a stream copy past its first snapshot).
+    Done,
+    /// A file copy that failed: the stream takes over.
+    Failed,
+}
+
+/// How a file copy's snapshot was shipped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Shipped {
+    /// The keyspace's own files, adopted whole.
+    Files,
+    /// Its records (the fallback when the files cannot be taken).
+    Records,
+}
+
 /// How one copy being built here goes (shown in the rebalance's progress).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CopyProgress {
-    /// `files` or `stream`.
-    pub method: String,
+    pub method: CopyMethod,
     /// A stream copy's total is not known ahead: it is what arrived so far.
     pub bytes_total: u64,
     pub bytes_done: u64,
-    /// Files: `queued`, `copying`, `done`, `failed` (then the stream takes over). Stream:
-    /// [`STREAMING`], `done` (past its first snapshot).
-    pub state: String,
+    pub state: CopyState,
     /// When the copy started receiving and when it was whole, in milliseconds since the
     /// Unix epoch on this node's clock (for the rate over all copies).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_unix_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_unix_ms: Option<u64>,
-    /// A `files` copy's snapshot: shipped as the keyspace's `files`, or as `records`.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub shipped: String,
+    /// A file copy's snapshot, once its header arrived.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shipped: Option<Shipped>,
 }
 
 impl CopyProgress {
     /// A file copy queued or under way: the partition is pending here, not a replica yet.
     pub fn is_building(&self) -> bool {
-        self.state == "copying" || self.state == "queued"
+        matches!(self.state, CopyState::Copying | CopyState::Queued)
     }
 }
-
-/// A stream copy's state while it backfills.
-pub const STREAMING: &str = "streaming";
 
 /// This node's file copies: which partitions are being built, their progress, the
 /// concurrency limit, and the pacing of exports it serves.
@@ -143,7 +176,7 @@ pub struct Copies {
     pub(crate) elastic: Arc<Elastic>,
     /// Copies waiting for a slot (`rebalance_moves_per_node` run at once): partition, the
     /// active to copy from and its address.
-    queue: Mutex<std::collections::VecDeque<(u16, u64, String)>>,
+    queue: Mutex<std::collections::VecDeque<(u16, NodeId, String)>>,
     /// Every copy backfills from the change stream (`ClusterConfig::copy_by_stream`).
     stream_only: bool,
     /// Copies ask for records, not files (`ClusterConfig::copy_by_records`).
@@ -171,7 +204,7 @@ impl Copies {
     pub(crate) fn retain_replicas(&self, replica: impl Fn(u16) -> bool) {
         let mut cancelled = self.cancelled.lock();
         self.building.lock().retain(|p, c| {
-            let copying = c.state == "copying";
+            let copying = c.state == CopyState::Copying;
             if copying && !replica(*p) {
                 cancelled.insert(*p);
             }
@@ -197,25 +230,25 @@ impl Copies {
     /// and its progress says so.
     pub(crate) fn add_stream_bytes(&self, p: u16, bytes: u64, done: bool) {
         let mut building = self.building.lock();
-        let streaming = || CopyProgress { method: "stream".into(), state: STREAMING.into(), ..CopyProgress::default() };
+        let streaming = || CopyProgress { method: CopyMethod::Stream, state: CopyState::Streaming, ..CopyProgress::default() };
         let c = building.entry(p).or_insert_with(streaming);
-        match (c.method.as_str(), c.state.as_str()) {
-            (_, "failed") => *c = streaming(),
-            ("files", _) => return,
-            _ => {}
+        match (c.method, c.state) {
+            (_, CopyState::Failed) => *c = streaming(),
+            (CopyMethod::Files, _) => return,
+            (CopyMethod::Stream, _) => {}
         }
         metrics::counter!("shoal_rebalance_bytes_total", "method" => "stream").increment(bytes);
         c.bytes_done += bytes;
         c.bytes_total = c.bytes_total.max(c.bytes_done);
         c.started_unix_ms.get_or_insert_with(crate::failover::unix_ms);
         if done {
-            c.state = "done".into();
+            c.state = CopyState::Done;
             c.finished_unix_ms = Some(crate::failover::unix_ms());
         }
     }
 
     fn running(&self) -> usize {
-        self.building.lock().values().filter(|c| c.state == "copying").count()
+        self.building.lock().values().filter(|c| c.state == CopyState::Copying).count()
     }
 
     fn set(&self, p: u16, f: impl FnOnce(&mut CopyProgress)) {
@@ -302,9 +335,9 @@ pub(crate) fn choose(copies: &Copies, asked: &[(u16, u64)], backlog: &[(u16, u64
 
 /// Queues copies by files of `partitions` from `source`, and starts as many as the
 /// concurrency budget allows.
-pub(crate) fn enqueue(node: &Arc<ClusterNode>, source: u64, address: &str, partitions: &[u16]) {
+pub(crate) fn enqueue(node: &Arc<ClusterNode>, source: NodeId, address: &str, partitions: &[u16]) {
     for &p in partitions {
-        node.copies.set(p, |c| *c = CopyProgress { method: "files".into(), state: "queued".into(), ..CopyProgress::default() });
+        node.copies.set(p, |c| *c = CopyProgress { method: CopyMethod::Files, state: CopyState::Queued, ..CopyProgress::default() });
         node.copies.queue.lock().push_back((p, source, address.to_string()));
     }
     start_queued(node);
@@ -335,7 +368,7 @@ pub fn copy_slots(moves_per_node: u32, serves_nothing: bool) -> usize {
 fn start_queued(node: &Arc<ClusterNode>) {
     loop {
         let state = node.state();
-        let me = NodeId(node.id);
+        let me = node.id;
         let serves_nothing = state.map.as_ref().is_some_and(|m| m.partitions.iter().all(|c| c.active != me));
         if node.copies.running() >= copy_slots(state.settings.rebalance_moves_per_node, serves_nothing) {
             return;
@@ -345,7 +378,7 @@ fn start_queued(node: &Arc<ClusterNode>) {
             .map
             .as_ref()
             .and_then(|m| m.partitions.get(usize::from(p)))
-            .is_some_and(|c| c.active.0 == source && c.replicas.contains(&me));
+            .is_some_and(|c| c.active == source && c.replicas.contains(&me));
         if !still {
             node.copies.building.lock().remove(&p);
             continue;
@@ -357,9 +390,9 @@ fn start_queued(node: &Arc<ClusterNode>) {
 /// Builds this node's copy of partition `p` from `source`'s export, in the background; when
 /// it ends (either way), the partition follows the map again and the next queued copy starts.
 /// `map_version` is the map that made this node a copy of `p`.
-fn start(node: &Arc<ClusterNode>, source: u64, address: String, p: u16, map_version: u64) {
+fn start(node: &Arc<ClusterNode>, source: NodeId, address: String, p: u16, map_version: u64) {
     node.copies.set(p, |c| {
-        c.state = "copying".into();
+        c.state = CopyState::Copying;
         c.started_unix_ms = Some(crate::failover::unix_ms());
     });
     let node = Arc::clone(node);
@@ -372,7 +405,7 @@ fn start(node: &Arc<ClusterNode>, source: u64, address: String, p: u16, map_vers
                 let secs = started.elapsed().as_secs_f64();
                 tracing::info!(
                     partition = p,
-                    source,
+                    source = source.0,
                     phases_ms = %phases.summary(),
                     records = stats.records,
                     bytes = stats.bytes,
@@ -380,7 +413,7 @@ fn start(node: &Arc<ClusterNode>, source: u64, address: String, p: u16, map_vers
                     "partition copied from files"
                 );
                 node.copies.set(p, |c| {
-                    c.state = "done".into();
+                    c.state = CopyState::Done;
                     c.bytes_done = stats.bytes;
                     c.bytes_total = stats.bytes;
                     c.finished_unix_ms = Some(crate::failover::unix_ms());
@@ -388,11 +421,11 @@ fn start(node: &Arc<ClusterNode>, source: u64, address: String, p: u16, map_vers
                 metrics::counter!("shoal_rebalance_bytes_total", "method" => "files").increment(stats.bytes);
             }
             Err(e) => {
-                tracing::warn!(partition = p, source, error = %e, "copy from files failed; the change stream backfills instead");
+                tracing::warn!(partition = p, source = source.0, error = %e, "copy from files failed; the change stream backfills instead");
                 node.copies.streamed.lock().insert(p);
                 node.copies.set(p, |c| {
-                    c.state = "failed".into();
-                    c.method = "stream".into();
+                    c.state = CopyState::Failed;
+                    c.method = CopyMethod::Stream;
                     c.started_unix_ms = None;
                 });
                 // Whatever was ingested goes: the stream starts from an empty copy.
@@ -453,7 +486,7 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16, map_version: u64) 
     let files = header.files.clone();
     node.copies.set(p, |c| {
         c.bytes_total = header.bytes_estimate;
-        c.shipped = if files.is_some() { "files" } else { "records" }.into();
+        c.shipped = Some(if files.is_some() { Shipped::Files } else { Shipped::Records });
     });
     // The records are decoded on the ingest's thread, below the foreground's priority; the
     // runtime's threads (which serve requests) only move the chunks.
@@ -654,7 +687,7 @@ pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc:
         .partitions
         .get(usize::from(req.partition))
         .ok_or_else(|| ClusterError::BadMessage(format!("no partition {}", req.partition)))?;
-    if copies.active.0 != node.id || !copies.replicas.contains(&NodeId(req.from)) {
+    if copies.active != node.id || !copies.replicas.contains(&req.from) {
         return Err(ClusterError::Refused(format!(
             "not the active of partition {} for node {} at map version {}",
             req.partition, req.from, map.version
@@ -791,9 +824,9 @@ mod tests {
     fn a_copy_under_way_whose_partition_moves_away_is_cancelled() {
         let copies = Copies::default();
         for p in [1, 2, 3] {
-            copies.set(p, |c| c.state = "copying".into());
+            copies.set(p, |c| c.state = CopyState::Copying);
         }
-        copies.set(4, |c| c.state = "queued".into());
+        copies.set(4, |c| c.state = CopyState::Queued);
         // The map keeps 1 here, and moves 2, 3 and 4 away.
         copies.retain_replicas(|p| p == 1);
         assert!(!copies.is_cancelled(1), "still a copy here");
@@ -869,8 +902,8 @@ mod tests {
             (6, COPY_MIN_CHANGES),
         ];
         assert_eq!(choose(&copies, &asked, &backlog), vec![1, 4, 5, 6], "2 holds data, 3 is small");
-        copies.set(1, |c| c.state = "copying".into());
-        copies.set(6, |c| c.state = "queued".into());
+        copies.set(1, |c| c.state = CopyState::Copying);
+        copies.set(6, |c| c.state = CopyState::Queued);
         copies.streamed.lock().insert(4);
         assert_eq!(choose(&copies, &asked, &backlog), vec![5], "one runs, one waits, one failed before");
         assert!(copies.is_building(6) && copies.is_building(1) && !copies.is_building(5));

@@ -345,7 +345,7 @@ impl Monitor {
 
 #[derive(Serialize, Deserialize)]
 struct PingRequest {
-    leader: u64,
+    leader: NodeId,
     /// When the leader sent it, in milliseconds since the Unix epoch on its clock.
     #[serde(default)]
     sent_unix_ms: u64,
@@ -367,20 +367,20 @@ struct PingRequest {
 pub(crate) fn serve_ping(node: &ClusterNode, body: &[u8]) -> Result<PingAnswer, ClusterError> {
     let req: PingRequest = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
     let state = node.state();
-    let failed = state.members.get(&NodeId(node.id)).is_some_and(|m| m.state == MemberState::Failed);
+    let failed = state.members.get(&node.id).is_some_and(|m| m.state == MemberState::Failed);
     // Vouching goes through the vote gate (see the module documentation); it refuses while
     // this member votes, or has just voted, for another.
-    let following = !failed && req.leader != node.id && node.meta.leader() == Some(req.leader);
+    let following = !failed && req.leader != node.id && node.meta.leader() == Some(req.leader.0);
     if following {
         // Heard, whether or not it may vouch: a member that wins an election later judges
         // this leader's silence from here.
-        node.lease.heard(req.leader);
+        node.lease.heard(req.leader.0);
     }
-    let follows = following && node.meta.vote_gate().vouch(req.leader);
+    let follows = following && node.meta.vote_gate().vouch(req.leader.0);
     if failed {
         node.lease.revoke();
     } else if follows && req.grant && state.map_version() >= req.map_version {
-        node.lease.grant(req.leader, req.sent_unix_ms);
+        node.lease.grant(req.leader.0, req.sent_unix_ms);
     }
     Ok(PingAnswer { node: node.id, map_version: state.map_version(), leased: follows })
 }
@@ -431,7 +431,7 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
         }
         let voters: Arc<Vec<u64>> = Arc::new(node.meta.metrics().borrow().membership_config.membership().voter_ids().collect());
         for (id, member) in &state.members {
-            if id.0 == node.id || matches!(member.state, MemberState::Failed | MemberState::Ejected) {
+            if *id == node.id || matches!(member.state, MemberState::Failed | MemberState::Ejected) {
                 continue;
             }
             if !node.monitor.pinging.lock().insert(id.0) {
@@ -455,13 +455,13 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
                 if let Ok(answer) = n.peers.call(&address, Op::Ping, body, PING_TIMEOUT).await {
                     n.monitor.last_ok.lock().insert(id, Instant::now());
                     if serde_json::from_slice::<PingAnswer>(&answer).is_ok_and(|a| a.leased) && voters.contains(&id) {
-                        n.monitor.leased(id, sent, n.id, &voters, &n.lease);
+                        n.monitor.leased(id, sent, n.id.0, &voters, &n.lease);
                     }
                 }
                 n.monitor.pinging.lock().remove(&id);
             });
         }
-        let watched_now = state.members.keys().filter(|id| id.0 != node.id && watched(&id.0)).count();
+        let watched_now = state.members.keys().filter(|id| **id != node.id && watched(&id.0)).count();
         match node.monitor.cut_off(watched_now, Instant::now()) {
             CutOff::No => {}
             CutOff::Yes => continue,
@@ -474,7 +474,7 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
         let timeout = Duration::from_secs(u64::from(state.settings.auto_failover_timeout_s));
         let max_count = state.settings.auto_failover_max_count as usize;
         for (id, member) in &state.members {
-            if id.0 == node.id || member.state != MemberState::Active {
+            if *id == node.id || member.state != MemberState::Active {
                 continue;
             }
             if node.monitor.silent_for(id.0, &node.lease).is_none_or(|s| s < timeout) {
@@ -503,13 +503,13 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
                 continue;
             }
             tracing::warn!(node = id.0, silent_s = timeout.as_secs(), "node is down; failing it over");
-            let (n, target) = (Arc::clone(&node), id.0);
+            let (n, target) = (Arc::clone(&node), *id);
             tokio::spawn(async move {
                 match failover(&n, target).await {
                     Ok(report) => {
                         metrics::counter!("shoal_failovers_total", "kind" => "auto").increment(1);
                         tracing::warn!(
-                            node = target,
+                            node = target.0,
                             promoted = report.promoted,
                             unavailable = report.unavailable.len(),
                             map_version = report.map_version,
@@ -517,7 +517,7 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
                         );
                     }
                     Err(e) => {
-                        tracing::warn!(node = target, error = %e, "automatic failover failed; will try again");
+                        tracing::warn!(node = target.0, error = %e, "automatic failover failed; will try again");
                     }
                 }
                 n.monitor.failing.store(false, Ordering::Release);
@@ -529,7 +529,7 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
 /// What a failover did.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct FailoverReport {
-    pub node: u64,
+    pub node: NodeId,
     pub promoted: usize,
     /// Partitions left with the failed node: no fenced replica could take them.
     pub unavailable: Vec<PartitionId>,
@@ -537,13 +537,13 @@ pub struct FailoverReport {
 }
 
 /// Fails `target` over (metadata leader only); see the module documentation.
-pub async fn failover(node: &Arc<ClusterNode>, target: u64) -> Result<FailoverReport, ClusterError> {
+pub async fn failover(node: &Arc<ClusterNode>, target: NodeId) -> Result<FailoverReport, ClusterError> {
     if !node.is_leader() {
         return Err(ClusterError::NotLeader { address: node.leader().map(|(_, a)| a) });
     }
     let _one = node.monitor.lock.lock().await;
     let state = node.state();
-    let member = state.members.get(&NodeId(target)).ok_or(ClusterError::NodeNotFound(target))?;
+    let member = state.members.get(&target).ok_or(ClusterError::NodeNotFound(target))?;
     if target == node.id {
         return Err(ClusterError::Refused(
             "this node is the metadata leader and cannot fail itself over; stop it, and another member takes over and fails it over".into(),
@@ -551,16 +551,16 @@ pub async fn failover(node: &Arc<ClusterNode>, target: u64) -> Result<FailoverRe
     }
     let map = state.map.clone().ok_or_else(|| ClusterError::Refused("no partition map yet".into()))?;
     if member.state != MemberState::Failed {
-        let others = state.members.iter().filter(|(id, m)| id.0 != target && m.state == MemberState::Active).count();
+        let others = state.members.iter().filter(|(id, m)| **id != target && m.state == MemberState::Active).count();
         if others == 0 {
             return Err(ClusterError::Refused(format!("node {target} is the last active node; failing it over would leave no copy")));
         }
-        node.propose(MetaCommand::SetMemberState { node: NodeId(target), state: MemberState::Failed }).await?;
+        node.propose(MetaCommand::SetMemberState { node: target, state: MemberState::Failed }).await?;
     }
-    tokio::time::sleep(node.monitor.lease_wait(target, node.meta.vote_gate())).await;
+    tokio::time::sleep(node.monitor.lease_wait(target.0, node.meta.vote_gate())).await;
     // Step 2: the fence reports.
     let holders: HashSet<NodeId> =
-        map.partitions.iter().filter(|c| c.active.0 == target).flat_map(|c| c.replicas.iter().copied()).filter(|r| r.0 != target).collect();
+        map.partitions.iter().filter(|c| c.active == target).flat_map(|c| c.replicas.iter().copied()).filter(|r| *r != target).collect();
     let mut calls = Vec::new();
     for holder in holders {
         let Some(m) = state.members.get(&holder) else { continue };
@@ -591,9 +591,9 @@ pub async fn failover(node: &Arc<ClusterNode>, target: u64) -> Result<FailoverRe
     let base = current.map.clone().unwrap_or(map);
     // Whom each ready partition promotes, caught up from the other fenced replicas first.
     let mut choices = Vec::new();
-    for (p, copies) in base.iter().filter(|(_, c)| c.active.0 == target) {
-        let n = crate::node::copies_counted(&current, copies);
-        if !shoal_cluster::promotion_ready(copies, n, NodeId(target), &|n| fenced.contains(&n)) {
+    for (p, copies) in base.iter().filter(|(_, c)| c.active == target) {
+        let n = crate::majority::copies_counted(&current, copies);
+        if !shoal_cluster::promotion_ready(copies, n, target, &|n| fenced.contains(&n)) {
             continue;
         }
         let reports: Vec<(NodeId, CollectionEnds)> =
@@ -618,8 +618,7 @@ pub async fn failover(node: &Arc<ClusterNode>, target: u64) -> Result<FailoverRe
             }
         })
         .collect();
-    let plan =
-        shoal_cluster::failover_fenced(&base, NodeId(target), &|p, r| chosen.get(&p).filter(|(to, _)| *to == r).map(|(_, end)| *end));
+    let plan = shoal_cluster::failover_fenced(&base, target, &|p, r| chosen.get(&p).filter(|(to, _)| *to == r).map(|(_, end)| *end));
     let version = plan.map.version;
     node.propose(MetaCommand::SetMap { map: plan.map }).await?;
     metrics::counter!("shoal_failovers_total", "kind" => "any").increment(1);
@@ -631,7 +630,7 @@ pub async fn failover(node: &Arc<ClusterNode>, target: u64) -> Result<FailoverRe
 async fn catch_up(
     node: &Arc<ClusterNode>,
     state: &shoal_meta::MetaState,
-    failed: u64,
+    failed: NodeId,
     p: PartitionId,
     choice: &shoal_cluster::failover::PromotionChoice,
     reports: &[(NodeId, CollectionEnds)],
@@ -639,11 +638,11 @@ async fn catch_up(
     if choice.catch_up.is_empty() {
         return Ok(());
     }
-    let address_of = |n: NodeId| state.members.get(&n).map(|m| m.address.clone()).ok_or(ClusterError::NodeNotFound(n.0));
+    let address_of = |n: NodeId| state.members.get(&n).map(|m| m.address.clone()).ok_or(ClusterError::NodeNotFound(n));
     let mut sources = Vec::new();
     for (collection, source) in &choice.catch_up {
         let until = reports.iter().find(|(n, _)| n == source).and_then(|(_, s)| s.get(collection)).copied().unwrap_or_default();
-        sources.push((*collection, source.0, address_of(*source)?, until.epoch, until.seqno));
+        sources.push((*collection, *source, address_of(*source)?, until.epoch, until.seqno));
     }
     tracing::info!(partition = p, to = choice.to.0, ?sources, "the replica to promote catches up from the other fenced replicas first");
     let req = CatchUpRequest { failed, partition: p, sources };
@@ -657,9 +656,9 @@ async fn catch_up(
 /// reported. Both hold prefixes of the failed active's history in each collection, so this
 /// copy then holds everything either does.
 pub(crate) async fn serve_catch_up(node: &Arc<ClusterNode>, req: CatchUpRequest) -> Result<(), ClusterError> {
-    let failed = NodeId(req.failed);
+    let failed = req.failed;
     if !node.state().members.contains_key(&failed) {
-        return Err(ClusterError::NodeNotFound(req.failed));
+        return Err(ClusterError::NodeNotFound(failed));
     }
     node.wait_applied(|s| s.members.get(&failed).is_some_and(|m| m.state == MemberState::Failed)).await?;
     let _fenced = node.apply_lock.lock().await;
@@ -709,11 +708,11 @@ pub(crate) async fn serve_catch_up(node: &Arc<ClusterNode>, req: CatchUpRequest)
 /// `apply_lock` (so no batch from `failed` lands after), reports how far its copies of the
 /// partitions `failed` was active for are.
 pub(crate) async fn serve_fence(node: &Arc<ClusterNode>, req: FenceRequest) -> Result<FenceAnswer, ClusterError> {
-    let failed = NodeId(req.failed);
+    let failed = req.failed;
     node.wait_applied(|s| s.members.get(&failed).is_some_and(|m| m.state == MemberState::Failed)).await?;
     let _fenced = node.apply_lock.lock().await;
     let state = node.state();
-    let me = NodeId(node.id);
+    let me = node.id;
     let Some(map) = &state.map else { return Ok(FenceAnswer { partitions: Vec::new() }) };
     let partitions: Vec<PartitionId> = map.iter().filter(|(_, c)| c.active == failed && c.replicas.contains(&me)).map(|(p, _)| p).collect();
     let mut ends = node.collection_ends();
@@ -728,23 +727,23 @@ pub(crate) async fn serve_fence(node: &Arc<ClusterNode>, req: FenceRequest) -> R
 /// against `auto_failover_max_count`, as an operator's recovery resets Couchbase's count).
 /// The partitions it kept (no replica could take them) serve again; its other data is rolled back to the actives' histories
 /// when a rebalance gives it copies.
-pub async fn recover(node: &Arc<ClusterNode>, target: u64) -> Result<u64, ClusterError> {
+pub async fn recover(node: &Arc<ClusterNode>, target: NodeId) -> Result<NodeId, ClusterError> {
     if !node.is_leader() {
         return Err(ClusterError::NotLeader { address: node.leader().map(|(_, a)| a) });
     }
     // After a failover in progress, never in its middle.
     let _one = node.monitor.lock.lock().await;
     let state = node.state();
-    let member = state.members.get(&NodeId(target)).ok_or(ClusterError::NodeNotFound(target))?;
+    let member = state.members.get(&target).ok_or(ClusterError::NodeNotFound(target))?;
     if member.state != MemberState::Failed {
         return Err(ClusterError::Refused(format!("node {target} is not failed over (it is {:?})", member.state).to_lowercase()));
     }
-    let holds_active = state.map.as_ref().is_some_and(|m| m.partitions.iter().any(|c| c.active.0 == target));
+    let holds_active = state.map.as_ref().is_some_and(|m| m.partitions.iter().any(|c| c.active == target));
     let next = if holds_active { MemberState::Active } else { MemberState::Added };
-    node.propose(MetaCommand::SetMemberState { node: NodeId(target), state: next }).await?;
+    node.propose(MetaCommand::SetMemberState { node: target, state: next }).await?;
     // Judged from now on: its pings before it failed say nothing.
-    node.monitor.watched_since.lock().insert(target, Instant::now());
-    node.monitor.last_ok.lock().remove(&target);
+    node.monitor.watched_since.lock().insert(target.0, Instant::now());
+    node.monitor.last_ok.lock().remove(&target.0);
     Ok(target)
 }
 

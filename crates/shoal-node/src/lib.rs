@@ -8,9 +8,14 @@
 //!
 //! - [`identity`]: the node's id, its cluster's id and the cluster secret, beside the data.
 //! - [`peers`]: the calls between members; [`wire`]: their messages.
-//! - [`node`]: [`ClusterNode`] — founding or joining a cluster, proposals, the reconcile loop
-//!   that applies the metadata (collections, the partition map) to the engine, routing.
-//! - [`acks`]: what the active copy knows of its replicas; majority waits.
+//! - [`node`]: [`ClusterNode`] — its parts, life cycle, proposals and DDL, and the dispatch
+//!   of member calls.
+//! - [`membership`]: founding or joining a cluster, admission, the metadata log's voters.
+//! - [`apply`]: the reconcile loop that applies the metadata (collections, indexes, the
+//!   partition map as partition states and replication streams) to the engine.
+//! - [`routing`]: where a request for a key or partition goes; serving; waits for the map.
+//! - [`acks`]: what the active copy knows of its replicas; [`majority`]: majority waits.
+//! - [`faults`]: fault injection for tests.
 //! - [`replica`]: replicas pulling the active's change stream; the active serving pulls.
 //! - [`failover`]: the leader's health checks, leases, fencing and promotion.
 //! - [`elastic`]: the copies' budget, cut while requests wait for cores.
@@ -18,19 +23,26 @@
 //! - [`sql`]: SQL run on one member reading the other members' partitions.
 
 pub mod acks;
+pub mod apply;
 pub mod copy;
 pub mod elastic;
 pub mod failover;
+pub mod faults;
 pub mod identity;
+pub mod majority;
+pub mod membership;
 pub mod node;
 pub mod peers;
 pub mod rebalance;
 pub mod replica;
+pub mod routing;
 pub mod sql;
 pub mod wire;
 
-pub use node::{ClusterConfig, ClusterNode, Durable, Route};
+pub use majority::{Durable, MajorityError};
+pub use node::{ClusterConfig, ClusterNode};
 pub use peers::{ChunkStream, Op, PeerError, PeerFuture, PeerStreamFuture, Peers};
+pub use routing::Route;
 
 use thiserror::Error;
 
@@ -55,8 +67,8 @@ pub enum ClusterError {
     Index(#[from] shoal_index::IndexError),
     #[error("storage: {0}")]
     Storage(String),
-    #[error("no member {0}")]
-    NodeNotFound(u64),
+    #[error("no member {}", .0 .0)]
+    NodeNotFound(shoal_cluster::NodeId),
     /// A request the cluster cannot do in its current state (the reason says why).
     #[error("{0}")]
     Refused(String),

@@ -32,6 +32,7 @@ use shoal_cluster::{NodeId, PartitionId, PartitionMap};
 use shoal_meta::{MemberState, MetaCommand, MetaReject, RebalancePlan};
 
 use crate::acks::{Need, Part};
+use crate::copy::{CopyMethod, CopyState, Shipped};
 use crate::node::ClusterNode;
 use crate::peers::{Op, PeerError};
 use crate::ClusterError;
@@ -152,19 +153,27 @@ pub struct RebalanceStatus {
     pub moves: Vec<MoveStatus>,
 }
 
+/// What a move carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MoveKind {
+    /// A copy of a data partition.
+    Partition,
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct MoveStatus {
-    pub kind: String,
+    pub kind: MoveKind,
     pub id: PartitionId,
-    pub from: Option<u64>,
-    pub to: u64,
+    pub from: Option<NodeId>,
+    pub to: NodeId,
     /// `files` (a copy of the partition's tables) or `stream` (a backfill from the
     /// change stream: small partitions, copies that hold data, and the fallback).
-    pub method: String,
+    pub method: CopyMethod,
     /// A `files` copy's snapshot: shipped as the keyspace's `files` (adopted whole) or as
     /// `records` (the fallback).
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub shipped: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shipped: Option<Shipped>,
     pub state: MoveState,
     #[serde(default)]
     pub bytes_total: u64,
@@ -197,7 +206,7 @@ impl Rebalancer {
 #[derive(Serialize, Deserialize)]
 pub(crate) struct HandoverRequest {
     /// Partition → the node that takes its active role.
-    pub partitions: Vec<(PartitionId, u64)>,
+    pub partitions: Vec<(PartitionId, NodeId)>,
 }
 
 #[derive(Serialize, Deserialize, Default)]
@@ -229,7 +238,7 @@ pub(crate) struct ProgressAnswer {
     /// (every collection's copy acknowledged on it, past its first snapshot). A hand-over
     /// waits for those acknowledgements; see [`heard_by_active`].
     #[serde(default)]
-    pub heard: Vec<(PartitionId, Vec<u64>)>,
+    pub heard: Vec<(PartitionId, Vec<NodeId>)>,
     /// The map version this node's partition states followed when it read its positions
     /// (see [`under_map`]).
     #[serde(default)]
@@ -256,7 +265,7 @@ fn under_map(mut answer: ProgressAnswer, version: u64) -> ProgressAnswer {
 
 /// Starts a rebalance (leader only); answers how many copies it builds. Its plan goes into
 /// the metadata log first, so that a new leader finishes it if this one dies.
-pub async fn start(node: &Arc<ClusterNode>, eject: Vec<u64>) -> Result<usize, ClusterError> {
+pub async fn start(node: &Arc<ClusterNode>, eject: Vec<NodeId>) -> Result<usize, ClusterError> {
     if !node.is_leader() {
         return Err(ClusterError::NotLeader { address: node.leader().map(|(_, a)| a) });
     }
@@ -265,14 +274,14 @@ pub async fn start(node: &Arc<ClusterNode>, eject: Vec<u64>) -> Result<usize, Cl
         return Err(ClusterError::RebalanceRunning);
     }
     for id in &eject {
-        if !state.members.contains_key(&NodeId(*id)) {
+        if !state.members.contains_key(id) {
             return Err(ClusterError::NodeNotFound(*id));
         }
     }
     let (current, target) = target_map(node, &eject)?;
     let added: Vec<NodeId> =
-        state.members.iter().filter(|(id, m)| m.state == MemberState::Added && !eject.contains(&id.0)).map(|(id, _)| *id).collect();
-    let plan = RebalancePlan { from: current, target, eject: eject.iter().map(|e| NodeId(*e)).collect(), added, stop: false };
+        state.members.iter().filter(|(id, m)| m.state == MemberState::Added && !eject.contains(id)).map(|(id, _)| *id).collect();
+    let plan = RebalancePlan { from: current, target, eject, added, stop: false };
     let moves = moves(&plan.from, &plan.target).len();
     match node.propose(MetaCommand::BeginRebalance { plan }).await {
         Err(ClusterError::Rejected(MetaReject::RebalanceRunning)) => return Err(ClusterError::RebalanceRunning),
@@ -361,13 +370,13 @@ enum Finish {
 }
 
 /// The current map and where a rebalance ejecting `eject` goes.
-fn target_map(node: &ClusterNode, eject: &[u64]) -> Result<(PartitionMap, PartitionMap), ClusterError> {
+fn target_map(node: &ClusterNode, eject: &[NodeId]) -> Result<(PartitionMap, PartitionMap), ClusterError> {
     let state = node.state();
     let current = state.map.clone().ok_or_else(|| ClusterError::Refused("no partition map yet".into()))?;
     let nodes: Vec<shoal_cluster::Node> = state
         .members
         .iter()
-        .filter(|(id, m)| matches!(m.state, MemberState::Active | MemberState::Added) && !eject.contains(&id.0))
+        .filter(|(id, m)| matches!(m.state, MemberState::Active | MemberState::Added) && !eject.contains(id))
         .map(|(id, _)| shoal_cluster::Node { id: *id, weight: 1 })
         .collect();
     if nodes.is_empty() {
@@ -391,12 +400,12 @@ fn moves(current: &PartitionMap, target: &PartitionMap) -> Vec<MoveStatus> {
         .unwrap_or_default()
         .into_iter()
         .map(|(p, n)| MoveStatus {
-            kind: "partition".into(),
+            kind: MoveKind::Partition,
             id: p,
-            from: Some(current.partitions[usize::from(p)].active.0),
-            to: n.0,
-            method: "stream".into(),
-            shipped: String::new(),
+            from: Some(current.partitions[usize::from(p)].active),
+            to: n,
+            method: CopyMethod::Stream,
+            shipped: None,
             state: MoveState::Waiting,
             bytes_total: 0,
             bytes_done: 0,
@@ -411,7 +420,7 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
     // The map changes below hold the failover lock; the long waits between them do not, so
     // that a node dying mid-rebalance is failed over at once (and the plan then fails).
     let one = node.monitor.lock.lock().await;
-    let eject: Vec<u64> = plan.eject.iter().map(|n| n.0).collect();
+    let eject: Vec<NodeId> = plan.eject.clone();
     let state = node.state();
     for id in &plan.added {
         if state.members.get(id).is_some_and(|m| m.state == MemberState::Added) {
@@ -491,7 +500,7 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
             let mut status = node.rebalancer.status.lock();
             for m in &mut status.moves {
                 let at_target = map.partitions.get(usize::from(m.id)) == target.partitions.get(usize::from(m.id));
-                let copy = (m.id, NodeId(m.to));
+                let copy = (m.id, m.to);
                 let next = if at_target && caught_up.contains(&copy) {
                     MoveState::Done
                 } else if caught_up.contains(&copy) && !derived_ready.contains(&m.id) {
@@ -509,9 +518,9 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
                     tracing::info!(
                         partition = m.id,
                         from = ?m.from,
-                        to = m.to,
-                        method = %m.method,
-                        shipped = %m.shipped,
+                        to = m.to.0,
+                        method = ?m.method,
+                        shipped = ?m.shipped,
                         bytes = m.bytes_done,
                         secs = started.elapsed().as_secs_f64(),
                         "move {next}"
@@ -537,7 +546,7 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
     let one = node.monitor.lock.lock().await;
     tracing::info!(waves, "every partition is at its target copies");
     for id in &eject {
-        node.propose(MetaCommand::SetMemberState { node: NodeId(*id), state: MemberState::Ejected }).await?;
+        node.propose(MetaCommand::SetMemberState { node: *id, state: MemberState::Ejected }).await?;
     }
     node.retire_voters(&eject).await?;
     drop(one);
@@ -580,18 +589,18 @@ async fn hand_over(
     // How long the hand-over freezes partitions (their writes wait): logged, since that is
     // where a rebalance's foreground latency peaks.
     let handover_started = Instant::now();
-    let mut handovers: BTreeMap<u64, Vec<(PartitionId, u64)>> = BTreeMap::new();
+    let mut handovers: BTreeMap<NodeId, Vec<(PartitionId, NodeId)>> = BTreeMap::new();
     for &p in ready {
         let (cur, want) = (&map.partitions[usize::from(p)], &target.partitions[usize::from(p)]);
         if cur.active != want.active {
-            handovers.entry(cur.active.0).or_default().push((p, want.active.0));
+            handovers.entry(cur.active).or_default().push((p, want.active));
         }
     }
     // Every source at once: their freezes overlap instead of adding up, and each runs from
     // about the same start, which the check below bounds.
     let mut calls = Vec::with_capacity(handovers.len());
     for (from, partitions) in &handovers {
-        let address = state.members.get(&NodeId(*from)).map(|m| m.address.clone()).ok_or(ClusterError::NodeNotFound(*from))?;
+        let address = state.members.get(from).map(|m| m.address.clone()).ok_or(ClusterError::NodeNotFound(*from))?;
         let body = serde_json::to_vec(&HandoverRequest { partitions: partitions.clone() }).unwrap_or_default();
         calls.push(async move {
             // A call whose connection failed (a pooled connection closed under it, a reset)
@@ -737,7 +746,7 @@ fn heard_by_active(answers: &HashMap<NodeId, Option<ProgressAnswer>>, map: &Part
         || answers
             .get(&active)
             .and_then(Option::as_ref)
-            .is_some_and(|a| a.heard.iter().any(|(q, replicas)| *q == p && replicas.contains(&n.0)))
+            .is_some_and(|a| a.heard.iter().any(|(q, replicas)| *q == p && replicas.contains(&n)))
 }
 
 /// The partitions whose target active reported its copy's derived state (index entries,
@@ -761,18 +770,18 @@ fn derived_ready(answers: &HashMap<NodeId, Option<ProgressAnswer>>, target: &Par
 fn show_copies(node: &ClusterNode, answers: &HashMap<NodeId, Option<ProgressAnswer>>, started: Instant) {
     let mut status = node.rebalancer.status.lock();
     for m in status.moves.iter_mut().filter(|m| !matches!(m.state, MoveState::CaughtUp | MoveState::Indexing)) {
-        let copy = answers.get(&NodeId(m.to)).and_then(|a| a.as_ref()).and_then(|a| a.copies.iter().find(|(p, _)| *p == m.id));
+        let copy = answers.get(&m.to).and_then(|a| a.as_ref()).and_then(|a| a.copies.iter().find(|(p, _)| *p == m.id));
         let Some((_, copy)) = copy else { continue };
-        m.method = copy.method.clone();
-        m.shipped = copy.shipped.clone();
+        m.method = copy.method;
+        m.shipped = copy.shipped;
         m.bytes_total = copy.bytes_total.max(copy.bytes_done);
         m.bytes_done = copy.bytes_done;
         m.copy_started_unix_ms = copy.started_unix_ms;
         m.copy_finished_unix_ms = copy.finished_unix_ms;
-        m.state = match copy.state.as_str() {
-            "copying" | crate::copy::STREAMING => MoveState::Copying,
-            "queued" => MoveState::Queued,
-            _ => MoveState::CatchingUp,
+        m.state = match copy.state {
+            CopyState::Copying | CopyState::Streaming => MoveState::Copying,
+            CopyState::Queued => MoveState::Queued,
+            CopyState::Done | CopyState::Failed => MoveState::CatchingUp,
         };
     }
     let (total, done) = status.moves.iter().fold((0u64, 0u64), |(t, d), m| (t + m.bytes_total.max(m.bytes_planned), d + m.bytes_done));
@@ -787,10 +796,10 @@ fn show_copies(node: &ClusterNode, answers: &HashMap<NodeId, Option<ProgressAnsw
 /// document bytes, as the actives report them (0 where one did not answer).
 async fn plan_bytes(node: &Arc<ClusterNode>, map: &PartitionMap) {
     let answers = progress_answers(node, map).await;
-    let sizes: HashMap<(PartitionId, u64), u64> = answers
+    let sizes: HashMap<(PartitionId, NodeId), u64> = answers
         .iter()
         .filter_map(|(holder, answer)| answer.as_ref().map(|a| (holder, a)))
-        .flat_map(|(holder, a)| a.sizes.iter().map(move |(p, bytes)| ((*p, holder.0), *bytes)))
+        .flat_map(|(holder, a)| a.sizes.iter().map(move |(p, bytes)| ((*p, *holder), *bytes)))
         .collect();
     let mut status = node.rebalancer.status.lock();
     for m in &mut status.moves {
@@ -837,7 +846,7 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
     // Every partition this node holds a copy of has a position, even with no collection
     // (all at 0, on no history): a rebalance of a cluster without collections is caught
     // up at once (before, it waited for a collection to be created).
-    for (p, _) in state.map.iter().flat_map(|m| m.iter()).filter(|(_, c)| c.holds(NodeId(node.id))) {
+    for (p, _) in state.map.iter().flat_map(|m| m.iter()).filter(|(_, c)| c.holds(node.id)) {
         positions.entry(p).or_default();
     }
     let positions = crate::copy::without_building(&copies, positions);
@@ -845,12 +854,12 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
     let histories = positions.iter().map(|(p, v)| (*p, v.iter().map(|(id, pos)| (*id, pos.uuid)).collect())).collect();
     // The partitions this node is the active of, with their copies.
     let mine: Vec<(PartitionId, &shoal_cluster::Copies)> =
-        state.map.as_ref().map(|m| m.iter().filter(|(_, c)| c.active == NodeId(node.id)).collect()).unwrap_or_default();
+        state.map.as_ref().map(|m| m.iter().filter(|(_, c)| c.active == node.id).collect()).unwrap_or_default();
     let (mut unsettled, mut building) = (Vec::new(), Vec::new());
     for &(p, copies) in mine.iter().filter(|(_, c)| !c.replicas.is_empty()) {
-        let replicas: Vec<u64> = copies.replicas.iter().map(|r| r.0).collect();
+        let replicas = &copies.replicas;
         let health: Vec<_> =
-            state.collections.values().map(|def| node.acks.health(def.id, p, &replicas, crate::node::HEALTHY_ACK_WINDOW)).collect();
+            state.collections.values().map(|def| node.acks.health(def.id, p, replicas, crate::majority::HEALTHY_ACK_WINDOW)).collect();
         if health.iter().any(|h| h.healthy < replicas.len()) {
             unsettled.push(p);
         } else if health.iter().any(|h| h.consistent < replicas.len()) {
@@ -868,7 +877,7 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
             let heard = copies
                 .replicas
                 .iter()
-                .map(|r| r.0)
+                .copied()
                 .filter(|r| {
                     meta_collections.iter().all(|c| {
                         let uuid = c.position(p).map(|pos| pos.uuid);
@@ -905,7 +914,7 @@ const SLOW_HANDOVER_WAIT: Duration = Duration::from_millis(50);
 struct SlowWait {
     waited: Duration,
     partition: u16,
-    to: u64,
+    to: NodeId,
     seqno: u64,
     uuid: u64,
     before: Option<crate::acks::CopyAck>,
@@ -924,12 +933,8 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
         return Err(ClusterError::Refused(format!("no rebalance under way on this node after {PLAN_WAIT:?}: nothing to hand over for")));
     }
     let until = Instant::now() + FREEZE_MAX;
-    {
-        let mut frozen = node.frozen.lock();
-        for (p, _) in &req.partitions {
-            frozen.insert(*p, until);
-        }
-    }
+    let partitions: Vec<u16> = req.partitions.iter().map(|(p, _)| *p).collect();
+    node.copy_states.freeze(&partitions, until);
     node.apply_current_map().await?;
     // Held pulls (up to `PULL_WAIT`) answer now (`serve_pull` answers a poke at once), so
     // each new active pulls again at once — with the partitions it began to follow since its
@@ -969,7 +974,7 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
                 slowest = Some(SlowWait { waited, partition: *p, to: *to, seqno: pos.seqno, uuid: pos.uuid, before, after });
             }
             if !reached {
-                node.frozen.lock().remove(p);
+                node.copy_states.thaw(*p);
                 node.apply_current_map().await?;
                 return Err(ClusterError::Timeout(format!("node {to} did not catch up on partition {p} of {} in time", coll.name())));
             }
@@ -984,7 +989,7 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
         tracing::info!(
             waited_ms = slow.waited.as_millis(),
             partition = slow.partition,
-            to = slow.to,
+            to = slow.to.0,
             seqno = slow.seqno,
             uuid = slow.uuid,
             before = ?slow.before,
@@ -1012,11 +1017,11 @@ mod tests {
                 shoal_cluster::Copies { active: NodeId(4), replicas: vec![NodeId(3)] },
             ],
         };
-        let answer = |heard: Vec<(PartitionId, Vec<u64>)>| Some(ProgressAnswer { heard, ..ProgressAnswer::default() });
+        let answer = |heard: Vec<(PartitionId, Vec<NodeId>)>| Some(ProgressAnswer { heard, ..ProgressAnswer::default() });
         let mut answers = HashMap::new();
-        answers.insert(NodeId(1), answer(vec![(0, vec![2])]));
+        answers.insert(NodeId(1), answer(vec![(0, vec![NodeId(2)])]));
         // Node 3 says it hears node 2 on partition 0, but it is not that partition's active.
-        answers.insert(NodeId(3), answer(vec![(0, vec![2, 3])]));
+        answers.insert(NodeId(3), answer(vec![(0, vec![NodeId(2), NodeId(3)])]));
         answers.insert(NodeId(4), None);
         for (p, n, heard) in [(0, 2, true), (0, 3, false), (0, 1, true), (1, 3, false), (1, 4, true), (2, 2, false)] {
             assert_eq!(heard_by_active(&answers, &map, p, NodeId(n)), heard, "partition {p}, copy on {n}");
@@ -1030,7 +1035,7 @@ mod tests {
         let answer = |map_version: u64| ProgressAnswer {
             partitions: vec![(2, 900)],
             histories: vec![(2, vec![(1, 77)])],
-            heard: vec![(2, vec![4])],
+            heard: vec![(2, vec![NodeId(4)])],
             sizes: vec![(2, 1_000)],
             map_version,
             ..ProgressAnswer::default()
@@ -1047,15 +1052,15 @@ mod tests {
 
     #[test]
     fn a_copy_under_way_reports_no_position() {
-        let copy = |state: &str| CopyProgress { method: "files".into(), state: state.into(), ..CopyProgress::default() };
+        let copy = |state: CopyState| CopyProgress { method: CopyMethod::Files, state, ..CopyProgress::default() };
         // Partition → the state of the copy built here (None: no copy, an old replica).
-        let table: [(Option<&str>, bool); 6] = [
+        let table: [(Option<CopyState>, bool); 6] = [
             (None, true),
-            (Some("queued"), false),
-            (Some("copying"), false),
-            (Some("done"), true),
-            (Some("failed"), true),
-            (Some(crate::copy::STREAMING), true),
+            (Some(CopyState::Queued), false),
+            (Some(CopyState::Copying), false),
+            (Some(CopyState::Done), true),
+            (Some(CopyState::Failed), true),
+            (Some(CopyState::Streaming), true),
         ];
         let copies: Vec<(PartitionId, CopyProgress)> =
             table.iter().enumerate().filter_map(|(p, (state, _))| state.map(|s| (p as PartitionId, copy(s)))).collect();

@@ -43,8 +43,8 @@ pub const UNPACED_WITHIN: u64 = 2 * crate::rebalance::CATCH_UP_SLACK;
 pub const VERSIONS_KEYS_MAX: usize = 1_000;
 
 /// Pulls from `source` until `stop`, the source is failed, or this node follows it no more.
-pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop: watch::Receiver<bool>) {
-    tracing::info!(source, "replicating");
+pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: NodeId, mut stop: watch::Receiver<bool>) {
+    tracing::info!(source = source.0, "replicating");
     let mut round = 0u64;
     // Where each part's last answer said its snapshot ends: the part is consistent once its
     // position reaches it. Unknown (the first pull) counts as not consistent.
@@ -104,7 +104,7 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
         let answer: PullAnswer = match answer.map_err(ClusterError::from).and_then(|b| wire::decode(&b).map_err(ClusterError::BadMessage)) {
             Ok(a) => a,
             Err(e) => {
-                tracing::debug!(source, error = %e, "pull failed");
+                tracing::debug!(source = source.0, error = %e, "pull failed");
                 tokio::time::sleep(PULL_RETRY).await;
                 continue;
             }
@@ -131,7 +131,8 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
         for part in answer.parts {
             // Fault injection: a held collection's changes wait (a part with none goes on,
             // so the copy still reaches its snapshot's end where there is nothing to hold).
-            let held = node.is_held(part.collection) && matches!(&part.kind, PartKind::Changes { changes, .. } if !changes.is_empty());
+            let held =
+                node.faults.is_held(part.collection) && matches!(&part.kind, PartKind::Changes { changes, .. } if !changes.is_empty());
             if by_files.contains(&part.partition) || held {
                 continue;
             }
@@ -159,7 +160,7 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
                 }
                 Ok(None) => {}
                 Err(e) => {
-                    tracing::warn!(source, collection = key.0, partition = key.1, error = %e, "applying replicated changes");
+                    tracing::warn!(source = source.0, collection = key.0, partition = key.1, error = %e, "applying replicated changes");
                     snapshot_end.remove(&key);
                 }
             }
@@ -167,7 +168,7 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: u64, mut stop
         let mb_per_s = node.state().settings.rebalance_mb_per_s;
         pacing.paced(Instant::now(), node.copies.pace_stream(usize::try_from(streamed).unwrap_or(usize::MAX), mb_per_s));
     }
-    tracing::info!(source, "replication stopped");
+    tracing::info!(source = source.0, "replication stopped");
 }
 
 /// Whether a copy backfilling from the change stream, now at seqno `at`, is built: it holds
@@ -244,23 +245,23 @@ impl StreamPacing {
 }
 
 /// The address of `source` if this node should follow it now.
-fn following(node: &ClusterNode, state: &MetaState, source: u64) -> Option<String> {
-    let member = state.members.get(&NodeId(source))?;
+fn following(node: &ClusterNode, state: &MetaState, source: NodeId) -> Option<String> {
+    let member = state.members.get(&source)?;
     if member.state == MemberState::Failed || *node.stop.borrow() {
         return None;
     }
-    let me = NodeId(node.id);
+    let me = node.id;
     let map = state.map.as_ref()?;
-    map.partitions.iter().any(|c| c.active.0 == source && c.replicas.contains(&me)).then(|| member.address.clone())
+    map.partitions.iter().any(|c| c.active == source && c.replicas.contains(&me)).then(|| member.address.clone())
 }
 
 /// Every collection's copy of every partition this node follows `source` for.
-fn parts_from(node: &ClusterNode, state: &MetaState, source: u64, snapshot_end: &HashMap<(u32, u16), u64>) -> Vec<PullPart> {
-    let me = NodeId(node.id);
+fn parts_from(node: &ClusterNode, state: &MetaState, source: NodeId, snapshot_end: &HashMap<(u32, u16), u64>) -> Vec<PullPart> {
+    let me = node.id;
     let Some(map) = &state.map else { return Vec::new() };
     let partitions: Vec<u16> = map
         .iter()
-        .filter(|(p, c)| c.active.0 == source && c.replicas.contains(&me) && !node.copies.is_building(*p))
+        .filter(|(p, c)| c.active == source && c.replicas.contains(&me) && !node.copies.is_building(*p))
         .map(|(p, _)| p)
         .collect();
     let store = node.engine.store();
@@ -399,15 +400,15 @@ async fn fetch_versions(
 pub(crate) async fn serve_pull(node: &Arc<ClusterNode>, req: PullRequest) -> Result<PullAnswer, ClusterError> {
     let state = node.state();
     let map = state.map.as_ref().ok_or_else(|| ClusterError::Refused("no partition map yet".into()))?;
-    let from = NodeId(req.from);
-    let me = NodeId(node.id);
+    let from = req.from;
+    let me = node.id;
     // A promotion's catch-up: `from` and this node are fenced replicas of partitions the
     // failed node was active for; this node's copies no longer change.
-    let catch_up = req.catch_up_for.map(NodeId).filter(|f| state.members.get(f).is_some_and(|m| m.state == MemberState::Failed));
+    let catch_up = req.catch_up_for.filter(|f| state.members.get(f).is_some_and(|m| m.state == MemberState::Failed));
     if req.catch_up_for.is_some() && catch_up.is_none() {
         return Err(ClusterError::Refused(format!(
             "node {} is not failed over here; no catch-up from its copies",
-            req.catch_up_for.unwrap_or(0)
+            req.catch_up_for.map_or(0, |n| n.0)
         )));
     }
     // This node's copy of a partition it serves as the active (`ClusterNode::copy_serves`).

@@ -3,12 +3,13 @@
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
+use shoal_cluster::NodeId;
 use shoal_meta::{MetaReject, MetaResponse};
 use shoal_storage::{Change, FailoverEntry};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct JoinRequest {
-    pub node: u64,
+    pub node: NodeId,
     pub address: String,
 }
 
@@ -30,7 +31,7 @@ pub enum ProposeAnswer {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct PullRequest {
     /// The pulling replica's node id.
-    pub from: u64,
+    pub from: NodeId,
     /// The map version the replica pulls under.
     pub map_version: u64,
     /// The confirmation round of the active's last answer, echoed: a pull that echoes round
@@ -42,7 +43,7 @@ pub struct PullRequest {
     /// A promotion's catch-up from another fenced replica (`failover::serve_catch_up`): the
     /// node that failed; the answering node serves its replica copies of the partitions
     /// that node was active for, and nothing counts as an acknowledgement.
-    pub catch_up_for: Option<u64>,
+    pub catch_up_for: Option<NodeId>,
 }
 
 /// One collection's copy of one partition, as the replica holds it.
@@ -119,7 +120,7 @@ impl WireChange {
 /// copies of the partitions `failed` was active for are.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct FenceRequest {
-    pub failed: u64,
+    pub failed: NodeId,
 }
 
 /// Where a copy's history ends in one collection: `(collection id, epoch, seqno)`. Copies
@@ -137,16 +138,16 @@ pub struct FenceAnswer {
 /// serves, what other fenced replicas hold beyond it (`shoal_cluster::choose_promotion`).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct CatchUpRequest {
-    pub failed: u64,
+    pub failed: NodeId,
     pub partition: u16,
     /// `(collection, node, address, epoch, seqno)`: where to catch each collection up
     /// from, and where that node reported its history ends (what the copy must reach).
-    pub sources: Vec<(u32, u64, String, u64, u64)>,
+    pub sources: Vec<(u32, NodeId, String, u64, u64)>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct PingAnswer {
-    pub node: u64,
+    pub node: NodeId,
     pub map_version: u64,
     /// The ping came from the leader the member follows and extended its lease.
     #[serde(default)]

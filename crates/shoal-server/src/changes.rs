@@ -15,11 +15,11 @@ use shoal_storage::changes::FeedPosition;
 use shoal_storage::{Change, Collection, ReadLimit};
 use tokio::sync::mpsc;
 
-use crate::cluster::{FORWARDED_HEADER, FORWARD_TIMEOUT};
 use crate::docs::collection;
 use crate::error::ApiError;
 use crate::extract;
-use crate::{spread, AppState};
+use crate::routing::{FORWARDED_HEADER, FORWARD_TIMEOUT};
+use crate::AppState;
 
 /// Changes read per step.
 const CHANGES_BATCH_MAX: usize = 1000;
@@ -74,7 +74,7 @@ pub async fn changes(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQu
     // members' feeds, each member serving the partitions it was given under that map (each
     // partition once: a member whose own map differs refuses).
     let node = &state.cluster;
-    crate::spread::require_serving(&state).await?;
+    crate::routing::require_serving(&state).await?;
     let timeout = Duration::from_millis(timeout_ms);
     let forwarded = headers.contains_key(FORWARDED_HEADER);
     if params.partitions.is_some() && !forwarded {
@@ -82,7 +82,7 @@ pub async fn changes(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQu
     }
     if !forwarded {
         let pinned = node.state();
-        let owners = node.active_owners_in(&pinned).map_err(spread::no_active)?;
+        let owners = node.active_owners_in(&pinned).map_err(crate::routing::no_active)?;
         if owners.iter().any(Option::is_some) {
             let base = match since {
                 None => FeedPosition::start(coll.partition_count()),
@@ -108,9 +108,9 @@ pub async fn changes(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQu
 /// refused (a partition moved in between would be served twice or not at all).
 async fn given_partitions(state: &AppState, headers: &HeaderMap, list: &str, count: u16) -> Result<Vec<bool>, ApiError> {
     let node = &state.cluster;
-    let routed_by = crate::cluster::forwarded_by_map(headers);
+    let routed_by = crate::routing::forwarded_by_map(headers);
     if let Some(v) = routed_by.filter(|v| *v > node.state().map_version()) {
-        node.wait_map_after(v - 1, crate::cluster::FORWARDED_MAP_WAIT).await;
+        node.wait_map_after(v - 1, crate::routing::FORWARDED_MAP_WAIT).await;
     }
     let pinned = node.state();
     let moved =
@@ -420,7 +420,7 @@ fn span(
                 });
             }
             Some(address) if state.faults.is_cut(address) => {
-                let line = format!("{}\n", crate::cluster::Faults::cut_error(address).to_json());
+                let line = format!("{}\n", crate::transport::Faults::cut_error(address).to_json());
                 tokio::spawn(async move {
                     let _ = tx.send((i, Some(Bytes::from(line)))).await;
                     let _ = tx.send((i, None)).await;

@@ -29,7 +29,7 @@ pub async fn create(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
     // Checked before it goes to the cluster's log: a name every member would refuse is never
     // committed.
     shoal_storage::validate_collection_name(&name)?;
-    state.cluster.create_collection(&name, spec.max_ttl).await.map_err(crate::cluster::cluster_error)?;
+    state.cluster.create_collection(&name, spec.max_ttl).await.map_err(crate::error::cluster_error)?;
     let out = serde_json::json!({"name": name, "max_ttl": spec.max_ttl});
     Ok(json_response(StatusCode::CREATED, out.to_string().into_bytes()))
 }
@@ -52,6 +52,6 @@ pub async fn drop(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery
     if state.engine.store().collection(&name).is_none() && !state.cluster.state().collections.contains_key(&name) {
         return Err(ApiError::collection_not_found(&name));
     }
-    state.cluster.drop_collection(&name).await.map_err(crate::cluster::cluster_error)?;
+    state.cluster.drop_collection(&name).await.map_err(crate::error::cluster_error)?;
     Ok(json_response(StatusCode::OK, b"{}".to_vec()))
 }

@@ -182,7 +182,7 @@ impl CopyIo {
                         code: "bad_request".into(),
                         message: format!("answered {status} to a copy, not `101`"),
                     },
-                    Ok(bytes) => crate::cluster::refusal(address, status, &bytes),
+                    Ok(bytes) => crate::transport::refusal(address, status, &bytes),
                 };
                 return drop(started_tx.send(Err(failed)));
             }

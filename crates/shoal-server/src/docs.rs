@@ -231,7 +231,7 @@ fn is_observation(e: &ApiError) -> bool {
 }
 
 /// How a write made here but not confirmed by a majority answers: its outcome is unknown.
-fn unconfirmed_write(e: &shoal_node::node::MajorityError) -> ApiError {
+fn unconfirmed_write(e: &shoal_node::MajorityError) -> ApiError {
     let mut err = ApiError::new(
         StatusCode::REQUEST_TIMEOUT,
         "timeout",
@@ -248,8 +248,8 @@ async fn confirm(state: &AppState, coll: &Arc<Collection>, key: &[u8]) -> Result
 }
 
 /// How a majority wait that did not happen answers (nothing was written).
-fn majority_error(e: shoal_node::node::MajorityError) -> ApiError {
-    use shoal_node::node::MajorityError as M;
+fn majority_error(e: shoal_node::MajorityError) -> ApiError {
+    use shoal_node::MajorityError as M;
     match e {
         M::Impossible { healthy, needed } => ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -319,10 +319,10 @@ pub async fn multi_get(
     // asked again where a newer map says, as a single-key request is (`cluster::route`).
     let n = request.keys.len();
     let keys = Arc::new(request.keys);
-    let relayed = headers.contains_key(crate::cluster::FORWARDED_HEADER);
+    let relayed = headers.contains_key(crate::routing::FORWARDED_HEADER);
     let mut entries: Vec<Vec<u8>> = vec![Vec::new(); n];
     let mut pending: Vec<usize> = (0..n).collect();
-    let reroute = crate::cluster::Reroute::start();
+    let reroute = crate::routing::Reroute::start();
     loop {
         let routed_at = state.cluster.state().map_version();
         let answered = get_round(&state, &coll, &keys, &pending, &headers, uri.path()).await?;
@@ -502,11 +502,11 @@ pub async fn bulk(
     // member holding it in one `_bulk` of its lines (in their order), at the same time. A
     // line refused as misrouted was written nowhere: it is sent again where a newer map
     // says (unless a later line of the same key was written meanwhile — order is kept).
-    let relayed = headers.contains_key(crate::cluster::FORWARDED_HEADER);
+    let relayed = headers.contains_key(crate::routing::FORWARDED_HEADER);
     let path = uri.path_and_query().map_or_else(|| uri.path().to_string(), |pq| pq.as_str().to_string());
     let mut answers: Vec<serde_json::Value> = vec![serde_json::Value::Null; lines.len()];
     let mut pending: Vec<usize> = (0..lines.len()).collect();
-    let reroute = crate::cluster::Reroute::start();
+    let reroute = crate::routing::Reroute::start();
     loop {
         let routed_at = state.cluster.state().map_version();
         let answered = bulk_round(&state, &coll, &lines, &pending, &headers, &path, params.durability).await?;
@@ -672,7 +672,7 @@ async fn bulk_majority(
     );
     let confirms = futures::future::join_all(observed.iter().map(|&p| async move { (p, state.cluster.confirm(coll, p).await) }));
     let (waits, confirms) = tokio::join!(waits, confirms);
-    let unconfirmed: std::collections::HashMap<u16, shoal_node::node::MajorityError> =
+    let unconfirmed: std::collections::HashMap<u16, shoal_node::MajorityError> =
         waits.into_iter().filter_map(|(p, r)| r.err().map(|e| (p, e))).collect();
     let unobserved: std::collections::HashMap<u16, ApiError> =
         confirms.into_iter().filter_map(|(p, r)| r.err().map(|e| (p, majority_error(e)))).collect();

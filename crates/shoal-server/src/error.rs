@@ -3,6 +3,8 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use shoal_index::IndexError;
+use shoal_meta::MetaReject;
+use shoal_node::ClusterError;
 use shoal_storage::{CatalogError, ChangesError, CollectionError, ReadError, WriteError};
 
 /// An error as clients see it: `{"error": CODE, "reason": "..."}` with an HTTP status.
@@ -352,6 +354,34 @@ impl From<shoal_engine::EngineError> for ApiError {
             EngineError::Open(_) | EngineError::Shadow(_) => ApiError::unavailable(e.to_string()),
             // A panic in engine code: a bug, said as such.
             EngineError::Task(_) => ApiError::internal(e.to_string()),
+        }
+    }
+}
+
+/// Maps a cluster error to the API's codes.
+pub fn cluster_error(e: ClusterError) -> ApiError {
+    match e {
+        ClusterError::NodeNotFound(n) => ApiError::new(StatusCode::NOT_FOUND, "node_not_found", format!("no member {}", n.0)),
+        ClusterError::RebalanceRunning => ApiError::new(StatusCode::CONFLICT, "rebalance_running", "a rebalance is running"),
+        ClusterError::Rejected(r) => match r {
+            MetaReject::NoSuchMember { node } => ApiError::new(StatusCode::NOT_FOUND, "node_not_found", format!("no member {node}")),
+            MetaReject::CollectionExists { name } => {
+                ApiError::new(StatusCode::CONFLICT, "collection_exists", format!("collection {name} exists"))
+            }
+            MetaReject::NoSuchCollection { name } => ApiError::collection_not_found(&name),
+            MetaReject::OutOfRange { .. } => ApiError::bad_request(r.to_string()),
+            MetaReject::RebalanceRunning => ApiError::new(StatusCode::CONFLICT, "rebalance_running", "a rebalance is running"),
+            other => ApiError::new(StatusCode::CONFLICT, "bad_request", other.to_string()),
+        },
+        ClusterError::Refused(why) => ApiError::new(StatusCode::CONFLICT, "bad_request", why),
+        ClusterError::Timeout(why) => ApiError::unavailable(why),
+        ClusterError::BadMessage(why) => ApiError::bad_request(why),
+        ClusterError::NoLeader(_) | ClusterError::Peer(_) | ClusterError::NotLeader { .. } | ClusterError::ShuttingDown => {
+            ApiError::unavailable(e.to_string())
+        }
+        ClusterError::Index(e) => ApiError::from(e),
+        ClusterError::Identity(_) | ClusterError::Meta(_) | ClusterError::Engine(_) | ClusterError::Storage(_) => {
+            ApiError::unavailable(e.to_string())
         }
     }
 }

@@ -13,10 +13,10 @@ use serde_json::Value;
 use shoal_index::{IndexDef, IndexStatus, KeepRow, ScanBounds, ScanRequest, ScanRow, SCAN_ROWS_MAX};
 use shoal_storage::{Collection, ReadError};
 
-use crate::cluster::FORWARDED_HEADER;
 use crate::docs::{check_answer_size, collection, json_response};
 use crate::error::ApiError;
 use crate::extract;
+use crate::routing::FORWARDED_HEADER;
 use crate::{spread, AppState};
 
 /// Largest body of an index call.
@@ -43,7 +43,7 @@ fn index_error(e: shoal_node::ClusterError) -> ApiError {
         shoal_node::ClusterError::Rejected(R::IndexExists { name, .. }) => ApiError::from(shoal_index::IndexError::Exists(name)),
         shoal_node::ClusterError::Rejected(R::NoSuchIndex { name, .. }) => ApiError::from(shoal_index::IndexError::NotFound(name)),
         shoal_node::ClusterError::Index(e) => ApiError::from(e),
-        other => crate::cluster::cluster_error(other),
+        other => crate::error::cluster_error(other),
     }
 }
 
@@ -162,14 +162,14 @@ pub async fn scan(
     // answers by that map or refuses, and so does the node asked once the answers are in
     // (a partition that moved meanwhile would be counted twice or not at all).
     let node = &state.cluster;
-    crate::spread::require_serving(&state).await?;
+    crate::routing::require_serving(&state).await?;
     let forwarded = headers.contains_key(FORWARDED_HEADER);
-    if let Some(routed_by) = crate::cluster::forwarded_by_map(&headers).filter(|v| *v > node.state().map_version()) {
-        node.wait_map_after(routed_by - 1, crate::cluster::FORWARDED_MAP_WAIT).await;
+    if let Some(routed_by) = crate::routing::forwarded_by_map(&headers).filter(|v| *v > node.state().map_version()) {
+        node.wait_map_after(routed_by - 1, crate::routing::FORWARDED_MAP_WAIT).await;
     }
     let pinned = node.state();
     let map_version = pinned.map_version();
-    if forwarded && crate::cluster::forwarded_by_map(&headers).is_some_and(|v| v != map_version) {
+    if forwarded && crate::routing::forwarded_by_map(&headers).is_some_and(|v| v != map_version) {
         return Err(map_moved());
     }
     let others = if forwarded { Vec::new() } else { spread::other_actives_in(&state, &pinned)? };

@@ -16,8 +16,10 @@ mod indexes;
 mod limits;
 mod ops;
 mod query;
+pub mod routing;
 mod spread;
 mod subdoc;
+pub mod transport;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -107,23 +109,23 @@ pub struct AppState {
     /// The HTTP client that forwards requests to the node holding a key.
     pub forwarder: reqwest::Client,
     /// The members this node is cut off from by fault injection.
-    pub faults: Arc<cluster::Faults>,
+    pub faults: Arc<transport::Faults>,
     /// The thread that moves partition copies' bytes, off the request threads.
     pub copy_io: Arc<copy_io::CopyIo>,
 }
 
 pub fn router(state: AppState) -> Router {
-    // Key requests go where the key's active copy is (see `cluster::route`).
+    // Key requests go where the key's active copy is (see `routing::route`).
     let keyed = Router::new()
         .route("/v1/collections/{c}/docs/{key}", get(docs::get).put(docs::put).delete(docs::remove))
         .route("/v1/collections/{c}/docs/{key}/touch", post(docs::touch))
         .route("/v1/collections/{c}/docs/{key}/unlock", post(docs::unlock))
         .route("/v1/collections/{c}/docs/{key}/lookup", post(subdoc::lookup))
         .route("/v1/collections/{c}/docs/{key}/mutate", post(subdoc::mutate))
-        .route_layer(axum::middleware::from_fn_with_state(state.clone(), cluster::route));
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), routing::route));
     // Calls between members and the cluster API: not limited by the client classes.
     let cluster = Router::new()
-        .route("/v1/_internal/{op}", post(cluster::internal))
+        .route("/v1/_internal/{op}", post(transport::internal))
         .route("/v1/cluster", get(cluster::info))
         .route("/v1/cluster/map", get(cluster::map))
         .route("/v1/cluster/settings", put(cluster::settings))
@@ -193,12 +195,12 @@ impl Server {
         if cluster_config.advertise.is_empty() {
             cluster_config.advertise = listener.local_addr()?.to_string();
         }
-        let faults = Arc::new(cluster::Faults::new(config.fault_injection));
+        let faults = Arc::new(transport::Faults::new(config.fault_injection));
         let peer_faults = Arc::clone(&faults);
         let copy_io = Arc::new(copy_io::CopyIo::start()?);
         let peer_copy_io = Arc::clone(&copy_io);
         let cluster = ClusterNode::open(Arc::clone(&engine), cluster_config, move |secret| {
-            cluster::HttpPeers::new(secret, peer_faults, peer_copy_io)
+            transport::HttpPeers::new(secret, peer_faults, peer_copy_io)
                 .map(|p| Arc::new(p) as Arc<dyn shoal_node::Peers>)
                 .map_err(|e| shoal_node::ClusterError::Identity(e.to_string()))
         })
@@ -213,7 +215,7 @@ impl Server {
             body_timeout: config.connections.body_read_timeout,
             limits: limits::Limits::new(cores),
             cluster,
-            forwarder: cluster::forwarder()?,
+            forwarder: routing::forwarder()?,
             faults,
             copy_io,
         };

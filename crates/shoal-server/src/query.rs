@@ -54,11 +54,11 @@ async fn run(state: AppState, q: Option<String>, headers: HeaderMap, body: Body,
     // it started under: a partition that moves while it runs could be read twice or not
     // at all, so the answer is then refused (see below).
     let node = &state.cluster;
-    crate::spread::require_serving(&state).await?;
+    crate::routing::require_serving(&state).await?;
     let pinned = node.state();
     let map_version = pinned.map_version();
     let local = node.actives_here_in(&pinned).is_none();
-    let (spread, path) = if local { (None, path) } else { (node.spread(&pinned).map_err(crate::spread::no_active)?, Path::Operational) };
+    let (spread, path) = if local { (None, path) } else { (node.spread(&pinned).map_err(crate::routing::no_active)?, Path::Operational) };
     let engine = match path {
         Path::Operational if spread.is_some() => "rows across members",
         Path::Operational => "rows",

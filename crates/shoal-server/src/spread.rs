@@ -9,8 +9,9 @@ use axum::http::{HeaderMap, StatusCode};
 use bytes::Bytes;
 use shoal_node::Route;
 
-use crate::cluster::{FORWARDED_HEADER, FORWARD_TIMEOUT};
 use crate::error::ApiError;
+use crate::routing::{no_active, not_serving, FORWARDED_HEADER, FORWARD_TIMEOUT};
+use crate::transport::lost_call;
 use crate::AppState;
 
 /// Where one key of a many-key request is answered.
@@ -45,28 +46,6 @@ pub(crate) async fn place<'a>(state: &AppState, headers: &HeaderMap, keys: impl 
     .collect()
 }
 
-/// Waits for this node to serve (a node just started is given `STARTUP_WAIT` to enter its
-/// cluster), or answers why it does not.
-pub(crate) async fn require_serving(state: &AppState) -> Result<(), ApiError> {
-    if state.cluster.serving_soon().await {
-        return Ok(());
-    }
-    Err(not_serving(state))
-}
-
-/// Why this node does not serve now: still entering its cluster, or cut off from the
-/// metadata leader.
-pub(crate) fn not_serving(state: &AppState) -> ApiError {
-    if !state.cluster.has_served() {
-        return ApiError::unavailable("this node is still entering its cluster (starting, joining or rejoining); try again");
-    }
-    lost_lease()
-}
-
-fn lost_lease() -> ApiError {
-    ApiError::unavailable("this node lost contact with the cluster's metadata leader; it serves nothing until it is back")
-}
-
 /// The positions of the keys each remote member answers, by address (empty when every key
 /// is answered here).
 pub(crate) fn remote_groups(places: &[Place]) -> BTreeMap<String, Vec<usize>> {
@@ -93,11 +72,6 @@ pub(crate) fn other_actives_in(state: &AppState, meta: &shoal_meta::MetaState) -
     Ok(out)
 }
 
-/// Partition `p` has no active copy now.
-pub(crate) fn no_active(p: u16) -> ApiError {
-    ApiError::unavailable(format!("partition {p} has no active copy now, so the answer would miss it; try again"))
-}
-
 /// A failed call to another member: whether the request may have been applied there.
 pub(crate) struct CallError {
     pub error: ApiError,
@@ -117,7 +91,7 @@ pub(crate) async fn call_all(
     let routed_by = &routed_by;
     let calls = calls.into_iter().map(|(address, body)| async move {
         if state.faults.is_cut(&address) {
-            return Err(CallError { error: crate::cluster::Faults::cut_error(&address) });
+            return Err(CallError { error: crate::transport::Faults::cut_error(&address) });
         }
         let answer = state
             .forwarder
@@ -139,50 +113,4 @@ pub(crate) async fn call_all(
         Ok(bytes)
     });
     futures::future::join_all(calls).await
-}
-
-/// The error for a call to `whom` that failed. Only a call that never connected is known
-/// not to have reached it (`unavailable`); any other failure — a timeout, a connection
-/// closed after the request went out (the member was killed mid-request), an answer cut
-/// short — may follow a write that happened there: `408 timeout`, flagged ambiguous.
-/// (Porcupine caught a forwarded write answered `unavailable` that had happened.)
-pub(crate) fn lost_call(whom: &str, e: &reqwest::Error) -> ApiError {
-    if e.is_connect() {
-        return ApiError::unavailable(format!("{whom} is unreachable: {e}"));
-    }
-    let mut err = ApiError::new(StatusCode::REQUEST_TIMEOUT, "timeout", format!("{whom} did not answer: {e}"));
-    err.details.push(("ambiguous", serde_json::Value::Bool(true)));
-    err
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use tokio::io::AsyncReadExt;
-
-    /// A member that takes the request and dies before answering may have applied it; one
-    /// that never took the connection did nothing.
-    #[tokio::test]
-    async fn a_call_cut_after_it_went_out_is_ambiguous_and_one_never_connected_is_not() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address = listener.local_addr().unwrap();
-        tokio::spawn(async move {
-            let (mut socket, _) = listener.accept().await.unwrap();
-            let mut buf = vec![0u8; 4096];
-            let _ = socket.read(&mut buf).await;
-            // Closed without an answer, as by `kill -9` mid-request.
-        });
-        let http = reqwest::Client::new();
-        let cut = http.put(format!("http://{address}/v1/collections/c/docs/k")).body("{}").send().await.unwrap_err();
-        let err = lost_call("member", &cut);
-        assert_eq!(err.status, StatusCode::REQUEST_TIMEOUT, "{err:?}");
-        assert!(err.details.iter().any(|(k, v)| *k == "ambiguous" && *v == serde_json::Value::Bool(true)), "{err:?}");
-
-        // A port nothing listens on: the connection is refused.
-        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-        let refused = http.put(format!("http://{closed}/v1/collections/c/docs/k")).body("{}").send().await.unwrap_err();
-        let err = lost_call("member", &refused);
-        assert_eq!(err.status, StatusCode::SERVICE_UNAVAILABLE, "{err:?}");
-        assert!(err.details.is_empty(), "{err:?}");
-    }
 }

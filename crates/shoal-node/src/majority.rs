@@ -1,0 +1,171 @@
+//! Majority waits: a majority write waits until enough of its partition's copies hold it,
+//! a majority read confirms that this node is still the active (ReadIndex), and a write
+//! that cannot reach a majority is refused before anything is written. The acknowledgements
+//! they wait on are [`crate::acks`]'; how many a majority needs is [`replicas_needed`]
+//! (pure, from the metadata: [`shoal_cluster::copies_counted`] and
+//! [`shoal_cluster::majority`], the rules the simulation checks).
+
+use std::time::{Duration, Instant};
+
+use shoal_cluster::{majority, Copies, NodeId};
+use shoal_meta::{MemberState, MetaState};
+use shoal_storage::StreamPosition;
+
+use crate::acks::{Need, Part};
+use crate::node::ClusterNode;
+
+/// A majority write or read waits this long for the replicas by default; then it answers
+/// `timeout`, ambiguous (the write may yet be on a majority).
+pub const DURABLE_TIMEOUT: Duration = Duration::from_secs(5);
+/// A replica that acknowledged nothing for this long is not counted as able to take part
+/// in a majority: a write that needs it answers `durability_impossible` at once.
+pub const HEALTHY_ACK_WINDOW: Duration = Duration::from_secs(3);
+/// A replica not heard from at all since the map last changed (its first pull of the new
+/// map is on its way) gets this long to be heard before a majority call counts it out:
+/// right after a rebalance or failover, a majority write waits for it rather than being
+/// refused. A replica heard from and then silent is counted out at once.
+pub const UNHEARD_REPLICA_GRACE: Duration = Duration::from_secs(5);
+
+/// How durable a write must be before it is acknowledged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durable {
+    /// In memory on a majority of the partition's copies.
+    Majority,
+    /// Fsynced on a majority of the partition's copies.
+    PersistMajority,
+}
+
+/// Why a majority wait failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MajorityError {
+    /// Too few copies are healthy to make a majority: nothing was waited for.
+    Impossible { healthy: usize, needed: usize },
+    /// The copies did not answer in time: the write may or may not reach a majority.
+    Timeout,
+    /// This node stopped being the partition's active while waiting.
+    NotActive,
+}
+
+/// [`shoal_cluster::copies_counted`] for `copies` with `state`'s replicas setting and data
+/// nodes (active, leaving or failed members).
+pub fn copies_counted(state: &MetaState, copies: &Copies) -> usize {
+    let data_nodes =
+        state.members.values().filter(|m| matches!(m.state, MemberState::Active | MemberState::Leaving | MemberState::Failed)).count();
+    shoal_cluster::copies_counted(state.settings.replicas, data_nodes, copies)
+}
+
+/// The replicas of partition `p` in `state`'s map, and how many of their acknowledgements a
+/// majority needs (the active counts for itself). No map, no partition: none.
+pub fn replicas_needed(state: &MetaState, p: u16) -> (Vec<NodeId>, usize) {
+    let Some(copies) = state.map.as_ref().and_then(|m| m.partitions.get(usize::from(p))) else { return (Vec::new(), 0) };
+    let wanted = majority(copies_counted(state, copies)) - 1;
+    (copies.replicas.clone(), wanted)
+}
+
+impl ClusterNode {
+    /// The replicas of partition `p` in the current map, and how many replica
+    /// acknowledgements a majority needs (see [`copies_counted`]).
+    fn replicas_of(&self, p: u16) -> (Vec<NodeId>, usize) {
+        replicas_needed(&self.state(), p)
+    }
+
+    /// Whether enough of partition `p`'s copies are healthy for a majority write of
+    /// `collection` now (checked before writing, so a refusal means nothing was written).
+    pub async fn majority_possible(&self, collection: u32, p: u16) -> Result<(), MajorityError> {
+        let (replicas, wanted) = self.replicas_of(p);
+        self.enough_healthy(collection, p, &replicas, wanted).await
+    }
+
+    /// Waits until `wanted` of `replicas` are healthy, giving replicas not yet heard from
+    /// since the last map change up to [`UNHEARD_REPLICA_GRACE`]; refuses at once when even
+    /// those could not make up the count.
+    async fn enough_healthy(&self, collection: u32, p: u16, replicas: &[NodeId], wanted: usize) -> Result<(), MajorityError> {
+        let deadline = tokio::time::Instant::now() + UNHEARD_REPLICA_GRACE;
+        let mut changes = self.acks.changes();
+        loop {
+            changes.borrow_and_update();
+            let health = self.acks.health(collection, p, replicas, HEALTHY_ACK_WINDOW);
+            if health.healthy >= wanted {
+                return Ok(());
+            }
+            if health.healthy + health.unheard < wanted
+                || tokio::time::timeout_at(deadline, changes.changed()).await.map_or(true, |r| r.is_err())
+            {
+                return Err(MajorityError::Impossible { healthy: health.healthy + 1, needed: wanted + 1 });
+            }
+        }
+    }
+
+    /// Waits until the change `seqno` of `collection`'s partition `p` (on history `uuid`) is
+    /// held (`Majority`) or fsynced (`PersistMajority`) by a majority of the partition's
+    /// copies, this one counting for itself (for `PersistMajority` the caller has fsynced it
+    /// here first).
+    pub async fn await_majority(&self, collection: u32, p: u16, seqno: u64, uuid: u64, level: Durable) -> Result<(), MajorityError> {
+        let (replicas, wanted) = self.replicas_of(p);
+        if wanted == 0 {
+            return Ok(());
+        }
+        let need = match level {
+            Durable::Majority => Need::Received(seqno),
+            Durable::PersistMajority => Need::Persisted(seqno),
+        };
+        if self.acks.wait(Part { collection, partition: p, uuid }, &replicas, wanted, need, Instant::now() + DURABLE_TIMEOUT).await {
+            Ok(())
+        } else {
+            Err(MajorityError::Timeout)
+        }
+    }
+
+    /// Confirms that what this node answers for `collection`'s partition `p` now is what a
+    /// majority holds and that it is still the active (ReadIndex): everything up to the
+    /// partition's high seqno is on a majority, and a majority acknowledged in a round that
+    /// began after the caller read. A majority read calls it after reading; a majority write
+    /// whose condition failed calls it before saying so.
+    pub async fn confirm(&self, collection: &shoal_storage::Collection, p: u16) -> Result<(), MajorityError> {
+        let (replicas, wanted) = self.replicas_of(p);
+        if wanted == 0 {
+            return Ok(());
+        }
+        let Some(StreamPosition { seqno, uuid }) = collection.position(p) else {
+            return Err(MajorityError::NotActive);
+        };
+        self.enough_healthy(collection.id(), p, &replicas, wanted).await?;
+        let round = self.acks.start_round();
+        let need = Need::Confirmed { seqno, round };
+        if !self
+            .acks
+            .wait(Part { collection: collection.id(), partition: p, uuid }, &replicas, wanted, need, Instant::now() + DURABLE_TIMEOUT)
+            .await
+        {
+            return Err(MajorityError::Timeout);
+        }
+        // Still the active of the same history: nothing was promoted meanwhile.
+        match collection.position(p) {
+            Some(pos) if pos.uuid == uuid && self.serving() => Ok(()),
+            _ => Err(MajorityError::NotActive),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shoal_cluster::PartitionMap;
+    use shoal_meta::Member;
+
+    #[test]
+    fn a_majority_counts_the_failed_copy_slot_until_a_rebalance_fills_it() {
+        let mut state = MetaState::default();
+        state.settings.replicas = 1;
+        for (id, s) in [(1, MemberState::Active), (2, MemberState::Failed)] {
+            state.members.insert(NodeId(id), Member { address: format!("n{id}"), state: s });
+        }
+        let copies = |replicas: &[u64]| Copies { active: NodeId(1), replicas: replicas.iter().map(|r| NodeId(*r)).collect() };
+        state.map = Some(PartitionMap { version: 3, partitions: vec![copies(&[2]), copies(&[])] });
+        assert_eq!(replicas_needed(&state, 0), (vec![NodeId(2)], 1), "both copies: the replica must acknowledge");
+        assert_eq!(replicas_needed(&state, 1), (vec![], 1), "failed over: an acknowledgement no replica can give");
+        assert_eq!(replicas_needed(&state, 2), (vec![], 0), "no such partition");
+        state.settings.replicas = 0;
+        assert_eq!(replicas_needed(&state, 1), (vec![], 0), "no replicas wanted");
+    }
+}
