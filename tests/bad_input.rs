@@ -41,6 +41,8 @@ async fn every_bad_request_gets_its_code_and_loses_nothing() {
     assert_eq!(lock.status(), StatusCode::OK);
 
     let doc = "/v1/collections/c/docs/k1";
+    let cluster: Value = c.get(node.u("/v1/cluster")).send().await.unwrap().json().await.unwrap();
+    let map_version = cluster["map_version"].as_u64().expect("a map version").to_string();
     let long_key = "x".repeat(251);
     let over_20_mib = {
         let mut v = b"\"".to_vec();
@@ -132,6 +134,34 @@ async fn every_bad_request_gets_its_code_and_loses_nothing() {
         ),
         case("_bulk unknown collection", Method::POST, "/v1/collections/nope/_bulk", "", 404, "collection_not_found"),
         case("changes unknown collection", Method::GET, "/v1/collections/nope/changes", "", 404, "collection_not_found"),
+        // `partitions` is the node asked telling a member which partitions its feed serves.
+        case("changes partitions from a client", Method::GET, "/v1/collections/c/changes?partitions=0", "", 400, "bad_request"),
+        with(
+            case("changes partitions not a number", Method::GET, "/v1/collections/c/changes?partitions=0,x", "", 400, "bad_request"),
+            "x-shoal-forwarded",
+            &map_version,
+        ),
+        with(
+            case("changes partitions past u16", Method::GET, "/v1/collections/c/changes?partitions=70000", "", 400, "bad_request"),
+            "x-shoal-forwarded",
+            &map_version,
+        ),
+        with(
+            case("changes partitions past the count", Method::GET, "/v1/collections/c/changes?partitions=65535", "", 400, "bad_request"),
+            "x-shoal-forwarded",
+            &map_version,
+        ),
+        with(
+            case("changes partitions negative", Method::GET, "/v1/collections/c/changes?partitions=-1", "", 400, "bad_request"),
+            "x-shoal-forwarded",
+            &map_version,
+        ),
+        // Routed by a map this node never applies: it waits `FORWARDED_MAP_WAIT`, then refuses.
+        with(
+            case("changes routed by a map not here", Method::GET, "/v1/collections/c/changes?partitions=0", "", 503, "unavailable"),
+            "x-shoal-forwarded",
+            &(map_version.parse::<u64>().unwrap() + 1000).to_string(),
+        ),
     ];
     let mut failures = Vec::new();
     for case in cases {
