@@ -10,6 +10,9 @@
 //! - [`map`]: the partition map ([`PartitionMap`], [`Copies`], [`NodeId`]) and its checks.
 //! - [`placement`]: [`place`], weighted rendezvous order plus balancing, stable against a
 //!   previous map.
+//! - [`index_placement`]: [`index_placement::place_indexes`], the index service's units
+//!   (index partitions and their replicas) on the index nodes, balanced across all indexes
+//!   and stable against the previous placement; [`index_placement::index_moves`].
 //! - [`plan`]: [`plan_moves`], the minimal copies to build and drop between two maps, and
 //!   the promotions that need no data.
 //! - [`failover`]: whom a failover promotes — [`failover::choose_promotion`] (the fenced
@@ -24,6 +27,7 @@
 //!   acknowledged writes and linearizability; `tests/failover_sim.rs` drives it.
 
 pub mod failover;
+pub mod index_placement;
 pub mod map;
 pub mod placement;
 pub mod plan;

@@ -140,7 +140,7 @@ fn rendezvous_score(partition: usize, node: NodeId, weight: u32) -> f64 {
 /// `cap` (one per partition), by weight: the share `total × w / Σw`, with shares above `cap`
 /// fixed at `cap` and the rest spread again (water filling), rounded down and up. Exact
 /// integer arithmetic, so the rounding never depends on floating point.
-fn targets(total: u64, cap: u64, weights: &[u32]) -> Vec<Target> {
+pub(crate) fn targets(total: u64, cap: u64, weights: &[u32]) -> Vec<Target> {
     debug_assert!(total <= cap * weights.len() as u64);
     let mut capped = vec![false; weights.len()];
     loop {
@@ -173,10 +173,10 @@ fn targets(total: u64, cap: u64, weights: &[u32]) -> Vec<Target> {
 }
 
 #[derive(Clone, Copy, Debug)]
-struct Target {
-    lo: usize,
-    hi: usize,
-    share: f64,
+pub(crate) struct Target {
+    pub(crate) lo: usize,
+    pub(crate) hi: usize,
+    pub(crate) share: f64,
 }
 
 const WORDS: usize = PARTITIONS_MAX as usize / 64;
