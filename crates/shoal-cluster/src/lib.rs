@@ -22,9 +22,12 @@
 //! - [`rebalance`]: the rebalance as a stage machine: [`rebalance::next_step`] decides, from
 //!   one look at the copies' progress, whether to wait, hand a wave of partitions over,
 //!   finish, revert or give up; the node carries the steps out.
-//! - [`sim`]: a seeded, deterministic simulation of one partition's replication and
-//!   failover protocol (lossy network, crashes, false suspicions) with a checker for lost
-//!   acknowledged writes and linearizability; `tests/failover_sim.rs` drives it.
+//! - [`sim`]: a seeded, deterministic simulation of one partition's replication, failover
+//!   and rebalance protocol — rebalances run through [`rebalance::next_step`] on what the
+//!   leader learns over a lossy network, with crashes, false suspicions and leader changes
+//!   — with a checker for lost acknowledged writes, linearizability (majority and
+//!   `request_plus` derived reads) and derived reads short of their serve floor;
+//!   `tests/failover_sim.rs` and `tests/rebalance_sim.rs` drive it.
 
 pub mod failover;
 pub mod index_placement;

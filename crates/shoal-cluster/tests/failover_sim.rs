@@ -61,8 +61,10 @@ fn broken_protocols_are_caught() {
 /// Steps of the runs below: long enough for a failover, a rebalance that fills the vacant
 /// slot, and a second failover.
 const LONG_STEPS: u64 = 1_000;
-/// Seeds searched with [`LONG_STEPS`].
-const LONG_SEEDS: u64 = 2_500;
+/// Seeds searched with [`LONG_STEPS`]. The counterexample below is rare — a replica
+/// left on an older history through a failover, a refill and a second failover: a few per
+/// 10,000 seeds (seed 3002 since rebalances run through the stage machine; 2165 before).
+const LONG_SEEDS: u64 = 3_500;
 
 /// Promotion by seqno alone (`choose_promotion` fed every copy at epoch 0) loses acknowledged
 /// writes once a rebalance has filled the slot a failover left vacant: the active then
