@@ -13,6 +13,7 @@ pub mod def;
 pub mod filter;
 pub mod keycode;
 mod manager;
+pub mod partition;
 
 pub use def::IndexDef;
 pub use filter::FilterError;
