@@ -182,8 +182,65 @@ pub fn majority(n_copies: usize) -> usize {
 /// acknowledging, until a rebalance fills it; so after one failover with one replica,
 /// majority writes answer `durability_impossible` until then.
 pub fn copies_counted(replicas: u8, data_nodes: usize, copies: &Copies) -> usize {
-    let configured = (usize::from(replicas) + 1).min(data_nodes.max(1));
-    configured.max(copies.nodes().count())
+    configured_copies(replicas, data_nodes).max(copies.nodes().count())
+}
+
+/// The copies counted for majorities of a set of `set_copies` copies: at least the
+/// `configured` count (`replicas` + 1, at most the data nodes), a vacant slot counting as a
+/// copy that never acknowledges (see [`copies_counted`]).
+pub fn configured_copies(replicas: u8, data_nodes: usize) -> usize {
+    (usize::from(replicas) + 1).min(data_nodes.max(1))
+}
+
+/// The copy sets in which a write, or a read's confirmation, must be on a majority before
+/// it counts: the partition's copies in the map — and, while a rebalance holds the partition
+/// at copies that are neither the plan's starting ones nor its target (its build map, or a
+/// failover's map made from it), the starting and the target copies too (joint consensus).
+///
+/// The map's copies alone are not enough: a build map of `{A; B, C}` (C new, B leaving)
+/// makes A and C a majority of three without B; a failover of A then leaves B and C, a
+/// fence quorum of one, and the promotion of B loses the write. A majority of `{A, B}` and
+/// of `{A, C}` as well puts it on B and on C. (`crate::sim` finds the loss without the
+/// joint sets, `Protocol::joint_majorities`.)
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Quorum {
+    /// Each set's nodes, and how many of them must hold the write.
+    pub sets: Vec<(Vec<NodeId>, usize)>,
+}
+
+impl Quorum {
+    /// The quorum of a partition with `copies` in the map (`counted` by [`copies_counted`]),
+    /// under a rebalance from `plan.0` to `plan.1` when one runs, each plan set counted over
+    /// at least `configured` copies ([`configured_copies`]).
+    pub fn of(copies: &Copies, counted: usize, plan: Option<(&Copies, &Copies)>, configured: usize) -> Quorum {
+        let mut sets = vec![(copies.nodes().collect::<Vec<_>>(), majority(counted))];
+        if let Some((from, target)) = plan.filter(|(from, target)| copies != *from && copies != *target) {
+            for set in [from, target] {
+                let nodes: Vec<NodeId> = set.nodes().collect();
+                let needed = majority(configured.max(nodes.len()));
+                sets.push((nodes, needed));
+            }
+        }
+        Quorum { sets }
+    }
+
+    /// Whether the copies for which `holds` is true make a majority in every set.
+    pub fn met(&self, holds: &dyn Fn(NodeId) -> bool) -> bool {
+        self.unmet(holds).is_none()
+    }
+
+    /// The first set without a majority where `holds`: how many hold, and how many it needs.
+    pub fn unmet(&self, holds: &dyn Fn(NodeId) -> bool) -> Option<(usize, usize)> {
+        self.sets.iter().map(|(nodes, needed)| (nodes.iter().filter(|n| holds(**n)).count(), *needed)).find(|(held, needed)| held < needed)
+    }
+
+    /// Every node of every set but `me`: whose acknowledgements count.
+    pub fn others(&self, me: NodeId) -> Vec<NodeId> {
+        let mut out: Vec<NodeId> = self.sets.iter().flat_map(|(nodes, _)| nodes.iter().copied()).filter(|n| *n != me).collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
 }
 
 /// Surviving replicas that must be fenced (have applied "the active is Failed", stopped
@@ -272,5 +329,30 @@ mod tests {
         for (name, replicas, data_nodes, map_copies, want) in cases {
             assert_eq!(copies_counted(replicas, data_nodes, &map_copies), want, "{name}");
         }
+    }
+
+    #[test]
+    fn a_rebalance_between_its_sets_needs_a_majority_of_each() {
+        let c = |active: u64, replicas: &[u64]| Copies { active: NodeId(active), replicas: replicas.iter().map(|r| NodeId(*r)).collect() };
+        let holding = |ids: &'static [u64]| move |n: NodeId| ids.contains(&n.0);
+        let (from, target, build) = (c(1, &[2]), c(1, &[3]), c(1, &[2, 3]));
+        let q = Quorum::of(&build, 3, Some((&from, &target)), 2);
+        assert_eq!(q.sets.len(), 3);
+        assert!(!q.met(&holding(&[1, 3])), "A and C are a majority of the build map, not of {{A, B}}");
+        assert!(!q.met(&holding(&[1, 2])), "nor A and B of {{A, C}}");
+        assert!(q.met(&holding(&[1, 2, 3])));
+        assert_eq!(q.unmet(&holding(&[1, 3])), Some((1, 2)));
+        assert_eq!(q.others(NodeId(1)), vec![NodeId(2), NodeId(3)]);
+        // At the plan's starting copies or at its target: the map's copies alone.
+        assert_eq!(Quorum::of(&from, 2, Some((&from, &target)), 2).sets.len(), 1);
+        assert_eq!(Quorum::of(&target, 2, Some((&from, &target)), 2).sets.len(), 1);
+        assert_eq!(Quorum::of(&build, 3, None, 2).sets.len(), 1, "no rebalance");
+        // A failover's map made from the build map (A failed): B and C hold no majority of
+        // {A, B} or {A, C} without A, so writes wait until the rebalance, failed by the
+        // failover, reverts and ends its plan.
+        let after = c(2, &[3]);
+        let q = Quorum::of(&after, 2, Some((&from, &target)), 2);
+        assert!(!q.met(&holding(&[2, 3])));
+        assert!(Quorum::of(&after, 2, None, 2).met(&holding(&[2, 3])), "once the plan ends");
     }
 }

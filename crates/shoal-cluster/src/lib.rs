@@ -38,8 +38,8 @@ pub mod rebalance;
 pub mod sim;
 
 pub use failover::{
-    auto_failover_allowed, copies_counted, failover_fenced, fence_quorum, majority, promotion_ready, AutoFailoverRefused, FailoverPlan,
-    HistoryEnd, Promoted,
+    auto_failover_allowed, configured_copies, copies_counted, failover_fenced, fence_quorum, majority, promotion_ready,
+    AutoFailoverRefused, FailoverPlan, HistoryEnd, Promoted, Quorum,
 };
 pub use map::{Copies, MapError, NodeId, PartitionId, PartitionMap, SeqNo};
 pub use placement::{place, Node, PlaceError};

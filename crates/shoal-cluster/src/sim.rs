@@ -118,7 +118,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use crate::failover::{choose_promotion, failover_fenced, fence_quorum, majority, promotion_ready, CollectionEnds, HistoryEnd};
+use crate::failover::{choose_promotion, failover_fenced, fence_quorum, promotion_ready, CollectionEnds, HistoryEnd, Quorum};
 use crate::map::{Copies, NodeId, PartitionId, PartitionMap};
 use crate::rebalance::{build_map, new_copies, next_step, revert_map, wave_map, Look, Step};
 
@@ -567,27 +567,17 @@ impl Node {
     }
 }
 
-/// A majority as an active counts it: of the map's copies (this one counting for itself),
-/// and in a joint configuration of both the plan's sets too, each counted as the map's
-/// copies are (at least the configured count).
-struct Quorum {
+/// A majority as an active counts it: production's [`Quorum`] (the map's copies, and in a
+/// joint configuration both the plan's sets), this copy counting for itself.
+struct ActiveQuorum {
     id: NodeId,
-    copies: Copies,
-    needed: usize,
-    /// The plan's copies it started from and its target.
-    joint: Option<(Copies, Copies)>,
-    configured: usize,
+    quorum: Quorum,
 }
 
-impl Quorum {
+impl ActiveQuorum {
     /// Whether the replicas for which `holds` is true make a majority with this copy.
     fn met(&self, holds: &dyn Fn(NodeId) -> bool) -> bool {
-        let of = |set: &Copies| {
-            let n = self.configured.max(set.nodes().count());
-            set.nodes().filter(|m| *m == self.id || holds(*m)).count() >= majority(n)
-        };
-        1 + self.copies.replicas.iter().filter(|r| holds(**r)).count() >= self.needed
-            && self.joint.as_ref().is_none_or(|(from, target)| of(from) && of(target))
+        self.quorum.met(&|n| n == self.id || holds(n))
     }
 }
 
@@ -989,15 +979,11 @@ impl Sim {
     }
 
     /// What a majority is for node `i` as active.
-    fn quorum(&self, i: usize) -> Quorum {
+    fn quorum(&self, i: usize) -> ActiveQuorum {
         let node = &self.nodes[i];
         let copies = node.copies().clone();
-        let joint = node
-            .plan
-            .clone()
-            .filter(|p| self.config.protocol.joint_majorities && copies != p.from && copies != p.target)
-            .map(|p| (p.from, p.target));
-        Quorum { id: node.id, needed: majority(self.copies_counted(&copies)), copies, joint, configured: self.config.copies }
+        let plan = node.plan.as_ref().filter(|_| self.config.protocol.joint_majorities).map(|p| (&p.from, &p.target));
+        ActiveQuorum { id: node.id, quorum: Quorum::of(&copies, self.copies_counted(&copies), plan, self.config.copies) }
     }
 
     /// The `n` of majorities and fence quorums for a partition with `copies`: production's
