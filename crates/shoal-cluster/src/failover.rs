@@ -195,31 +195,36 @@ pub fn configured_copies(replicas: u8, data_nodes: usize) -> usize {
 /// The copy sets in which a write, or a read's confirmation, must be on a majority before
 /// it counts: the partition's copies in the map — and, while a rebalance holds the partition
 /// at copies that are neither the plan's starting ones nor its target (its build map, or a
-/// failover's map made from it), the starting and the target copies too (joint consensus).
+/// failover's map made from it), the starting copies too.
 ///
 /// The map's copies alone are not enough: a build map of `{A; B, C}` (C new, B leaving)
-/// makes A and C a majority of three without B; a failover of A then leaves B and C, a
-/// fence quorum of one, and the promotion of B loses the write. A majority of `{A, B}` and
-/// of `{A, C}` as well puts it on B and on C. (`crate::sim` finds the loss without the
-/// joint sets, `Protocol::joint_majorities`.)
+/// makes A and C a majority of three without B; a failover of A promotes C, the rebalance
+/// ends, and `{C; B}` counts two copies, a fence quorum of one: the next failover may
+/// promote B, which never had the write. A majority of `{A, B}` as well puts it on B.
+/// (`crate::sim` finds the loss without it, `Protocol::joint_majorities`.) The target
+/// copies are not a set of their own: a new copy counts for nothing until it has caught up
+/// (a copy still being built would block every write), and the hand-over of a wave freezes
+/// the partition and waits until every copy of its target holds everything, so the target
+/// holds every write acknowledged before it. A promotion likewise needs a fence quorum of
+/// every set ([`Quorum::fenced`]): after a failover from the build map, `{B; C}` with C new
+/// must not promote C alone, which may lack a write `{A, B}` acknowledged.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Quorum {
-    /// Each set's nodes, and how many of them must hold the write.
+    /// Each set's nodes, and the copies its majorities and fence quorums are counted over.
     pub sets: Vec<(Vec<NodeId>, usize)>,
 }
 
 impl Quorum {
     /// The quorum of a partition with `copies` in the map (`counted` by [`copies_counted`]),
-    /// under a rebalance from `plan.0` to `plan.1` when one runs, each plan set counted over
-    /// at least `configured` copies ([`configured_copies`]).
+    /// under a rebalance from `plan.0` to `plan.1` when one runs, the starting set counted
+    /// over at least `configured` copies ([`configured_copies`]).
     pub fn of(copies: &Copies, counted: usize, plan: Option<(&Copies, &Copies)>, configured: usize) -> Quorum {
-        let mut sets = vec![(copies.nodes().collect::<Vec<_>>(), majority(counted))];
-        if let Some((from, target)) = plan.filter(|(from, target)| copies != *from && copies != *target) {
-            for set in [from, target] {
-                let nodes: Vec<NodeId> = set.nodes().collect();
-                let needed = majority(configured.max(nodes.len()));
-                sets.push((nodes, needed));
-            }
+        debug_assert!(counted >= copies.nodes().count());
+        let mut sets = vec![(copies.nodes().collect::<Vec<_>>(), counted)];
+        if let Some((from, _)) = plan.filter(|(from, target)| copies != *from && copies != *target) {
+            let nodes: Vec<NodeId> = from.nodes().collect();
+            let counted = configured.max(nodes.len());
+            sets.push((nodes, counted));
         }
         Quorum { sets }
     }
@@ -231,7 +236,20 @@ impl Quorum {
 
     /// The first set without a majority where `holds`: how many hold, and how many it needs.
     pub fn unmet(&self, holds: &dyn Fn(NodeId) -> bool) -> Option<(usize, usize)> {
-        self.sets.iter().map(|(nodes, needed)| (nodes.iter().filter(|n| holds(**n)).count(), *needed)).find(|(held, needed)| held < needed)
+        self.sets
+            .iter()
+            .map(|(nodes, counted)| (nodes.iter().filter(|n| holds(**n)).count(), majority(*counted)))
+            .find(|(held, needed)| held < needed)
+    }
+
+    /// Whether a copy may be promoted once the copies for which `fenced` holds are fenced
+    /// (`failed`, the failed active, never is): [`fence_quorum`] of every set. Each
+    /// majority the failed active may have gathered — in every set — then meets a fenced
+    /// copy, and the most advanced fenced copy holds every acknowledged write. Below it the
+    /// partition stays unavailable, which loses nothing. See [`promotion_ready`] for why
+    /// sets count their configured copies, not only those in the map.
+    pub fn fenced(&self, failed: NodeId, fenced: &dyn Fn(NodeId) -> bool) -> bool {
+        self.sets.iter().all(|(nodes, counted)| nodes.iter().filter(|n| **n != failed && fenced(**n)).count() >= fence_quorum(*counted))
     }
 
     /// Every node of every set but `me`: whose acknowledgements count.
@@ -332,27 +350,33 @@ mod tests {
     }
 
     #[test]
-    fn a_rebalance_between_its_sets_needs_a_majority_of_each() {
+    fn a_rebalance_between_its_sets_needs_a_majority_of_its_starting_copies_too() {
         let c = |active: u64, replicas: &[u64]| Copies { active: NodeId(active), replicas: replicas.iter().map(|r| NodeId(*r)).collect() };
         let holding = |ids: &'static [u64]| move |n: NodeId| ids.contains(&n.0);
         let (from, target, build) = (c(1, &[2]), c(1, &[3]), c(1, &[2, 3]));
         let q = Quorum::of(&build, 3, Some((&from, &target)), 2);
-        assert_eq!(q.sets.len(), 3);
+        assert_eq!(q.sets.len(), 2);
         assert!(!q.met(&holding(&[1, 3])), "A and C are a majority of the build map, not of {{A, B}}");
-        assert!(!q.met(&holding(&[1, 2])), "nor A and B of {{A, C}}");
-        assert!(q.met(&holding(&[1, 2, 3])));
+        assert!(q.met(&holding(&[1, 2])), "A and B: the new copy C, maybe still being built, is not needed");
         assert_eq!(q.unmet(&holding(&[1, 3])), Some((1, 2)));
         assert_eq!(q.others(NodeId(1)), vec![NodeId(2), NodeId(3)]);
+        // A promotion after A fails: both B and C fenced for the build map (3 copies), and B
+        // for {A, B}.
+        assert!(!q.fenced(NodeId(1), &holding(&[3])));
+        assert!(!q.fenced(NodeId(1), &holding(&[2])));
+        assert!(q.fenced(NodeId(1), &holding(&[2, 3])));
         // At the plan's starting copies or at its target: the map's copies alone.
         assert_eq!(Quorum::of(&from, 2, Some((&from, &target)), 2).sets.len(), 1);
         assert_eq!(Quorum::of(&target, 2, Some((&from, &target)), 2).sets.len(), 1);
         assert_eq!(Quorum::of(&build, 3, None, 2).sets.len(), 1, "no rebalance");
         // A failover's map made from the build map (A failed): B and C hold no majority of
-        // {A, B} or {A, C} without A, so writes wait until the rebalance, failed by the
-        // failover, reverts and ends its plan.
+        // {A, B} without A, so writes wait until the rebalance, failed by the failover,
+        // reverts and ends its plan.
         let after = c(2, &[3]);
         let q = Quorum::of(&after, 2, Some((&from, &target)), 2);
         assert!(!q.met(&holding(&[2, 3])));
         assert!(Quorum::of(&after, 2, None, 2).met(&holding(&[2, 3])), "once the plan ends");
+        // And B failing next: C alone is no fence quorum of {A, B}, whose writes it may lack.
+        assert!(!q.fenced(NodeId(2), &holding(&[3])));
     }
 }

@@ -36,7 +36,7 @@
 //!   random times it fails the current active over: step 1 commits "F is Failed"; replicas
 //!   that applied it stop following F and report their [`HistoryEnd`]; step 2 commits the
 //!   map from [`failover_fenced`] with the replica [`choose_promotion`] picks, once
-//!   [`promotion_ready`] holds — the functions the failover in production calls. It does
+//!   [`Quorum::fenced`] holds — the functions the failover in production calls. It does
 //!   not start a failover whose fence quorum no built replica set could reach.
 //! - At other random times it rebalances through the stage machine of
 //!   [`crate::rebalance`], as production's `shoal-node/src/rebalance.rs` does. It commits
@@ -45,26 +45,29 @@
 //!   history (none while being built), the replicas it hears as active, whether its
 //!   derived state is behind — and, once all answered or the calls timed out, builds a
 //!   [`Look`] from the answers as production's `run` does (answers under an older map say
-//!   nothing of copies) and carries out [`next_step`]. A [`Step::HandOver`] that moves the
-//!   active role asks the old active, under the map and plan it names, to freeze (refuse
-//!   writes) and answer once the new active has acknowledged everything it holds in a
-//!   round after the freeze (production's `serve_handover`), and commits [`wave_map`] on
-//!   the answer if the map did not change meanwhile; one that does not move it commits the
-//!   wave at once. [`Step::Revert`] and [`Step::OutOfTime`] commit [`revert_map`] and end
+//!   nothing of copies) and carries out [`next_step`]. A [`Step::HandOver`] asks the
+//!   partition's active, under the map and plan it names, to freeze (refuse writes) and
+//!   answer once every copy of the target has acknowledged everything it holds in a round
+//!   after the freeze (production's `serve_handover`) — whether the role moves or only
+//!   replicas change — and commits [`wave_map`] on the answer if the map did not change
+//!   meanwhile. [`Step::Revert`] and [`Step::OutOfTime`] commit [`revert_map`] and end
 //!   the plan, [`Step::Finish`] ends it; so does a map changed under it (a failover) or a
 //!   node of its target failed, with [`revert_map`]. A freeze thaws when its node applies
 //!   a later map or the plan's end. Targets: a new node in the slot a failover left vacant;
-//!   a new node taking the active role, the old active leaving or staying as a replica in
+//!   a new node in a replica's place, the active staying; a new node taking the active role, the old active leaving or staying as a replica in
 //!   place of another; an existing replica taking the active role. The leader changes now
 //!   and then, losing what it heard, its outstanding hand-over and the time of its last
 //!   wave; the next one resumes from the committed map and plan. An operator may ask for a
 //!   stop. A failover and a hand-over exclude each other (production's failover lock).
 //! - While a partition's copies are neither the plan's starting ones nor its target (the
 //!   build map, or a failover's map made from it), a majority — for a write, a read's
-//!   confirmation, a write's admission — is one of the map's copies and of both those sets
-//!   ([`Protocol::joint_majorities`], joint consensus). Majorities and fence quorums count
-//!   the configured copies, or the map's when a build map holds more (production's
-//!   `copies_counted`).
+//!   confirmation, a write's admission — is one of the map's copies and of the starting
+//!   copies, and a promotion needs a fence quorum of each ([`Quorum`], the rule production
+//!   runs; [`Protocol::joint_majorities`]). The target copies are not a set of their own —
+//!   a copy still being built would hold up every write — but each wave's hand-over waits
+//!   until the whole target holds what the active has ([`Protocol::handover_waits_for_whole_target`]).
+//!   Majorities and fence quorums count the configured copies, or the map's when a build
+//!   map holds more (production's `copies_counted`).
 //! - The network delays, reorders, drops and duplicates every message. Nodes crash and
 //!   restart; a failover may hit an active that is perfectly alive (false suspicion); in
 //!   half the runs one node applies metadata far behind the others; writers pause now and
@@ -118,7 +121,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use crate::failover::{choose_promotion, failover_fenced, fence_quorum, promotion_ready, CollectionEnds, HistoryEnd, Quorum};
+use crate::failover::{choose_promotion, failover_fenced, CollectionEnds, HistoryEnd, Quorum};
 use crate::map::{Copies, NodeId, PartitionId, PartitionMap};
 use crate::rebalance::{build_map, new_copies, next_step, revert_map, wave_map, Look, Step};
 
@@ -170,8 +173,8 @@ pub const HANDOVER_CALL_TIMEOUT_STEPS: u64 = 200;
 /// more rules taken away, to show the checker catches what each rule prevents.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Protocol {
-    /// The leader promotes only once [`promotion_ready`] holds; without it, as soon as any
-    /// replica reports.
+    /// The leader promotes only once [`Quorum::fenced`] holds (a fence quorum of every set
+    /// of the partition's quorum); without it, as soon as any replica reports.
     pub fence_quorum: bool,
     /// A read waits for a majority to confirm a round at least as new as the read.
     pub confirmed_reads: bool,
@@ -206,12 +209,18 @@ pub struct Protocol {
     /// production's freeze, kept in memory, would).
     pub freeze_survives_crash: bool,
     /// While a partition's copies are neither those a rebalance started from nor its
-    /// target (the build map, or a failover's map made from it), a majority is one of the
-    /// map's copies and of both those sets (joint consensus); without it, of the map's
-    /// copies alone, as production counts them: a write the old active acknowledged with a
-    /// new copy is then on one copy of the two a failover or the wave leaves with one
-    /// replica, and the next failover may promote the other.
+    /// target (the build map, or a failover's map made from it), a majority — and a fence
+    /// quorum — is one of the map's copies and of the starting copies ([`Quorum::of`]);
+    /// without it, of the map's copies alone, as production counted them before: a write
+    /// the old active acknowledged with a new copy is then on one copy of the two a failover
+    /// leaves with one replica, and the next failover may promote the other.
     pub joint_majorities: bool,
+    /// The hand-over of a wave freezes the partition's active and waits until every copy of
+    /// the target holds what it has, whether the active role moves or only replicas change;
+    /// without it, only until the new active does, and a wave that keeps the active commits
+    /// at once (production before: a new replica up to `CATCH_UP_SLACK` behind the one the
+    /// wave drops).
+    pub handover_waits_for_whole_target: bool,
 }
 
 impl Protocol {
@@ -228,6 +237,7 @@ impl Protocol {
         handover_freezes: true,
         freeze_survives_crash: true,
         joint_majorities: true,
+        handover_waits_for_whole_target: true,
     };
     /// The protocol as first specified: majorities of the current map's copies and
     /// promotion by seqno.
@@ -389,15 +399,16 @@ enum Msg {
         from: NodeId,
         progress: Progress,
     },
-    /// Leader to the active giving its role up for the plan at `plan` in the log, under the
-    /// map of `map_version`: freeze, and answer once `new_active` holds everything you have.
+    /// Leader to the active of a partition the plan at `plan` in the log hands over (its
+    /// role moves, or only its replicas change), under the map of `map_version`: freeze,
+    /// and answer once every copy of the target (`holders`) holds everything you have.
     /// `call` names the request, as a connection does in production (an answer to an
     /// earlier request, delayed, is not taken for this one's).
     Handover {
         call: u64,
         plan: usize,
         to: NodeId,
-        new_active: NodeId,
+        holders: Vec<NodeId>,
         map_version: u64,
     },
     HandedOver {
@@ -456,9 +467,10 @@ struct PendingDerivedRead {
 }
 
 /// An active's side of a hand-over.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Freeze {
-    new_active: NodeId,
+    /// The copies of the target that must hold everything before it answers.
+    holders: Vec<NodeId>,
     /// The step it began: only an acknowledgement of a round after it counts.
     round: u64,
     /// The request to answer.
@@ -599,7 +611,7 @@ struct RebalanceRun {
 struct PendingHandover {
     call: u64,
     source: NodeId,
-    new_active: NodeId,
+    holders: Vec<NodeId>,
     ready: Vec<PartitionId>,
     map_version: u64,
     sent: u64,
@@ -790,7 +802,7 @@ impl Sim {
                     run.answers.insert(from, progress);
                 }
             }
-            Msg::Handover { call, plan, to, new_active, map_version } => self.on_handover(call, plan, to, new_active, map_version),
+            Msg::Handover { call, plan, to, holders, map_version } => self.on_handover(call, plan, to, holders, map_version),
             Msg::HandedOver { call, from } => self.on_handed_over(call, from),
         }
     }
@@ -978,6 +990,14 @@ impl Sim {
         self.send(msg);
     }
 
+    /// The partition's quorum by the leader's log: its map, and the plan while one runs.
+    fn leader_quorum(&self) -> Quorum {
+        let copies = self.leader_map().partitions[0].clone();
+        let plan = self.plan().filter(|_| self.config.protocol.joint_majorities);
+        let plan = plan.as_ref().map(|p| (&p.from.partitions[0], &p.target.partitions[0]));
+        Quorum::of(&copies, self.copies_counted(&copies), plan, self.config.copies)
+    }
+
     /// What a majority is for node `i` as active.
     fn quorum(&self, i: usize) -> ActiveQuorum {
         let node = &self.nodes[i];
@@ -1048,11 +1068,11 @@ impl Sim {
         // A failover that could not reach its fence quorum (the slot of an earlier one still
         // vacant, a copy still being built, which never reports) would leave the partition
         // unavailable, possibly for the rest of the run: the oracle does not start one.
-        let built = copies.replicas.iter().filter(|r| self.nodes[self.node_index(**r)].built).count();
-        if self.failing.is_some() || built < fence_quorum(self.copies_counted(copies)) {
+        let failed = copies.active;
+        let built = |n: NodeId| copies.replicas.contains(&n) && self.nodes[self.node_index(n)].built;
+        if self.failing.is_some() || !self.leader_quorum().fenced(failed, &built) {
             return;
         }
-        let failed = copies.active;
         self.failing = Some(failed);
         self.reports.clear();
         self.commit(MetaEvent::Failed(failed));
@@ -1065,9 +1085,10 @@ impl Sim {
         self.reports.insert(from, end);
         let map = self.leader_map().clone();
         let protocol = self.config.protocol;
-        let copies_counted = self.copies_counted(&map.partitions[0]);
-        let ready =
-            !protocol.fence_quorum || promotion_ready(&map.partitions[0], copies_counted, failed, &|n| self.reports.contains_key(&n));
+        // Production's rule: `Quorum::fenced` of the partition's quorum as the leader's log
+        // has it (with the plan's starting copies while a rebalance holds the partition
+        // between its sets).
+        let ready = !protocol.fence_quorum || self.leader_quorum().fenced(failed, &|n| self.reports.contains_key(&n));
         if !ready {
             return;
         }
@@ -1113,8 +1134,14 @@ impl Sim {
         } else {
             // The build map holds the new copy besides the old ones.
             let room = replicas.len() < usize::from(crate::REPLICAS_MAX);
-            match self.rng.below(3) {
+            match self.rng.below(4) {
                 0 if room => Copies { active: new, replicas },
+                3 if room && !replicas.is_empty() => {
+                    // The active stays; a replica's slot goes to a new node.
+                    replicas.remove(self.rng.below(replicas.len() as u64) as usize);
+                    replicas.push(new);
+                    Copies { active: copies.active, replicas }
+                }
                 1 if room && !replicas.is_empty() => {
                     replicas.remove(self.rng.below(replicas.len() as u64) as usize);
                     replicas.insert(0, copies.active);
@@ -1189,7 +1216,7 @@ impl Sim {
                 self.end_rebalance("the hand-over's source did not answer");
             } else {
                 // A lost request or answer: ask again (the source answers again).
-                self.send(Msg::Handover { call: h.call, plan, to: h.source, new_active: h.new_active, map_version: h.map_version });
+                self.send(Msg::Handover { call: h.call, plan, to: h.source, holders: h.holders.clone(), map_version: h.map_version });
             }
             return;
         }
@@ -1207,17 +1234,25 @@ impl Sim {
         match step {
             Step::Wait => {}
             Step::HandOver(ready) => {
+                // Every wave, whether the role moves or only replicas change: the source
+                // freezes until the whole target holds what it has.
                 let new_active = target.partitions[0].active;
-                if source != new_active {
-                    self.next_call += 1;
-                    let h = PendingHandover { call: self.next_call, source, new_active, ready, map_version, sent: self.tick };
-                    self.send(Msg::Handover { call: h.call, plan, to: h.source, new_active: h.new_active, map_version: h.map_version });
-                    if let Some(run) = &mut self.rebalance {
-                        run.handover = Some(h);
-                    }
+                let holders: Vec<NodeId> = if self.config.protocol.handover_waits_for_whole_target {
+                    target.partitions[0].nodes().filter(|n| *n != source).collect()
+                } else if new_active != source {
+                    vec![new_active]
+                } else {
+                    self.commit_wave(&target, &ready);
+                    self.poll_progress();
                     return;
+                };
+                self.next_call += 1;
+                let h = PendingHandover { call: self.next_call, source, holders, ready, map_version, sent: self.tick };
+                self.send(Msg::Handover { call: h.call, plan, to: h.source, holders: h.holders.clone(), map_version: h.map_version });
+                if let Some(run) = &mut self.rebalance {
+                    run.handover = Some(h);
                 }
-                self.commit_wave(&target, &ready);
+                return;
             }
             Step::Finish => {
                 self.commit(MetaEvent::PlanEnd);
@@ -1336,7 +1371,7 @@ impl Sim {
     /// The old active's side of a hand-over (production's `serve_handover`): under the map
     /// the leader asks for, with the plan it asks for applied (a freeze thaws when the plan
     /// leaves the log), it freezes and answers once the new active holds everything it has.
-    fn on_handover(&mut self, call: u64, plan: usize, to: NodeId, new_active: NodeId, map_version: u64) {
+    fn on_handover(&mut self, call: u64, plan: usize, to: NodeId, holders: Vec<NodeId>, map_version: u64) {
         let tick = self.tick;
         let i = self.node_index(to);
         let node = &mut self.nodes[i];
@@ -1345,8 +1380,8 @@ impl Sim {
         }
         // Frozen already (a request sent again, or by another leader): writes were refused
         // since then, so the freeze's first round still counts.
-        let round = node.frozen.map_or(tick, |f| f.round);
-        node.frozen = Some(Freeze { new_active, round, call, answered: false });
+        let round = node.frozen.as_ref().map_or(tick, |f| f.round);
+        node.frozen = Some(Freeze { holders, round, call, answered: false });
         self.answer_handover(i);
     }
 
@@ -1358,8 +1393,9 @@ impl Sim {
         if f.answered || !active {
             return;
         }
-        let holds_all = node.matched.get(&f.new_active).is_some_and(|m| *m >= node.log.len())
-            && node.confirmed.get(&f.new_active).is_some_and(|c| *c >= f.round);
+        let (matched, confirmed, len) = (&node.matched, &node.confirmed, node.log.len());
+        let holds_all =
+            f.holders.iter().all(|h| matched.get(h).is_some_and(|m| *m >= len) && confirmed.get(h).is_some_and(|c| *c >= f.round));
         if waits && !holds_all {
             return;
         }
