@@ -56,7 +56,7 @@ pub struct HistoryEnd {
 ///
 /// `reported(partition, node)` is the history end a surviving replica reported after it
 /// applied the fence ("`failed` is Failed"), or `None` when it has not (it may still be
-/// following `failed`). Call it only when [`promotion_ready`] holds for every partition
+/// following `failed`). Call it only when [`Quorum::fenced`] holds for every partition
 /// `failed` was active for; a partition whose fence quorum is not reached must wait.
 pub fn failover_fenced(map: &PartitionMap, failed: NodeId, reported: &dyn Fn(PartitionId, NodeId) -> Option<HistoryEnd>) -> FailoverPlan {
     debug_assert_eq!(map.check(), Ok(()));
@@ -167,7 +167,7 @@ pub fn choose_promotion(reports: &[(NodeId, CollectionEnds)]) -> Option<Promotio
 /// Copies that must hold a write before it is acknowledged at `majority`: ⌊n/2⌋ + 1 of the
 /// `n_copies`, the active counting itself. `n_copies` is the configured count (replicas + 1),
 /// a failed-over node's slot counting as a copy that never acknowledges
-/// ([`promotion_ready`] says why).
+/// ([`Quorum::fenced`] says why).
 pub fn majority(n_copies: usize) -> usize {
     n_copies / 2 + 1
 }
@@ -177,7 +177,7 @@ pub fn majority(n_copies: usize) -> usize {
 /// included), or the copies in the map when a rebalance holds more. Not the map's copies
 /// alone: a failover takes the failed copy out of the map, and a write a majority
 /// acknowledged with it is then on fewer than a majority of the rest — the next failover
-/// could promote a copy without it ([`promotion_ready`]; the seeded simulation in
+/// could promote a copy without it ([`Quorum::fenced`]; the seeded simulation in
 /// [`crate::sim`] finds that loss). The failed copy's slot stays counted, never
 /// acknowledging, until a rebalance fills it; so after one failover with one replica,
 /// majority writes answer `durability_impossible` until then.
@@ -242,12 +242,19 @@ impl Quorum {
             .find(|(held, needed)| held < needed)
     }
 
-    /// Whether a copy may be promoted once the copies for which `fenced` holds are fenced
-    /// (`failed`, the failed active, never is): [`fence_quorum`] of every set. Each
-    /// majority the failed active may have gathered — in every set — then meets a fenced
-    /// copy, and the most advanced fenced copy holds every acknowledged write. Below it the
-    /// partition stays unavailable, which loses nothing. See [`promotion_ready`] for why
-    /// sets count their configured copies, not only those in the map.
+    /// Whether a replica of a partition whose active `failed` may be promoted once the
+    /// copies for which `fenced` holds are fenced (`failed` never is): [`fence_quorum`] of
+    /// every set. Each majority the failed active may have gathered — in every set — then
+    /// meets a fenced copy, and the most advanced fenced copy holds every acknowledged
+    /// write. Below it the partition stays unavailable, which loses nothing.
+    ///
+    /// Each set counts its configured copies, not only those in the map
+    /// ([`copies_counted`]): a failover takes the failed node's copy out of the map, and a
+    /// write acknowledged by a majority that included it is then on one copy fewer — with 3
+    /// copies, on 1 of the 2 left, not a majority of them. Counting the map's copies, the
+    /// next failover would fence and promote the other one and lose that write. So the failed
+    /// node's slot stays vacant (it never acknowledges, is never fenced) for majorities and
+    /// fence quorums alike, until a rebalance fills it with a copy that has caught up.
     pub fn fenced(&self, failed: NodeId, fenced: &dyn Fn(NodeId) -> bool) -> bool {
         self.sets.iter().all(|(nodes, counted)| nodes.iter().filter(|n| **n != failed && fenced(**n)).count() >= fence_quorum(*counted))
     }
@@ -272,29 +279,6 @@ pub fn fence_quorum(n_copies: usize) -> usize {
     n_copies - majority(n_copies) + 1
 }
 
-/// Whether a partition whose active `failed` is fenced may be given a new active: the
-/// replicas for which `fenced` holds are at least [`fence_quorum`] of `copies_configured`
-/// (the partition's replicas setting + 1; the failed active is never fenced). Below it the
-/// partition stays unavailable, which loses nothing. A partition `failed` is not active for
-/// needs no fence and is always ready.
-///
-/// `copies_configured`, not the copies in the map: a failover takes the failed node's copy
-/// out of the map, and a write acknowledged by a majority that included it is then on one
-/// copy fewer — with 3 copies, on 1 of the 2 left, not a majority of them. Counting the map's
-/// copies, the next failover would fence and promote the other one and lose that write. So
-/// the failed node's slot stays vacant (it never acknowledges, is never fenced) for
-/// majorities and fence quorums alike, until a rebalance fills it with a copy that has
-/// caught up. For the same reason `copies` must be the largest copy set the old active may
-/// still be counting acknowledgements from.
-pub fn promotion_ready(copies: &Copies, copies_configured: usize, failed: NodeId, fenced: &dyn Fn(NodeId) -> bool) -> bool {
-    debug_assert!(copies.nodes().count() <= copies_configured);
-    if copies.active != failed {
-        return true;
-    }
-    let fenced = copies.replicas.iter().filter(|r| **r != failed && fenced(**r)).count();
-    fenced >= fence_quorum(copies_configured)
-}
-
 /// Why the metadata leader must not fail a node over by itself.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum AutoFailoverRefused {
@@ -313,7 +297,7 @@ pub enum AutoFailoverRefused {
 /// nothing; an operator may still fail it over by hand.
 ///
 /// Whether a replica holds every acknowledged write is not asked here: the failover fences
-/// the replicas and promotes one only where [`promotion_ready`] holds, the rest staying
+/// the replicas and promotes one only where [`Quorum::fenced`] holds, the rest staying
 /// unavailable until the node returns.
 pub fn auto_failover_allowed(map: &PartitionMap, failed: NodeId, failed_now: usize, max_count: usize) -> Result<(), AutoFailoverRefused> {
     if failed_now >= max_count {

@@ -17,7 +17,7 @@
 //!   the promotions that need no data.
 //! - [`failover`]: whom a failover promotes — [`failover::choose_promotion`] (the fenced
 //!   replica whose history ends furthest, by [`HistoryEnd`]: epoch, then seqno) and
-//!   [`failover_fenced`] (the map after it) — once [`promotion_ready`] holds
+//!   [`failover_fenced`] (the map after it) — once [`Quorum::fenced`] holds
 //!   ([`fence_quorum`]); and [`auto_failover_allowed`], the monitor's rule.
 //! - [`rebalance`]: the rebalance as a stage machine: [`rebalance::next_step`] decides, from
 //!   one look at the copies' progress, whether to wait, hand a wave of partitions over,
@@ -38,8 +38,8 @@ pub mod rebalance;
 pub mod sim;
 
 pub use failover::{
-    auto_failover_allowed, configured_copies, copies_counted, failover_fenced, fence_quorum, majority, promotion_ready,
-    AutoFailoverRefused, FailoverPlan, HistoryEnd, Promoted, Quorum,
+    auto_failover_allowed, configured_copies, copies_counted, failover_fenced, fence_quorum, majority, AutoFailoverRefused, FailoverPlan,
+    HistoryEnd, Promoted, Quorum,
 };
 pub use map::{Copies, MapError, NodeId, PartitionId, PartitionMap, SeqNo};
 pub use placement::{place, Node, PlaceError};
@@ -51,6 +51,11 @@ pub const PARTITIONS_MAX: u16 = 1024;
 
 /// Most replica copies per partition (API.md: `replicas` is 0..3).
 pub const REPLICAS_MAX: u8 = 3;
+
+/// Most replicas a partition has in a map: a rebalance's build map holds the copies it
+/// starts from and every new one besides, up to twice `REPLICAS_MAX + 1` copies (with
+/// `replicas: 3`, a swap's build map held five copies and was refused as a map).
+pub const MAP_REPLICAS_MAX: usize = 2 * (REPLICAS_MAX as usize + 1) - 1;
 
 /// Most nodes a placement considers. Balancing runs shortest-path searches over the nodes,
 /// quadratic in their number; Shoal targets clusters of tens of nodes.

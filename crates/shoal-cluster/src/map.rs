@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::{PARTITIONS_MAX, REPLICAS_MAX};
+use crate::{MAP_REPLICAS_MAX, PARTITIONS_MAX};
 
 /// A virtual partition's number, `0..partitions` (as in `shoal-storage`).
 pub type PartitionId = u16;
@@ -56,7 +56,7 @@ pub struct PartitionMap {
 pub enum MapError {
     #[error("a map needs 1 to {PARTITIONS_MAX} partitions, not {0}")]
     PartitionCount(usize),
-    #[error("partition {partition} has {replicas} replicas; at most {REPLICAS_MAX}")]
+    #[error("partition {partition} has {replicas} replicas; at most {MAP_REPLICAS_MAX} (a rebalance's copies included)")]
     TooManyReplicas { partition: PartitionId, replicas: usize },
     #[error("partition {partition} has two copies on node {node}")]
     DuplicateNode { partition: PartitionId, node: NodeId },
@@ -74,8 +74,8 @@ impl PartitionMap {
         (0..=PartitionId::MAX).zip(self.partitions.iter())
     }
 
-    /// Checks the map's shape: 1..=`PARTITIONS_MAX` partitions, at most `REPLICAS_MAX`
-    /// replicas each, and every copy of a partition on a distinct node. A map read from the
+    /// Checks the map's shape: 1..=`PARTITIONS_MAX` partitions, at most `MAP_REPLICAS_MAX`
+    /// replicas each (a rebalance's build map holds more than `REPLICAS_MAX`), and every copy of a partition on a distinct node. A map read from the
     /// log or the network is checked before it is used.
     pub fn check(&self) -> Result<(), MapError> {
         let count = self.partitions.len();
@@ -83,7 +83,7 @@ impl PartitionMap {
             return Err(MapError::PartitionCount(count));
         }
         for (partition, copies) in self.iter() {
-            if copies.replicas.len() > usize::from(REPLICAS_MAX) {
+            if copies.replicas.len() > MAP_REPLICAS_MAX {
                 return Err(MapError::TooManyReplicas { partition, replicas: copies.replicas.len() });
             }
             let nodes: Vec<NodeId> = copies.nodes().collect();
@@ -130,7 +130,8 @@ mod tests {
             (map(&[]), Err(MapError::PartitionCount(0))),
             (map(&[(1, &[2]), (2, &[2])]), Err(MapError::DuplicateNode { partition: 1, node: NodeId(2) })),
             (map(&[(1, &[3, 3])]), Err(MapError::DuplicateNode { partition: 0, node: NodeId(3) })),
-            (map(&[(1, &[2, 3, 4, 5])]), Err(MapError::TooManyReplicas { partition: 0, replicas: 4 })),
+            (map(&[(1, &[2, 3, 4, 5])]), Ok(())),
+            (map(&[(1, &[2, 3, 4, 5, 6, 7, 8, 9])]), Err(MapError::TooManyReplicas { partition: 0, replicas: 8 })),
         ];
         for (m, want) in cases {
             assert_eq!(&m.check(), want, "{m:?}");

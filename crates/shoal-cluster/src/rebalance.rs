@@ -177,6 +177,12 @@ mod tests {
         assert_eq!(build_map(&from, &target), map(5, &[(1, &[2, 3]), (2, &[1])]));
         assert_eq!(new_copies(&from, &target), Ok(vec![(0, NodeId(3))]));
         assert_eq!(build_map(&from, &from), from, "nothing to build: the same map, the same version");
+        // Three replicas, a swap of two nodes: the build map holds all six copies.
+        let from = map(4, &[(1, &[2, 3, 4])]);
+        let target = map(0, &[(5, &[6, 3, 4])]);
+        let built = build_map(&from, &target);
+        assert_eq!(built.check(), Ok(()));
+        assert_eq!(built.partitions[0].replicas.len(), 5);
     }
 
     fn look<'a>(

@@ -173,11 +173,11 @@ fn fence_quorum_meets_every_majority() {
 }
 
 #[test]
-fn promotion_ready_table() {
+fn promotion_needs_a_fence_quorum_of_the_configured_copies() {
     let copies = |active: u64, replicas: &[u64]| Copies { active: NodeId(active), replicas: replicas.iter().map(|n| NodeId(*n)).collect() };
     // (name, copies, configured copies, failed, fenced replicas, ready)
     type Case = (&'static str, Copies, usize, u64, &'static [u64], bool);
-    let cases: [Case; 10] = [
+    let cases: [Case; 9] = [
         ("2 copies: the one replica fenced", copies(1, &[2]), 2, 1, &[2], true),
         ("2 copies: not fenced yet", copies(1, &[2]), 2, 1, &[], false),
         ("3 copies: both replicas fenced", copies(1, &[2, 3]), 3, 1, &[2, 3], true),
@@ -187,11 +187,11 @@ fn promotion_ready_table() {
         ("3 configured, 2 left after a failover: the vacant slot never counts", copies(3, &[2]), 3, 3, &[2], false),
         ("4 configured, 3 left after a failover: two fenced", copies(2, &[3, 4]), 4, 2, &[3, 4], true),
         ("no replica: stays unavailable", copies(1, &[]), 1, 1, &[], false),
-        ("the failed node is only a replica: nothing to fence", copies(2, &[1, 3]), 3, 1, &[], true),
     ];
     for (name, copies, configured, failed, fenced, ready) in cases {
         let fenced_fn = |n: NodeId| fenced.contains(&n.0);
-        assert_eq!(shoal_cluster::promotion_ready(&copies, configured, NodeId(failed), &fenced_fn), ready, "{name}");
+        let quorum = shoal_cluster::Quorum::of(&copies, configured, None, configured);
+        assert_eq!(quorum.fenced(NodeId(failed), &fenced_fn), ready, "{name}");
     }
 }
 

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use shoal_cluster::NodeId;
+use shoal_cluster::{NodeId, Quorum};
 use tokio::sync::watch;
 
 use crate::wire::PullPart;
@@ -146,6 +146,49 @@ impl Acks {
             }
         }
         health
+    }
+
+    /// Of `nodes`: those that acknowledged anything within `window`, and those not heard
+    /// from at all since the acknowledgements were last cleared (see [`Acks::health`]).
+    pub fn heard(&self, collection: u32, partition: u16, nodes: &[NodeId], window: Duration) -> (Vec<NodeId>, Vec<NodeId>) {
+        let by_part = self.by_part.lock();
+        let acks = by_part.get(&(collection, partition));
+        let (mut healthy, mut unheard) = (Vec::new(), Vec::new());
+        for n in nodes {
+            match acks.and_then(|a| a.get(n)) {
+                Some(a) if a.at.elapsed() <= window => healthy.push(*n),
+                Some(_) => {}
+                None => unheard.push(*n),
+            }
+        }
+        (healthy, unheard)
+    }
+
+    /// Whether the replicas meeting `need` for `part` make `quorum` with `me` (the active,
+    /// which holds what it wrote).
+    pub fn met(&self, part: Part, quorum: &Quorum, me: NodeId, need: Need) -> bool {
+        let by_part = self.by_part.lock();
+        let acks = by_part.get(&(part.collection, part.partition));
+        quorum.met(&|n| n == me || acks.and_then(|a| a.get(&n)).is_some_and(|a| need.met_by(a, part.uuid)))
+    }
+
+    /// Waits until the replicas meeting `need` for `part` make `quorum` with `me`, or
+    /// `deadline`; answers whether they did.
+    pub async fn wait_quorum(&self, part: Part, quorum: &Quorum, me: NodeId, need: Need, deadline: Instant) -> bool {
+        let mut changed = self.changed.subscribe();
+        loop {
+            changed.borrow_and_update();
+            if self.met(part, quorum, me, need) {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            if tokio::time::timeout(left, changed.changed()).await.is_err() {
+                return self.met(part, quorum, me, need);
+            }
+        }
     }
 
     /// Moves on every acknowledgement.

@@ -38,6 +38,8 @@ pub(crate) struct Applier {
     applying: tokio::sync::Mutex<()>,
     /// Running replication streams, by the node they pull from.
     replicators: Mutex<HashMap<NodeId, watch::Sender<bool>>>,
+    /// A fence of a late wave is being proposed (`fence_late_wave`).
+    fencing: std::sync::atomic::AtomicBool,
 }
 
 impl Applier {
@@ -84,6 +86,17 @@ pub(crate) fn desired_states(
         .collect()
 }
 
+/// Whether partition `p`'s freeze on node `me`, made under map `frozen_under`, still holds
+/// under `state`'s `map`: until a newer map (the wave's, or one that fenced the wave out —
+/// the map version a wave must follow, `SetMap` refusing any other), until the role moves
+/// away, or until no rebalance is under way (the one that asked for it stopped, failed or was
+/// reverted: its end is in the log after any wave it committed). Never by a clock alone: a
+/// wave proposed before the freeze's end may commit after it, and the writes a thawed copy
+/// took meanwhile would stay on a copy that is no longer active (`fence_late_wave`).
+pub(crate) fn freeze_holds(state: &MetaState, map: &PartitionMap, me: NodeId, p: u16, frozen_under: u64) -> bool {
+    state.rebalance.is_some() && map.version <= frozen_under && map.partitions.get(usize::from(p)).is_some_and(|c| c.active == me)
+}
+
 /// The nodes whose change streams node `me`'s replicas pull under `map`: the actives of the
 /// partitions it holds replicas of, unless that active is failed — and none on a failed node.
 pub(crate) fn replication_sources(state: &MetaState, map: &PartitionMap, me: NodeId, failed: bool) -> HashSet<NodeId> {
@@ -111,11 +124,59 @@ impl ClusterNode {
                     true
                 }
             };
+            self.fence_late_wave(&state);
             tokio::select! {
                 r = rx.changed() => if r.is_err() { return },
                 _ = stop.wait_for(|s| *s) => return,
                 _ = tokio::time::sleep(RECONCILE_RETRY), if failed || self.copy_states.any_frozen() => {}
             }
+        }
+    }
+
+    /// A freeze that outlasted `FREEZE_MAX` with no newer map: this node commits the same
+    /// map one version on (in the background), so that no wave proposed under the map it
+    /// froze under can commit any more (`SetMap` takes only the next version), and thaws
+    /// once that map is applied (`freeze_holds`). If the wave committed first, the fence is
+    /// refused as stale and the wave's map thaws it. Without a metadata leader the freeze
+    /// stays: the node loses its lease then anyway.
+    fn fence_late_wave(self: &Arc<Self>, state: &MetaState) {
+        let Some(map) = &state.map else { return };
+        let Some(frozen_under) = self.copy_states.overdue(Instant::now()) else { return };
+        if map.version != frozen_under || self.applier.fencing.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            return;
+        }
+        let fence = PartitionMap { version: map.version + 1, ..map.clone() };
+        let node = Arc::clone(self);
+        tokio::spawn(async move {
+            tracing::warn!(
+                map_version = fence.version,
+                "a hand-over's wave did not come within its freeze; fencing it out with a newer map"
+            );
+            match node.propose(shoal_meta::MetaCommand::SetMap { map: fence }).await {
+                Ok(_) | Err(ClusterError::Rejected(shoal_meta::MetaReject::MapVersion { .. })) => {}
+                Err(e) => tracing::warn!(error = %e, "fencing a late wave out; will try again"),
+            }
+            node.applier.fencing.store(false, std::sync::atomic::Ordering::Release);
+        });
+    }
+
+    /// After a restart, the freezes this node answered hand-overs under before it stopped:
+    /// a copy the map still names active here, stored as a replica (a freeze's state, set
+    /// durably), while a rebalance is under way. Kept in memory only, they were thawed by
+    /// the restart, and a wave committed after would have lost the writes taken since; they
+    /// are frozen again, overdue at once, so the wave is fenced out before they thaw.
+    pub(crate) fn restore_freezes(&self) {
+        let state = self.state();
+        let (Some(map), true) = (&state.map, state.rebalance.is_some()) else { return };
+        let store = self.engine.store();
+        let frozen: Vec<u16> = map
+            .iter()
+            .filter(|(p, c)| c.active == self.id && store.partition_state(*p).is_ok_and(|s| s == PartitionState::Replica))
+            .map(|(p, _)| p)
+            .collect();
+        if !frozen.is_empty() {
+            tracing::info!(partitions = frozen.len(), map_version = map.version, "frozen for a hand-over before the restart: frozen again");
+            self.copy_states.freeze(&frozen, map.version, Instant::now());
         }
     }
 
@@ -220,15 +281,7 @@ impl ClusterNode {
     async fn apply_map(self: &Arc<Self>, state: &MetaState, map: &PartitionMap) -> Result<(), ClusterError> {
         let me = self.id;
         let failed = state.members.get(&me).is_none_or(|m| m.state == MemberState::Failed);
-        let now = Instant::now();
-        // A freeze ends when the map moves the role away, when it times out, or when no
-        // rebalance is under way any more (the one that asked for it stopped, failed or was
-        // reverted by a new leader: nothing will move the role now, and writes must not wait
-        // out `FREEZE_MAX`).
-        let planned = state.rebalance.is_some();
-        let frozen = self
-            .copy_states
-            .retain_frozen(|p, until| planned && until > now && map.partitions.get(usize::from(p)).is_some_and(|c| c.active == me));
+        let frozen = self.copy_states.retain_frozen(|p, f| freeze_holds(state, map, me, p, f.map_version));
         let desired = desired_states(map, me, failed, &frozen, |p| self.copies.is_building(p));
         self.copies.retain_replicas(|p| {
             desired.get(usize::from(p)).is_some_and(|(_, s)| matches!(s, PartitionState::Replica | PartitionState::Pending))
@@ -354,6 +407,24 @@ mod tests {
             "active, replica, no copy, frozen for a hand-over, being built"
         );
         assert!(desired_states(&m, NodeId(1), true, &frozen, building).iter().all(|(_, s)| *s == Dead), "a failed node serves nothing");
+    }
+
+    #[test]
+    fn a_freeze_holds_until_a_newer_map_the_role_moving_or_the_plan_ending() {
+        let mut state = MetaState::default();
+        let m = map(&[(1, &[2]), (2, &[1])]);
+        let plan = shoal_meta::RebalancePlan { from: m.clone(), target: m.clone(), eject: Vec::new(), added: Vec::new(), stop: false };
+        state.rebalance = Some(plan);
+        let cases = [
+            ("the map it was frozen under", 2, 0, true),
+            ("a newer map: the wave, or a fence of it", 1, 0, false),
+            ("the role moved away", 2, 1, false),
+        ];
+        for (name, frozen_under, p, holds) in cases {
+            assert_eq!(freeze_holds(&state, &m, NodeId(1), p, frozen_under), holds, "{name}");
+        }
+        state.rebalance = None;
+        assert!(!freeze_holds(&state, &m, NodeId(1), 0, 2), "no plan: nothing will move the role");
     }
 
     #[test]

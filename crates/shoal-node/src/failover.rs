@@ -592,8 +592,9 @@ pub async fn failover(node: &Arc<ClusterNode>, target: NodeId) -> Result<Failove
     // Whom each ready partition promotes, caught up from the other fenced replicas first.
     let mut choices = Vec::new();
     for (p, copies) in base.iter().filter(|(_, c)| c.active == target) {
-        let n = crate::majority::copies_counted(&current, copies);
-        if !shoal_cluster::promotion_ready(copies, n, target, &|n| fenced.contains(&n)) {
+        // A fence quorum of every set the failed active counted majorities in (its copies,
+        // and a rebalance's starting copies while one holds the partition between them).
+        if !crate::majority::quorum_of(&current, p).is_some_and(|q| q.fenced(target, &|n| fenced.contains(&n))) {
             continue;
         }
         let reports: Vec<(NodeId, CollectionEnds)> =

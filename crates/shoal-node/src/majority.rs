@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use shoal_cluster::{majority, Copies, NodeId};
+use shoal_cluster::{configured_copies, Copies, Quorum};
 use shoal_meta::{MemberState, MetaState};
 use shoal_storage::StreamPosition;
 
@@ -49,67 +49,72 @@ pub enum MajorityError {
 /// [`shoal_cluster::copies_counted`] for `copies` with `state`'s replicas setting and data
 /// nodes (active, leaving or failed members).
 pub fn copies_counted(state: &MetaState, copies: &Copies) -> usize {
-    let data_nodes =
-        state.members.values().filter(|m| matches!(m.state, MemberState::Active | MemberState::Leaving | MemberState::Failed)).count();
-    shoal_cluster::copies_counted(state.settings.replicas, data_nodes, copies)
+    shoal_cluster::copies_counted(state.settings.replicas, data_nodes(state), copies)
 }
 
-/// The replicas of partition `p` in `state`'s map, and how many of their acknowledgements a
-/// majority needs (the active counts for itself). No map, no partition: none.
-pub fn replicas_needed(state: &MetaState, p: u16) -> (Vec<NodeId>, usize) {
-    let Some(copies) = state.map.as_ref().and_then(|m| m.partitions.get(usize::from(p))) else { return (Vec::new(), 0) };
-    let wanted = majority(copies_counted(state, copies)) - 1;
-    (copies.replicas.clone(), wanted)
+/// The quorum of partition `p` by `state`: [`Quorum::of`] its copies in the map, with the
+/// rebalance plan's starting and target copies while one runs. `None` without a map or
+/// such a partition.
+pub fn quorum_of(state: &MetaState, p: u16) -> Option<Quorum> {
+    let copies = state.map.as_ref()?.partitions.get(usize::from(p))?;
+    let plan = state
+        .rebalance
+        .as_ref()
+        .and_then(|plan| Some((plan.from.partitions.get(usize::from(p))?, plan.target.partitions.get(usize::from(p))?)));
+    Some(Quorum::of(copies, copies_counted(state, copies), plan, configured_copies(state.settings.replicas, data_nodes(state))))
+}
+
+/// Members that hold data or did: active, leaving or failed.
+fn data_nodes(state: &MetaState) -> usize {
+    state.members.values().filter(|m| matches!(m.state, MemberState::Active | MemberState::Leaving | MemberState::Failed)).count()
 }
 
 impl ClusterNode {
-    /// The replicas of partition `p` in the current map, and how many replica
-    /// acknowledgements a majority needs (see [`copies_counted`]).
-    fn replicas_of(&self, p: u16) -> (Vec<NodeId>, usize) {
-        replicas_needed(&self.state(), p)
+    /// Partition `p`'s quorum now, `None` when this node alone makes it (no replicas wanted).
+    fn quorum_here(&self, p: u16) -> Option<Quorum> {
+        quorum_of(&self.state(), p).filter(|q| !q.met(&|n| n == self.id))
     }
 
     /// Whether enough of partition `p`'s copies are healthy for a majority write of
     /// `collection` now (checked before writing, so a refusal means nothing was written).
     pub async fn majority_possible(&self, collection: u32, p: u16) -> Result<(), MajorityError> {
-        let (replicas, wanted) = self.replicas_of(p);
-        self.enough_healthy(collection, p, &replicas, wanted).await
+        match self.quorum_here(p) {
+            Some(quorum) => self.enough_healthy(collection, p, &quorum).await,
+            None => Ok(()),
+        }
     }
 
-    /// Waits until `wanted` of `replicas` are healthy, giving replicas not yet heard from
-    /// since the last map change up to [`UNHEARD_REPLICA_GRACE`]; refuses at once when even
-    /// those could not make up the count.
-    async fn enough_healthy(&self, collection: u32, p: u16, replicas: &[NodeId], wanted: usize) -> Result<(), MajorityError> {
+    /// Waits until the healthy copies make `quorum` with this one, giving replicas not yet
+    /// heard from since the last map change up to [`UNHEARD_REPLICA_GRACE`]; refuses at
+    /// once when even those could not make it.
+    async fn enough_healthy(&self, collection: u32, p: u16, quorum: &Quorum) -> Result<(), MajorityError> {
         let deadline = tokio::time::Instant::now() + UNHEARD_REPLICA_GRACE;
+        let others = quorum.others(self.id);
         let mut changes = self.acks.changes();
         loop {
             changes.borrow_and_update();
-            let health = self.acks.health(collection, p, replicas, HEALTHY_ACK_WINDOW);
-            if health.healthy >= wanted {
-                return Ok(());
-            }
-            if health.healthy + health.unheard < wanted
+            let (healthy, unheard) = self.acks.heard(collection, p, &others, HEALTHY_ACK_WINDOW);
+            let Some((held, needed)) = quorum.unmet(&|n| n == self.id || healthy.contains(&n)) else { return Ok(()) };
+            if !quorum.met(&|n| n == self.id || healthy.contains(&n) || unheard.contains(&n))
                 || tokio::time::timeout_at(deadline, changes.changed()).await.map_or(true, |r| r.is_err())
             {
-                return Err(MajorityError::Impossible { healthy: health.healthy + 1, needed: wanted + 1 });
+                return Err(MajorityError::Impossible { healthy: held, needed });
             }
         }
     }
 
     /// Waits until the change `seqno` of `collection`'s partition `p` (on history `uuid`) is
     /// held (`Majority`) or fsynced (`PersistMajority`) by a majority of the partition's
-    /// copies, this one counting for itself (for `PersistMajority` the caller has fsynced it
-    /// here first).
+    /// copies — of each of its [`Quorum`]'s sets — this one counting for itself (for
+    /// `PersistMajority` the caller has fsynced it here first).
     pub async fn await_majority(&self, collection: u32, p: u16, seqno: u64, uuid: u64, level: Durable) -> Result<(), MajorityError> {
-        let (replicas, wanted) = self.replicas_of(p);
-        if wanted == 0 {
-            return Ok(());
-        }
+        let Some(quorum) = self.quorum_here(p) else { return Ok(()) };
         let need = match level {
             Durable::Majority => Need::Received(seqno),
             Durable::PersistMajority => Need::Persisted(seqno),
         };
-        if self.acks.wait(Part { collection, partition: p, uuid }, &replicas, wanted, need, Instant::now() + DURABLE_TIMEOUT).await {
+        let part = Part { collection, partition: p, uuid };
+        if self.acks.wait_quorum(part, &quorum, self.id, need, Instant::now() + DURABLE_TIMEOUT).await {
             Ok(())
         } else {
             Err(MajorityError::Timeout)
@@ -122,21 +127,15 @@ impl ClusterNode {
     /// began after the caller read. A majority read calls it after reading; a majority write
     /// whose condition failed calls it before saying so.
     pub async fn confirm(&self, collection: &shoal_storage::Collection, p: u16) -> Result<(), MajorityError> {
-        let (replicas, wanted) = self.replicas_of(p);
-        if wanted == 0 {
-            return Ok(());
-        }
+        let Some(quorum) = self.quorum_here(p) else { return Ok(()) };
         let Some(StreamPosition { seqno, uuid }) = collection.position(p) else {
             return Err(MajorityError::NotActive);
         };
-        self.enough_healthy(collection.id(), p, &replicas, wanted).await?;
+        self.enough_healthy(collection.id(), p, &quorum).await?;
         let round = self.acks.start_round();
         let need = Need::Confirmed { seqno, round };
-        if !self
-            .acks
-            .wait(Part { collection: collection.id(), partition: p, uuid }, &replicas, wanted, need, Instant::now() + DURABLE_TIMEOUT)
-            .await
-        {
+        let part = Part { collection: collection.id(), partition: p, uuid };
+        if !self.acks.wait_quorum(part, &quorum, self.id, need, Instant::now() + DURABLE_TIMEOUT).await {
             return Err(MajorityError::Timeout);
         }
         // Still the active of the same history: nothing was promoted meanwhile.
@@ -150,22 +149,33 @@ impl ClusterNode {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use shoal_cluster::PartitionMap;
+    use shoal_cluster::{NodeId, PartitionMap};
     use shoal_meta::Member;
 
     #[test]
-    fn a_majority_counts_the_failed_copy_slot_until_a_rebalance_fills_it() {
+    fn a_majority_counts_the_failed_copy_slot_until_a_rebalance_fills_it_and_both_sets_of_a_rebalance() {
         let mut state = MetaState::default();
         state.settings.replicas = 1;
-        for (id, s) in [(1, MemberState::Active), (2, MemberState::Failed)] {
+        for (id, s) in [(1, MemberState::Active), (2, MemberState::Failed), (3, MemberState::Active)] {
             state.members.insert(NodeId(id), Member { address: format!("n{id}"), state: s });
         }
         let copies = |replicas: &[u64]| Copies { active: NodeId(1), replicas: replicas.iter().map(|r| NodeId(*r)).collect() };
         state.map = Some(PartitionMap { version: 3, partitions: vec![copies(&[2]), copies(&[])] });
-        assert_eq!(replicas_needed(&state, 0), (vec![NodeId(2)], 1), "both copies: the replica must acknowledge");
-        assert_eq!(replicas_needed(&state, 1), (vec![], 1), "failed over: an acknowledgement no replica can give");
-        assert_eq!(replicas_needed(&state, 2), (vec![], 0), "no such partition");
+        let holding = |ids: &'static [u64]| move |n: NodeId| ids.contains(&n.0);
+        let q = |state: &MetaState, p: u16| quorum_of(state, p).expect("a quorum");
+        assert!(!q(&state, 0).met(&holding(&[1])), "both copies: the replica must acknowledge");
+        assert!(q(&state, 0).met(&holding(&[1, 2])));
+        assert!(!q(&state, 1).met(&holding(&[1])), "failed over: an acknowledgement no replica can give");
+        assert_eq!(quorum_of(&state, 2), None, "no such partition");
         state.settings.replicas = 0;
-        assert_eq!(replicas_needed(&state, 1), (vec![], 0), "no replicas wanted");
+        assert!(q(&state, 1).met(&holding(&[1])), "no replicas wanted");
+        // A rebalance from {1; 2} to {1; 3}, at its build copies {1; 2, 3}: both sets.
+        state.settings.replicas = 1;
+        let from = PartitionMap { version: 3, partitions: vec![copies(&[2]), copies(&[])] };
+        let target = PartitionMap { version: 0, partitions: vec![copies(&[3]), copies(&[3])] };
+        state.rebalance = Some(shoal_meta::RebalancePlan { from, target, eject: Vec::new(), added: vec![NodeId(3)], stop: false });
+        state.map = Some(PartitionMap { version: 4, partitions: vec![copies(&[2, 3]), copies(&[3])] });
+        assert!(!q(&state, 0).met(&holding(&[1, 3])), "a majority of the build copies, not of the starting ones");
+        assert!(q(&state, 0).met(&holding(&[1, 2, 3])));
     }
 }

@@ -212,8 +212,9 @@ impl ClusterNode {
             node.membership.set_ready();
             tracing::info!(node = node.id.0, address = %node.advertise, "in the cluster");
             tokio::spawn(crate::failover::run_monitor(Arc::clone(&node)));
-            // Copies retired before a restart and not discarded yet.
+            // Copies retired before a restart and not discarded yet, and freezes it thawed.
             node.discard_later();
+            node.restore_freezes();
             node.reconcile_loop().await;
         });
     }

@@ -8,13 +8,17 @@
 //!    new replicas are built (from files or the change stream) and then follow their active;
 //! 2. **catch up and hand over, in waves**: once every new copy of a partition is close to
 //!    its active, the partition is ready; the ready partitions are handed over together when
-//!    all are ready, or `WAVE_INTERVAL` after the previous wave: each active that loses its role is asked to freeze the partitions it
-//!    gives up (it refuses writes, so nothing is acknowledged that the new active lacks) and
-//!    to answer once the new active holds everything it has; then a map moving those
-//!    partitions to their target copies is committed, each new active starts a new history
-//!    on top, and copies no longer in the map stop. A freeze thaws when that map is applied,
-//!    when the plan leaves the log (stopped, failed, or reverted by the next leader), or
-//!    after `FREEZE_MAX` at most: then the partition's old copies stay, and nothing was lost;
+//!    all are ready, or `WAVE_INTERVAL` after the previous wave: each partition's active is
+//!    asked, under the map it has, to freeze the partitions of the wave (it refuses writes,
+//!    so nothing is acknowledged that the target lacks) and to answer once every copy of
+//!    their target holds everything it has — whether the role moves or only replicas
+//!    change; then the map moving those partitions to their target copies is committed as
+//!    the very next version, each new active starts a new history on top, and copies no
+//!    longer in the map stop. A freeze thaws when a newer map is applied, or when the plan
+//!    leaves the log (stopped, failed, or reverted by the next leader); past `FREEZE_MAX`
+//!    the active commits a newer map itself, which fences the wave out (its `SetMap` is
+//!    refused), so the partition's old copies stay and nothing is lost. Until the wave,
+//!    majorities count the plan's starting copies too (`shoal_cluster::Quorum`);
 //! 3. **settle**: wait until every replica follows its active.
 //!
 //! A stop or a failure keeps the partitions already moved (their moves are done) and undoes
@@ -52,13 +56,14 @@ pub const CATCH_UP_MAX: Duration = Duration::from_secs(3_600);
 /// majority writes to a partition may be refused); past it the rebalance still succeeds
 /// and says so in the log.
 pub const SETTLE_MAX: Duration = Duration::from_secs(30);
-/// Longest an active keeps partitions frozen for a hand-over before it thaws them.
+/// Longest an active waits, frozen for a hand-over, for the wave's map; then it fences the
+/// wave out by committing the map one version on, and thaws once that is applied
+/// (`apply::fence_late_wave`).
 pub const FREEZE_MAX: Duration = Duration::from_secs(30);
-/// A hand-over whose sources all answered only after this is not committed: a source
-/// thaws its partitions (active again) `FREEZE_MAX` after its freeze began, and a map moving
-/// them committed after that would leave the writes it took meanwhile on a copy that is no
-/// longer active. Half of `FREEZE_MAX` leaves the other half for the map's commit and for
-/// the sources to apply it.
+/// A hand-over whose sources all answered only after this is not committed: past
+/// `FREEZE_MAX` a source fences the wave out, and the wave's `SetMap` would be refused.
+/// Half of `FREEZE_MAX` leaves the other half for the map's commit and for the sources to
+/// apply it.
 pub const HANDOVER_COMMIT_WITHIN: Duration = Duration::from_secs(FREEZE_MAX.as_secs() / 2);
 /// Longest an active asked to hand over waits to apply the rebalance's plan from the log.
 const PLAN_WAIT: Duration = Duration::from_secs(5);
@@ -205,8 +210,11 @@ impl Rebalancer {
 
 #[derive(Serialize, Deserialize)]
 pub(crate) struct HandoverRequest {
-    /// Partition → the node that takes its active role.
-    pub partitions: Vec<(PartitionId, NodeId)>,
+    /// The map the leader hands over from: the source answers only under the same one.
+    pub map_version: u64,
+    /// Partition → the copies of its target besides the source: each must hold everything
+    /// the source has before it answers.
+    pub partitions: Vec<(PartitionId, Vec<NodeId>)>,
 }
 
 #[derive(Serialize, Deserialize, Default)]
@@ -589,19 +597,23 @@ async fn hand_over(
     // How long the hand-over freezes partitions (their writes wait): logged, since that is
     // where a rebalance's foreground latency peaks.
     let handover_started = Instant::now();
-    let mut handovers: BTreeMap<NodeId, Vec<(PartitionId, NodeId)>> = BTreeMap::new();
+    // Every partition of the wave, whether its active role moves or only its replicas
+    // change: the active freezes it until the whole target holds what it has. (A wave that
+    // kept the active used to commit at once, and a new replica up to `CATCH_UP_SLACK`
+    // behind the one it replaced could then be promoted without writes a majority had:
+    // `shoal_cluster::sim`, `handover_waits_for_whole_target`.)
+    let mut handovers: BTreeMap<NodeId, Vec<(PartitionId, Vec<NodeId>)>> = BTreeMap::new();
     for &p in ready {
         let (cur, want) = (&map.partitions[usize::from(p)], &target.partitions[usize::from(p)]);
-        if cur.active != want.active {
-            handovers.entry(cur.active).or_default().push((p, want.active));
-        }
+        let holders: Vec<NodeId> = want.nodes().filter(|n| *n != cur.active).collect();
+        handovers.entry(cur.active).or_default().push((p, holders));
     }
     // Every source at once: their freezes overlap instead of adding up, and each runs from
     // about the same start, which the check below bounds.
     let mut calls = Vec::with_capacity(handovers.len());
     for (from, partitions) in &handovers {
         let address = state.members.get(from).map(|m| m.address.clone()).ok_or(ClusterError::NodeNotFound(*from))?;
-        let body = serde_json::to_vec(&HandoverRequest { partitions: partitions.clone() }).unwrap_or_default();
+        let body = serde_json::to_vec(&HandoverRequest { map_version: map.version, partitions: partitions.clone() }).unwrap_or_default();
         calls.push(async move {
             // A call whose connection failed (a pooled connection closed under it, a reset)
             // is sent once more while the wave may still commit: a source's side of a
@@ -635,7 +647,9 @@ async fn hand_over(
     if answered > HANDOVER_COMMIT_WITHIN {
         return Err(too_late(format!("the hand-over's sources answered after {answered:?}")));
     }
-    let next = stages::wave_map(map, target, ready, node.state().map_version() + 1);
+    // The next version of the map the sources froze under, and no other: `SetMap` refuses
+    // it if any map came between (a source fencing a late wave out, `apply::fence_late_wave`).
+    let next = stages::wave_map(map, target, ready, map.version + 1);
     let handed_over_ms = handover_started.elapsed().as_millis();
     node.propose(MetaCommand::SetMap { map: next.clone() }).await?;
     tracing::info!(
@@ -922,19 +936,30 @@ struct SlowWait {
 }
 
 /// An active's side of a hand-over: freezes the partitions (writes refused), waits until
-/// each new active holds everything this copy has, and answers. The freeze ends when the map
-/// that moves the role is applied, or after `FREEZE_MAX`.
+/// every copy of each one's target holds everything this copy has, and answers. The freeze
+/// ends with the next map (the wave's), or the plan's end; past `FREEZE_MAX` this node fences
+/// the wave out with a map of its own (`apply::fence_late_wave`).
 pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest) -> Result<(), ClusterError> {
-    // A freeze lasts only while a rebalance is under way (`apply_map` thaws otherwise): this
-    // node must have applied the plan first, or the freeze would thaw at once.
+    // A freeze lasts only while a rebalance is under way and the map is the one it was made
+    // under (`apply::freeze_holds`): this node must have applied both first.
     let mut applied = node.meta.watch();
-    let planned = matches!(tokio::time::timeout(PLAN_WAIT, applied.wait_for(|s| s.rebalance.is_some())).await, Ok(Ok(_)));
+    let wanted = req.map_version;
+    let planned = matches!(
+        tokio::time::timeout(PLAN_WAIT, applied.wait_for(|s| s.rebalance.is_some() && s.map_version() >= wanted)).await,
+        Ok(Ok(_))
+    );
     if !planned {
-        return Err(ClusterError::Refused(format!("no rebalance under way on this node after {PLAN_WAIT:?}: nothing to hand over for")));
+        return Err(ClusterError::Refused(format!(
+            "no rebalance under map version {wanted} on this node after {PLAN_WAIT:?}: nothing to hand over for"
+        )));
+    }
+    let version = node.state().map_version();
+    if version != wanted {
+        return Err(ClusterError::Refused(format!("the map moved on to version {version} since the hand-over's {wanted}")));
     }
     let until = Instant::now() + FREEZE_MAX;
     let partitions: Vec<u16> = req.partitions.iter().map(|(p, _)| *p).collect();
-    node.copy_states.freeze(&partitions, until);
+    node.copy_states.freeze(&partitions, wanted, until);
     node.apply_current_map().await?;
     // Held pulls (up to `PULL_WAIT`) answer now (`serve_pull` answers a poke at once), so
     // each new active pulls again at once — with the partitions it began to follow since its
@@ -953,7 +978,8 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
     // The partition the hand-over waited longest for, with the acknowledgement it had
     // from the new active when the wait began (logged when the freeze was long).
     let mut slowest: Option<SlowWait> = None;
-    for (p, to) in &req.partitions {
+    let waits: Vec<(u16, NodeId)> = req.partitions.iter().flat_map(|(p, holders)| holders.iter().map(|h| (*p, *h))).collect();
+    for (p, to) in &waits {
         for coll in &collections {
             let Some(pos) = coll.position(*p) else { continue };
             let before = node.acks.get(coll.id(), *p, *to);
@@ -983,7 +1009,7 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
     tracing::info!(
         partitions = req.partitions.len(),
         freeze_ms = frozen_at.elapsed().as_millis(),
-        "handing over: every new active holds what this copy has"
+        "handing over: every copy of the target holds what this copy has"
     );
     if let Some(slow) = slowest.filter(|s| s.waited >= SLOW_HANDOVER_WAIT) {
         tracing::info!(
@@ -994,7 +1020,7 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
             uuid = slow.uuid,
             before = ?slow.before,
             after = ?slow.after,
-            "a hand-over waited long for one new active"
+            "a hand-over waited long for one copy of its target"
         );
     }
     Ok(())

@@ -75,9 +75,19 @@ pub(crate) struct CopyStates {
     /// applier): a moment behind the metadata it has applied, and what a request routed
     /// here waits for.
     follows: watch::Sender<u64>,
-    /// Partitions this node holds active but was asked to hand over (a rebalance), with the
-    /// moment the freeze ends at the latest: writes stop until the new map is in.
-    frozen: Mutex<HashMap<u16, Instant>>,
+    /// Partitions this node holds active but was asked to hand over (a rebalance): writes
+    /// stop until a map newer than the one they were frozen under is in.
+    frozen: Mutex<HashMap<u16, Freeze>>,
+}
+
+/// One partition's freeze for a hand-over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Freeze {
+    /// The map version it was frozen under: a newer map ends it (the wave's, or the one
+    /// that fences the wave out when the freeze outlasts `FREEZE_MAX`).
+    pub(crate) map_version: u64,
+    /// When the node stops waiting for the wave and fences it out (`apply::fence_late_wave`).
+    pub(crate) until: Instant,
 }
 
 impl Default for CopyStates {
@@ -111,7 +121,7 @@ impl CopyStates {
 
     /// Whether partition `p` is frozen for a hand-over now.
     pub(crate) fn is_frozen(&self, p: u16) -> bool {
-        self.frozen.lock().get(&p).is_some_and(|until| *until > Instant::now())
+        self.frozen.lock().contains_key(&p)
     }
 
     /// Whether any partition is frozen (the metadata applier looks again until none is).
@@ -119,12 +129,19 @@ impl CopyStates {
         !self.frozen.lock().is_empty()
     }
 
-    /// Freezes `partitions` until `until`.
-    pub(crate) fn freeze(&self, partitions: &[u16], until: Instant) {
+    /// Freezes `partitions` under map `map_version` until a newer map, fencing the wave out
+    /// after `until`.
+    pub(crate) fn freeze(&self, partitions: &[u16], map_version: u64, until: Instant) {
         let mut frozen = self.frozen.lock();
         for p in partitions {
-            frozen.insert(*p, until);
+            frozen.insert(*p, Freeze { map_version, until });
         }
+    }
+
+    /// The newest map version a freeze that outlasted its `until` was made under, if any:
+    /// the map a fence must move past.
+    pub(crate) fn overdue(&self, now: Instant) -> Option<u64> {
+        self.frozen.lock().values().filter(|f| f.until <= now).map(|f| f.map_version).max()
     }
 
     /// Thaws partition `p`.
@@ -132,11 +149,11 @@ impl CopyStates {
         self.frozen.lock().remove(&p);
     }
 
-    /// Keeps the freezes `keep` allows (given the partition and its end), thaws the others,
-    /// and answers the partitions still frozen.
-    pub(crate) fn retain_frozen(&self, keep: impl Fn(u16, Instant) -> bool) -> HashSet<u16> {
+    /// Keeps the freezes `keep` allows, thaws the others, and answers the partitions still
+    /// frozen.
+    pub(crate) fn retain_frozen(&self, keep: impl Fn(u16, &Freeze) -> bool) -> HashSet<u16> {
         let mut frozen = self.frozen.lock();
-        frozen.retain(|p, until| keep(*p, *until));
+        frozen.retain(|p, f| keep(*p, f));
         frozen.keys().copied().collect()
     }
 }
