@@ -141,6 +141,16 @@ struct ServeArgs {
     /// address; set it when listening on 0.0.0.0).
     #[arg(long)]
     advertise: Option<String>,
+    /// The services this node runs, told to the cluster when it joins: `data` (holds
+    /// partitions), `index` (holds index partitions), `query` (plans SQL). A cluster's first
+    /// node runs `data`.
+    #[arg(long, default_value = "data,index,query", value_parser = parse_services)]
+    services: shoal_meta::Services,
+}
+
+/// `--services`: a comma-separated list of data, index and query.
+fn parse_services(list: &str) -> Result<shoal_meta::Services, String> {
+    shoal_meta::Services::parse(list).map_err(|e| e.to_string())
 }
 
 /// The log filter: `SHOAL_LOG` (default `info`), with the libraries' own chatter kept down
@@ -239,6 +249,7 @@ async fn serve(args: ServeArgs) -> Result<(), cli::CliError> {
             copy_by_stream: args.copy_by_stream,
             copy_by_records: args.copy_by_records,
             copy_unpaced: args.copy_unpaced,
+            services: args.services,
         },
         fault_injection: args.fault_injection,
     };

@@ -1772,3 +1772,54 @@ async fn cluster_add_brings_in_a_lone_empty_node() {
         assert_eq!((status, v["v"].as_i64()), (200, Some(i)), "k{i} through the added node");
     }
 }
+
+/// Multi-dimensional scaling (issue 41, Couchbase's services): a node started with
+/// `--services index,query` joins, says what it runs in `GET /v1/cluster`, and a rebalance
+/// gives it no data partition — it still answers requests for keys, forwarding them; and a
+/// first node without `data`, or a service no one knows, is refused at start with a reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_without_the_data_service_holds_no_partitions() {
+    let args = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", PARTITIONS];
+    let mut first = Node::start(&args);
+    first.pin_port();
+    let join = first.addr();
+    let second = joined(&[&args[..], &["--services", "index,query"]].concat(), &join);
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    wait_for(&http, &first.u("/v1/cluster"), "two members", |v| member_states(v).len() == 2).await;
+    rebalance(&http, &first, &[]).await;
+    let (_, info) = get_json(&http, &first.u("/v1/cluster")).await;
+    let nodes = info["nodes"].as_array().expect("nodes");
+    let of = |node: &Node| nodes.iter().find(|n| n["address"] == node.addr()).cloned().unwrap_or(Value::Null);
+    assert_eq!(of(&first)["services"], json!(["data", "index", "query"]), "{info}");
+    assert_eq!(of(&second)["services"], json!(["index", "query"]), "{info}");
+    assert_eq!(of(&second)["partitions"], json!({"active": 0, "replica": 0}), "{info}");
+    assert_eq!(of(&first)["partitions"]["active"].as_u64(), PARTITIONS.parse::<u64>().ok(), "{info}");
+    assert_eq!(http.put(second.u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    let (status, body) = put(&http, &second, "k1", 1, "persist").await;
+    assert_eq!(status, 200, "{body}");
+    let got: Value = http.get(second.u("/v1/collections/c/docs/k1")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(got["v"], 1, "{got}");
+
+    // Refused at start: an unknown service (by the command line), and a first node that
+    // holds no data (by the cluster it would found).
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(common::binary())
+        .args(["serve", "--listen", "127.0.0.1:0", "--services", "data,search"])
+        .arg("--data-path")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("no service named \"search\""), "{stderr}");
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(common::binary())
+        .args(["serve", "--listen", "127.0.0.1:0", "--services", "index"])
+        .arg("--data-path")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("the first node of a cluster holds its data"), "{stderr}");
+}

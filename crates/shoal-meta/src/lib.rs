@@ -20,7 +20,7 @@ pub use network::{InProcessRouter, MetaNetwork, MetaTransport, RpcHandleError, R
 pub use node::{InitializeError, MembershipError, MetaNode, OpenError, ProposeError};
 pub use state::{
     CollectionDef, CollectionId, IndexDef, IndexId, Member, MemberState, MetaCommand, MetaReject, MetaResponse, MetaState, RebalancePlan,
-    Settings, SettingsPatch,
+    Services, ServicesError, Settings, SettingsPatch,
 };
 pub use state_machine::{MetaStateMachine, TermLeaders};
 pub use vote_gate::VoteGate;

@@ -63,7 +63,74 @@ pub enum MemberState {
 pub struct Member {
     pub address: String,
     pub state: MemberState,
+    /// What the member runs, as it said when it joined (`--services`); members from before
+    /// services existed run all of them.
+    #[serde(default)]
+    pub services: Services,
 }
+
+impl Member {
+    /// A member at `address` in `state` running every service.
+    pub fn new(address: impl Into<String>, state: MemberState) -> Member {
+        Member { address: address.into(), state, services: Services::ALL }
+    }
+}
+
+/// The services a node runs (`serve --services data,index,query`, Couchbase's
+/// multi-dimensional scaling): placement gives data partitions only to `data` nodes, and
+/// index partitions only to `index` nodes; `query` nodes plan and coordinate SQL.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Services {
+    pub data: bool,
+    pub index: bool,
+    pub query: bool,
+}
+
+impl Default for Services {
+    fn default() -> Self {
+        Services::ALL
+    }
+}
+
+/// Why a `--services` list is refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ServicesError {
+    #[error("no service named {0:?}; the services are data, index and query")]
+    Unknown(String),
+    #[error("a node runs at least one service (data, index, query)")]
+    Empty,
+}
+
+impl Services {
+    /// Every service: a node's default.
+    pub const ALL: Services = Services { data: true, index: true, query: true };
+
+    /// Parses a comma-separated list of `data`, `index` and `query` (spaces around names
+    /// and repeats allowed, case-insensitive).
+    pub fn parse(list: &str) -> Result<Services, ServicesError> {
+        let mut services = Services { data: false, index: false, query: false };
+        for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            match name.to_ascii_lowercase().as_str() {
+                "data" => services.data = true,
+                "index" => services.index = true,
+                "query" => services.query = true,
+                _ => return Err(ServicesError::Unknown(name.chars().take(SERVICE_NAME_SHOWN_MAX).collect())),
+            }
+        }
+        if services == (Services { data: false, index: false, query: false }) {
+            return Err(ServicesError::Empty);
+        }
+        Ok(services)
+    }
+
+    /// The names of the services run, in a fixed order.
+    pub fn names(&self) -> Vec<&'static str> {
+        [("data", self.data), ("index", self.index), ("query", self.query)].into_iter().filter(|(_, on)| *on).map(|(n, _)| n).collect()
+    }
+}
+
+/// Most characters of an unknown service name an error repeats.
+const SERVICE_NAME_SHOWN_MAX: usize = 64;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CollectionDef {
@@ -186,6 +253,8 @@ pub enum MetaCommand {
     AddMember {
         node: NodeId,
         address: String,
+        #[serde(default)]
+        services: Services,
     },
     SetMemberState {
         node: NodeId,
@@ -331,7 +400,7 @@ impl MetaState {
                 self.cluster_id = cluster_id;
                 Ok(MetaResponse::Done)
             }
-            MetaCommand::AddMember { node, address } => self.add_member(node, address),
+            MetaCommand::AddMember { node, address, services } => self.add_member(node, address, services),
             MetaCommand::SetMemberState { node, state } => {
                 let member = self.members.get_mut(&node).ok_or(MetaReject::NoSuchMember { node })?;
                 member.state = state;
@@ -404,7 +473,7 @@ impl MetaState {
         answer
     }
 
-    fn add_member(&mut self, node: NodeId, address: String) -> Result<MetaResponse, MetaReject> {
+    fn add_member(&mut self, node: NodeId, address: String, services: Services) -> Result<MetaResponse, MetaReject> {
         if address.is_empty() || address.len() > ADDRESS_MAX_BYTES {
             return Err(MetaReject::OutOfRange { what: "address".into(), why: format!("an address has 1 to {ADDRESS_MAX_BYTES} bytes") });
         }
@@ -417,7 +486,7 @@ impl MetaState {
         if self.members.len() >= shoal_cluster::NODES_MAX {
             return Err(MetaReject::LimitReached { what: format!("at most {} members", shoal_cluster::NODES_MAX) });
         }
-        self.members.insert(node, Member { address, state: MemberState::Added });
+        self.members.insert(node, Member { address, state: MemberState::Added, services });
         Ok(MetaResponse::Done)
     }
 
@@ -555,6 +624,27 @@ impl MetaState {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn services_parse_names_and_refuse_unknown_ones() {
+        let only = |data, index, query| Services { data, index, query };
+        let cases: [(&str, Result<Services, ServicesError>); 7] = [
+            ("data,index,query", Ok(Services::ALL)),
+            ("data", Ok(only(true, false, false))),
+            (" Index , query,index", Ok(only(false, true, true))),
+            ("", Err(ServicesError::Empty)),
+            (",,", Err(ServicesError::Empty)),
+            ("data,search", Err(ServicesError::Unknown("search".into()))),
+            ("kv", Err(ServicesError::Unknown("kv".into()))),
+        ];
+        for (list, want) in cases {
+            assert_eq!(Services::parse(list), want, "{list:?}");
+        }
+        assert_eq!(only(false, true, true).names(), vec!["index", "query"]);
+        let old: Member = serde_json::from_str(r#"{"address":"a:1","state":"active"}"#).expect("a member from before services");
+        assert_eq!(old.services, Services::ALL);
+    }
+
     use super::*;
     use serde_json::json;
     use shoal_cluster::Copies;
@@ -575,7 +665,7 @@ mod tests {
     }
 
     fn add(node: u64, address: &str) -> MetaCommand {
-        MetaCommand::AddMember { node: n(node), address: address.into() }
+        MetaCommand::AddMember { node: n(node), address: address.into(), services: Services::ALL }
     }
 
     fn create(name: &str) -> MetaCommand {

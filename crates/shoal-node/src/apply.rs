@@ -431,7 +431,7 @@ mod tests {
     fn replicas_follow_their_actives_unless_failed() {
         let mut state = MetaState::default();
         for (id, s) in [(1, MemberState::Active), (2, MemberState::Active), (3, MemberState::Failed)] {
-            state.members.insert(NodeId(id), Member { address: format!("n{id}"), state: s });
+            state.members.insert(NodeId(id), Member::new(format!("n{id}"), s));
         }
         let m = map(&[(2, &[1]), (3, &[1]), (1, &[2]), (2, &[1])]);
         assert_eq!(replication_sources(&state, &m, NodeId(1), false), [NodeId(2)].into_iter().collect());

@@ -64,9 +64,13 @@ pub fn quorum_of(state: &MetaState, p: u16) -> Option<Quorum> {
     Some(Quorum::of(copies, copies_counted(state, copies), plan, configured_copies(state.settings.replicas, data_nodes(state))))
 }
 
-/// Members that hold data or did: active, leaving or failed.
+/// Members that hold data or did: running the data service, and active, leaving or failed.
 fn data_nodes(state: &MetaState) -> usize {
-    state.members.values().filter(|m| matches!(m.state, MemberState::Active | MemberState::Leaving | MemberState::Failed)).count()
+    state
+        .members
+        .values()
+        .filter(|m| m.services.data && matches!(m.state, MemberState::Active | MemberState::Leaving | MemberState::Failed))
+        .count()
 }
 
 impl ClusterNode {
@@ -157,7 +161,7 @@ mod tests {
         let mut state = MetaState::default();
         state.settings.replicas = 1;
         for (id, s) in [(1, MemberState::Active), (2, MemberState::Failed), (3, MemberState::Active)] {
-            state.members.insert(NodeId(id), Member { address: format!("n{id}"), state: s });
+            state.members.insert(NodeId(id), Member::new(format!("n{id}"), s));
         }
         let copies = |replicas: &[u64]| Copies { active: NodeId(1), replicas: replicas.iter().map(|r| NodeId(*r)).collect() };
         state.map = Some(PartitionMap { version: 3, partitions: vec![copies(&[2]), copies(&[])] });

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use shoal_cluster::NodeId;
-use shoal_meta::{MemberState, MetaCommand, MetaReject, MetaResponse};
+use shoal_meta::{MemberState, MetaCommand, MetaReject, MetaResponse, Services};
 use tokio::sync::watch;
 
 use crate::identity::{self, Identity};
@@ -53,6 +53,8 @@ pub(crate) struct Membership {
     fatal: watch::Sender<Option<String>>,
     /// Set once this node accepted an invitation to join another cluster.
     rejoin: watch::Sender<bool>,
+    /// What this node runs (`--services`): told to the cluster when it joins.
+    services: Services,
 }
 
 /// What opening the membership found: the node's id, whether it has never been in a
@@ -106,6 +108,7 @@ impl Membership {
             admit_lock: tokio::sync::Mutex::new(()),
             fatal: watch::channel(None).0,
             rejoin: watch::channel(false).0,
+            services: config.services,
         };
         Ok(Opened { membership, node_id, joining_new })
     }
@@ -259,7 +262,7 @@ impl ClusterNode {
         identity::store_join_request(&self.membership.dir, &invitation)?;
         tracing::info!(join = %invitation.join, "invited into a cluster; restarting to join it");
         self.membership.rejoin.send_replace(true);
-        Ok(JoinRequest { node: self.id, address: self.advertise.clone() })
+        Ok(JoinRequest { node: self.id, address: self.advertise.clone(), services: self.membership.services })
     }
 
     pub(crate) async fn enter(&self) -> Result<(), ClusterError> {
@@ -307,13 +310,23 @@ impl ClusterNode {
     /// Founds a one-node cluster: this node votes alone, is `active`, holds every partition
     /// active, and brings its existing collections in under their ids.
     async fn found(&self) -> Result<(), ClusterError> {
+        if !self.membership.services.data {
+            return Err(ClusterError::Refused(
+                "the first node of a cluster holds its data: start it with --services including data, and add index or query \
+                 nodes to it with --join"
+                    .into(),
+            ));
+        }
         match self.meta.initialize(BTreeMap::from([(self.id.0, self.advertise.clone())])).await {
             Ok(()) | Err(shoal_meta::InitializeError::AlreadyInitialized) => {}
             Err(e) => return Err(ClusterError::Meta(e.to_string())),
         }
         let cluster_id = format!("{:016x}", rand::random::<u64>());
         ignore_repeat(self.propose(MetaCommand::InitCluster { cluster_id }).await)?;
-        ignore_repeat(self.propose(MetaCommand::AddMember { node: self.id, address: self.advertise.clone() }).await)?;
+        ignore_repeat(
+            self.propose(MetaCommand::AddMember { node: self.id, address: self.advertise.clone(), services: self.membership.services })
+                .await,
+        )?;
         self.propose(MetaCommand::SetMemberState { node: self.id, state: MemberState::Active }).await?;
         let store = self.engine.store();
         for info in store.list_collections() {
@@ -350,8 +363,9 @@ impl ClusterNode {
     }
 
     async fn join_cluster(&self, address: &str) -> Result<(), ClusterError> {
-        let request = serde_json::to_vec(&JoinRequest { node: self.id, address: self.advertise.clone() })
-            .map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+        let request =
+            serde_json::to_vec(&JoinRequest { node: self.id, address: self.advertise.clone(), services: self.membership.services })
+                .map_err(|e| ClusterError::BadMessage(e.to_string()))?;
         let deadline = Instant::now() + JOIN_TIMEOUT;
         loop {
             match self.peers.call(address, Op::Join, request.clone(), JOIN_TIMEOUT).await {
@@ -408,7 +422,7 @@ impl ClusterNode {
                 )))
             }
             None => {
-                self.propose(MetaCommand::AddMember { node: req.node, address: req.address.clone() }).await?;
+                self.propose(MetaCommand::AddMember { node: req.node, address: req.address.clone(), services: req.services }).await?;
             }
         }
         self.meta.add_learner(req.node.0, req.address.clone()).await.map_err(|e| ClusterError::Meta(e.to_string()))?;

@@ -50,6 +50,8 @@ pub struct ClusterConfig {
     /// Copies here move as fast as they can, without the elastic budget that yields to
     /// requests (`serve --copy-unpaced`, hidden): for the benchmark's comparison.
     pub copy_unpaced: bool,
+    /// The services this node runs (`--services`), told to the cluster when it joins.
+    pub services: shoal_meta::Services,
 }
 
 /// See [`ClusterNode::stats`].

@@ -384,11 +384,11 @@ fn target_map(node: &ClusterNode, eject: &[NodeId]) -> Result<(PartitionMap, Par
     let nodes: Vec<shoal_cluster::Node> = state
         .members
         .iter()
-        .filter(|(id, m)| matches!(m.state, MemberState::Active | MemberState::Added) && !eject.contains(id))
+        .filter(|(id, m)| matches!(m.state, MemberState::Active | MemberState::Added) && m.services.data && !eject.contains(id))
         .map(|(id, _)| shoal_cluster::Node { id: *id, weight: 1 })
         .collect();
     if nodes.is_empty() {
-        return Err(ClusterError::Refused("no node would be left to hold the data".into()));
+        return Err(ClusterError::Refused("no node running the data service would be left to hold the data".into()));
     }
     let mut target = shoal_cluster::place(current.partition_count(), &nodes, state.settings.replicas, Some(&current))
         .map_err(|e| ClusterError::Refused(format!("cannot place partitions: {e}")))?;

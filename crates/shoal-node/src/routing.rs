@@ -306,7 +306,7 @@ mod tests {
     fn state(members: &[(u64, MemberState)], actives: &[u64]) -> MetaState {
         let mut state = MetaState::default();
         for (id, s) in members {
-            state.members.insert(NodeId(*id), Member { address: format!("n{id}"), state: *s });
+            state.members.insert(NodeId(*id), Member::new(format!("n{id}"), *s));
         }
         state.map = Some(PartitionMap {
             version: 7,

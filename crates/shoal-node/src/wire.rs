@@ -11,6 +11,9 @@ use shoal_storage::{Change, FailoverEntry};
 pub struct JoinRequest {
     pub node: NodeId,
     pub address: String,
+    /// What the joining node runs (`--services`); all of them when a node does not say.
+    #[serde(default)]
+    pub services: shoal_meta::Services,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

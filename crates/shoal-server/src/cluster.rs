@@ -35,6 +35,7 @@ pub async fn info(State(state): State<AppState>, RawQuery(q): RawQuery) -> Resul
                 "id": id.0,
                 "address": m.address,
                 "state": member_state(m.state),
+                "services": m.services.names(),
                 "healthy": healthy.as_ref().map(|h| h.get(&id.0).copied().unwrap_or(false)),
                 "partitions": {"active": active, "replica": replica},
                 "indexes": meta.indexes.values().map(|by_name| by_name.len()).sum::<usize>(),
