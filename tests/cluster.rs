@@ -1799,6 +1799,13 @@ async fn a_node_without_the_data_service_holds_no_partitions() {
     assert_eq!(status, 200, "{body}");
     let got: Value = http.get(second.u("/v1/collections/c/docs/k1")).send().await.unwrap().json().await.unwrap();
     assert_eq!(got["v"], 1, "{got}");
+    // Two index nodes: an index may have one replica per partition, not two.
+    let create = |body: Value| http.post(first.u("/v1/collections/c/indexes")).json(&body).send();
+    assert_eq!(create(json!({"name": "r1", "keys": ["v"], "partitions": 4, "replicas": 1})).await.unwrap().status(), 201);
+    let r = create(json!({"name": "r2", "keys": ["v"], "replicas": 2})).await.unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["reason"].as_str().unwrap_or("").contains("fewer replicas than the cluster has index nodes (2)"), "{v}");
 
     // Refused at start: an unknown service (by the command line), and a first node that
     // holds no data (by the cluster it would found).

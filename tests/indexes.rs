@@ -224,6 +224,14 @@ async fn bad_index_input() {
         ("POST", create, json!({"name": "x", "keys": "a"}).to_string(), StatusCode::BAD_REQUEST, "bad_request"),
         ("POST", create, "{not json".to_string(), StatusCode::BAD_REQUEST, "invalid_json"),
         ("POST", create, "x".repeat(100_000), StatusCode::PAYLOAD_TOO_LARGE, "too_large"),
+        // The index service's fields (issue 41): partitions 1-256, replicas 0-3 and fewer than
+        // the index nodes (this node is the only one).
+        ("POST", create, json!({"name": "p0", "keys": ["a"], "partitions": 0}).to_string(), StatusCode::BAD_REQUEST, "bad_request"),
+        ("POST", create, json!({"name": "p1", "keys": ["a"], "partitions": 10_000}).to_string(), StatusCode::BAD_REQUEST, "bad_request"),
+        ("POST", create, json!({"name": "p2", "keys": ["a"], "partitions": -1}).to_string(), StatusCode::BAD_REQUEST, "bad_request"),
+        ("POST", create, json!({"name": "r1", "keys": ["a"], "replicas": 1}).to_string(), StatusCode::BAD_REQUEST, "bad_request"),
+        ("POST", create, json!({"name": "r4", "keys": ["a"], "replicas": 4}).to_string(), StatusCode::BAD_REQUEST, "bad_request"),
+        ("POST", create, json!({"name": "r9", "keys": ["a"], "replicas": 300}).to_string(), StatusCode::BAD_REQUEST, "bad_request"),
         (
             "POST",
             "/v1/collections/nope/indexes",

@@ -66,7 +66,7 @@ async fn a_collection_with_a_given_id_gets_its_shadow_and_index_and_expires_by_t
     let short = shoal_storage::absolute_expiry(10, engine.store().now_secs()).unwrap();
     let _ = coll.write(upsert("a", json!({"k": 1}), short)).unwrap();
     let _ = coll.write(upsert("b", json!({"k": 1}), 0)).unwrap();
-    let def = IndexDef { name: "by_k".into(), keys: vec!["k".into()], filter: None, defer_build: false };
+    let def = IndexDef { name: "by_k".into(), keys: vec!["k".into()], filter: None, defer_build: false, partitions: None, replicas: 0 };
     engine.indexes().create(&coll, def).await.unwrap();
     assert_eq!(scan(&engine, &coll, json!(1)).await, ["a", "b"]);
     let shadow = engine.shadows().shadow(42).unwrap();

@@ -32,7 +32,28 @@ pub struct IndexDef {
     pub filter: Option<String>,
     #[serde(default)]
     pub defer_build: bool,
+    /// Index partitions, by a hash of the leading key's value ([`crate::partition`]),
+    /// 1..=[`INDEX_PARTITIONS_MAX`], fixed at creation (default [`INDEX_PARTITIONS_DEFAULT`]):
+    /// the units the index service places, copies and drops (issue 41).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partitions: Option<u16>,
+    /// Copies of each index partition beyond the first, 0..=[`INDEX_REPLICAS_MAX`], fewer
+    /// than the cluster's index nodes (the cluster checks that).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub replicas: u8,
 }
+
+fn is_zero(n: &u8) -> bool {
+    *n == 0
+}
+
+/// Most partitions an index is split into (API.md: 1–256; the same bound as
+/// `shoal_cluster::index_placement::INDEX_PARTITIONS_MAX`, which places them).
+pub const INDEX_PARTITIONS_MAX: u16 = 256;
+/// Partitions of an index whose definition does not say.
+pub const INDEX_PARTITIONS_DEFAULT: u16 = 8;
+/// Most replicas of an index partition (API.md: 0–3).
+pub const INDEX_REPLICAS_MAX: u8 = 3;
 
 /// One key of an index, parsed.
 #[derive(Clone, Debug)]
@@ -66,6 +87,12 @@ impl IndexDef {
         let keys = self.keys.iter().map(|k| parse_key(k)).collect::<Result<Vec<_>, _>>()?;
         if keys.iter().filter(|k| k.each.is_some()).count() > 1 {
             return Err(IndexError::Invalid("at most one array key (`path[*]`) per index".into()));
+        }
+        if self.partitions.is_some_and(|n| n == 0 || n > INDEX_PARTITIONS_MAX) {
+            return Err(IndexError::Invalid(format!("an index has 1 to {INDEX_PARTITIONS_MAX} partitions")));
+        }
+        if self.replicas > INDEX_REPLICAS_MAX {
+            return Err(IndexError::Invalid(format!("an index has 0 to {INDEX_REPLICAS_MAX} replicas")));
         }
         let filter = self.filter.as_deref().map(Filter::parse).transpose()?;
         Ok(Compiled { keys, filter })
@@ -174,6 +201,8 @@ mod tests {
             keys: keys.iter().map(|k| k.to_string()).collect(),
             filter: filter.map(str::to_string),
             defer_build: false,
+            partitions: None,
+            replicas: 0,
         }
         .compile()
         .unwrap()
@@ -216,7 +245,14 @@ mod tests {
             (vec!["a"], "_x"),
             (vec!["a"], ""),
         ] {
-            let d = IndexDef { name: name.into(), keys: keys.iter().map(|k| k.to_string()).collect(), filter: None, defer_build: false };
+            let d = IndexDef {
+                name: name.into(),
+                keys: keys.iter().map(|k| k.to_string()).collect(),
+                filter: None,
+                defer_build: false,
+                partitions: None,
+                replicas: 0,
+            };
             assert!(d.compile().is_err(), "{keys:?} {name}");
         }
     }

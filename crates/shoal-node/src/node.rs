@@ -295,6 +295,15 @@ impl ClusterNode {
         name: &str,
         definition: serde_json::Value,
     ) -> Result<shoal_index::IndexStatus, ClusterError> {
+        // Each index partition's copies go on distinct index nodes: more replicas than the
+        // other index nodes could never be placed.
+        let replicas = definition.get("replicas").and_then(serde_json::Value::as_u64).unwrap_or(0);
+        let index_nodes = index_nodes(&self.state());
+        if replicas >= index_nodes as u64 {
+            return Err(ClusterError::Index(shoal_index::IndexError::Invalid(format!(
+                "an index has fewer replicas than the cluster has index nodes ({index_nodes}); start more nodes with the index service"
+            ))));
+        }
         let cmd = MetaCommand::CreateIndex { collection: coll.name().to_string(), name: name.to_string(), definition };
         self.propose(cmd).await?;
         let indexes = self.engine.indexes();
@@ -486,4 +495,45 @@ impl ClusterNode {
 /// Runs storage work off the async threads.
 pub(crate) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, ClusterError> {
     tokio::task::spawn_blocking(f).await.map_err(|e| ClusterError::Storage(format!("storage task failed: {e}")))
+}
+
+/// Members that run the index service and are in the cluster (active or added).
+pub(crate) fn index_nodes(state: &MetaState) -> usize {
+    state
+        .members
+        .values()
+        .filter(|m| m.services.index && matches!(m.state, shoal_meta::MemberState::Active | shoal_meta::MemberState::Added))
+        .count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shoal_cluster::NodeId;
+    use shoal_meta::{Member, MemberState, Services};
+
+    #[test]
+    fn the_index_bounds_the_api_checks_are_the_ones_placement_takes() {
+        use shoal_cluster::index_placement as placement;
+        assert_eq!(shoal_index::def::INDEX_PARTITIONS_MAX, placement::INDEX_PARTITIONS_MAX);
+        assert_eq!(shoal_index::def::INDEX_PARTITIONS_DEFAULT, placement::INDEX_PARTITIONS_DEFAULT);
+        assert_eq!(shoal_index::def::INDEX_REPLICAS_MAX, shoal_cluster::REPLICAS_MAX);
+    }
+
+    #[test]
+    fn index_nodes_are_members_in_the_cluster_that_run_the_index_service() {
+        let mut state = MetaState::default();
+        let data_only = Services { data: true, index: false, query: false };
+        let members = [
+            (1, MemberState::Active, Services::ALL),
+            (2, MemberState::Added, Services::ALL),
+            (3, MemberState::Active, data_only),
+            (4, MemberState::Failed, Services::ALL),
+            (5, MemberState::Ejected, Services::ALL),
+        ];
+        for (id, s, services) in members {
+            state.members.insert(NodeId(id), Member { address: format!("n{id}"), state: s, services });
+        }
+        assert_eq!(index_nodes(&state), 2);
+    }
 }

@@ -45,7 +45,7 @@ pub fn fill(coll: &Collection) {
 }
 
 pub fn def(name: &str, key: &str, defer_build: bool) -> IndexDef {
-    IndexDef { name: name.into(), keys: vec![key.into()], filter: None, defer_build }
+    IndexDef { name: name.into(), keys: vec![key.into()], filter: None, defer_build, partitions: None, replicas: 0 }
 }
 
 /// The ids of `a = 3`, as the index must answer.
