@@ -80,16 +80,18 @@
 //!   freeze are durable: a crash keeps every change the node holds (as if each were
 //!   fsynced before it is acknowledged or sent), and loses only volatile state —
 //!   acknowledgements counted as active, pending client operations (their writes become
-//!   unknown outcomes), read rounds seen. (Production keeps the freeze in memory;
-//!   [`Protocol::freeze_survives_crash`] shows what that risks.)
+//!   unknown outcomes), read rounds seen. (Production keeps the freeze in memory and, after
+//!   a restart, freezes again the copies it stored as replicas that the map still names
+//!   active under a plan; [`Protocol::freeze_survives_crash`] shows what that prevents.)
 //! - One partition, so a wave is the whole rebalance; with three replicas a rebalance only
-//!   promotes a replica or fills a vacant slot (a build map with one more copy would have
-//!   more than [`crate::REPLICAS_MAX`] replicas, which `PartitionMap::check` refuses).
+//!   promotes a replica or fills a vacant slot (kept to at most [`crate::REPLICAS_MAX`]
+//!   replicas in the build map, though production's maps take up to
+//!   [`crate::MAP_REPLICAS_MAX`]).
 //!   Nodes never come back once failed over or moved off the map; new copies are new nodes.
 //! - A freeze has no time limit, and the leader commits a hand-over whenever its answer
-//!   comes (production thaws after `FREEZE_MAX` and commits only within
-//!   `HANDOVER_COMMIT_WITHIN` of its calls: a timing assumption a scheduler without a clock
-//!   cannot honour). Hand-over calls carry a name, as a connection does: a late answer to
+//!   comes. (Production's freeze ends by a newer map or the plan's end too, never by the
+//!   clock; past `FREEZE_MAX` the frozen node commits that newer map itself, which fences a
+//!   late wave out — a path without a clock the simulation does not take.) Hand-over calls carry a name, as a connection does: a late answer to
 //!   an earlier call is not taken for a later one's.
 //! - Read rounds are the simulation's step number, standing in for any counter that rises
 //!   across restarts (a hybrid clock); a step stands for a second of the stage machine's

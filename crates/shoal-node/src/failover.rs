@@ -474,7 +474,9 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
         let timeout = Duration::from_secs(u64::from(state.settings.auto_failover_timeout_s));
         let max_count = state.settings.auto_failover_max_count as usize;
         for (id, member) in &state.members {
-            if *id == node.id || member.state != MemberState::Active {
+            // A node without the data service holds no copy: failing it over would move
+            // nothing and use up `auto_failover_max_count` for the data nodes.
+            if *id == node.id || member.state != MemberState::Active || !member.services.data {
                 continue;
             }
             if node.monitor.silent_for(id.0, &node.lease).is_none_or(|s| s < timeout) {
@@ -551,9 +553,9 @@ pub async fn failover(node: &Arc<ClusterNode>, target: NodeId) -> Result<Failove
     }
     let map = state.map.clone().ok_or_else(|| ClusterError::Refused("no partition map yet".into()))?;
     if member.state != MemberState::Failed {
-        let others = state.members.iter().filter(|(id, m)| **id != target && m.state == MemberState::Active).count();
-        if others == 0 {
-            return Err(ClusterError::Refused(format!("node {target} is the last active node; failing it over would leave no copy")));
+        let others = state.members.iter().filter(|(id, m)| **id != target && m.state == MemberState::Active && m.services.data).count();
+        if others == 0 && member.services.data {
+            return Err(ClusterError::Refused(format!("node {target} is the last active data node; failing it over would leave no copy")));
         }
         node.propose(MetaCommand::SetMemberState { node: target, state: MemberState::Failed }).await?;
     }

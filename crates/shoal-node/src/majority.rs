@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use shoal_cluster::{configured_copies, Copies, Quorum};
+use shoal_cluster::{configured_copies, Copies, NodeId, Quorum};
 use shoal_meta::{MemberState, MetaState};
 use shoal_storage::StreamPosition;
 
@@ -94,10 +94,18 @@ impl ClusterNode {
     async fn enough_healthy(&self, collection: u32, p: u16, quorum: &Quorum) -> Result<(), MajorityError> {
         let deadline = tokio::time::Instant::now() + UNHEARD_REPLICA_GRACE;
         let others = quorum.others(self.id);
+        // Not heard from since the map changed, and never to be: a failed member, or one the
+        // map no longer holds a copy on (a rebalance's starting copy a failover took out).
+        let state = self.state();
+        let can_answer = |n: &NodeId| {
+            state.members.get(n).is_some_and(|m| m.state != MemberState::Failed)
+                && state.map.as_ref().and_then(|m| m.partitions.get(usize::from(p))).is_some_and(|c| c.holds(*n))
+        };
         let mut changes = self.acks.changes();
         loop {
             changes.borrow_and_update();
-            let (healthy, unheard) = self.acks.heard(collection, p, &others, HEALTHY_ACK_WINDOW);
+            let (healthy, mut unheard) = self.acks.heard(collection, p, &others, HEALTHY_ACK_WINDOW);
+            unheard.retain(|n| can_answer(n));
             let Some((held, needed)) = quorum.unmet(&|n| n == self.id || healthy.contains(&n)) else { return Ok(()) };
             if !quorum.met(&|n| n == self.id || healthy.contains(&n) || unheard.contains(&n))
                 || tokio::time::timeout_at(deadline, changes.changed()).await.map_or(true, |r| r.is_err())

@@ -67,6 +67,8 @@ pub const FREEZE_MAX: Duration = Duration::from_secs(30);
 pub const HANDOVER_COMMIT_WITHIN: Duration = Duration::from_secs(FREEZE_MAX.as_secs() / 2);
 /// Longest an active asked to hand over waits to apply the rebalance's plan from the log.
 const PLAN_WAIT: Duration = Duration::from_secs(5);
+/// Times a revert reads the map again when another map committed before its own.
+const REVERT_ATTEMPTS: usize = 5;
 /// How often the leader looks at the copies' progress.
 const PROGRESS_POLL: Duration = Duration::from_millis(200);
 /// A progress or hand-over call's timeout.
@@ -325,6 +327,7 @@ pub(crate) fn drive(node: &Arc<ClusterNode>) {
     let n = Arc::clone(node);
     tokio::spawn(async move {
         let mut outcome = run(&n, &plan).await;
+        let mut reverted = true;
         // Not the leader any more: the plan stays in the log for the next one.
         let handed_on = matches!(&outcome, Err(ClusterError::NotLeader { .. } | ClusterError::NoLeader(_))) || !n.is_leader();
         let finished = n.state().map.as_ref().is_some_and(|m| m.partitions == plan.target.partitions);
@@ -334,9 +337,13 @@ pub(crate) fn drive(node: &Arc<ClusterNode>) {
             tracing::warn!(error = %e, "rebalance failed; going back to the map before it");
             if let Err(revert_error) = revert(&n, &plan).await {
                 outcome = Err(ClusterError::Refused(format!("{e}; and going back failed: {revert_error}")));
+                reverted = false;
             }
         }
-        if !handed_on {
+        // A plan whose revert failed stays in the log: its end would drop the starting
+        // copies' majorities while the map still holds the build copies. The next leader
+        // (or the next start of this one's rebalance) takes it up.
+        if !handed_on && reverted {
             if let Err(e) = n.propose(MetaCommand::EndRebalance).await {
                 tracing::warn!(error = %e, "forgetting the rebalance plan");
             }
@@ -595,6 +602,11 @@ async fn hand_over(
     let _one = node.monitor.lock.lock().await;
     let state = node.state();
     still_on(&state, map, target)?;
+    // The same copies, at the version the log has now: a map that changed no copy (a source
+    // fencing out a late wave, a failover of a node holding none) moved the version on, and
+    // a hand-over under the old one would be refused by every source.
+    let fresh = state.map.clone().unwrap_or_else(|| map.clone());
+    let map = &fresh;
     // How long the hand-over freezes partitions (their writes wait): logged, since that is
     // where a rebalance's foreground latency peaks.
     let handover_started = Instant::now();
@@ -687,12 +699,26 @@ fn map_changed() -> ClusterError {
 /// no copy go back to `added`.
 async fn revert(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<(), ClusterError> {
     let _one = node.monitor.lock.lock().await;
-    let current = node.state().map.clone().ok_or_else(|| ClusterError::Refused("no partition map".into()))?;
-    let back = stages::revert_map(&current, &plan.from, &plan.target);
-    let holders = back.as_ref().unwrap_or(&current).nodes();
-    if let Some(back) = back {
-        node.propose(MetaCommand::SetMap { map: back }).await?;
-    }
+    // Always a new version, even when no copy goes: a wave proposed before (by this leader,
+    // or one deposed and still running) can then never commit after the plan's end, when the
+    // sources have thawed. A map committed meanwhile (a source fencing a late wave out)
+    // makes the proposal stale: read the map again and go back from it.
+    let mut attempts = 0;
+    let holders = loop {
+        let current = node.state().map.clone().ok_or_else(|| ClusterError::Refused("no partition map".into()))?;
+        let back = stages::revert_map(&current, &plan.from, &plan.target)
+            .unwrap_or_else(|| PartitionMap { version: current.version + 1, ..current.clone() });
+        let holders = back.nodes();
+        match node.propose(MetaCommand::SetMap { map: back }).await {
+            Ok(_) => break holders,
+            Err(ClusterError::Rejected(MetaReject::MapVersion { .. })) if attempts < REVERT_ATTEMPTS => {
+                attempts += 1;
+                let seen = node.state().map_version();
+                node.wait_map_after(seen, PLAN_WAIT).await;
+            }
+            Err(e) => return Err(e),
+        }
+    };
     let state = node.state();
     for id in &plan.eject {
         if state.members.get(id).is_some_and(|m| m.state == MemberState::Leaving) {
@@ -1026,8 +1052,10 @@ pub(crate) async fn serve_handover(node: &Arc<ClusterNode>, req: HandoverRequest
                 slowest = Some(SlowWait { waited, partition: *p, to: *to, seqno: pos.seqno, uuid: pos.uuid, before, after });
             }
             if !reached {
-                node.copy_states.thaw(*p);
-                node.apply_current_map().await?;
+                // The freeze stays: it is overdue now, and this node fences the wave out
+                // before it thaws (`apply::fence_late_wave`). Thawing here let an earlier
+                // leader's hand-over of the same map, answered later by another call, commit
+                // a wave over the writes taken since.
                 return Err(ClusterError::Timeout(format!("node {to} did not catch up on partition {p} of {} in time", coll.name())));
             }
         }

@@ -144,11 +144,6 @@ impl CopyStates {
         self.frozen.lock().values().filter(|f| f.until <= now).map(|f| f.map_version).max()
     }
 
-    /// Thaws partition `p`.
-    pub(crate) fn thaw(&self, p: u16) {
-        self.frozen.lock().remove(&p);
-    }
-
     /// Keeps the freezes `keep` allows, thaws the others, and answers the partitions still
     /// frozen.
     pub(crate) fn retain_frozen(&self, keep: impl Fn(u16, &Freeze) -> bool) -> HashSet<u16> {
