@@ -1812,24 +1812,16 @@ async fn a_node_without_the_data_service_holds_no_partitions() {
 
     // Refused at start: an unknown service (by the command line), and a first node that
     // holds no data (by the cluster it would found).
-    let dir = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new(common::binary())
-        .args(["serve", "--listen", "127.0.0.1:0", "--services", "data,search"])
-        .arg("--data-path")
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("no service named \"search\""), "{stderr}");
-    let dir = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new(common::binary())
-        .args(["serve", "--listen", "127.0.0.1:0", "--services", "index"])
-        .arg("--data-path")
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("the first node of a cluster holds its data"), "{stderr}");
+    for (services, why) in [("data,search", "no service named \"search\""), ("index", "the first node of a cluster holds its data")] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = std::process::Command::new(common::binary())
+            .args(["serve", "--listen", "127.0.0.1:0", "--services", services])
+            .arg("--data-path")
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "--services {services} started");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(why), "--services {services}: {stderr}");
+    }
 }
