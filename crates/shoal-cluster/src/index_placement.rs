@@ -34,7 +34,7 @@ use thiserror::Error;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::map::NodeId;
-use crate::placement::{targets, Node};
+use crate::placement::{sorted_members, targets, BadNode, Node};
 use crate::{NODES_MAX, NODE_WEIGHT_MAX, REPLICAS_MAX};
 
 /// Most partitions one index is split into (API.md: 1–256).
@@ -95,16 +95,10 @@ pub fn place_indexes(specs: &[IndexSpec], nodes: &[Node], previous: &IndexPlacem
     if nodes.len() > NODES_MAX {
         return Err(IndexPlaceError::NodeCount(nodes.len()));
     }
-    let mut members = nodes.to_vec();
-    members.sort_unstable_by_key(|n| n.id);
-    for (i, node) in members.iter().enumerate() {
-        if node.weight == 0 || node.weight > NODE_WEIGHT_MAX {
-            return Err(IndexPlaceError::Weight { node: node.id, weight: node.weight });
-        }
-        if i > 0 && members[i - 1].id == node.id {
-            return Err(IndexPlaceError::DuplicateNode(node.id));
-        }
-    }
+    let members = sorted_members(nodes).map_err(|bad| match bad {
+        BadNode::Weight { node, weight } => IndexPlaceError::Weight { node, weight },
+        BadNode::Twice(node) => IndexPlaceError::DuplicateNode(node),
+    })?;
     let mut seen = BTreeSet::new();
     for spec in specs {
         if spec.partitions == 0 || spec.partitions > INDEX_PARTITIONS_MAX {

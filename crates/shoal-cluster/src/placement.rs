@@ -93,16 +93,10 @@ pub fn place(partitions: u16, nodes: &[Node], replicas: u8, previous: Option<&Pa
     if nodes.is_empty() || nodes.len() > NODES_MAX {
         return Err(PlaceError::NodeCount(nodes.len()));
     }
-    let mut members = nodes.to_vec();
-    members.sort_unstable_by_key(|n| n.id);
-    for (i, node) in members.iter().enumerate() {
-        if node.weight == 0 || node.weight > NODE_WEIGHT_MAX {
-            return Err(PlaceError::Weight { node: node.id, weight: node.weight });
-        }
-        if i > 0 && members[i - 1].id == node.id {
-            return Err(PlaceError::DuplicateNode(node.id));
-        }
-    }
+    let members = sorted_members(nodes).map_err(|bad| match bad {
+        BadNode::Weight { node, weight } => PlaceError::Weight { node, weight },
+        BadNode::Twice(node) => PlaceError::DuplicateNode(node),
+    })?;
     if let Some(previous) = previous {
         previous.check()?;
         if previous.partitions.len() != usize::from(partitions) {
@@ -123,6 +117,28 @@ pub fn place(partitions: u16, nodes: &[Node], replicas: u8, previous: Option<&Pa
     let map = PartitionMap { version, partitions: placed };
     debug_assert_eq!(map.check(), Ok(()));
     Ok(map)
+}
+
+/// Why a list of nodes cannot be placed on, whatever is placed.
+pub(crate) enum BadNode {
+    Weight { node: NodeId, weight: u32 },
+    Twice(NodeId),
+}
+
+/// `nodes` in id order, every weight 1..=`NODE_WEIGHT_MAX` and no node twice: the nodes
+/// data placement and index placement both take.
+pub(crate) fn sorted_members(nodes: &[Node]) -> Result<Vec<Node>, BadNode> {
+    let mut members = nodes.to_vec();
+    members.sort_unstable_by_key(|n| n.id);
+    for (i, node) in members.iter().enumerate() {
+        if node.weight == 0 || node.weight > NODE_WEIGHT_MAX {
+            return Err(BadNode::Weight { node: node.id, weight: node.weight });
+        }
+        if i > 0 && members[i - 1].id == node.id {
+            return Err(BadNode::Twice(node.id));
+        }
+    }
+    Ok(members)
 }
 
 /// A node's weighted rendezvous score for a partition; the highest score is preferred.
