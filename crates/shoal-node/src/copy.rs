@@ -450,7 +450,7 @@ fn start(node: &Arc<ClusterNode>, source: NodeId, address: String, p: u16, map_v
 /// and leave it to the unpaced change stream).
 async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16, map_version: u64) -> Result<(IngestStats, Phases), ClusterError> {
     let mut phases = Phases::start();
-    if !node.wait_store_follows(map_version, COPY_MAP_WAIT).await {
+    if !node.copy_states.wait_follows(map_version, COPY_MAP_WAIT).await {
         tracing::warn!(partition = p, map_version, "the partition states here do not follow the map yet");
     }
     let store = Arc::clone(node.engine.store());

@@ -900,7 +900,7 @@ pub(crate) fn serve_progress(node: &ClusterNode) -> ProgressAnswer {
     let state = node.state();
     // The map the partition states follow, before the positions: they are of that map or a
     // later one.
-    let map_version = node.applied_map_version();
+    let map_version = node.copy_states.map_version();
     // The copies first, the positions after: a copy still being built (its ingest may have
     // set the export's positions already, before the copy's progress says `done` with its
     // bytes) reports no position, so the rebalance never takes it for caught up while the

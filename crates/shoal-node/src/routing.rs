@@ -263,18 +263,6 @@ impl ClusterNode {
         self.copy_states.wait_follows(version, max).await
     }
 
-    /// The map version this node's partition states follow (every copy it retired or gave a
-    /// role by then has its state).
-    pub(crate) fn applied_map_version(&self) -> u64 {
-        self.copy_states.map_version()
-    }
-
-    /// Waits until this node's partition states follow map `version` (or a newer one), at
-    /// most `max`; answers whether they do.
-    pub(crate) async fn wait_store_follows(&self, version: u64, max: Duration) -> bool {
-        self.copy_states.wait_follows(version, max).await
-    }
-
     /// Whether the partition of `key` is frozen here for a hand-over (its new active takes
     /// it when the next map commits).
     pub fn handing_over(&self, key: &[u8]) -> bool {
