@@ -70,8 +70,14 @@ async fn load(node: &Node, c: &reqwest::Client) {
     for status in futures::future::join_all(puts).await {
         assert!(status.is_success(), "{status}");
     }
-    for (name, key) in [("by_color", "color"), ("by_n", "n")] {
-        let (s, r) = post(c, node.u("/v1/collections/c/indexes"), json!({"name": name, "keys": [key]})).await;
+    // by_color in one partition, so that one keyspace holds all its entries (the damage test
+    // flips a bit among them); by_n in the default partitions.
+    for (name, key, partitions) in [("by_color", "color", Some(1)), ("by_n", "n", None)] {
+        let mut def = json!({"name": name, "keys": [key]});
+        if let Some(n) = partitions {
+            def["partitions"] = json!(n);
+        }
+        let (s, r) = post(c, node.u("/v1/collections/c/indexes"), def).await;
         assert_eq!(s, StatusCode::CREATED, "{r}");
     }
     check_by_color(node, c).await;
@@ -184,22 +190,22 @@ async fn a_flipped_bit_in_one_index_rebuilds_that_index_alone() {
     // A clean stop flushes the index keyspaces into table files.
     assert!(node.stop(), "the node stops cleanly");
 
-    // The colour strings are in the forward and back keyspaces of `by_color` only; the
-    // forward one is created first (`x{id}` before `b{id}`), so it has the lower number.
-    // (Were it the back one, no scan would meet the damage and the checks below would fail.)
+    // The colour strings are in the one partition of `by_color` only: its keyspace holds its
+    // entries first (they sort before back entries and cursors), then its back entries.
     let index_db = node.dir.join("index");
     let marked: Vec<(u64, PathBuf)> =
         keyspace_dirs(&index_db).into_iter().filter(|(_, d)| !files_containing(&d.join("tables"), COLOUR_MARK).is_empty()).collect();
-    assert_eq!(marked.len(), 2, "the keyspaces of by_color: {marked:?}");
+    assert_eq!(marked.len(), 1, "the keyspace of by_color: {marked:?}");
     let tables = files_containing(&marked[0].1.join("tables"), COLOUR_MARK);
     assert_eq!(tables.len(), 1, "one table after one flush: {tables:?}");
     // Keys share their prefix with the previous key except at a block's restart points, so
-    // the full colour string appears at those: the middle one is inside a data block, well
-    // before the index block at the end of the file.
+    // the full colour string appears at those; back entries hold it in every value, later in
+    // the file. The second hit is among the entries (which a scan reads), inside a data
+    // block, well before the index block at the end of the file.
     let bytes = std::fs::read(&tables[0]).unwrap();
     let hits = find_all(&bytes, COLOUR_MARK);
     assert!(hits.len() >= 8, "restart points in the data blocks: {hits:?}");
-    let at = hits[hits.len() / 2] + COLOUR_MARK.len();
+    let at = hits[1] + COLOUR_MARK.len();
     assert!(at < bytes.len() * 3 / 4, "{at} of {}", bytes.len());
     flip_bit(&tables[0], at);
 

@@ -71,6 +71,11 @@ pub struct Compiled {
 }
 
 impl IndexDef {
+    /// The partitions the index is split into: as defined, else [`INDEX_PARTITIONS_DEFAULT`].
+    pub fn part_count(&self) -> u16 {
+        self.partitions.unwrap_or(INDEX_PARTITIONS_DEFAULT)
+    }
+
     pub fn compile(&self) -> Result<Compiled, IndexError> {
         let name_ok = !self.name.is_empty()
             && self.name.len() <= INDEX_NAME_MAX_BYTES

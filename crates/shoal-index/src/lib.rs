@@ -1,9 +1,13 @@
 //! Secondary indexes for Shoal, maintained from the collections' change streams.
 //!
-//! An index is one sorted fjall keyspace on the node, whatever the partition count, so a
-//! scan is one range read. Entries are `composite key ++ document key` (see [`keycode`]); a
-//! second keyspace maps each document key to the composite keys it contributed, so that an
-//! update or a delete removes exactly the old entries. Building and maintenance run on one
+//! An index is split into a fixed number of partitions by a hash of its leading key's value
+//! ([`partition`]), whatever the data partition count: an `eq` on the leading key is one
+//! range read of one part, and any other scan merges one ordered read of each part. Each
+//! part is one fjall keyspace holding its entries, `composite key ++ document key` (see
+//! [`keycode`]); its back entries, mapping each document key to the composite keys it
+//! contributed to the part, so that an update or a delete removes exactly the old entries;
+//! and how far it has applied each data partition's change stream — a unit that can be
+//! copied as files and dropped whole. Building and maintenance run on one
 //! worker pool sized to the cores; each round hands every partition with news to the pool,
 //! and all indexes of a collection are fed from one read of each change.
 //!

@@ -2,13 +2,14 @@
 //! moved aside (quarantine), orphans removed, every index loaded with its cursors.
 
 use super::{
-    decode_cursor, legacy_def_key, scan_key, Index, Record, ScanState, CATALOG_PREFIX, INDEX_CACHE_BYTES, INDEX_DIR,
-    INDEX_MEMTABLE_MAX_BYTES, LEGACY_DEF_PREFIX, META_KEYSPACE, NEXT_ID_KEY, QUARANTINE_SUFFIX,
+    cursor_partition, cursor_prefix, decode_cursor, legacy_def_key, parse_legacy_keyspace_name, parse_part_keyspace_name,
+    part_keyspace_name, scan_key, is_damage, Index, Part, Record, ScanState, CATALOG_PREFIX, INDEX_CACHE_BYTES, INDEX_DIR, INDEX_MEMTABLE_MAX_BYTES,
+    LEGACY_CURSOR_PREFIX, LEGACY_DEF_PREFIX, META_KEYSPACE, NEXT_ID_KEY, QUARANTINE_SUFFIX,
 };
 use crate::IndexError;
 use parking_lot::Mutex;
 use shoal_storage::{Collection, Store, StreamPosition};
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
@@ -20,6 +21,8 @@ pub(super) struct Opened {
     pub(super) meta: fjall::Keyspace,
     pub(super) indexes: Vec<(Arc<Collection>, Arc<Index>)>,
     pub(super) next_id: u32,
+    /// Indexes whose storage failed a check while loading, replaced by new ones to build.
+    pub(super) rebuilt: Vec<String>,
 }
 
 /// Whether an error opening or reading the index database at start means its files are
@@ -130,13 +133,13 @@ pub(super) fn open_database(store: &Store, path: &Path) -> Result<Opened, IndexE
         }
         records.insert(key, r);
     }
-    let mut indexes = Vec::new();
-    let mut live = HashSet::new();
+    let mut live = HashMap::new();
+    let mut found = Vec::new();
     for r in records.values() {
         match store.collection(&r.collection).filter(|c| c.id() == r.collection_id) {
             Some(coll) => {
-                indexes.push((Arc::clone(&coll), load(&db, &meta, r, &coll)?));
-                live.insert(r.id);
+                found.push((coll, r));
+                live.insert(r.id, r.def.part_count());
             }
             None => {
                 // Its storage goes as an orphan below; the definition now, or at a later start.
@@ -160,64 +163,107 @@ pub(super) fn open_database(store: &Store, path: &Path) -> Result<Opened, IndexE
         Some(v) => u32::from_be_bytes(v.as_ref().try_into().map_err(|_| IndexError::Corrupt("next index id".into()))?),
         None => 1,
     };
-    let next_id = next_id.max(stored_next).max(live.iter().max().map_or(1, |m| m + 1));
-    debug_assert!(live.iter().all(|&id| id < next_id));
-    Ok(Opened { db, meta, indexes, next_id })
+    let mut next_id = next_id.max(stored_next).max(live.keys().max().map_or(1, |m| m + 1));
+    debug_assert!(live.keys().all(|&id| id < next_id));
+    // Loaded once orphans are gone: an index of the layout before partitions starts again.
+    // An index whose cursors fail a check is replaced by a new index of its definition,
+    // built like a new one, while the others load as they are.
+    let mut indexes = Vec::new();
+    let mut rebuilt = Vec::new();
+    for (coll, r) in found {
+        let index = match load(&db, &meta, r, &coll) {
+            Ok(index) => index,
+            Err(e) if is_damage(&e) => {
+                let record = Record { id: next_id, ..r.clone() };
+                next_id = next_id.checked_add(1).ok_or_else(|| IndexError::Invalid("index ids are exhausted".into()))?;
+                meta.insert(NEXT_ID_KEY, next_id.to_be_bytes())?;
+                store.put_catalog(&record.catalog_key(), &record.encode()?)?;
+                delete_index_storage(&db, &meta, r.id, r.def.part_count(), None)?;
+                tracing::error!(index = %r.def.name, collection = %r.collection, error = %e, "index storage failed a check at start: rebuilding the index from the documents");
+                rebuilt.push(format!("index {} of collection {} ({e})", r.def.name, r.collection));
+                load(&db, &meta, &record, &coll)?
+            }
+            Err(e) => return Err(e),
+        };
+        indexes.push((Arc::clone(&coll), index));
+    }
+    Ok(Opened { db, meta, indexes, next_id, rebuilt })
 }
 
 /// Removes the keyspaces, cursors and build positions of ids no live definition has
-/// (dropped or replaced indexes whose storage a crash left behind). Returns an id above
-/// every id the database has seen.
+/// (dropped or replaced indexes whose storage a crash left behind), parts beyond a live
+/// index's part count, and the storage of the layout before index partitions (one entry
+/// and one back keyspace per index, cursors under `meta`): an index found in that layout
+/// loses its build position too, so it is built again, in parts. `live` maps each live
+/// index id to its part count. Returns an id above every id the database has seen.
 pub(super) fn remove_orphans(
     db: &fjall::Database,
     meta: &fjall::Keyspace,
-    live: &HashSet<u32>,
+    live: &HashMap<u32, u16>,
     batch: &mut fjall::OwnedWriteBatch,
 ) -> Result<u32, IndexError> {
     let mut next = 1u32;
+    let mut legacy = HashSet::new();
     for name in db.list_keyspace_names() {
-        let Some(id) = name.strip_prefix(['x', 'b']).and_then(|n| n.parse::<u32>().ok()) else { continue };
+        let (id, orphan) = if let Some((id, part)) = parse_part_keyspace_name(&name) {
+            (id, live.get(&id).is_none_or(|&n| part >= n))
+        } else if let Some(id) = parse_legacy_keyspace_name(&name) {
+            legacy.insert(id);
+            (id, true)
+        } else {
+            continue;
+        };
         next = next.max(id.saturating_add(1));
-        if !live.contains(&id) {
-            tracing::info!(keyspace = %&*name, "removing the storage of an index that no longer exists");
+        if orphan {
+            tracing::info!(keyspace = %&*name, "removing index storage no index uses");
             let ks = db.keyspace(&name, fjall::KeyspaceCreateOptions::default)?;
             db.delete_keyspace(ks)?;
         }
     }
-    for prefix in [&b"cur/"[..], b"scan/"] {
-        for guard in meta.prefix(prefix) {
-            let k = guard.key()?;
-            let id = std::str::from_utf8(&k[prefix.len()..]).ok().and_then(|rest| u32::from_str_radix(rest.get(..8)?, 16).ok());
-            if id.is_some_and(|id| !live.contains(&id)) {
-                batch.remove(meta, k);
-            }
+    for guard in meta.prefix(LEGACY_CURSOR_PREFIX) {
+        batch.remove(meta, guard.key()?);
+    }
+    let prefix = b"scan/";
+    for guard in meta.prefix(prefix) {
+        let k = guard.key()?;
+        let id = std::str::from_utf8(&k[prefix.len()..]).ok().and_then(|rest| u32::from_str_radix(rest.get(..8)?, 16).ok());
+        if id.is_some_and(|id| !live.contains_key(&id) || legacy.contains(&id)) {
+            batch.remove(meta, k);
         }
     }
     Ok(next)
 }
 
-pub(super) fn open_keyspaces(db: &fjall::Database, id: u32) -> Result<(fjall::Keyspace, fjall::Keyspace), IndexError> {
+/// Opens (creating if new) the keyspaces of parts `parts` of index `id`.
+pub(super) fn open_parts(
+    db: &fjall::Database,
+    id: u32,
+    parts: impl Iterator<Item = u16>,
+) -> Result<Vec<(u16, fjall::Keyspace)>, IndexError> {
     let opts = || fjall::KeyspaceCreateOptions::default().max_memtable_size(INDEX_MEMTABLE_MAX_BYTES);
-    Ok((db.keyspace(&format!("x{id}"), opts)?, db.keyspace(&format!("b{id}"), opts)?))
+    parts.map(|no| Ok((no, db.keyspace(&part_keyspace_name(id, no), opts)?))).collect()
 }
 
 /// The index of definition `r`, with its cursors and build position as persisted (none
 /// for a new index, which its maintainer then builds from the documents).
 pub(super) fn load(db: &fjall::Database, meta: &fjall::Keyspace, r: &Record, coll: &Collection) -> Result<Arc<Index>, IndexError> {
     let compiled = r.def.compile()?;
-    let (fwd, back) = open_keyspaces(db, r.id)?;
     let n = usize::from(coll.partition_count());
-    let mut cursors = vec![StreamPosition::default(); n];
-    let items: Vec<AtomicI64> = (0..n).map(|_| AtomicI64::new(0)).collect();
-    for guard in meta.prefix(format!("cur/{:08x}/", r.id).as_bytes()) {
-        let (k, v) = guard.into_inner()?;
-        let p = std::str::from_utf8(&k[k.len().saturating_sub(4)..]).ok().and_then(|h| usize::from_str_radix(h, 16).ok());
-        if let (Some(p), Some((pos, count))) = (p, decode_cursor(&v)) {
-            if p < n {
-                cursors[p] = pos;
-                items[p].store(count, Ordering::Relaxed);
+    let mut parts = Vec::new();
+    for (no, ks) in open_parts(db, r.id, 0..r.def.part_count())? {
+        let mut cursors = vec![StreamPosition::default(); n];
+        let items: Vec<AtomicI64> = (0..n).map(|_| AtomicI64::new(0)).collect();
+        for guard in ks.prefix(cursor_prefix()) {
+            let (k, v) = guard.into_inner()?;
+            let p = cursor_partition(&k).map(usize::from);
+            if let (Some(p), Some((pos, count))) = (p, decode_cursor(&v)) {
+                if p < n {
+                    cursors[p] = pos;
+                    items[p].store(count, Ordering::Relaxed);
+                }
             }
         }
+        parts.push(Part { no, ks, cursors: Mutex::new(cursors), items });
     }
     let scan = match meta.get(scan_key(r.id))? {
         Some(v) => Some(ScanState::decode(&v, n)?),
@@ -229,39 +275,36 @@ pub(super) fn load(db: &fjall::Database, meta: &fjall::Keyspace, r: &Record, col
         collection: r.collection.clone(),
         def: r.def.clone(),
         compiled,
-        fwd,
-        back,
+        parts,
         deferred: AtomicBool::new(r.def.defer_build),
         dropped: AtomicBool::new(false),
         corrupt: AtomicBool::new(false),
-        cursors: Mutex::new(cursors),
-        items,
         target: Mutex::new(Some(coll.held_high_seqnos())),
         progress: watch::channel(0).0,
         scan: Mutex::new(scan),
     }))
 }
 
+/// Deletes index `id`'s build position and the keyspaces of its parts (`open`, or every
+/// part below `part_count` opened here).
 pub(super) fn delete_index_storage(
     db: &fjall::Database,
     meta: &fjall::Keyspace,
     id: u32,
-    open: Option<(fjall::Keyspace, fjall::Keyspace)>,
+    part_count: u16,
+    open: Option<Vec<fjall::Keyspace>>,
 ) -> Result<(), IndexError> {
     let mut batch = db.batch();
     batch.remove(meta, legacy_def_key(id));
     batch.remove(meta, scan_key(id));
-    for guard in meta.prefix(format!("cur/{id:08x}/").as_bytes()) {
-        let k = guard.key()?;
-        batch.remove(meta, k);
-    }
     batch.commit()?;
-    let (fwd, back) = match open {
+    let parts = match open {
         Some(ks) => ks,
-        None => open_keyspaces(db, id)?,
+        None => open_parts(db, id, 0..part_count)?.into_iter().map(|(_, ks)| ks).collect(),
     };
-    db.delete_keyspace(fwd)?;
-    db.delete_keyspace(back)?;
+    for ks in parts {
+        db.delete_keyspace(ks)?;
+    }
     db.persist(fjall::PersistMode::SyncAll)?;
     Ok(())
 }

@@ -69,13 +69,10 @@ impl IndexManager {
             .iter()
             .filter(|i| !i.dropped.load(std::sync::atomic::Ordering::Acquire) && i.state() == super::IndexState::Ready)
             .collect();
-        let first = ready.first()?;
-        let mut lowest: Vec<shoal_storage::SeqNo> = first.cursors.lock().iter().map(|c| c.seqno).collect();
-        for index in &ready[1..] {
-            for (low, c) in lowest.iter_mut().zip(index.cursors.lock().iter()) {
-                *low = (*low).min(c.seqno);
-            }
+        if ready.is_empty() {
+            return None;
         }
+        let lowest = (0..coll.partition_count()).map(|p| ready.iter().map(|i| i.cursor(p).seqno).min().unwrap_or_default()).collect();
         Some(lowest)
     }
 
@@ -155,9 +152,9 @@ impl IndexManager {
 
     /// Deletes a dropped (or replaced) index's storage once no maintainer round uses it.
     pub(super) async fn forget(&self, index: Arc<Index>, round: Arc<Mutex<()>>, what: Forget) -> Result<(), IndexError> {
-        let (id, key) = (index.id, index.catalog_key());
+        let (id, key, part_count) = (index.id, index.catalog_key(), index.def.part_count());
         let (store, db, meta) = (Arc::clone(&self.store), self.db.clone(), self.meta.clone());
-        let (fwd, back) = (index.fwd.clone(), index.back.clone());
+        let parts: Vec<fjall::Keyspace> = index.parts.iter().map(|p| p.ks.clone()).collect();
         drop(index);
         tokio::task::spawn_blocking(move || {
             if what == Forget::WithDefinition {
@@ -166,7 +163,7 @@ impl IndexManager {
                 store.delete_catalog(&key)?;
             }
             let _round = round.lock();
-            delete_index_storage(&db, &meta, id, Some((fwd, back)))
+            delete_index_storage(&db, &meta, id, part_count, Some(parts))
         })
         .await
         .map_err(|e| IndexError::Invalid(format!("drop task: {e}")))?

@@ -1,16 +1,97 @@
-//! How the index database stores what it keeps besides definitions: cursor and build-scan
-//! records under `meta`, back-index values, and entry keys.
+//! How the index database stores what it keeps besides definitions.
+//!
+//! Each index partition is one keyspace, `i{index id}.{part}`, holding everything of that
+//! part, so that it can be copied as files and dropped whole: its entries
+//! (`FWD ++ composite key ++ document key`, empty values), its back entries (`BACK ++
+//! document key` → the composite keys the document contributed to this part) and its
+//! cursors (`CURSOR ++ data partition` → position and entry count). A build's key-order read
+//! of the documents, shared by every part of an index, is recorded under `meta`.
 
 use crate::IndexError;
 use serde::{Deserialize, Serialize};
 use shoal_storage::{PartitionId, SeqNo, StreamPosition};
+use std::ops::Bound;
+
+/// Tag of an entry in a part's keyspace.
+const FWD: u8 = 0x01;
+/// Tag of a back entry.
+const BACK: u8 = 0x02;
+/// Tag of a cursor.
+const CURSOR: u8 = 0x03;
 
 pub(super) fn legacy_def_key(id: u32) -> Vec<u8> {
     format!("def/{id:08x}").into_bytes()
 }
 
-pub(super) fn cursor_key(id: u32, p: PartitionId) -> Vec<u8> {
-    format!("cur/{id:08x}/{p:04x}").into_bytes()
+/// Where nodes before index partitions kept cursors (removed at open).
+pub(super) const LEGACY_CURSOR_PREFIX: &[u8] = b"cur/";
+
+/// The keyspace of part `part` of index `id`.
+pub(super) fn part_keyspace_name(id: u32, part: u16) -> String {
+    format!("i{id}.{part}")
+}
+
+/// The index id and part of a keyspace named by [`part_keyspace_name`].
+pub(super) fn parse_part_keyspace_name(name: &str) -> Option<(u32, u16)> {
+    let (id, part) = name.strip_prefix('i')?.split_once('.')?;
+    Some((id.parse().ok()?, part.parse().ok()?))
+}
+
+/// The index id of a keyspace of the layout before index partitions (`x{id}` entries,
+/// `b{id}` back entries): such an index is built again in parts.
+pub(super) fn parse_legacy_keyspace_name(name: &str) -> Option<u32> {
+    name.strip_prefix(['x', 'b']).and_then(|n| n.parse().ok())
+}
+
+pub(super) fn cursor_key(p: PartitionId) -> [u8; 3] {
+    let [a, b] = p.to_be_bytes();
+    [CURSOR, a, b]
+}
+
+pub(super) fn cursor_prefix() -> [u8; 1] {
+    [CURSOR]
+}
+
+/// The data partition of a key under [`cursor_prefix`].
+pub(super) fn cursor_partition(key: &[u8]) -> Option<PartitionId> {
+    Some(u16::from_be_bytes(key.get(1..3)?.try_into().ok()?))
+}
+
+pub(super) fn back_key(doc_key: &[u8]) -> Vec<u8> {
+    let mut k = Vec::with_capacity(doc_key.len() + 1);
+    k.push(BACK);
+    k.extend_from_slice(doc_key);
+    k
+}
+
+pub(super) fn back_prefix() -> [u8; 1] {
+    [BACK]
+}
+
+/// The entry (`composite key ++ document key`) of a key of a part's keyspace, if it is one.
+pub(super) fn entry_of(key: &[u8]) -> Option<&[u8]> {
+    key.strip_prefix(&[FWD])
+}
+
+/// Bounds over entries as bounds over a part's keyspace.
+pub(super) fn fwd_range(lo: &Bound<Vec<u8>>, hi: &Bound<Vec<u8>>) -> (Bound<Vec<u8>>, Bound<Vec<u8>>) {
+    let tagged = |b: &[u8]| {
+        let mut k = Vec::with_capacity(b.len() + 1);
+        k.push(FWD);
+        k.extend_from_slice(b);
+        k
+    };
+    let lo = match lo {
+        Bound::Unbounded => Bound::Included(vec![FWD]),
+        Bound::Included(b) => Bound::Included(tagged(b)),
+        Bound::Excluded(b) => Bound::Excluded(tagged(b)),
+    };
+    let hi = match hi {
+        Bound::Unbounded => Bound::Excluded(vec![FWD + 1]),
+        Bound::Included(b) => Bound::Included(tagged(b)),
+        Bound::Excluded(b) => Bound::Excluded(tagged(b)),
+    };
+    (lo, hi)
 }
 
 pub(super) fn scan_key(id: u32) -> Vec<u8> {
@@ -98,8 +179,10 @@ pub(super) fn decode_list(mut v: &[u8]) -> Result<Vec<Vec<u8>>, IndexError> {
     Ok(out)
 }
 
+/// The key of an entry in a part's keyspace: `FWD ++ composite key ++ document key`.
 pub(super) fn entry_key(prefix: &[u8], doc_key: &[u8]) -> Vec<u8> {
-    let mut k = Vec::with_capacity(prefix.len() + doc_key.len());
+    let mut k = Vec::with_capacity(1 + prefix.len() + doc_key.len());
+    k.push(FWD);
     k.extend_from_slice(prefix);
     k.extend_from_slice(doc_key);
     k

@@ -2,7 +2,8 @@
 //! key-order read of the documents, and the change streams applied to the indexes.
 
 use super::{
-    catch_up, cursor_key, encode_cursor, encode_list, entry_key, scan_key, Index, IndexManager, ScanState, IDLE_POLL, REBUILDS_METRIC,
+    back_key, catch_up, cursor_key, encode_cursor, encode_list, entries_by_part, entry_key, scan_key, Index, IndexManager, PartEntries,
+    ScanState, IDLE_POLL, REBUILDS_METRIC,
 };
 use crate::{IndexError, BATCH_CHANGES, GROUP_CHANGES, PART_BATCH_MIN, SCAN_BATCH_DOCS, SCAN_ROUND_DOCS};
 use parking_lot::Mutex;
@@ -95,7 +96,10 @@ pub(super) fn run_round(mgr: &IndexManager, coll: &Collection, active: &[Arc<Ind
     let gone: Vec<PartitionId> = (0..coll.partition_count())
         .filter(|&p| {
             let pi = usize::from(p);
-            !held[pi] && streaming.iter().any(|i| i.cursors.lock()[pi].seqno > 0 || i.items[pi].load(Ordering::Relaxed) != 0)
+            !held[pi]
+                && streaming
+                    .iter()
+                    .any(|i| i.parts.iter().any(|part| part.cursors.lock()[pi].seqno > 0 || part.items[pi].load(Ordering::Relaxed) != 0))
         })
         .collect();
     if !gone.is_empty() {
@@ -110,7 +114,7 @@ pub(super) fn run_round(mgr: &IndexManager, coll: &Collection, active: &[Arc<Ind
         .filter(|&p| held[usize::from(p)])
         .filter(|&p| {
             let at = now[usize::from(p)];
-            streaming.iter().any(|i| !i.cursors.lock()[usize::from(p)].reaches(at))
+            streaming.iter().any(|i| i.parts.iter().any(|part| !part.cursors.lock()[usize::from(p)].reaches(at)))
         })
         .collect();
     let size = group_size(behind.len(), mgr.pool.current_num_threads());
@@ -149,8 +153,7 @@ pub(super) fn plan_scan(mgr: &IndexManager, coll: &Collection, active: &[Arc<Ind
     let unstarted = |i: &Index| {
         i.scan.lock().is_none()
             && i.target.lock().as_ref().is_some_and(|t| t.iter().any(|&h| h > 0))
-            && i.cursors.lock().iter().all(|c| c.seqno == 0)
-            && i.items.iter().all(|n| n.load(Ordering::Relaxed) == 0)
+            && i.parts.iter().all(|part| part.cursors.lock().iter().all(|c| c.seqno == 0) && part.items() == 0)
     };
     let waiting: Vec<Arc<Index>> = live().filter(|i| unstarted(i)).cloned().collect();
     if scanning.is_empty() && !waiting.is_empty() {
@@ -189,62 +192,72 @@ pub(super) fn scan_round(mgr: &IndexManager, coll: &Collection, scanning: &[Arc<
         let mut batch = mgr.db.batch();
         let Some(last) = docs.last().map(|d| d.0.clone()) else {
             for index in scanning {
-                for (p, pos) in state.start.iter().enumerate() {
-                    let items = index.items[p].load(Ordering::Relaxed);
-                    batch.insert(&mgr.meta, cursor_key(index.id, p as PartitionId), encode_cursor(*pos, items));
+                for part in &index.parts {
+                    for (p, pos) in state.start.iter().enumerate() {
+                        let items = part.items[p].load(Ordering::Relaxed);
+                        batch.insert(&part.ks, cursor_key(p as PartitionId), encode_cursor(*pos, items));
+                    }
                 }
                 batch.remove(&mgr.meta, scan_key(index.id));
             }
             batch.commit()?;
             for index in scanning {
-                index.cursors.lock().clone_from_slice(&state.start);
+                for part in &index.parts {
+                    part.cursors.lock().clone_from_slice(&state.start);
+                }
                 *index.scan.lock() = None;
                 index.progress.send_modify(|v| *v += 1);
             }
             return Ok(true);
         };
-        let computed: Vec<Vec<Vec<Vec<u8>>>> = docs
+        let computed: PartEntries = docs
             .par_iter()
             .with_min_len(64)
             .map(|(_, body)| {
                 let doc: Option<Value> = serde_json::from_slice(body).ok();
-                scanning.iter().map(|i| doc.as_ref().map(|d| i.compiled.entries(d)).unwrap_or_default()).collect()
+                scanning.iter().map(|i| doc.as_ref().map(|d| entries_by_part(i, d)).unwrap_or_default()).collect()
             })
             .collect();
         let next = ScanState { after: Some(last), scanned: state.scanned + docs.len() as u64, ..state };
         let mut staged = Vec::with_capacity(scanning.len());
         for (k, index) in scanning.iter().enumerate() {
-            let mut delta: HashMap<PartitionId, i64> = HashMap::new();
-            let mut fwd = Vec::with_capacity(docs.len());
+            // Per part (by slot): its entries, and per data partition the entries added.
+            let mut fwd: Vec<Vec<Vec<u8>>> = vec![Vec::new(); index.parts.len()];
+            let mut delta: Vec<HashMap<PartitionId, i64>> = vec![HashMap::new(); index.parts.len()];
             for ((key, _), per_index) in docs.iter().zip(&computed) {
                 let entries = &per_index[k];
-                if entries.is_empty() {
-                    continue;
-                }
+                let p = shoal_storage::partition_of(key, partitions);
                 // Each key comes once and nothing was indexed for it before: no back read.
-                for e in entries {
-                    fwd.push(entry_key(e, key));
+                for group in entries.chunk_by(|a, b| a.0 == b.0) {
+                    let Some(slot) = index.parts.iter().position(|part| part.no == group[0].0) else { continue };
+                    let list: Vec<Vec<u8>> = group.iter().map(|(_, e)| e.clone()).collect();
+                    for e in &list {
+                        fwd[slot].push(entry_key(e, key));
+                    }
+                    batch.insert(&index.parts[slot].ks, back_key(key), encode_list(&list));
+                    *delta[slot].entry(p).or_default() += list.len() as i64;
                 }
-                batch.insert(&index.back, key.as_ref(), encode_list(entries));
-                *delta.entry(shoal_storage::partition_of(key, partitions)).or_default() += entries.len() as i64;
             }
-            fwd.sort_unstable();
-            for key in fwd {
-                batch.insert(&index.fwd, key, []);
-            }
-            let mut items = Vec::with_capacity(delta.len());
-            for (p, d) in delta {
-                let n = index.items[usize::from(p)].load(Ordering::Relaxed) + d;
-                batch.insert(&mgr.meta, cursor_key(index.id, p), encode_cursor(StreamPosition::default(), n));
-                items.push((usize::from(p), n));
+            let mut items = Vec::new();
+            for (slot, part) in index.parts.iter().enumerate() {
+                let mut keys = std::mem::take(&mut fwd[slot]);
+                keys.sort_unstable();
+                for key in keys {
+                    batch.insert(&part.ks, key, []);
+                }
+                for (&p, d) in &delta[slot] {
+                    let n = part.items[usize::from(p)].load(Ordering::Relaxed) + d;
+                    batch.insert(&part.ks, cursor_key(p), encode_cursor(StreamPosition::default(), n));
+                    items.push((slot, usize::from(p), n));
+                }
             }
             batch.insert(&mgr.meta, scan_key(index.id), next.encode());
             staged.push(items);
         }
         batch.commit()?;
         for (index, items) in scanning.iter().zip(staged) {
-            for (p, n) in items {
-                index.items[p].store(n, Ordering::Relaxed);
+            for (slot, p, n) in items {
+                index.parts[slot].items[p].store(n, Ordering::Relaxed);
             }
             *index.scan.lock() = Some(next.clone());
             index.progress.send_modify(|v| *v += 1);

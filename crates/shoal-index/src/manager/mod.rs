@@ -17,6 +17,7 @@ mod read;
 mod stream;
 
 use catalog::*;
+use ddl::is_damage;
 use layout::*;
 use maintain::*;
 pub use read::IndexCursor;
@@ -30,7 +31,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use shoal_storage::{Collection, SeqNo, Store, StreamPosition};
+use shoal_storage::{Collection, PartitionId, SeqNo, Store, StreamPosition};
 use tokio::sync::{watch, Notify};
 
 use crate::def::{Compiled, IndexDef};
@@ -52,7 +53,7 @@ const REBUILDS_METRIC: &str = "shoal_index_rebuilds_total";
 const REBUILD_RETRY: Duration = Duration::from_secs(5);
 /// How long a clean stop waits for the index keyspaces to be flushed into tables.
 const CLOSE_FLUSH_WAIT: Duration = Duration::from_secs(30);
-/// Memtable of each index keyspace (forward and back), as the storage crate's indexes.
+/// Memtable of each index partition's keyspace, as the storage crate's indexes.
 const INDEX_MEMTABLE_MAX_BYTES: u64 = 16 * 1024 * 1024;
 /// Block cache of the index database.
 const INDEX_CACHE_BYTES: u64 = 64 * 1024 * 1024;
@@ -83,6 +84,8 @@ pub struct IndexStatus {
     pub state: IndexState,
     pub progress: f64,
     pub items: u64,
+    /// Entries per index partition held here: (part, entries).
+    pub part_items: Vec<(u16, u64)>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -160,24 +163,38 @@ fn catalog_key(collection_id: u32, name: &str) -> String {
     format!("{CATALOG_PREFIX}{collection_id:08x}/{name}")
 }
 
+/// One partition of an index on this node (see [`layout`]): its own keyspace, with the
+/// positions up to which it has applied each data partition's change stream.
+struct Part {
+    /// Which part of the index (`0..partitions`).
+    no: u16,
+    ks: fjall::Keyspace,
+    /// Per data partition: how far this part has applied the change stream.
+    cursors: Mutex<Vec<StreamPosition>>,
+    /// Per data partition: this part's entries from the partition's documents.
+    items: Vec<AtomicI64>,
+}
+
+impl Part {
+    fn items(&self) -> i64 {
+        self.items.iter().map(|i| i.load(Ordering::Relaxed)).sum()
+    }
+}
+
 struct Index {
     id: u32,
     collection_id: u32,
     collection: String,
     def: IndexDef,
     compiled: Compiled,
-    fwd: fjall::Keyspace,
-    back: fjall::Keyspace,
+    /// The index's partitions held here, by part number (every one, on one node).
+    parts: Vec<Part>,
     deferred: AtomicBool,
     /// Dropped, or replaced by its rebuild: no longer in its collection's set.
     dropped: AtomicBool,
     /// A read of its storage failed a check: it is being replaced by a rebuild (see
     /// [`IndexManager::damaged`]) and is neither maintained nor read meanwhile.
     corrupt: AtomicBool,
-    /// Per partition: how far the index has applied the change stream.
-    cursors: Mutex<Vec<StreamPosition>>,
-    /// Per partition: entries contributed by the partition's documents.
-    items: Vec<AtomicI64>,
     /// High seqnos when the build started; `None` once the index is ready.
     target: Mutex<Option<Vec<SeqNo>>>,
     /// Bumped whenever cursors move (request_plus waits on it).
@@ -208,22 +225,33 @@ impl Index {
         let Some(target) = self.target.lock().clone() else {
             return if self.deferred.load(Ordering::Acquire) { 0.0 } else { 1.0 };
         };
-        let cursors = self.cursors.lock();
         let total: u64 = target.iter().sum();
         if total == 0 {
             return 1.0;
         }
-        let done: u64 = target.iter().zip(cursors.iter()).map(|(t, c)| c.seqno.min(*t)).sum();
+        let done: u64 = target.iter().enumerate().map(|(p, t)| self.cursor(p as PartitionId).seqno.min(*t)).sum();
         done as f64 / total as f64
     }
 
+    /// How far every part of the index has applied data partition `p`'s change stream: the
+    /// part furthest behind.
+    fn cursor(&self, p: PartitionId) -> StreamPosition {
+        let pi = usize::from(p);
+        self.parts.iter().map(|part| part.cursors.lock().get(pi).copied().unwrap_or_default()).min_by_key(|c| c.seqno).unwrap_or_default()
+    }
+
     fn caught_up(&self, highs: &[SeqNo]) -> bool {
-        self.cursors.lock().iter().zip(highs).all(|(c, h)| c.seqno >= *h)
+        self.parts.iter().all(|part| part.cursors.lock().iter().zip(highs).all(|(c, h)| c.seqno >= *h))
+    }
+
+    fn part(&self, no: u16) -> Option<&Part> {
+        self.parts.iter().find(|p| p.no == no)
     }
 
     fn status(&self) -> IndexStatus {
-        let items = self.items.iter().map(|i| i.load(Ordering::Relaxed)).sum::<i64>().max(0) as u64;
-        IndexStatus { def: self.def.clone(), state: self.state(), progress: self.progress_fraction(), items }
+        let part_items: Vec<(u16, u64)> = self.parts.iter().map(|p| (p.no, p.items().max(0) as u64)).collect();
+        let items = part_items.iter().map(|(_, n)| n).sum();
+        IndexStatus { def: self.def.clone(), state: self.state(), progress: self.progress_fraction(), items, part_items }
     }
 
     /// The definition as the catalog holds it now.
@@ -316,7 +344,11 @@ impl IndexManager {
             }
             Err(e) => return Err(e),
         };
-        let Opened { db, meta, indexes, next_id } = opened;
+        let Opened { db, meta, indexes, next_id, rebuilt } = opened;
+        for what in &rebuilt {
+            health.round_failed(&format!("{what}: its storage failed a check at start; rebuilding it"));
+        }
+        let rebuilds = rebuilds + rebuilt.len() as u64;
         let mgr = Arc::new_cyclic(|me| IndexManager {
             store,
             health,

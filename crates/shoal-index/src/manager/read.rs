@@ -1,10 +1,11 @@
 //! Reads of an index: bounded scans, paged consistent cursors for SQL, and waiting until
 //! an index may be read at a consistency.
 
-use super::{Consistency, Index, IndexManager, IndexState, KeepRow, ScanBounds, ScanRequest, ScanRow};
+use super::{entry_of, fwd_range, Consistency, Index, IndexManager, IndexState, KeepRow, ScanBounds, ScanRequest, ScanRow};
 use crate::{keycode, IndexError, SCAN_ROWS_MAX};
 use serde_json::Value;
 use shoal_storage::Collection;
+use std::collections::{BinaryHeap, VecDeque};
 use std::ops::Bound;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
@@ -20,8 +21,8 @@ impl IndexManager {
         let (lo, hi) = byte_bounds(&req.bounds, n)?;
         let index = self.ready(coll, name, req.consistency, req.timeout).await?;
         let (limit, descending, keep) = (req.limit, req.descending, req.keep);
-        let fwd = index.fwd.clone();
-        let rows = tokio::task::spawn_blocking(move || read_range(&fwd, lo, hi, limit, descending, n, keep.as_ref()))
+        let parts = scan_parts(&index, &req.bounds);
+        let rows = tokio::task::spawn_blocking(move || read_range(&parts, lo, hi, limit, descending, n, keep.as_ref()))
             .await
             .map_err(|e| IndexError::Invalid(format!("scan task: {e}")))?;
         self.checked(&index, rows)
@@ -42,7 +43,11 @@ impl IndexManager {
         let (lo, hi) = byte_bounds(bounds, n)?;
         let index = self.ready(coll, name, consistency, timeout).await?;
         let empty = matches!((&lo, &hi), (Bound::Included(l) | Bound::Excluded(l), Bound::Included(h) | Bound::Excluded(h)) if l > h);
-        Ok(IndexCursor { snapshot: self.db.snapshot(), fwd: index.fwd.clone(), next: lo, hi, n, done: empty, index, mgr: self.me.clone() })
+        let parts = scan_parts(&index, bounds)
+            .into_iter()
+            .map(|ks| PartCursor { ks, next: lo.clone(), buffered: VecDeque::new(), done: empty })
+            .collect();
+        Ok(IndexCursor { snapshot: self.db.snapshot(), parts, hi, n, index, mgr: self.me.clone() })
     }
 
     /// Waits until index `name` may be read at `consistency`: ready, and for `request_plus`
@@ -113,7 +118,7 @@ impl IndexManager {
         let mut progress = index.progress.subscribe();
         let mut woken = false;
         loop {
-            let behind = coll.behind_serve_floor(|p| index.cursors.lock().get(usize::from(p)).copied().unwrap_or_default());
+            let behind = coll.behind_serve_floor(|p| index.cursor(p));
             let Some(partition) = behind else { return Ok(index) };
             if index.dropped.load(Ordering::Acquire) {
                 return Err(IndexError::NotFound(name.to_string()));
@@ -174,18 +179,40 @@ pub(super) fn byte_bounds(bounds: &ScanBounds, n: usize) -> Result<ByteRange, In
     })
 }
 
-/// See [`IndexManager::cursor`].
+/// The keyspaces of the parts a scan with `bounds` reads (see
+/// [`crate::partition::parts_of_scan`]).
+fn scan_parts(index: &Index, bounds: &ScanBounds) -> Vec<fjall::Keyspace> {
+    crate::partition::parts_of_scan(bounds, index.def.part_count())
+        .into_iter()
+        .filter_map(|no| index.part(no))
+        .map(|p| p.ks.clone())
+        .collect()
+}
+
+/// Rows a part's cursor reads ahead of the merge at a time, at least.
+const CURSOR_READ_AHEAD_MIN: usize = 64;
+
+/// See [`IndexManager::cursor`]: every part read reads in pages, and the pages are merged
+/// in entry order.
 pub struct IndexCursor {
     snapshot: fjall::Snapshot,
-    fwd: fjall::Keyspace,
-    /// Where the next page starts.
-    next: Bound<Vec<u8>>,
+    parts: Vec<PartCursor>,
     hi: Bound<Vec<u8>>,
     n: usize,
-    done: bool,
     /// The index read, and its manager, told if the read meets damage.
     index: Arc<Index>,
     mgr: Weak<IndexManager>,
+}
+
+/// Where a cursor stands in one part.
+struct PartCursor {
+    ks: fjall::Keyspace,
+    /// Where the next read of this part starts (entry bounds).
+    next: Bound<Vec<u8>>,
+    /// Read, not yet handed out: (entry, row).
+    buffered: VecDeque<(Vec<u8>, ScanRow)>,
+    /// Nothing more to read from the part.
+    done: bool,
 }
 
 impl IndexCursor {
@@ -201,29 +228,58 @@ impl IndexCursor {
     }
 
     pub(super) fn read_page(&mut self, max: usize) -> Result<Vec<ScanRow>, IndexError> {
-        use fjall::Readable;
-        if self.done || max == 0 {
-            return Ok(Vec::new());
-        }
+        let ahead = (max / self.parts.len().max(1)).clamp(CURSOR_READ_AHEAD_MIN, max.max(CURSOR_READ_AHEAD_MIN));
         let mut rows = Vec::with_capacity(max.min(SCAN_ROWS_MAX));
-        let mut last = None;
-        for guard in self.snapshot.range(&self.fwd, (self.next.clone(), self.hi.clone())).take(max) {
-            let k = guard.key()?;
-            let (key, id) = keycode::decode_components(&k, self.n)?;
-            let id = std::str::from_utf8(id).map_err(|_| IndexError::Corrupt("document key".into()))?.to_string();
-            rows.push(ScanRow { key, id });
-            last = Some(k);
-        }
-        match last {
-            Some(k) if rows.len() == max => self.next = Bound::Excluded(k.to_vec()),
-            _ => self.done = true,
+        while rows.len() < max {
+            for part in &mut self.parts {
+                if part.buffered.is_empty() && !part.done {
+                    part.fill(&self.snapshot, &self.hi, self.n, ahead)?;
+                }
+            }
+            // The smallest head of the parts' buffers; entries are unique across parts.
+            let Some(next) =
+                self.parts.iter().enumerate().filter_map(|(i, p)| p.buffered.front().map(|(e, _)| (e, i))).min().map(|(_, i)| i)
+            else {
+                break;
+            };
+            if let Some((_, row)) = self.parts[next].buffered.pop_front() {
+                rows.push(row);
+            }
         }
         Ok(rows)
     }
 }
 
+impl PartCursor {
+    /// Reads up to `max` more rows of the part from the snapshot.
+    fn fill(&mut self, snapshot: &fjall::Snapshot, hi: &Bound<Vec<u8>>, n: usize, max: usize) -> Result<(), IndexError> {
+        use fjall::Readable;
+        let mut read = 0;
+        for guard in snapshot.range(&self.ks, fwd_range(&self.next, hi)).take(max) {
+            let k = guard.key()?;
+            let entry = entry_of(&k).ok_or_else(|| IndexError::Corrupt("entry outside the entry range".into()))?;
+            self.buffered.push_back((entry.to_vec(), decode_row(entry, n)?));
+            self.next = Bound::Excluded(entry.to_vec());
+            read += 1;
+        }
+        if read < max {
+            self.done = true;
+        }
+        Ok(())
+    }
+}
+
+/// The row of an entry (`composite key ++ document key`) of an index with `n` keys.
+fn decode_row(entry: &[u8], n: usize) -> Result<ScanRow, IndexError> {
+    let (key, id) = keycode::decode_components(entry, n)?;
+    let id = std::str::from_utf8(id).map_err(|_| IndexError::Corrupt("document key".into()))?.to_string();
+    Ok(ScanRow { key, id })
+}
+
+/// At most `limit` rows within the entry bounds `lo`..`hi` over the parts `parts`, in
+/// entry order (reversed when `descending`), merged from one ordered read of each part.
 pub(super) fn read_range(
-    fwd: &fjall::Keyspace,
+    parts: &[fjall::Keyspace],
     lo: Bound<Vec<u8>>,
     hi: Bound<Vec<u8>>,
     limit: usize,
@@ -236,20 +292,69 @@ pub(super) fn read_range(
             return Ok(Vec::new());
         }
     }
-    let iter = fwd.range::<Vec<u8>, _>((lo, hi));
-    let iter: Box<dyn Iterator<Item = fjall::Guard>> = if descending { Box::new(iter.rev()) } else { Box::new(iter) };
-    let mut rows = Vec::new();
-    for guard in iter {
-        if rows.len() >= limit {
-            break;
+    let range = fwd_range(&lo, &hi);
+    let mut iters: Vec<Box<dyn Iterator<Item = fjall::Guard>>> = parts
+        .iter()
+        .map(|ks| {
+            let iter = ks.range::<Vec<u8>, _>(range.clone());
+            let iter: Box<dyn Iterator<Item = fjall::Guard>> = if descending { Box::new(iter.rev()) } else { Box::new(iter) };
+            iter
+        })
+        .collect();
+    // The head of each part's read; the merge takes the smallest (largest when descending).
+    let mut heads: BinaryHeap<Head> = BinaryHeap::with_capacity(iters.len());
+    let next = |iter: &mut Box<dyn Iterator<Item = fjall::Guard>>, from: usize| -> Result<Option<Head>, IndexError> {
+        match iter.next() {
+            None => Ok(None),
+            Some(guard) => {
+                let k = guard.key()?;
+                let entry = entry_of(&k).ok_or_else(|| IndexError::Corrupt("entry outside the entry range".into()))?.to_vec();
+                Ok(Some(Head { entry, from, descending }))
+            }
         }
-        let k = guard.key()?;
-        let (key, id) = keycode::decode_components(&k, n)?;
-        let id = std::str::from_utf8(id).map_err(|_| IndexError::Corrupt("document key".into()))?;
-        if keep.is_some_and(|keep| !(keep.0)(id)) {
+    };
+    for (i, iter) in iters.iter_mut().enumerate() {
+        if let Some(head) = next(iter, i)? {
+            heads.push(head);
+        }
+    }
+    let mut rows = Vec::new();
+    while rows.len() < limit {
+        let Some(head) = heads.pop() else { break };
+        if let Some(following) = next(&mut iters[head.from], head.from)? {
+            heads.push(following);
+        }
+        let row = decode_row(&head.entry, n)?;
+        if keep.is_some_and(|keep| !(keep.0)(&row.id)) {
             continue;
         }
-        rows.push(ScanRow { key, id: id.to_string() });
+        rows.push(row);
     }
     Ok(rows)
+}
+
+/// A part's next entry in a merge: ordered so that the max-heap pops the entry that comes
+/// first in the scan's direction.
+#[derive(PartialEq, Eq)]
+struct Head {
+    entry: Vec<u8>,
+    from: usize,
+    descending: bool,
+}
+
+impl Ord for Head {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        let by_entry = self.entry.cmp(&other.entry);
+        if self.descending {
+            by_entry
+        } else {
+            by_entry.reverse()
+        }
+    }
+}
+
+impl PartialOrd for Head {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
 }

@@ -4,7 +4,7 @@
 
 use shoal_storage::{follow, ChangeConsumer, FollowLimits, PartitionBatch};
 
-use super::{cursor_key, decode_list, encode_cursor, encode_list, entry_key, part_batch, Index, IndexManager};
+use super::{back_key, back_prefix, cursor_key, decode_list, encode_cursor, encode_list, entry_key, part_batch, Index, IndexManager, Part};
 use crate::{IndexError, ROUND_CHANGES_MAX};
 use rayon::prelude::*;
 use serde_json::Value;
@@ -39,7 +39,7 @@ impl ChangeConsumer for IndexFeed<'_> {
     /// The slowest index's cursor: [`apply`] skips, for each index, the changes its own
     /// cursor already covers.
     fn position(&self, p: PartitionId) -> StreamPosition {
-        self.active.iter().map(|i| i.cursors.lock()[usize::from(p)]).min_by_key(|c| c.seqno).unwrap_or_default()
+        self.active.iter().map(|i| i.cursor(p)).min_by_key(|c| c.seqno).unwrap_or_default()
     }
 
     /// History diverged (unclean restart) or tombstones were purged past us: this
@@ -56,24 +56,43 @@ impl ChangeConsumer for IndexFeed<'_> {
     }
 }
 
-/// What one index stages for one partition of a batch.
+/// What one part of an index stages for one data partition of a batch.
 pub(super) struct Staged {
+    part: usize,
     pi: usize,
     pos: StreamPosition,
     items: i64,
 }
 
+/// Per change, per index: the entries, each with its part (see [`entries_by_part`]).
+pub(super) type PartEntries = Vec<Vec<Vec<(u16, Vec<u8>)>>>;
+
+/// The entries `doc` contributes to `index`, each with its part, sorted by part and then
+/// entry (so each part's are sorted too).
+pub(super) fn entries_by_part(index: &Index, doc: &Value) -> Vec<(u16, Vec<u8>)> {
+    let n = index.def.part_count();
+    let mut out: Vec<(u16, Vec<u8>)> = index
+        .compiled
+        .entries(doc)
+        .into_iter()
+        // An entry just encoded always decodes; part 0 would only misplace it.
+        .map(|e| (crate::partition::part_of_entry(&e, n).unwrap_or(0), e))
+        .collect();
+    out.sort_unstable();
+    out
+}
+
 /// Applies one batch of changes of several partitions to every active index, in one atomic
-/// write together with the new cursors.
+/// write together with the new cursors of every part.
 pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[PartitionBatch]) -> Result<(), IndexError> {
     // Parse each document once, for all indexes (in parallel within the batch).
     let all: Vec<&Change> = parts.iter().flat_map(|b| &b.changes).collect();
-    let computed: Vec<Vec<Vec<Vec<u8>>>> = all
+    let computed: PartEntries = all
         .par_iter()
         .with_min_len(64)
         .map(|c| {
             let doc: Option<Value> = if c.deleted { None } else { c.value.as_ref().and_then(|v| serde_json::from_slice(v).ok()) };
-            active.iter().map(|i| doc.as_ref().map(|d| i.compiled.entries(d)).unwrap_or_default()).collect()
+            active.iter().map(|i| doc.as_ref().map(|d| entries_by_part(i, d)).unwrap_or_default()).collect()
         })
         .collect();
     let mut batch = mgr.db.batch();
@@ -82,69 +101,76 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
         if index.dropped.load(Ordering::Acquire) {
             continue;
         }
-        let mut fwd: Vec<(Vec<u8>, bool)> = Vec::with_capacity(all.len());
-        let mut per_part = Vec::with_capacity(parts.len());
-        let mut offset = 0;
-        for part in parts {
-            let pi = usize::from(part.partition);
-            let computed = &computed[offset..offset + part.changes.len()];
-            offset += part.changes.len();
-            let cursor = index.cursors.lock()[pi].seqno;
-            let mut delta = 0i64;
-            let mut pending: HashMap<&[u8], &Vec<Vec<u8>>> = HashMap::new();
-            for (c, per_index) in part.changes.iter().zip(computed) {
-                if c.seqno <= cursor {
-                    continue;
+        let mut per_part = Vec::with_capacity(parts.len() * index.parts.len());
+        for (slot, part) in index.parts.iter().enumerate() {
+            let mut fwd: Vec<(Vec<u8>, bool)> = Vec::new();
+            let mut offset = 0;
+            for batch_part in parts {
+                let pi = usize::from(batch_part.partition);
+                let computed = &computed[offset..offset + batch_part.changes.len()];
+                offset += batch_part.changes.len();
+                let cursor = part.cursors.lock()[pi].seqno;
+                let mut delta = 0i64;
+                let mut pending: HashMap<&[u8], Vec<Vec<u8>>> = HashMap::new();
+                for (c, per_index) in batch_part.changes.iter().zip(computed) {
+                    if c.seqno <= cursor {
+                        continue;
+                    }
+                    let new: Vec<Vec<u8>> = per_index[k].iter().filter(|(no, _)| *no == part.no).map(|(_, e)| e.clone()).collect();
+                    let old: Vec<Vec<u8>> = match pending.get(c.key.as_ref()) {
+                        Some(v) => v.clone(),
+                        None => mgr.checked(index, read_back(part, &c.key))?,
+                    };
+                    if old == new {
+                        continue;
+                    }
+                    for o in old.iter().filter(|o| new.binary_search(o).is_err()) {
+                        fwd.push((entry_key(o, &c.key), false));
+                        delta -= 1;
+                    }
+                    for e in new.iter().filter(|e| old.binary_search(e).is_err()) {
+                        fwd.push((entry_key(e, &c.key), true));
+                        delta += 1;
+                    }
+                    pending.insert(c.key.as_ref(), new);
                 }
-                let new = &per_index[k];
-                let old: Vec<Vec<u8>> = match pending.get(c.key.as_ref()) {
-                    Some(v) => (*v).clone(),
-                    None => mgr.checked(index, read_back(index, &c.key))?,
-                };
-                if &old == new {
-                    continue;
+                // Every write of one batch shares one sequence number, so a key must appear
+                // in it once: the document's last state.
+                let mut back: Vec<(&[u8], Vec<Vec<u8>>)> = pending.into_iter().collect();
+                back.sort_unstable_by(|a, b| a.0.cmp(b.0));
+                for (key, entries) in back {
+                    if entries.is_empty() {
+                        batch.remove(&part.ks, back_key(key));
+                    } else {
+                        batch.insert(&part.ks, back_key(key), encode_list(&entries));
+                    }
                 }
-                for o in old.iter().filter(|o| new.binary_search(o).is_err()) {
-                    fwd.push((entry_key(o, &c.key), false));
-                    delta -= 1;
-                }
-                for e in new.iter().filter(|e| old.binary_search(e).is_err()) {
-                    fwd.push((entry_key(e, &c.key), true));
-                    delta += 1;
-                }
-                pending.insert(c.key.as_ref(), new);
+                let items = part.items[pi].load(Ordering::Relaxed) + delta;
+                // The cursor goes in the batch that holds the entries of every change it
+                // covers.
+                debug_assert!(
+                    batch_part.changes.iter().all(|c| c.seqno <= batch_part.position.seqno),
+                    "a cursor never runs ahead of its entries"
+                );
+                batch.insert(&part.ks, cursor_key(batch_part.partition), encode_cursor(batch_part.position, items));
+                per_part.push(Staged { part: slot, pi, pos: batch_part.position, items });
             }
-            // Every write of one batch shares one sequence number, so a key must appear in
-            // it once: the document's last state.
-            let mut back: Vec<(&[u8], &Vec<Vec<u8>>)> = pending.into_iter().collect();
-            back.sort_unstable_by(|a, b| a.0.cmp(b.0));
-            for (key, entries) in back {
-                if entries.is_empty() {
-                    batch.remove(&index.back, key);
+            // In key order: sorted inserts walk the memtable's skiplist along the path of the
+            // previous one, which keeps its nodes in cache. The sort is stable and only the
+            // last operation on an entry is written: one batch's writes share a sequence
+            // number, so an entry added by one change and removed by a later one must appear
+            // once.
+            fwd.sort_by(|a, b| a.0.cmp(&b.0));
+            let mut ops = fwd.into_iter().peekable();
+            while let Some((key, insert)) = ops.next() {
+                if ops.peek().is_some_and(|(next, _)| *next == key) {
+                    continue;
+                }
+                if insert {
+                    batch.insert(&part.ks, key, []);
                 } else {
-                    batch.insert(&index.back, key, encode_list(entries));
+                    batch.remove(&part.ks, key);
                 }
-            }
-            let items = index.items[pi].load(Ordering::Relaxed) + delta;
-            // The cursor goes in the batch that holds the entries of every change it covers.
-            debug_assert!(part.changes.iter().all(|c| c.seqno <= part.position.seqno), "a cursor never runs ahead of its entries");
-            batch.insert(&mgr.meta, cursor_key(index.id, part.partition), encode_cursor(part.position, items));
-            per_part.push(Staged { pi, pos: part.position, items });
-        }
-        // In key order: sorted inserts walk the memtable's skiplist along the path of the
-        // previous one, which keeps its nodes in cache. The sort is stable and only the last
-        // operation on an entry is written: one batch's writes share a sequence number, so
-        // an entry added by one change and removed by a later one must appear once.
-        fwd.sort_by(|a, b| a.0.cmp(&b.0));
-        let mut ops = fwd.into_iter().peekable();
-        while let Some((key, insert)) = ops.next() {
-            if ops.peek().is_some_and(|(next, _)| *next == key) {
-                continue;
-            }
-            if insert {
-                batch.insert(&index.fwd, key, []);
-            } else {
-                batch.remove(&index.fwd, key);
             }
         }
         staged.push((index, per_part));
@@ -152,17 +178,18 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
     batch.commit()?;
     for (index, per_part) in staged {
         for st in per_part {
-            index.cursors.lock()[st.pi] = st.pos;
-            index.items[st.pi].store(st.items, Ordering::Relaxed);
+            let part = &index.parts[st.part];
+            part.cursors.lock()[st.pi] = st.pos;
+            part.items[st.pi].store(st.items, Ordering::Relaxed);
         }
         index.progress.send_modify(|v| *v += 1);
     }
     Ok(())
 }
 
-/// The composite keys document `key` contributed to `index`.
-pub(super) fn read_back(index: &Index, key: &[u8]) -> Result<Vec<Vec<u8>>, IndexError> {
-    match index.back.get(key)? {
+/// The composite keys document `key` contributed to `part`.
+pub(super) fn read_back(part: &Part, key: &[u8]) -> Result<Vec<Vec<u8>>, IndexError> {
+    match part.ks.get(back_key(key))? {
         Some(v) => decode_list(&v),
         None => Ok(Vec::new()),
     }
@@ -175,26 +202,31 @@ pub(super) fn reset_partition(mgr: &IndexManager, index: &Arc<Index>, p: Partiti
     Ok(())
 }
 
-/// Removes every entry that came from the partitions `ps` (one read of the back keyspace)
-/// and puts their cursors back to the start, in one batch.
+/// Removes every entry that came from the partitions `ps` (one read of each part's back
+/// entries) and puts their cursors back to the start, in one batch.
 pub(super) fn drop_partitions(mgr: &IndexManager, index: &Arc<Index>, ps: &[PartitionId], partitions: u16) -> Result<(), IndexError> {
     let mut batch = mgr.db.batch();
-    for guard in index.back.iter() {
-        let (doc_key, v) = guard.into_inner()?;
-        if ps.contains(&shoal_storage::partition_of(&doc_key, partitions)) {
-            for e in mgr.checked(index, decode_list(&v))? {
-                batch.remove(&index.fwd, entry_key(&e, &doc_key));
+    for part in &index.parts {
+        for guard in part.ks.prefix(back_prefix()) {
+            let (k, v) = guard.into_inner()?;
+            let doc_key = &k[1..];
+            if ps.contains(&shoal_storage::partition_of(doc_key, partitions)) {
+                for e in mgr.checked(index, decode_list(&v))? {
+                    batch.remove(&part.ks, entry_key(&e, doc_key));
+                }
+                batch.remove(&part.ks, k.clone());
             }
-            batch.remove(&index.back, doc_key);
+        }
+        for &p in ps {
+            batch.insert(&part.ks, cursor_key(p), encode_cursor(StreamPosition::default(), 0));
         }
     }
-    for &p in ps {
-        batch.insert(&mgr.meta, cursor_key(index.id, p), encode_cursor(StreamPosition::default(), 0));
-    }
     batch.commit()?;
-    for &p in ps {
-        index.cursors.lock()[usize::from(p)] = StreamPosition::default();
-        index.items[usize::from(p)].store(0, Ordering::Relaxed);
+    for part in &index.parts {
+        for &p in ps {
+            part.cursors.lock()[usize::from(p)] = StreamPosition::default();
+            part.items[usize::from(p)].store(0, Ordering::Relaxed);
+        }
     }
     Ok(())
 }

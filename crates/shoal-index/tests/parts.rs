@@ -1,0 +1,232 @@
+//! An index split into partitions answers as one sorted index would: every scan (an `eq`
+//! that reads one part, or any other bound that reads all of them and merges), in both
+//! directions and with limits, and the paged cursor SQL reads, against a model of the
+//! documents — whether the index was built by reading the documents or followed their
+//! changes, with updates moving entries between parts and deletes removing them.
+
+mod common;
+
+use std::cmp::Ordering;
+use std::sync::Arc;
+
+use common::*;
+use proptest::prelude::*;
+use serde_json::{json, Value};
+use shoal_index::{keycode, Consistency, IndexDef, ScanBounds, ScanRequest};
+use shoal_storage::WriteOp;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Put { key: u8, a: Option<Value>, b: i64 },
+    Delete { key: u8 },
+}
+
+#[derive(Clone, Debug)]
+struct Query {
+    bounds: ScanBounds,
+    descending: bool,
+    limit: usize,
+    page: usize,
+}
+
+fn leading() -> impl Strategy<Value = Value> {
+    prop_oneof![(0i64..12).prop_map(|n| json!(n)), "[a-d]{1,2}".prop_map(Value::String), Just(Value::Null), Just(json!(2.0))]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u8..40, prop::option::weighted(0.9, leading()), -3i64..3).prop_map(|(key, a, b)| Op::Put { key, a, b }),
+        1 => (0u8..40).prop_map(|key| Op::Delete { key }),
+    ]
+}
+
+fn bounds() -> impl Strategy<Value = ScanBounds> {
+    let bound = prop::option::of(prop_oneof![leading().prop_map(|a| vec![a]), (leading(), -3i64..3).prop_map(|(a, b)| vec![a, json!(b)])]);
+    prop_oneof![
+        Just(ScanBounds::All),
+        leading().prop_map(|a| ScanBounds::Eq(vec![a])),
+        (leading(), -3i64..3).prop_map(|(a, b)| ScanBounds::Eq(vec![a, json!(b)])),
+        (bound.clone(), bound, any::<bool>(), any::<bool>()).prop_map(|(low, high, inclusive_low, inclusive_high)| ScanBounds::Range {
+            low,
+            high,
+            inclusive_low,
+            inclusive_high
+        }),
+    ]
+}
+
+fn query() -> impl Strategy<Value = Query> {
+    (bounds(), any::<bool>(), prop_oneof![Just(100_000usize), 1usize..20], 1usize..50)
+        .prop_map(|(bounds, descending, limit, page)| Query { bounds, descending, limit, page })
+}
+
+/// `key` against a bound of `bound.len()` components.
+fn cmp_prefix(key: &[Value], bound: &[Value]) -> Ordering {
+    key.iter().zip(bound).map(|(k, b)| keycode::compare(k, b)).find(|o| o.is_ne()).unwrap_or(Ordering::Equal)
+}
+
+fn in_bounds(key: &[Value], bounds: &ScanBounds) -> bool {
+    match bounds {
+        ScanBounds::All => true,
+        ScanBounds::Eq(values) => cmp_prefix(key, values).is_eq(),
+        ScanBounds::Range { low, high, inclusive_low, inclusive_high } => {
+            let above = low.as_ref().is_none_or(|l| match cmp_prefix(key, l) {
+                Ordering::Greater => true,
+                Ordering::Equal => *inclusive_low,
+                Ordering::Less => false,
+            });
+            let below = high.as_ref().is_none_or(|h| match cmp_prefix(key, h) {
+                Ordering::Less => true,
+                Ordering::Equal => *inclusive_high,
+                Ordering::Greater => false,
+            });
+            above && below
+        }
+    }
+}
+
+/// Every row the index must hold, in index order: (entry bytes, key, document id).
+fn model_rows(def: &IndexDef, docs: &std::collections::BTreeMap<String, Value>) -> Vec<(Vec<u8>, Vec<Value>, String)> {
+    let compiled = def.compile().unwrap();
+    let mut rows = Vec::new();
+    for (id, doc) in docs {
+        for entry in compiled.entries(doc) {
+            let (key, _) = keycode::decode_components(&entry, 2).unwrap();
+            let mut bytes = entry.clone();
+            bytes.extend_from_slice(id.as_bytes());
+            rows.push((bytes, key, id.clone()));
+        }
+    }
+    rows.sort_by(|a, b| a.0.cmp(&b.0));
+    rows
+}
+
+fn doc(a: &Option<Value>, b: i64) -> Value {
+    match a {
+        Some(a) => json!({"a": a, "b": b}),
+        None => json!({"b": b}),
+    }
+}
+
+fn run(parts: u16, index_first: bool, ops: Vec<Op>, queries: Vec<Query>) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path());
+    let coll = store.create_collection("c", 0).unwrap();
+    let def = IndexDef {
+        name: "by_ab".into(),
+        keys: vec!["a".into(), "b".into()],
+        filter: None,
+        defer_build: false,
+        partitions: Some(parts),
+        replicas: 0,
+    };
+    life(&store, |mgr| {
+        let coll = Arc::clone(&coll);
+        async move {
+            let mut docs = std::collections::BTreeMap::new();
+            let apply = |ops: &[Op], docs: &mut std::collections::BTreeMap<String, Value>| {
+                for op in ops {
+                    match op {
+                        Op::Put { key, a, b } => {
+                            let id = format!("k{key:02}");
+                            put(&coll, &id, doc(a, *b));
+                            docs.insert(id, doc(a, *b));
+                        }
+                        Op::Delete { key } => {
+                            let id = format!("k{key:02}");
+                            if docs.remove(&id).is_some() {
+                                let req = shoal_storage::WriteRequest {
+                                    key: bytes::Bytes::from(id.into_bytes()),
+                                    op: WriteOp::Remove,
+                                    value: None,
+                                    cas: None,
+                                    expiry: 0,
+                                };
+                                coll.write(req).unwrap();
+                            }
+                        }
+                    }
+                }
+            };
+            let half = ops.len() / 2;
+            // The index follows the changes, or is built by reading the documents first and
+            // then follows the rest.
+            if index_first {
+                mgr.create(&coll, def.clone()).await.unwrap();
+                apply(&ops[..half], &mut docs);
+            } else {
+                apply(&ops[..half], &mut docs);
+                mgr.create(&coll, def.clone()).await.unwrap();
+            }
+            apply(&ops[half..], &mut docs);
+            let rows = model_rows(&def, &docs);
+            for q in &queries {
+                let mut want: Vec<(Vec<Value>, String)> =
+                    rows.iter().filter(|r| in_bounds(&r.1, &q.bounds)).map(|r| (r.1.clone(), r.2.clone())).collect();
+                let all = want.clone();
+                if q.descending {
+                    want.reverse();
+                }
+                want.truncate(q.limit);
+                let req = ScanRequest {
+                    bounds: q.bounds.clone(),
+                    limit: q.limit,
+                    descending: q.descending,
+                    consistency: Consistency::RequestPlus,
+                    timeout: WAIT,
+                    keep: None,
+                };
+                let got: Vec<(Vec<Value>, String)> =
+                    mgr.scan(&coll, "by_ab", req).await.unwrap().into_iter().map(|r| (r.key, r.id)).collect();
+                assert_eq!(got, want, "scan {q:?} over {parts} parts");
+                let mut cursor = mgr.cursor(&coll, "by_ab", &q.bounds, Consistency::NotBounded, WAIT).await.unwrap();
+                let mut paged = Vec::new();
+                loop {
+                    let page = cursor.next_page(q.page).unwrap();
+                    assert!(page.len() <= q.page);
+                    if page.is_empty() {
+                        break;
+                    }
+                    paged.extend(page.into_iter().map(|r| (r.key, r.id)));
+                }
+                assert_eq!(paged, all, "cursor {q:?} in pages of {} over {parts} parts", q.page);
+            }
+            let status = mgr.list(&coll).remove(0);
+            assert_eq!(status.items, rows.len() as u64, "entries counted over the parts");
+        }
+    });
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn scans_of_a_partitioned_index_answer_as_one_sorted_index(
+        parts in prop_oneof![Just(1u16), Just(3), Just(8), Just(16)],
+        index_first in any::<bool>(),
+        ops in prop::collection::vec(op(), 0..120),
+        queries in prop::collection::vec(query(), 1..8),
+    ) {
+        run(parts, index_first, ops, queries);
+    }
+}
+
+#[test]
+fn each_part_holds_the_entries_of_its_leading_values() {
+    let (_dir, store, coll) = filled_store();
+    let def = IndexDef { partitions: Some(5), ..common::def("by_a", "a", false) };
+    life(&store, |mgr| {
+        let coll = Arc::clone(&coll);
+        async move {
+            mgr.create(&coll, def).await.unwrap();
+            assert_eq!(scan_ids(&mgr, &coll, "by_a", json!(3)).await, expected_a3());
+            let mut want = vec![0u64; 5];
+            for i in 0..DOCS {
+                want[usize::from(shoal_index::partition::part_of_value(Some(&json!(i % 5)), 5))] += 1;
+            }
+            let got: Vec<u64> = mgr.list(&coll)[0].part_items.iter().map(|(_, n)| *n).collect();
+            assert_eq!(got, want);
+            assert!(got.iter().filter(|&&n| n > 0).count() > 1, "the values spread over parts: {got:?}");
+        }
+    });
+}
