@@ -21,7 +21,9 @@ pub mod partition;
 
 pub use def::IndexDef;
 pub use filter::FilterError;
-pub use manager::{Consistency, IndexCursor, IndexManager, IndexState, IndexStatus, KeepRow, ScanBounds, ScanRequest, ScanRow};
+pub use manager::{
+    ChangeFetcher, Consistency, FetchFuture, IndexCursor, IndexManager, IndexState, IndexStatus, KeepRow, ScanBounds, ScanRequest, ScanRow,
+};
 
 /// Most rows one scan returns.
 pub const SCAN_ROWS_MAX: usize = 100_000;

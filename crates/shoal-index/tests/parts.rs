@@ -56,8 +56,12 @@ fn bounds() -> impl Strategy<Value = ScanBounds> {
 }
 
 fn query() -> impl Strategy<Value = Query> {
-    (bounds(), any::<bool>(), prop_oneof![Just(100_000usize), 1usize..20], 1usize..50)
-        .prop_map(|(bounds, descending, limit, page)| Query { bounds, descending, limit, page })
+    (bounds(), any::<bool>(), prop_oneof![Just(100_000usize), 1usize..20], 1usize..50).prop_map(|(bounds, descending, limit, page)| Query {
+        bounds,
+        descending,
+        limit,
+        page,
+    })
 }
 
 /// `key` against a bound of `bound.len()` components.
@@ -142,7 +146,7 @@ fn run(parts: u16, index_first: bool, ops: Vec<Op>, queries: Vec<Query>) {
                                     cas: None,
                                     expiry: 0,
                                 };
-                                coll.write(req).unwrap();
+                                let _ = coll.write(req).unwrap();
                             }
                         }
                     }

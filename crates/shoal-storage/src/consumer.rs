@@ -8,8 +8,9 @@
 //! the consumer together with the position it ends at; the consumer commits its data and
 //! that position in one write, so a position never runs ahead of the data it covers.
 //!
-//! Where the changes come from is a [`ChangeSource`]: the local [`Collection`] today; a
-//! global index fed by partitions on other nodes implements the same trait.
+//! Where the changes come from is a [`ChangeSource`]: the local [`Collection`], or
+//! [`Fetched`], changes fetched beforehand from partitions on other nodes (an index
+//! partition follows every data partition wherever its active lives).
 
 use crate::changes::{Change, PartitionSubscription, StreamPosition};
 use crate::collection::Collection;
@@ -72,6 +73,122 @@ impl ChangeReader for PartitionSubscription {
 
     fn snapshot_end(&self) -> SeqNo {
         PartitionSubscription::snapshot_end(self)
+    }
+}
+
+/// Changes of some partitions fetched from elsewhere — the partitions' active copies on
+/// other nodes, for an index partition that follows every data partition wherever it lives
+/// — as a [`ChangeSource`], so that [`follow`] and its consumer treat them like local
+/// changes. The fetching (async, over the network) happens before; [`follow`] then runs on
+/// what was fetched, without waiting.
+///
+/// A partition answers what was fetched for it only to a consumer still at the position it
+/// was fetched from; a consumer elsewhere (it rolled back, or another round moved it) reads
+/// nothing this time and is fetched for again. A fetch that found the consumer's position
+/// off the partition's history carries where history is shared up to, and the consumer
+/// rolls back as it would for a local partition.
+#[derive(Clone, Debug, Default)]
+pub struct Fetched {
+    partition_count: u16,
+    parts: std::collections::HashMap<PartitionId, FetchedPart>,
+}
+
+/// What was fetched of one partition.
+#[derive(Clone, Debug, Default)]
+pub struct FetchedPart {
+    /// The consumer's position the fetch asked from.
+    pub from: StreamPosition,
+    /// Where history is shared up to, when `from` is not on the partition's history.
+    pub rollback: Option<SeqNo>,
+    /// The changes after `from`, in seqno order.
+    pub changes: Vec<Change>,
+    /// Where the stream stands after `changes`.
+    pub end: StreamPosition,
+    /// The snapshot marker of the read (see [`ChangeReader::snapshot_end`]).
+    pub snapshot_end: SeqNo,
+    /// The partition's high seqno on its history when the fetch was answered.
+    pub high: StreamPosition,
+}
+
+impl Fetched {
+    pub fn new(partition_count: u16) -> Fetched {
+        Fetched { partition_count, parts: std::collections::HashMap::new() }
+    }
+
+    /// Records what was fetched of `partition`.
+    pub fn insert(&mut self, partition: PartitionId, part: FetchedPart) {
+        debug_assert!(partition < self.partition_count, "partition {partition} of {}", self.partition_count);
+        debug_assert!(part.changes.iter().all(|c| c.partition == partition && c.seqno > part.from.seqno && c.seqno <= part.end.seqno));
+        self.parts.insert(partition, part);
+    }
+
+    /// The partitions fetched, in order.
+    pub fn partitions(&self) -> Vec<PartitionId> {
+        let mut out: Vec<PartitionId> = self.parts.keys().copied().collect();
+        out.sort_unstable();
+        out
+    }
+}
+
+/// A reader of what was fetched of one partition.
+pub struct FetchedReader {
+    changes: std::vec::IntoIter<Change>,
+    position: StreamPosition,
+    end: StreamPosition,
+    snapshot_end: SeqNo,
+}
+
+impl ChangeSource for Fetched {
+    type Reader = FetchedReader;
+
+    fn partition_count(&self) -> u16 {
+        self.partition_count
+    }
+
+    /// The fetched partitions' high seqnos; a partition not fetched answers the default.
+    fn positions(&self) -> Vec<StreamPosition> {
+        (0..self.partition_count).map(|p| self.parts.get(&p).map(|f| f.high).unwrap_or_default()).collect()
+    }
+
+    fn subscribe(&self, partition: PartitionId, from: StreamPosition) -> Result<(FetchedReader, Option<SeqNo>), ChangesError> {
+        let nothing = |at: StreamPosition| FetchedReader { changes: Vec::new().into_iter(), position: at, end: at, snapshot_end: 0 };
+        match self.parts.get(&partition) {
+            Some(part) if part.from == from => match part.rollback {
+                Some(shared) => Ok((nothing(from), Some(shared))),
+                None => Ok((
+                    FetchedReader {
+                        changes: part.changes.clone().into_iter(),
+                        position: from,
+                        end: part.end,
+                        snapshot_end: part.snapshot_end,
+                    },
+                    None,
+                )),
+            },
+            _ => Ok((nothing(from), None)),
+        }
+    }
+}
+
+impl ChangeReader for FetchedReader {
+    fn try_next(&mut self, max: usize, _include_docs: bool) -> Result<Vec<Change>, ChangesError> {
+        let out: Vec<Change> = self.changes.by_ref().take(max).collect();
+        if self.changes.len() == 0 {
+            // Everything handed out: the position is where the fetch ended (past changes the
+            // active no longer holds, or onto its history when nothing changed).
+            self.position = self.end;
+        } else if let Some(last) = out.last() {
+            self.position = StreamPosition { seqno: last.seqno, uuid: self.end.uuid };
+        }
+        Ok(out)
+    }
+
+    fn position(&self) -> StreamPosition {
+        self.position
+    }
+
+    fn snapshot_end(&self) -> SeqNo {
+        self.snapshot_end
     }
 }
 
@@ -397,6 +514,66 @@ mod tests {
         assert_eq!(keys.keys[&0], ["a1", "a2"]);
         assert_eq!(keys.position(0), StreamPosition { seqno: 2, uuid: 99 });
         assert_eq!(keys.keys[&1], ["b0"], "the other partition is untouched");
+    }
+
+    /// What an active would answer a fetch of partition `p` from `from`, read from `source`.
+    fn fetch(source: &Memory, p: PartitionId, from: StreamPosition) -> FetchedPart {
+        let (mut reader, rollback) = source.subscribe(p, from).unwrap();
+        let high = source.positions()[usize::from(p)];
+        if rollback.is_some_and(|r| r < from.seqno) {
+            return FetchedPart { from, rollback, high, end: from, ..FetchedPart::default() };
+        }
+        let changes = reader.try_next(usize::MAX, true).unwrap();
+        FetchedPart { from, rollback: None, changes, end: reader.position(), snapshot_end: reader.snapshot_end(), high }
+    }
+
+    #[test]
+    fn changes_fetched_from_elsewhere_are_followed_like_local_ones() {
+        let mut source = Memory::new(3);
+        for i in 0..5 {
+            source.write(0, &format!("a{i}"));
+            source.write(2, &format!("c{i}"));
+        }
+        let (mut local, mut remote) = (Keys::default(), Keys::default());
+        follow(&source, &[0, 1, 2], ALL, &mut local).unwrap();
+        let round = |source: &Memory, remote: &mut Keys| {
+            let mut fetched = Fetched::new(3);
+            for p in 0..3 {
+                fetched.insert(p, fetch(source, p, remote.position(p)));
+            }
+            follow(&fetched, &fetched.partitions(), ALL, remote).unwrap()
+        };
+        assert_eq!(round(&source, &mut remote), 10);
+        assert_eq!(remote.keys, local.keys);
+        assert_eq!((0..3).map(|p| remote.position(p)).collect::<Vec<_>>(), source.positions(), "positions reach the highs");
+        // Caught up: a new round hands over nothing.
+        assert_eq!(round(&source, &mut remote), 0);
+        // A new history on partition 0 (a failover lost "a3" and "a4"): the fetch says where
+        // history is shared; the consumer rolls back, then the next fetch reads it again.
+        let kept: Vec<Change> = source.partitions[0].1[..3].to_vec();
+        source.partitions[0] = (77, kept);
+        source.write(0, "a9");
+        assert_eq!(round(&source, &mut remote), 0, "the round that meets the rollback reads nothing");
+        assert_eq!(remote.rollbacks, vec![0]);
+        assert_eq!(remote.position(0), StreamPosition::default());
+        assert_eq!(round(&source, &mut remote), 4);
+        assert_eq!(remote.keys[&0], ["a0", "a1", "a2", "a9"]);
+        assert_eq!(remote.position(0), StreamPosition { seqno: 4, uuid: 77 });
+        assert_eq!(remote.keys[&2].len(), 5, "the other partitions are untouched");
+    }
+
+    #[test]
+    fn a_fetch_from_a_stale_position_hands_over_nothing() {
+        let mut source = Memory::new(1);
+        source.write(0, "a0");
+        source.write(0, "a1");
+        let mut keys = Keys::default();
+        let mut fetched = Fetched::new(1);
+        fetched.insert(0, fetch(&source, 0, StreamPosition { seqno: 1, uuid: 1 }));
+        // The consumer is at 0, not where the fetch asked from: nothing, and no position moves.
+        assert_eq!(follow(&fetched, &[0], ALL, &mut keys).unwrap(), 0);
+        assert_eq!(keys.position(0), StreamPosition::default());
+        assert!(keys.batches.is_empty());
     }
 
     #[test]

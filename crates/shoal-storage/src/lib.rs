@@ -28,7 +28,7 @@ pub mod copy_stream;
 pub use changes::{Change, PartitionSubscription, StreamPosition};
 pub use clock::{IdSource, ManualClock, RandomIds, SeededIds, SystemClock, TimeSource};
 pub use collection::{Collection, CollectionInfo};
-pub use consumer::{follow, ChangeConsumer, ChangeReader, ChangeSource, FollowLimits, PartitionBatch};
+pub use consumer::{follow, ChangeConsumer, ChangeReader, ChangeSource, Fetched, FetchedPart, FetchedReader, FollowLimits, PartitionBatch};
 pub use error::{is_corruption, CatalogError, ChangesError, CollectionError, NotMine, OpenError, PartitionError, ReadError, WriteError};
 pub use files::{FileManifest, FilePiece, PartitionFiles};
 pub use health::{StorageHealth, StorageState, TaskHealth, TaskReport};

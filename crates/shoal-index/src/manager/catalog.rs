@@ -2,13 +2,13 @@
 //! moved aside (quarantine), orphans removed, every index loaded with its cursors.
 
 use super::{
-    cursor_partition, cursor_prefix, decode_cursor, legacy_def_key, parse_legacy_keyspace_name, parse_part_keyspace_name,
-    part_keyspace_name, scan_key, is_damage, Index, Part, Record, ScanState, CATALOG_PREFIX, INDEX_CACHE_BYTES, INDEX_DIR, INDEX_MEMTABLE_MAX_BYTES,
+    cursor_partition, cursor_prefix, decode_cursor, is_damage, legacy_def_key, parse_legacy_keyspace_name, parse_part_keyspace_name,
+    part_keyspace_name, scan_key, Index, Part, Record, ScanState, CATALOG_PREFIX, INDEX_CACHE_BYTES, INDEX_DIR, INDEX_MEMTABLE_MAX_BYTES,
     LEGACY_CURSOR_PREFIX, LEGACY_DEF_PREFIX, META_KEYSPACE, NEXT_ID_KEY, QUARANTINE_SUFFIX,
 };
 use crate::IndexError;
 use parking_lot::Mutex;
-use shoal_storage::{Collection, Store, StreamPosition};
+use shoal_storage::{Collection, SeqNo, Store, StreamPosition};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -108,7 +108,8 @@ pub(super) fn read_catalog(store: &Store) -> Result<BTreeMap<String, Record>, In
 /// Opens the index database, copies definitions it holds from before the catalog into the
 /// catalog, removes storage no definition owns, and loads every index. Any error here
 /// reading the database is for [`damaged_at_open`] to judge.
-pub(super) fn open_database(store: &Store, path: &Path) -> Result<Opened, IndexError> {
+/// `target` gives a new or loaded index's build target (see [`load`]).
+pub(super) fn open_database(store: &Store, path: &Path, target: &dyn Fn(&Collection) -> Vec<SeqNo>) -> Result<Opened, IndexError> {
     let db = open_fjall(path)?;
     let meta = db.keyspace(META_KEYSPACE, fjall::KeyspaceCreateOptions::default)?;
     let mut records = read_catalog(store)?;
@@ -171,7 +172,7 @@ pub(super) fn open_database(store: &Store, path: &Path) -> Result<Opened, IndexE
     let mut indexes = Vec::new();
     let mut rebuilt = Vec::new();
     for (coll, r) in found {
-        let index = match load(&db, &meta, r, &coll) {
+        let index = match load(&db, &meta, r, &coll, target(&coll)) {
             Ok(index) => index,
             Err(e) if is_damage(&e) => {
                 let record = Record { id: next_id, ..r.clone() };
@@ -181,7 +182,7 @@ pub(super) fn open_database(store: &Store, path: &Path) -> Result<Opened, IndexE
                 delete_index_storage(&db, &meta, r.id, r.def.part_count(), None)?;
                 tracing::error!(index = %r.def.name, collection = %r.collection, error = %e, "index storage failed a check at start: rebuilding the index from the documents");
                 rebuilt.push(format!("index {} of collection {} ({e})", r.def.name, r.collection));
-                load(&db, &meta, &record, &coll)?
+                load(&db, &meta, &record, &coll, target(&coll))?
             }
             Err(e) => return Err(e),
         };
@@ -246,7 +247,15 @@ pub(super) fn open_parts(
 
 /// The index of definition `r`, with its cursors and build position as persisted (none
 /// for a new index, which its maintainer then builds from the documents).
-pub(super) fn load(db: &fjall::Database, meta: &fjall::Keyspace, r: &Record, coll: &Collection) -> Result<Arc<Index>, IndexError> {
+/// `target` is the high seqnos the index must reach to be ready again (empty: the highs of
+/// its first fetch, for an index fed from elsewhere).
+pub(super) fn load(
+    db: &fjall::Database,
+    meta: &fjall::Keyspace,
+    r: &Record,
+    coll: &Collection,
+    target: Vec<SeqNo>,
+) -> Result<Arc<Index>, IndexError> {
     let compiled = r.def.compile()?;
     let n = usize::from(coll.partition_count());
     let mut parts = Vec::new();
@@ -279,7 +288,7 @@ pub(super) fn load(db: &fjall::Database, meta: &fjall::Keyspace, r: &Record, col
         deferred: AtomicBool::new(r.def.defer_build),
         dropped: AtomicBool::new(false),
         corrupt: AtomicBool::new(false),
-        target: Mutex::new(Some(coll.held_high_seqnos())),
+        target: Mutex::new(Some(target)),
         progress: watch::channel(0).0,
         scan: Mutex::new(scan),
     }))

@@ -45,7 +45,7 @@ impl IndexManager {
         // Durable in the store's catalog before the answer: the index database holds only
         // what can be rebuilt from the definition and the documents.
         self.store.put_catalog(&record.catalog_key(), &record.encode()?)?;
-        let index = load(&self.db, &self.meta, &record, coll)?;
+        let index = load(&self.db, &self.meta, &record, coll, self.build_target(coll))?;
         let status = index.status();
         self.attach(coll, index);
         Ok(status)
@@ -96,7 +96,7 @@ impl IndexManager {
             // Flipped under the lock that `active()` takes: the maintainer's next round
             // sees all of them or none.
             let colls = self.colls.lock();
-            let highs = coll.held_high_seqnos();
+            let highs = self.build_target(coll);
             for index in &indexes {
                 if index.deferred.load(Ordering::Acquire) {
                     *index.target.lock() = Some(highs.clone());
@@ -232,7 +232,7 @@ impl IndexManager {
         };
         let record = Record { id: self.allocate_id(None)?, ..old.record() };
         self.store.put_catalog(&record.catalog_key(), &record.encode()?)?;
-        let new = load(&self.db, &self.meta, &record, &coll)?;
+        let new = load(&self.db, &self.meta, &record, &coll, self.build_target(&coll))?;
         {
             let mut colls = self.colls.lock();
             if let Some(entry) = colls.get_mut(&coll.id()) {

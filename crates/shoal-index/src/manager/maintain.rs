@@ -1,6 +1,7 @@
 //! Maintenance: one task per collection running rounds on the worker pool — a build's
 //! key-order read of the documents, and the change streams applied to the indexes.
 
+use super::fed::fed_round;
 use super::{
     back_key, catch_up, cursor_key, encode_cursor, encode_list, entries_by_part, entry_key, scan_key, Index, IndexManager, PartEntries,
     ScanState, IDLE_POLL, REBUILDS_METRIC,
@@ -45,14 +46,27 @@ pub(super) async fn maintain(
         changed.borrow_and_update();
         let mut progressed = false;
         if !active.is_empty() {
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            let (c, r) = (Arc::clone(&coll), Arc::clone(&round));
-            let m = Arc::clone(&mgr);
-            mgr.pool.spawn(move || {
-                let _round = r.lock();
-                let _ = tx.send(run_round(&m, &c, &active));
-            });
-            match rx.await {
+            let result = match &mgr.fetcher {
+                // Fed from elsewhere: the round fetches (waiting for news) before it applies.
+                Some(fetcher) => {
+                    let fetcher = Arc::clone(fetcher);
+                    tokio::select! {
+                        r = fed_round(&mgr, &fetcher, &coll, active, Arc::clone(&round)) => Ok(r),
+                        _ = stop.changed() => continue,
+                    }
+                }
+                None => {
+                    let (tx, rx) = tokio::sync::oneshot::channel();
+                    let (c, r) = (Arc::clone(&coll), Arc::clone(&round));
+                    let m = Arc::clone(&mgr);
+                    mgr.pool.spawn(move || {
+                        let _round = r.lock();
+                        let _ = tx.send(run_round(&m, &c, &active));
+                    });
+                    rx.await
+                }
+            };
+            match result {
                 Ok(Ok(p)) => {
                     mgr.health.round_succeeded();
                     progressed = p;
@@ -70,6 +84,10 @@ pub(super) async fn maintain(
                     tokio::time::sleep(IDLE_POLL).await;
                 }
                 Err(_) => return,
+            }
+            if mgr.fetcher.is_some() {
+                // The fetch waited for news already.
+                continue;
             }
         }
         if !progressed {

@@ -11,6 +11,7 @@
 
 mod catalog;
 mod ddl;
+mod fed;
 mod layout;
 mod maintain;
 mod read;
@@ -18,6 +19,7 @@ mod stream;
 
 use catalog::*;
 use ddl::is_damage;
+pub use fed::{ChangeFetcher, FetchFuture};
 use layout::*;
 use maintain::*;
 pub use read::IndexCursor;
@@ -274,6 +276,17 @@ impl Index {
     }
 }
 
+/// The high seqnos a new (or newly started) index must reach to be ready: this node's
+/// partitions' now, or, for indexes fed from elsewhere, the highs of the first fetch (empty
+/// until then).
+fn build_target(fed: bool, coll: &Collection) -> Vec<SeqNo> {
+    if fed {
+        Vec::new()
+    } else {
+        coll.held_high_seqnos()
+    }
+}
+
 /// The indexes of one collection and its maintainer's controls.
 struct CollEntry {
     indexes: Vec<Arc<Index>>,
@@ -305,6 +318,9 @@ pub struct IndexManager {
     stop: tokio::sync::watch::Sender<bool>,
     /// The maintainer tasks, awaited by [`IndexManager::stop`].
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// Where the indexes take their changes from when not from this node's partitions (see
+    /// [`fed`]).
+    fetcher: Option<Arc<dyn ChangeFetcher>>,
 }
 
 impl IndexManager {
@@ -316,6 +332,16 @@ impl IndexManager {
     /// aside (see [`quarantine`]) and a fresh one is built from the definitions: the node
     /// starts and serves documents while the indexes build.
     pub fn open(store: Arc<Store>, workers: usize) -> Result<Arc<IndexManager>, IndexError> {
+        IndexManager::open_with(store, workers, None)
+    }
+
+    /// [`IndexManager::open`] for indexes fed by `fetcher` from the partitions' actives
+    /// wherever they live, rather than from this node's partitions (see [`fed`]).
+    pub fn open_fed(store: Arc<Store>, workers: usize, fetcher: Arc<dyn ChangeFetcher>) -> Result<Arc<IndexManager>, IndexError> {
+        IndexManager::open_with(store, workers, Some(fetcher))
+    }
+
+    fn open_with(store: Arc<Store>, workers: usize, fetcher: Option<Arc<dyn ChangeFetcher>>) -> Result<Arc<IndexManager>, IndexError> {
         let path = store.data_paths().first().cloned().ok_or_else(|| IndexError::Invalid("no data path".into()))?.join(INDEX_DIR);
         let runtime = tokio::runtime::Handle::try_current()
             .map_err(|e| IndexError::Invalid(format!("the index manager needs a tokio runtime: {e}")))?;
@@ -325,7 +351,9 @@ impl IndexManager {
             .build()
             .map_err(|e| IndexError::Invalid(format!("index worker pool: {e}")))?;
         let health = shoal_storage::TaskHealth::default();
-        let (opened, rebuilds) = match open_database(&store, &path) {
+        let fed = fetcher.is_some();
+        let target = |coll: &Collection| build_target(fed, coll);
+        let (opened, rebuilds) = match open_database(&store, &path, &target) {
             Ok(opened) => (opened, 0),
             Err(e) if damaged_at_open(&e) => {
                 let moved = quarantine(&path)?;
@@ -334,7 +362,7 @@ impl IndexManager {
                     moved_to = %moved.display(),
                     "the index database is damaged: moved it aside; every index is rebuilt from the documents"
                 );
-                let opened = open_database(&store, &path)?;
+                let opened = open_database(&store, &path, &target)?;
                 let n = opened.indexes.len();
                 health.round_failed(&format!(
                     "the index database was damaged ({e}); moved to {} and rebuilding {n} indexes",
@@ -363,6 +391,7 @@ impl IndexManager {
             me: me.clone(),
             stop: tokio::sync::watch::Sender::new(false),
             tasks: Mutex::new(Vec::new()),
+            fetcher,
         });
         for (coll, index) in indexes {
             mgr.attach(&coll, index);
@@ -396,6 +425,11 @@ impl IndexManager {
         }
         self.db.persist(fjall::PersistMode::SyncAll)?;
         Ok(())
+    }
+
+    /// The high seqnos a new (or newly started) index must reach to be ready.
+    fn build_target(&self, coll: &Collection) -> Vec<SeqNo> {
+        build_target(self.fetcher.is_some(), coll)
     }
 
     /// Indexes rebuilt because their storage was found damaged, since the node started.

@@ -61,7 +61,10 @@ impl IndexManager {
         timeout: Duration,
     ) -> Result<Arc<Index>, IndexError> {
         let deadline = tokio::time::Instant::now() + timeout;
-        let highs = coll.held_high_seqnos();
+        let highs = match (consistency, &self.fetcher) {
+            (Consistency::RequestPlus, Some(fetcher)) => fetcher.highs(coll).await?,
+            _ => coll.held_high_seqnos(),
+        };
         if consistency == Consistency::RequestPlus {
             if let Some(e) = self.colls.lock().get(&coll.id()) {
                 e.wake.notify_one();
@@ -115,6 +118,10 @@ impl IndexManager {
         index: Arc<Index>,
         deadline: tokio::time::Instant,
     ) -> Result<Arc<Index>, IndexError> {
+        if self.fetcher.is_some() {
+            // Fed from the actives wherever they are: no partition comes to this node.
+            return Ok(index);
+        }
         let mut progress = index.progress.subscribe();
         let mut woken = false;
         loop {

@@ -27,10 +27,10 @@ pub(super) fn catch_up(mgr: &IndexManager, coll: &Collection, active: &[Arc<Inde
 }
 
 /// The indexes of one collection, fed a group of its partitions.
-struct IndexFeed<'a> {
-    mgr: &'a IndexManager,
-    active: &'a [Arc<Index>],
-    partitions: u16,
+pub(super) struct IndexFeed<'a> {
+    pub(super) mgr: &'a IndexManager,
+    pub(super) active: &'a [Arc<Index>],
+    pub(super) partitions: u16,
 }
 
 impl ChangeConsumer for IndexFeed<'_> {

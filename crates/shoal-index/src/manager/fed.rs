@@ -1,0 +1,98 @@
+//! Indexes fed by partitions this node does not hold (the index service, issue 41).
+//!
+//! An index node keeps index partitions whose entries come from every data partition, on
+//! whichever node its active copy lives. A [`ChangeFetcher`] fetches what follows the
+//! indexes' positions from those actives (the cluster does it over the network); each round
+//! then applies what was fetched with the same consumer as local changes
+//! ([`shoal_storage::Fetched`] is the change source), so positions are committed with the
+//! entries they cover and a partition whose history changed (a failover) is rolled back
+//! and read again. There is no key-order build: a new index follows every stream from the
+//! start. It is ready once it reaches the highs of its first fetch; `request_plus` waits
+//! for the actives' highs at the scan's start ([`ChangeFetcher::highs`]), not for replicas
+//! and not for other indexes.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use shoal_storage::{follow, Collection, Fetched, FollowLimits, PartitionId, SeqNo, StreamPosition};
+
+use super::{Index, IndexFeed, IndexManager};
+use crate::{IndexError, BATCH_CHANGES};
+
+/// What a [`ChangeFetcher`] answers, later.
+pub type FetchFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, IndexError>> + Send + 'a>>;
+
+/// Where an index node gets the change streams of the partitions: their active copies,
+/// wherever they live.
+pub trait ChangeFetcher: Send + Sync {
+    /// What follows each asked `(partition, position)` of `coll`'s streams, waiting up to
+    /// `wait` when nothing does. Every asked partition is answered.
+    fn fetch<'a>(&'a self, coll: &'a Collection, asks: Vec<(PartitionId, StreamPosition)>, wait: Duration) -> FetchFuture<'a, Fetched>;
+
+    /// Every partition's high seqno at its active now, in partition order.
+    fn highs<'a>(&'a self, coll: &'a Collection) -> FetchFuture<'a, Vec<SeqNo>>;
+}
+
+/// How long a fetch that finds nothing new may wait for news.
+pub(super) const FETCH_WAIT: Duration = Duration::from_millis(500);
+
+/// The lowest position of the live indexes in partition `p` (what the next fetch asks from).
+fn lowest(indexes: &[Arc<Index>], p: PartitionId) -> StreamPosition {
+    indexes.iter().map(|i| i.cursor(p)).min_by_key(|c| c.seqno).unwrap_or_default()
+}
+
+/// One round of a fed collection's indexes: fetch what follows their positions, apply it
+/// on the worker pool, and mark ready the indexes that reached the highs of their first
+/// fetch. True if any position moved.
+pub(super) async fn fed_round(
+    mgr: &Arc<IndexManager>,
+    fetcher: &Arc<dyn ChangeFetcher>,
+    coll: &Arc<Collection>,
+    active: Vec<Arc<Index>>,
+    round: Arc<Mutex<()>>,
+) -> Result<bool, IndexError> {
+    let live: Vec<Arc<Index>> = active.into_iter().filter(|i| !i.dropped.load(Ordering::Acquire)).collect();
+    if live.is_empty() {
+        return Ok(false);
+    }
+    let asks: Vec<(PartitionId, StreamPosition)> = (0..coll.partition_count()).map(|p| (p, lowest(&live, p))).collect();
+    let before: Vec<StreamPosition> = asks.iter().map(|a| a.1).collect();
+    let fetched = fetcher.fetch(coll, asks, FETCH_WAIT).await?;
+    let highs: Vec<SeqNo> = shoal_storage::ChangeSource::positions(&fetched).iter().map(|p| p.seqno).collect();
+    for index in &live {
+        // A build's target is the highs of its first fetch (unknown until then).
+        let mut target = index.target.lock();
+        if target.as_ref().is_some_and(Vec::is_empty) {
+            *target = Some(highs.clone());
+        }
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let (m, indexes) = (Arc::clone(mgr), live.clone());
+    let partitions = coll.partition_count();
+    mgr.pool.spawn(move || {
+        let _round = round.lock();
+        let limits = FollowLimits {
+            batch_changes: BATCH_CHANGES,
+            partition_changes_max: usize::MAX,
+            total_changes_max: usize::MAX,
+            include_docs: true,
+        };
+        let mut feed = IndexFeed { mgr: &m, active: &indexes, partitions };
+        let _ = tx.send(follow(&fetched, &fetched.partitions(), limits, &mut feed));
+    });
+    rx.await.map_err(|_| IndexError::Invalid("index worker pool stopped".into()))??;
+    let moved = (0..partitions).any(|p| lowest(&live, p) != before[usize::from(p)]);
+    for index in &live {
+        let done = index.target.lock().as_ref().is_some_and(|t| !t.is_empty() && index.caught_up(t));
+        if done {
+            *index.target.lock() = None;
+            index.bump();
+            tracing::info!(index = %index.def.name, "index ready");
+        }
+    }
+    Ok(moved)
+}

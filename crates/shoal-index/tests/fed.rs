@@ -1,0 +1,145 @@
+//! Indexes fed from partitions another node holds (the index service): an index node's
+//! manager follows a data node's change streams through a fetcher — here reading the other
+//! store directly, in the cluster over the network — and answers scans exactly as an index
+//! beside the documents would, at `request_plus`; after a restart it goes on from its
+//! positions without reading anything again.
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+use shoal_index::{ChangeFetcher, FetchFuture, IndexDef, IndexError, IndexManager};
+use shoal_storage::{Collection, Fetched, FetchedPart, PartitionId, SeqNo, Store, StreamPosition};
+
+/// A data node, as an index node's fetcher sees it: its store, read directly.
+struct StoreFetcher {
+    data: Arc<Store>,
+    /// Changes handed out, over every fetch.
+    handed: AtomicU64,
+}
+
+impl StoreFetcher {
+    fn source(&self, coll: &Collection) -> Result<Arc<Collection>, IndexError> {
+        self.data.collection(coll.name()).ok_or_else(|| IndexError::Invalid(format!("no collection {} at the data node", coll.name())))
+    }
+}
+
+impl ChangeFetcher for StoreFetcher {
+    fn fetch<'a>(&'a self, coll: &'a Collection, asks: Vec<(PartitionId, StreamPosition)>, wait: Duration) -> FetchFuture<'a, Fetched> {
+        Box::pin(async move {
+            let source = self.source(coll)?;
+            let deadline = Instant::now() + wait;
+            let mut changed = source.changed();
+            loop {
+                changed.borrow_and_update();
+                let mut fetched = Fetched::new(source.partition_count());
+                let mut any = false;
+                for &(p, from) in &asks {
+                    let (mut reader, rollback) = source.subscribe(p, from)?;
+                    let high = source.position(p).unwrap_or_default();
+                    let part = match rollback.filter(|&r| r < from.seqno) {
+                        Some(shared) => FetchedPart { from, rollback: Some(shared), end: from, high, ..FetchedPart::default() },
+                        None => {
+                            let changes = reader.try_next(512, true)?;
+                            let end = reader.position();
+                            FetchedPart { from, rollback: None, changes, end, snapshot_end: reader.snapshot_end(), high }
+                        }
+                    };
+                    any |= !part.changes.is_empty() || part.end != from || part.rollback.is_some();
+                    self.handed.fetch_add(part.changes.len() as u64, Ordering::Relaxed);
+                    fetched.insert(p, part);
+                }
+                if any || Instant::now() >= deadline {
+                    return Ok(fetched);
+                }
+                let _ = tokio::time::timeout_at(deadline.into(), changed.changed()).await;
+            }
+        })
+    }
+
+    fn highs<'a>(&'a self, coll: &'a Collection) -> FetchFuture<'a, Vec<SeqNo>> {
+        Box::pin(async move { Ok(self.source(coll)?.high_seqnos()) })
+    }
+}
+
+/// One life of an index node's manager fed from `fetcher`.
+fn fed_life<F, Fut, T>(store: &Arc<Store>, fetcher: &Arc<StoreFetcher>, f: F) -> T
+where
+    F: FnOnce(Arc<IndexManager>) -> Fut,
+    Fut: std::future::Future<Output = T>,
+{
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let (out, weak): (T, Weak<IndexManager>) = rt.block_on(async {
+        let mgr = IndexManager::open_fed(Arc::clone(store), WORKERS, Arc::clone(fetcher) as Arc<dyn ChangeFetcher>).unwrap();
+        let weak = Arc::downgrade(&mgr);
+        let out = f(Arc::clone(&mgr)).await;
+        mgr.stop().await;
+        mgr.close().unwrap();
+        (out, weak)
+    });
+    drop(rt);
+    let deadline = Instant::now() + WAIT;
+    while weak.upgrade().is_some() {
+        assert!(Instant::now() < deadline, "the index manager outlived its runtime");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    out
+}
+
+#[test]
+fn an_index_node_follows_partitions_it_does_not_hold() {
+    let (data_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let data = open_store(data_dir.path());
+    let docs = data.create_collection("c", 0).unwrap();
+    fill(&docs);
+    // The index node has the collection (every member has every collection) and none of
+    // its documents.
+    let node = open_store(index_dir.path());
+    let here = node.create_collection("c", 0).unwrap();
+    assert_eq!(here.info().docs, 0);
+    let fetcher = Arc::new(StoreFetcher { data: Arc::clone(&data), handed: AtomicU64::new(0) });
+    let def = IndexDef { partitions: Some(4), ..common::def("by_a", "a", false) };
+    fed_life(&node, &fetcher, |mgr| {
+        let (here, docs) = (Arc::clone(&here), Arc::clone(&docs));
+        async move {
+            mgr.create(&here, def).await.unwrap();
+            assert_eq!(scan_ids(&mgr, &here, "by_a", json!(3)).await, expected_a3(), "built from the data node's streams");
+            // Updates move entries, deletes remove them; request_plus sees each at once.
+            put(&docs, "d003", json!({"a": 4, "b": "moved"}));
+            put(&docs, "d100", json!({"a": 3, "b": "new"}));
+            let mut want: Vec<String> = expected_a3().into_iter().filter(|k| k != "d003").collect();
+            want.push("d100".into());
+            assert_eq!(scan_ids(&mgr, &here, "by_a", json!(3)).await, want);
+            let removed = shoal_storage::WriteRequest {
+                key: bytes::Bytes::from_static(b"d008"),
+                op: shoal_storage::WriteOp::Remove,
+                value: None,
+                cas: None,
+                expiry: 0,
+            };
+            let _ = docs.write(removed).unwrap();
+            want.retain(|k| k != "d008");
+            assert_eq!(scan_ids(&mgr, &here, "by_a", json!(3)).await, want);
+            let status = mgr.list(&here).remove(0);
+            assert_eq!(status.items, DOCS as u64, "60 documents, one removed, one added");
+            assert_eq!(status.state, shoal_index::IndexState::Ready);
+        }
+    });
+    assert_eq!(here.info().docs, 0, "the index node holds no document");
+    let handed = fetcher.handed.load(Ordering::Relaxed);
+    assert_eq!(handed, DOCS as u64 + 3, "every change fetched once");
+    // A restart goes on from the positions stored with the entries: nothing is read again.
+    fed_life(&node, &fetcher, |mgr| {
+        let here = Arc::clone(&here);
+        async move {
+            let mut want: Vec<String> = expected_a3().into_iter().filter(|k| k != "d003" && k != "d008").collect();
+            want.push("d100".into());
+            assert_eq!(scan_ids(&mgr, &here, "by_a", json!(3)).await, want);
+        }
+    });
+    assert_eq!(fetcher.handed.load(Ordering::Relaxed), handed, "nothing fetched again after the restart");
+}
