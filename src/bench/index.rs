@@ -49,7 +49,7 @@ const READ_RUNS: usize = 5;
 const TYPES: [&str; 5] = ["data_record", "contact", "task", "report", "person"];
 
 /// A record of seed 002's shape: ~300 bytes, belonging to a user.
-fn record(i: usize, per_user: usize) -> String {
+pub(crate) fn record(i: usize, per_user: usize) -> String {
     let user = i / per_user.max(1);
     let ty = TYPES[(i * 7 + user) % TYPES.len()];
     let day = i % per_user.max(1);

@@ -12,6 +12,7 @@ pub mod chart;
 pub mod cluster;
 pub mod copy;
 pub mod index;
+pub mod index_parts;
 pub mod rebalance;
 pub mod tpcds;
 pub mod tpch;
@@ -38,6 +39,9 @@ pub enum BenchCmd {
     /// Seed 002's experiment: index builds and per-user reads across partition counts
     /// (starts its own nodes).
     Index(crate::bench::index::IndexArgs),
+    /// Issue 41's index partitions on one node: write throughput with five indexes of 1 and
+    /// of N parts against none, and eq and range scans over them (starts its own nodes).
+    IndexParts(crate::bench::index_parts::IndexPartsArgs),
     /// Seed 004's experiment: TPC-DS query 3 over loaded JSON documents (starts its own node).
     Analytics(crate::bench::analytics::AnalyticsArgs),
     /// Issue 5's point query: `/v1/query` through an index, 50 rows, one at a time.
@@ -153,6 +157,7 @@ pub async fn run(url: &str, cmd: BenchCmd) -> Result<(), CliError> {
         BenchCmd::Load(args) => load(url, args).await,
         BenchCmd::Subdoc(args) => subdoc(url, args).await,
         BenchCmd::Index(args) => crate::bench::index::run(args).await,
+        BenchCmd::IndexParts(args) => crate::bench::index_parts::run(args).await,
         BenchCmd::Analytics(args) => crate::bench::analytics::run(args).await,
         BenchCmd::TpcdsGen(args) => crate::bench::analytics::generate(args),
         BenchCmd::TpchGen(args) => crate::bench::tpch::generate(args),
