@@ -2,9 +2,10 @@
 //! moved aside (quarantine), orphans removed, every index loaded with its cursors.
 
 use super::{
-    cursor_partition, cursor_prefix, decode_cursor, is_damage, legacy_def_key, parse_legacy_keyspace_name, parse_part_keyspace_name,
-    part_keyspace_name, scan_key, Index, Part, Record, ScanState, CATALOG_PREFIX, INDEX_CACHE_BYTES, INDEX_DIR, INDEX_MEMTABLE_MAX_BYTES,
-    LEGACY_CURSOR_PREFIX, LEGACY_DEF_PREFIX, META_KEYSPACE, NEXT_ID_KEY, QUARANTINE_SUFFIX,
+    cursor_partition, cursor_prefix, decode_cursor, is_damage, legacy_def_key, located_keyspace_name, parse_legacy_keyspace_name,
+    parse_located_keyspace_name, parse_part_keyspace_name, part_keyspace_name, scan_key, Index, Part, Record, ScanState, CATALOG_PREFIX,
+    INDEX_CACHE_BYTES, INDEX_DIR, INDEX_MEMTABLE_MAX_BYTES, LEGACY_CURSOR_PREFIX, LEGACY_DEF_PREFIX, META_KEYSPACE, NEXT_ID_KEY,
+    QUARANTINE_SUFFIX,
 };
 use crate::IndexError;
 use parking_lot::Mutex;
@@ -208,6 +209,8 @@ pub(super) fn remove_orphans(
     for name in db.list_keyspace_names() {
         let (id, orphan) = if let Some((id, part)) = parse_part_keyspace_name(&name) {
             (id, live.get(&id).is_none_or(|&n| part >= n))
+        } else if let Some(id) = parse_located_keyspace_name(&name) {
+            (id, !live.contains_key(&id))
         } else if let Some(id) = parse_legacy_keyspace_name(&name) {
             legacy.insert(id);
             (id, true)
@@ -233,6 +236,12 @@ pub(super) fn remove_orphans(
         }
     }
     Ok(next)
+}
+
+/// Opens (creating if new) the keyspace of index `id` locating documents' entries.
+pub(super) fn open_located(db: &fjall::Database, id: u32) -> Result<fjall::Keyspace, IndexError> {
+    let opts = || fjall::KeyspaceCreateOptions::default().max_memtable_size(INDEX_MEMTABLE_MAX_BYTES);
+    Ok(db.keyspace(&located_keyspace_name(id), opts)?)
 }
 
 /// Opens (creating if new) the keyspaces of parts `parts` of index `id`.
@@ -285,6 +294,7 @@ pub(super) fn load(
         def: r.def.clone(),
         compiled,
         parts,
+        located: open_located(db, r.id)?,
         deferred: AtomicBool::new(r.def.defer_build),
         dropped: AtomicBool::new(false),
         corrupt: AtomicBool::new(false),
@@ -301,19 +311,20 @@ pub(super) fn delete_index_storage(
     meta: &fjall::Keyspace,
     id: u32,
     part_count: u16,
-    open: Option<Vec<fjall::Keyspace>>,
+    open: Option<(Vec<fjall::Keyspace>, fjall::Keyspace)>,
 ) -> Result<(), IndexError> {
     let mut batch = db.batch();
     batch.remove(meta, legacy_def_key(id));
     batch.remove(meta, scan_key(id));
     batch.commit()?;
-    let parts = match open {
+    let (parts, located) = match open {
         Some(ks) => ks,
-        None => open_parts(db, id, 0..part_count)?.into_iter().map(|(_, ks)| ks).collect(),
+        None => (open_parts(db, id, 0..part_count)?.into_iter().map(|(_, ks)| ks).collect(), open_located(db, id)?),
     };
     for ks in parts {
         db.delete_keyspace(ks)?;
     }
+    db.delete_keyspace(located)?;
     db.persist(fjall::PersistMode::SyncAll)?;
     Ok(())
 }

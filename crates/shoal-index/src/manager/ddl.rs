@@ -155,6 +155,7 @@ impl IndexManager {
         let (id, key, part_count) = (index.id, index.catalog_key(), index.def.part_count());
         let (store, db, meta) = (Arc::clone(&self.store), self.db.clone(), self.meta.clone());
         let parts: Vec<fjall::Keyspace> = index.parts.iter().map(|p| p.ks.clone()).collect();
+        let located = index.located.clone();
         drop(index);
         tokio::task::spawn_blocking(move || {
             if what == Forget::WithDefinition {
@@ -163,7 +164,7 @@ impl IndexManager {
                 store.delete_catalog(&key)?;
             }
             let _round = round.lock();
-            delete_index_storage(&db, &meta, id, part_count, Some(parts))
+            delete_index_storage(&db, &meta, id, part_count, Some((parts, located)))
         })
         .await
         .map_err(|e| IndexError::Invalid(format!("drop task: {e}")))?

@@ -31,6 +31,29 @@ pub(super) fn part_keyspace_name(id: u32, part: u16) -> String {
     format!("i{id}.{part}")
 }
 
+/// The keyspace of index `id` on this node that names, per document, the parts that may
+/// hold its entries (derived from the parts' back entries; not part of any unit).
+pub(super) fn located_keyspace_name(id: u32) -> String {
+    format!("w{id}")
+}
+
+/// The index id of a keyspace named by [`located_keyspace_name`].
+pub(super) fn parse_located_keyspace_name(name: &str) -> Option<u32> {
+    name.strip_prefix('w')?.parse().ok()
+}
+
+/// A `located` value: part numbers, two bytes each.
+pub(super) fn encode_parts(parts: &[u16]) -> Vec<u8> {
+    parts.iter().flat_map(|p| p.to_be_bytes()).collect()
+}
+
+pub(super) fn decode_parts(v: &[u8]) -> Result<Vec<u16>, IndexError> {
+    if !v.len().is_multiple_of(2) {
+        return Err(IndexError::Corrupt("located entry".into()));
+    }
+    Ok(v.chunks_exact(2).map(|b| u16::from_be_bytes([b[0], b[1]])).collect())
+}
+
 /// The index id and part of a keyspace named by [`part_keyspace_name`].
 pub(super) fn parse_part_keyspace_name(name: &str) -> Option<(u32, u16)> {
     let (id, part) = name.strip_prefix('i')?.split_once('.')?;

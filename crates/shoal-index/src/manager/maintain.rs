@@ -3,8 +3,8 @@
 
 use super::fed::fed_round;
 use super::{
-    back_key, catch_up, cursor_key, encode_cursor, encode_list, entries_by_part, entry_key, scan_key, Index, IndexManager, PartEntries,
-    ScanState, IDLE_POLL, REBUILDS_METRIC,
+    back_key, catch_up, cursor_key, encode_cursor, encode_list, encode_parts, entries_by_part, entry_key, scan_key, Index, IndexManager,
+    PartEntries, ScanState, IDLE_POLL, REBUILDS_METRIC,
 };
 use crate::{IndexError, BATCH_CHANGES, GROUP_CHANGES, PART_BATCH_MIN, SCAN_BATCH_DOCS, SCAN_ROUND_DOCS};
 use parking_lot::Mutex;
@@ -246,6 +246,7 @@ pub(super) fn scan_round(mgr: &IndexManager, coll: &Collection, scanning: &[Arc<
                 let entries = &per_index[k];
                 let p = shoal_storage::partition_of(key, partitions);
                 // Each key comes once and nothing was indexed for it before: no back read.
+                let mut nos = Vec::new();
                 for group in entries.chunk_by(|a, b| a.0 == b.0) {
                     let Some(slot) = index.parts.iter().position(|part| part.no == group[0].0) else { continue };
                     let list: Vec<Vec<u8>> = group.iter().map(|(_, e)| e.clone()).collect();
@@ -254,6 +255,10 @@ pub(super) fn scan_round(mgr: &IndexManager, coll: &Collection, scanning: &[Arc<
                     }
                     batch.insert(&index.parts[slot].ks, back_key(key), encode_list(&list));
                     *delta[slot].entry(p).or_default() += list.len() as i64;
+                    nos.push(group[0].0);
+                }
+                if !nos.is_empty() && index.locates() {
+                    batch.insert(&index.located, key.as_ref(), encode_parts(&nos));
                 }
             }
             let mut items = Vec::new();

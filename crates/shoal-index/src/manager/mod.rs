@@ -59,6 +59,9 @@ const CLOSE_FLUSH_WAIT: Duration = Duration::from_secs(30);
 const INDEX_MEMTABLE_MAX_BYTES: u64 = 16 * 1024 * 1024;
 /// Block cache of the index database.
 const INDEX_CACHE_BYTES: u64 = 64 * 1024 * 1024;
+/// Parts from which an index keeps where each document's entries are (see
+/// [`Index::locates`]).
+const LOCATE_PARTS_MIN: u16 = 3;
 /// How long an idle maintainer sleeps before looking again without being woken.
 const IDLE_POLL: Duration = Duration::from_secs(1);
 
@@ -191,6 +194,8 @@ struct Index {
     compiled: Compiled,
     /// The index's partitions held here, by part number (every one, on one node).
     parts: Vec<Part>,
+    /// Per document: the parts that may hold its entries (see [`layout`]).
+    located: fjall::Keyspace,
     deferred: AtomicBool,
     /// Dropped, or replaced by its rebuild: no longer in its collection's set.
     dropped: AtomicBool,
@@ -244,6 +249,38 @@ impl Index {
 
     fn caught_up(&self, highs: &[SeqNo]) -> bool {
         self.parts.iter().all(|part| part.cursors.lock().iter().zip(highs).all(|(c, h)| c.seqno >= *h))
+    }
+
+    /// Whether parts `read` have applied every data partition up to `highs`.
+    fn caught_up_parts(&self, highs: &[SeqNo], read: &[u16]) -> bool {
+        read.iter().filter_map(|&no| self.part(no)).all(|part| part.cursors.lock().iter().zip(highs).all(|(c, h)| c.seqno >= *h))
+    }
+
+    /// Per data partition, how far every one of parts `read` has applied its stream (the
+    /// part furthest behind), each part's cursors read once.
+    fn cursors_of(&self, read: &[u16]) -> Vec<StreamPosition> {
+        let mut out: Option<Vec<StreamPosition>> = None;
+        for part in read.iter().filter_map(|&no| self.part(no)) {
+            let cursors = part.cursors.lock();
+            match &mut out {
+                None => out = Some(cursors.clone()),
+                Some(low) => {
+                    for (l, c) in low.iter_mut().zip(cursors.iter()) {
+                        if c.seqno < l.seqno {
+                            *l = *c;
+                        }
+                    }
+                }
+            }
+        }
+        out.unwrap_or_default()
+    }
+
+    /// Whether the index keeps, per document, the parts that may hold its entries: with
+    /// fewer than [`LOCATE_PARTS_MIN`] parts, looking in each part costs no more than
+    /// reading where to look.
+    fn locates(&self) -> bool {
+        self.def.part_count() >= LOCATE_PARTS_MIN
     }
 
     fn part(&self, no: u16) -> Option<&Part> {

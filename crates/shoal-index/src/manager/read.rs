@@ -2,6 +2,7 @@
 //! an index may be read at a consistency.
 
 use super::{entry_of, fwd_range, Consistency, Index, IndexManager, IndexState, KeepRow, ScanBounds, ScanRequest, ScanRow};
+use crate::partition::parts_of_scan;
 use crate::{keycode, IndexError, SCAN_ROWS_MAX};
 use serde_json::Value;
 use shoal_storage::Collection;
@@ -17,11 +18,14 @@ impl IndexManager {
         if req.limit > SCAN_ROWS_MAX {
             return Err(IndexError::Invalid(format!("limit is at most {SCAN_ROWS_MAX}")));
         }
-        let n = self.find(coll, name)?.compiled.key_count();
+        let found = self.find(coll, name)?;
+        let n = found.compiled.key_count();
         let (lo, hi) = byte_bounds(&req.bounds, n)?;
-        let index = self.ready(coll, name, req.consistency, req.timeout).await?;
+        let read = parts_of_scan(&req.bounds, found.def.part_count());
+        drop(found);
+        let index = self.ready(coll, name, req.consistency, req.timeout, &read).await?;
         let (limit, descending, keep) = (req.limit, req.descending, req.keep);
-        let parts = scan_parts(&index, &req.bounds);
+        let parts = part_keyspaces(&index, &read);
         let rows = tokio::task::spawn_blocking(move || read_range(&parts, lo, hi, limit, descending, n, keep.as_ref()))
             .await
             .map_err(|e| IndexError::Invalid(format!("scan task: {e}")))?;
@@ -39,11 +43,14 @@ impl IndexManager {
         consistency: Consistency,
         timeout: Duration,
     ) -> Result<IndexCursor, IndexError> {
-        let n = self.find(coll, name)?.compiled.key_count();
+        let found = self.find(coll, name)?;
+        let n = found.compiled.key_count();
         let (lo, hi) = byte_bounds(bounds, n)?;
-        let index = self.ready(coll, name, consistency, timeout).await?;
+        let read = parts_of_scan(bounds, found.def.part_count());
+        drop(found);
+        let index = self.ready(coll, name, consistency, timeout, &read).await?;
         let empty = matches!((&lo, &hi), (Bound::Included(l) | Bound::Excluded(l), Bound::Included(h) | Bound::Excluded(h)) if l > h);
-        let parts = scan_parts(&index, bounds)
+        let parts = part_keyspaces(&index, &read)
             .into_iter()
             .map(|ks| PartCursor { ks, next: lo.clone(), buffered: VecDeque::new(), done: empty })
             .collect();
@@ -51,14 +58,16 @@ impl IndexManager {
     }
 
     /// Waits until index `name` may be read at `consistency`: ready, and for `request_plus`
-    /// holding every change made before this call. Returns the index to read: a damaged
-    /// index is replaced by its rebuild, which `request_plus` waits for.
+    /// holding every change made before this call in the parts `read` (a scan waits for the
+    /// parts it reads only). Returns the index to read: a damaged index is replaced by its
+    /// rebuild, which `request_plus` waits for.
     pub(super) async fn ready(
         &self,
         coll: &Collection,
         name: &str,
         consistency: Consistency,
         timeout: Duration,
+        read: &[u16],
     ) -> Result<Arc<Index>, IndexError> {
         let deadline = tokio::time::Instant::now() + timeout;
         let highs = match (consistency, &self.fetcher) {
@@ -80,7 +89,7 @@ impl IndexManager {
                     return Err(IndexError::Rebuilding { name: name.to_string() })
                 }
                 (IndexState::Building, Consistency::NotBounded) => return Err(not_ready("building")),
-                (IndexState::Ready, Consistency::NotBounded) => return self.whole(coll, name, index, deadline).await,
+                (IndexState::Ready, Consistency::NotBounded) => return self.whole(coll, name, index, read, deadline).await,
                 (_, Consistency::RequestPlus) => {
                     // Subscribed before looking, so no change between the look and the wait
                     // is missed.
@@ -91,8 +100,8 @@ impl IndexManager {
                             // rebuild (the next look finds the new index).
                             break;
                         }
-                        if index.caught_up(&highs) && index.state() == IndexState::Ready {
-                            return self.whole(coll, name, index, deadline).await;
+                        if index.caught_up_parts(&highs, read) && index.state() == IndexState::Ready {
+                            return self.whole(coll, name, index, read, deadline).await;
                         }
                         match tokio::time::timeout_at(deadline, progress.changed()).await {
                             Err(_) => return Err(IndexError::Timeout),
@@ -116,6 +125,7 @@ impl IndexManager {
         coll: &Collection,
         name: &str,
         index: Arc<Index>,
+        read: &[u16],
         deadline: tokio::time::Instant,
     ) -> Result<Arc<Index>, IndexError> {
         if self.fetcher.is_some() {
@@ -125,7 +135,8 @@ impl IndexManager {
         let mut progress = index.progress.subscribe();
         let mut woken = false;
         loop {
-            let behind = coll.behind_serve_floor(|p| index.cursor(p));
+            let cursors = index.cursors_of(read);
+            let behind = coll.behind_serve_floor(|p| cursors.get(usize::from(p)).copied().unwrap_or_default());
             let Some(partition) = behind else { return Ok(index) };
             if index.dropped.load(Ordering::Acquire) {
                 return Err(IndexError::NotFound(name.to_string()));
@@ -186,14 +197,9 @@ pub(super) fn byte_bounds(bounds: &ScanBounds, n: usize) -> Result<ByteRange, In
     })
 }
 
-/// The keyspaces of the parts a scan with `bounds` reads (see
-/// [`crate::partition::parts_of_scan`]).
-fn scan_parts(index: &Index, bounds: &ScanBounds) -> Vec<fjall::Keyspace> {
-    crate::partition::parts_of_scan(bounds, index.def.part_count())
-        .into_iter()
-        .filter_map(|no| index.part(no))
-        .map(|p| p.ks.clone())
-        .collect()
+/// The keyspaces of parts `read` of `index`.
+fn part_keyspaces(index: &Index, read: &[u16]) -> Vec<fjall::Keyspace> {
+    read.iter().filter_map(|&no| index.part(no)).map(|p| p.ks.clone()).collect()
 }
 
 /// Rows a part's cursor reads ahead of the merge at a time, at least.

@@ -4,7 +4,10 @@
 
 use shoal_storage::{follow, ChangeConsumer, FollowLimits, PartitionBatch};
 
-use super::{back_key, back_prefix, cursor_key, decode_list, encode_cursor, encode_list, entry_key, part_batch, Index, IndexManager, Part};
+use super::{
+    back_key, back_prefix, cursor_key, decode_list, decode_parts, encode_cursor, encode_list, encode_parts, entry_key, part_batch, Index,
+    IndexManager, Part,
+};
 use crate::{IndexError, ROUND_CHANGES_MAX};
 use rayon::prelude::*;
 use serde_json::Value;
@@ -84,6 +87,11 @@ pub(super) fn entries_by_part(index: &Index, doc: &Value) -> Vec<(u16, Vec<u8>)>
 
 /// Applies one batch of changes of several partitions to every active index, in one atomic
 /// write together with the new cursors of every part.
+///
+/// A change can move a document's entries between parts (its leading value changed), so
+/// its old entries are looked for in every part it may have them in: the parts its
+/// `located` record names (one read), not all of them — unless the index has so few parts
+/// that looking in each costs less (see [`Index::locates`]).
 pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[PartitionBatch]) -> Result<(), IndexError> {
     // Parse each document once, for all indexes (in parallel within the batch).
     let all: Vec<&Change> = parts.iter().flat_map(|b| &b.changes).collect();
@@ -101,67 +109,101 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
         if index.dropped.load(Ordering::Acquire) {
             continue;
         }
-        let mut per_part = Vec::with_capacity(parts.len() * index.parts.len());
-        for (slot, part) in index.parts.iter().enumerate() {
-            let mut fwd: Vec<(Vec<u8>, bool)> = Vec::new();
-            let mut offset = 0;
-            for batch_part in parts {
-                let pi = usize::from(batch_part.partition);
-                let computed = &computed[offset..offset + batch_part.changes.len()];
-                offset += batch_part.changes.len();
-                let cursor = part.cursors.lock()[pi].seqno;
-                let mut delta = 0i64;
-                let mut pending: HashMap<&[u8], Vec<Vec<u8>>> = HashMap::new();
-                for (c, per_index) in batch_part.changes.iter().zip(computed) {
-                    if c.seqno <= cursor {
+        let slots = index.parts.len();
+        // Per part (by slot): entry operations, and each document's entries after the batch.
+        let mut fwd: Vec<Vec<(Vec<u8>, bool)>> = vec![Vec::new(); slots];
+        let mut back: Vec<HashMap<&[u8], Vec<Vec<u8>>>> = vec![HashMap::new(); slots];
+        // Per document: the parts that may hold its entries after the batch.
+        let mut located: HashMap<&[u8], Vec<u16>> = HashMap::new();
+        // Per (slot, data partition): entries added.
+        let mut delta: HashMap<(usize, usize), i64> = HashMap::new();
+        let cursors: Vec<Vec<StreamPosition>> = index.parts.iter().map(|p| p.cursors.lock().clone()).collect();
+        let mut offset = 0;
+        for batch_part in parts {
+            let pi = usize::from(batch_part.partition);
+            let computed = &computed[offset..offset + batch_part.changes.len()];
+            offset += batch_part.changes.len();
+            for (c, per_index) in batch_part.changes.iter().zip(computed) {
+                let key: &[u8] = c.key.as_ref();
+                let new_all = &per_index[k];
+                let was: Vec<u16> = match located.get(key) {
+                    Some(v) => v.clone(),
+                    None if index.locates() => mgr.checked(index, read_located(index, key))?,
+                    // Few parts: each is looked in.
+                    None => index.parts.iter().map(|p| p.no).collect(),
+                };
+                let mut candidates: Vec<u16> = was.iter().copied().chain(new_all.iter().map(|(no, _)| *no)).collect();
+                candidates.sort_unstable();
+                candidates.dedup();
+                let mut now = Vec::with_capacity(candidates.len());
+                for no in candidates {
+                    let new: Vec<Vec<u8>> = new_all.iter().filter(|(n, _)| *n == no).map(|(_, e)| e.clone()).collect();
+                    let Some(slot) = index.parts.iter().position(|p| p.no == no) else {
+                        // Not held here: nothing to do in it; remembered as it was.
+                        if was.contains(&no) {
+                            now.push(no);
+                        }
                         continue;
-                    }
-                    let new: Vec<Vec<u8>> = per_index[k].iter().filter(|(no, _)| *no == part.no).map(|(_, e)| e.clone()).collect();
-                    let old: Vec<Vec<u8>> = match pending.get(c.key.as_ref()) {
-                        Some(v) => v.clone(),
-                        None => mgr.checked(index, read_back(part, &c.key))?,
                     };
-                    if old == new {
+                    if c.seqno <= cursors[slot][pi].seqno {
+                        // This part is past the change already: it keeps what it has.
+                        if was.contains(&no) || !new.is_empty() {
+                            now.push(no);
+                        }
                         continue;
                     }
-                    for o in old.iter().filter(|o| new.binary_search(o).is_err()) {
-                        fwd.push((entry_key(o, &c.key), false));
-                        delta -= 1;
+                    let part = &index.parts[slot];
+                    let old: Vec<Vec<u8>> = match back[slot].get(key) {
+                        Some(v) => v.clone(),
+                        None => mgr.checked(index, read_back(part, key))?,
+                    };
+                    if old != new {
+                        let d = delta.entry((slot, pi)).or_default();
+                        for o in old.iter().filter(|o| new.binary_search(o).is_err()) {
+                            fwd[slot].push((entry_key(o, key), false));
+                            *d -= 1;
+                        }
+                        for e in new.iter().filter(|e| old.binary_search(e).is_err()) {
+                            fwd[slot].push((entry_key(e, key), true));
+                            *d += 1;
+                        }
                     }
-                    for e in new.iter().filter(|e| old.binary_search(e).is_err()) {
-                        fwd.push((entry_key(e, &c.key), true));
-                        delta += 1;
+                    if !new.is_empty() {
+                        now.push(no);
                     }
-                    pending.insert(c.key.as_ref(), new);
+                    back[slot].insert(key, new);
                 }
-                // Every write of one batch shares one sequence number, so a key must appear
-                // in it once: the document's last state.
-                let mut back: Vec<(&[u8], Vec<Vec<u8>>)> = pending.into_iter().collect();
-                back.sort_unstable_by(|a, b| a.0.cmp(b.0));
-                for (key, entries) in back {
-                    if entries.is_empty() {
-                        batch.remove(&part.ks, back_key(key));
-                    } else {
-                        batch.insert(&part.ks, back_key(key), encode_list(&entries));
-                    }
-                }
-                let items = part.items[pi].load(Ordering::Relaxed) + delta;
-                // The cursor goes in the batch that holds the entries of every change it
-                // covers.
-                debug_assert!(
-                    batch_part.changes.iter().all(|c| c.seqno <= batch_part.position.seqno),
-                    "a cursor never runs ahead of its entries"
-                );
-                batch.insert(&part.ks, cursor_key(batch_part.partition), encode_cursor(batch_part.position, items));
-                per_part.push(Staged { part: slot, pi, pos: batch_part.position, items });
+                located.insert(key, now);
             }
-            // In key order: sorted inserts walk the memtable's skiplist along the path of the
-            // previous one, which keeps its nodes in cache. The sort is stable and only the
-            // last operation on an entry is written: one batch's writes share a sequence
-            // number, so an entry added by one change and removed by a later one must appear
-            // once.
-            fwd.sort_by(|a, b| a.0.cmp(&b.0));
-            let mut ops = fwd.into_iter().peekable();
+        }
+        // Every write of one batch shares one sequence number, so a key must appear in it
+        // once: the document's last state. In key order: sorted inserts walk the memtable's
+        // skiplist along the path of the previous one, which keeps its nodes in cache.
+        let mut docs: Vec<(&[u8], Vec<u16>)> = located.into_iter().collect();
+        docs.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        for (key, nos) in docs.into_iter().filter(|_| index.locates()) {
+            if nos.is_empty() {
+                batch.remove(&index.located, key);
+            } else {
+                batch.insert(&index.located, key, encode_parts(&nos));
+            }
+        }
+        let mut per_part = Vec::with_capacity(parts.len() * slots);
+        for (slot, part) in index.parts.iter().enumerate() {
+            let mut entries: Vec<(&[u8], Vec<Vec<u8>>)> = std::mem::take(&mut back[slot]).into_iter().collect();
+            entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            for (key, list) in entries {
+                if list.is_empty() {
+                    batch.remove(&part.ks, back_key(key));
+                } else {
+                    batch.insert(&part.ks, back_key(key), encode_list(&list));
+                }
+            }
+            // The sort is stable and only the last operation on an entry is written: an entry
+            // added by one change and removed by a later one appears once.
+            let mut ops = std::mem::take(&mut fwd[slot]);
+            ops.sort_by(|a, b| a.0.cmp(&b.0));
+            let mut ops = ops.into_iter().peekable();
             while let Some((key, insert)) = ops.next() {
                 if ops.peek().is_some_and(|(next, _)| *next == key) {
                     continue;
@@ -171,6 +213,18 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
                 } else {
                     batch.remove(&part.ks, key);
                 }
+            }
+            for batch_part in parts {
+                let pi = usize::from(batch_part.partition);
+                let items = part.items[pi].load(Ordering::Relaxed) + delta.get(&(slot, pi)).copied().unwrap_or(0);
+                // The cursor goes in the batch that holds the entries of every change it
+                // covers.
+                debug_assert!(
+                    batch_part.changes.iter().all(|c| c.seqno <= batch_part.position.seqno),
+                    "a cursor never runs ahead of its entries"
+                );
+                batch.insert(&part.ks, cursor_key(batch_part.partition), encode_cursor(batch_part.position, items));
+                per_part.push(Staged { part: slot, pi, pos: batch_part.position, items });
             }
         }
         staged.push((index, per_part));
@@ -185,6 +239,15 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
         index.progress.send_modify(|v| *v += 1);
     }
     Ok(())
+}
+
+/// The parts that may hold document `key`'s entries of `index` (a superset: every part its
+/// entries were written to since, and no part they were all removed from).
+pub(super) fn read_located(index: &Index, key: &[u8]) -> Result<Vec<u16>, IndexError> {
+    match index.located.get(key)? {
+        Some(v) => decode_parts(&v),
+        None => Ok(Vec::new()),
+    }
 }
 
 /// The composite keys document `key` contributed to `part`.
@@ -219,6 +282,12 @@ pub(super) fn drop_partitions(mgr: &IndexManager, index: &Arc<Index>, ps: &[Part
         }
         for &p in ps {
             batch.insert(&part.ks, cursor_key(p), encode_cursor(StreamPosition::default(), 0));
+        }
+    }
+    for guard in index.located.iter() {
+        let doc_key = guard.key()?;
+        if ps.contains(&shoal_storage::partition_of(&doc_key, partitions)) {
+            batch.remove(&index.located, doc_key);
         }
     }
     batch.commit()?;
