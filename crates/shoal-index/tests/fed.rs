@@ -12,14 +12,18 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use serde_json::json;
-use shoal_index::{ChangeFetcher, FetchFuture, IndexDef, IndexError, IndexManager};
-use shoal_storage::{Collection, Fetched, FetchedPart, PartitionId, SeqNo, Store, StreamPosition};
+use shoal_index::{ChangeFetcher, Consistency, FetchFuture, IndexDef, IndexError, IndexManager, ScanBounds, ScanRequest};
+use shoal_storage::{Collection, Fetched, FetchedPart, PartitionId, Store, StreamPosition};
 
 /// A data node, as an index node's fetcher sees it: its store, read directly.
 struct StoreFetcher {
     data: Arc<Store>,
     /// Changes handed out, over every fetch.
     handed: AtomicU64,
+    /// Added to partition 0's history uuid in `highs`: the active answering from another
+    /// history than the one the index followed (as after a failover, before the next fetch
+    /// rolls the index back).
+    skew: AtomicU64,
 }
 
 impl StoreFetcher {
@@ -61,8 +65,13 @@ impl ChangeFetcher for StoreFetcher {
         })
     }
 
-    fn highs<'a>(&'a self, coll: &'a Collection) -> FetchFuture<'a, Vec<SeqNo>> {
-        Box::pin(async move { Ok(self.source(coll)?.high_seqnos()) })
+    fn highs<'a>(&'a self, coll: &'a Collection) -> FetchFuture<'a, Vec<StreamPosition>> {
+        Box::pin(async move {
+            let source = self.source(coll)?;
+            let mut at: Vec<StreamPosition> = (0..source.partition_count()).map(|p| source.position(p).unwrap_or_default()).collect();
+            at[0].uuid = at[0].uuid.wrapping_add(self.skew.load(Ordering::Relaxed));
+            Ok(at)
+        })
     }
 }
 
@@ -101,7 +110,7 @@ fn an_index_node_follows_partitions_it_does_not_hold() {
     let node = open_store(index_dir.path());
     let here = node.create_collection("c", 0).unwrap();
     assert_eq!(here.info().docs, 0);
-    let fetcher = Arc::new(StoreFetcher { data: Arc::clone(&data), handed: AtomicU64::new(0) });
+    let fetcher = Arc::new(StoreFetcher { data: Arc::clone(&data), handed: AtomicU64::new(0), skew: AtomicU64::new(0) });
     let def = IndexDef { partitions: Some(4), ..common::def("by_a", "a", false) };
     fed_life(&node, &fetcher, |mgr| {
         let (here, docs) = (Arc::clone(&here), Arc::clone(&docs));
@@ -134,11 +143,25 @@ fn an_index_node_follows_partitions_it_does_not_hold() {
     assert_eq!(handed, DOCS as u64 + 3, "every change fetched once");
     // A restart goes on from the positions stored with the entries: nothing is read again.
     fed_life(&node, &fetcher, |mgr| {
-        let here = Arc::clone(&here);
+        let (here, fetcher) = (Arc::clone(&here), Arc::clone(&fetcher));
         async move {
             let mut want: Vec<String> = expected_a3().into_iter().filter(|k| k != "d003" && k != "d008").collect();
             want.push("d100".into());
             assert_eq!(scan_ids(&mgr, &here, "by_a", json!(3)).await, want);
+            // An active on another history than the index followed: request_plus waits (here
+            // until its timeout) rather than answer from entries that history may not have.
+            fetcher.skew.store(1, Ordering::Relaxed);
+            let req = ScanRequest {
+                bounds: ScanBounds::All,
+                limit: 1000,
+                descending: false,
+                consistency: Consistency::RequestPlus,
+                timeout: Duration::from_millis(300),
+                keep: None,
+            };
+            assert!(matches!(mgr.scan(&here, "by_a", req.clone()).await, Err(IndexError::Timeout)), "a seqno alone is not enough");
+            fetcher.skew.store(0, Ordering::Relaxed);
+            assert_eq!(mgr.scan(&here, "by_a", req).await.unwrap().len(), DOCS);
         }
     });
     assert_eq!(fetcher.handed.load(Ordering::Relaxed), handed, "nothing fetched again after the restart");

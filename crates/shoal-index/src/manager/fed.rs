@@ -8,8 +8,9 @@
 //! entries they cover and a partition whose history changed (a failover) is rolled back
 //! and read again. There is no key-order build: a new index follows every stream from the
 //! start. It is ready once it reaches the highs of its first fetch; `request_plus` waits
-//! for the actives' highs at the scan's start ([`ChangeFetcher::highs`]), not for replicas
-//! and not for other indexes.
+//! until the parts it reads reach the actives' positions at the scan's start
+//! ([`ChangeFetcher::highs`]: seqno and history), not for replicas and not for other
+//! indexes.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -33,8 +34,11 @@ pub trait ChangeFetcher: Send + Sync {
     /// `wait` when nothing does. Every asked partition is answered.
     fn fetch<'a>(&'a self, coll: &'a Collection, asks: Vec<(PartitionId, StreamPosition)>, wait: Duration) -> FetchFuture<'a, Fetched>;
 
-    /// Every partition's high seqno at its active now, in partition order.
-    fn highs<'a>(&'a self, coll: &'a Collection) -> FetchFuture<'a, Vec<SeqNo>>;
+    /// Every partition's position at its active now (its high seqno, on its history), in
+    /// partition order. An index has everything of a partition once its position
+    /// [`reaches`](StreamPosition::reaches) this one: past a failover, the new active's
+    /// history differs, and the index must first roll back what the old one lost.
+    fn highs<'a>(&'a self, coll: &'a Collection) -> FetchFuture<'a, Vec<StreamPosition>>;
 }
 
 /// How long a fetch that finds nothing new may wait for news.

@@ -256,6 +256,12 @@ impl Index {
         read.iter().filter_map(|&no| self.part(no)).all(|part| part.cursors.lock().iter().zip(highs).all(|(c, h)| c.seqno >= *h))
     }
 
+    /// Whether parts `read` have everything of every data partition at `at` (its seqno, on
+    /// its history: see [`StreamPosition::reaches`]).
+    fn reaches_parts(&self, at: &[StreamPosition], read: &[u16]) -> bool {
+        read.iter().filter_map(|&no| self.part(no)).all(|part| part.cursors.lock().iter().zip(at).all(|(c, a)| c.reaches(*a)))
+    }
+
     /// Per data partition, how far every one of parts `read` has applied its stream (the
     /// part furthest behind), each part's cursors read once.
     fn cursors_of(&self, read: &[u16]) -> Vec<StreamPosition> {

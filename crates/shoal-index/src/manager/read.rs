@@ -70,9 +70,14 @@ impl IndexManager {
         read: &[u16],
     ) -> Result<Arc<Index>, IndexError> {
         let deadline = tokio::time::Instant::now() + timeout;
-        let highs = match (consistency, &self.fetcher) {
-            (Consistency::RequestPlus, Some(fetcher)) => fetcher.highs(coll).await?,
-            _ => coll.held_high_seqnos(),
+        // Fed from elsewhere, `request_plus` waits for the actives' positions, history
+        // included; on its own partitions, for their high seqnos (rolled back with them).
+        let (highs, at) = match (consistency, &self.fetcher) {
+            (Consistency::RequestPlus, Some(fetcher)) => {
+                let at = fetcher.highs(coll).await?;
+                (at.iter().map(|p| p.seqno).collect(), Some(at))
+            }
+            _ => (coll.held_high_seqnos(), None),
         };
         if consistency == Consistency::RequestPlus {
             if let Some(e) = self.colls.lock().get(&coll.id()) {
@@ -100,7 +105,8 @@ impl IndexManager {
                             // rebuild (the next look finds the new index).
                             break;
                         }
-                        if index.caught_up_parts(&highs, read) && index.state() == IndexState::Ready {
+                        let reached = at.as_ref().is_none_or(|at| index.reaches_parts(at, read));
+                        if index.caught_up_parts(&highs, read) && reached && index.state() == IndexState::Ready {
                             return self.whole(coll, name, index, read, deadline).await;
                         }
                         match tokio::time::timeout_at(deadline, progress.changed()).await {
