@@ -235,6 +235,8 @@ async fn serve(args: ServeArgs) -> Result<(), cli::CliError> {
             index_workers: args.index_workers,
             analytics_partitions: args.analytics_partitions,
             analytics_memory: args.analytics_memory_mb.map(|m| m.saturating_mul(1024 * 1024)),
+            // Set by the server for a node that runs the index service and not data.
+            index_feed: None,
         },
         connections: shoal_server::ConnectionLimits {
             max: args.max_connections.max(1),

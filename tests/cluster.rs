@@ -1825,3 +1825,79 @@ async fn a_node_without_the_data_service_holds_no_partitions() {
         assert!(stderr.contains(why), "--services {services}: {stderr}");
     }
 }
+
+/// The index service's feed: a node running `index` and not `data` holds no partition; its
+/// indexes follow every partition's active on the data nodes over the network, and a scan
+/// asked of it is answered there alone — exactly, at `request_plus`, through updates that
+/// move entries between the index's parts and through deletes.
+#[tokio::test]
+async fn an_index_node_follows_every_active_and_answers_scans_alone() {
+    let args = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", PARTITIONS];
+    let mut first = Node::start(&args);
+    first.pin_port();
+    let join = first.addr();
+    let _second = joined(&args, &join);
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    wait_for(&http, &first.u("/v1/cluster"), "two members", |v| member_states(v).len() == 2).await;
+    rebalance(&http, &first, &[]).await;
+    let index_node = joined(&[&args[..], &["--services", "index,query"]].concat(), &join);
+    wait_for(&http, &first.u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
+    assert_eq!(http.put(first.u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    let create = json!({"name": "by_v", "keys": ["v"], "partitions": 4});
+    assert_eq!(http.post(first.u("/v1/collections/c/indexes")).json(&create).send().await.unwrap().status(), 201);
+    let mut model: std::collections::BTreeMap<String, i64> = std::collections::BTreeMap::new();
+    for i in 0..120 {
+        let key = format!("k{i:03}");
+        let (status, body) = put(&http, &first, &key, i % 7, "none").await;
+        assert_eq!(status, 200, "{body}");
+        model.insert(key, i % 7);
+    }
+    let scan = |bounds: Value| {
+        let (http, url) = (http.clone(), index_node.u("/v1/collections/c/indexes/by_v/scan"));
+        async move {
+            let mut body = bounds;
+            body["consistency"] = json!("request_plus");
+            body["timeout_ms"] = json!(60_000);
+            let r = http.post(url).json(&body).send().await.unwrap();
+            let status = r.status().as_u16();
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(status, 200, "{v}");
+            v["rows"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| (r["key"][0].as_i64().unwrap(), r["id"].as_str().unwrap().to_string()))
+                .collect::<Vec<_>>()
+        }
+    };
+    let want = |model: &std::collections::BTreeMap<String, i64>, only: Option<i64>| {
+        let mut rows: Vec<(i64, String)> =
+            model.iter().filter(|(_, v)| only.is_none_or(|o| **v == o)).map(|(k, v)| (*v, k.clone())).collect();
+        rows.sort();
+        rows
+    };
+    assert_eq!(scan(json!({"eq": [3]})).await, want(&model, Some(3)), "one part, from both data nodes' actives");
+    assert_eq!(scan(json!({})).await, want(&model, None), "every part, merged");
+    // Updates move entries between parts; deletes remove them.
+    for i in (0..120).step_by(5) {
+        let key = format!("k{i:03}");
+        let (status, body) = put(&http, &first, &key, 100 + i, "none").await;
+        assert_eq!(status, 200, "{body}");
+        model.insert(key, 100 + i);
+    }
+    for i in (1..120).step_by(9) {
+        let key = format!("k{i:03}");
+        let status = http.delete(first.u(&format!("/v1/collections/c/docs/{key}"))).send().await.unwrap().status();
+        assert_eq!(status, 200);
+        model.remove(&key);
+    }
+    assert_eq!(scan(json!({"eq": [3]})).await, want(&model, Some(3)));
+    assert_eq!(scan(json!({})).await, want(&model, None));
+    // The index node holds no document: every entry came over the network, and it holds
+    // all of them (a node indexing only what it holds would have none).
+    let (_, list) = get_json(&http, &index_node.u("/v1/collections/c/indexes")).await;
+    assert_eq!(list[0]["items"].as_u64(), Some(model.len() as u64), "{list}");
+    let (_, info) = get_json(&http, &first.u("/v1/cluster")).await;
+    let me = info["nodes"].as_array().unwrap().iter().find(|n| n["address"] == index_node.addr()).cloned().unwrap();
+    assert_eq!(me["partitions"], json!({"active": 0, "replica": 0}), "{info}");
+}

@@ -45,6 +45,19 @@ pub struct EngineConfig {
     pub analytics_partitions: Option<usize>,
     /// Memory for analytics in bytes (default: a quarter of the machine's).
     pub analytics_memory: Option<u64>,
+    /// Where the indexes take their changes from when not from this node's partitions (an
+    /// index node of a cluster); `None`: from this node's partitions.
+    pub index_feed: Option<IndexFeed>,
+}
+
+/// An index node's source of changes (see `shoal_index::ChangeFetcher`).
+#[derive(Clone)]
+pub struct IndexFeed(pub Arc<dyn shoal_index::ChangeFetcher>);
+
+impl std::fmt::Debug for IndexFeed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("IndexFeed")
+    }
 }
 
 /// An open node database; see the crate documentation.
@@ -64,7 +77,10 @@ impl Engine {
         let store = blocking(move || Store::open(store_config)).await??;
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
         let workers = config.index_workers.unwrap_or(cores);
-        let indexes = IndexManager::open(Arc::clone(&store), workers)?;
+        let indexes = match &config.index_feed {
+            Some(feed) => IndexManager::open_fed(Arc::clone(&store), workers, Arc::clone(&feed.0))?,
+            None => IndexManager::open(Arc::clone(&store), workers)?,
+        };
         let memory = config.analytics_memory.unwrap_or_else(|| machine_memory() / 4);
         let analytics = config.analytics_partitions.unwrap_or_else(|| shoal_query::shadow::default_partitions(cores, memory));
         let s = Arc::clone(&store);

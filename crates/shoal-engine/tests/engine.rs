@@ -27,6 +27,7 @@ fn config(dir: &std::path::Path, time: Arc<ManualClock>) -> EngineConfig {
         index_workers: Some(2),
         analytics_partitions: Some(2),
         analytics_memory: Some(256 << 20),
+        index_feed: None,
     }
 }
 

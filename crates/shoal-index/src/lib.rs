@@ -54,6 +54,10 @@ pub enum IndexError {
     NotReady { name: String, state: &'static str, progress: f64 },
     #[error("the index did not catch up within the timeout")]
     Timeout,
+    /// What an index fed from other nodes needs from them is out of reach now (a partition's
+    /// active did not answer): try again.
+    #[error("{0}")]
+    Unavailable(String),
     /// A partition that came to serve here (moved in, promoted, rolled back) is not yet
     /// whole in the index: reading it would miss rows.
     #[error("index {name} is still catching up on partition {partition}, which came to this node lately; try again")]

@@ -28,6 +28,7 @@ pub mod copy;
 pub mod elastic;
 pub mod failover;
 pub mod faults;
+pub mod feed;
 pub mod identity;
 pub mod majority;
 pub mod membership;

@@ -417,6 +417,16 @@ impl ClusterNode {
                 let answer = crate::sql::serve_docs(self, req).await?;
                 Ok(wire::encode(&answer))
             }
+            Op::Feed => {
+                let req = wire::decode(body).map_err(ClusterError::BadMessage)?;
+                let answer = crate::feed::serve_feed(self, req).await?;
+                Ok(wire::encode(&answer))
+            }
+            Op::Highs => {
+                let req = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+                let answer = crate::feed::serve_highs(self, req)?;
+                serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
+            }
             Op::Export => Err(ClusterError::BadMessage("an export answers as a stream (`export_stream`)".into())),
         }
     }

@@ -42,6 +42,10 @@ pub enum Op {
     /// A member asks a lone, empty node to join its cluster (`shoal cluster add`). The one
     /// call a node takes without its own secret: it does not know the cluster's yet.
     Invite,
+    /// An index node asks an active what follows its positions (`feed`).
+    Feed,
+    /// An index node asks a member how far its active partitions are (`feed`).
+    Highs,
 }
 
 impl Op {
@@ -64,6 +68,8 @@ impl Op {
             Op::Docs => "docs",
             Op::CatchUp => "catch-up",
             Op::Invite => "invite",
+            Op::Feed => "feed",
+            Op::Highs => "highs",
         }
     }
 
@@ -83,6 +89,8 @@ impl Op {
             "identify" => Op::Identify,
             "export" => Op::Export,
             "docs" => Op::Docs,
+            "feed" => Op::Feed,
+            "highs" => Op::Highs,
             "catch-up" => Op::CatchUp,
             "invite" => Op::Invite,
             _ => return None,
@@ -156,6 +164,8 @@ mod tests {
             Op::Export,
             Op::Docs,
             Op::CatchUp,
+            Op::Feed,
+            Op::Highs,
         ];
         for op in ops {
             assert_eq!(Op::from_name(op.name()), Some(op));

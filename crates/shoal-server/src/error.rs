@@ -330,6 +330,7 @@ impl From<IndexError> for ApiError {
             IndexError::Filter(_) => ApiError::new(StatusCode::BAD_REQUEST, "query_error", reason),
             IndexError::NotReady { .. } => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", reason),
             IndexError::Timeout => ApiError::new(StatusCode::GATEWAY_TIMEOUT, "timeout", reason),
+            IndexError::Unavailable(_) => ApiError::unavailable(reason),
             IndexError::CatchingUp { .. } => ApiError::unavailable(reason),
             IndexError::Changes(inner) => ApiError::from(inner),
             IndexError::Read(inner) => ApiError::from(inner),

@@ -184,7 +184,15 @@ impl Server {
     pub async fn bind(config: ServerConfig) -> Result<Server, ServerError> {
         // First: what opening the store, indexes and shadows counts (rebuilds) is kept.
         let metrics = ops::prometheus();
-        let engine = Engine::open(config.engine.clone()).await?;
+        // A node running the index service and not data holds no partition: its indexes
+        // follow the actives over the network (`shoal_node::feed`).
+        let services = config.cluster.services;
+        let feed = (services.index && !services.data).then(shoal_node::feed::FeedLink::new);
+        let mut engine_config = config.engine.clone();
+        if let Some(link) = &feed {
+            engine_config.index_feed = Some(shoal_engine::IndexFeed(Arc::clone(link) as Arc<dyn shoal_index::ChangeFetcher>));
+        }
+        let engine = Engine::open(engine_config).await?;
         let listener = listen(&config.listen).await.map_err(|source| ServerError::Bind { addr: config.listen.clone(), source })?;
         for path in engine.store().data_paths() {
             error::hide_paths_under(path);
@@ -205,6 +213,9 @@ impl Server {
                 .map_err(|e| shoal_node::ClusterError::Identity(e.to_string()))
         })
         .await?;
+        if let Some(link) = &feed {
+            link.attach(&cluster);
+        }
         let state = AppState {
             engine,
             started: Instant::now(),

@@ -67,8 +67,10 @@ pub(super) async fn fed_round(
     let before: Vec<StreamPosition> = asks.iter().map(|a| a.1).collect();
     let fetched = fetcher.fetch(coll, asks, FETCH_WAIT).await?;
     let highs: Vec<SeqNo> = shoal_storage::ChangeSource::positions(&fetched).iter().map(|p| p.seqno).collect();
-    for index in &live {
-        // A build's target is the highs of its first fetch (unknown until then).
+    // A build's target is the highs of its first fetch that answered every partition
+    // (unknown until then).
+    let whole = fetched.partitions().len() == usize::from(coll.partition_count());
+    for index in live.iter().filter(|_| whole) {
         let mut target = index.target.lock();
         if target.as_ref().is_some_and(Vec::is_empty) {
             *target = Some(highs.clone());

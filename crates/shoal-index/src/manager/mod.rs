@@ -470,6 +470,11 @@ impl IndexManager {
         Ok(())
     }
 
+    /// Whether the indexes are fed from other nodes' partitions (see [`fed`]).
+    pub fn is_fed(&self) -> bool {
+        self.fetcher.is_some()
+    }
+
     /// The high seqnos a new (or newly started) index must reach to be ready.
     fn build_target(&self, coll: &Collection) -> Vec<SeqNo> {
         build_target(self.fetcher.is_some(), coll)
