@@ -1893,6 +1893,52 @@ async fn an_index_node_follows_every_active_and_answers_scans_alone() {
     }
     assert_eq!(scan(json!({"eq": [3]})).await, want(&model, Some(3)));
     assert_eq!(scan(json!({})).await, want(&model, None));
+    // A third data node comes in and the partitions move while writes and request_plus
+    // scans go on: every answer is the model's or a 503 to retry, and the index node's
+    // entries are never rebuilt (moving a data partition moves no index entry).
+    let _third = joined(&args, &join);
+    wait_for(&http, &first.u("/v1/cluster"), "four members", |v| member_states(v).len() == 4).await;
+    let started = http.post(first.u("/v1/cluster/rebalance")).json(&json!({})).send().await.unwrap();
+    assert_eq!(started.status().as_u16(), 202);
+    let (mut exact, mut refused, mut round) = (0, 0, 0i64);
+    loop {
+        let (_, status) = get_json(&http, &first.u("/v1/cluster/rebalance")).await;
+        let running = status["state"] == "running";
+        round += 1;
+        for i in (0..120).step_by(11) {
+            let key = format!("k{i:03}");
+            let (code, body) = put(&http, &first, &key, 1000 + round * 200 + i, "none").await;
+            if code == 200 {
+                model.insert(key, 1000 + round * 200 + i);
+            } else {
+                assert_eq!(code, 503, "{body}");
+            }
+        }
+        let url = index_node.u("/v1/collections/c/indexes/by_v/scan");
+        let r = http.post(url).json(&json!({"consistency": "request_plus", "timeout_ms": 60_000})).send().await.unwrap();
+        match r.status().as_u16() {
+            200 => {
+                let v: Value = r.json().await.unwrap();
+                let rows: Vec<(i64, String)> = v["rows"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|r| (r["key"][0].as_i64().unwrap(), r["id"].as_str().unwrap().to_string()))
+                    .collect();
+                assert_eq!(rows, want(&model, None), "scan {round} while partitions move");
+                exact += 1;
+            }
+            503 => refused += 1,
+            other => panic!("scan {round}: {other} {}", r.text().await.unwrap_or_default()),
+        }
+        if !running {
+            assert_eq!(status["state"], "done", "{status}");
+            break;
+        }
+    }
+    eprintln!("scans while the partitions moved: {exact} exact, {refused} refused, {round} rounds");
+    assert!(exact > 0, "{exact} exact answers, {refused} refused");
+    assert_eq!(scan(json!({})).await, want(&model, None), "after the rebalance");
     // The index node holds no document: every entry came over the network, and it holds
     // all of them (a node indexing only what it holds would have none).
     let (_, list) = get_json(&http, &index_node.u("/v1/collections/c/indexes")).await;

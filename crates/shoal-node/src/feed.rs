@@ -7,7 +7,12 @@
 //! ([`serve_feed`], the same reads as a replica's pull, without acknowledgements), or where
 //! history is shared when the position is off its history (a failover), or refuses a
 //! partition it does not serve active — the index then asks again by the next map.
-//! `request_plus` asks every active for its positions ([`Op::Highs`], [`serve_highs`]).
+//! `request_plus` asks every active for its positions ([`Op::Highs`], [`serve_highs`]), all
+//! by one map; a partition frozen for a hand-over is not answered (its new active may take
+//! writes before this member has the next map). After a hand-over the new active's history
+//! goes on from the old one's at the same seqno under a new uuid, so a scan that finds its
+//! index at the seqnos it asked for but on another history asks again
+//! (`shoal_index`'s `ready`).
 //!
 //! Today an index node is a node running the `index` service and not `data`: it holds no
 //! partition, so its indexes follow the actives over the network; nodes running `data`
@@ -62,6 +67,9 @@ pub enum FeedKind {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct HighsRequest {
     pub collection: u32,
+    /// The map the index node asks by: a member on another map refuses (a partition
+    /// handed over meanwhile would answer the old active's high).
+    pub map_version: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -131,9 +139,15 @@ fn read_feed(coll: &Collection, parts: &[(u16, u64, u64)], served: &[bool]) -> F
 
 /// The positions of the partitions this member serves active.
 pub(crate) fn serve_highs(node: &Arc<ClusterNode>, req: HighsRequest) -> Result<HighsAnswer, ClusterError> {
+    let here = node.state().map_version();
+    if here != req.map_version {
+        return Err(ClusterError::Refused(format!("asked by map version {}; this member is at {here}", req.map_version)));
+    }
     let coll = node.collection_by_id(req.collection).ok_or_else(|| ClusterError::Refused(format!("no collection {}", req.collection)))?;
+    // A partition frozen for a hand-over is left out: its new active may take writes as
+    // soon as it has the next map, before this member has it, so the high here may be short.
     let partitions = (0..coll.partition_count())
-        .filter(|&p| node.copy_serves(p))
+        .filter(|&p| node.copy_serves(p) && !node.frozen(p))
         .filter_map(|p| coll.position(p).map(|at| (p, at.seqno, at.uuid)))
         .collect();
     Ok(HighsAnswer { partitions })
@@ -163,9 +177,8 @@ impl FeedLink {
             .ok_or_else(|| IndexError::Unavailable("this index node has not joined its cluster yet".into()))
     }
 
-    /// Each partition's active and its address in the current map.
-    fn actives(node: &ClusterNode, partitions: u16) -> Result<BTreeMap<NodeId, (String, Vec<PartitionId>)>, IndexError> {
-        let state = node.state();
+    /// Each partition's active and its address in map `state`.
+    fn actives(state: &shoal_meta::MetaState, partitions: u16) -> Result<BTreeMap<NodeId, (String, Vec<PartitionId>)>, IndexError> {
         let map = state.map.as_ref().ok_or_else(|| IndexError::Unavailable("no partition map yet".into()))?;
         let mut out: BTreeMap<NodeId, (String, Vec<PartitionId>)> = BTreeMap::new();
         for p in 0..partitions {
@@ -182,14 +195,19 @@ impl ChangeFetcher for FeedLink {
         Box::pin(async move {
             let node = self.node()?;
             let from: BTreeMap<PartitionId, StreamPosition> = asks.iter().copied().collect();
-            let actives = FeedLink::actives(&node, coll.partition_count())?;
+            let actives = FeedLink::actives(&node.state(), coll.partition_count())?;
             let calls = actives.into_values().map(|(address, partitions)| {
                 let parts: Vec<(u16, u64, u64)> = partitions.iter().filter_map(|p| from.get(p).map(|at| (*p, at.seqno, at.uuid))).collect();
                 let req = FeedRequest { collection: coll.id(), wait_ms: u32::try_from(wait.as_millis()).unwrap_or(u32::MAX), parts };
                 let node = Arc::clone(&node);
                 async move {
-                    let bytes = node.peers.call(&address, Op::Feed, wire::encode(&req), FEED_TIMEOUT + wait).await.ok()?;
-                    wire::decode::<FeedAnswer>(&bytes).ok()
+                    match node.peers.call(&address, Op::Feed, wire::encode(&req), FEED_TIMEOUT + wait).await {
+                        Ok(bytes) => wire::decode::<FeedAnswer>(&bytes).ok(),
+                        Err(e) => {
+                            tracing::debug!(%address, error = %e, "index feed: an active did not answer");
+                            None
+                        }
+                    }
                 }
             });
             let mut fetched = Fetched::new(coll.partition_count());
@@ -209,7 +227,10 @@ impl ChangeFetcher for FeedLink {
                             FetchedPart { from: at, rollback: Some(shared), end: at, high: pos(high), ..FetchedPart::default() }
                         }
                         // Asked again next round, of the active the map names then.
-                        FeedKind::Refused { .. } => continue,
+                        FeedKind::Refused { why } => {
+                            tracing::debug!(partition = p, %why, "index feed: refused");
+                            continue;
+                        }
                     };
                     if part.changes.iter().any(|c| c.seqno <= at.seqno || c.seqno > part.end.seqno) {
                         continue;
@@ -224,11 +245,15 @@ impl ChangeFetcher for FeedLink {
     fn highs<'a>(&'a self, coll: &'a Collection) -> FetchFuture<'a, Vec<StreamPosition>> {
         Box::pin(async move {
             let node = self.node()?;
-            let actives = FeedLink::actives(&node, coll.partition_count())?;
+            // One map, end to end: every active answers by it or refuses, and the answers
+            // count only if this node is still on it once they are in.
+            let pinned = node.state();
+            let map_version = pinned.map_version();
+            let actives = FeedLink::actives(&pinned, coll.partition_count())?;
             let mut at: Vec<Option<StreamPosition>> = vec![None; usize::from(coll.partition_count())];
             let calls = actives.into_iter().map(|(_, (address, partitions))| {
                 let node = Arc::clone(&node);
-                let body = serde_json::to_vec(&HighsRequest { collection: coll.id() }).unwrap_or_default();
+                let body = serde_json::to_vec(&HighsRequest { collection: coll.id(), map_version }).unwrap_or_default();
                 async move {
                     let bytes = node.peers.call(&address, Op::Highs, body, FEED_TIMEOUT).await.ok()?;
                     let answer: HighsAnswer = serde_json::from_slice(&bytes).ok()?;
@@ -245,6 +270,11 @@ impl ChangeFetcher for FeedLink {
                         }
                     }
                 }
+            }
+            if node.state().map_version() != map_version {
+                return Err(IndexError::Unavailable(
+                    "the partition map changed while asking the actives how far they are; try again".into(),
+                ));
             }
             at.into_iter()
                 .enumerate()

@@ -270,6 +270,11 @@ impl ClusterNode {
         self.copy_states.is_frozen(shoal_storage::partition_of(key, partitions))
     }
 
+    /// Whether partition `p` is frozen here for a hand-over.
+    pub(crate) fn frozen(&self, p: u16) -> bool {
+        self.copy_states.is_frozen(p)
+    }
+
     /// Whether this node's copy of `p` is the one its replicas follow: the active, or the
     /// active frozen for a hand-over (a replica in storage already, and still the newest).
     pub(crate) fn copy_serves(&self, p: u16) -> bool {

@@ -4,6 +4,10 @@
 use super::{entry_of, fwd_range, Consistency, Index, IndexManager, IndexState, KeepRow, ScanBounds, ScanRequest, ScanRow};
 use crate::partition::parts_of_scan;
 use crate::{keycode, IndexError, SCAN_ROWS_MAX};
+
+/// How often a fed `request_plus` that has the actives' seqnos on another history asks
+/// them again (see [`IndexManager::ready`]).
+const FEED_RECHECK: Duration = Duration::from_millis(200);
 use serde_json::Value;
 use shoal_storage::Collection;
 use std::collections::{BinaryHeap, VecDeque};
@@ -72,13 +76,14 @@ impl IndexManager {
         let deadline = tokio::time::Instant::now() + timeout;
         // Fed from elsewhere, `request_plus` waits for the actives' positions, history
         // included; on its own partitions, for their high seqnos (rolled back with them).
-        let (highs, at) = match (consistency, &self.fetcher) {
+        let (mut highs, mut at) = match (consistency, &self.fetcher) {
             (Consistency::RequestPlus, Some(fetcher)) => {
                 let at = fetcher.highs(coll).await?;
                 (at.iter().map(|p| p.seqno).collect(), Some(at))
             }
             _ => (coll.held_high_seqnos(), None),
         };
+        let mut asked = tokio::time::Instant::now();
         if consistency == Consistency::RequestPlus {
             if let Some(e) = self.colls.lock().get(&coll.id()) {
                 e.wake.notify_one();
@@ -106,10 +111,28 @@ impl IndexManager {
                             break;
                         }
                         let reached = at.as_ref().is_none_or(|at| index.reaches_parts(at, read));
-                        if index.caught_up_parts(&highs, read) && reached && index.state() == IndexState::Ready {
+                        let caught_up = index.caught_up_parts(&highs, read);
+                        if caught_up && reached && index.state() == IndexState::Ready {
                             return self.whole(coll, name, index, read, deadline).await;
                         }
-                        match tokio::time::timeout_at(deadline, progress.changed()).await {
+                        // Fed: at the seqnos but on another history than the actives said at
+                        // the start. A hand-over since (the new active's history goes on from
+                        // the old one's at the same seqno) or a failover (the index is rolled
+                        // back by its next fetch) — asking the actives again tells which; what
+                        // they answer later includes everything they held at the start.
+                        let again = asked + FEED_RECHECK;
+                        if let (Some(fetcher), true, false) = (&self.fetcher, caught_up, reached) {
+                            if tokio::time::Instant::now() >= again {
+                                let fresh = fetcher.highs(coll).await?;
+                                highs = fresh.iter().map(|p| p.seqno).collect();
+                                at = Some(fresh);
+                                asked = tokio::time::Instant::now();
+                                continue;
+                            }
+                        }
+                        let wake = if self.fetcher.is_some() && caught_up && !reached { deadline.min(again) } else { deadline };
+                        match tokio::time::timeout_at(wake, progress.changed()).await {
+                            Err(_) if wake < deadline => {}
                             Err(_) => return Err(IndexError::Timeout),
                             Ok(Err(_)) => return Err(IndexError::NotFound(name.to_string())),
                             Ok(Ok(())) => {}
