@@ -7,7 +7,7 @@
 mod common;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -81,22 +81,8 @@ where
     F: FnOnce(Arc<IndexManager>) -> Fut,
     Fut: std::future::Future<Output = T>,
 {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let (out, weak): (T, Weak<IndexManager>) = rt.block_on(async {
-        let mgr = IndexManager::open_fed(Arc::clone(store), WORKERS, Arc::clone(fetcher) as Arc<dyn ChangeFetcher>).unwrap();
-        let weak = Arc::downgrade(&mgr);
-        let out = f(Arc::clone(&mgr)).await;
-        mgr.stop().await;
-        mgr.close().unwrap();
-        (out, weak)
-    });
-    drop(rt);
-    let deadline = Instant::now() + WAIT;
-    while weak.upgrade().is_some() {
-        assert!(Instant::now() < deadline, "the index manager outlived its runtime");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    out
+    let fetcher = Arc::clone(fetcher) as Arc<dyn ChangeFetcher>;
+    life_of(store, move |s| IndexManager::open_fed(s, WORKERS, fetcher).unwrap(), f)
 }
 
 #[test]

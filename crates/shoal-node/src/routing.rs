@@ -191,6 +191,12 @@ impl ClusterNode {
         if !self.is_ready() {
             return false;
         }
+        // Not before this node has applied the metadata once since it started (collections
+        // and index definitions, then the map): a node that joined a moment ago would answer
+        // "no such collection" for one the cluster has.
+        if self.copy_states.map_version() == 0 && self.state().map.is_some() {
+            return false;
+        }
         let serving = self.lease.valid(&self.meta);
         if serving && !self.served.load(std::sync::atomic::Ordering::Relaxed) {
             self.served.store(true, std::sync::atomic::Ordering::Relaxed);

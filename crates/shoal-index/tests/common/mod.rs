@@ -85,11 +85,22 @@ where
     F: FnOnce(Arc<IndexManager>) -> Fut,
     Fut: std::future::Future<Output = T>,
 {
+    life_of(store, |s| IndexManager::open(s, WORKERS).unwrap(), f)
+}
+
+/// [`life`] of a manager opened by `open` (on the life's runtime).
+pub fn life_of<O, F, Fut, T>(store: &Arc<Store>, open: O, f: F) -> T
+where
+    O: FnOnce(Arc<Store>) -> Arc<IndexManager>,
+    F: FnOnce(Arc<IndexManager>) -> Fut,
+    Fut: std::future::Future<Output = T>,
+{
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let (out, weak): (T, Weak<IndexManager>) = rt.block_on(async {
-        let mgr = IndexManager::open(Arc::clone(store), WORKERS).unwrap();
+        let mgr = open(Arc::clone(store));
         let weak = Arc::downgrade(&mgr);
         let out = f(Arc::clone(&mgr)).await;
+        mgr.stop().await;
         mgr.close().unwrap();
         (out, weak)
     });
