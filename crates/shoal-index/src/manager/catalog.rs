@@ -240,8 +240,12 @@ pub(super) fn remove_orphans(
 
 /// Opens (creating if new) the keyspace of index `id` locating documents' entries.
 pub(super) fn open_located(db: &fjall::Database, id: u32) -> Result<fjall::Keyspace, IndexError> {
-    let opts = || fjall::KeyspaceCreateOptions::default().max_memtable_size(INDEX_MEMTABLE_MAX_BYTES);
-    Ok(db.keyspace(&located_keyspace_name(id), opts)?)
+    open_index_keyspace(db, &located_keyspace_name(id))
+}
+
+/// Opens (creating if new) keyspace `name` of the index database.
+fn open_index_keyspace(db: &fjall::Database, name: &str) -> Result<fjall::Keyspace, IndexError> {
+    Ok(db.keyspace(name, || fjall::KeyspaceCreateOptions::default().max_memtable_size(INDEX_MEMTABLE_MAX_BYTES))?)
 }
 
 /// Opens (creating if new) the keyspaces of parts `parts` of index `id`.
@@ -250,8 +254,7 @@ pub(super) fn open_parts(
     id: u32,
     parts: impl Iterator<Item = u16>,
 ) -> Result<Vec<(u16, fjall::Keyspace)>, IndexError> {
-    let opts = || fjall::KeyspaceCreateOptions::default().max_memtable_size(INDEX_MEMTABLE_MAX_BYTES);
-    parts.map(|no| Ok((no, db.keyspace(&part_keyspace_name(id, no), opts)?))).collect()
+    parts.map(|no| Ok((no, open_index_keyspace(db, &part_keyspace_name(id, no))?))).collect()
 }
 
 /// The index of definition `r`, with its cursors and build position as persisted (none

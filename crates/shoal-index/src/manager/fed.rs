@@ -21,7 +21,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use shoal_storage::{follow, Collection, Fetched, FollowLimits, PartitionId, SeqNo, StreamPosition};
 
-use super::{Index, IndexFeed, IndexManager};
+use super::{lowest, Index, IndexFeed, IndexManager};
 use crate::{IndexError, BATCH_CHANGES};
 
 /// What a [`ChangeFetcher`] answers, later.
@@ -43,11 +43,6 @@ pub trait ChangeFetcher: Send + Sync {
 
 /// How long a fetch that finds nothing new may wait for news.
 pub(super) const FETCH_WAIT: Duration = Duration::from_millis(500);
-
-/// The lowest position of the live indexes in partition `p` (what the next fetch asks from).
-fn lowest(indexes: &[Arc<Index>], p: PartitionId) -> StreamPosition {
-    indexes.iter().map(|i| i.cursor(p)).min_by_key(|c| c.seqno).unwrap_or_default()
-}
 
 /// One round of a fed collection's indexes: fetch what follows their positions, apply it
 /// on the worker pool, and mark ready the indexes that reached the highs of their first

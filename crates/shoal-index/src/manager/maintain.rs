@@ -248,7 +248,7 @@ pub(super) fn scan_round(mgr: &IndexManager, coll: &Collection, scanning: &[Arc<
                 // Each key comes once and nothing was indexed for it before: no back read.
                 let mut nos = Vec::new();
                 for group in entries.chunk_by(|a, b| a.0 == b.0) {
-                    let Some(slot) = index.parts.iter().position(|part| part.no == group[0].0) else { continue };
+                    let Some(slot) = index.slot(group[0].0) else { continue };
                     let list: Vec<Vec<u8>> = group.iter().map(|(_, e)| e.clone()).collect();
                     for e in &list {
                         fwd[slot].push(entry_key(e, key));

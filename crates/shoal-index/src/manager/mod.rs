@@ -184,6 +184,11 @@ impl Part {
     fn items(&self) -> i64 {
         self.items.iter().map(|i| i.load(Ordering::Relaxed)).sum()
     }
+
+    /// Whether the part has applied every data partition up to `highs`.
+    fn caught_up(&self, highs: &[SeqNo]) -> bool {
+        self.cursors.lock().iter().zip(highs).all(|(c, h)| c.seqno >= *h)
+    }
 }
 
 struct Index {
@@ -248,12 +253,12 @@ impl Index {
     }
 
     fn caught_up(&self, highs: &[SeqNo]) -> bool {
-        self.parts.iter().all(|part| part.cursors.lock().iter().zip(highs).all(|(c, h)| c.seqno >= *h))
+        self.parts.iter().all(|part| part.caught_up(highs))
     }
 
     /// Whether parts `read` have applied every data partition up to `highs`.
     fn caught_up_parts(&self, highs: &[SeqNo], read: &[u16]) -> bool {
-        read.iter().filter_map(|&no| self.part(no)).all(|part| part.cursors.lock().iter().zip(highs).all(|(c, h)| c.seqno >= *h))
+        read.iter().filter_map(|&no| self.part(no)).all(|part| part.caught_up(highs))
     }
 
     /// Whether parts `read` have everything of every data partition at `at` (its seqno, on
@@ -289,8 +294,14 @@ impl Index {
         self.def.part_count() >= LOCATE_PARTS_MIN
     }
 
+    /// Where part `no` is in [`Index::parts`] (held in part order), if held here.
+    fn slot(&self, no: u16) -> Option<usize> {
+        debug_assert!(self.parts.windows(2).all(|w| w[0].no < w[1].no), "parts are held in part order");
+        self.parts.binary_search_by_key(&no, |p| p.no).ok()
+    }
+
     fn part(&self, no: u16) -> Option<&Part> {
-        self.parts.iter().find(|p| p.no == no)
+        self.slot(no).map(|slot| &self.parts[slot])
     }
 
     fn status(&self) -> IndexStatus {

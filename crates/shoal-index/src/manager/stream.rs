@@ -42,7 +42,7 @@ impl ChangeConsumer for IndexFeed<'_> {
     /// The slowest index's cursor: [`apply`] skips, for each index, the changes its own
     /// cursor already covers.
     fn position(&self, p: PartitionId) -> StreamPosition {
-        self.active.iter().map(|i| i.cursor(p)).min_by_key(|c| c.seqno).unwrap_or_default()
+        lowest(self.active, p)
     }
 
     /// History diverged (unclean restart) or tombstones were purged past us: this
@@ -57,6 +57,11 @@ impl ChangeConsumer for IndexFeed<'_> {
     fn apply(&mut self, batch: &[PartitionBatch]) -> Result<(), IndexError> {
         apply(self.mgr, self.active, batch)
     }
+}
+
+/// The lowest position of `indexes` in partition `p`: where following it goes on from.
+pub(super) fn lowest(indexes: &[Arc<Index>], p: PartitionId) -> StreamPosition {
+    indexes.iter().map(|i| i.cursor(p)).min_by_key(|c| c.seqno).unwrap_or_default()
 }
 
 /// What one part of an index stages for one data partition of a batch.
@@ -138,7 +143,7 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
                 let mut now = Vec::with_capacity(candidates.len());
                 for no in candidates {
                     let new: Vec<Vec<u8>> = new_all.iter().filter(|(n, _)| *n == no).map(|(_, e)| e.clone()).collect();
-                    let Some(slot) = index.parts.iter().position(|p| p.no == no) else {
+                    let Some(slot) = index.slot(no) else {
                         // Not held here: nothing to do in it; remembered as it was.
                         if was.contains(&no) {
                             now.push(no);
