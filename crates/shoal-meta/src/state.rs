@@ -150,6 +150,24 @@ pub struct IndexDef {
     /// members that create it later too.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub built: bool,
+    /// Per index partition, the index nodes holding its copies (the first is the oldest),
+    /// placed by [`shoal_cluster::index_placement::place_indexes`] when the index is created.
+    /// Empty when the cluster had no node running the index service without data then: each
+    /// data node indexes the partitions it holds (the interim design, ARCHITECTURE.md).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub placement: Vec<Vec<NodeId>>,
+}
+
+impl IndexDef {
+    /// Whether the index is placed on index nodes (see [`IndexDef::placement`]).
+    pub fn is_placed(&self) -> bool {
+        !self.placement.is_empty()
+    }
+
+    /// The index partitions `node` holds a copy of.
+    pub fn parts_on(&self, node: NodeId) -> Vec<u16> {
+        (0..self.placement.len()).filter(|&p| self.placement[p].contains(&node)).filter_map(|p| u16::try_from(p).ok()).collect()
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -368,6 +386,25 @@ pub enum MetaReject {
     NoRebalance,
 }
 
+/// What an index definition asks of placement: `partitions` (default
+/// [`INDEX_PARTITIONS_DEFAULT`](shoal_cluster::index_placement::INDEX_PARTITIONS_DEFAULT))
+/// and `replicas` (default 0). The API checked the definition (`shoal-index` parses it); a
+/// command built another way is refused here, never stored half-placed.
+fn index_spec(index: u64, definition: &serde_json::Value) -> Result<shoal_cluster::index_placement::IndexSpec, MetaReject> {
+    use shoal_cluster::index_placement::INDEX_PARTITIONS_DEFAULT;
+    let field = |name: &str, default: u64| -> Result<u64, MetaReject> {
+        match definition.get(name) {
+            None | Some(serde_json::Value::Null) => Ok(default),
+            Some(v) => v.as_u64().ok_or_else(|| MetaReject::OutOfRange { what: format!("index {name}"), why: format!("{v} is not a count") }),
+        }
+    };
+    Ok(shoal_cluster::index_placement::IndexSpec {
+        index,
+        partitions: u16::try_from(field("partitions", INDEX_PARTITIONS_DEFAULT.into())?).unwrap_or(u16::MAX),
+        replicas: u8::try_from(field("replicas", 0)?).unwrap_or(u8::MAX),
+    })
+}
+
 fn check_name(what: &str, name: &str) -> Result<(), MetaReject> {
     if name.is_empty() || name.len() > NAME_MAX_BYTES {
         return Err(MetaReject::OutOfRange { what: what.into(), why: format!("a name has 1 to {NAME_MAX_BYTES} bytes") });
@@ -533,10 +570,44 @@ impl MetaState {
         }
         let id = self.next_index_id;
         let next = id.checked_add(1).ok_or_else(|| MetaReject::LimitReached { what: "index ids".into() })?;
+        let placement = self.place_new_index(id, &definition)?;
         self.next_index_id = next;
-        let def = IndexDef { collection: collection.clone(), name: name.clone(), id, definition, built: false };
+        let def = IndexDef { collection: collection.clone(), name: name.clone(), id, definition, built: false, placement };
         self.indexes.entry(collection).or_default().insert(name, def);
         Ok(MetaResponse::IndexCreated { id })
+    }
+
+    /// Members that hold placed index partitions: active, running the index service and
+    /// not data (a node running data indexes its own partitions, for now).
+    pub fn index_service_nodes(&self) -> Vec<NodeId> {
+        self.members
+            .iter()
+            .filter(|(_, m)| m.state == MemberState::Active && m.services.index && !m.services.data)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// Where a new index's partitions go: placed among every placed index's copies, so that
+    /// the index nodes stay balanced (the indexes already placed keep their copies; they
+    /// move in a rebalance). Empty when no node runs the index service alone.
+    fn place_new_index(&self, id: IndexId, definition: &serde_json::Value) -> Result<Vec<Vec<NodeId>>, MetaReject> {
+        use shoal_cluster::index_placement::{place_indexes, IndexPart, IndexPlacement};
+        let nodes: Vec<shoal_cluster::Node> =
+            self.index_service_nodes().into_iter().map(|id| shoal_cluster::Node { id, weight: 1 }).collect();
+        if nodes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut specs = vec![index_spec(u64::from(id), definition)?];
+        let mut previous = IndexPlacement::new();
+        for def in self.indexes.values().flat_map(|by_name| by_name.values()).filter(|d| d.is_placed()) {
+            specs.push(index_spec(u64::from(def.id), &def.definition)?);
+            for (p, copies) in def.placement.iter().enumerate() {
+                previous.insert(IndexPart { index: u64::from(def.id), partition: u16::try_from(p).unwrap_or(u16::MAX) }, copies.clone());
+            }
+        }
+        let bad = |e: shoal_cluster::index_placement::IndexPlaceError| MetaReject::OutOfRange { what: "index placement".into(), why: e.to_string() };
+        let placed = place_indexes(&specs, &nodes, &previous).map_err(bad)?;
+        Ok(placed.range(IndexPart { index: u64::from(id), partition: 0 }..=IndexPart { index: u64::from(id), partition: u16::MAX }).map(|(_, c)| c.clone()).collect())
     }
 
     fn set_map(&mut self, map: PartitionMap) -> Result<MetaResponse, MetaReject> {
@@ -612,6 +683,9 @@ impl MetaState {
             for (name, def) in by_name {
                 if &def.collection != collection || &def.name != name || def.id >= self.next_index_id {
                     return Err(format!("index {collection}.{name} is filed wrongly"));
+                }
+                if def.placement.iter().any(|copies| copies.is_empty() || (1..copies.len()).any(|i| copies[..i].contains(&copies[i]))) {
+                    return Err(format!("index {collection}.{name} has a partition without copies or two copies on one node"));
                 }
             }
         }
@@ -848,6 +922,49 @@ mod tests {
     }
 
     /// Members that create a built index later build it too: the flag is in the state.
+    #[test]
+    fn a_new_index_is_placed_on_the_nodes_running_the_index_service_alone() {
+        let mut state = MetaState::default();
+        let index_only = Services { data: false, index: true, query: false };
+        for (id, services) in [(1, Services::ALL), (2, Services::ALL), (3, index_only), (4, index_only)] {
+            state.apply(MetaCommand::AddMember { node: n(id), address: format!("n{id}"), services }).expect("added");
+            state.apply(MetaCommand::SetMemberState { node: n(id), state: MemberState::Active }).expect("active");
+        }
+        state.apply(create("c")).expect("created");
+        let with = |definition| MetaCommand::CreateIndex { collection: "c".into(), name: "i".into(), definition };
+        state.apply(with(json!({"keys": ["a"], "partitions": 6, "replicas": 1}))).expect("placed");
+        let def = &state.indexes["c"]["i"];
+        assert_eq!(def.placement.len(), 6, "one entry per index partition");
+        for copies in &def.placement {
+            let mut nodes = copies.clone();
+            nodes.sort();
+            assert_eq!(nodes, vec![n(3), n(4)], "two copies, on the index nodes only, on distinct nodes");
+        }
+        assert_eq!(def.parts_on(n(3)), (0..6).collect::<Vec<u16>>());
+        assert!(def.parts_on(n(1)).is_empty());
+        // A second index goes where the copies are fewest, one copy each on 2 nodes.
+        let second = MetaCommand::CreateIndex { collection: "c".into(), name: "j".into(), definition: json!({"keys": ["b"], "partitions": 4}) };
+        state.apply(second).expect("placed");
+        let j = &state.indexes["c"]["j"];
+        assert_eq!((j.parts_on(n(3)).len(), j.parts_on(n(4)).len()), (2, 2), "{:?}", j.placement);
+        state.check().expect("invariants hold");
+        // Bad counts are refused whole: nothing is stored, no id is taken.
+        let next = state.next_index_id;
+        for bad in [json!({"partitions": 0}), json!({"partitions": 10_000}), json!({"replicas": 9}), json!({"partitions": "8"})] {
+            let cmd = MetaCommand::CreateIndex { collection: "c".into(), name: "k".into(), definition: bad.clone() };
+            assert!(matches!(state.apply(cmd), Err(MetaReject::OutOfRange { .. })), "{bad}");
+        }
+        assert_eq!(state.next_index_id, next);
+        assert!(!state.indexes["c"].contains_key("k"));
+        // Without a node running the index service alone, indexes are not placed (each
+        // data node indexes its own partitions).
+        let mut plain = MetaState::default();
+        plain.apply(add(1, "a")).expect("added");
+        plain.apply(create("c")).expect("created");
+        plain.apply(index("c", "i")).expect("created");
+        assert!(!plain.indexes["c"]["i"].is_placed());
+    }
+
     #[test]
     fn a_build_marks_the_named_indexes_built_in_the_state() {
         let mut state = MetaState::default();
