@@ -49,6 +49,7 @@ async fn scan(engine: &Engine, coll: &shoal_storage::Collection, eq: serde_json:
         consistency: Consistency::RequestPlus,
         timeout: WAIT,
         keep: None,
+        parts: None,
     };
     engine.indexes().scan(coll, "by_k", req).await.unwrap().into_iter().map(|r| r.id).collect()
 }

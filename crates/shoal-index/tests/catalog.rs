@@ -131,10 +131,10 @@ fn index_ids_given_by_the_caller_are_kept_and_never_reused() {
     life(&store, |mgr| {
         let coll = Arc::clone(&coll);
         async move {
-            mgr.create_as(&coll, def("given", "a", true), Some(50)).await.unwrap();
+            mgr.create_as(&coll, def("given", "a", true), Some(50), None).await.unwrap();
             mgr.create(&coll, def("local", "b", true)).await.unwrap();
             for id in [50, 51, 3] {
-                let refused = mgr.create_as(&coll, def(&format!("x{id}"), "a", true), Some(id)).await;
+                let refused = mgr.create_as(&coll, def(&format!("x{id}"), "a", true), Some(id), None).await;
                 assert!(matches!(refused, Err(shoal_index::IndexError::Invalid(_))), "id {id}: {refused:?}");
             }
         }

@@ -144,6 +144,7 @@ fn an_index_node_follows_partitions_it_does_not_hold() {
                 consistency: Consistency::RequestPlus,
                 timeout: Duration::from_millis(300),
                 keep: None,
+                parts: None,
             };
             assert!(matches!(mgr.scan(&here, "by_a", req.clone()).await, Err(IndexError::Timeout)), "a seqno alone is not enough");
             fetcher.skew.store(0, Ordering::Relaxed);

@@ -179,6 +179,7 @@ fn run(parts: u16, index_first: bool, ops: Vec<Op>, queries: Vec<Query>) {
                     consistency: Consistency::RequestPlus,
                     timeout: WAIT,
                     keep: None,
+                    parts: None,
                 };
                 let got: Vec<(Vec<Value>, String)> =
                     mgr.scan(&coll, "by_ab", req).await.unwrap().into_iter().map(|r| (r.key, r.id)).collect();
@@ -233,4 +234,57 @@ fn each_part_holds_the_entries_of_its_leading_values() {
             assert!(got.iter().filter(|&&n| n > 0).count() > 1, "the values spread over parts: {got:?}");
         }
     });
+}
+
+#[test]
+fn a_node_holding_some_parts_answers_for_them_and_refuses_a_scan_that_needs_the_others() {
+    let (_dir, store, coll) = filled_store();
+    let def = IndexDef { partitions: Some(5), ..common::def("by_a", "a", false) };
+    let part_of = |a: usize| shoal_index::partition::part_of_value(Some(&json!(a)), 5);
+    let held: Vec<u16> = vec![part_of(3), (part_of(3) + 2) % 5];
+    let scan = |bounds: ScanBounds, parts: Option<Vec<u16>>| ScanRequest {
+        bounds,
+        limit: 1000,
+        descending: false,
+        consistency: shoal_index::Consistency::RequestPlus,
+        timeout: common::WAIT,
+        keep: None,
+        parts,
+    };
+    let want_held: Vec<String> = (0..DOCS).filter(|i| held.contains(&part_of(i % 5))).map(|i| format!("d{i:03}")).collect();
+    for life_no in 0..2 {
+        let (coll, def, held, want_held) = (Arc::clone(&coll), def.clone(), held.clone(), want_held.clone());
+        life(&store, move |mgr| async move {
+            if life_no == 0 {
+                mgr.create_as(&coll, def, None, Some(held.clone())).await.unwrap();
+                let nothing = IndexDef { partitions: Some(5), ..common::def("elsewhere", "b", false) };
+                mgr.create_as(&coll, nothing, None, Some(Vec::new())).await.unwrap();
+            }
+            // An eq reads one part: answered when held here, refused when not.
+            assert_eq!(scan_ids(&mgr, &coll, "by_a", json!(3)).await, expected_a3());
+            let other = (0..5).find(|a| !held.contains(&part_of(*a))).expect("a value in a part held elsewhere");
+            let refused = mgr.scan(&coll, "by_a", scan(ScanBounds::Eq(vec![json!(other)]), None)).await;
+            assert!(matches!(refused, Err(shoal_index::IndexError::Unavailable(_))), "{refused:?}");
+            // A whole scan needs every part: refused, unless it asks for the held ones only.
+            let refused = mgr.scan(&coll, "by_a", scan(ScanBounds::All, None)).await;
+            assert!(matches!(refused, Err(shoal_index::IndexError::Unavailable(_))), "{refused:?}");
+            let rows = mgr.scan(&coll, "by_a", scan(ScanBounds::All, Some(held.clone()))).await.unwrap();
+            let mut ids: Vec<String> = rows.iter().map(|r| r.id.clone()).collect();
+            let order = |r: &shoal_index::ScanRow| (r.key[0].as_u64(), r.id.clone());
+            assert!(rows.windows(2).all(|w| order(&w[0]) <= order(&w[1])), "in index order");
+            ids.sort();
+            assert_eq!(ids, want_held);
+            let status = mgr.list(&coll);
+            let by_a = status.iter().find(|s| s.def.name == "by_a").unwrap();
+            let mut sorted = held.clone();
+            sorted.sort();
+            assert_eq!(by_a.part_items.iter().map(|(no, _)| *no).collect::<Vec<_>>(), sorted, "only the held parts, after a restart too");
+            assert_eq!(by_a.items, want_held.len() as u64);
+            // An index holding no part here is ready with nothing, and holds back nothing.
+            let elsewhere = status.iter().find(|s| s.def.name == "elsewhere").unwrap();
+            assert_eq!((elsewhere.state, elsewhere.items), (shoal_index::IndexState::Ready, 0));
+            let lowest = mgr.lowest_positions(&coll).unwrap();
+            assert!(lowest.iter().all(|&s| s > 0), "the empty index does not hold positions back: {lowest:?}");
+        });
+    }
 }

@@ -167,7 +167,7 @@ pub async fn scan(
     // (Documents are read from the members holding them, so `include_docs` takes the path
     // below.)
     if state.engine.indexes().is_fed() && !req.include_docs {
-        let scan = ScanRequest { bounds, limit, descending: req.descending, consistency, timeout, keep: None };
+        let scan = ScanRequest { bounds, limit, descending: req.descending, consistency, timeout, keep: None, parts: None };
         let rows = state.engine.indexes().scan(&coll, &name, scan).await?;
         let coll = Arc::clone(&coll);
         let body =
@@ -191,7 +191,7 @@ pub async fn scan(
         }))
     });
     let descending = req.descending;
-    let scan = ScanRequest { bounds, limit, descending, consistency, timeout, keep };
+    let scan = ScanRequest { bounds, limit, descending, consistency, timeout, keep, parts: None };
     let include_docs = req.include_docs;
     let local = async {
         let rows = state.engine.indexes().scan(&coll, &name, scan).await?;

@@ -141,7 +141,7 @@ pub(super) fn open_database(store: &Store, path: &Path, target: &dyn Fn(&Collect
         match store.collection(&r.collection).filter(|c| c.id() == r.collection_id) {
             Some(coll) => {
                 found.push((coll, r));
-                live.insert(r.id, r.def.part_count());
+                live.insert(r.id, r.held_parts());
             }
             None => {
                 // Its storage goes as an orphan below; the definition now, or at a later start.
@@ -201,14 +201,14 @@ pub(super) fn open_database(store: &Store, path: &Path, target: &dyn Fn(&Collect
 pub(super) fn remove_orphans(
     db: &fjall::Database,
     meta: &fjall::Keyspace,
-    live: &HashMap<u32, u16>,
+    live: &HashMap<u32, Vec<u16>>,
     batch: &mut fjall::OwnedWriteBatch,
 ) -> Result<u32, IndexError> {
     let mut next = 1u32;
     let mut legacy = HashSet::new();
     for name in db.list_keyspace_names() {
         let (id, orphan) = if let Some((id, part)) = parse_part_keyspace_name(&name) {
-            (id, live.get(&id).is_none_or(|&n| part >= n))
+            (id, live.get(&id).is_none_or(|held| !held.contains(&part)))
         } else if let Some(id) = parse_located_keyspace_name(&name) {
             (id, !live.contains_key(&id))
         } else if let Some(id) = parse_legacy_keyspace_name(&name) {
@@ -271,7 +271,7 @@ pub(super) fn load(
     let compiled = r.def.compile()?;
     let n = usize::from(coll.partition_count());
     let mut parts = Vec::new();
-    for (no, ks) in open_parts(db, r.id, 0..r.def.part_count())? {
+    for (no, ks) in open_parts(db, r.id, r.held_parts().into_iter())? {
         let mut cursors = vec![StreamPosition::default(); n];
         let items: Vec<AtomicI64> = (0..n).map(|_| AtomicI64::new(0)).collect();
         for guard in ks.prefix(cursor_prefix()) {
@@ -290,6 +290,7 @@ pub(super) fn load(
         Some(v) => Some(ScanState::decode(&v, n)?),
         None => None,
     };
+    let parts_empty = parts.is_empty();
     Ok(Arc::new(Index {
         id: r.id,
         collection_id: r.collection_id,
@@ -297,11 +298,13 @@ pub(super) fn load(
         def: r.def.clone(),
         compiled,
         parts,
+        held: r.held.as_ref().map(|_| r.held_parts()),
         located: open_located(db, r.id)?,
         deferred: AtomicBool::new(r.def.defer_build),
         dropped: AtomicBool::new(false),
         corrupt: AtomicBool::new(false),
-        target: Mutex::new(Some(target)),
+        // Holding no part here, it has nothing to build.
+        target: Mutex::new((!parts_empty).then_some(target)),
         progress: watch::channel(0).0,
         scan: Mutex::new(scan),
     }))

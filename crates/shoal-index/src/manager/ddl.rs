@@ -30,18 +30,26 @@ impl IndexManager {
     }
 
     pub async fn create(self: &Arc<Self>, coll: &Arc<Collection>, def: IndexDef) -> Result<IndexStatus, IndexError> {
-        self.create_as(coll, def, None).await
+        self.create_as(coll, def, None, None).await
     }
 
-    /// [`IndexManager::create`] with the index id given by the caller (see `allocate_id`).
-    pub async fn create_as(self: &Arc<Self>, coll: &Arc<Collection>, def: IndexDef, id: Option<u32>) -> Result<IndexStatus, IndexError> {
+    /// [`IndexManager::create`] with the index id given by the caller (see `allocate_id`),
+    /// holding only index partitions `held` (every one for `None`): the index service places
+    /// an index's partitions on index nodes.
+    pub async fn create_as(
+        self: &Arc<Self>,
+        coll: &Arc<Collection>,
+        def: IndexDef,
+        id: Option<u32>,
+        held: Option<Vec<u16>>,
+    ) -> Result<IndexStatus, IndexError> {
         def.compile()?;
         let _ddl = self.ddl.lock().await;
         if self.find(coll, &def.name).is_ok() {
             return Err(IndexError::Exists(def.name));
         }
         let id = self.allocate_id(id)?;
-        let record = Record { id, collection_id: coll.id(), collection: coll.name().to_string(), def };
+        let record = Record { id, collection_id: coll.id(), collection: coll.name().to_string(), def, held };
         // Durable in the store's catalog before the answer: the index database holds only
         // what can be rebuilt from the definition and the documents.
         self.store.put_catalog(&record.catalog_key(), &record.encode()?)?;
@@ -67,7 +75,7 @@ impl IndexManager {
             .get(&coll.id())?
             .indexes
             .iter()
-            .filter(|i| !i.dropped.load(std::sync::atomic::Ordering::Acquire) && i.state() == super::IndexState::Ready)
+            .filter(|i| !i.dropped.load(std::sync::atomic::Ordering::Acquire) && i.state() == super::IndexState::Ready && !i.parts.is_empty())
             .collect();
         if ready.is_empty() {
             return None;

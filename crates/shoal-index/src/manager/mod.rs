@@ -125,6 +125,10 @@ pub struct ScanRequest {
     /// it holds active, not the replicas it also indexes); rows left out do not count
     /// towards `limit`.
     pub keep: Option<KeepRow>,
+    /// Only these index partitions (a scan routed by the index service reads the parts
+    /// each node holds); `None` reads every part the bounds need. A part the bounds need
+    /// that this node does not hold refuses the scan.
+    pub parts: Option<Vec<u16>>,
 }
 
 /// A test of a row's document key (see [`ScanRequest::keep`]).
@@ -152,15 +156,38 @@ struct Record {
     collection_id: u32,
     collection: String,
     def: IndexDef,
+    /// The index partitions this node holds, when not every one (the index service places
+    /// them on index nodes: `shoal_meta::IndexDef::placement`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    held: Option<Vec<u16>>,
 }
 
 impl Record {
+    /// The index partitions held here, in part order.
+    fn held_parts(&self) -> Vec<u16> {
+        held_parts(self.held.as_deref(), self.def.part_count())
+    }
+
     fn catalog_key(&self) -> String {
         catalog_key(self.collection_id, &self.def.name)
     }
 
     fn encode(&self) -> Result<Vec<u8>, IndexError> {
         serde_json::to_vec(self).map_err(|e| IndexError::Invalid(format!("index definition: {e}")))
+    }
+}
+
+/// Parts `held` of an index of `part_count` parts (every one for `None`), in part order,
+/// each once; parts beyond the count are left out.
+fn held_parts(held: Option<&[u16]>, part_count: u16) -> Vec<u16> {
+    match held {
+        None => (0..part_count).collect(),
+        Some(held) => {
+            let mut out: Vec<u16> = held.iter().copied().filter(|&no| no < part_count).collect();
+            out.sort_unstable();
+            out.dedup();
+            out
+        }
     }
 }
 
@@ -197,8 +224,12 @@ struct Index {
     collection: String,
     def: IndexDef,
     compiled: Compiled,
-    /// The index's partitions held here, by part number (every one, on one node).
+    /// The index's partitions held here, in part order: every one, or those the index
+    /// service placed here ([`Record::held`]).
     parts: Vec<Part>,
+    /// Whether this node holds a subset of the parts (a scan that needs one it lacks is
+    /// refused, never answered short).
+    held: Option<Vec<u16>>,
     /// Per document: the parts that may hold its entries (see [`layout`]).
     located: fjall::Keyspace,
     deferred: AtomicBool,
@@ -300,6 +331,18 @@ impl Index {
         self.parts.binary_search_by_key(&no, |p| p.no).ok()
     }
 
+    /// Refuses a read of parts this node does not hold: the index service placed them on
+    /// other nodes, and reading only the others would answer short.
+    fn holds(&self, read: &[u16]) -> Result<(), IndexError> {
+        match read.iter().find(|&&no| self.slot(no).is_none()) {
+            None => Ok(()),
+            Some(no) => Err(IndexError::Unavailable(format!(
+                "index {}: partition {no} is held by other index nodes, not this one",
+                self.def.name
+            ))),
+        }
+    }
+
     fn part(&self, no: u16) -> Option<&Part> {
         self.slot(no).map(|slot| &self.parts[slot])
     }
@@ -317,6 +360,7 @@ impl Index {
             collection_id: self.collection_id,
             collection: self.collection.clone(),
             def: IndexDef { defer_build: self.deferred.load(Ordering::Acquire), ..self.def.clone() },
+            held: self.held.clone(),
         }
     }
 
@@ -527,8 +571,13 @@ impl IndexManager {
     /// The collection's indexes that are maintained: not deferred, not set aside as damaged
     /// (`None` once the collection has no entry).
     fn active(&self, collection_id: u32) -> Option<Vec<Arc<Index>>> {
+        // An index holding no part here (placed on other index nodes) has nothing to follow.
         self.colls.lock().get(&collection_id).map(|e| {
-            e.indexes.iter().filter(|i| !i.deferred.load(Ordering::Acquire) && !i.corrupt.load(Ordering::Acquire)).cloned().collect()
+            e.indexes
+                .iter()
+                .filter(|i| !i.deferred.load(Ordering::Acquire) && !i.corrupt.load(Ordering::Acquire) && !i.parts.is_empty())
+                .cloned()
+                .collect()
         })
     }
 }

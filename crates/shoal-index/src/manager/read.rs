@@ -25,7 +25,11 @@ impl IndexManager {
         let found = self.find(coll, name)?;
         let n = found.compiled.key_count();
         let (lo, hi) = byte_bounds(&req.bounds, n)?;
-        let read = parts_of_scan(&req.bounds, found.def.part_count());
+        let mut read = parts_of_scan(&req.bounds, found.def.part_count());
+        if let Some(only) = &req.parts {
+            read.retain(|no| only.contains(no));
+        }
+        found.holds(&read)?;
         drop(found);
         let index = self.ready(coll, name, req.consistency, req.timeout, &read).await?;
         let (limit, descending, keep) = (req.limit, req.descending, req.keep);
@@ -51,6 +55,7 @@ impl IndexManager {
         let n = found.compiled.key_count();
         let (lo, hi) = byte_bounds(bounds, n)?;
         let read = parts_of_scan(bounds, found.def.part_count());
+        found.holds(&read)?;
         drop(found);
         let index = self.ready(coll, name, consistency, timeout, &read).await?;
         let empty = matches!((&lo, &hi), (Bound::Included(l) | Bound::Excluded(l), Bound::Included(h) | Bound::Excluded(h)) if l > h);

@@ -61,6 +61,7 @@ pub async fn scan_ids(mgr: &IndexManager, coll: &Collection, name: &str, eq: Val
         consistency: Consistency::RequestPlus,
         timeout: WAIT,
         keep: None,
+        parts: None,
     };
     mgr.scan(coll, name, req).await.unwrap().into_iter().map(|r| r.id).collect()
 }
@@ -122,6 +123,7 @@ pub async fn scan_all_ids(mgr: &IndexManager, coll: &Collection, name: &str) -> 
         consistency: Consistency::RequestPlus,
         timeout: WAIT,
         keep: None,
+        parts: None,
     };
     mgr.scan(coll, name, req).await.unwrap().into_iter().map(|r| r.id).collect()
 }
