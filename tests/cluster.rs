@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use common::cluster::{get_json, member_states, node_id, rebalance, start_cluster, wait_for, PARTITIONS, SECRET};
@@ -1946,4 +1947,166 @@ async fn an_index_node_follows_every_active_and_answers_scans_alone() {
     let (_, info) = get_json(&http, &first.u("/v1/cluster")).await;
     let me = info["nodes"].as_array().unwrap().iter().find(|n| n["address"] == index_node.addr()).cloned().unwrap();
     assert_eq!(me["partitions"], json!({"active": 0, "replica": 0}), "{info}");
+}
+
+/// Issue 41: with nodes running the index service alone, an index is placed on them — its
+/// partitions and their replicas on distinct index nodes, none on the data nodes — and a
+/// scan asked of any member reads one copy of each partition it needs where it is placed:
+/// an `eq` one partition, anything else each partition once, merged in index order. Answers
+/// are compared with a model from every member; a killed index node's parts are read from
+/// their replicas, and a scan that needs a part with no live copy is refused, never short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_placed_index_is_read_where_its_partitions_are_from_any_node() {
+    let args = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", PARTITIONS];
+    let index_args = [&args[..], &["--services", "index,query"]].concat();
+    let mut first = Node::start(&args);
+    first.pin_port();
+    let join = first.addr();
+    let second = joined(&args, &join);
+    let mut a = joined(&index_args, &join);
+    let b = joined(&index_args, &join);
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    wait_for(&http, &first.u("/v1/cluster"), "four members", |v| member_states(v).len() == 4).await;
+    rebalance(&http, &first, &[]).await;
+    assert_eq!(http.put(first.u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    // Bad input for the new fields: refused, and nothing is created.
+    for bad in [
+        json!({"name": "bad", "keys": ["v"], "replicas": 2}),
+        json!({"name": "bad", "keys": ["v"], "partitions": 0}),
+        json!({"name": "bad", "keys": ["v"], "partitions": 10_000}),
+        json!({"name": "bad", "keys": ["v"], "replicas": "one"}),
+    ] {
+        let r = http.post(first.u("/v1/collections/c/indexes")).json(&bad).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 400, "{bad}: {}", r.text().await.unwrap_or_default());
+    }
+    let by_v = json!({"name": "by_v", "keys": ["v"], "partitions": 8});
+    let by_w = json!({"name": "by_w", "keys": ["w"], "partitions": 6, "replicas": 1});
+    for def in [&by_v, &by_w] {
+        let r = http.post(first.u("/v1/collections/c/indexes")).json(def).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 201, "{}", r.text().await.unwrap_or_default());
+    }
+    // Placement: by_v's 8 partitions split between the index nodes, by_w's 6 on both; the
+    // data nodes hold none.
+    let listing = |node: &Node| {
+        let (http, url) = (http.clone(), node.u("/v1/collections/c/indexes"));
+        async move {
+            let (_, list) = get_json(&http, &url).await;
+            list.as_array().unwrap().iter().map(|i| (i["name"].as_str().unwrap().to_string(), i.clone())).collect::<BTreeMap<_, _>>()
+        }
+    };
+    for node in [&first, &second, &a, &b] {
+        wait_for(&http, &node.u("/v1/collections/c/indexes"), "both indexes on every member", |v| {
+            v.as_array().is_some_and(|l| l.len() == 2)
+        })
+        .await;
+    }
+    let here = |v: &Value| v["partitions_here"].as_array().unwrap().iter().map(|p| p.as_u64().unwrap() as u16).collect::<Vec<u16>>();
+    let (on_a, on_b, on_first) = (listing(&a).await, listing(&b).await, listing(&first).await);
+    let placement = on_a["by_v"]["placement"].clone();
+    assert_eq!(placement.as_array().unwrap().len(), 8, "{placement}");
+    let mut all: Vec<u16> = here(&on_a["by_v"]).into_iter().chain(here(&on_b["by_v"])).collect();
+    all.sort();
+    assert_eq!(all, (0..8).collect::<Vec<u16>>(), "each partition of by_v on one index node");
+    assert_eq!(here(&on_a["by_v"]).len(), 4, "balanced: {placement}");
+    assert_eq!((here(&on_a["by_w"]).len(), here(&on_b["by_w"]).len()), (6, 6), "by_w's replicas on the other node");
+    assert!(here(&on_first["by_v"]).is_empty() && here(&on_first["by_w"]).is_empty(), "{on_first:?}");
+    // Documents, updates that move entries between parts, deletes.
+    let mut model: BTreeMap<String, (i64, i64)> = BTreeMap::new();
+    for i in 0..150i64 {
+        let key = format!("k{i:03}");
+        let r = http.put(first.u(&format!("/v1/collections/c/docs/{key}"))).json(&json!({"v": i % 7, "w": i % 5})).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        model.insert(key, (i % 7, i % 5));
+    }
+    for i in (0..150i64).step_by(4) {
+        let key = format!("k{i:03}");
+        let r = http.put(first.u(&format!("/v1/collections/c/docs/{key}"))).json(&json!({"v": 10 + i % 3, "w": 7})).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        model.insert(key, (10 + i % 3, 7));
+    }
+    for i in (1..150i64).step_by(9) {
+        let key = format!("k{i:03}");
+        assert_eq!(http.delete(first.u(&format!("/v1/collections/c/docs/{key}"))).send().await.unwrap().status(), 200);
+        model.remove(&key);
+    }
+    let want = |field: usize, keep: &dyn Fn(i64) -> bool| {
+        let mut rows: Vec<(i64, String)> = model
+            .iter()
+            .map(|(k, (v, w))| (if field == 0 { *v } else { *w }, k.clone()))
+            .filter(|(x, _)| keep(*x))
+            .collect();
+        rows.sort();
+        rows
+    };
+    let scan = |node: &Node, index: &str, mut body: Value| {
+        let (http, url) = (http.clone(), node.u(&format!("/v1/collections/c/indexes/{index}/scan")));
+        body["consistency"] = json!("request_plus");
+        body["timeout_ms"] = json!(60_000);
+        async move {
+            let r = http.post(url).json(&body).send().await.unwrap();
+            let status = r.status().as_u16();
+            let v: Value = r.json().await.unwrap_or(Value::Null);
+            (status, v)
+        }
+    };
+    let rows_of = |v: &Value| -> Vec<(i64, String)> {
+        v["rows"].as_array().unwrap().iter().map(|r| (r["key"][0].as_i64().unwrap(), r["id"].as_str().unwrap().to_string())).collect()
+    };
+    for node in [&first, &second, &a, &b] {
+        for (index, field) in [("by_v", 0), ("by_w", 1)] {
+            let (status, v) = scan(node, index, json!({"eq": [3]})).await;
+            assert_eq!(status, 200, "{v}");
+            assert_eq!(rows_of(&v), want(field, &|x| x == 3), "{index} eq from {}", node.addr());
+            let (status, v) = scan(node, index, json!({})).await;
+            assert_eq!(status, 200, "{v}");
+            assert_eq!(rows_of(&v), want(field, &|_| true), "{index} whole from {}", node.addr());
+            let (status, v) = scan(node, index, json!({"range": {"low": [2], "high": [10], "inclusive_high": false}})).await;
+            assert_eq!(status, 200, "{v}");
+            assert_eq!(rows_of(&v), want(field, &|x| (2..10).contains(&x)), "{index} range from {}", node.addr());
+            let (status, v) = scan(node, index, json!({"descending": true, "limit": 10})).await;
+            assert_eq!(status, 200, "{v}");
+            let mut top = want(field, &|_| true);
+            top.reverse();
+            top.truncate(10);
+            assert_eq!(rows_of(&v), top, "{index} descending, limited, from {}", node.addr());
+        }
+        // Documents come from their actives, wherever the rows came from.
+        let (status, v) = scan(node, "by_v", json!({"eq": [11], "include_docs": true})).await;
+        assert_eq!(status, 200, "{v}");
+        let docs: Vec<(String, Value)> =
+            v["rows"].as_array().unwrap().iter().map(|r| (r["id"].as_str().unwrap().to_string(), r["doc"].clone())).collect();
+        let want_docs: Vec<(String, Value)> =
+            model.iter().filter(|(_, (v, _))| *v == 11).map(|(k, (v, w))| (k.clone(), json!({"v": v, "w": w}))).collect();
+        assert_eq!(docs, want_docs, "include_docs from {}", node.addr());
+    }
+    // A client cannot ask for some partitions only.
+    let r = http.post(a.u("/v1/collections/c/indexes/by_v/scan")).json(&json!({"parts": [0]})).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    // Entries live on the index nodes only: by_v's split between them, none on data nodes.
+    let (on_a, on_b, on_first) = (listing(&a).await, listing(&b).await, listing(&first).await);
+    assert_eq!(on_a["by_v"]["items"].as_u64().unwrap() + on_b["by_v"]["items"].as_u64().unwrap(), model.len() as u64);
+    assert_eq!(on_a["by_w"]["items"].as_u64(), Some(model.len() as u64));
+    assert_eq!(on_first["by_v"]["items"].as_u64(), Some(0));
+    // Index node a dies: by_w is read from its replicas on b; by_v answers for the values
+    // whose partition b holds and refuses the others (503), never a short answer.
+    let on_b_parts = here(&on_b["by_v"]);
+    a.kill9();
+    for node in [&first, &b] {
+        let (status, v) = scan(node, "by_w", json!({})).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(rows_of(&v), want(1, &|_| true), "by_w from {} with a down", node.addr());
+        let (status, v) = scan(node, "by_v", json!({})).await;
+        assert_eq!(status, 503, "by_v needs a's partitions: {v}");
+        for value in 0..7i64 {
+            let part = shoal_index::partition::part_of_value(Some(&json!(value)), 8);
+            let (status, v) = scan(node, "by_v", json!({"eq": [value]})).await;
+            if on_b_parts.contains(&part) {
+                assert_eq!(status, 200, "{v}");
+                assert_eq!(rows_of(&v), want(0, &|x| x == value));
+            } else {
+                assert_eq!(status, 503, "value {value} lives in a partition only a held: {v}");
+            }
+        }
+    }
+    drop(second);
 }

@@ -298,7 +298,12 @@ impl ClusterNode {
         // Each index partition's copies go on distinct index nodes: more replicas than the
         // other index nodes could never be placed.
         let replicas = definition.get("replicas").and_then(serde_json::Value::as_u64).unwrap_or(0);
-        let index_nodes = index_nodes(&self.state());
+        let state = self.state();
+        // Placed on the nodes running the index service alone when there are any.
+        let index_nodes = match state.index_service_nodes().len() {
+            0 => index_nodes(&state),
+            placing => placing,
+        };
         if replicas >= index_nodes as u64 {
             return Err(ClusterError::Index(shoal_index::IndexError::Invalid(format!(
                 "an index has fewer replicas than the cluster has index nodes ({index_nodes}); start more nodes with the index service"

@@ -318,14 +318,39 @@ pub async fn multi_get(
     // partition changed hands between the routing and the read) was read nowhere: it is
     // asked again where a newer map says, as a single-key request is (`cluster::route`).
     let n = request.keys.len();
-    let keys = Arc::new(request.keys);
+    let entries = get_many(&state, &coll, request.keys, &headers, uri.path()).await?;
+    let mut out = Vec::with_capacity(entries.iter().map(Vec::len).sum::<usize>() + n + 16);
+    out.extend_from_slice(b"{\"docs\":[");
+    for (i, entry) in entries.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(entry);
+    }
+    out.extend_from_slice(b"]}");
+    check_answer_size(out.len(), "ask for fewer keys per _get")?;
+    Ok(json_response(StatusCode::OK, out))
+}
+
+/// The `_get` entries of `keys`, in their order: `{"key", "cas", "value"}` or `{"key",
+/// "error", "reason"}`, each read where its partition's active copy is. `path` is the
+/// `_get` endpoint of `coll` (where other members are asked).
+pub(crate) async fn get_many(
+    state: &AppState,
+    coll: &Arc<Collection>,
+    keys: Vec<serde_json::Value>,
+    headers: &HeaderMap,
+    path: &str,
+) -> Result<Vec<Vec<u8>>, ApiError> {
+    let n = keys.len();
+    let keys = Arc::new(keys);
     let relayed = headers.contains_key(crate::routing::FORWARDED_HEADER);
     let mut entries: Vec<Vec<u8>> = vec![Vec::new(); n];
     let mut pending: Vec<usize> = (0..n).collect();
     let reroute = crate::routing::Reroute::start();
     loop {
         let routed_at = state.cluster.state().map_version();
-        let answered = get_round(&state, &coll, &keys, &pending, &headers, uri.path()).await?;
+        let answered = get_round(state, coll, &keys, &pending, headers, path).await?;
         let mut misrouted = Vec::new();
         for (&i, entry) in pending.iter().zip(answered) {
             if !relayed && is_misrouted(&entry) {
@@ -338,17 +363,7 @@ pub async fn multi_get(
         }
         pending = misrouted;
     }
-    let mut out = Vec::with_capacity(entries.iter().map(Vec::len).sum::<usize>() + n + 16);
-    out.extend_from_slice(b"{\"docs\":[");
-    for (i, entry) in entries.iter().enumerate() {
-        if i > 0 {
-            out.push(b',');
-        }
-        out.extend_from_slice(entry);
-    }
-    out.extend_from_slice(b"]}");
-    check_answer_size(out.len(), "ask for fewer keys per _get")?;
-    Ok(json_response(StatusCode::OK, out))
+    Ok(entries)
 }
 
 /// One round of a `_get`: reads the keys at positions `at` where the map says (here, or
