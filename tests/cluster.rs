@@ -2030,11 +2030,8 @@ async fn a_placed_index_is_read_where_its_partitions_are_from_any_node() {
         model.remove(&key);
     }
     let want = |field: usize, keep: &dyn Fn(i64) -> bool| {
-        let mut rows: Vec<(i64, String)> = model
-            .iter()
-            .map(|(k, (v, w))| (if field == 0 { *v } else { *w }, k.clone()))
-            .filter(|(x, _)| keep(*x))
-            .collect();
+        let mut rows: Vec<(i64, String)> =
+            model.iter().map(|(k, (v, w))| (if field == 0 { *v } else { *w }, k.clone())).filter(|(x, _)| keep(*x)).collect();
         rows.sort();
         rows
     };

@@ -395,7 +395,9 @@ fn index_spec(index: u64, definition: &serde_json::Value) -> Result<shoal_cluste
     let field = |name: &str, default: u64| -> Result<u64, MetaReject> {
         match definition.get(name) {
             None | Some(serde_json::Value::Null) => Ok(default),
-            Some(v) => v.as_u64().ok_or_else(|| MetaReject::OutOfRange { what: format!("index {name}"), why: format!("{v} is not a count") }),
+            Some(v) => {
+                v.as_u64().ok_or_else(|| MetaReject::OutOfRange { what: format!("index {name}"), why: format!("{v} is not a count") })
+            }
         }
     };
     Ok(shoal_cluster::index_placement::IndexSpec {
@@ -605,9 +607,15 @@ impl MetaState {
                 previous.insert(IndexPart { index: u64::from(def.id), partition: u16::try_from(p).unwrap_or(u16::MAX) }, copies.clone());
             }
         }
-        let bad = |e: shoal_cluster::index_placement::IndexPlaceError| MetaReject::OutOfRange { what: "index placement".into(), why: e.to_string() };
+        let bad = |e: shoal_cluster::index_placement::IndexPlaceError| MetaReject::OutOfRange {
+            what: "index placement".into(),
+            why: e.to_string(),
+        };
         let placed = place_indexes(&specs, &nodes, &previous).map_err(bad)?;
-        Ok(placed.range(IndexPart { index: u64::from(id), partition: 0 }..=IndexPart { index: u64::from(id), partition: u16::MAX }).map(|(_, c)| c.clone()).collect())
+        Ok(placed
+            .range(IndexPart { index: u64::from(id), partition: 0 }..=IndexPart { index: u64::from(id), partition: u16::MAX })
+            .map(|(_, c)| c.clone())
+            .collect())
     }
 
     fn set_map(&mut self, map: PartitionMap) -> Result<MetaResponse, MetaReject> {
@@ -943,7 +951,8 @@ mod tests {
         assert_eq!(def.parts_on(n(3)), (0..6).collect::<Vec<u16>>());
         assert!(def.parts_on(n(1)).is_empty());
         // A second index goes where the copies are fewest, one copy each on 2 nodes.
-        let second = MetaCommand::CreateIndex { collection: "c".into(), name: "j".into(), definition: json!({"keys": ["b"], "partitions": 4}) };
+        let second =
+            MetaCommand::CreateIndex { collection: "c".into(), name: "j".into(), definition: json!({"keys": ["b"], "partitions": 4}) };
         state.apply(second).expect("placed");
         let j = &state.indexes["c"]["j"];
         assert_eq!((j.parts_on(n(3)).len(), j.parts_on(n(4)).len()), (2, 2), "{:?}", j.placement);

@@ -80,7 +80,8 @@ pub async fn list(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQuery
             let mut v = status_json(s);
             // Where the index service placed each partition's copies (node ids).
             if let Some(def) = placed.and_then(|p| p.get(&s.def.name)).filter(|d| d.is_placed()) {
-                v["placement"] = serde_json::json!(def.placement.iter().map(|c| c.iter().map(|n| n.0).collect::<Vec<u64>>()).collect::<Vec<_>>());
+                v["placement"] =
+                    serde_json::json!(def.placement.iter().map(|c| c.iter().map(|n| n.0).collect::<Vec<u64>>()).collect::<Vec<_>>());
             }
             v
         })
@@ -192,7 +193,8 @@ pub async fn scan(
     let placed = state.cluster.state().indexes.get(coll.name()).and_then(|by_name| by_name.get(&name)).filter(|d| d.is_placed()).cloned();
     if let Some(def) = placed {
         crate::routing::require_serving(&state).await?;
-        let routed = Routed { bounds, limit, descending: req.descending, include_docs: req.include_docs, consistency, timeout, body: &body };
+        let routed =
+            Routed { bounds, limit, descending: req.descending, include_docs: req.include_docs, consistency, timeout, body: &body };
         return routed_scan(&state, &coll, &def, routed).await;
     }
     // In a cluster (the interim design of ARCHITECTURE.md) every member indexes the
@@ -320,8 +322,9 @@ async fn routed_scan(state: &AppState, coll: &Arc<Collection>, def: &shoal_meta:
             };
             let rows = state.engine.indexes().scan(coll, &def.name, req).await?;
             let coll = Arc::clone(coll);
-            let bytes =
-                tokio::task::spawn_blocking(move || write_rows(&coll, &rows, false)).await.map_err(|e| ApiError::internal(e.to_string()))??;
+            let bytes = tokio::task::spawn_blocking(move || write_rows(&coll, &rows, false))
+                .await
+                .map_err(|e| ApiError::internal(e.to_string()))??;
             Ok::<_, ApiError>(Some(Bytes::from(bytes)))
         };
         let (remote, local) = tokio::join!(spread::call_all(state, &path, pinned.map_version(), calls), local);

@@ -157,6 +157,13 @@ impl FileManifest {
 /// module's doc) as an iterator. Holds the snapshot's files on disk until dropped.
 pub struct PartitionFiles {
     header: ExportHeader,
+    files: KeyspaceFiles,
+}
+
+/// Any keyspace's export as files at a snapshot (a partition's, or an index partition's):
+/// its manifest, then its records (see the module's doc). Holds the snapshot's files on
+/// disk until dropped.
+pub struct KeyspaceFiles {
     manifest: FileManifest,
     /// Pins the snapshot's files (compaction cannot delete them) until the copy ends.
     _export: fjall::TreeExport,
@@ -212,6 +219,43 @@ impl PartitionFiles {
     }
 
     pub fn manifest(&self) -> &FileManifest {
+        &self.files.manifest
+    }
+
+    /// The next piece (see [`KeyspaceFiles::next_piece`]).
+    pub fn next_piece(&mut self) -> Option<Result<FilePiece, PartitionError>> {
+        self.files.next_piece()
+    }
+}
+
+impl Iterator for PartitionFiles {
+    type Item = Result<(Bytes, Bytes), PartitionError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        self.files.next()
+    }
+}
+
+impl KeyspaceFiles {
+    /// Starts an export of `ks` as its files at `snapshot` (of the keyspace's database);
+    /// `live` goes into the manifest as it is.
+    pub fn export(ks: &fjall::Keyspace, snapshot: &fjall::Snapshot, live: Vec<LiveDocs>) -> Result<KeyspaceFiles, PartitionError> {
+        let mut export = ks.export_files(snapshot)?;
+        let items = std::mem::take(&mut export.memtable);
+        let manifest = FileManifest::from_export(&export, live, &items);
+        let items = items.into_iter();
+        let mut todo = VecDeque::new();
+        for (index, (f, blob)) in manifest.files().enumerate() {
+            let index = u32::try_from(index).map_err(|_| unavailable("too many files"))?;
+            todo.push_back((index, if blob { export.blob_file_path(f.id) } else { export.table_path(f.id) }, f.size));
+        }
+        if todo.len() > FILES_MAX {
+            return Err(unavailable("too many files"));
+        }
+        Ok(KeyspaceFiles { manifest, _export: export, items, todo, open: None })
+    }
+
+    pub fn manifest(&self) -> &FileManifest {
         &self.manifest
     }
 
@@ -248,7 +292,7 @@ impl PartitionFiles {
     }
 }
 
-impl Iterator for PartitionFiles {
+impl Iterator for KeyspaceFiles {
     type Item = Result<(Bytes, Bytes), PartitionError>;
 
     fn next(&mut self) -> Option<Self::Item> {
@@ -284,20 +328,9 @@ impl Store {
         }
         let PartitionSnapshot { snapshot, ks, header, live } = self.snapshot_partition(p)?;
         let live = live.into_iter().map(|(collection, l)| LiveDocs { collection, count: l.count, bytes: l.bytes }).collect();
-        let mut export = ks.export_files(&snapshot)?;
+        let files = KeyspaceFiles::export(&ks, &snapshot, live)?;
         drop(snapshot);
-        let items = std::mem::take(&mut export.memtable);
-        let manifest = FileManifest::from_export(&export, live, &items);
-        let items = items.into_iter();
-        let mut todo = VecDeque::new();
-        for (index, (f, blob)) in manifest.files().enumerate() {
-            let index = u32::try_from(index).map_err(|_| unavailable("too many files"))?;
-            todo.push_back((index, if blob { export.blob_file_path(f.id) } else { export.table_path(f.id) }, f.size));
-        }
-        if todo.len() > FILES_MAX {
-            return Err(unavailable("too many files"));
-        }
-        Ok(PartitionFiles { header, manifest, _export: export, items, todo, open: None })
+        Ok(PartitionFiles { header, files })
     }
 
     /// Loads a copy by files of partition `p` (see the module's doc) into this node's copy,
@@ -318,90 +351,102 @@ impl Store {
     {
         let p = header.partition;
         let (_op, by_id, ks) = self.check_ingest(header)?;
-        let import = manifest.to_import()?;
-        let files: Vec<(&ShippedFile, bool)> = manifest.files().collect();
-        if files.len() > FILES_MAX {
-            return Err(PartitionError::Malformed(format!("{} files is over the limit of {FILES_MAX}", files.len())));
-        }
-        let mut ids = std::collections::HashSet::new();
-        if let Some((f, _)) = files.iter().find(|(f, blob)| !ids.insert((*blob, f.id))) {
-            return Err(PartitionError::Malformed(format!("file id {} listed twice", f.id)));
-        }
         for c in &manifest.live {
             if !by_id.contains_key(&c.collection) {
                 return Err(PartitionError::UnknownCollection(c.collection));
             }
         }
-        let tables = ks.path().join(fjall::TABLES_FOLDER);
-        let blobs = ks.path().join(fjall::BLOBS_FOLDER);
-        std::fs::create_dir_all(&tables).and_then(|()| std::fs::create_dir_all(&blobs)).map_err(io)?;
-
-        let mut stats = IngestStats::default();
-        let mut items = Vec::new();
-        let mut items_bytes = 0u64;
-        let mut items_hash = ItemsHash::default();
-        let mut writing: Option<FileWriter> = None;
-        // One staging buffer for the direct writes of all the files, in turn.
-        let mut staging = Vec::new();
-        let mut next_file = 0usize;
-        for record in records {
-            let (k, v) = record?;
-            stats.records += 1;
-            stats.bytes += (k.len() + v.len()) as u64;
-            match k.first().copied() {
-                Some(TAG_ITEM) => {
-                    if next_file > 0 {
-                        return Err(PartitionError::Malformed("a memtable item after the files began".into()));
-                    }
-                    items_bytes += (k.len() + v.len()) as u64;
-                    if items_bytes > ITEMS_MAX_BYTES {
-                        return Err(PartitionError::Malformed(format!("memtable items over {ITEMS_MAX_BYTES} bytes")));
-                    }
-                    items_hash.add(&k, &v);
-                    items.push(decode_item(&k[1..], &v)?);
-                }
-                Some(TAG_CHUNK) => {
-                    let index = k.get(1..5).and_then(|b| b.try_into().ok()).map(u32::from_be_bytes).filter(|_| k.len() == 5);
-                    let index = index.ok_or_else(|| PartitionError::Malformed("a file chunk with a malformed key".into()))? as usize;
-                    if writing.as_ref().is_some_and(|w| w.index != index) {
-                        return Err(PartitionError::Malformed(format!("file {index} began before file {} ended", next_file - 1)));
-                    }
-                    if writing.is_none() {
-                        if index != next_file {
-                            return Err(PartitionError::Malformed(format!("file {index} came where file {next_file} was due")));
-                        }
-                        let (f, blob) =
-                            files.get(index).ok_or_else(|| PartitionError::Malformed(format!("no file {index} in the manifest")))?;
-                        writing = Some(FileWriter::create(index, if *blob { &blobs } else { &tables }, f, &mut staging)?);
-                        next_file += 1;
-                    }
-                    if let Some(w) = &mut writing {
-                        if w.write(&v)? {
-                            if let Some(done) = writing.take() {
-                                staging = done.out.into_staging();
-                            }
-                        }
-                    }
-                }
-                _ => return Err(PartitionError::Malformed("a record of a copy by files with an unknown tag".into())),
-            }
-        }
-        if writing.is_some() || next_file != files.len() {
-            return Err(PartitionError::Malformed(format!("the copy ended after {next_file} of {} files", files.len())));
-        }
-        if items.len() as u64 != manifest.items {
-            return Err(PartitionError::Malformed(format!("{} memtable items came of {}", items.len(), manifest.items)));
-        }
-        if items_hash.hex() != manifest.items_checksum {
-            return Err(PartitionError::Malformed("the memtable items do not match their checksum".into()));
-        }
-        ks.import_files(&import, items)?;
+        let stats = import_keyspace_files(&ks, manifest, records)?;
         let live: BTreeMap<u32, LiveCount> =
             manifest.live.iter().map(|c| (c.collection, LiveCount { count: c.count, bytes: c.bytes })).collect();
         self.finish_ingest(header, &by_id, &live)?;
-        tracing::info!(partition = p, files = files.len(), bytes = stats.bytes, "partition copy adopted from files");
+        tracing::info!(partition = p, files = manifest.files().count(), bytes = stats.bytes, "partition copy adopted from files");
         Ok(stats)
     }
+}
+
+/// Adopts an export as files (see the module's doc) into `ks`, which must be empty: each
+/// file is written under the keyspace's folder, checked against its checksum and fsynced,
+/// then the keyspace adopts them all, with the memtable items, in one version. On an error
+/// nothing is adopted (files already written stay until the keyspace is dropped).
+pub fn import_keyspace_files<I>(ks: &fjall::Keyspace, manifest: &FileManifest, records: I) -> Result<IngestStats, PartitionError>
+where
+    I: IntoIterator<Item = Result<(Bytes, Bytes), PartitionError>>,
+{
+    let import = manifest.to_import()?;
+    let files: Vec<(&ShippedFile, bool)> = manifest.files().collect();
+    if files.len() > FILES_MAX {
+        return Err(PartitionError::Malformed(format!("{} files is over the limit of {FILES_MAX}", files.len())));
+    }
+    let mut ids = std::collections::HashSet::new();
+    if let Some((f, _)) = files.iter().find(|(f, blob)| !ids.insert((*blob, f.id))) {
+        return Err(PartitionError::Malformed(format!("file id {} listed twice", f.id)));
+    }
+    let tables = ks.path().join(fjall::TABLES_FOLDER);
+    let blobs = ks.path().join(fjall::BLOBS_FOLDER);
+    std::fs::create_dir_all(&tables).and_then(|()| std::fs::create_dir_all(&blobs)).map_err(io)?;
+
+    let mut stats = IngestStats::default();
+    let mut items = Vec::new();
+    let mut items_bytes = 0u64;
+    let mut items_hash = ItemsHash::default();
+    let mut writing: Option<FileWriter> = None;
+    // One staging buffer for the direct writes of all the files, in turn.
+    let mut staging = Vec::new();
+    let mut next_file = 0usize;
+    for record in records {
+        let (k, v) = record?;
+        stats.records += 1;
+        stats.bytes += (k.len() + v.len()) as u64;
+        match k.first().copied() {
+            Some(TAG_ITEM) => {
+                if next_file > 0 {
+                    return Err(PartitionError::Malformed("a memtable item after the files began".into()));
+                }
+                items_bytes += (k.len() + v.len()) as u64;
+                if items_bytes > ITEMS_MAX_BYTES {
+                    return Err(PartitionError::Malformed(format!("memtable items over {ITEMS_MAX_BYTES} bytes")));
+                }
+                items_hash.add(&k, &v);
+                items.push(decode_item(&k[1..], &v)?);
+            }
+            Some(TAG_CHUNK) => {
+                let index = k.get(1..5).and_then(|b| b.try_into().ok()).map(u32::from_be_bytes).filter(|_| k.len() == 5);
+                let index = index.ok_or_else(|| PartitionError::Malformed("a file chunk with a malformed key".into()))? as usize;
+                if writing.as_ref().is_some_and(|w| w.index != index) {
+                    return Err(PartitionError::Malformed(format!("file {index} began before file {} ended", next_file - 1)));
+                }
+                if writing.is_none() {
+                    if index != next_file {
+                        return Err(PartitionError::Malformed(format!("file {index} came where file {next_file} was due")));
+                    }
+                    let (f, blob) =
+                        files.get(index).ok_or_else(|| PartitionError::Malformed(format!("no file {index} in the manifest")))?;
+                    writing = Some(FileWriter::create(index, if *blob { &blobs } else { &tables }, f, &mut staging)?);
+                    next_file += 1;
+                }
+                if let Some(w) = &mut writing {
+                    if w.write(&v)? {
+                        if let Some(done) = writing.take() {
+                            staging = done.out.into_staging();
+                        }
+                    }
+                }
+            }
+            _ => return Err(PartitionError::Malformed("a record of a copy by files with an unknown tag".into())),
+        }
+    }
+    if writing.is_some() || next_file != files.len() {
+        return Err(PartitionError::Malformed(format!("the copy ended after {next_file} of {} files", files.len())));
+    }
+    if items.len() as u64 != manifest.items {
+        return Err(PartitionError::Malformed(format!("{} memtable items came of {}", items.len(), manifest.items)));
+    }
+    if items_hash.hex() != manifest.items_checksum {
+        return Err(PartitionError::Malformed("the memtable items do not match their checksum".into()));
+    }
+    ks.import_files(&import, items)?;
+    Ok(stats)
 }
 
 fn chunk_key(index: u32) -> Bytes {

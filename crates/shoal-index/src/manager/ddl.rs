@@ -75,7 +75,9 @@ impl IndexManager {
             .get(&coll.id())?
             .indexes
             .iter()
-            .filter(|i| !i.dropped.load(std::sync::atomic::Ordering::Acquire) && i.state() == super::IndexState::Ready && !i.parts.is_empty())
+            .filter(|i| {
+                !i.dropped.load(std::sync::atomic::Ordering::Acquire) && i.state() == super::IndexState::Ready && !i.parts.is_empty()
+            })
             .collect();
         if ready.is_empty() {
             return None;

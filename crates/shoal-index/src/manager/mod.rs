@@ -336,10 +336,9 @@ impl Index {
     fn holds(&self, read: &[u16]) -> Result<(), IndexError> {
         match read.iter().find(|&&no| self.slot(no).is_none()) {
             None => Ok(()),
-            Some(no) => Err(IndexError::Unavailable(format!(
-                "index {}: partition {no} is held by other index nodes, not this one",
-                self.def.name
-            ))),
+            Some(no) => {
+                Err(IndexError::Unavailable(format!("index {}: partition {no} is held by other index nodes, not this one", self.def.name)))
+            }
         }
     }
 
