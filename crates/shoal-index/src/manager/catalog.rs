@@ -3,7 +3,7 @@
 
 use super::{
     cursor_partition, cursor_prefix, decode_cursor, is_damage, legacy_def_key, located_keyspace_name, parse_legacy_keyspace_name,
-    parse_located_keyspace_name, parse_part_keyspace_name, part_keyspace_name, scan_key, Index, Part, Record, ScanState, CATALOG_PREFIX,
+    parse_located_keyspace_name, parse_part_keyspace_name, part_keyspace_name, scan_key, Index, Part, Parts, Record, ScanState, CATALOG_PREFIX,
     INDEX_CACHE_BYTES, INDEX_DIR, INDEX_MEMTABLE_MAX_BYTES, LEGACY_CURSOR_PREFIX, LEGACY_DEF_PREFIX, META_KEYSPACE, NEXT_ID_KEY,
     QUARANTINE_SUFFIX,
 };
@@ -284,7 +284,7 @@ pub(super) fn load(
                 }
             }
         }
-        parts.push(Part { no, ks, cursors: Mutex::new(cursors), items });
+        parts.push(Arc::new(Part { no, ks, cursors: Mutex::new(cursors), items }));
     }
     let scan = match meta.get(scan_key(r.id))? {
         Some(v) => Some(ScanState::decode(&v, n)?),
@@ -297,8 +297,8 @@ pub(super) fn load(
         collection: r.collection.clone(),
         def: r.def.clone(),
         compiled,
-        parts,
-        held: r.held.as_ref().map(|_| r.held_parts()),
+        parts: parking_lot::RwLock::new(Parts::new(parts)),
+        held: Mutex::new(r.held.as_ref().map(|_| r.held_parts())),
         located: open_located(db, r.id)?,
         deferred: AtomicBool::new(r.def.defer_build),
         dropped: AtomicBool::new(false),

@@ -76,7 +76,7 @@ impl IndexManager {
             .indexes
             .iter()
             .filter(|i| {
-                !i.dropped.load(std::sync::atomic::Ordering::Acquire) && i.state() == super::IndexState::Ready && !i.parts.is_empty()
+                !i.dropped.load(std::sync::atomic::Ordering::Acquire) && i.state() == super::IndexState::Ready && !i.parts().is_empty()
             })
             .collect();
         if ready.is_empty() {
@@ -164,7 +164,7 @@ impl IndexManager {
     pub(super) async fn forget(&self, index: Arc<Index>, round: Arc<Mutex<()>>, what: Forget) -> Result<(), IndexError> {
         let (id, key, part_count) = (index.id, index.catalog_key(), index.def.part_count());
         let (store, db, meta) = (Arc::clone(&self.store), self.db.clone(), self.meta.clone());
-        let parts: Vec<fjall::Keyspace> = index.parts.iter().map(|p| p.ks.clone()).collect();
+        let parts: Vec<fjall::Keyspace> = index.parts().iter().map(|p| p.ks.clone()).collect();
         let located = index.located.clone();
         drop(index);
         tokio::task::spawn_blocking(move || {

@@ -117,7 +117,7 @@ pub(super) fn run_round(mgr: &IndexManager, coll: &Collection, active: &[Arc<Ind
             !held[pi]
                 && streaming
                     .iter()
-                    .any(|i| i.parts.iter().any(|part| part.cursors.lock()[pi].seqno > 0 || part.items[pi].load(Ordering::Relaxed) != 0))
+                    .any(|i| i.parts().iter().any(|part| part.cursors.lock()[pi].seqno > 0 || part.items[pi].load(Ordering::Relaxed) != 0))
         })
         .collect();
     if !gone.is_empty() {
@@ -132,7 +132,7 @@ pub(super) fn run_round(mgr: &IndexManager, coll: &Collection, active: &[Arc<Ind
         .filter(|&p| held[usize::from(p)])
         .filter(|&p| {
             let at = now[usize::from(p)];
-            streaming.iter().any(|i| i.parts.iter().any(|part| !part.cursors.lock()[usize::from(p)].reaches(at)))
+            streaming.iter().any(|i| i.parts().iter().any(|part| !part.cursors.lock()[usize::from(p)].reaches(at)))
         })
         .collect();
     let size = group_size(behind.len(), mgr.pool.current_num_threads());
@@ -171,7 +171,7 @@ pub(super) fn plan_scan(mgr: &IndexManager, coll: &Collection, active: &[Arc<Ind
     let unstarted = |i: &Index| {
         i.scan.lock().is_none()
             && i.target.lock().as_ref().is_some_and(|t| t.iter().any(|&h| h > 0))
-            && i.parts.iter().all(|part| part.cursors.lock().iter().all(|c| c.seqno == 0) && part.items() == 0)
+            && i.parts().iter().all(|part| part.cursors.lock().iter().all(|c| c.seqno == 0) && part.items() == 0)
     };
     let waiting: Vec<Arc<Index>> = live().filter(|i| unstarted(i)).cloned().collect();
     if scanning.is_empty() && !waiting.is_empty() {
@@ -210,7 +210,7 @@ pub(super) fn scan_round(mgr: &IndexManager, coll: &Collection, scanning: &[Arc<
         let mut batch = mgr.db.batch();
         let Some(last) = docs.last().map(|d| d.0.clone()) else {
             for index in scanning {
-                for part in &index.parts {
+                for part in index.parts().iter() {
                     for (p, pos) in state.start.iter().enumerate() {
                         let items = part.items[p].load(Ordering::Relaxed);
                         batch.insert(&part.ks, cursor_key(p as PartitionId), encode_cursor(*pos, items));
@@ -220,7 +220,7 @@ pub(super) fn scan_round(mgr: &IndexManager, coll: &Collection, scanning: &[Arc<
             }
             batch.commit()?;
             for index in scanning {
-                for part in &index.parts {
+                for part in index.parts().iter() {
                     part.cursors.lock().clone_from_slice(&state.start);
                 }
                 *index.scan.lock() = None;
@@ -240,20 +240,21 @@ pub(super) fn scan_round(mgr: &IndexManager, coll: &Collection, scanning: &[Arc<
         let mut staged = Vec::with_capacity(scanning.len());
         for (k, index) in scanning.iter().enumerate() {
             // Per part (by slot): its entries, and per data partition the entries added.
-            let mut fwd: Vec<Vec<Vec<u8>>> = vec![Vec::new(); index.parts.len()];
-            let mut delta: Vec<HashMap<PartitionId, i64>> = vec![HashMap::new(); index.parts.len()];
+            let held = index.parts();
+            let mut fwd: Vec<Vec<Vec<u8>>> = vec![Vec::new(); held.len()];
+            let mut delta: Vec<HashMap<PartitionId, i64>> = vec![HashMap::new(); held.len()];
             for ((key, _), per_index) in docs.iter().zip(&computed) {
                 let entries = &per_index[k];
                 let p = shoal_storage::partition_of(key, partitions);
                 // Each key comes once and nothing was indexed for it before: no back read.
                 let mut nos = Vec::new();
                 for group in entries.chunk_by(|a, b| a.0 == b.0) {
-                    let Some(slot) = index.slot(group[0].0) else { continue };
+                    let Some(slot) = held.slot(group[0].0) else { continue };
                     let list: Vec<Vec<u8>> = group.iter().map(|(_, e)| e.clone()).collect();
                     for e in &list {
                         fwd[slot].push(entry_key(e, key));
                     }
-                    batch.insert(&index.parts[slot].ks, back_key(key), encode_list(&list));
+                    batch.insert(&held[slot].ks, back_key(key), encode_list(&list));
                     *delta[slot].entry(p).or_default() += list.len() as i64;
                     nos.push(group[0].0);
                 }
@@ -262,7 +263,7 @@ pub(super) fn scan_round(mgr: &IndexManager, coll: &Collection, scanning: &[Arc<
                 }
             }
             let mut items = Vec::new();
-            for (slot, part) in index.parts.iter().enumerate() {
+            for (slot, part) in held.iter().enumerate() {
                 let mut keys = std::mem::take(&mut fwd[slot]);
                 keys.sort_unstable();
                 for key in keys {
@@ -275,12 +276,12 @@ pub(super) fn scan_round(mgr: &IndexManager, coll: &Collection, scanning: &[Arc<
                 }
             }
             batch.insert(&mgr.meta, scan_key(index.id), next.encode());
-            staged.push(items);
+            staged.push((held, items));
         }
         batch.commit()?;
-        for (index, items) in scanning.iter().zip(staged) {
+        for (index, (held, items)) in scanning.iter().zip(staged) {
             for (slot, p, n) in items {
-                index.parts[slot].items[p].store(n, Ordering::Relaxed);
+                held[slot].items[p].store(n, Ordering::Relaxed);
             }
             *index.scan.lock() = Some(next.clone());
             index.progress.send_modify(|v| *v += 1);

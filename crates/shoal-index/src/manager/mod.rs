@@ -225,11 +225,12 @@ struct Index {
     def: IndexDef,
     compiled: Compiled,
     /// The index's partitions held here, in part order: every one, or those the index
-    /// service placed here ([`Record::held`]).
-    parts: Vec<Part>,
+    /// service placed here ([`Record::held`]). Replaced whole when a part is adopted or
+    /// dropped; a reader works on the set it took ([`Index::parts`]).
+    parts: parking_lot::RwLock<Parts>,
     /// Whether this node holds a subset of the parts (a scan that needs one it lacks is
-    /// refused, never answered short).
-    held: Option<Vec<u16>>,
+    /// refused, never answered short), and which.
+    held: Mutex<Option<Vec<u16>>>,
     /// Per document: the parts that may hold its entries (see [`layout`]).
     located: fjall::Keyspace,
     deferred: AtomicBool,
@@ -246,7 +247,41 @@ struct Index {
     scan: Mutex<Option<ScanState>>,
 }
 
+/// The parts of an index held here at one moment, in part order.
+#[derive(Clone, Default)]
+struct Parts(Arc<[Arc<Part>]>);
+
+impl std::ops::Deref for Parts {
+    type Target = [Arc<Part>];
+
+    fn deref(&self) -> &[Arc<Part>] {
+        &self.0
+    }
+}
+
+impl Parts {
+    fn new(mut parts: Vec<Arc<Part>>) -> Parts {
+        parts.sort_by_key(|p| p.no);
+        Parts(parts.into())
+    }
+
+    /// Where part `no` is (held in part order), if held.
+    fn slot(&self, no: u16) -> Option<usize> {
+        debug_assert!(self.0.windows(2).all(|w| w[0].no < w[1].no), "parts are held in part order");
+        self.0.binary_search_by_key(&no, |p| p.no).ok()
+    }
+
+    fn part(&self, no: u16) -> Option<&Arc<Part>> {
+        self.slot(no).map(|slot| &self.0[slot])
+    }
+}
+
 impl Index {
+    /// The parts held here now.
+    fn parts(&self) -> Parts {
+        self.parts.read().clone()
+    }
+
     fn state(&self) -> IndexState {
         if self.deferred.load(Ordering::Acquire) {
             IndexState::Deferred
@@ -280,29 +315,32 @@ impl Index {
     /// part furthest behind.
     fn cursor(&self, p: PartitionId) -> StreamPosition {
         let pi = usize::from(p);
-        self.parts.iter().map(|part| part.cursors.lock().get(pi).copied().unwrap_or_default()).min_by_key(|c| c.seqno).unwrap_or_default()
+        self.parts().iter().map(|part| part.cursors.lock().get(pi).copied().unwrap_or_default()).min_by_key(|c| c.seqno).unwrap_or_default()
     }
 
     fn caught_up(&self, highs: &[SeqNo]) -> bool {
-        self.parts.iter().all(|part| part.caught_up(highs))
+        self.parts().iter().all(|part| part.caught_up(highs))
     }
 
     /// Whether parts `read` have applied every data partition up to `highs`.
     fn caught_up_parts(&self, highs: &[SeqNo], read: &[u16]) -> bool {
-        read.iter().filter_map(|&no| self.part(no)).all(|part| part.caught_up(highs))
+        let parts = self.parts();
+        read.iter().filter_map(|&no| parts.part(no)).all(|part| part.caught_up(highs))
     }
 
     /// Whether parts `read` have everything of every data partition at `at` (its seqno, on
     /// its history: see [`StreamPosition::reaches`]).
     fn reaches_parts(&self, at: &[StreamPosition], read: &[u16]) -> bool {
-        read.iter().filter_map(|&no| self.part(no)).all(|part| part.cursors.lock().iter().zip(at).all(|(c, a)| c.reaches(*a)))
+        let parts = self.parts();
+        read.iter().filter_map(|&no| parts.part(no)).all(|part| part.cursors.lock().iter().zip(at).all(|(c, a)| c.reaches(*a)))
     }
 
     /// Per data partition, how far every one of parts `read` has applied its stream (the
     /// part furthest behind), each part's cursors read once.
     fn cursors_of(&self, read: &[u16]) -> Vec<StreamPosition> {
         let mut out: Option<Vec<StreamPosition>> = None;
-        for part in read.iter().filter_map(|&no| self.part(no)) {
+        let parts = self.parts();
+        for part in read.iter().filter_map(|&no| parts.part(no)) {
             let cursors = part.cursors.lock();
             match &mut out {
                 None => out = Some(cursors.clone()),
@@ -325,16 +363,11 @@ impl Index {
         self.def.part_count() >= LOCATE_PARTS_MIN
     }
 
-    /// Where part `no` is in [`Index::parts`] (held in part order), if held here.
-    fn slot(&self, no: u16) -> Option<usize> {
-        debug_assert!(self.parts.windows(2).all(|w| w[0].no < w[1].no), "parts are held in part order");
-        self.parts.binary_search_by_key(&no, |p| p.no).ok()
-    }
-
     /// Refuses a read of parts this node does not hold: the index service placed them on
     /// other nodes, and reading only the others would answer short.
     fn holds(&self, read: &[u16]) -> Result<(), IndexError> {
-        match read.iter().find(|&&no| self.slot(no).is_none()) {
+        let parts = self.parts();
+        match read.iter().find(|&&no| parts.slot(no).is_none()) {
             None => Ok(()),
             Some(no) => {
                 Err(IndexError::Unavailable(format!("index {}: partition {no} is held by other index nodes, not this one", self.def.name)))
@@ -342,12 +375,8 @@ impl Index {
         }
     }
 
-    fn part(&self, no: u16) -> Option<&Part> {
-        self.slot(no).map(|slot| &self.parts[slot])
-    }
-
     fn status(&self) -> IndexStatus {
-        let part_items: Vec<(u16, u64)> = self.parts.iter().map(|p| (p.no, p.items().max(0) as u64)).collect();
+        let part_items: Vec<(u16, u64)> = self.parts().iter().map(|p| (p.no, p.items().max(0) as u64)).collect();
         let items = part_items.iter().map(|(_, n)| n).sum();
         IndexStatus { def: self.def.clone(), state: self.state(), progress: self.progress_fraction(), items, part_items }
     }
@@ -359,7 +388,7 @@ impl Index {
             collection_id: self.collection_id,
             collection: self.collection.clone(),
             def: IndexDef { defer_build: self.deferred.load(Ordering::Acquire), ..self.def.clone() },
-            held: self.held.clone(),
+            held: self.held.lock().clone(),
         }
     }
 
@@ -574,7 +603,7 @@ impl IndexManager {
         self.colls.lock().get(&collection_id).map(|e| {
             e.indexes
                 .iter()
-                .filter(|i| !i.deferred.load(Ordering::Acquire) && !i.corrupt.load(Ordering::Acquire) && !i.parts.is_empty())
+                .filter(|i| !i.deferred.load(Ordering::Acquire) && !i.corrupt.load(Ordering::Acquire) && !i.parts().is_empty())
                 .cloned()
                 .collect()
         })

@@ -233,7 +233,8 @@ pub(super) fn byte_bounds(bounds: &ScanBounds, n: usize) -> Result<ByteRange, In
 
 /// The keyspaces of parts `read` of `index`.
 fn part_keyspaces(index: &Index, read: &[u16]) -> Vec<fjall::Keyspace> {
-    read.iter().filter_map(|&no| index.part(no)).map(|p| p.ks.clone()).collect()
+    let parts = index.parts();
+    read.iter().filter_map(|&no| parts.part(no)).map(|p| p.ks.clone()).collect()
 }
 
 /// Rows a part's cursor reads ahead of the merge at a time, at least.

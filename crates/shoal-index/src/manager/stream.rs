@@ -6,7 +6,7 @@ use shoal_storage::{follow, ChangeConsumer, FollowLimits, PartitionBatch};
 
 use super::{
     back_key, back_prefix, cursor_key, decode_list, decode_parts, encode_cursor, encode_list, encode_parts, entry_key, part_batch, Index,
-    IndexManager, Part,
+    IndexManager, Part, Parts,
 };
 use crate::{IndexError, ROUND_CHANGES_MAX};
 use rayon::prelude::*;
@@ -109,12 +109,13 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
         })
         .collect();
     let mut batch = mgr.db.batch();
-    let mut staged: Vec<(&Arc<Index>, Vec<Staged>)> = Vec::with_capacity(active.len());
+    let mut staged: Vec<(&Arc<Index>, Parts, Vec<Staged>)> = Vec::with_capacity(active.len());
     for (k, index) in active.iter().enumerate() {
         if index.dropped.load(Ordering::Acquire) {
             continue;
         }
-        let slots = index.parts.len();
+        let held = index.parts();
+        let slots = held.len();
         // Per part (by slot): entry operations, and each document's entries after the batch.
         let mut fwd: Vec<Vec<(Vec<u8>, bool)>> = vec![Vec::new(); slots];
         let mut back: Vec<HashMap<&[u8], Vec<Vec<u8>>>> = vec![HashMap::new(); slots];
@@ -122,7 +123,7 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
         let mut located: HashMap<&[u8], Vec<u16>> = HashMap::new();
         // Per (slot, data partition): entries added.
         let mut delta: HashMap<(usize, usize), i64> = HashMap::new();
-        let cursors: Vec<Vec<StreamPosition>> = index.parts.iter().map(|p| p.cursors.lock().clone()).collect();
+        let cursors: Vec<Vec<StreamPosition>> = held.iter().map(|p| p.cursors.lock().clone()).collect();
         let mut offset = 0;
         for batch_part in parts {
             let pi = usize::from(batch_part.partition);
@@ -135,7 +136,7 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
                     Some(v) => v.clone(),
                     None if index.locates() => mgr.checked(index, read_located(index, key))?,
                     // Few parts: each is looked in.
-                    None => index.parts.iter().map(|p| p.no).collect(),
+                    None => held.iter().map(|p| p.no).collect(),
                 };
                 let mut candidates: Vec<u16> = was.iter().copied().chain(new_all.iter().map(|(no, _)| *no)).collect();
                 candidates.sort_unstable();
@@ -143,7 +144,7 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
                 let mut now = Vec::with_capacity(candidates.len());
                 for no in candidates {
                     let new: Vec<Vec<u8>> = new_all.iter().filter(|(n, _)| *n == no).map(|(_, e)| e.clone()).collect();
-                    let Some(slot) = index.slot(no) else {
+                    let Some(slot) = held.slot(no) else {
                         // Not held here: nothing to do in it; remembered as it was.
                         if was.contains(&no) {
                             now.push(no);
@@ -157,7 +158,7 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
                         }
                         continue;
                     }
-                    let part = &index.parts[slot];
+                    let part = &held[slot];
                     let old: Vec<Vec<u8>> = match back[slot].get(key) {
                         Some(v) => v.clone(),
                         None => mgr.checked(index, read_back(part, key))?,
@@ -194,7 +195,7 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
             }
         }
         let mut per_part = Vec::with_capacity(parts.len() * slots);
-        for (slot, part) in index.parts.iter().enumerate() {
+        for (slot, part) in held.iter().enumerate() {
             let mut entries: Vec<(&[u8], Vec<Vec<u8>>)> = std::mem::take(&mut back[slot]).into_iter().collect();
             entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
             for (key, list) in entries {
@@ -232,12 +233,12 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
                 per_part.push(Staged { part: slot, pi, pos: batch_part.position, items });
             }
         }
-        staged.push((index, per_part));
+        staged.push((index, held.clone(), per_part));
     }
     batch.commit()?;
-    for (index, per_part) in staged {
+    for (index, held, per_part) in staged {
         for st in per_part {
-            let part = &index.parts[st.part];
+            let part = &held[st.part];
             part.cursors.lock()[st.pi] = st.pos;
             part.items[st.pi].store(st.items, Ordering::Relaxed);
         }
@@ -274,7 +275,8 @@ pub(super) fn reset_partition(mgr: &IndexManager, index: &Arc<Index>, p: Partiti
 /// entries) and puts their cursors back to the start, in one batch.
 pub(super) fn drop_partitions(mgr: &IndexManager, index: &Arc<Index>, ps: &[PartitionId], partitions: u16) -> Result<(), IndexError> {
     let mut batch = mgr.db.batch();
-    for part in &index.parts {
+    let held = index.parts();
+    for part in held.iter() {
         for guard in part.ks.prefix(back_prefix()) {
             let (k, v) = guard.into_inner()?;
             let doc_key = &k[1..];
@@ -296,7 +298,7 @@ pub(super) fn drop_partitions(mgr: &IndexManager, index: &Arc<Index>, ps: &[Part
         }
     }
     batch.commit()?;
-    for part in &index.parts {
+    for part in held.iter() {
         for &p in ps {
             part.cursors.lock()[usize::from(p)] = StreamPosition::default();
             part.items[usize::from(p)].store(0, Ordering::Relaxed);
