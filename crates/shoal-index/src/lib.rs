@@ -78,6 +78,9 @@ pub enum IndexError {
     Changes(#[from] shoal_storage::ChangesError),
     #[error("reading documents: {0}")]
     Read(#[from] shoal_storage::ReadError),
+    /// A copy of an index partition as files failed (malformed, short, a checksum).
+    #[error("index partition copy: {0}")]
+    Copy(#[from] shoal_storage::PartitionError),
 }
 
 impl From<keycode::CorruptKey> for IndexError {

@@ -153,3 +153,83 @@ fn an_index_node_follows_partitions_it_does_not_hold() {
     });
     assert_eq!(fetcher.handed.load(Ordering::Relaxed), handed, "nothing fetched again after the restart");
 }
+
+/// Issue 41: an index partition moves between index nodes as its files. The receiver adopts
+/// the source's snapshot whole and follows the change streams from the positions it
+/// carries: it reads only the changes made since the snapshot, never the documents again,
+/// and answers exactly. A part added empty instead is rebuilt from every change (the way
+/// moves went before); a dropped part is refused, never read short.
+#[test]
+fn an_index_partition_moves_as_files_and_goes_on_from_the_positions_they_carry() {
+    let (data_dir, x_dir, y_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let data = open_store(data_dir.path());
+    let docs = data.create_collection("c", 0).unwrap();
+    fill(&docs);
+    let (x, y) = (open_store(x_dir.path()), open_store(y_dir.path()));
+    let (here_x, here_y) = (x.create_collection("c", 0).unwrap(), y.create_collection("c", 0).unwrap());
+    let fetcher = |data: &Arc<Store>| Arc::new(StoreFetcher { data: Arc::clone(data), handed: AtomicU64::new(0), skew: AtomicU64::new(0) });
+    let (fx, fy) = (fetcher(&data), fetcher(&data));
+    let def = IndexDef { partitions: Some(5), ..common::def("by_a", "a", false) };
+    let part_of = |a: i64| shoal_index::partition::part_of_value(Some(&json!(a)), 5);
+    let (p, q) = (part_of(3), part_of(1));
+    assert_ne!(p, q, "the test moves two different parts");
+    let eq = |a: i64| ScanRequest {
+        bounds: ScanBounds::Eq(vec![json!(a)]),
+        limit: 1000,
+        descending: false,
+        consistency: Consistency::RequestPlus,
+        timeout: WAIT,
+        keep: None,
+        parts: None,
+    };
+    let ids = |rows: Vec<shoal_index::ScanRow>| rows.into_iter().map(|r| r.id).collect::<Vec<_>>();
+    fed_life(&x, &fx, |mx| {
+        let (here_x, here_y, docs, y, fy) = (Arc::clone(&here_x), Arc::clone(&here_y), Arc::clone(&docs), Arc::clone(&y), Arc::clone(&fy));
+        async move {
+            mx.create(&here_x, def.clone()).await.unwrap();
+            let my = IndexManager::open_fed(Arc::clone(&y), WORKERS, Arc::clone(&fy) as Arc<dyn ChangeFetcher>).unwrap();
+            my.create_as(&here_y, def, None, Some(Vec::new())).await.unwrap();
+            assert_eq!(ids(mx.scan(&here_x, "by_a", eq(3)).await.unwrap()), expected_a3());
+            // The export is a snapshot; the changes after it reach the receiver by the stream.
+            let files = mx.export_part(&here_x, "by_a", p).unwrap();
+            let manifest = files.manifest().clone();
+            assert!(manifest.file_bytes() + manifest.items > 0, "the part's entries travel: {manifest:?}");
+            put(&docs, "d003", json!({"a": 4, "b": "moved out"}));
+            put(&docs, "d100", json!({"a": 3, "b": "moved in"}));
+            let (my2, here_y2) = (Arc::clone(&my), Arc::clone(&here_y));
+            tokio::task::spawn_blocking(move || my2.import_part(&here_y2, "by_a", p, &manifest, files)).await.unwrap().unwrap();
+            let mut want: Vec<String> = expected_a3().into_iter().filter(|k| k != "d003").collect();
+            want.push("d100".into());
+            assert_eq!(ids(my.scan(&here_y, "by_a", eq(3)).await.unwrap()), want, "adopted, then caught up");
+            assert_eq!(fy.handed.load(Ordering::Relaxed), 2, "the receiver read the two changes since the snapshot, nothing else");
+            // d003 left part p for the part of 4: the receiver's located records knew it was
+            // in p (learnt from the adopted back entries), so its old entry went.
+            let refused = my.scan(&here_y, "by_a", eq(1)).await;
+            assert!(matches!(refused, Err(IndexError::Unavailable(_))), "part q is not held yet: {refused:?}");
+            // The other way: an empty part rebuilt from every change.
+            let (my2, here_y2) = (Arc::clone(&my), Arc::clone(&here_y));
+            tokio::task::spawn_blocking(move || my2.add_part(&here_y2, "by_a", q)).await.unwrap().unwrap();
+            let want_1: Vec<String> = (0..DOCS).filter(|i| i % 5 == 1).map(|i| format!("d{i:03}")).collect();
+            assert_eq!(ids(my.scan(&here_y, "by_a", eq(1)).await.unwrap()), want_1, "rebuilt from the streams");
+            assert!(fy.handed.load(Ordering::Relaxed) >= DOCS as u64, "a rebuild reads every change again");
+            my.wait_parts(&here_y, "by_a", &[p, q], WAIT).await.unwrap();
+            // Dropped: refused, and the part's entries no longer count.
+            my.drop_part(&here_y, "by_a", p).await.unwrap();
+            let refused = my.scan(&here_y, "by_a", eq(3)).await;
+            assert!(matches!(refused, Err(IndexError::Unavailable(_))), "{refused:?}");
+            let status = my.list(&here_y).remove(0);
+            assert_eq!(status.part_items.iter().map(|(no, _)| *no).collect::<Vec<_>>(), vec![q]);
+            assert_eq!(status.items, want_1.len() as u64);
+            my.stop().await;
+            my.close().unwrap();
+        }
+    });
+    // The parts held are kept across a restart.
+    fed_life(&y, &fy, |my| {
+        let here_y = Arc::clone(&here_y);
+        async move {
+            let status = my.list(&here_y).remove(0);
+            assert_eq!(status.part_items.iter().map(|(no, _)| *no).collect::<Vec<_>>(), vec![q]);
+        }
+    });
+}

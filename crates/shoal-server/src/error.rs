@@ -341,6 +341,8 @@ impl From<IndexError> for ApiError {
             IndexError::Rebuilding { .. } => ApiError::unavailable(reason),
             IndexError::Catalog(inner) => ApiError::from(inner),
             IndexError::Io { .. } => ApiError::unavailable(reason),
+            // A copy between members that failed is retried or rebuilt; never a client's error.
+            IndexError::Copy(_) => ApiError::unavailable(reason),
         }
     }
 }

@@ -244,7 +244,7 @@ pub(super) fn open_located(db: &fjall::Database, id: u32) -> Result<fjall::Keysp
 }
 
 /// Opens (creating if new) keyspace `name` of the index database.
-fn open_index_keyspace(db: &fjall::Database, name: &str) -> Result<fjall::Keyspace, IndexError> {
+pub(super) fn open_index_keyspace(db: &fjall::Database, name: &str) -> Result<fjall::Keyspace, IndexError> {
     Ok(db.keyspace(name, || fjall::KeyspaceCreateOptions::default().max_memtable_size(INDEX_MEMTABLE_MAX_BYTES))?)
 }
 
@@ -272,19 +272,7 @@ pub(super) fn load(
     let n = usize::from(coll.partition_count());
     let mut parts = Vec::new();
     for (no, ks) in open_parts(db, r.id, r.held_parts().into_iter())? {
-        let mut cursors = vec![StreamPosition::default(); n];
-        let items: Vec<AtomicI64> = (0..n).map(|_| AtomicI64::new(0)).collect();
-        for guard in ks.prefix(cursor_prefix()) {
-            let (k, v) = guard.into_inner()?;
-            let p = cursor_partition(&k).map(usize::from);
-            if let (Some(p), Some((pos, count))) = (p, decode_cursor(&v)) {
-                if p < n {
-                    cursors[p] = pos;
-                    items[p].store(count, Ordering::Relaxed);
-                }
-            }
-        }
-        parts.push(Arc::new(Part { no, ks, cursors: Mutex::new(cursors), items }));
+        parts.push(Arc::new(load_part(no, ks, n)?));
     }
     let scan = match meta.get(scan_key(r.id))? {
         Some(v) => Some(ScanState::decode(&v, n)?),
@@ -308,6 +296,24 @@ pub(super) fn load(
         progress: watch::channel(0).0,
         scan: Mutex::new(scan),
     }))
+}
+
+/// Part `no` in keyspace `ks`, with its cursors and entry counts as its keyspace holds them
+/// (of `n` data partitions).
+pub(super) fn load_part(no: u16, ks: fjall::Keyspace, n: usize) -> Result<Part, IndexError> {
+    let mut cursors = vec![StreamPosition::default(); n];
+    let items: Vec<AtomicI64> = (0..n).map(|_| AtomicI64::new(0)).collect();
+    for guard in ks.prefix(cursor_prefix()) {
+        let (k, v) = guard.into_inner()?;
+        let p = cursor_partition(&k).map(usize::from);
+        if let (Some(p), Some((pos, count))) = (p, decode_cursor(&v)) {
+            if p < n {
+                cursors[p] = pos;
+                items[p].store(count, Ordering::Relaxed);
+            }
+        }
+    }
+    Ok(Part { no, ks, cursors: Mutex::new(cursors), items })
 }
 
 /// Deletes index `id`'s build position and the keyspaces of its parts (`open`, or every

@@ -14,6 +14,7 @@ mod ddl;
 mod fed;
 mod layout;
 mod maintain;
+mod moves;
 mod read;
 mod stream;
 

@@ -1,0 +1,176 @@
+//! Index partitions moved between nodes (issue 41; Couchbase 7.6's file-based rebalance):
+//! a part is one keyspace holding its entries, its back entries and its cursors, so a
+//! snapshot of its files is consistent with the positions it is at. The source exports it
+//! ([`IndexManager::export_part`]); the receiver adopts the files whole
+//! ([`IndexManager::import_part`]) — nothing is decoded, re-encoded or rebuilt — and its
+//! maintainer goes on following the change streams from those positions, so the part
+//! catches up on what happened since the snapshot. A scan of the part waits for that
+//! (`request_plus`) or the cluster routes none to it until it has ([`IndexManager::wait_parts`]).
+//!
+//! The receiver's `located` records (which parts a document's entries may be in, node-local)
+//! learn the adopted part from its back entries, one local read of the part.
+//! [`IndexManager::add_part`] is the other way, the one moves took before: an empty part
+//! rebuilt from every data partition's change stream (the benchmark's comparison).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use shoal_storage::{Collection, FileManifest, KeyspaceFiles, PartitionError};
+
+use super::{
+    back_prefix, decode_parts, encode_parts, load_part, open_index_keyspace, part_keyspace_name, Consistency, Index, IndexManager,
+    Part, Parts,
+};
+use crate::IndexError;
+
+impl IndexManager {
+    /// Starts an export of part `no` of index `name` as its keyspace's files at a snapshot.
+    /// Refused while the index is not ready (a building index's parts have no positions to
+    /// go on from) or when the part is not held here.
+    pub fn export_part(&self, coll: &Collection, name: &str, no: u16) -> Result<KeyspaceFiles, IndexError> {
+        let index = self.find(coll, name)?;
+        if index.state() != super::IndexState::Ready || index.corrupt.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(IndexError::NotReady { name: name.to_string(), state: index.state().as_str(), progress: index.progress_fraction() });
+        }
+        let parts = index.parts();
+        let part = parts.part(no).ok_or_else(|| IndexError::Unavailable(format!("index {name}: partition {no} is not held here")))?;
+        let snapshot = self.db.snapshot();
+        Ok(KeyspaceFiles::export(&part.ks, &snapshot, Vec::new())?)
+    }
+
+    /// Adopts part `no` of index `name` from another node's export (`manifest`, then its
+    /// `records`): its files become the part's keyspace whole, its cursors are the positions
+    /// the maintainer goes on from. Refused when the part is held here already. Blocking:
+    /// call off the async threads.
+    pub fn import_part<I>(&self, coll: &Collection, name: &str, no: u16, manifest: &FileManifest, records: I) -> Result<(), IndexError>
+    where
+        I: IntoIterator<Item = Result<(Bytes, Bytes), PartitionError>>,
+    {
+        let index = self.writable_part(coll, name, no)?;
+        let ks = self.empty_part_keyspace(&index, no)?;
+        shoal_storage::import_keyspace_files(&ks, manifest, records)?;
+        let part = load_part(no, ks, usize::from(coll.partition_count()))?;
+        self.locate_part(&index, &part)?;
+        self.hold(coll, &index, part)?;
+        tracing::info!(index = %name, part = no, files = manifest.files().count(), bytes = manifest.file_bytes(), "index partition adopted from files");
+        Ok(())
+    }
+
+    /// Adds part `no` of index `name` empty: its maintainer builds it from every data
+    /// partition's change stream (a move that rebuilds, as before files). Blocking.
+    pub fn add_part(&self, coll: &Collection, name: &str, no: u16) -> Result<(), IndexError> {
+        let index = self.writable_part(coll, name, no)?;
+        let ks = self.empty_part_keyspace(&index, no)?;
+        let part = load_part(no, ks, usize::from(coll.partition_count()))?;
+        self.hold(coll, &index, part)
+    }
+
+    /// Drops part `no` of index `name` held here (its copy moved to another node): once no
+    /// maintainer round uses it, its keyspace is deleted. A scan that took the part set
+    /// before still reads its snapshot.
+    pub async fn drop_part(&self, coll: &Collection, name: &str, no: u16) -> Result<(), IndexError> {
+        let _ddl = self.ddl.lock().await;
+        let index = self.find(coll, name)?;
+        let Some(part) = index.parts().part(no).cloned() else { return Ok(()) };
+        let round = self.colls.lock().get(&coll.id()).map(|e| Arc::clone(&e.round));
+        let (store, db) = (Arc::clone(&self.store), self.db.clone());
+        tokio::task::spawn_blocking(move || {
+            let _round = round.as_ref().map(|r| r.lock());
+            let remaining: Vec<Arc<Part>> = index.parts().iter().filter(|p| p.no != no).cloned().collect();
+            let held: Vec<u16> = remaining.iter().map(|p| p.no).collect();
+            *index.held.lock() = Some(held);
+            let record = index.record();
+            // The definition first: a crash after it leaves only storage, which the next
+            // open removes as an orphan.
+            store.put_catalog(&record.catalog_key(), &record.encode()?)?;
+            *index.parts.write() = Parts::new(remaining);
+            let ks = part.ks.clone();
+            drop(part);
+            db.delete_keyspace(ks)?;
+            index.bump();
+            Ok::<(), IndexError>(())
+        })
+        .await
+        .map_err(|e| IndexError::Invalid(format!("drop task: {e}")))??;
+        tracing::info!(index = %name, part = no, "index partition dropped here");
+        Ok(())
+    }
+
+    /// Waits until parts `parts` of index `name` hold everything the partitions' actives
+    /// held when this was called (as a `request_plus` scan of them would).
+    pub async fn wait_parts(&self, coll: &Collection, name: &str, parts: &[u16], timeout: Duration) -> Result<(), IndexError> {
+        let index = self.find(coll, name)?;
+        index.holds(parts)?;
+        drop(index);
+        self.ready(coll, name, Consistency::RequestPlus, timeout, parts).await.map(|_| ())
+    }
+
+    /// The index a part may be added to: maintained here, and the part is in range and not
+    /// held yet.
+    fn writable_part(&self, coll: &Collection, name: &str, no: u16) -> Result<Arc<Index>, IndexError> {
+        let index = self.find(coll, name)?;
+        if no >= index.def.part_count() {
+            return Err(IndexError::Invalid(format!("index {name} has {} partitions; there is no partition {no}", index.def.part_count())));
+        }
+        if index.parts().part(no).is_some() {
+            return Err(IndexError::Exists(format!("{name} partition {no}")));
+        }
+        Ok(index)
+    }
+
+    /// The keyspace of part `no` of `index`, empty (what a failed adoption left is dropped).
+    fn empty_part_keyspace(&self, index: &Index, no: u16) -> Result<fjall::Keyspace, IndexError> {
+        let name = part_keyspace_name(index.id, no);
+        let ks = open_index_keyspace(&self.db, &name)?;
+        if ks.is_empty()? {
+            return Ok(ks);
+        }
+        self.db.delete_keyspace(ks)?;
+        open_index_keyspace(&self.db, &name)
+    }
+
+    /// Records part `part` in the `located` record of every document with entries in it.
+    fn locate_part(&self, index: &Index, part: &Part) -> Result<(), IndexError> {
+        if !index.locates() {
+            return Ok(());
+        }
+        let mut batch = self.db.batch();
+        for guard in part.ks.prefix(back_prefix()) {
+            let key = guard.key()?;
+            let doc = &key[1..];
+            let mut nos = match index.located.get(doc)? {
+                Some(v) => decode_parts(&v)?,
+                None => Vec::new(),
+            };
+            if !nos.contains(&part.no) {
+                nos.push(part.no);
+                nos.sort_unstable();
+                batch.insert(&index.located, doc, encode_parts(&nos));
+            }
+        }
+        batch.commit()?;
+        Ok(())
+    }
+
+    /// Makes `part` one of the parts `index` holds here: recorded in the catalog, then in
+    /// the set the maintainer and scans use.
+    fn hold(&self, coll: &Collection, index: &Arc<Index>, part: Part) -> Result<(), IndexError> {
+        let mut parts: Vec<Arc<Part>> = index.parts().iter().cloned().collect();
+        parts.push(Arc::new(part));
+        let held: Vec<u16> = {
+            let mut h: Vec<u16> = parts.iter().map(|p| p.no).collect();
+            h.sort_unstable();
+            h
+        };
+        *index.held.lock() = Some(held);
+        let record = index.record();
+        self.store.put_catalog(&record.catalog_key(), &record.encode()?)?;
+        *index.parts.write() = Parts::new(parts);
+        index.bump();
+        if let Some(e) = self.colls.lock().get(&coll.id()) {
+            e.wake.notify_one();
+        }
+        Ok(())
+    }
+}
