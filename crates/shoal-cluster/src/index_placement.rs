@@ -219,6 +219,20 @@ pub fn index_moves(from: &IndexPlacement, to: &IndexPlacement) -> (Vec<IndexCopy
     (build, drop)
 }
 
+/// Where each copy to build (`build`, from [`index_moves`]) is copied from: a copy of the
+/// same index partition in `from` on a node in `alive` (up and holding its files), the
+/// oldest first; `None` when no copy is alive, and the new copy is rebuilt from the change
+/// streams (a lost partition without replicas).
+pub fn index_sources(from: &IndexPlacement, build: &[IndexCopy], alive: &BTreeSet<NodeId>) -> Vec<(IndexCopy, Option<NodeId>)> {
+    build
+        .iter()
+        .map(|&(part, to)| {
+            let source = from.get(&part).and_then(|copies| copies.iter().find(|n| **n != to && alive.contains(n)).copied());
+            ((part, to), source)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -310,6 +324,22 @@ mod tests {
         let (_, dropped) = index_moves(&p, &more);
         assert_eq!(dropped.len(), 1, "{dropped:?}");
         assert!(place_indexes(&[], &nodes(&[1, 2]), &more).expect("placed").is_empty());
+    }
+
+    #[test]
+    fn a_copy_comes_from_the_oldest_live_copy_or_is_rebuilt() {
+        let part = |partition| IndexPart { index: 1, partition };
+        let from: IndexPlacement =
+            BTreeMap::from([(part(0), vec![NodeId(1), NodeId(2)]), (part(1), vec![NodeId(3)]), (part(2), vec![NodeId(2), NodeId(1)])]);
+        let alive = BTreeSet::from([NodeId(2), NodeId(4)]);
+        let build = [(part(0), NodeId(4)), (part(1), NodeId(4)), (part(2), NodeId(4)), (part(3), NodeId(4))];
+        let want = vec![
+            ((part(0), NodeId(4)), Some(NodeId(2))), // node 1 is down: the next copy
+            ((part(1), NodeId(4)), None),            // its only copy is down: rebuilt
+            ((part(2), NodeId(4)), Some(NodeId(2))), // the oldest live copy
+            ((part(3), NodeId(4)), None),            // never placed: built
+        ];
+        assert_eq!(index_sources(&from, &build, &alive), want);
     }
 
     #[test]

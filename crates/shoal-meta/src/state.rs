@@ -324,6 +324,21 @@ pub enum MetaCommand {
     StopRebalance,
     /// The rebalance finished, stopped or failed: forgets its plan.
     EndRebalance,
+    /// Where indexes' partitions are now (a rebalance moved copies: the new ones hold them
+    /// already). All or nothing; refused when an index is not the one placed (dropped, or
+    /// dropped and created again under its name).
+    SetIndexPlacements {
+        placements: Vec<IndexPlacementChange>,
+    },
+}
+
+/// One index's new placement (see [`IndexDef::placement`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexPlacementChange {
+    pub collection: String,
+    pub name: String,
+    pub id: IndexId,
+    pub placement: Vec<Vec<NodeId>>,
 }
 
 /// What an applied command answers.
@@ -390,6 +405,11 @@ pub enum MetaReject {
 /// [`INDEX_PARTITIONS_DEFAULT`](shoal_cluster::index_placement::INDEX_PARTITIONS_DEFAULT))
 /// and `replicas` (default 0). The API checked the definition (`shoal-index` parses it); a
 /// command built another way is refused here, never stored half-placed.
+/// [`index_spec`] of an index in the log.
+pub fn index_spec_of(def: &IndexDef) -> Result<shoal_cluster::index_placement::IndexSpec, MetaReject> {
+    index_spec(u64::from(def.id), &def.definition)
+}
+
 fn index_spec(index: u64, definition: &serde_json::Value) -> Result<shoal_cluster::index_placement::IndexSpec, MetaReject> {
     use shoal_cluster::index_placement::INDEX_PARTITIONS_DEFAULT;
     let field = |name: &str, default: u64| -> Result<u64, MetaReject> {
@@ -456,6 +476,7 @@ impl MetaState {
                 Ok(MetaResponse::Done)
             }
             MetaCommand::CreateCollection { name, max_ttl, id } => self.create_collection(name, max_ttl, id),
+            MetaCommand::SetIndexPlacements { placements } => self.set_index_placements(placements),
             MetaCommand::DropCollection { name } => {
                 if self.collections.remove(&name).is_none() {
                     return Err(MetaReject::NoSuchCollection { name });
@@ -616,6 +637,37 @@ impl MetaState {
             .range(IndexPart { index: u64::from(id), partition: 0 }..=IndexPart { index: u64::from(id), partition: u16::MAX })
             .map(|(_, c)| c.clone())
             .collect())
+    }
+
+    fn set_index_placements(&mut self, placements: Vec<IndexPlacementChange>) -> Result<MetaResponse, MetaReject> {
+        // Check all before changing any.
+        for change in &placements {
+            let def = self
+                .indexes
+                .get(&change.collection)
+                .and_then(|by_name| by_name.get(&change.name))
+                .filter(|d| d.id == change.id)
+                .ok_or_else(|| MetaReject::NoSuchIndex { collection: change.collection.clone(), name: change.name.clone() })?;
+            let spec = index_spec(u64::from(def.id), &def.definition)?;
+            let bad = |why: String| MetaReject::OutOfRange { what: format!("placement of index {}", change.name), why };
+            if change.placement.len() != usize::from(spec.partitions) {
+                return Err(bad(format!("{} partitions placed of {}", change.placement.len(), spec.partitions)));
+            }
+            for copies in &change.placement {
+                if copies.is_empty() || (1..copies.len()).any(|i| copies[..i].contains(&copies[i])) {
+                    return Err(bad("a partition without copies or with two on one node".into()));
+                }
+                if let Some(node) = copies.iter().find(|n| !self.members.get(n).is_some_and(|m| m.services.index)) {
+                    return Err(bad(format!("node {node} is not a member running the index service")));
+                }
+            }
+        }
+        for change in placements {
+            if let Some(def) = self.indexes.get_mut(&change.collection).and_then(|by_name| by_name.get_mut(&change.name)) {
+                def.placement = change.placement;
+            }
+        }
+        Ok(MetaResponse::Done)
     }
 
     fn set_map(&mut self, map: PartitionMap) -> Result<MetaResponse, MetaReject> {

@@ -40,6 +40,9 @@ pub(crate) struct Applier {
     replicators: Mutex<HashMap<NodeId, watch::Sender<bool>>>,
     /// A fence of a late wave is being proposed (`fence_late_wave`).
     fencing: std::sync::atomic::AtomicBool,
+    /// Index partitions held here that the placement no longer names, waiting out
+    /// `INDEX_DRAIN_WAIT` before they are dropped: (collection, index, part).
+    draining: Mutex<std::collections::BTreeSet<(String, String, u16)>>,
 }
 
 impl Applier {
@@ -253,6 +256,9 @@ impl ClusterNode {
                     }
                 }
             }
+            for (index_name, index) in wanted.into_iter().flatten().filter(|(_, d)| d.is_placed()) {
+                self.hold_placed(&state, &coll, index_name, index).await?;
+            }
             for status in local {
                 if !wanted.is_some_and(|w| w.contains_key(&status.def.name)) {
                     match indexes.drop_index(&coll, &status.def.name).await {
@@ -263,6 +269,54 @@ impl ClusterNode {
             }
         }
         self.apply_current_map().await
+    }
+
+    /// Makes the index partitions held here those the placement names here: a copy no
+    /// longer named is dropped after `INDEX_DRAIN_WAIT` (scans routed by the placement before
+    /// finish on it first); a copy named here that is missing (its build was lost) is
+    /// rebuilt from the streams — outside a rebalance, which builds its copies before it
+    /// names them.
+    async fn hold_placed(
+        self: &Arc<Self>,
+        state: &MetaState,
+        coll: &Arc<shoal_storage::Collection>,
+        name: &str,
+        index: &shoal_meta::IndexDef,
+    ) -> Result<(), ClusterError> {
+        let indexes = Arc::clone(self.engine.indexes());
+        let Some(status) = indexes.list(coll).into_iter().find(|s| s.def.name == name) else { return Ok(()) };
+        let want = index.parts_on(self.id);
+        let held: Vec<u16> = status.part_items.iter().map(|(no, _)| *no).collect();
+        for &no in held.iter().filter(|no| !want.contains(no)) {
+            let key = (coll.name().to_string(), name.to_string(), no);
+            if !self.applier.draining.lock().insert(key.clone()) {
+                continue;
+            }
+            let (node, coll, name, id) = (Arc::clone(self), Arc::clone(coll), name.to_string(), index.id);
+            tokio::spawn(async move {
+                tokio::time::sleep(crate::index_moves::INDEX_DRAIN_WAIT).await;
+                let state = node.state();
+                let still_elsewhere = state
+                    .indexes
+                    .get(coll.name())
+                    .and_then(|by_name| by_name.get(&name))
+                    .is_some_and(|d| d.id == id && d.is_placed() && !d.parts_on(node.id).contains(&no));
+                if still_elsewhere {
+                    if let Err(e) = node.engine.indexes().drop_part(&coll, &name, no).await {
+                        tracing::warn!(index = %name, part = no, error = %e, "dropping an index partition placed elsewhere");
+                    }
+                }
+                node.applier.draining.lock().remove(&key);
+            });
+        }
+        if state.rebalance.is_none() {
+            for &no in want.iter().filter(|no| !held.contains(no)) {
+                tracing::warn!(index = %name, part = no, "an index partition placed here is missing; rebuilding it from the streams");
+                let (indexes, coll, name) = (Arc::clone(&indexes), Arc::clone(coll), name.to_string());
+                blocking(move || indexes.add_part(&coll, &name, no)).await??;
+            }
+        }
+        Ok(())
     }
 
     /// Applies the current map: partition states and replication follow it (and the

@@ -494,7 +494,7 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16, map_version: u64) 
     let store = Arc::clone(node.engine.store());
     let export = header.export.clone();
     let ingest = background("shoal-ingest", move || {
-        let records = Records { rx, decoder, done: false };
+        let records = Records::new(rx, decoder);
         match files {
             Some(manifest) => store.import_partition_files(&export, &manifest, records),
             None => store.ingest_partition(&export, records),
@@ -572,7 +572,7 @@ impl Phases {
 /// first, so a copy takes what they leave — "foreground requests first", issue 14) and
 /// answers its result. Not the runtime's blocking pool: those threads are reused, and a
 /// thread's priority once lowered cannot be raised again without privileges.
-fn background<T: Send + 'static>(
+pub(crate) fn background<T: Send + 'static>(
     name: &str,
     work: impl FnOnce() -> T + Send + 'static,
 ) -> Result<tokio::sync::oneshot::Receiver<T>, ClusterError> {
@@ -613,7 +613,7 @@ async fn pump(
     Ok(())
 }
 
-async fn next_chunk(stream: &mut ChunkStream) -> Result<Option<Bytes>, ClusterError> {
+pub(crate) async fn next_chunk(stream: &mut ChunkStream) -> Result<Option<Bytes>, ClusterError> {
     match tokio::time::timeout(COPY_IDLE_TIMEOUT, stream.next()).await {
         Err(_) => Err(ClusterError::Timeout(format!("the copy's source sent nothing for {COPY_IDLE_TIMEOUT:?}"))),
         Ok(None) => Ok(None),
@@ -628,10 +628,18 @@ fn bad(e: FrameError) -> ClusterError {
 /// The records of the copy as the ingest reads them, decoded from the chunks the network
 /// side passes on (blocking on it). A stream that ends without its end marker, or with
 /// anything after it, is an error: the ingest must not finish on part of a copy.
-struct Records {
+pub(crate) struct Records {
     rx: mpsc::Receiver<Result<Bytes, PartitionError>>,
     decoder: FrameDecoder,
     done: bool,
+}
+
+impl Records {
+    /// The records of a copy whose header `decoder` has read, the rest of its chunks
+    /// coming on `rx`.
+    pub(crate) fn new(rx: mpsc::Receiver<Result<Bytes, PartitionError>>, decoder: FrameDecoder) -> Records {
+        Records { rx, decoder, done: false }
+    }
 }
 
 impl Iterator for Records {
@@ -669,7 +677,7 @@ impl Iterator for Records {
 }
 
 /// An export's pieces, of either shape (files or records).
-type ExportRecords = dyn Iterator<Item = Result<FilePiece, PartitionError>> + Send;
+pub(crate) type ExportRecords = dyn Iterator<Item = Result<FilePiece, PartitionError>> + Send;
 
 /// The active's side: an export of the partition, as chunks of the copy stream. Only a
 /// member the map names as a replica of a partition this node is active for gets one.
@@ -714,45 +722,57 @@ pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc:
             snapshot_ms = asked.elapsed().saturating_sub(began).as_millis(),
             "an export's snapshot is taken"
         );
-        let mut out = BytesMut::with_capacity(COPY_CHUNK_BYTES + 64 * 1024);
-        FrameEncoder::header(&mut out, &header);
-        let mut encoder = FrameEncoder::default();
-        let send = |out: Outgoing| {
-            let wait = node.copies.pace(out.len(), node.state().settings.rebalance_mb_per_s);
-            if !wait.is_zero() {
-                std::thread::sleep(wait);
-            }
-            tx.blocking_send(Ok(out)).is_ok()
-        };
-        let bytes = |b: &mut BytesMut| Outgoing::Bytes(b.split().freeze());
-        for piece in export {
-            // A file's chunk (from the file itself) or a long value goes out as it is, behind
-            // its frame's head; shorter values are copied into the chunk being filled.
-            let (key, value) = match piece {
-                Ok(FilePiece::Chunk { key, file, offset, len }) => (key, Outgoing::File { file, offset, len }),
-                Ok(FilePiece::Record(k, v)) if v.len() >= COPY_UNCOPIED_BYTES => (k, Outgoing::Bytes(v)),
-                Ok(FilePiece::Record(k, v)) => {
-                    encoder.record(&mut out, &k, &v);
-                    if out.len() >= COPY_CHUNK_BYTES && !send(bytes(&mut out)) {
-                        return; // the receiver went away
-                    }
-                    continue;
-                }
-                Err(e) => {
-                    // The receiver sees an error, never an end marker: it keeps nothing.
-                    let _ = tx.blocking_send(Err(ClusterError::Storage(e.to_string())));
-                    return;
-                }
-            };
-            encoder.record_head(&mut out, &key, value.len());
-            if !send(bytes(&mut out)) || !send(value) {
-                return; // the receiver went away
-            }
-        }
-        encoder.end(&mut out);
-        send(bytes(&mut out));
+        send_export(&node, &tx, &header, export);
     })?;
     Ok(rx)
+}
+
+/// Sends an export as the copy stream's chunks on `tx` (on the export's thread): the
+/// header, its pieces, the end marker, paced by the rebalance's budget. Stops when the
+/// receiver goes away; an error reaches the receiver in place of the end marker.
+pub(crate) fn send_export(
+    node: &ClusterNode,
+    tx: &mpsc::Sender<Result<Outgoing, ClusterError>>,
+    header: &CopyHeader,
+    export: Box<ExportRecords>,
+) {
+    let mut out = BytesMut::with_capacity(COPY_CHUNK_BYTES + 64 * 1024);
+    FrameEncoder::header(&mut out, header);
+    let mut encoder = FrameEncoder::default();
+    let send = |out: Outgoing| {
+        let wait = node.copies.pace(out.len(), node.state().settings.rebalance_mb_per_s);
+        if !wait.is_zero() {
+            std::thread::sleep(wait);
+        }
+        tx.blocking_send(Ok(out)).is_ok()
+    };
+    let bytes = |b: &mut BytesMut| Outgoing::Bytes(b.split().freeze());
+    for piece in export {
+        // A file's chunk (from the file itself) or a long value goes out as it is, behind
+        // its frame's head; shorter values are copied into the chunk being filled.
+        let (key, value) = match piece {
+            Ok(FilePiece::Chunk { key, file, offset, len }) => (key, Outgoing::File { file, offset, len }),
+            Ok(FilePiece::Record(k, v)) if v.len() >= COPY_UNCOPIED_BYTES => (k, Outgoing::Bytes(v)),
+            Ok(FilePiece::Record(k, v)) => {
+                encoder.record(&mut out, &k, &v);
+                if out.len() >= COPY_CHUNK_BYTES && !send(bytes(&mut out)) {
+                    return; // the receiver went away
+                }
+                continue;
+            }
+            Err(e) => {
+                // The receiver sees an error, never an end marker: it keeps nothing.
+                let _ = tx.blocking_send(Err(ClusterError::Storage(e.to_string())));
+                return;
+            }
+        };
+        encoder.record_head(&mut out, &key, value.len());
+        if !send(bytes(&mut out)) || !send(value) {
+            return; // the receiver went away
+        }
+    }
+    encoder.end(&mut out);
+    send(bytes(&mut out));
 }
 
 /// The export the receiver asked for: the partition's files where it asked for them and

@@ -30,6 +30,7 @@ pub mod failover;
 pub mod faults;
 pub mod feed;
 pub mod identity;
+pub mod index_moves;
 pub mod majority;
 pub mod membership;
 pub mod node;

@@ -432,16 +432,26 @@ impl ClusterNode {
                 let answer = crate::feed::serve_highs(self, req)?;
                 serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
             }
-            Op::Export => Err(ClusterError::BadMessage("an export answers as a stream (`export_stream`)".into())),
+            Op::IndexAdopt => {
+                let req = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+                let answer = crate::index_moves::serve_adopt(self, req).await?;
+                serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
+            }
+            Op::Export | Op::IndexExport => Err(ClusterError::BadMessage("an export answers as a stream (`export_stream`)".into())),
         }
     }
 
-    /// The streamed calls: an export of a partition (`copy::serve_export`), as chunks.
+    /// The streamed calls: an export of a partition (`copy::serve_export`) or of an index
+    /// partition (`index_moves::serve_index_export`), as chunks.
     pub fn export_stream(
         self: &Arc<Self>,
+        op: Op,
         body: &[u8],
     ) -> Result<tokio::sync::mpsc::Receiver<Result<crate::copy::Outgoing, ClusterError>>, ClusterError> {
-        crate::copy::serve_export(self, body)
+        match op {
+            Op::IndexExport => crate::index_moves::serve_index_export(self, body),
+            _ => crate::copy::serve_export(self, body),
+        }
     }
 
     /// What the node's metrics show of the cluster: partitions by state, each replica's lag

@@ -46,6 +46,10 @@ pub enum Op {
     Feed,
     /// An index node asks a member how far its active partitions are (`feed`).
     Highs,
+    /// A node asks a holder of an index partition for its files (`index_moves`; streamed).
+    IndexExport,
+    /// The metadata leader asks a node to build a copy of an index partition (`index_moves`).
+    IndexAdopt,
 }
 
 impl Op {
@@ -70,6 +74,8 @@ impl Op {
             Op::Invite => "invite",
             Op::Feed => "feed",
             Op::Highs => "highs",
+            Op::IndexExport => "index-export",
+            Op::IndexAdopt => "index-adopt",
         }
     }
 
@@ -91,6 +97,8 @@ impl Op {
             "docs" => Op::Docs,
             "feed" => Op::Feed,
             "highs" => Op::Highs,
+            "index-export" => Op::IndexExport,
+            "index-adopt" => Op::IndexAdopt,
             "catch-up" => Op::CatchUp,
             "invite" => Op::Invite,
             _ => return None,
@@ -166,6 +174,8 @@ mod tests {
             Op::CatchUp,
             Op::Feed,
             Op::Highs,
+            Op::IndexExport,
+            Op::IndexAdopt,
         ];
         for op in ops {
             assert_eq!(Op::from_name(op.name()), Some(op));

@@ -167,12 +167,17 @@ pub struct RebalanceStatus {
 pub enum MoveKind {
     /// A copy of a data partition.
     Partition,
+    /// A copy of an index partition (`index_moves`): `id` is its number, `index` names it.
+    Index,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct MoveStatus {
     pub kind: MoveKind,
     pub id: PartitionId,
+    /// The index (`collection.name`) of an index partition's move.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<String>,
     pub from: Option<NodeId>,
     pub to: NodeId,
     /// `files` (a copy of the partition's tables) or `stream` (a backfill from the
@@ -206,6 +211,13 @@ pub struct Rebalancer {
 }
 
 impl Rebalancer {
+    /// Adds moves the rebalance found later (its index stage's).
+    pub(crate) fn add_moves(&self, moves: &[MoveStatus]) {
+        let mut status = self.status.lock();
+        status.moves.extend_from_slice(moves);
+        status.moves_total += moves.len();
+    }
+
     pub fn status(&self) -> RebalanceStatus {
         self.status.lock().clone()
     }
@@ -418,6 +430,7 @@ fn moves(current: &PartitionMap, target: &PartitionMap) -> Vec<MoveStatus> {
         .map(|(p, n)| MoveStatus {
             kind: MoveKind::Partition,
             id: p,
+            index: None,
             from: Some(current.partitions[usize::from(p)].active),
             to: n,
             method: CopyMethod::Stream,
@@ -558,6 +571,12 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
                 last_wave = Instant::now();
             }
         }
+    }
+    // The index partitions: placed on the index nodes that stay, each new copy adopted as
+    // the files of a live one, then the placement switched at once.
+    let index_moves = crate::index_moves::move_indexes(node, &eject).await?;
+    if !index_moves.is_empty() {
+        tracing::info!(moves = index_moves.len(), "index partitions moved");
     }
     let one = node.monitor.lock.lock().await;
     tracing::info!(waves, "every partition is at its target copies");
@@ -1134,6 +1153,7 @@ mod tests {
     fn progress_counts_one_kind_of_byte_and_ends_at_its_total() {
         let m = |method: CopyMethod, state: MoveState, planned: u64, total: u64, done: u64, finished: bool| MoveStatus {
             kind: MoveKind::Partition,
+            index: None,
             id: 0,
             from: Some(NodeId(1)),
             to: NodeId(2),

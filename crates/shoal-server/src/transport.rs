@@ -237,14 +237,14 @@ pub async fn internal(State(state): State<AppState>, Path(op): Path<String>, req
         return set_faults(&state, &body).await;
     }
     let op = Op::from_name(&op).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "bad_request", format!("no internal call {op}")))?;
-    if op == Op::Export {
+    if op == Op::Export || op == Op::IndexExport {
         // The copy's bytes go over the same connection switched to the copy protocol, on
         // the copies' own thread (`copy_io`).
         let asked = parts.headers.get(header::UPGRADE).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(COPY_PROTOCOL.as_bytes()));
         let upgrade = parts.extensions.remove::<hyper::upgrade::OnUpgrade>().filter(|_| asked).ok_or_else(|| {
             ApiError::bad_request(format!("an export answers over HTTP/1.1 switched to `{COPY_PROTOCOL}` (`Upgrade: {COPY_PROTOCOL}`)"))
         })?;
-        let chunks = node.export_stream(&body).map_err(cluster_error)?;
+        let chunks = node.export_stream(op, &body).map_err(cluster_error)?;
         let socket = parts.extensions.remove::<crate::conn::Socket>();
         state.copy_io.send(upgrade, socket, chunks);
         return Ok((StatusCode::SWITCHING_PROTOCOLS, [(header::CONNECTION, "upgrade"), (header::UPGRADE, COPY_PROTOCOL)]).into_response());

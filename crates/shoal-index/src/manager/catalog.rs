@@ -3,9 +3,9 @@
 
 use super::{
     cursor_partition, cursor_prefix, decode_cursor, is_damage, legacy_def_key, located_keyspace_name, parse_legacy_keyspace_name,
-    parse_located_keyspace_name, parse_part_keyspace_name, part_keyspace_name, scan_key, Index, Part, Parts, Record, ScanState, CATALOG_PREFIX,
-    INDEX_CACHE_BYTES, INDEX_DIR, INDEX_MEMTABLE_MAX_BYTES, LEGACY_CURSOR_PREFIX, LEGACY_DEF_PREFIX, META_KEYSPACE, NEXT_ID_KEY,
-    QUARANTINE_SUFFIX,
+    parse_located_keyspace_name, parse_part_keyspace_name, part_keyspace_name, scan_key, Index, Part, Parts, Record, ScanState,
+    CATALOG_PREFIX, INDEX_CACHE_BYTES, INDEX_DIR, INDEX_MEMTABLE_MAX_BYTES, LEGACY_CURSOR_PREFIX, LEGACY_DEF_PREFIX, META_KEYSPACE,
+    NEXT_ID_KEY, QUARANTINE_SUFFIX,
 };
 use crate::IndexError;
 use parking_lot::Mutex;

@@ -19,8 +19,8 @@ use bytes::Bytes;
 use shoal_storage::{Collection, FileManifest, KeyspaceFiles, PartitionError};
 
 use super::{
-    back_prefix, decode_parts, encode_parts, load_part, open_index_keyspace, part_keyspace_name, Consistency, Index, IndexManager,
-    Part, Parts,
+    back_prefix, decode_parts, encode_parts, load_part, open_index_keyspace, part_keyspace_name, Consistency, Index, IndexManager, Part,
+    Parts,
 };
 use crate::IndexError;
 
@@ -31,7 +31,11 @@ impl IndexManager {
     pub fn export_part(&self, coll: &Collection, name: &str, no: u16) -> Result<KeyspaceFiles, IndexError> {
         let index = self.find(coll, name)?;
         if index.state() != super::IndexState::Ready || index.corrupt.load(std::sync::atomic::Ordering::Acquire) {
-            return Err(IndexError::NotReady { name: name.to_string(), state: index.state().as_str(), progress: index.progress_fraction() });
+            return Err(IndexError::NotReady {
+                name: name.to_string(),
+                state: index.state().as_str(),
+                progress: index.progress_fraction(),
+            });
         }
         let parts = index.parts();
         let part = parts.part(no).ok_or_else(|| IndexError::Unavailable(format!("index {name}: partition {no} is not held here")))?;

@@ -1,0 +1,341 @@
+//! Index partitions moved by a rebalance (issue 41; seed 000): the leader places every
+//! index's partitions on the index nodes that stay ([`shoal_cluster::index_placement`]),
+//! and each copy to build is adopted by its new node as the files of a live copy — a
+//! snapshot of the part's keyspace, with the positions it is consistent at, caught up from
+//! the change streams — or, when no copy is alive, rebuilt from the streams. Once every new
+//! copy holds what the actives held when it was asked, the new placement is committed at
+//! once; scans follow it, and nodes drop the copies it no longer names after a short drain
+//! (scans routed by the old placement finish first). Until then scans read the old copies:
+//! nothing is served half-built.
+//!
+//! - [`move_indexes`]: the leader's side, one stage of the rebalance.
+//! - `Op::IndexAdopt` ([`serve_adopt`]): the new copy's node builds it and waits until it
+//!   caught up.
+//! - `Op::IndexExport` ([`serve_index_export`]): a holder sends the part's files in the
+//!   copy stream's framing (`shoal_storage::copy_stream`), as a partition's copy is sent.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use shoal_cluster::index_placement::{index_moves, index_sources, place_indexes, IndexPart, IndexPlacement, IndexSpec};
+use shoal_cluster::NodeId;
+use shoal_meta::{IndexPlacementChange, MemberState, MetaCommand, MetaState};
+use shoal_storage::copy_stream::{CopyHeader, Frame, FrameDecoder, FrameError};
+use shoal_storage::{ExportHeader, PartitionError};
+use tokio::sync::mpsc;
+
+use crate::copy::{background, next_chunk, send_export, CopyMethod, Outgoing, Records, COPY_IDLE_TIMEOUT};
+use crate::node::ClusterNode;
+use crate::peers::Op;
+use crate::rebalance::{MoveKind, MoveState, MoveStatus};
+use crate::ClusterError;
+
+/// How long a new index copy may take to be built and catch up (the adopt call's bound).
+pub const INDEX_ADOPT_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long a node keeps an index copy the placement no longer names before dropping it:
+/// scans routed by the placement before finish on it.
+pub const INDEX_DRAIN_WAIT: Duration = Duration::from_secs(2);
+
+/// A holder's export of one index partition.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct IndexExportRequest {
+    pub collection: String,
+    pub index: String,
+    pub part: u16,
+}
+
+/// The leader asks a node to build a copy of an index partition.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct AdoptRequest {
+    pub collection: String,
+    pub index: String,
+    pub part: u16,
+    /// A live copy's node address: the files come from there. `None`: rebuilt from the
+    /// change streams.
+    pub source: Option<String>,
+}
+
+/// How a copy was built.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct AdoptAnswer {
+    pub method: CopyMethod,
+    /// Bytes of files adopted (0 for a rebuild).
+    pub bytes: u64,
+    /// The copy was here already (a resumed rebalance).
+    pub held_already: bool,
+}
+
+/// A holder's side of `Op::IndexExport`: the part's files, as the chunks of a copy stream
+/// whose header carries their manifest (its partition field is the index partition; the
+/// positions are in the files).
+pub(crate) fn serve_index_export(
+    node: &Arc<ClusterNode>,
+    body: &[u8],
+) -> Result<mpsc::Receiver<Result<Outgoing, ClusterError>>, ClusterError> {
+    let req: IndexExportRequest = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+    let coll = node
+        .engine
+        .store()
+        .collection(&req.collection)
+        .ok_or_else(|| ClusterError::Refused(format!("no collection {}", req.collection)))?;
+    let (tx, rx) = mpsc::channel(8);
+    let node = Arc::clone(node);
+    background("shoal-index-export", move || {
+        let files = match node.engine.indexes().export_part(&coll, &req.index, req.part) {
+            Ok(files) => files,
+            Err(e) => {
+                let _ = tx.blocking_send(Err(ClusterError::Index(e)));
+                return;
+            }
+        };
+        let manifest = files.manifest().clone();
+        let header = CopyHeader {
+            export: ExportHeader { partition: req.part, collections: Vec::new() },
+            bytes_estimate: manifest.file_bytes(),
+            files: Some(manifest),
+        };
+        let mut files = files;
+        let pieces = std::iter::from_fn(move || files.next_piece());
+        send_export(&node, &tx, &header, Box::new(pieces));
+    })?;
+    Ok(rx)
+}
+
+/// The new copy's side of `Op::IndexAdopt`: builds the copy (from the source's files, or
+/// from the streams), then waits until it holds what the actives hold now.
+pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> Result<AdoptAnswer, ClusterError> {
+    let coll = node
+        .engine
+        .store()
+        .collection(&req.collection)
+        .ok_or_else(|| ClusterError::Refused(format!("no collection {}", req.collection)))?;
+    let indexes = Arc::clone(node.engine.indexes());
+    let held =
+        indexes.list(&coll).into_iter().find(|s| s.def.name == req.index).map(|s| s.part_items.iter().any(|(no, _)| *no == req.part));
+    let answer = match held {
+        None => return Err(ClusterError::Index(shoal_index::IndexError::NotFound(req.index.clone()))),
+        Some(true) => AdoptAnswer { method: CopyMethod::Files, bytes: 0, held_already: true },
+        Some(false) => match &req.source {
+            Some(source) => match adopt_files(node, source, &req).await {
+                Ok(bytes) => AdoptAnswer { method: CopyMethod::Files, bytes, held_already: false },
+                Err(e) => {
+                    // The files did not come (the source died, a checksum failed): the copy is
+                    // built from the streams instead, as a partition's copy falls back.
+                    tracing::warn!(index = %req.index, part = req.part, error = %e, "index partition copy by files failed; rebuilding it");
+                    rebuild(node, &req).await?;
+                    AdoptAnswer { method: CopyMethod::Stream, bytes: 0, held_already: false }
+                }
+            },
+            None => {
+                rebuild(node, &req).await?;
+                AdoptAnswer { method: CopyMethod::Stream, bytes: 0, held_already: false }
+            }
+        },
+    };
+    indexes.wait_parts(&coll, &req.index, &[req.part], INDEX_ADOPT_TIMEOUT).await?;
+    Ok(answer)
+}
+
+async fn rebuild(node: &Arc<ClusterNode>, req: &AdoptRequest) -> Result<(), ClusterError> {
+    let coll = node
+        .engine
+        .store()
+        .collection(&req.collection)
+        .ok_or_else(|| ClusterError::Refused(format!("no collection {}", req.collection)))?;
+    let (indexes, name, part) = (Arc::clone(node.engine.indexes()), req.index.clone(), req.part);
+    crate::node::blocking(move || indexes.add_part(&coll, &name, part)).await??;
+    Ok(())
+}
+
+/// Streams the part's files from `source` into this node's index database.
+async fn adopt_files(node: &Arc<ClusterNode>, source: &str, req: &AdoptRequest) -> Result<u64, ClusterError> {
+    let coll = node
+        .engine
+        .store()
+        .collection(&req.collection)
+        .ok_or_else(|| ClusterError::Refused(format!("no collection {}", req.collection)))?;
+    let ask = IndexExportRequest { collection: req.collection.clone(), index: req.index.clone(), part: req.part };
+    let body = serde_json::to_vec(&ask).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+    let mut stream = node.peers.stream(source, Op::IndexExport, body, COPY_IDLE_TIMEOUT).await?;
+    let mut decoder = FrameDecoder::default();
+    let header = loop {
+        match decoder.next_frame().map_err(bad)? {
+            Some(Frame::Header(h)) => break h,
+            Some(_) => return Err(ClusterError::BadMessage("an index copy without its header".into())),
+            None => match next_chunk(&mut stream).await? {
+                Some(chunk) => decoder.push_bytes(chunk),
+                None => return Err(bad(FrameError::Truncated)),
+            },
+        }
+    };
+    let manifest = header.files.ok_or_else(|| ClusterError::BadMessage("an index copy without its files' manifest".into()))?;
+    if header.export.partition != req.part {
+        return Err(ClusterError::BadMessage(format!("asked for index partition {}, got {}", req.part, header.export.partition)));
+    }
+    let bytes = manifest.file_bytes();
+    let (tx, rx) = mpsc::channel::<Result<bytes::Bytes, PartitionError>>(8);
+    let (indexes, name, part) = (Arc::clone(node.engine.indexes()), req.index.clone(), req.part);
+    let import = background("shoal-index-import", move || indexes.import_part(&coll, &name, part, &manifest, Records::new(rx, decoder)))?;
+    let pumped = async {
+        while let Some(chunk) = next_chunk(&mut stream).await? {
+            if tx.send(Ok(chunk)).await.is_err() {
+                break; // the import stopped: its error says why
+            }
+        }
+        Ok::<(), ClusterError>(())
+    }
+    .await;
+    if let Err(e) = &pumped {
+        // The import must not finish on a part of the copy.
+        let _ = tx.send(Err(PartitionError::Malformed(e.to_string()))).await;
+    }
+    drop(tx);
+    let imported = import.await.map_err(|_| ClusterError::Storage("the index import thread died".into()))?;
+    pumped?;
+    imported?;
+    Ok(bytes)
+}
+
+fn bad(e: FrameError) -> ClusterError {
+    ClusterError::BadMessage(e.to_string())
+}
+
+/// The index nodes a rebalance ejecting `eject` leaves: active members running the index
+/// service and not data.
+fn staying_index_nodes(state: &MetaState, eject: &[NodeId]) -> Vec<NodeId> {
+    state.index_service_nodes().into_iter().filter(|n| !eject.contains(n)).collect()
+}
+
+/// One index's placement as the pure functions take it.
+fn as_placement(id: u64, placement: &[Vec<NodeId>]) -> impl Iterator<Item = (IndexPart, Vec<NodeId>)> + '_ {
+    placement
+        .iter()
+        .enumerate()
+        .map(move |(p, copies)| (IndexPart { index: id, partition: u16::try_from(p).unwrap_or(u16::MAX) }, copies.clone()))
+}
+
+/// What a rebalance does to the indexes: every index's placement after it (on the index
+/// nodes that stay), and the copies to build, each with where it comes from. Indexes not
+/// placed yet (made before any index node) are placed and built. Pure.
+/// `down` are members the leader sees down: no copy is taken from them.
+pub(crate) fn plan_index_moves(
+    state: &MetaState,
+    eject: &[NodeId],
+    down: &BTreeSet<NodeId>,
+) -> Result<(IndexPlacement, Vec<((IndexPart, NodeId), Option<NodeId>)>), ClusterError> {
+    let nodes: Vec<shoal_cluster::Node> =
+        staying_index_nodes(state, eject).into_iter().map(|id| shoal_cluster::Node { id, weight: 1 }).collect();
+    let defs: Vec<&shoal_meta::IndexDef> = state.indexes.values().flat_map(|by_name| by_name.values()).collect();
+    if nodes.is_empty() {
+        return match defs.iter().any(|d| d.is_placed()) {
+            true => Err(ClusterError::Refused("no node running the index service alone would be left to hold the indexes".into())),
+            false => Ok((IndexPlacement::new(), Vec::new())),
+        };
+    }
+    let mut specs = Vec::with_capacity(defs.len());
+    let mut previous = IndexPlacement::new();
+    for def in &defs {
+        let spec = shoal_meta::state::index_spec_of(def).map_err(ClusterError::Rejected)?;
+        specs.push(IndexSpec { index: u64::from(def.id), ..spec });
+        previous.extend(as_placement(u64::from(def.id), &def.placement));
+    }
+    let target = place_indexes(&specs, &nodes, &previous).map_err(|e| ClusterError::Refused(format!("cannot place the indexes: {e}")))?;
+    let (build, _) = index_moves(&previous, &target);
+    let alive: BTreeSet<NodeId> = state
+        .members
+        .iter()
+        .filter(|(id, m)| matches!(m.state, MemberState::Active | MemberState::Leaving) && !down.contains(id))
+        .map(|(id, _)| *id)
+        .collect();
+    Ok((target, index_sources(&previous, &build, &alive)))
+}
+
+/// The rebalance's index stage (leader): builds every new copy (as many at once per node
+/// as its copy slots, more towards a node that held none), then commits the placement.
+/// Answers the moves as the rebalance's status shows them.
+pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> Result<Vec<MoveStatus>, ClusterError> {
+    let state = node.state();
+    let down: BTreeSet<NodeId> =
+        node.member_health().unwrap_or_default().into_iter().filter(|(_, up)| !up).map(|(id, _)| NodeId(id)).collect();
+    let (target, moves) = plan_index_moves(&state, eject, &down)?;
+    if target.is_empty() {
+        return Ok(Vec::new());
+    }
+    let names: BTreeMap<u64, (String, String)> = state
+        .indexes
+        .values()
+        .flat_map(|by_name| by_name.values())
+        .map(|d| (u64::from(d.id), (d.collection.clone(), d.name.clone())))
+        .collect();
+    let address = |n: &NodeId| state.members.get(n).map(|m| m.address.clone());
+    let holds_none: BTreeSet<NodeId> = {
+        let holding: BTreeSet<NodeId> =
+            state.indexes.values().flat_map(|b| b.values()).flat_map(|d| d.placement.iter().flatten().copied()).collect();
+        staying_index_nodes(&state, eject).into_iter().filter(|n| !holding.contains(n)).collect()
+    };
+    let per_node = state.settings.rebalance_moves_per_node;
+    let slots: BTreeMap<NodeId, Arc<tokio::sync::Semaphore>> = moves
+        .iter()
+        .map(|((_, to), _)| (*to, Arc::new(tokio::sync::Semaphore::new(crate::copy::copy_slots(per_node, holds_none.contains(to))))))
+        .collect();
+    let started = Instant::now();
+    let mut statuses: Vec<MoveStatus> = Vec::with_capacity(moves.len());
+    let mut calls = Vec::with_capacity(moves.len());
+    for ((part, to), source) in &moves {
+        let (collection, index) = names.get(&part.index).cloned().ok_or_else(|| ClusterError::Refused("an index went away".into()))?;
+        let to_address = address(to).ok_or(ClusterError::NodeNotFound(*to))?;
+        let req = AdoptRequest { collection, index: index.clone(), part: part.partition, source: source.as_ref().and_then(address) };
+        statuses.push(MoveStatus {
+            kind: MoveKind::Index,
+            id: part.partition,
+            index: Some(format!("{}.{}", req.collection, index)),
+            from: *source,
+            to: *to,
+            method: if source.is_some() { CopyMethod::Files } else { CopyMethod::Stream },
+            shipped: None,
+            state: MoveState::Building,
+            bytes_total: 0,
+            bytes_done: 0,
+            bytes_planned: 0,
+            copy_started_unix_ms: None,
+            copy_finished_unix_ms: None,
+        });
+        let slot = Arc::clone(&slots[to]);
+        let node = Arc::clone(node);
+        calls.push(async move {
+            let _slot = slot.acquire_owned().await.map_err(|_| ClusterError::Refused("index moves stopped".into()))?;
+            let body = serde_json::to_vec(&req).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+            let answer = node.peers.call(&to_address, Op::IndexAdopt, body, INDEX_ADOPT_TIMEOUT).await?;
+            serde_json::from_slice::<AdoptAnswer>(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
+        });
+    }
+    node.rebalancer.add_moves(&statuses);
+    let answers = futures::future::join_all(calls).await;
+    let mut rebuilt = 0usize;
+    for (status, answer) in statuses.iter_mut().zip(answers) {
+        let answer = answer?;
+        status.method = answer.method;
+        status.bytes_total = answer.bytes;
+        status.bytes_done = answer.bytes;
+        status.state = MoveState::Done;
+        rebuilt += usize::from(answer.method == CopyMethod::Stream);
+    }
+    // Every new copy holds what the actives held when it was asked: the placement moves.
+    let mut changes = Vec::new();
+    for def in state.indexes.values().flat_map(|by_name| by_name.values()) {
+        let placement: Vec<Vec<NodeId>> = target
+            .range(IndexPart { index: u64::from(def.id), partition: 0 }..=IndexPart { index: u64::from(def.id), partition: u16::MAX })
+            .map(|(_, c)| c.clone())
+            .collect();
+        if placement != def.placement {
+            changes.push(IndexPlacementChange { collection: def.collection.clone(), name: def.name.clone(), id: def.id, placement });
+        }
+    }
+    if !changes.is_empty() {
+        node.propose(MetaCommand::SetIndexPlacements { placements: changes }).await?;
+    }
+    tracing::info!(moves = statuses.len(), rebuilt, secs = started.elapsed().as_secs_f64(), "index partitions placed");
+    Ok(statuses)
+}
