@@ -2135,7 +2135,7 @@ async fn index_partitions_move_as_files_when_an_index_node_joins() {
         assert_eq!(r.status().as_u16(), 201, "{}", r.text().await.unwrap_or_default());
     }
     let mut model: BTreeMap<String, (i64, i64)> = BTreeMap::new();
-    let mut write = |i: i64, round: i64| {
+    let write = |i: i64, round: i64| {
         let (http, url) = (http.clone(), first.u(&format!("/v1/collections/c/docs/k{i:03}")));
         let doc = (i % 7 + round * 10, i % 5 + round);
         async move {

@@ -257,7 +257,7 @@ impl ClusterNode {
                 }
             }
             for (index_name, index) in wanted.into_iter().flatten().filter(|(_, d)| d.is_placed()) {
-                self.hold_placed(&state, &coll, index_name, index).await?;
+                self.hold_placed(state, &coll, index_name, index).await?;
             }
             for status in local {
                 if !wanted.is_some_and(|w| w.contains_key(&status.def.name)) {

@@ -208,6 +208,9 @@ fn staying_index_nodes(state: &MetaState, eject: &[NodeId]) -> Vec<NodeId> {
     state.index_service_nodes().into_iter().filter(|n| !eject.contains(n)).collect()
 }
 
+/// A copy to build, with the node its files come from (`None`: rebuilt from the streams).
+pub(crate) type SourcedCopy = ((IndexPart, NodeId), Option<NodeId>);
+
 /// One index's placement as the pure functions take it.
 fn as_placement(id: u64, placement: &[Vec<NodeId>]) -> impl Iterator<Item = (IndexPart, Vec<NodeId>)> + '_ {
     placement
@@ -224,7 +227,7 @@ pub(crate) fn plan_index_moves(
     state: &MetaState,
     eject: &[NodeId],
     down: &BTreeSet<NodeId>,
-) -> Result<(IndexPlacement, Vec<((IndexPart, NodeId), Option<NodeId>)>), ClusterError> {
+) -> Result<(IndexPlacement, Vec<SourcedCopy>), ClusterError> {
     let nodes: Vec<shoal_cluster::Node> =
         staying_index_nodes(state, eject).into_iter().map(|id| shoal_cluster::Node { id, weight: 1 }).collect();
     let defs: Vec<&shoal_meta::IndexDef> = state.indexes.values().flat_map(|by_name| by_name.values()).collect();
