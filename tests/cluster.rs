@@ -1803,13 +1803,20 @@ async fn a_node_without_the_data_service_holds_no_partitions() {
     assert_eq!(status, 200, "{body}");
     let got: Value = http.get(second.u("/v1/collections/c/docs/k1")).send().await.unwrap().json().await.unwrap();
     assert_eq!(got["v"], 1, "{got}");
-    // Two index nodes: an index may have one replica per partition, not two.
+    // One index node (running index without data): an index is placed on it whole, with no
+    // replica, since a replica must be on another index node.
     let create = |body: Value| http.post(first.u("/v1/collections/c/indexes")).json(&body).send();
-    assert_eq!(create(json!({"name": "r1", "keys": ["v"], "partitions": 4, "replicas": 1})).await.unwrap().status(), 201);
-    let r = create(json!({"name": "r2", "keys": ["v"], "replicas": 2})).await.unwrap();
+    let r = create(json!({"name": "r1", "keys": ["v"], "replicas": 1})).await.unwrap();
     assert_eq!(r.status(), 400);
     let v: Value = r.json().await.unwrap();
-    assert!(v["reason"].as_str().unwrap_or("").contains("fewer replicas than the cluster has index nodes (2)"), "{v}");
+    assert!(v["reason"].as_str().unwrap_or("").contains("fewer replicas than the cluster has index nodes (1)"), "{v}");
+    assert_eq!(create(json!({"name": "r0", "keys": ["v"], "partitions": 4})).await.unwrap().status(), 201);
+    let listed =
+        wait_for(&http, &second.u("/v1/collections/c/indexes"), "r0 on the index node", |v| v.as_array().is_some_and(|l| !l.is_empty()))
+            .await;
+    assert_eq!(listed[0]["partitions_here"], json!([0, 1, 2, 3]), "{listed}");
+    let (_, on_first) = get_json(&http, &first.u("/v1/collections/c/indexes")).await;
+    assert_eq!(on_first[0]["partitions_here"], json!([]), "the data node holds none of it: {on_first}");
 
     // Refused at start: an unknown service (by the command line), and a first node that
     // holds no data (by the cluster it would found).
