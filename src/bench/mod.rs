@@ -13,6 +13,7 @@ pub mod cluster;
 pub mod copy;
 pub mod index;
 pub mod index_parts;
+pub mod index_rebalance;
 pub mod rebalance;
 pub mod tpcds;
 pub mod tpch;
@@ -42,6 +43,10 @@ pub enum BenchCmd {
     /// Issue 41's index partitions on one node: write throughput with five indexes of 1 and
     /// of N parts against none, and eq and range scans over them (starts its own nodes).
     IndexParts(crate::bench::index_parts::IndexPartsArgs),
+    /// Seed 000 re-run (issue 41): a scale-out with many indexes on index nodes, their
+    /// partitions moved as files against rebuilt from the streams and against no index; and
+    /// eq scan latency by index nodes and data partitions (starts its own nodes).
+    IndexRebalance(crate::bench::index_rebalance::IndexRebalanceArgs),
     /// Seed 004's experiment: TPC-DS query 3 over loaded JSON documents (starts its own node).
     Analytics(crate::bench::analytics::AnalyticsArgs),
     /// Issue 5's point query: `/v1/query` through an index, 50 rows, one at a time.
@@ -158,6 +163,7 @@ pub async fn run(url: &str, cmd: BenchCmd) -> Result<(), CliError> {
         BenchCmd::Subdoc(args) => subdoc(url, args).await,
         BenchCmd::Index(args) => crate::bench::index::run(args).await,
         BenchCmd::IndexParts(args) => crate::bench::index_parts::run(args).await,
+        BenchCmd::IndexRebalance(args) => crate::bench::index_rebalance::run(args).await,
         BenchCmd::Analytics(args) => crate::bench::analytics::run(args).await,
         BenchCmd::TpcdsGen(args) => crate::bench::analytics::generate(args),
         BenchCmd::TpchGen(args) => crate::bench::tpch::generate(args),

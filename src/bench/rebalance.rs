@@ -495,12 +495,12 @@ fn copies_on(map: &Value, node: u64) -> usize {
         .unwrap_or(0)
 }
 
-fn node_id(info: &Value, url: &str) -> Option<u64> {
+pub(crate) fn node_id(info: &Value, url: &str) -> Option<u64> {
     let address = url.trim_start_matches("http://");
     info["nodes"].as_array()?.iter().find(|n| n["address"] == address).and_then(|n| n["id"].as_u64())
 }
 
-async fn wait_members(client: &Client, n: usize) -> Result<(), CliError> {
+pub(crate) async fn wait_members(client: &Client, n: usize) -> Result<(), CliError> {
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let info = client.cluster().await?;

@@ -657,8 +657,8 @@ impl MetaState {
                 if copies.is_empty() || (1..copies.len()).any(|i| copies[..i].contains(&copies[i])) {
                     return Err(bad("a partition without copies or with two on one node".into()));
                 }
-                if let Some(node) = copies.iter().find(|n| !self.members.get(n).is_some_and(|m| m.services.index)) {
-                    return Err(bad(format!("node {node} is not a member running the index service")));
+                if let Some(node) = copies.iter().find(|n| !self.members.get(n).is_some_and(|m| m.services.index && !m.services.data)) {
+                    return Err(bad(format!("node {node} is not a member running the index service without data")));
                 }
             }
         }
@@ -1017,6 +1017,27 @@ mod tests {
         }
         assert_eq!(state.next_index_id, next);
         assert!(!state.indexes["c"].contains_key("k"));
+        // A rebalance's new placement: all or nothing, and only for the index it placed.
+        let id = state.indexes["c"]["j"].id;
+        let moved = vec![vec![n(4)], vec![n(4)], vec![n(3)], vec![n(3)]];
+        let change = |placement: Vec<Vec<NodeId>>, id| IndexPlacementChange { collection: "c".into(), name: "j".into(), id, placement };
+        let refused = [
+            (change(vec![vec![n(4)]], id), "too few partitions"),
+            (change(vec![vec![n(4)], vec![n(4), n(4)], vec![n(3)], vec![n(3)]], id), "two copies on one node"),
+            (change(vec![vec![n(4)], vec![], vec![n(3)], vec![n(3)]], id), "a partition without copies"),
+            (change(vec![vec![n(4)], vec![n(9)], vec![n(3)], vec![n(3)]], id), "not a member"),
+            (change(vec![vec![n(4)], vec![n(1)], vec![n(3)], vec![n(3)]], id), "a data node"),
+            (change(moved.clone(), id + 100), "another index of that name"),
+        ];
+        for (bad, why) in refused {
+            let before = state.clone();
+            let cmd = MetaCommand::SetIndexPlacements { placements: vec![change(moved.clone(), id), bad] };
+            assert!(state.apply(cmd).is_err(), "{why}");
+            assert_eq!(state, before, "{why}: nothing changed");
+        }
+        state.apply(MetaCommand::SetIndexPlacements { placements: vec![change(moved.clone(), id)] }).expect("placed");
+        assert_eq!(state.indexes["c"]["j"].placement, moved);
+        state.check().expect("invariants hold");
         // Without a node running the index service alone, indexes are not placed (each
         // data node indexes its own partitions).
         let mut plain = MetaState::default();

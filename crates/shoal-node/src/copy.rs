@@ -184,6 +184,12 @@ pub struct Copies {
 }
 
 impl Copies {
+    /// Whether copies here are built from the change streams only (`--copy-by-stream`; index
+    /// partitions too: the benchmark's comparison).
+    pub(crate) fn stream_only(&self) -> bool {
+        self.stream_only
+    }
+
     pub(crate) fn new(stream_only: bool, by_records: bool, unpaced: bool) -> Copies {
         let elastic = if unpaced { Elastic::off() } else { Elastic::start() };
         Copies { stream_only, by_records, elastic, ..Copies::default() }

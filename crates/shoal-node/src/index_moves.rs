@@ -117,7 +117,8 @@ pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> R
     let answer = match held {
         None => return Err(ClusterError::Index(shoal_index::IndexError::NotFound(req.index.clone()))),
         Some(true) => AdoptAnswer { method: CopyMethod::Files, bytes: 0, held_already: true },
-        Some(false) => match &req.source {
+        // `--copy-by-stream` builds every copy here from the streams (the comparison).
+        Some(false) => match req.source.as_ref().filter(|_| !node.copies.stream_only()) {
             Some(source) => match adopt_files(node, source, &req).await {
                 Ok(bytes) => AdoptAnswer { method: CopyMethod::Files, bytes, held_already: false },
                 Err(e) => {
