@@ -61,7 +61,7 @@ pub struct AdoptRequest {
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct AdoptAnswer {
     pub method: CopyMethod,
-    /// Bytes of files adopted (0 for a rebuild).
+    /// Bytes of the copy adopted: its files and memtable items (0 for a rebuild).
     pub bytes: u64,
     /// The copy was here already (a resumed rebalance).
     pub held_already: bool,
@@ -175,7 +175,6 @@ async fn adopt_files(node: &Arc<ClusterNode>, source: &str, req: &AdoptRequest) 
     if header.export.partition != req.part {
         return Err(ClusterError::BadMessage(format!("asked for index partition {}, got {}", req.part, header.export.partition)));
     }
-    let bytes = manifest.file_bytes();
     let (tx, rx) = mpsc::channel::<Result<bytes::Bytes, PartitionError>>(8);
     let (indexes, name, part) = (Arc::clone(node.engine.indexes()), req.index.clone(), req.part);
     let import = background("shoal-index-import", move || indexes.import_part(&coll, &name, part, &manifest, Records::new(rx, decoder)))?;
@@ -195,8 +194,7 @@ async fn adopt_files(node: &Arc<ClusterNode>, source: &str, req: &AdoptRequest) 
     drop(tx);
     let imported = import.await.map_err(|_| ClusterError::Storage("the index import thread died".into()))?;
     pumped?;
-    imported?;
-    Ok(bytes)
+    Ok(imported?.bytes)
 }
 
 fn bad(e: FrameError) -> ClusterError {
@@ -326,6 +324,7 @@ pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> R
         status.state = MoveState::Done;
         rebuilt += usize::from(answer.method == CopyMethod::Stream);
     }
+    node.rebalancer.update_moves(&statuses);
     // Every new copy holds what the actives held when it was asked: the placement moves.
     let mut changes = Vec::new();
     for def in state.indexes.values().flat_map(|by_name| by_name.values()) {

@@ -218,6 +218,18 @@ impl Rebalancer {
         status.moves_total += moves.len();
     }
 
+    /// Replaces the moves of the same kind, index, partition and target by `moves` (an
+    /// index move's outcome: its method and bytes).
+    pub(crate) fn update_moves(&self, moves: &[MoveStatus]) {
+        let mut status = self.status.lock();
+        for m in moves {
+            if let Some(old) = status.moves.iter_mut().find(|o| o.kind == m.kind && o.index == m.index && o.id == m.id && o.to == m.to) {
+                *old = m.clone();
+            }
+        }
+        status.moves_done = status.moves.iter().filter(|m| m.state == MoveState::Done).count();
+    }
+
     pub fn status(&self) -> RebalanceStatus {
         self.status.lock().clone()
     }

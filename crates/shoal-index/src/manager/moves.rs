@@ -46,19 +46,26 @@ impl IndexManager {
     /// Adopts part `no` of index `name` from another node's export (`manifest`, then its
     /// `records`): its files become the part's keyspace whole, its cursors are the positions
     /// the maintainer goes on from. Refused when the part is held here already. Blocking:
-    /// call off the async threads.
-    pub fn import_part<I>(&self, coll: &Collection, name: &str, no: u16, manifest: &FileManifest, records: I) -> Result<(), IndexError>
+    /// call off the async threads. Answers what arrived (records and bytes).
+    pub fn import_part<I>(
+        &self,
+        coll: &Collection,
+        name: &str,
+        no: u16,
+        manifest: &FileManifest,
+        records: I,
+    ) -> Result<shoal_storage::IngestStats, IndexError>
     where
         I: IntoIterator<Item = Result<(Bytes, Bytes), PartitionError>>,
     {
         let index = self.writable_part(coll, name, no)?;
         let ks = self.empty_part_keyspace(&index, no)?;
-        shoal_storage::import_keyspace_files(&ks, manifest, records)?;
+        let stats = shoal_storage::import_keyspace_files(&ks, manifest, records)?;
         let part = load_part(no, ks, usize::from(coll.partition_count()))?;
         self.locate_part(&index, &part)?;
         self.hold(coll, &index, part)?;
-        tracing::info!(index = %name, part = no, files = manifest.files().count(), bytes = manifest.file_bytes(), "index partition adopted from files");
-        Ok(())
+        tracing::info!(index = %name, part = no, files = manifest.files().count(), bytes = stats.bytes, "index partition adopted from files");
+        Ok(stats)
     }
 
     /// Adds part `no` of index `name` empty: its maintainer builds it from every data
