@@ -2086,6 +2086,28 @@ async fn a_placed_index_is_read_where_its_partitions_are_from_any_node() {
     // A client cannot ask for some partitions only.
     let r = http.post(a.u("/v1/collections/c/indexes/by_v/scan")).json(&json!({"parts": [0]})).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 400);
+    // SQL reads the placed index where it is (EXPLAIN says so), then the documents by key
+    // from their actives.
+    for node in [&first, &a] {
+        let ask = |sql: &str| {
+            let (http, url) = (http.clone(), node.u("/v1/query"));
+            let body = json!({"sql": sql, "consistency": "request_plus"});
+            async move {
+                let r = http.post(url).json(&body).send().await.unwrap();
+                let status = r.status().as_u16();
+                let v: Value = r.json().await.unwrap();
+                assert_eq!(status, 200, "{v}");
+                v
+            }
+        };
+        let v = ask("SELECT meta_id, w FROM c WHERE v = 3 ORDER BY meta_id").await;
+        let got: Vec<(String, i64)> =
+            v["rows"].as_array().unwrap().iter().map(|r| (r[0].as_str().unwrap().to_string(), r[1].as_i64().unwrap())).collect();
+        let want: Vec<(String, i64)> = model.iter().filter(|(_, (v, _))| *v == 3).map(|(k, (_, w))| (k.clone(), *w)).collect();
+        assert_eq!(got, want, "SQL through the placed index from {}", node.addr());
+        let plan = ask("EXPLAIN SELECT meta_id FROM c WHERE v = 3").await.to_string();
+        assert!(plan.contains("index=by_v") && plan.contains("on index nodes"), "{plan}");
+    }
     // Entries live on the index nodes only: by_v's split between them, none on data nodes.
     let (on_a, on_b, on_first) = (listing(&a).await, listing(&b).await, listing(&first).await);
     assert_eq!(on_a["by_v"]["items"].as_u64().unwrap() + on_b["by_v"]["items"].as_u64().unwrap(), model.len() as u64);

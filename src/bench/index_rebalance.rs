@@ -358,6 +358,7 @@ async fn scale_out(args: &IndexRebalanceArgs, method: &str) -> Result<Outcome, C
     })?;
     wait_members(&client, data_nodes.len() + index_nodes.len() + newcomers.len()).await?;
     let start = began.elapsed().as_secs_f64();
+    println!("the rebalance starts at {start:.2} s");
     let status = rebalance(&client).await?;
     let end = began.elapsed().as_secs_f64();
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -441,7 +442,11 @@ async fn foreground(
                 let (ok, exact) = match r {
                     Ok(r) if r.status().is_success() => {
                         let v: Value = r.json().await.unwrap_or(Value::Null);
-                        (true, v["rows"].as_array().is_some_and(|rows| rows.len() == expected_rows))
+                        let got = v["rows"].as_array().map_or(0, Vec::len);
+                        if got != expected_rows {
+                            println!("WRONG ANSWER at {at:.2} s: i{n:03} eq {value} from {target}: {got} rows, {expected_rows} expected");
+                        }
+                        (true, got == expected_rows)
                     }
                     _ => (false, false),
                 };

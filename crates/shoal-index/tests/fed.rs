@@ -233,3 +233,126 @@ fn an_index_partition_moves_as_files_and_goes_on_from_the_positions_they_carry()
         }
     });
 }
+
+/// A fetcher whose answers wait at a gate while it is shut (those carrying changes), so
+/// that a test can change the index between a round's fetch and its apply.
+struct GatedFetcher {
+    inner: Arc<StoreFetcher>,
+    open: tokio::sync::watch::Sender<bool>,
+    /// A fetch with changes is waiting at the gate.
+    parked: std::sync::atomic::AtomicBool,
+}
+
+impl ChangeFetcher for GatedFetcher {
+    fn fetch<'a>(&'a self, coll: &'a Collection, asks: Vec<(PartitionId, StreamPosition)>, wait: Duration) -> FetchFuture<'a, Fetched> {
+        Box::pin(async move {
+            let fetched = self.inner.fetch(coll, asks, wait).await?;
+            let changes = fetched.changes() > 0;
+            let mut open = self.open.subscribe();
+            if changes && !*open.borrow() {
+                self.parked.store(true, Ordering::SeqCst);
+                let _ = open.wait_for(|o| *o).await;
+            }
+            Ok(fetched)
+        })
+    }
+
+    fn highs<'a>(&'a self, coll: &'a Collection) -> FetchFuture<'a, Vec<StreamPosition>> {
+        self.inner.highs(coll)
+    }
+}
+
+/// A part adopted while a round has fetched changes from later positions than the part's
+/// own: the round's fetch no longer answers the indexes' position (`Fetched` hands changes
+/// only to a consumer still where they were fetched from), so nothing of it is applied and
+/// the next round feeds every part from the adopted part's position — the adopted part
+/// misses none of the changes between its snapshot and the round.
+#[test]
+fn a_part_adopted_while_a_round_is_in_flight_misses_no_change() {
+    let (data_dir, x_dir, y_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let data = open_store(data_dir.path());
+    let docs = data.create_collection("c", 0).unwrap();
+    fill(&docs);
+    let (x, y) = (open_store(x_dir.path()), open_store(y_dir.path()));
+    let (here_x, here_y) = (x.create_collection("c", 0).unwrap(), y.create_collection("c", 0).unwrap());
+    let store_fetcher =
+        |data: &Arc<Store>| Arc::new(StoreFetcher { data: Arc::clone(data), handed: AtomicU64::new(0), skew: AtomicU64::new(0) });
+    let fx = store_fetcher(&data);
+    let gated = Arc::new(GatedFetcher { inner: store_fetcher(&data), open: tokio::sync::watch::Sender::new(true), parked: false.into() });
+    let def = IndexDef { partitions: Some(5), ..common::def("by_a", "a", false) };
+    let part_of = |a: i64| shoal_index::partition::part_of_value(Some(&json!(a)), 5);
+    let (p, q) = (part_of(3), part_of(1));
+    // A second document in the partition of the one that moves into part p.
+    let partition = shoal_storage::partition_of(b"d200", 4);
+    let other = (0..).map(|n| format!("e{n}")).find(|k| shoal_storage::partition_of(k.as_bytes(), 4) == partition).unwrap();
+    let eq = |a: i64| ScanRequest {
+        bounds: ScanBounds::Eq(vec![json!(a)]),
+        limit: 1000,
+        descending: false,
+        consistency: Consistency::RequestPlus,
+        timeout: WAIT,
+        keep: None,
+        parts: None,
+    };
+    fed_life(&x, &fx, |mx| {
+        let (here_x, here_y, docs, y, gated) =
+            (Arc::clone(&here_x), Arc::clone(&here_y), Arc::clone(&docs), Arc::clone(&y), Arc::clone(&gated));
+        async move {
+            mx.create(&here_x, def.clone()).await.unwrap();
+            let my = IndexManager::open_fed(Arc::clone(&y), WORKERS, Arc::clone(&gated) as Arc<dyn ChangeFetcher>).unwrap();
+            my.create_as(&here_y, def, None, Some(vec![q])).await.unwrap();
+            let ids = |rows: Vec<shoal_index::ScanRow>| rows.into_iter().map(|r| r.id).collect::<Vec<_>>();
+            assert_eq!(ids(mx.scan(&here_x, "by_a", eq(3)).await.unwrap()), expected_a3());
+            // The export's snapshot; then a document moves into part p, and the receiver
+            // (holding part q only) follows past it.
+            let files = mx.export_part(&here_x, "by_a", p).unwrap();
+            let manifest = files.manifest().clone();
+            put(&docs, "d200", json!({"a": 3, "b": "into p"}));
+            my.wait_parts(&here_y, "by_a", &[q], WAIT).await.unwrap();
+            // The receiver's next round fetches a later change of that partition, and waits
+            // at the gate while part p is adopted at the snapshot's positions.
+            gated.open.send_replace(false);
+            put(&docs, &other, json!({"a": 4, "b": "later"}));
+            let deadline = std::time::Instant::now() + WAIT;
+            while !gated.parked.load(Ordering::SeqCst) {
+                assert!(std::time::Instant::now() < deadline, "the round never fetched the later change");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let (my2, here_y2) = (Arc::clone(&my), Arc::clone(&here_y));
+            tokio::task::spawn_blocking(move || my2.import_part(&here_y2, "by_a", p, &manifest, files)).await.unwrap().unwrap();
+            gated.open.send_replace(true);
+            let mut want = expected_a3();
+            want.push("d200".into());
+            want.sort();
+            let mut got = ids(my.scan(&here_y, "by_a", eq(3)).await.unwrap());
+            got.sort();
+            assert_eq!(got, want, "the adopted part has the change made between its snapshot and the round");
+            // A part added empty is rebuilt from the streams: until it has caught up, a
+            // not_bounded scan of it is refused (never a half-built answer), a request_plus
+            // one waits for it.
+            let r = part_of(2);
+            gated.open.send_replace(false);
+            gated.parked.store(false, Ordering::SeqCst);
+            let (my2, here_y2) = (Arc::clone(&my), Arc::clone(&here_y));
+            tokio::task::spawn_blocking(move || my2.add_part(&here_y2, "by_a", r)).await.unwrap().unwrap();
+            let not_bounded = ScanRequest { consistency: Consistency::NotBounded, ..eq(2) };
+            let refused = my.scan(&here_y, "by_a", not_bounded.clone()).await;
+            assert!(matches!(refused, Err(IndexError::NotReady { .. })), "{refused:?}");
+            gated.open.send_replace(true);
+            let want_2: Vec<String> = (0..DOCS).filter(|i| i % 5 == 2).map(|i| format!("d{i:03}")).collect();
+            assert_eq!(ids(my.scan(&here_y, "by_a", eq(2)).await.unwrap()), want_2);
+            let deadline = std::time::Instant::now() + WAIT;
+            loop {
+                match my.scan(&here_y, "by_a", not_bounded.clone()).await {
+                    Ok(rows) => break assert_eq!(ids(rows), want_2, "served once caught up"),
+                    Err(IndexError::NotReady { .. }) if std::time::Instant::now() < deadline => {
+                        tokio::time::sleep(Duration::from_millis(20)).await
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            my.stop().await;
+            my.close().unwrap();
+        }
+    });
+}

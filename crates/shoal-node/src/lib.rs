@@ -31,6 +31,7 @@ pub mod faults;
 pub mod feed;
 pub mod identity;
 pub mod index_moves;
+pub mod index_scan;
 pub mod majority;
 pub mod membership;
 pub mod node;

@@ -432,6 +432,11 @@ impl ClusterNode {
                 let answer = crate::feed::serve_highs(self, req)?;
                 serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
             }
+            Op::IndexScan => {
+                let req = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+                let answer = crate::index_scan::serve_part_scan(self, req).await?;
+                serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
+            }
             Op::IndexAdopt => {
                 let req = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
                 let answer = crate::index_moves::serve_adopt(self, req).await?;

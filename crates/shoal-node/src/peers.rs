@@ -50,6 +50,8 @@ pub enum Op {
     IndexExport,
     /// The metadata leader asks a node to build a copy of an index partition (`index_moves`).
     IndexAdopt,
+    /// A node asks a holder of index partitions for its part of a scan (`index_scan`).
+    IndexScan,
 }
 
 impl Op {
@@ -76,6 +78,7 @@ impl Op {
             Op::Highs => "highs",
             Op::IndexExport => "index-export",
             Op::IndexAdopt => "index-adopt",
+            Op::IndexScan => "index-scan",
         }
     }
 
@@ -99,6 +102,7 @@ impl Op {
             "highs" => Op::Highs,
             "index-export" => Op::IndexExport,
             "index-adopt" => Op::IndexAdopt,
+            "index-scan" => Op::IndexScan,
             "catch-up" => Op::CatchUp,
             "invite" => Op::Invite,
             _ => return None,
@@ -176,6 +180,7 @@ mod tests {
             Op::Highs,
             Op::IndexExport,
             Op::IndexAdopt,
+            Op::IndexScan,
         ];
         for op in ops {
             assert_eq!(Op::from_name(op.name()), Some(op));

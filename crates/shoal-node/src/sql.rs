@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use shoal_query::spread::{RemoteDocs, RemoteError, Spread};
+use shoal_query::spread::{PlacedIndexes, RemoteDocs, RemoteError, Spread};
 
 use crate::peers::Op;
 use crate::wire::{self, DocsAnswer, DocsRequest};
@@ -37,6 +37,46 @@ impl ClusterNode {
         }
         let remote = Members { node: Arc::clone(self), map_version: state.map_version() };
         Ok(Some(Arc::new(Spread { owners, remote: Arc::new(remote) })))
+    }
+}
+
+impl ClusterNode {
+    /// How a SQL statement run here reads indexes placed on index nodes, by `state` (the
+    /// metadata it pins): `None` when no index is placed.
+    pub fn placed_indexes(self: &Arc<Self>, state: &Arc<shoal_meta::MetaState>) -> Option<Arc<dyn PlacedIndexes>> {
+        let any = state.indexes.values().flat_map(|by_name| by_name.values()).any(|d| d.is_placed());
+        any.then(|| Arc::new(PlacedReader { node: Arc::clone(self), state: Arc::clone(state) }) as Arc<dyn PlacedIndexes>)
+    }
+}
+
+/// Reads placed indexes for SQL: a routed scan ([`crate::index_scan`]) by the pinned state.
+struct PlacedReader {
+    node: Arc<ClusterNode>,
+    state: Arc<shoal_meta::MetaState>,
+}
+
+impl std::fmt::Debug for PlacedReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PlacedReader")
+    }
+}
+
+#[async_trait]
+impl PlacedIndexes for PlacedReader {
+    async fn keys(
+        &self,
+        collection: &str,
+        index: &str,
+        bounds: &shoal_index::ScanBounds,
+        consistency: shoal_index::Consistency,
+        timeout: Duration,
+        limit: usize,
+    ) -> Result<Option<Vec<String>>, RemoteError> {
+        let Some(def) = crate::index_scan::placed_index(&self.state, collection, index) else { return Ok(None) };
+        let coll = self.node.engine.store().collection(collection).ok_or_else(|| RemoteError(format!("no collection {collection}")))?;
+        let scan = crate::index_scan::RoutedScan { bounds: bounds.clone(), limit, descending: false, consistency, timeout };
+        let rows = self.node.routed_scan(&self.state, &coll, def, scan).await.map_err(|e| RemoteError(format!("index {index}: {e}")))?;
+        Ok(Some(rows.into_iter().map(|r| r.id).collect()))
     }
 }
 

@@ -144,6 +144,8 @@ pub struct QueryRequest {
     /// On a cluster member that holds only some partitions active: where the others are
     /// read (see [`spread`]). `None` reads every partition here.
     pub spread: Option<Arc<spread::Spread>>,
+    /// In a cluster with index nodes: how indexes placed on them are read.
+    pub placed: Option<Arc<dyn spread::PlacedIndexes>>,
 }
 
 /// How an answer's rows are encoded.
@@ -542,6 +544,7 @@ impl QueryEngine {
             consistency: req.consistency,
             index_timeout: req.timeout,
             spread: req.spread.clone(),
+            placed: req.placed.clone(),
             touched: Mutex::new(Vec::new()),
         });
         let catalog = ctx.catalog("datafusion").ok_or_else(|| QueryError::Storage("no default catalog".into()))?;

@@ -19,6 +19,24 @@ pub const REMOTE_PAGE_DOCS: usize = crate::SCAN_BATCH_ROWS;
 #[error("{0}")]
 pub struct RemoteError(pub String);
 
+/// Indexes placed on index nodes (issue 41): read where their partitions are, not from
+/// this node's index database; the node crate routes the scan.
+#[async_trait]
+pub trait PlacedIndexes: Send + Sync + std::fmt::Debug {
+    /// The document keys of index `index` of `collection` within `bounds`, at most `limit`,
+    /// read where the index's partitions are placed; `None` when the index is not placed
+    /// (this node's index database holds it).
+    async fn keys(
+        &self,
+        collection: &str,
+        index: &str,
+        bounds: &shoal_index::ScanBounds,
+        consistency: shoal_index::Consistency,
+        timeout: std::time::Duration,
+        limit: usize,
+    ) -> Result<Option<Vec<String>>, RemoteError>;
+}
+
 /// The members' side of a spread query.
 #[async_trait]
 pub trait RemoteDocs: Send + Sync {

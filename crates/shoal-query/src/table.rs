@@ -47,6 +47,8 @@ pub(crate) struct QueryEnv {
     pub index_timeout: std::time::Duration,
     /// Where partitions not active here are read (a cluster member), if any.
     pub spread: Option<Arc<crate::spread::Spread>>,
+    /// How indexes placed on index nodes are read, in a cluster that has them.
+    pub placed: Option<Arc<dyn crate::spread::PlacedIndexes>>,
     /// Collections the query has opened as tables.
     pub touched: parking_lot::Mutex<Vec<Arc<Collection>>>,
 }
@@ -151,6 +153,23 @@ impl TableProvider for CollectionTable {
         limit: Option<usize>,
     ) -> Result<Arc<dyn ExecutionPlan>, DataFusionError> {
         let mut access = choose_access(&self.env, &self.coll, &self.schema, filters);
+        // An index placed on index nodes is read there (one copy of each partition the
+        // bounds need), then the documents by key from their actives. Too many keys to read
+        // one by one: the documents are read instead.
+        if let (Access::Index { name, bounds }, Some(placed)) = (&access, &self.env.placed) {
+            let env = &self.env;
+            let keys = placed
+                .keys(self.coll.name(), name, bounds, env.consistency, env.index_timeout, PLACED_INDEX_KEYS_MAX)
+                .await
+                .map_err(external)?;
+            match keys {
+                Some(keys) if keys.len() < PLACED_INDEX_KEYS_MAX => {
+                    access = Access::PlacedIndex { name: name.clone(), bounds: bounds.clone(), keys };
+                }
+                Some(_) => access = Access::Full,
+                None => {}
+            }
+        }
         // Spread over members, an index scan would see only this node's index: the
         // documents are read instead, and DataFusion filters them.
         if self.env.spread.is_some() && matches!(access, Access::Index { .. }) {
@@ -190,28 +209,40 @@ pub(crate) enum Access {
     Keys(Vec<String>),
     /// Filters on an index's leading keys: one index scan, then the documents.
     Index { name: String, bounds: ScanBounds },
+    /// The same on an index placed on index nodes: its keys, read there, then the documents
+    /// by key.
+    PlacedIndex { name: String, bounds: ScanBounds, keys: Vec<String> },
     /// Every document, in key order.
     Full,
 }
+
+/// Index scan bounds as `EXPLAIN` shows them.
+fn show_bounds(bounds: &ScanBounds) -> String {
+    match bounds {
+        ScanBounds::All => "all".to_string(),
+        ScanBounds::Eq(v) => format!("eq {}", Value::Array(v.clone())),
+        ScanBounds::Range { low, high, inclusive_low, inclusive_high } => format!(
+            "range {}{} .. {}{}",
+            if *inclusive_low { "[" } else { "(" },
+            low.clone().map(Value::Array).unwrap_or(Value::Null),
+            high.clone().map(Value::Array).unwrap_or(Value::Null),
+            if *inclusive_high { "]" } else { ")" },
+        ),
+    }
+}
+
+/// Most keys a statement reads through an index placed on index nodes before it reads the
+/// documents instead (one index scan's rows).
+const PLACED_INDEX_KEYS_MAX: usize = shoal_index::SCAN_ROWS_MAX;
 
 impl fmt::Display for Access {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Access::Keys(keys) => write!(f, "keys={}", keys.len()),
-            Access::Index { name, bounds } => {
-                let bounds = match bounds {
-                    ScanBounds::All => "all".to_string(),
-                    ScanBounds::Eq(v) => format!("eq {}", Value::Array(v.clone())),
-                    ScanBounds::Range { low, high, inclusive_low, inclusive_high } => format!(
-                        "range {}{} .. {}{}",
-                        if *inclusive_low { "[" } else { "(" },
-                        low.clone().map(Value::Array).unwrap_or(Value::Null),
-                        high.clone().map(Value::Array).unwrap_or(Value::Null),
-                        if *inclusive_high { "]" } else { ")" },
-                    ),
-                };
-                write!(f, "index={name} {bounds}")
+            Access::PlacedIndex { name, bounds, keys } => {
+                write!(f, "index={name} {} on index nodes, keys={}", show_bounds(bounds), keys.len())
             }
+            Access::Index { name, bounds } => write!(f, "index={name} {}", show_bounds(bounds)),
             Access::Full => f.write_str("full scan"),
         }
     }
@@ -479,7 +510,7 @@ impl ExecutionPlan for ScanExec {
 
     fn execute(&self, partition: usize, _context: Arc<TaskContext>) -> Result<SendableRecordBatchStream, DataFusionError> {
         let start = match &self.access {
-            Access::Keys(keys) => Cursor::Keys(keys.clone().into_iter()),
+            Access::Keys(keys) | Access::PlacedIndex { keys, .. } => Cursor::Keys(keys.clone().into_iter()),
             Access::Index { .. } => Cursor::Index(None),
             Access::Full => match (self.ranges.get(partition), partition.checked_sub(self.ranges.len())) {
                 (Some((low, high)), _) => {

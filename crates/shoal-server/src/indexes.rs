@@ -147,9 +147,6 @@ struct ScanBody {
     include_docs: bool,
     consistency: Option<String>,
     timeout_ms: Option<u64>,
-    /// The index partitions to read: set by the member routing a scan of a placed index to
-    /// the nodes holding them (see [`routed_scan`]); refused from clients.
-    parts: Option<Vec<u16>>,
 }
 
 pub async fn scan(
@@ -177,25 +174,20 @@ pub async fn scan(
     }
     let limit = req.limit.unwrap_or(SCAN_ROWS_MAX);
     let forwarded = headers.contains_key(FORWARDED_HEADER);
-    // A member routing a scan of a placed index asks for the parts held here: answered from
-    // them alone, never routed again (documents are fetched by the member routing it).
-    if let Some(parts) = req.parts {
-        if !forwarded || req.include_docs {
-            return Err(ApiError::bad_request("`parts` is set by members routing a scan, not by clients"));
+    // An index placed on index nodes is read there, from any member (`shoal_node::index_scan`).
+    let pinned = state.cluster.state();
+    if let Some(def) = shoal_node::index_scan::placed_index(&pinned, coll.name(), &name) {
+        crate::routing::require_serving(&state).await?;
+        let scan = shoal_node::index_scan::RoutedScan { bounds, limit, descending: req.descending, consistency, timeout };
+        let rows = state.cluster.routed_scan(&pinned, &coll, def, scan).await.map_err(crate::error::cluster_error)?;
+        let written = Arc::clone(&coll);
+        let merged = tokio::task::spawn_blocking(move || write_rows(&written, &rows, false))
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))??;
+        if !req.include_docs {
+            return Ok(json_response(StatusCode::OK, merged));
         }
-        crate::routing::require_serving(&state).await?;
-        let scan = ScanRequest { bounds, limit, descending: req.descending, consistency, timeout, keep: None, parts: Some(parts) };
-        let rows = state.engine.indexes().scan(&coll, &name, scan).await?;
-        let body =
-            tokio::task::spawn_blocking(move || write_rows(&coll, &rows, false)).await.map_err(|e| ApiError::internal(e.to_string()))??;
-        return Ok(json_response(StatusCode::OK, body));
-    }
-    let placed = state.cluster.state().indexes.get(coll.name()).and_then(|by_name| by_name.get(&name)).filter(|d| d.is_placed()).cloned();
-    if let Some(def) = placed {
-        crate::routing::require_serving(&state).await?;
-        let routed =
-            Routed { bounds, limit, descending: req.descending, include_docs: req.include_docs, consistency, timeout, body: &body };
-        return routed_scan(&state, &coll, &def, routed).await;
+        return with_docs(&state, &coll, &merged).await.map(|body| json_response(StatusCode::OK, body));
     }
     // In a cluster (the interim design of ARCHITECTURE.md) every member indexes the
     // partitions it holds and answers for those it holds active; the node asked merges
@@ -262,145 +254,6 @@ pub async fn scan(
         return Err(map_moved());
     }
     Ok(json_response(StatusCode::OK, merge_rows(&answers, descending, limit)?))
-}
-
-/// What a routed scan reads, and how it answers.
-struct Routed<'a> {
-    bounds: ScanBounds,
-    limit: usize,
-    descending: bool,
-    include_docs: bool,
-    consistency: shoal_index::Consistency,
-    timeout: Duration,
-    /// The client's request, passed on to the holders with the parts each reads.
-    body: &'a [u8],
-}
-
-/// Spreads scans of a placed index over the copies of each of its partitions.
-static SCAN_TURN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// A scan of an index the index service placed (`shoal_meta::IndexDef::placement`): an `eq`
-/// on the leading key reads one index partition, anything else reads each of the index's
-/// partitions once — a copy on a live index node, this one when it holds one, the others
-/// taking turns — and the answers are merged in index order. Its cost depends on the
-/// index's partitions, never on the data partitions or the nodes. Each holder waits, for
-/// `request_plus`, until its parts reach the actives' positions at its start (after this
-/// scan's). Documents, when asked for, are read from their actives once the rows are known.
-async fn routed_scan(state: &AppState, coll: &Arc<Collection>, def: &shoal_meta::IndexDef, scan: Routed<'_>) -> Result<Response, ApiError> {
-    let pinned = state.cluster.state();
-    let me = state.cluster.id();
-    let count = u16::try_from(def.placement.len()).map_err(|_| ApiError::internal("an index with too many partitions"))?;
-    let turn = SCAN_TURN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let path = format!("/v1/collections/{}/indexes/{}/scan", coll.name(), def.name);
-    let mut pending = shoal_index::partition::parts_of_scan(&scan.bounds, count);
-    // Copies that failed this scan: their parts are asked of another copy, once.
-    let mut excluded: std::collections::BTreeSet<shoal_cluster::NodeId> = std::collections::BTreeSet::new();
-    let mut answers: Vec<Bytes> = Vec::new();
-    for attempt in 0..=ROUTED_SCAN_RETRIES {
-        let mut groups = pick_copies(&pinned, def, &pending, me, &excluded, turn)?;
-        pending.clear();
-        let local_parts = groups.remove(&me);
-        let mut calls = Vec::with_capacity(groups.len());
-        for (id, parts) in &groups {
-            let address = pinned.members.get(id).map(|m| m.address.clone()).ok_or_else(|| ApiError::unavailable("an index node left"))?;
-            let mut body: serde_json::Map<String, Value> =
-                if scan.body.iter().all(u8::is_ascii_whitespace) { serde_json::Map::new() } else { extract::json_body(scan.body)? };
-            body.insert("parts".into(), serde_json::json!(parts));
-            body.insert("include_docs".into(), Value::Bool(false));
-            calls.push((address, serde_json::to_vec(&body).map_err(|e| ApiError::internal(e.to_string()))?));
-        }
-        let local = async {
-            let Some(parts) = local_parts else { return Ok(None) };
-            let req = ScanRequest {
-                bounds: scan.bounds.clone(),
-                limit: scan.limit,
-                descending: scan.descending,
-                consistency: scan.consistency,
-                timeout: scan.timeout,
-                keep: None,
-                parts: Some(parts),
-            };
-            let rows = state.engine.indexes().scan(coll, &def.name, req).await?;
-            let coll = Arc::clone(coll);
-            let bytes = tokio::task::spawn_blocking(move || write_rows(&coll, &rows, false))
-                .await
-                .map_err(|e| ApiError::internal(e.to_string()))??;
-            Ok::<_, ApiError>(Some(Bytes::from(bytes)))
-        };
-        let (remote, local) = tokio::join!(spread::call_all(state, &path, pinned.map_version(), calls), local);
-        answers.extend(local?);
-        for ((id, parts), answer) in groups.into_iter().zip(remote) {
-            match answer {
-                Ok(bytes) => answers.push(bytes),
-                // A copy that is down or refuses (not caught up, partitioned): its parts go to
-                // another copy; a scan writes nothing, so asking again is safe.
-                Err(failed) if attempt < ROUTED_SCAN_RETRIES && retryable(failed.error.status) => {
-                    tracing::debug!(node = id.0, reason = %failed.error.reason, "an index copy failed a scan; asking another");
-                    excluded.insert(id);
-                    pending.extend(parts);
-                }
-                Err(failed) => {
-                    return Err(match failed.error.status {
-                        StatusCode::REQUEST_TIMEOUT => ApiError::unavailable(failed.error.reason),
-                        _ => failed.error,
-                    })
-                }
-            }
-        }
-        if pending.is_empty() {
-            break;
-        }
-    }
-    let merged = merge_rows(&answers, scan.descending, scan.limit)?;
-    if !scan.include_docs {
-        return Ok(json_response(StatusCode::OK, merged));
-    }
-    with_docs(state, coll, &merged).await.map(|body| json_response(StatusCode::OK, body))
-}
-
-/// How many times a routed scan asks another copy for the parts of one that failed it.
-const ROUTED_SCAN_RETRIES: usize = 1;
-
-/// Whether a holder's failure may not happen on another copy: it is down, cut off, timed
-/// out or not caught up.
-fn retryable(status: StatusCode) -> bool {
-    status.is_server_error() || status == StatusCode::REQUEST_TIMEOUT
-}
-
-/// For each index partition in `parts`, the copy that reads it: this node's when it holds
-/// one, else one on a live index node not `excluded`, the copies taking turns by `turn`.
-/// Grouped by node.
-fn pick_copies(
-    pinned: &shoal_meta::MetaState,
-    def: &shoal_meta::IndexDef,
-    parts: &[u16],
-    me: shoal_cluster::NodeId,
-    excluded: &std::collections::BTreeSet<shoal_cluster::NodeId>,
-    turn: usize,
-) -> Result<std::collections::BTreeMap<shoal_cluster::NodeId, Vec<u16>>, ApiError> {
-    let live = |id: &shoal_cluster::NodeId| {
-        !excluded.contains(id) && pinned.members.get(id).is_some_and(|m| m.state == shoal_meta::MemberState::Active)
-    };
-    let mut groups: std::collections::BTreeMap<shoal_cluster::NodeId, Vec<u16>> = std::collections::BTreeMap::new();
-    for &p in parts {
-        let copies = def.placement.get(usize::from(p)).map(Vec::as_slice).unwrap_or_default();
-        let pick = if copies.contains(&me) && live(&me) {
-            me
-        } else {
-            let up: Vec<&shoal_cluster::NodeId> = copies.iter().filter(|id| live(id)).collect();
-            match up.get(turn % up.len().max(1)) {
-                Some(id) => **id,
-                None => {
-                    return Err(ApiError::unavailable(format!(
-                        "index {}: partition {p} has no copy on a live index node; retry after a recovery or a rebalance",
-                        def.name
-                    )))
-                }
-            }
-        };
-        groups.entry(pick).or_default().push(p);
-    }
-    Ok(groups)
 }
 
 /// A `_get` entry as this module reads it.

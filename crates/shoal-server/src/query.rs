@@ -65,7 +65,8 @@ async fn run(state: AppState, q: Option<String>, headers: HeaderMap, body: Body,
         Path::Analytics => "columnar",
     };
     let timeout = req.timeout_ms.map(Duration::from_millis).unwrap_or(QUERY_TIMEOUT_DEFAULT);
-    let req = QueryRequest { sql: req.sql, params: req.params, consistency, timeout, spread };
+    let placed = node.placed_indexes(&pinned);
+    let req = QueryRequest { sql: req.sql, params: req.params, consistency, timeout, spread, placed };
     let ndjson = headers.get(axum::http::header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("application/x-ndjson"));
     let format = if ndjson { RowFormat::Ndjson } else { RowFormat::JsonArrays };
     let answer = match path {

@@ -122,6 +122,11 @@ impl Fetched {
         self.parts.insert(partition, part);
     }
 
+    /// How many changes were fetched, over every partition.
+    pub fn changes(&self) -> usize {
+        self.parts.values().map(|p| p.changes.len()).sum()
+    }
+
     /// The partitions fetched, in order.
     pub fn partitions(&self) -> Vec<PartitionId> {
         let mut out: Vec<PartitionId> = self.parts.keys().copied().collect();

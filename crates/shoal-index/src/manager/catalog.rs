@@ -313,7 +313,7 @@ pub(super) fn load_part(no: u16, ks: fjall::Keyspace, n: usize) -> Result<Part, 
             }
         }
     }
-    Ok(Part { no, ks, cursors: Mutex::new(cursors), items })
+    Ok(Part { no, ks, cursors: Mutex::new(cursors), items, serving: AtomicBool::new(true) })
 }
 
 /// Deletes index `id`'s build position and the keyspaces of its parts (`open`, or every

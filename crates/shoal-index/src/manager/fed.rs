@@ -87,6 +87,20 @@ pub(super) async fn fed_round(
     });
     rx.await.map_err(|_| IndexError::Invalid("index worker pool stopped".into()))??;
     let moved = (0..partitions).any(|p| lowest(&live, p) != before[usize::from(p)]);
+    // Parts rebuilt from the streams serve once they reach this fetch's highs.
+    if whole {
+        for index in &live {
+            let caught_up: Vec<_> =
+                index.parts().iter().filter(|p| !p.serving.load(Ordering::Acquire) && p.caught_up(&highs)).cloned().collect();
+            for part in &caught_up {
+                part.serving.store(true, Ordering::Release);
+            }
+            if !caught_up.is_empty() {
+                index.bump();
+                tracing::info!(index = %index.def.name, parts = caught_up.len(), "index partitions rebuilt");
+            }
+        }
+    }
     for index in &live {
         let done = index.target.lock().as_ref().is_some_and(|t| !t.is_empty() && index.caught_up(t));
         if done {

@@ -100,7 +100,7 @@ pub enum Consistency {
     RequestPlus,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum ScanBounds {
     All,
     /// A prefix of the keys, each equal.
@@ -206,6 +206,10 @@ struct Part {
     cursors: Mutex<Vec<StreamPosition>>,
     /// Per data partition: this part's entries from the partition's documents.
     items: Vec<AtomicI64>,
+    /// `false` while a part added empty is rebuilt from the streams (see
+    /// [`IndexManager::add_part`]): no scan reads it until it has reached the highs of a
+    /// fetch. A part loaded or adopted holds a state the index really had, and serves.
+    serving: AtomicBool,
 }
 
 impl Part {
@@ -368,10 +372,23 @@ impl Index {
     /// other nodes, and reading only the others would answer short.
     fn holds(&self, read: &[u16]) -> Result<(), IndexError> {
         let parts = self.parts();
-        match read.iter().find(|&&no| parts.slot(no).is_none()) {
+        if let Some(no) = read.iter().find(|&&no| parts.slot(no).is_none()) {
+            return Err(IndexError::Unavailable(format!(
+                "index {}: partition {no} is held by other index nodes, not this one",
+                self.def.name
+            )));
+        }
+        Ok(())
+    }
+
+    /// Refuses a read of parts still rebuilt from the streams (see [`Part::serving`]),
+    /// unless it waits for them to catch up (`request_plus`).
+    fn serving(&self, read: &[u16]) -> Result<(), IndexError> {
+        let parts = self.parts();
+        match read.iter().filter_map(|&no| parts.part(no)).find(|p| !p.serving.load(Ordering::Acquire)) {
             None => Ok(()),
-            Some(no) => {
-                Err(IndexError::Unavailable(format!("index {}: partition {no} is held by other index nodes, not this one", self.def.name)))
+            Some(part) => {
+                Err(IndexError::NotReady { name: format!("{} partition {}", self.def.name, part.no), state: "building", progress: 0.0 })
             }
         }
     }

@@ -39,6 +39,8 @@ impl IndexManager {
         }
         let parts = index.parts();
         let part = parts.part(no).ok_or_else(|| IndexError::Unavailable(format!("index {name}: partition {no} is not held here")))?;
+        // A part still rebuilt from the streams is not a state the index had.
+        index.serving(&[no])?;
         let snapshot = self.db.snapshot();
         Ok(KeyspaceFiles::export(&part.ks, &snapshot, Vec::new())?)
     }
@@ -74,6 +76,7 @@ impl IndexManager {
         let index = self.writable_part(coll, name, no)?;
         let ks = self.empty_part_keyspace(&index, no)?;
         let part = load_part(no, ks, usize::from(coll.partition_count()))?;
+        part.serving.store(false, std::sync::atomic::Ordering::Release);
         self.hold(coll, &index, part)
     }
 
@@ -88,14 +91,18 @@ impl IndexManager {
         let (store, db) = (Arc::clone(&self.store), self.db.clone());
         tokio::task::spawn_blocking(move || {
             let _round = round.as_ref().map(|r| r.lock());
-            let remaining: Vec<Arc<Part>> = index.parts().iter().filter(|p| p.no != no).cloned().collect();
+            // The set is read and replaced under its lock: parts adopted and dropped at once
+            // (a rebalance adopts several parts of an index together) all stay counted.
+            let mut set = index.parts.write();
+            let remaining: Vec<Arc<Part>> = set.iter().filter(|p| p.no != no).cloned().collect();
             let held: Vec<u16> = remaining.iter().map(|p| p.no).collect();
             *index.held.lock() = Some(held);
             let record = index.record();
             // The definition first: a crash after it leaves only storage, which the next
             // open removes as an orphan.
             store.put_catalog(&record.catalog_key(), &record.encode()?)?;
-            *index.parts.write() = Parts::new(remaining);
+            *set = Parts::new(remaining);
+            drop(set);
             let ks = part.ks.clone();
             drop(part);
             db.delete_keyspace(ks)?;
@@ -167,7 +174,12 @@ impl IndexManager {
     /// Makes `part` one of the parts `index` holds here: recorded in the catalog, then in
     /// the set the maintainer and scans use.
     fn hold(&self, coll: &Collection, index: &Arc<Index>, part: Part) -> Result<(), IndexError> {
-        let mut parts: Vec<Arc<Part>> = index.parts().iter().cloned().collect();
+        // Read and replaced under the set's lock (see `drop_part`).
+        let mut set = index.parts.write();
+        if set.part(part.no).is_some() {
+            return Err(IndexError::Exists(format!("{} partition {}", index.def.name, part.no)));
+        }
+        let mut parts: Vec<Arc<Part>> = set.iter().cloned().collect();
         parts.push(Arc::new(part));
         let held: Vec<u16> = {
             let mut h: Vec<u16> = parts.iter().map(|p| p.no).collect();
@@ -177,7 +189,8 @@ impl IndexManager {
         *index.held.lock() = Some(held);
         let record = index.record();
         self.store.put_catalog(&record.catalog_key(), &record.encode()?)?;
-        *index.parts.write() = Parts::new(parts);
+        *set = Parts::new(parts);
+        drop(set);
         index.bump();
         if let Some(e) = self.colls.lock().get(&coll.id()) {
             e.wake.notify_one();

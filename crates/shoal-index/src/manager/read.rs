@@ -104,7 +104,10 @@ impl IndexManager {
                     return Err(IndexError::Rebuilding { name: name.to_string() })
                 }
                 (IndexState::Building, Consistency::NotBounded) => return Err(not_ready("building")),
-                (IndexState::Ready, Consistency::NotBounded) => return self.whole(coll, name, index, read, deadline).await,
+                (IndexState::Ready, Consistency::NotBounded) => {
+                    index.serving(read)?;
+                    return self.whole(coll, name, index, read, deadline).await;
+                }
                 (_, Consistency::RequestPlus) => {
                     // Subscribed before looking, so no change between the look and the wait
                     // is missed.
