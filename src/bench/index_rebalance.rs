@@ -58,6 +58,9 @@ pub struct IndexRebalanceArgs {
     /// `eq` scans per cluster shape in the latency part (0: skip it).
     #[arg(long, default_value_t = 1000)]
     eq_scans: usize,
+    /// Skip the write throughput part (0 against 5 indexes).
+    #[arg(long)]
+    no_writes: bool,
     /// Where the chart of scan latency over the rebalance goes (PNG).
     #[arg(long)]
     chart: Option<PathBuf>,
@@ -232,6 +235,9 @@ pub async fn run(args: IndexRebalanceArgs) -> Result<(), CliError> {
     if args.eq_scans > 0 {
         eq_latency(&args).await?;
     }
+    if !args.no_writes {
+        write_ratio(&args).await?;
+    }
     Ok(())
 }
 
@@ -286,8 +292,9 @@ async fn rebalance(client: &Client) -> Result<Value, CliError> {
 
 /// Creates the collection and `indexes` indexes, loads the documents, and waits until every
 /// index answers at `request_plus` for all its partitions (the foreground's scans are
-/// `not_bounded`, exact only once each partition has every document).
-async fn prepare(client: &Client, url: &str, indexes: usize, index_partitions: u16, docs: usize) -> Result<(), CliError> {
+/// `not_bounded`, exact only once each partition has every document). Answers the seconds
+/// until every write was acknowledged, and until every index had them.
+async fn prepare(client: &Client, url: &str, indexes: usize, index_partitions: u16, docs: usize) -> Result<(f64, f64), CliError> {
     client.create_collection("bench", None).await?;
     for n in 0..indexes {
         client.create_index("bench", &index_def(n, index_partitions)).await?;
@@ -306,6 +313,7 @@ async fn prepare(client: &Client, url: &str, indexes: usize, index_partitions: u
         }
         first += LOAD_SLICE;
     }
+    let acked = loaded.elapsed().as_secs_f64();
     let http = reqwest::Client::builder().timeout(WAIT_MAX).no_proxy().build().map_err(|e| CliError::Bench(e.to_string()))?;
     for n in 0..indexes {
         let name = format!("i{n:03}");
@@ -326,7 +334,30 @@ async fn prepare(client: &Client, url: &str, indexes: usize, index_partitions: u
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
     }
-    println!("loaded {docs} documents and built {indexes} indexes in {:.1} s", loaded.elapsed().as_secs_f64());
+    let indexed = loaded.elapsed().as_secs_f64();
+    println!("loaded {docs} documents in {acked:.1} s; every one in {indexes} indexes after {indexed:.1} s");
+    Ok((acked, indexed))
+}
+
+/// Writes with indexes on index nodes against none, on fresh clusters of the bench's
+/// shape: the seconds until `docs` documents are acknowledged, and until indexed.
+async fn write_ratio(args: &IndexRebalanceArgs) -> Result<(), CliError> {
+    println!("\n--- writes: {} documents with 0 and with 5 indexes on the index nodes", args.docs);
+    let mut rows = Vec::new();
+    for indexes in [0usize, 5] {
+        let (data_nodes, idx, _) =
+            start_cluster(&format!("writes-{indexes}"), args.data_nodes, args.index_nodes, args.partitions, &[]).await?;
+        let client = Client::new(&data_nodes[0].url)?;
+        let (acked, indexed) = prepare(&client, &data_nodes[0].url, indexes, args.index_partitions, args.docs).await?;
+        rows.push((indexes, acked, indexed));
+        drop((data_nodes, idx));
+    }
+    println!("\n| indexes | writes acknowledged s | × none | indexed s |");
+    println!("|---|---|---|---|");
+    let none = rows.first().map_or(1.0, |r| r.1);
+    for (n, acked, indexed) in &rows {
+        println!("| {n} | {acked:.2} | {:.2} | {indexed:.2} |", none / acked.max(1e-9));
+    }
     Ok(())
 }
 
