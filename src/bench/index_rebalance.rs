@@ -73,6 +73,8 @@ const VALUES: u64 = 50;
 const FIELDS: u64 = 10;
 /// Documents per `_bulk` while loading.
 const LOAD_SLICE: usize = 2_000;
+/// Times a refused load slice is sent again.
+const LOAD_TRIES: usize = 20;
 /// Longest the bench waits for a rebalance or for the indexes to be built.
 const WAIT_MAX: Duration = Duration::from_secs(3_600);
 
@@ -307,9 +309,20 @@ async fn prepare(client: &Client, url: &str, indexes: usize, index_partitions: u
             body.push_str(&json!({"op": "upsert", "key": format!("doc-{i:08}"), "value": document(i, 100)}).to_string());
             body.push('\n');
         }
-        let answer = client.bulk("bench", body, false).await?;
-        if let Some(line) = String::from_utf8_lossy(&answer).lines().find(|l| l.contains("\"error\"")) {
-            return Err(CliError::Bench(format!("loading: {line}")));
+        // A slice refused as unavailable (a node catching up with the metadata leader on
+        // this busy machine) is sent again, as a client would; upserts may be repeated.
+        let mut tries = 0;
+        loop {
+            let answer = client.bulk("bench", body.clone(), false).await?;
+            let text = String::from_utf8_lossy(&answer);
+            match text.lines().find(|l| l.contains("\"error\"")) {
+                None => break,
+                Some(line) if line.contains("\"unavailable\"") && tries < LOAD_TRIES => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Some(line) => return Err(CliError::Bench(format!("loading: {line}"))),
+            }
         }
         first += LOAD_SLICE;
     }
