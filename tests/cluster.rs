@@ -319,6 +319,11 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
         ("nope", "{}"),
         ("raft-vote", "1"),
         ("faults", "{}"),
+        ("feed", "\u{ff}\u{ff}garbage"),
+        ("highs", "{\"collection\": 7}"),
+        ("index-export", "{\"collection\": \"c\""),
+        ("index-adopt", "[1, 2]"),
+        ("index-scan", "{\"collection\": \"c\", \"index\": \"i\", \"parts\": \"all\"}"),
     ] {
         let r = http
             .post(first.u(&format!("/v1/_internal/{op}")))

@@ -154,26 +154,36 @@ fn an_index_node_follows_partitions_it_does_not_hold() {
     assert_eq!(fetcher.handed.load(Ordering::Relaxed), handed, "nothing fetched again after the restart");
 }
 
-/// Issue 41: an index partition moves between index nodes as its files. The receiver adopts
-/// the source's snapshot whole and follows the change streams from the positions it
-/// carries: it reads only the changes made since the snapshot, never the documents again,
-/// and answers exactly. A part added empty instead is rebuilt from every change (the way
-/// moves went before); a dropped part is refused, never read short.
-#[test]
-fn an_index_partition_moves_as_files_and_goes_on_from_the_positions_they_carry() {
-    let (data_dir, x_dir, y_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let data = open_store(data_dir.path());
+/// A data node's store with [`fill`]'s documents, and two index nodes' stores with the
+/// collection and no documents.
+struct Nodes {
+    _dirs: [tempfile::TempDir; 3],
+    data: Arc<Store>,
+    docs: Arc<Collection>,
+    x: Arc<Store>,
+    y: Arc<Store>,
+    here_x: Arc<Collection>,
+    here_y: Arc<Collection>,
+}
+
+fn two_index_nodes() -> Nodes {
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let data = open_store(dirs[0].path());
     let docs = data.create_collection("c", 0).unwrap();
     fill(&docs);
-    let (x, y) = (open_store(x_dir.path()), open_store(y_dir.path()));
+    let (x, y) = (open_store(dirs[1].path()), open_store(dirs[2].path()));
     let (here_x, here_y) = (x.create_collection("c", 0).unwrap(), y.create_collection("c", 0).unwrap());
-    let fetcher = |data: &Arc<Store>| Arc::new(StoreFetcher { data: Arc::clone(data), handed: AtomicU64::new(0), skew: AtomicU64::new(0) });
-    let (fx, fy) = (fetcher(&data), fetcher(&data));
-    let def = IndexDef { partitions: Some(5), ..common::def("by_a", "a", false) };
-    let part_of = |a: i64| shoal_index::partition::part_of_value(Some(&json!(a)), 5);
-    let (p, q) = (part_of(3), part_of(1));
-    assert_ne!(p, q, "the test moves two different parts");
-    let eq = |a: i64| ScanRequest {
+    Nodes { _dirs: dirs, data, docs, x, y, here_x, here_y }
+}
+
+/// A fetcher over the data node's store.
+fn fetcher(data: &Arc<Store>) -> Arc<StoreFetcher> {
+    Arc::new(StoreFetcher { data: Arc::clone(data), handed: AtomicU64::new(0), skew: AtomicU64::new(0) })
+}
+
+/// An `eq` scan of `a` at `request_plus`.
+fn eq(a: i64) -> ScanRequest {
+    ScanRequest {
         bounds: ScanBounds::Eq(vec![json!(a)]),
         limit: 1000,
         descending: false,
@@ -181,7 +191,22 @@ fn an_index_partition_moves_as_files_and_goes_on_from_the_positions_they_carry()
         timeout: WAIT,
         keep: None,
         parts: None,
-    };
+    }
+}
+
+/// Issue 41: an index partition moves between index nodes as its files. The receiver adopts
+/// the source's snapshot whole and follows the change streams from the positions it
+/// carries: it reads only the changes made since the snapshot, never the documents again,
+/// and answers exactly. A part added empty instead is rebuilt from every change (the way
+/// moves went before); a dropped part is refused, never read short.
+#[test]
+fn an_index_partition_moves_as_files_and_goes_on_from_the_positions_they_carry() {
+    let Nodes { _dirs, data, docs, x, y, here_x, here_y } = two_index_nodes();
+    let (fx, fy) = (fetcher(&data), fetcher(&data));
+    let def = IndexDef { partitions: Some(5), ..common::def("by_a", "a", false) };
+    let part_of = |a: i64| shoal_index::partition::part_of_value(Some(&json!(a)), 5);
+    let (p, q) = (part_of(3), part_of(1));
+    assert_ne!(p, q, "the test moves two different parts");
     let ids = |rows: Vec<shoal_index::ScanRow>| rows.into_iter().map(|r| r.id).collect::<Vec<_>>();
     fed_life(&x, &fx, |mx| {
         let (here_x, here_y, docs, y, fy) = (Arc::clone(&here_x), Arc::clone(&here_y), Arc::clone(&docs), Arc::clone(&y), Arc::clone(&fy));
@@ -269,31 +294,15 @@ impl ChangeFetcher for GatedFetcher {
 /// misses none of the changes between its snapshot and the round.
 #[test]
 fn a_part_adopted_while_a_round_is_in_flight_misses_no_change() {
-    let (data_dir, x_dir, y_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let data = open_store(data_dir.path());
-    let docs = data.create_collection("c", 0).unwrap();
-    fill(&docs);
-    let (x, y) = (open_store(x_dir.path()), open_store(y_dir.path()));
-    let (here_x, here_y) = (x.create_collection("c", 0).unwrap(), y.create_collection("c", 0).unwrap());
-    let store_fetcher =
-        |data: &Arc<Store>| Arc::new(StoreFetcher { data: Arc::clone(data), handed: AtomicU64::new(0), skew: AtomicU64::new(0) });
-    let fx = store_fetcher(&data);
-    let gated = Arc::new(GatedFetcher { inner: store_fetcher(&data), open: tokio::sync::watch::Sender::new(true), parked: false.into() });
+    let Nodes { _dirs, data, docs, x, y, here_x, here_y } = two_index_nodes();
+    let fx = fetcher(&data);
+    let gated = Arc::new(GatedFetcher { inner: fetcher(&data), open: tokio::sync::watch::Sender::new(true), parked: false.into() });
     let def = IndexDef { partitions: Some(5), ..common::def("by_a", "a", false) };
     let part_of = |a: i64| shoal_index::partition::part_of_value(Some(&json!(a)), 5);
     let (p, q) = (part_of(3), part_of(1));
     // A second document in the partition of the one that moves into part p.
     let partition = shoal_storage::partition_of(b"d200", 4);
     let other = (0..).map(|n| format!("e{n}")).find(|k| shoal_storage::partition_of(k.as_bytes(), 4) == partition).unwrap();
-    let eq = |a: i64| ScanRequest {
-        bounds: ScanBounds::Eq(vec![json!(a)]),
-        limit: 1000,
-        descending: false,
-        consistency: Consistency::RequestPlus,
-        timeout: WAIT,
-        keep: None,
-        parts: None,
-    };
     fed_life(&x, &fx, |mx| {
         let (here_x, here_y, docs, y, gated) =
             (Arc::clone(&here_x), Arc::clone(&here_y), Arc::clone(&docs), Arc::clone(&y), Arc::clone(&gated));

@@ -471,20 +471,8 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16, map_version: u64) 
     let request = crate::wire::encode(&ExportRequest { from: node.id, partition: p, files: !node.copies.by_records });
     let mut stream = node.peers.stream(address, Op::Export, request, COPY_IDLE_TIMEOUT).await?;
     let mut decoder = FrameDecoder::default();
-    let header = loop {
-        match decoder.next_frame().map_err(bad)? {
-            Some(Frame::Header(h)) => break h,
-            Some(_) => return Err(ClusterError::BadMessage("a copy without its header".into())),
-            None => match next_chunk(&mut stream).await? {
-                Some(chunk) => {
-                    // Counted as the pump counts: a small copy can arrive whole in its first chunk.
-                    node.copies.set(p, |c| c.bytes_done += chunk.len() as u64);
-                    decoder.push_bytes(chunk);
-                }
-                None => return Err(bad(FrameError::Truncated)),
-            },
-        }
-    };
+    // Counted as the pump counts: a small copy can arrive whole in its first chunk.
+    let header = read_header(&mut stream, &mut decoder, |bytes| node.copies.set(p, |c| c.bytes_done += bytes)).await?;
     if header.export.partition != p {
         return Err(ClusterError::BadMessage(format!("asked for partition {p}, got {}", header.export.partition)));
     }
@@ -617,6 +605,28 @@ async fn pump(
         node.copies.set(p, |c| c.bytes_done += bytes);
     }
     Ok(())
+}
+
+/// Reads a copy stream's header, pushing the chunks it came in into `decoder` (the records
+/// after it stay there); `received` is told each chunk's length.
+pub(crate) async fn read_header(
+    stream: &mut ChunkStream,
+    decoder: &mut FrameDecoder,
+    received: impl Fn(u64),
+) -> Result<CopyHeader, ClusterError> {
+    loop {
+        match decoder.next_frame().map_err(bad)? {
+            Some(Frame::Header(h)) => return Ok(h),
+            Some(_) => return Err(ClusterError::BadMessage("a copy without its header".into())),
+            None => match next_chunk(stream).await? {
+                Some(chunk) => {
+                    received(chunk.len() as u64);
+                    decoder.push_bytes(chunk);
+                }
+                None => return Err(bad(FrameError::Truncated)),
+            },
+        }
+    }
 }
 
 pub(crate) async fn next_chunk(stream: &mut ChunkStream) -> Result<Option<Bytes>, ClusterError> {

@@ -22,11 +22,11 @@ use serde::{Deserialize, Serialize};
 use shoal_cluster::index_placement::{index_moves, index_sources, place_indexes, IndexPart, IndexPlacement, IndexSpec};
 use shoal_cluster::NodeId;
 use shoal_meta::{IndexPlacementChange, MemberState, MetaCommand, MetaState};
-use shoal_storage::copy_stream::{CopyHeader, Frame, FrameDecoder, FrameError};
+use shoal_storage::copy_stream::{CopyHeader, FrameDecoder};
 use shoal_storage::{ExportHeader, PartitionError};
 use tokio::sync::mpsc;
 
-use crate::copy::{background, next_chunk, send_export, CopyMethod, Outgoing, Records, COPY_IDLE_TIMEOUT};
+use crate::copy::{background, next_chunk, read_header, send_export, CopyMethod, Outgoing, Records, COPY_IDLE_TIMEOUT};
 use crate::node::ClusterNode;
 use crate::peers::Op;
 use crate::rebalance::{MoveKind, MoveState, MoveStatus};
@@ -161,16 +161,7 @@ async fn adopt_files(node: &Arc<ClusterNode>, source: &str, req: &AdoptRequest) 
     let body = serde_json::to_vec(&ask).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
     let mut stream = node.peers.stream(source, Op::IndexExport, body, COPY_IDLE_TIMEOUT).await?;
     let mut decoder = FrameDecoder::default();
-    let header = loop {
-        match decoder.next_frame().map_err(bad)? {
-            Some(Frame::Header(h)) => break h,
-            Some(_) => return Err(ClusterError::BadMessage("an index copy without its header".into())),
-            None => match next_chunk(&mut stream).await? {
-                Some(chunk) => decoder.push_bytes(chunk),
-                None => return Err(bad(FrameError::Truncated)),
-            },
-        }
-    };
+    let header = read_header(&mut stream, &mut decoder, |_| {}).await?;
     let manifest = header.files.ok_or_else(|| ClusterError::BadMessage("an index copy without its files' manifest".into()))?;
     if header.export.partition != req.part {
         return Err(ClusterError::BadMessage(format!("asked for index partition {}, got {}", req.part, header.export.partition)));
@@ -195,10 +186,6 @@ async fn adopt_files(node: &Arc<ClusterNode>, source: &str, req: &AdoptRequest) 
     let imported = import.await.map_err(|_| ClusterError::Storage("the index import thread died".into()))?;
     pumped?;
     Ok(imported?.bytes)
-}
-
-fn bad(e: FrameError) -> ClusterError {
-    ClusterError::BadMessage(e.to_string())
 }
 
 /// The index nodes a rebalance ejecting `eject` leaves: active members running the index
