@@ -183,15 +183,7 @@ fn fetcher(data: &Arc<Store>) -> Arc<StoreFetcher> {
 
 /// An `eq` scan of `a` at `request_plus`.
 fn eq(a: i64) -> ScanRequest {
-    ScanRequest {
-        bounds: ScanBounds::Eq(vec![json!(a)]),
-        limit: 1000,
-        descending: false,
-        consistency: Consistency::RequestPlus,
-        timeout: WAIT,
-        keep: None,
-        parts: None,
-    }
+    eq_request(json!(a))
 }
 
 /// Issue 41: an index partition moves between index nodes as its files. The receiver adopts

@@ -54,16 +54,20 @@ pub fn expected_a3() -> Vec<String> {
 }
 
 pub async fn scan_ids(mgr: &IndexManager, coll: &Collection, name: &str, eq: Value) -> Vec<String> {
-    let req = ScanRequest {
-        bounds: ScanBounds::Eq(vec![eq]),
+    mgr.scan(coll, name, eq_request(eq)).await.unwrap().into_iter().map(|r| r.id).collect()
+}
+
+/// An `eq` scan of `value` at `request_plus`, up to 1,000 rows.
+pub fn eq_request(value: Value) -> ScanRequest {
+    ScanRequest {
+        bounds: ScanBounds::Eq(vec![value]),
         limit: 1000,
         descending: false,
         consistency: Consistency::RequestPlus,
         timeout: WAIT,
         keep: None,
         parts: None,
-    };
-    mgr.scan(coll, name, req).await.unwrap().into_iter().map(|r| r.id).collect()
+    }
 }
 
 /// The definitions in the catalog, as (index name, id).
