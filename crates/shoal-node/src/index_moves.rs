@@ -34,6 +34,9 @@ use crate::ClusterError;
 
 /// How long a new index copy may take to be built and catch up (the adopt call's bound).
 pub const INDEX_ADOPT_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long a node asked to build a copy waits for the index's definition to be applied
+/// here (a node that joined lately).
+const INDEX_DEFINITION_WAIT: Duration = Duration::from_secs(30);
 /// How long a node keeps an index copy the placement no longer names before dropping it:
 /// scans routed by the placement before finish on it.
 pub const INDEX_DRAIN_WAIT: Duration = Duration::from_secs(2);
@@ -106,14 +109,22 @@ pub(crate) fn serve_index_export(
 /// The new copy's side of `Op::IndexAdopt`: builds the copy (from the source's files, or
 /// from the streams), then waits until it holds what the actives hold now.
 pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> Result<AdoptAnswer, ClusterError> {
-    let coll = node
-        .engine
-        .store()
-        .collection(&req.collection)
-        .ok_or_else(|| ClusterError::Refused(format!("no collection {}", req.collection)))?;
     let indexes = Arc::clone(node.engine.indexes());
-    let held =
-        indexes.list(&coll).into_iter().find(|s| s.def.name == req.index).map(|s| s.part_items.iter().any(|(no, _)| *no == req.part));
+    // A node that joined lately may not have applied the collection's and the index's
+    // definitions yet: they are in the log the leader placed the index by, so they come.
+    let deadline = Instant::now() + INDEX_DEFINITION_WAIT;
+    let (coll, held) = loop {
+        let coll = node.engine.store().collection(&req.collection);
+        let held = coll.as_ref().and_then(|c| {
+            indexes.list(c).into_iter().find(|s| s.def.name == req.index).map(|s| s.part_items.iter().any(|(no, _)| *no == req.part))
+        });
+        match (coll, held) {
+            (Some(coll), Some(held)) => break (coll, Some(held)),
+            (Some(coll), None) if Instant::now() >= deadline => break (coll, None),
+            (None, _) if Instant::now() >= deadline => return Err(ClusterError::Refused(format!("no collection {}", req.collection))),
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    };
     let answer = match held {
         None => return Err(ClusterError::Index(shoal_index::IndexError::NotFound(req.index.clone()))),
         Some(true) => AdoptAnswer { method: CopyMethod::Files, bytes: 0, held_already: true },

@@ -1,0 +1,126 @@
+//! Faults during the index service's moves (issue 41): real processes, kill -9 of a move's
+//! target and of its source mid-rebalance, scans checked against a model throughout. In a
+//! file of its own so that its clusters do not share the machine with `tests/cluster.rs`'s.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use common::cluster::{get_json, member_states, node_id, rebalance, wait_for, PARTITIONS, SECRET};
+use common::Node;
+use serde_json::{json, Value};
+
+/// A node started with `args` that joins the cluster at `join`, on a port it keeps across
+/// restarts.
+fn joined(args: &[&str], join: &str) -> Node {
+    let mut node = Node::start(&[args, &["--join", join][..]].concat());
+    node.pin_port();
+    node
+}
+
+/// Issue 41: a kill -9 of an index move's target, then of a source, mid-rebalance. The
+/// rebalance ends (done, or failed with the placement unchanged); scans stay exact or `503`
+/// throughout; once the dead node is failed over and ejected, the next rebalance places its
+/// copies on the live index nodes (from a live copy's files) and every scan is exact again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_index_move_whose_target_or_source_is_killed_leaves_the_scans_exact() {
+    let args = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", PARTITIONS];
+    let index_args = [&args[..], &["--services", "index,query"]].concat();
+    let mut first = Node::start(&args);
+    first.pin_port();
+    let join = first.addr();
+    let _second = joined(&args, &join);
+    let mut a = joined(&index_args, &join);
+    let b = joined(&index_args, &join);
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    wait_for(&http, &first.u("/v1/cluster"), "four members", |v| member_states(v).len() == 4).await;
+    rebalance(&http, &first, &[]).await;
+    assert_eq!(http.put(first.u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    let def = json!({"name": "by_v", "keys": ["v"], "partitions": 8, "replicas": 1});
+    assert_eq!(http.post(first.u("/v1/collections/c/indexes")).json(&def).send().await.unwrap().status(), 201);
+    let mut model: BTreeMap<String, i64> = BTreeMap::new();
+    for i in 0..150i64 {
+        let key = format!("k{i:03}");
+        let r = http.put(first.u(&format!("/v1/collections/c/docs/{key}"))).json(&json!({"v": i % 7})).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        model.insert(key, i % 7);
+    }
+    let mut want: Vec<(i64, String)> = model.iter().map(|(k, v)| (*v, k.clone())).collect();
+    want.sort();
+    // A whole scan through the first node: the model's rows, or a 503 (counted).
+    let scan = || {
+        let (http, url) = (http.clone(), first.u("/v1/collections/c/indexes/by_v/scan"));
+        async move {
+            let r = http.post(url).json(&json!({"consistency": "request_plus", "timeout_ms": 30_000})).send().await.unwrap();
+            let status = r.status().as_u16();
+            let v: Value = r.json().await.unwrap_or(Value::Null);
+            let rows: Option<Vec<(i64, String)>> = v["rows"]
+                .as_array()
+                .map(|rows| rows.iter().map(|r| (r["key"][0].as_i64().unwrap(), r["id"].as_str().unwrap().to_string())).collect());
+            (status, rows, v)
+        }
+    };
+    let exact_eventually = |what: &'static str| {
+        let scan = &scan;
+        let want = &want;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(90);
+            loop {
+                let (status, rows, v) = scan().await;
+                match status {
+                    200 => {
+                        assert_eq!(rows.as_ref(), Some(want), "{what}");
+                        return;
+                    }
+                    503 => assert!(Instant::now() < deadline, "{what}: never answered: {v}"),
+                    other => panic!("{what}: {other} {v}"),
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    exact_eventually("before the moves").await;
+    // Each phase: a node joins, a rebalance starts, one node dies at once; then the dead one
+    // is failed over and ejected.
+    for phase in ["target", "source"] {
+        let mut joiner = joined(&index_args, &join);
+        let (_, info) = get_json(&http, &first.u("/v1/cluster")).await;
+        let members = info["nodes"].as_array().unwrap().len();
+        wait_for(&http, &first.u("/v1/cluster"), "the new member", |v| member_states(v).len() == members + 1).await;
+        let started = http.post(first.u("/v1/cluster/rebalance")).json(&json!({})).send().await.unwrap();
+        assert_eq!(started.status().as_u16(), 202, "{phase}");
+        let (_, info) = get_json(&http, &first.u("/v1/cluster")).await;
+        let victim = if phase == "target" { &mut joiner } else { &mut a };
+        let victim_id = node_id(&info, victim).unwrap();
+        victim.kill9();
+        // Scans while the rebalance ends, whichever way.
+        loop {
+            let (status, rows, v) = scan().await;
+            match status {
+                200 => assert_eq!(rows.as_ref(), Some(&want), "{phase} killed: a scan while the rebalance ends"),
+                503 => {}
+                other => panic!("{phase}: {other} {v}"),
+            }
+            let (_, status) = get_json(&http, &first.u("/v1/cluster/rebalance")).await;
+            if status["state"] != "running" {
+                assert!(status["state"] == "done" || status["state"] == "failed", "{status}");
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        exact_eventually("after the rebalance with a dead node").await;
+        let r = http.post(first.u("/v1/cluster/failover")).json(&json!({"node": victim_id})).send().await.unwrap();
+        assert!(r.status().is_success() || r.status().as_u16() == 409, "failover: {}", r.text().await.unwrap_or_default());
+        rebalance(&http, &first, &[victim_id]).await;
+        exact_eventually("after the dead node is ejected").await;
+        let (_, listed) = get_json(&http, &first.u("/v1/collections/c/indexes")).await;
+        let placement = listed[0]["placement"].to_string();
+        assert!(
+            !listed[0]["placement"].as_array().unwrap().iter().flat_map(|c| c.as_array().unwrap()).any(|n| *n == json!(victim_id)),
+            "{placement}"
+        );
+        drop(joiner);
+    }
+    drop(b);
+}
