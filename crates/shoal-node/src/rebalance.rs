@@ -780,8 +780,9 @@ async fn unsettled_of(node: &Arc<ClusterNode>, map: &PartitionMap) -> (usize, us
     (unsettled, building)
 }
 
+/// Sets the state of every data partition's move (index moves have their own stage).
 fn set_moves(node: &ClusterNode, state: MoveState) {
-    for m in &mut node.rebalancer.status.lock().moves {
+    for m in node.rebalancer.status.lock().moves.iter_mut().filter(|m| m.kind == MoveKind::Partition) {
         m.state = state;
     }
 }
@@ -841,7 +842,8 @@ fn derived_ready(answers: &HashMap<NodeId, Option<ProgressAnswer>>, target: &Par
 /// totals, rate and time left.
 fn show_copies(node: &ClusterNode, answers: &HashMap<NodeId, Option<ProgressAnswer>>, started: Instant) {
     let mut status = node.rebalancer.status.lock();
-    for m in status.moves.iter_mut().filter(|m| !matches!(m.state, MoveState::CaughtUp | MoveState::Indexing)) {
+    let partition_moves = status.moves.iter_mut().filter(|m| m.kind == MoveKind::Partition);
+    for m in partition_moves.filter(|m| !matches!(m.state, MoveState::CaughtUp | MoveState::Indexing)) {
         let copy = answers.get(&m.to).and_then(|a| a.as_ref()).and_then(|a| a.copies.iter().find(|(p, _)| *p == m.id));
         let Some((_, copy)) = copy else { continue };
         m.method = copy.method;
@@ -870,9 +872,10 @@ fn show_copies(node: &ClusterNode, answers: &HashMap<NodeId, Option<ProgressAnsw
 /// (compressed tables) that arrived; a copy from the change stream what arrived (keys and
 /// values), at most its plan. One kind of byte, so that a bar and an ETA end at 100 %: a
 /// finished rebalance reported 116 MB done of 922 MB when file bytes were added to document
-/// bytes.
+/// bytes. Index moves carry index files, another kind of byte: they are counted by
+/// `moves_done`, and each shows its own bytes.
 pub(crate) fn progress_bytes(moves: &[MoveStatus]) -> (u64, u64) {
-    moves.iter().fold((0u64, 0u64), |(t, d), m| {
+    moves.iter().filter(|m| m.kind == MoveKind::Partition).fold((0u64, 0u64), |(t, d), m| {
         let total = if m.bytes_planned > 0 { m.bytes_planned } else { m.bytes_total.max(m.bytes_done) };
         let whole = m.copy_finished_unix_ms.is_some()
             || matches!(m.state, MoveState::CaughtUp | MoveState::Indexing | MoveState::Settling | MoveState::Done);
@@ -1196,6 +1199,9 @@ mod tests {
         let finished = [m(Files, MoveState::Done, 922, 116, 116, true)];
         let (total, done) = progress_bytes(&finished);
         assert_eq!(done, total);
+        // Index moves' file bytes are not document bytes: left out of the totals.
+        let index = MoveStatus { kind: MoveKind::Index, index: Some("c.i".into()), ..m(Files, MoveState::Done, 0, 500, 500, true) };
+        assert_eq!(progress_bytes(&[finished[0].clone(), index]), (total, done));
     }
 
     #[test]
