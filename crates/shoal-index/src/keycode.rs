@@ -30,6 +30,18 @@ pub const AFTER_PREFIX: u8 = 0xFF;
 /// follows the document, whose depth is already bounded by `shoal_json::DOC_DEPTH_MAX`).
 const DECODE_DEPTH_MAX: usize = 256;
 
+/// The byte order of a scan row, as the index keeps it: its key's components encoded in
+/// turn (a missing component of an answer reads as null), then the document key. Answers
+/// merged from several index partitions or members are sorted by it.
+pub fn row_order(key: &[Value], id: &str) -> Vec<u8> {
+    let mut sort = Vec::new();
+    for v in key {
+        encode(Some(v), &mut sort);
+    }
+    sort.extend_from_slice(id.as_bytes());
+    sort
+}
+
 /// Appends the encoding of `v` (`None` = MISSING) to `out`.
 pub fn encode(v: Option<&Value>, out: &mut Vec<u8>) {
     match v {

@@ -27,6 +27,8 @@ pub use manager::{
 
 /// Most rows one scan returns.
 pub const SCAN_ROWS_MAX: usize = 100_000;
+/// Longest a `request_plus` scan may wait for an index to catch up.
+pub const SCAN_TIMEOUT_MAX: std::time::Duration = std::time::Duration::from_secs(300);
 /// Most changes read from one partition per batch.
 pub const BATCH_CHANGES: usize = 1024;
 /// Documents a build reads per write batch when it scans a collection in key order.

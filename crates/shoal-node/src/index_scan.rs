@@ -99,19 +99,8 @@ pub fn pick_copies(
 /// Rows of several holders, each in index order, merged in index order (descending if
 /// asked), the first `limit`.
 pub fn merge_rows(answers: Vec<Vec<ScanRow>>, descending: bool, limit: usize) -> Vec<ScanRow> {
-    let mut rows: Vec<(Vec<u8>, ScanRow)> = answers
-        .into_iter()
-        .flatten()
-        .map(|row| {
-            // The same byte order the index keeps (a missing key component reads as null).
-            let mut sort = Vec::new();
-            for v in &row.key {
-                shoal_index::keycode::encode(Some(v), &mut sort);
-            }
-            sort.extend_from_slice(row.id.as_bytes());
-            (sort, row)
-        })
-        .collect();
+    let mut rows: Vec<(Vec<u8>, ScanRow)> =
+        answers.into_iter().flatten().map(|row| (shoal_index::keycode::row_order(&row.key, &row.id), row)).collect();
     rows.sort_by(|a, b| if descending { b.0.cmp(&a.0) } else { a.0.cmp(&b.0) });
     rows.truncate(limit);
     rows.into_iter().map(|(_, row)| row).collect()
@@ -223,7 +212,7 @@ pub(crate) async fn serve_part_scan(node: &ClusterNode, req: PartScanRequest) ->
         .store()
         .collection(&req.collection)
         .ok_or_else(|| ClusterError::Refused(format!("no collection {}", req.collection)))?;
-    let timeout = Duration::from_millis(req.timeout_ms).min(SCAN_TIMEOUT_MAX);
+    let timeout = Duration::from_millis(req.timeout_ms).min(shoal_index::SCAN_TIMEOUT_MAX);
     let scan = ScanRequest {
         bounds: req.bounds,
         limit: req.limit.min(shoal_index::SCAN_ROWS_MAX),
@@ -236,6 +225,3 @@ pub(crate) async fn serve_part_scan(node: &ClusterNode, req: PartScanRequest) ->
     let rows = node.engine.indexes().scan(&coll, &req.index, scan).await?;
     Ok(PartScanAnswer { rows: rows.into_iter().map(|r| (r.key, r.id)).collect() })
 }
-
-/// Longest a holder waits for its parts to catch up on one scan.
-const SCAN_TIMEOUT_MAX: Duration = Duration::from_secs(300);

@@ -10,7 +10,7 @@ use axum::response::Response;
 use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::Value;
-use shoal_index::{IndexDef, IndexStatus, KeepRow, ScanBounds, ScanRequest, ScanRow, SCAN_ROWS_MAX};
+use shoal_index::{IndexDef, IndexStatus, KeepRow, ScanBounds, ScanRequest, ScanRow, SCAN_ROWS_MAX, SCAN_TIMEOUT_MAX};
 use shoal_storage::{Collection, ReadError};
 
 use crate::docs::{check_answer_size, collection, json_response};
@@ -21,9 +21,8 @@ use crate::{spread, AppState};
 
 /// Largest body of an index call.
 const INDEX_BODY_MAX_BYTES: usize = 64 * 1024;
-/// How long a `request_plus` scan waits by default, and at most.
+/// How long a `request_plus` scan waits by default (at most `shoal_index::SCAN_TIMEOUT_MAX`).
 const SCAN_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
-const SCAN_TIMEOUT_MAX: Duration = Duration::from_secs(300);
 
 fn status_json(s: &IndexStatus) -> Value {
     serde_json::json!({
@@ -180,14 +179,14 @@ pub async fn scan(
         crate::routing::require_serving(&state).await?;
         let scan = shoal_node::index_scan::RoutedScan { bounds, limit, descending: req.descending, consistency, timeout };
         let rows = state.cluster.routed_scan(&pinned, &coll, def, scan).await.map_err(crate::error::cluster_error)?;
+        if req.include_docs {
+            return with_docs(&state, &coll, &rows).await.map(|body| json_response(StatusCode::OK, body));
+        }
         let written = Arc::clone(&coll);
-        let merged = tokio::task::spawn_blocking(move || write_rows(&written, &rows, false))
+        let body = tokio::task::spawn_blocking(move || write_rows(&written, &rows, false))
             .await
             .map_err(|e| ApiError::internal(e.to_string()))??;
-        if !req.include_docs {
-            return Ok(json_response(StatusCode::OK, merged));
-        }
-        return with_docs(&state, &coll, &merged).await.map(|body| json_response(StatusCode::OK, body));
+        return Ok(json_response(StatusCode::OK, body));
     }
     // In a cluster (the interim design of ARCHITECTURE.md) every member indexes the
     // partitions it holds and answers for those it holds active; the node asked merges
@@ -265,21 +264,15 @@ struct GotDoc<'a> {
     reason: Option<String>,
 }
 
-/// The scan answer `rows` with each row's document, read from the partitions' actives
+/// The scan answer of `rows` with each row's document, read from the partitions' actives
 /// (`null` for one removed since the scan).
-async fn with_docs(state: &AppState, coll: &Arc<Collection>, rows: &[u8]) -> Result<Vec<u8>, ApiError> {
-    let parsed: ScanAnswer = serde_json::from_slice(rows).map_err(|e| ApiError::internal(format!("a merged scan answer: {e}")))?;
-    let mut order = Vec::with_capacity(parsed.rows.len());
-    for raw in &parsed.rows {
-        let row: RowOrder = serde_json::from_str(raw.get()).map_err(|e| ApiError::internal(format!("a merged scan row: {e}")))?;
-        order.push(row);
-    }
-    let keys: Vec<Value> = order.iter().map(|r| Value::String(r.id.clone())).collect();
+async fn with_docs(state: &AppState, coll: &Arc<Collection>, rows: &[ScanRow]) -> Result<Vec<u8>, ApiError> {
+    let keys: Vec<Value> = rows.iter().map(|r| Value::String(r.id.clone())).collect();
     let path = format!("/v1/collections/{}/_get", coll.name());
     let entries = crate::docs::get_many(state, coll, keys, &HeaderMap::new(), &path).await?;
-    let mut out = Vec::with_capacity(rows.len() + entries.iter().map(Vec::len).sum::<usize>());
+    let mut out = Vec::with_capacity(64 + rows.len() * 48 + entries.iter().map(Vec::len).sum::<usize>());
     out.extend_from_slice(b"{\"rows\":[");
-    for (i, (row, entry)) in order.iter().zip(&entries).enumerate() {
+    for (i, (row, entry)) in rows.iter().zip(&entries).enumerate() {
         if i > 0 {
             out.push(b',');
         }
@@ -335,13 +328,7 @@ fn merge_rows(answers: &[Bytes], descending: bool, limit: usize) -> Result<Vec<u
         for raw in parsed.rows {
             let order: RowOrder =
                 serde_json::from_str(raw.get()).map_err(|e| ApiError::unavailable(format!("a member answered a scan row with {e}")))?;
-            // The same byte order the index keeps (a missing key component reads as null).
-            let mut sort = Vec::new();
-            for v in &order.key {
-                shoal_index::keycode::encode(Some(v), &mut sort);
-            }
-            sort.extend_from_slice(order.id.as_bytes());
-            rows.push((sort, raw.get()));
+            rows.push((shoal_index::keycode::row_order(&order.key, &order.id), raw.get()));
         }
     }
     rows.sort_by(|a, b| if descending { b.0.cmp(&a.0) } else { a.0.cmp(&b.0) });
