@@ -7,7 +7,10 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use common::cluster::{get_json, member_states, node_id, rebalance, start_cluster, wait_for, PARTITIONS, SECRET};
+use common::cluster::{
+    get_json, index_cluster, index_node_args, joined, member_states, node_id, rebalance, start_cluster, wait_for, IndexCluster, PARTITIONS,
+    SECRET,
+};
 use common::Node;
 use serde_json::{json, Value};
 
@@ -1016,14 +1019,6 @@ async fn files_rebalance(cut: bool) -> Value {
     status
 }
 
-/// A node started with `args` that joins the cluster at `join`, on a port it keeps across
-/// restarts.
-fn joined(args: &[&str], join: &str) -> Node {
-    let mut node = Node::start(&[args, &["--join", join][..]].concat());
-    node.pin_port();
-    node
-}
-
 /// `serve` flags of the move tests' nodes: 4 partitions, so that each holds more than a
 /// copy by files needs.
 const MOVE_ARGS: [&str; 6] = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", "4"];
@@ -1969,18 +1964,7 @@ async fn an_index_node_follows_every_active_and_answers_scans_alone() {
 /// their replicas, and a scan that needs a part with no live copy is refused, never short.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_placed_index_is_read_where_its_partitions_are_from_any_node() {
-    let args = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", PARTITIONS];
-    let index_args = [&args[..], &["--services", "index,query"]].concat();
-    let mut first = Node::start(&args);
-    first.pin_port();
-    let join = first.addr();
-    let second = joined(&args, &join);
-    let mut a = joined(&index_args, &join);
-    let b = joined(&index_args, &join);
-    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
-    wait_for(&http, &first.u("/v1/cluster"), "four members", |v| member_states(v).len() == 4).await;
-    rebalance(&http, &first, &[]).await;
-    assert_eq!(http.put(first.u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    let IndexCluster { first, second, mut a, b, http, .. } = index_cluster().await;
     // Bad input for the new fields: refused, and nothing is created.
     for bad in [
         json!({"name": "bad", "keys": ["v"], "replicas": 2}),
@@ -2150,18 +2134,7 @@ async fn a_placed_index_is_read_where_its_partitions_are_from_any_node() {
 /// the new node is killed: the index with replicas is read from the other copies.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn index_partitions_move_as_files_when_an_index_node_joins() {
-    let args = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", PARTITIONS];
-    let index_args = [&args[..], &["--services", "index,query"]].concat();
-    let mut first = Node::start(&args);
-    first.pin_port();
-    let join = first.addr();
-    let _second = joined(&args, &join);
-    let a = joined(&index_args, &join);
-    let b = joined(&index_args, &join);
-    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
-    wait_for(&http, &first.u("/v1/cluster"), "four members", |v| member_states(v).len() == 4).await;
-    rebalance(&http, &first, &[]).await;
-    assert_eq!(http.put(first.u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    let IndexCluster { first, second: _second, a, b, join, http } = index_cluster().await;
     for def in
         [json!({"name": "by_v", "keys": ["v"], "partitions": 8, "replicas": 1}), json!({"name": "by_x", "keys": ["x"], "partitions": 6})]
     {
@@ -2205,7 +2178,7 @@ async fn index_partitions_move_as_files_when_an_index_node_joins() {
         assert_eq!(status, 200, "{v}");
         assert_eq!(rows, want(&model, index));
     }
-    let c = joined(&index_args, &join);
+    let c = joined(&index_node_args(), &join);
     wait_for(&http, &first.u("/v1/cluster"), "five members", |v| member_states(v).len() == 5).await;
     let started = http.post(first.u("/v1/cluster/rebalance")).json(&json!({})).send().await.unwrap();
     assert_eq!(started.status().as_u16(), 202);

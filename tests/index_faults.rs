@@ -7,17 +7,8 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use common::cluster::{get_json, member_states, node_id, rebalance, wait_for, PARTITIONS, SECRET};
-use common::Node;
+use common::cluster::{get_json, index_cluster, index_node_args, joined, member_states, node_id, rebalance, wait_for, IndexCluster};
 use serde_json::{json, Value};
-
-/// A node started with `args` that joins the cluster at `join`, on a port it keeps across
-/// restarts.
-fn joined(args: &[&str], join: &str) -> Node {
-    let mut node = Node::start(&[args, &["--join", join][..]].concat());
-    node.pin_port();
-    node
-}
 
 /// Issue 41: a kill -9 of an index move's target, then of a source, mid-rebalance. The
 /// rebalance ends (done, or failed with the placement unchanged); scans stay exact or `503`
@@ -25,18 +16,7 @@ fn joined(args: &[&str], join: &str) -> Node {
 /// copies on the live index nodes (from a live copy's files) and every scan is exact again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_index_move_whose_target_or_source_is_killed_leaves_the_scans_exact() {
-    let args = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", PARTITIONS];
-    let index_args = [&args[..], &["--services", "index,query"]].concat();
-    let mut first = Node::start(&args);
-    first.pin_port();
-    let join = first.addr();
-    let _second = joined(&args, &join);
-    let mut a = joined(&index_args, &join);
-    let b = joined(&index_args, &join);
-    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
-    wait_for(&http, &first.u("/v1/cluster"), "four members", |v| member_states(v).len() == 4).await;
-    rebalance(&http, &first, &[]).await;
-    assert_eq!(http.put(first.u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    let IndexCluster { first, second: _second, mut a, b, join, http } = index_cluster().await;
     let def = json!({"name": "by_v", "keys": ["v"], "partitions": 8, "replicas": 1});
     assert_eq!(http.post(first.u("/v1/collections/c/indexes")).json(&def).send().await.unwrap().status(), 201);
     let mut model: BTreeMap<String, i64> = BTreeMap::new();
@@ -84,7 +64,7 @@ async fn an_index_move_whose_target_or_source_is_killed_leaves_the_scans_exact()
     // Each phase: a node joins, a rebalance starts, one node dies at once; then the dead one
     // is failed over and ejected.
     for phase in ["target", "source"] {
-        let mut joiner = joined(&index_args, &join);
+        let mut joiner = joined(&index_node_args(), &join);
         let (_, info) = get_json(&http, &first.u("/v1/cluster")).await;
         let members = info["nodes"].as_array().unwrap().len();
         wait_for(&http, &first.u("/v1/cluster"), "the new member", |v| member_states(v).len() == members + 1).await;

@@ -23,7 +23,7 @@ use shoal_client::Client;
 
 use crate::bench::chart::{line_chart, Series};
 use crate::bench::index::Node;
-use crate::bench::rebalance::{node_id, wait_members};
+use crate::bench::rebalance::{node_id, rebalance, wait_members};
 use crate::cli::CliError;
 
 #[derive(Args)]
@@ -75,7 +75,7 @@ const FIELDS: u64 = 10;
 const LOAD_SLICE: usize = 2_000;
 /// Times a refused load slice is sent again.
 const LOAD_TRIES: usize = 20;
-/// Longest the bench waits for a rebalance or for the indexes to be built.
+/// Longest the bench waits for the indexes to be built.
 const WAIT_MAX: Duration = Duration::from_secs(3_600);
 
 /// Field `k` of document `i`: spread over [`VALUES`], differently per field.
@@ -270,26 +270,8 @@ async fn start_cluster(
     }
     let client = Client::new(&data_nodes[0].url)?;
     wait_members(&client, data + index).await?;
-    rebalance(&client).await?;
+    rebalance(&client, &[], None).await?;
     Ok((data_nodes, index_nodes, join))
-}
-
-async fn rebalance(client: &Client) -> Result<Value, CliError> {
-    client.rebalance(&[]).await?;
-    let deadline = Instant::now() + WAIT_MAX;
-    loop {
-        let status = client.rebalance_status().await?;
-        if status["state"] != "running" {
-            if status["state"] != "done" {
-                return Err(CliError::Bench(format!("rebalance: {status}")));
-            }
-            return Ok(status);
-        }
-        if Instant::now() > deadline {
-            return Err(CliError::Bench(format!("the rebalance did not end: {status}")));
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 /// Creates the collection and `indexes` indexes, loads the documents, and waits until every
@@ -403,7 +385,7 @@ async fn scale_out(args: &IndexRebalanceArgs, method: &str) -> Result<Outcome, C
     wait_members(&client, data_nodes.len() + index_nodes.len() + newcomers.len()).await?;
     let start = began.elapsed().as_secs_f64();
     println!("the rebalance starts at {start:.2} s");
-    let status = rebalance(&client).await?;
+    let status = rebalance(&client, &[], None).await?;
     let end = began.elapsed().as_secs_f64();
     tokio::time::sleep(Duration::from_secs(2)).await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);

@@ -102,7 +102,7 @@ const SAMPLE: Duration = Duration::from_millis(500);
 /// Longest the bench waits for a rebalance.
 const REBALANCE_MAX: Duration = Duration::from_secs(3_600);
 
-struct Sample {
+pub(crate) struct Sample {
     t: f64,
     bytes_done: u64,
 }
@@ -515,7 +515,7 @@ pub(crate) async fn wait_members(client: &Client, n: usize) -> Result<(), CliErr
 }
 
 /// Runs a rebalance to its end, sampling its progress; answers the last status.
-async fn rebalance(client: &Client, eject: &[u64], mut samples: Option<(&mut Vec<Sample>, Instant)>) -> Result<Value, CliError> {
+pub(crate) async fn rebalance(client: &Client, eject: &[u64], mut samples: Option<(&mut Vec<Sample>, Instant)>) -> Result<Value, CliError> {
     client.rebalance(eject).await?;
     let deadline = Instant::now() + REBALANCE_MAX;
     loop {

@@ -108,3 +108,42 @@ pub async fn rebalance_when_possible(http: &reqwest::Client, node: &Node, dead: 
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
+
+/// A node started with `args` that joins the cluster at `join`, on a port it keeps across
+/// restarts.
+pub fn joined(args: &[&str], join: &str) -> Node {
+    let mut node = Node::start(&[args, &["--join", join][..]].concat());
+    node.pin_port();
+    node
+}
+
+/// `serve` flags of an index node (the index service without data) of a test cluster.
+pub fn index_node_args() -> Vec<&'static str> {
+    base_args(&["--services", "index,query"])
+}
+
+/// The index service's test shape: two data nodes and two index nodes, rebalanced in, with
+/// collection `c`.
+pub struct IndexCluster {
+    pub first: Node,
+    pub second: Node,
+    pub a: Node,
+    pub b: Node,
+    /// Where more nodes join.
+    pub join: String,
+    pub http: reqwest::Client,
+}
+
+pub async fn index_cluster() -> IndexCluster {
+    let mut first = Node::start(&base_args(&[]));
+    first.pin_port();
+    let join = first.addr();
+    let second = joined(&base_args(&[]), &join);
+    let a = joined(&index_node_args(), &join);
+    let b = joined(&index_node_args(), &join);
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    wait_for(&http, &first.u("/v1/cluster"), "four members", |v| member_states(v).len() == 4).await;
+    rebalance(&http, &first, &[]).await;
+    assert_eq!(http.put(first.u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    IndexCluster { first, second, a, b, join, http }
+}
