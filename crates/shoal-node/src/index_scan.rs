@@ -225,3 +225,52 @@ pub(crate) async fn serve_part_scan(node: &ClusterNode, req: PartScanRequest) ->
     let rows = node.engine.indexes().scan(&coll, &req.index, scan).await?;
     Ok(PartScanAnswer { rows: rows.into_iter().map(|r| (r.key, r.id)).collect() })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shoal_meta::{Member, Services};
+
+    #[test]
+    fn each_part_is_read_from_this_node_or_a_live_copy_taking_turns() {
+        let mut state = MetaState::default();
+        let index_only = Services { data: false, index: true, query: false };
+        for (id, member_state) in [(1, MemberState::Active), (2, MemberState::Active), (3, MemberState::Failed)] {
+            state.members.insert(NodeId(id), Member { address: format!("n{id}"), state: member_state, services: index_only });
+        }
+        let def = IndexDef {
+            collection: "c".into(),
+            name: "i".into(),
+            id: 1,
+            definition: serde_json::json!({"keys": ["a"]}),
+            built: false,
+            placement: vec![vec![NodeId(1), NodeId(2)], vec![NodeId(2), NodeId(1)], vec![NodeId(3)], vec![NodeId(3), NodeId(2)]],
+        };
+        let none = BTreeSet::new();
+        let groups = |parts: &[u16], me: u64, excluded: &BTreeSet<NodeId>, turn: usize| {
+            pick_copies(&state, &def, parts, NodeId(me), excluded, turn).map(|g| g.into_iter().map(|(n, p)| (n.0, p)).collect::<Vec<_>>())
+        };
+        // (what, parts, me, excluded, turn, answer)
+        type Case<'a> = (&'a str, &'a [u16], u64, BTreeSet<NodeId>, usize, Result<Vec<(u64, Vec<u16>)>, u16>);
+        let cases: [Case; 6] = [
+            ("this node's copies first", &[0, 1], 1, none.clone(), 0, Ok(vec![(1, vec![0, 1])])),
+            ("a node holding none: the copies take turns", &[0, 1], 9, none.clone(), 0, Ok(vec![(1, vec![0]), (2, vec![1])])),
+            ("the next turn", &[0, 1], 9, none.clone(), 1, Ok(vec![(1, vec![1]), (2, vec![0])])),
+            ("a failed copy is never read", &[3], 9, none.clone(), 0, Ok(vec![(2, vec![3])])),
+            ("no live copy: refused, naming the part", &[0, 2], 9, none.clone(), 0, Err(2)),
+            ("a copy that failed the scan is passed over", &[0], 1, BTreeSet::from([NodeId(1)]), 0, Ok(vec![(2, vec![0])])),
+        ];
+        for (what, parts, me, excluded, turn, want) in cases {
+            assert_eq!(groups(parts, me, &excluded, turn), want, "{what}");
+        }
+    }
+
+    #[test]
+    fn merged_rows_follow_the_index_order_and_the_limit() {
+        let row = |k: i64, id: &str| ScanRow { key: vec![Value::from(k)], id: id.into() };
+        let answers = vec![vec![row(1, "b"), row(3, "a")], vec![row(1, "a"), row(2, "z")]];
+        let ids = |rows: Vec<ScanRow>| rows.into_iter().map(|r| r.id).collect::<Vec<_>>();
+        assert_eq!(ids(merge_rows(answers.clone(), false, 10)), ["a", "b", "z", "a"]);
+        assert_eq!(ids(merge_rows(answers, true, 2)), ["a", "z"]);
+    }
+}
