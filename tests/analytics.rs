@@ -217,22 +217,31 @@ async fn the_shadow_follows_every_change_and_answers_as_the_documents_do() {
     assert_eq!(out, "n\n1325\n");
 }
 
-/// Segment files (name, size, modification time) under the node's shadow directory.
+/// Segment files (name, size, modification time) under the node's shadow directory: a
+/// listing during which no file went away (a running node replaces segments; a file listed
+/// and gone before its metadata was read makes the listing start again).
 fn segment_files(dir: &std::path::Path) -> Vec<(std::path::PathBuf, u64, std::time::SystemTime)> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.join("shadow")];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            let meta = e.metadata().unwrap();
-            if meta.is_dir() {
-                stack.push(e.path());
-            } else if e.path().extension().is_some_and(|x| x == "arrow") {
-                out.push((e.path(), meta.len(), meta.modified().unwrap()));
+    'listing: for _ in 0..100 {
+        let mut out = Vec::new();
+        let mut stack = vec![dir.join("shadow")];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+                let meta = match e.metadata() {
+                    Ok(meta) => meta,
+                    Err(err) if err.kind() == std::io::ErrorKind::NotFound => continue 'listing,
+                    Err(err) => panic!("{}: {err}", e.path().display()),
+                };
+                if meta.is_dir() {
+                    stack.push(e.path());
+                } else if e.path().extension().is_some_and(|x| x == "arrow") {
+                    out.push((e.path(), meta.len(), meta.modified().unwrap()));
+                }
             }
         }
+        out.sort();
+        return out;
     }
-    out.sort();
-    out
+    panic!("the shadow's files kept changing while they were listed")
 }
 
 /// Collection `ev` with events `e00000`… (`event(i)`), loaded through `_bulk`.
