@@ -793,7 +793,11 @@ async fn a_rebalance_copies_large_partitions_as_files_and_loses_nothing() {
     let status = files_rebalance(false).await;
     let moves = status["moves"].as_array().unwrap();
     assert!(moves.iter().all(|m| m["method"] == "files"), "every copy was built from files: {status}");
-    assert!(moves.iter().all(|m| m["shipped"] == "files"), "every copy's snapshot came as the keyspace's files: {status}");
+    let partitions = || moves.iter().filter(|m| m["kind"] == "partition");
+    assert!(partitions().all(|m| m["shipped"] == "files"), "every copy's snapshot came as the keyspace's files: {status}");
+    // The index is placed on the nodes (all run the index service): its partitions moved
+    // as files too, and moving data partitions moved no index entry.
+    assert!(moves.iter().any(|m| m["kind"] == "index"), "index partitions moved to the new nodes: {status}");
     assert!(status["bytes_done"].as_u64().unwrap() > 12_000 * 20, "the copies' bytes are counted: {status}");
     // One kind of byte, so a finished rebalance is at 100 % (it showed 13 % when compressed
     // file bytes were counted against document bytes).
@@ -803,8 +807,9 @@ async fn a_rebalance_copies_large_partitions_as_files_and_loses_nothing() {
     // metadata, by-sequence entries) in LZ4-compressed blocks, with the writes made since
     // the plan. Here the documents are about 26 bytes, smaller than a record's key, metadata
     // and by-sequence entry together (a CI run carried 4.6x the plan), so the factor is
-    // wide: it still catches bytes counted from the wrong files or not at all.
-    for m in moves {
+    // wide: it still catches bytes counted from the wrong files or not at all. (An index
+    // partition's move counts its files, and no document bytes.)
+    for m in partitions() {
         let (planned, done) = (m["bytes_planned"].as_u64().unwrap_or(0), m["bytes_done"].as_u64().unwrap_or(0));
         assert!(planned > 0 && done > 0 && done <= planned * 16 && done * 4 >= planned, "planned {planned}, carried {done}: {m}");
         // A move is caught up only once its copy is whole: never on the positions an ingest
@@ -1006,7 +1011,8 @@ async fn files_rebalance(cut: bool) -> Value {
             written += usize::from(present && key.starts_with('w'));
         }
     }
-    // The receivers indexed what they ingested.
+    // The index answers whole: its partitions on the dead node were placed again on the
+    // others by the failover and rebuilt there from the streams.
     let r = http
         .post(nodes[2].u("/v1/collections/c/indexes/by_n/scan"))
         .json(&json!({"eq": [7], "consistency": "request_plus"}))
@@ -1784,7 +1790,7 @@ async fn cluster_add_brings_in_a_lone_empty_node() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_node_without_the_data_service_holds_no_partitions() {
     let args = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", PARTITIONS];
-    let mut first = Node::start(&args);
+    let mut first = Node::start(&[&args[..], &["--services", "data,query"]].concat());
     first.pin_port();
     let join = first.addr();
     let second = joined(&[&args[..], &["--services", "index,query"]].concat(), &join);
@@ -1794,7 +1800,7 @@ async fn a_node_without_the_data_service_holds_no_partitions() {
     let (_, info) = get_json(&http, &first.u("/v1/cluster")).await;
     let nodes = info["nodes"].as_array().expect("nodes");
     let of = |node: &Node| nodes.iter().find(|n| n["address"] == node.addr()).cloned().unwrap_or(Value::Null);
-    assert_eq!(of(&first)["services"], json!(["data", "index", "query"]), "{info}");
+    assert_eq!(of(&first)["services"], json!(["data", "query"]), "{info}");
     assert_eq!(of(&second)["services"], json!(["index", "query"]), "{info}");
     assert_eq!(of(&second)["partitions"], json!({"active": 0, "replica": 0}), "{info}");
     assert_eq!(of(&first)["partitions"]["active"].as_u64(), PARTITIONS.parse::<u64>().ok(), "{info}");
@@ -1834,13 +1840,15 @@ async fn a_node_without_the_data_service_holds_no_partitions() {
     }
 }
 
-/// The index service's feed: a node running `index` and not `data` holds no partition; its
-/// indexes follow every partition's active on the data nodes over the network, and a scan
+/// The index service's feed: a node running `index` and not `data` holds no partition; the
+/// index placed on it follows every partition's active on the data nodes over the network, and a scan
 /// asked of it is answered there alone — exactly, at `request_plus`, through updates that
 /// move entries between the index's parts and through deletes.
 #[tokio::test]
 async fn an_index_node_follows_every_active_and_answers_scans_alone() {
-    let args = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", PARTITIONS];
+    let base = ["--cluster-secret", SECRET, "--analytics-partitions", "0", "--partitions", PARTITIONS];
+    // Data nodes without the index service: the index goes to the index node alone.
+    let args = [&base[..], &["--services", "data,query"]].concat();
     let mut first = Node::start(&args);
     first.pin_port();
     let join = first.addr();
@@ -1848,8 +1856,9 @@ async fn an_index_node_follows_every_active_and_answers_scans_alone() {
     let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
     wait_for(&http, &first.u("/v1/cluster"), "two members", |v| member_states(v).len() == 2).await;
     rebalance(&http, &first, &[]).await;
-    let index_node = joined(&[&args[..], &["--services", "index,query"]].concat(), &join);
+    let index_node = joined(&[&base[..], &["--services", "index,query"]].concat(), &join);
     wait_for(&http, &first.u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
+    rebalance(&http, &first, &[]).await;
     assert_eq!(http.put(first.u("/v1/collections/c")).send().await.unwrap().status(), 201);
     let create = json!({"name": "by_v", "keys": ["v"], "partitions": 4});
     assert_eq!(http.post(first.u("/v1/collections/c/indexes")).json(&create).send().await.unwrap().status(), 201);

@@ -66,9 +66,11 @@ async fn load(http: &reqwest::Client, node: &Node, n: usize, durability: &str) {
 }
 
 /// What the members hold of everything derived from the documents, summed: index entries
-/// (`items` of `by_g`) and analytics rows. Each member holds its active and replica copies,
-/// so with one replica each sum is twice the documents — unless a moved partition's entries
-/// or rows stayed behind on its old node.
+/// (`items` of `by_g`) and analytics rows. The index is placed on the nodes (each of its
+/// partitions once, no replica), so its entries sum to the documents; each member holds
+/// the analytics rows of its active and replica copies, so with one replica they sum to
+/// twice the documents — unless a moved partition's rows, or a moved index partition's
+/// entries, stayed behind on its old node.
 async fn derived_totals(http: &reqwest::Client, nodes: &[&Node]) -> (u64, u64) {
     let (mut items, mut rows) = (0, 0);
     for node in nodes {
@@ -79,15 +81,17 @@ async fn derived_totals(http: &reqwest::Client, nodes: &[&Node]) -> (u64, u64) {
     (items, rows)
 }
 
-/// Waits until the members' derived state sums to `want` entries and rows each.
-async fn derived_settles(http: &reqwest::Client, nodes: &[&Node], want: u64, when: &str) {
+/// Waits until the members' derived state sums to one index entry per document and two
+/// analytics rows per document (see [`derived_totals`]).
+async fn derived_settles(http: &reqwest::Client, nodes: &[&Node], docs: u64, when: &str) {
+    let want = (docs, 2 * docs);
     let deadline = std::time::Instant::now() + common::cluster::WAIT_MAX;
     loop {
         let totals = derived_totals(http, nodes).await;
-        if totals == (want, want) {
+        if totals == want {
             return;
         }
-        assert!(std::time::Instant::now() < deadline, "{when}: index entries and analytics rows {totals:?}, want {want} each");
+        assert!(std::time::Instant::now() < deadline, "{when}: index entries and analytics rows {totals:?}, want {want:?}");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
@@ -263,7 +267,7 @@ async fn reads_stay_exact_on_every_member_while_nodes_are_added_and_removed() {
     urls.lock().unwrap().push(third.url.clone());
     rebalance(&http, &first, &[]).await;
     // Index entries and analytics rows left with their partitions: nothing leaked.
-    derived_settles(&http, &[&first, &second, &third], 2 * DOCS as u64, "after 2 -> 3").await;
+    derived_settles(&http, &[&first, &second, &third], DOCS as u64, "after 2 -> 3").await;
 
     // A swap: a fourth comes in as the second leaves (no more reads through a node once it
     // is being ejected).
@@ -277,14 +281,14 @@ async fn reads_stay_exact_on_every_member_while_nodes_are_added_and_removed() {
         urls.push(fourth.url.clone());
     }
     rebalance(&http, &first, &[second_id]).await;
-    derived_settles(&http, &[&first, &second, &third, &fourth], 2 * DOCS as u64, "after the swap").await;
+    derived_settles(&http, &[&first, &second, &third, &fourth], DOCS as u64, "after the swap").await;
     // 3 -> 2: the third leaves.
     urls.lock().unwrap().retain(|u| *u != third.url);
     rebalance(&http, &first, &[third_id]).await;
 
     let exact = stop_readers(readers, &stop, &tally).await;
     // Once all is still, every member answers every read, and exactly.
-    derived_settles(&http, &[&first, &second, &third, &fourth], 2 * DOCS as u64, "after 3 -> 2").await;
+    derived_settles(&http, &[&first, &second, &third, &fourth], DOCS as u64, "after 3 -> 2").await;
     answers_settle(&http, &[&first, &fourth], DOCS, "after the rebalances").await;
     assert!(after_add > 0, "the reader read while the first node was added");
     assert!(exact > after_add, "the reader read after the first rebalance too");
@@ -394,7 +398,7 @@ async fn reads_stay_exact_through_a_failover_and_a_recovery() {
     assert_eq!(r.status().as_u16(), 200, "{}", r.text().await.unwrap_or_default());
     common::cluster::rebalance_when_possible(&http, &nodes[survivor], &[]).await;
     urls.lock().unwrap().push(nodes[victim].url.clone());
-    derived_settles(&http, &[&nodes[0], &nodes[1], &nodes[2]], 2 * DOCS as u64, "after the recovery").await;
+    derived_settles(&http, &[&nodes[0], &nodes[1], &nodes[2]], DOCS as u64, "after the recovery").await;
     let exact = stop_readers(readers, &stop, &tally).await;
     answers_settle(&http, &[&nodes[0], &nodes[1], &nodes[2]], DOCS, "after the recovery").await;
     assert!(after_failover > 0 && exact > after_failover, "the readers read before and after the failover");

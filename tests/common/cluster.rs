@@ -122,6 +122,11 @@ pub fn index_node_args() -> Vec<&'static str> {
     base_args(&["--services", "index,query"])
 }
 
+/// `serve` flags of a data node without the index service of a test cluster.
+pub fn data_node_args() -> Vec<&'static str> {
+    base_args(&["--services", "data,query"])
+}
+
 /// The index service's test shape: two data nodes and two index nodes, rebalanced in, with
 /// collection `c`.
 pub struct IndexCluster {
@@ -135,10 +140,10 @@ pub struct IndexCluster {
 }
 
 pub async fn index_cluster() -> IndexCluster {
-    let mut first = Node::start(&base_args(&[]));
+    let mut first = Node::start(&data_node_args());
     first.pin_port();
     let join = first.addr();
-    let second = joined(&base_args(&[]), &join);
+    let second = joined(&data_node_args(), &join);
     let a = joined(&index_node_args(), &join);
     let b = joined(&index_node_args(), &join);
     let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();

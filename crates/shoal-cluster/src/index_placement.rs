@@ -233,6 +233,37 @@ pub fn index_sources(from: &IndexPlacement, build: &[IndexCopy], alive: &BTreeSe
         .collect()
 }
 
+/// After a failover: the placement on the index `nodes` left, with no copy moved. Copies
+/// on nodes no longer listed go; a unit with a copy left keeps it (the replica is promoted:
+/// it serves alone until a rebalance places the missing copies again from its files); a
+/// unit left with none gets one on the listed node with the fewest copies (ties by the
+/// rendezvous score), which rebuilds it from the change streams — there are no files left
+/// to copy. Empty when `nodes` is. Pure.
+pub fn repair_indexes(previous: &IndexPlacement, nodes: &[NodeId]) -> IndexPlacement {
+    let mut load: BTreeMap<NodeId, usize> = nodes.iter().map(|n| (*n, 0)).collect();
+    let mut out: IndexPlacement = previous
+        .iter()
+        .map(|(part, copies)| (*part, copies.iter().copied().filter(|n| load.contains_key(n)).collect::<Vec<NodeId>>()))
+        .collect();
+    if load.is_empty() {
+        return IndexPlacement::new();
+    }
+    for n in out.values().flatten() {
+        if let Some(l) = load.get_mut(n) {
+            *l += 1;
+        }
+    }
+    for (part, copies) in out.iter_mut().filter(|(_, c)| c.is_empty()) {
+        let best = load.iter().min_by(|a, b| a.1.cmp(b.1).then_with(|| score(part, *b.0).cmp(&score(part, *a.0)))).map(|(n, _)| *n);
+        if let Some(n) = best {
+            copies.push(n);
+            *load.entry(n).or_default() += 1;
+        }
+    }
+    debug_assert!(out.values().all(|c| !c.is_empty()));
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -352,5 +383,30 @@ mod tests {
         let mut reversed = specs.clone();
         reversed.reverse();
         assert_eq!(place_indexes(&reversed, &ns, &IndexPlacement::new()), Ok(p));
+    }
+
+    #[test]
+    fn a_failover_promotes_a_surviving_copy_and_places_a_lost_unit_on_the_least_loaded_node() {
+        let part = |p: u16| IndexPart { index: 7, partition: p };
+        let from: IndexPlacement = BTreeMap::from([
+            (part(0), vec![NodeId(1), NodeId(2)]), // a replica survives: it alone serves
+            (part(1), vec![NodeId(2)]),            // lost: rebuilt on the least loaded node
+            (part(2), vec![NodeId(3), NodeId(1)]), // untouched
+            (part(3), vec![NodeId(3)]),            // untouched
+        ]);
+        let got = repair_indexes(&from, &[NodeId(1), NodeId(3)]);
+        assert_eq!(got[&part(0)], vec![NodeId(1)]);
+        assert_eq!(got[&part(2)], vec![NodeId(3), NodeId(1)]);
+        assert_eq!(got[&part(3)], vec![NodeId(3)]);
+        // Node 1 holds 2 copies, node 3 holds 2: the tie goes by the rendezvous score.
+        let tie = if score(&part(1), NodeId(1)) >= score(&part(1), NodeId(3)) { NodeId(1) } else { NodeId(3) };
+        assert_eq!(got[&part(1)], vec![tie]);
+        // Nothing that survives moves; several lost units spread over the least loaded.
+        let many: IndexPlacement = (0..6).map(|p| (part(p), vec![NodeId(if p < 4 { 9 } else { 1 })])).collect();
+        let spread = repair_indexes(&many, &[NodeId(1), NodeId(2)]);
+        assert_eq!(spread[&part(4)], vec![NodeId(1)]);
+        assert_eq!(spread[&part(5)], vec![NodeId(1)]);
+        assert_eq!(loads(&spread), BTreeMap::from([(NodeId(1), 3), (NodeId(2), 3)]));
+        assert!(repair_indexes(&from, &[]).is_empty(), "no index node left: nothing placed");
     }
 }

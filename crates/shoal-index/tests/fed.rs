@@ -101,7 +101,7 @@ fn an_index_node_follows_partitions_it_does_not_hold() {
     fed_life(&node, &fetcher, |mgr| {
         let (here, docs) = (Arc::clone(&here), Arc::clone(&docs));
         async move {
-            mgr.create(&here, def).await.unwrap();
+            mgr.create_as(&here, def.clone(), None, Some(every_part(&def))).await.unwrap();
             assert_eq!(scan_ids(&mgr, &here, "by_a", json!(3)).await, expected_a3(), "built from the data node's streams");
             // Updates move entries, deletes remove them; request_plus sees each at once.
             put(&docs, "d003", json!({"a": 4, "b": "moved"}));
@@ -203,7 +203,7 @@ fn an_index_partition_moves_as_files_and_goes_on_from_the_positions_they_carry()
     fed_life(&x, &fx, |mx| {
         let (here_x, here_y, docs, y, fy) = (Arc::clone(&here_x), Arc::clone(&here_y), Arc::clone(&docs), Arc::clone(&y), Arc::clone(&fy));
         async move {
-            mx.create(&here_x, def.clone()).await.unwrap();
+            mx.create_as(&here_x, def.clone(), None, Some(every_part(&def))).await.unwrap();
             let my = IndexManager::open_fed(Arc::clone(&y), WORKERS, Arc::clone(&fy) as Arc<dyn ChangeFetcher>).unwrap();
             my.create_as(&here_y, def, None, Some(Vec::new())).await.unwrap();
             assert_eq!(ids(mx.scan(&here_x, "by_a", eq(3)).await.unwrap()), expected_a3());
@@ -249,6 +249,66 @@ fn an_index_partition_moves_as_files_and_goes_on_from_the_positions_they_carry()
             assert_eq!(status.part_items.iter().map(|(no, _)| *no).collect::<Vec<_>>(), vec![q]);
         }
     });
+}
+
+/// Parts adopted on both sides of a hand-over: the first follows the streams onto the new
+/// actives' histories (the same seqnos under new uuids) while the second arrives with the
+/// old ones. The streams are then followed from the old positions, which moves every part
+/// onto the new histories: a `request_plus` scan of both answers with no write needed to
+/// get there. (Before, the part adopted later stayed on the old histories at the actives'
+/// seqnos, and every `request_plus` of it waited out its timeout.)
+#[test]
+fn parts_adopted_across_a_hand_over_all_move_onto_the_new_histories() {
+    let Nodes { _dirs, data, docs: _, x, y, here_x, here_y } = two_index_nodes();
+    let (fx, fy) = (fetcher(&data), fetcher(&data));
+    let def = IndexDef { partitions: Some(5), ..common::def("by_a", "a", false) };
+    let part_of = |a: i64| shoal_index::partition::part_of_value(Some(&json!(a)), 5);
+    let (p, q) = (part_of(3), part_of(1));
+    assert_ne!(p, q, "the test moves two different parts");
+    let ids = |rows: Vec<shoal_index::ScanRow>| rows.into_iter().map(|r| r.id).collect::<Vec<_>>();
+    fed_life(&x, &fx, |mx| {
+        let (here_x, here_y, data, y, fy) = (Arc::clone(&here_x), Arc::clone(&here_y), Arc::clone(&data), Arc::clone(&y), Arc::clone(&fy));
+        async move {
+            mx.create_as(&here_x, def.clone(), None, Some(every_part(&def))).await.unwrap();
+            let my = IndexManager::open_fed(Arc::clone(&y), WORKERS, Arc::clone(&fy) as Arc<dyn ChangeFetcher>).unwrap();
+            my.create_as(&here_y, def, None, Some(Vec::new())).await.unwrap();
+            assert_eq!(ids(mx.scan(&here_x, "by_a", eq(3)).await.unwrap()), expected_a3());
+            // Both snapshots are taken before the hand-over.
+            let files_p = mx.export_part(&here_x, "by_a", p).unwrap();
+            let files_q = mx.export_part(&here_x, "by_a", q).unwrap();
+            let adopt = |no: u16, files: shoal_storage::KeyspaceFiles| {
+                let (my, here_y) = (Arc::clone(&my), Arc::clone(&here_y));
+                async move {
+                    let manifest = files.manifest().clone();
+                    tokio::task::spawn_blocking(move || my.import_part(&here_y, "by_a", no, &manifest, files)).await.unwrap().unwrap();
+                }
+            };
+            adopt(q, files_q).await;
+            my.wait_parts(&here_y, "by_a", &[q], WAIT).await.unwrap();
+            // A hand-over of every partition: each goes on at its seqno under a new history.
+            let before: Vec<StreamPosition> = (0..data.partitions()).map(|n| data_position(&data, n)).collect();
+            for n in 0..data.partitions() {
+                data.set_partition_state(n, shoal_storage::PartitionState::Replica).unwrap();
+                data.set_partition_state(n, shoal_storage::PartitionState::Active).unwrap();
+            }
+            let after: Vec<StreamPosition> = (0..data.partitions()).map(|n| data_position(&data, n)).collect();
+            assert!(before.iter().zip(&after).all(|(b, a)| b.seqno == a.seqno && b.uuid != a.uuid), "new histories at the same seqnos");
+            // The part held follows onto them; the part adopted now comes with the old ones.
+            my.wait_parts(&here_y, "by_a", &[q], WAIT).await.unwrap();
+            adopt(p, files_p).await;
+            my.wait_parts(&here_y, "by_a", &[p, q], WAIT).await.unwrap();
+            assert_eq!(ids(my.scan(&here_y, "by_a", eq(3)).await.unwrap()), expected_a3());
+            let want_1: Vec<String> = (0..DOCS).filter(|i| i % 5 == 1).map(|i| format!("d{i:03}")).collect();
+            assert_eq!(ids(my.scan(&here_y, "by_a", eq(1)).await.unwrap()), want_1);
+            my.stop().await;
+            my.close().unwrap();
+        }
+    });
+}
+
+/// Partition `n`'s position in the data node's collection `c`.
+fn data_position(data: &Store, n: PartitionId) -> StreamPosition {
+    data.collection("c").and_then(|c| c.position(n)).unwrap_or_default()
 }
 
 /// A fetcher whose answers wait at a gate while it is shut (those carrying changes), so
@@ -299,7 +359,7 @@ fn a_part_adopted_while_a_round_is_in_flight_misses_no_change() {
         let (here_x, here_y, docs, y, gated) =
             (Arc::clone(&here_x), Arc::clone(&here_y), Arc::clone(&docs), Arc::clone(&y), Arc::clone(&gated));
         async move {
-            mx.create(&here_x, def.clone()).await.unwrap();
+            mx.create_as(&here_x, def.clone(), None, Some(every_part(&def))).await.unwrap();
             let my = IndexManager::open_fed(Arc::clone(&y), WORKERS, Arc::clone(&gated) as Arc<dyn ChangeFetcher>).unwrap();
             my.create_as(&here_y, def, None, Some(vec![q])).await.unwrap();
             let ids = |rows: Vec<shoal_index::ScanRow>| rows.into_iter().map(|r| r.id).collect::<Vec<_>>();
@@ -356,4 +416,10 @@ fn a_part_adopted_while_a_round_is_in_flight_misses_no_change() {
             my.close().unwrap();
         }
     });
+}
+
+/// Every part of an index: what a node holding all of a placed index's partitions holds (a
+/// placed index is fed from the actives; one not placed follows this node's partitions).
+fn every_part(def: &IndexDef) -> Vec<u16> {
+    (0..def.part_count()).collect()
 }

@@ -410,6 +410,15 @@ pub fn index_spec_of(def: &IndexDef) -> Result<shoal_cluster::index_placement::I
     index_spec(u64::from(def.id), &def.definition)
 }
 
+/// An index's placement as the pure functions of `shoal_cluster::index_placement` take it:
+/// each of its partitions with its copies.
+pub fn placement_units(def: &IndexDef) -> impl Iterator<Item = (shoal_cluster::index_placement::IndexPart, Vec<NodeId>)> + '_ {
+    def.placement.iter().enumerate().map(move |(p, copies)| {
+        let unit = shoal_cluster::index_placement::IndexPart { index: u64::from(def.id), partition: u16::try_from(p).unwrap_or(u16::MAX) };
+        (unit, copies.clone())
+    })
+}
+
 fn index_spec(index: u64, definition: &serde_json::Value) -> Result<shoal_cluster::index_placement::IndexSpec, MetaReject> {
     use shoal_cluster::index_placement::INDEX_PARTITIONS_DEFAULT;
     let field = |name: &str, default: u64| -> Result<u64, MetaReject> {
@@ -462,7 +471,10 @@ impl MetaState {
             MetaCommand::AddMember { node, address, services } => self.add_member(node, address, services),
             MetaCommand::SetMemberState { node, state } => {
                 let member = self.members.get_mut(&node).ok_or(MetaReject::NoSuchMember { node })?;
-                member.state = state;
+                let was = std::mem::replace(&mut member.state, state);
+                if state == MemberState::Failed && was != MemberState::Failed {
+                    self.repair_index_placements();
+                }
                 Ok(MetaResponse::Done)
             }
             MetaCommand::RemoveMember { node } => {
@@ -600,14 +612,35 @@ impl MetaState {
         Ok(MetaResponse::IndexCreated { id })
     }
 
-    /// Members that hold placed index partitions: active, running the index service and
-    /// not data (a node running data indexes its own partitions, for now).
+    /// Members that hold placed index partitions: active and running the index service
+    /// (with data or without).
     pub fn index_service_nodes(&self) -> Vec<NodeId> {
-        self.members
-            .iter()
-            .filter(|(_, m)| m.state == MemberState::Active && m.services.index && !m.services.data)
-            .map(|(id, _)| *id)
-            .collect()
+        self.members.iter().filter(|(_, m)| m.state == MemberState::Active && m.services.index).map(|(id, _)| *id).collect()
+    }
+
+    /// After a member failed over: its index copies are taken out of every placement; an
+    /// index partition left without a copy is placed on the least loaded index node left,
+    /// which rebuilds it from the streams (`shoal_cluster::index_placement::repair_indexes`).
+    /// Nothing moves while no index node is left (its scans are refused until one is).
+    fn repair_index_placements(&mut self) {
+        use shoal_cluster::index_placement::{repair_indexes, IndexPart, IndexPlacement};
+        let nodes = self.index_service_nodes();
+        if nodes.is_empty() {
+            return;
+        }
+        let mut previous = IndexPlacement::new();
+        for def in self.indexes.values().flat_map(|by_name| by_name.values()).filter(|d| d.is_placed()) {
+            previous.extend(placement_units(def));
+        }
+        let repaired = repair_indexes(&previous, &nodes);
+        for def in self.indexes.values_mut().flat_map(|by_name| by_name.values_mut()).filter(|d| d.is_placed()) {
+            for (p, copies) in def.placement.iter_mut().enumerate() {
+                let unit = IndexPart { index: u64::from(def.id), partition: u16::try_from(p).unwrap_or(u16::MAX) };
+                if let Some(repaired) = repaired.get(&unit) {
+                    copies.clone_from(repaired);
+                }
+            }
+        }
     }
 
     /// Where a new index's partitions go: placed among every placed index's copies, so that
@@ -624,9 +657,7 @@ impl MetaState {
         let mut previous = IndexPlacement::new();
         for def in self.indexes.values().flat_map(|by_name| by_name.values()).filter(|d| d.is_placed()) {
             specs.push(index_spec(u64::from(def.id), &def.definition)?);
-            for (p, copies) in def.placement.iter().enumerate() {
-                previous.insert(IndexPart { index: u64::from(def.id), partition: u16::try_from(p).unwrap_or(u16::MAX) }, copies.clone());
-            }
+            previous.extend(placement_units(def));
         }
         let bad = |e: shoal_cluster::index_placement::IndexPlaceError| MetaReject::OutOfRange {
             what: "index placement".into(),
@@ -657,8 +688,8 @@ impl MetaState {
                 if copies.is_empty() || (1..copies.len()).any(|i| copies[..i].contains(&copies[i])) {
                     return Err(bad("a partition without copies or with two on one node".into()));
                 }
-                if let Some(node) = copies.iter().find(|n| !self.members.get(n).is_some_and(|m| m.services.index && !m.services.data)) {
-                    return Err(bad(format!("node {node} is not a member running the index service without data")));
+                if let Some(node) = copies.iter().find(|n| !self.members.get(n).is_some_and(|m| m.services.index)) {
+                    return Err(bad(format!("node {node} is not a member running the index service")));
                 }
             }
         }
@@ -983,10 +1014,11 @@ mod tests {
 
     /// Members that create a built index later build it too: the flag is in the state.
     #[test]
-    fn a_new_index_is_placed_on_the_nodes_running_the_index_service_alone() {
+    fn a_new_index_is_placed_on_the_nodes_running_the_index_service() {
         let mut state = MetaState::default();
         let index_only = Services { data: false, index: true, query: false };
-        for (id, services) in [(1, Services::ALL), (2, Services::ALL), (3, index_only), (4, index_only)] {
+        let data_only = Services { data: true, index: false, query: true };
+        for (id, services) in [(1, data_only), (2, data_only), (3, Services::ALL), (4, index_only)] {
             state.apply(MetaCommand::AddMember { node: n(id), address: format!("n{id}"), services }).expect("added");
             state.apply(MetaCommand::SetMemberState { node: n(id), state: MemberState::Active }).expect("active");
         }
@@ -1026,7 +1058,7 @@ mod tests {
             (change(vec![vec![n(4)], vec![n(4), n(4)], vec![n(3)], vec![n(3)]], id), "two copies on one node"),
             (change(vec![vec![n(4)], vec![], vec![n(3)], vec![n(3)]], id), "a partition without copies"),
             (change(vec![vec![n(4)], vec![n(9)], vec![n(3)], vec![n(3)]], id), "not a member"),
-            (change(vec![vec![n(4)], vec![n(1)], vec![n(3)], vec![n(3)]], id), "a data node"),
+            (change(vec![vec![n(4)], vec![n(1)], vec![n(3)], vec![n(3)]], id), "a node without the index service"),
             (change(moved.clone(), id + 100), "another index of that name"),
         ];
         for (bad, why) in refused {
@@ -1038,7 +1070,17 @@ mod tests {
         state.apply(MetaCommand::SetIndexPlacements { placements: vec![change(moved.clone(), id)] }).expect("placed");
         assert_eq!(state.indexes["c"]["j"].placement, moved);
         state.check().expect("invariants hold");
-        // Without a node running the index service alone, indexes are not placed (each
+        // A failover takes the failed node's copies out: a surviving copy serves alone, a
+        // partition left with none goes to the index node left (rebuilt there).
+        let mut failed = state.clone();
+        failed.apply(MetaCommand::SetMemberState { node: n(4), state: MemberState::Failed }).expect("failed over");
+        assert!(failed.indexes["c"]["i"].placement.iter().all(|c| c == &vec![n(3)]), "replicas promoted");
+        assert!(failed.indexes["c"]["j"].placement.iter().all(|c| c == &vec![n(3)]), "lost partitions placed again");
+        failed.check().expect("invariants hold");
+        let mut none_left = failed.clone();
+        none_left.apply(MetaCommand::SetMemberState { node: n(3), state: MemberState::Failed }).expect("failed over");
+        assert_eq!(none_left.indexes, failed.indexes, "no index node left: the placement waits for one");
+        // Without an active node running the index service, indexes are not placed (each
         // data node indexes its own partitions).
         let mut plain = MetaState::default();
         plain.apply(add(1, "a")).expect("added");

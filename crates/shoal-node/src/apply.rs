@@ -242,7 +242,7 @@ impl ClusterNode {
                     let parsed = shoal_index::IndexDef { defer_build: parsed.defer_build && !index.built, ..parsed };
                     // The log's id where it is free here; a node that took local ids past it
                     // (an index rebuilt after damage takes a fresh one) keeps a local id.
-                    // A placed index: the partitions placed here (none on a data node).
+                    // A placed index: the partitions placed here (none on a node without the index service).
                     let held = index.is_placed().then(|| index.parts_on(self.id));
                     let created = match indexes.create_as(&coll, parsed.clone(), Some(index.id), held.clone()).await {
                         Err(shoal_index::IndexError::Invalid(why)) if why.contains("is taken") => {

@@ -14,9 +14,10 @@
 //! index at the seqnos it asked for but on another history asks again
 //! (`shoal_index`'s `ready`).
 //!
-//! Today an index node is a node running the `index` service and not `data`: it holds no
-//! partition, so its indexes follow the actives over the network; nodes running `data`
-//! keep indexing the partitions they hold.
+//! An index node is a node running the `index` service. The partitions active on it are
+//! read here, without the network; a node that holds every active (a cluster of one) feeds
+//! its placed indexes from its own streams as unplaced ones are ([`FeedLink::all_here`]),
+//! key-order build included.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock, Weak};
@@ -196,22 +197,32 @@ impl ChangeFetcher for FeedLink {
             let node = self.node()?;
             let from: BTreeMap<PartitionId, StreamPosition> = asks.iter().copied().collect();
             let actives = FeedLink::actives(&node.state(), coll.partition_count())?;
-            let calls = actives.into_values().map(|(address, partitions)| {
+            let call = |to: NodeId, address: &str, partitions: &[PartitionId], wait: Duration| {
                 let parts: Vec<(u16, u64, u64)> = partitions.iter().filter_map(|p| from.get(p).map(|at| (*p, at.seqno, at.uuid))).collect();
                 let req = FeedRequest { collection: coll.id(), wait_ms: u32::try_from(wait.as_millis()).unwrap_or(u32::MAX), parts };
-                let node = Arc::clone(&node);
-                async move {
-                    match node.peers.call(&address, Op::Feed, wire::encode(&req), FEED_TIMEOUT + wait).await {
-                        Ok(bytes) => wire::decode::<FeedAnswer>(&bytes).ok(),
-                        Err(e) => {
-                            tracing::debug!(%address, error = %e, "index feed: an active did not answer");
-                            None
-                        }
+                let (node, address) = (Arc::clone(&node), address.to_string());
+                async move { (to, feed_call(&node, to, &address, req, wait).await) }
+            };
+            // First what every active has now, at once; only when none has news, wait for
+            // the first that gets some — the others are asked again by the next round, so
+            // an idle active never holds back another's changes.
+            let now = actives.iter().map(|(to, (address, partitions))| call(*to, address, partitions, Duration::ZERO));
+            let mut answers: BTreeMap<NodeId, FeedAnswer> =
+                futures::future::join_all(now).await.into_iter().filter_map(|(to, a)| a.map(|a| (to, a))).collect();
+            if !wait.is_zero() && !answers.values().any(has_news) {
+                let mut waiting: futures::stream::FuturesUnordered<_> =
+                    actives.iter().map(|(to, (address, partitions))| call(*to, address, partitions, wait)).collect();
+                while let Some((to, answer)) = futures::StreamExt::next(&mut waiting).await {
+                    let Some(answer) = answer else { continue };
+                    let news = has_news(&answer);
+                    answers.insert(to, answer);
+                    if news {
+                        break;
                     }
                 }
-            });
+            }
             let mut fetched = Fetched::new(coll.partition_count());
-            for answer in futures::future::join_all(calls).await.into_iter().flatten() {
+            for answer in answers.into_values() {
                 for (p, kind) in answer.parts {
                     let Some(&at) = from.get(&p) else { continue };
                     let part = match kind {
@@ -251,10 +262,15 @@ impl ChangeFetcher for FeedLink {
             let map_version = pinned.map_version();
             let actives = FeedLink::actives(&pinned, coll.partition_count())?;
             let mut at: Vec<Option<StreamPosition>> = vec![None; usize::from(coll.partition_count())];
-            let calls = actives.into_iter().map(|(_, (address, partitions))| {
+            let calls = actives.into_iter().map(|(to, (address, partitions))| {
                 let node = Arc::clone(&node);
-                let body = serde_json::to_vec(&HighsRequest { collection: coll.id(), map_version }).unwrap_or_default();
+                let req = HighsRequest { collection: coll.id(), map_version };
                 async move {
+                    // This node's own partitions are read here.
+                    if to == node.id {
+                        return serve_highs(&node, req).ok().map(|answer| (partitions, answer));
+                    }
+                    let body = serde_json::to_vec(&req).ok()?;
                     let bytes = node.peers.call(&address, Op::Highs, body, FEED_TIMEOUT).await.ok()?;
                     let answer: HighsAnswer = serde_json::from_slice(&bytes).ok()?;
                     Some((partitions, answer))
@@ -284,4 +300,34 @@ impl ChangeFetcher for FeedLink {
                 .collect()
         })
     }
+
+    fn all_here(&self, coll: &Collection) -> Option<bool> {
+        let node = self.node().ok()?;
+        let state = node.state();
+        let map = state.map.as_ref()?;
+        Some((0..coll.partition_count()).all(|p| map.partitions.get(usize::from(p)).is_some_and(|c| c.active == node.id)))
+    }
+}
+
+/// One feed call to the active `to`: this node's own partitions are read here, others' over
+/// the network. `None` when it did not answer (its partitions are asked again next round).
+async fn feed_call(node: &Arc<ClusterNode>, to: NodeId, address: &str, req: FeedRequest, wait: Duration) -> Option<FeedAnswer> {
+    let answer = if to == node.id {
+        serve_feed(node, req).await
+    } else {
+        match node.peers.call(address, Op::Feed, wire::encode(&req), FEED_TIMEOUT + wait).await {
+            Ok(bytes) => wire::decode::<FeedAnswer>(&bytes).map_err(ClusterError::Refused),
+            Err(e) => Err(ClusterError::from(e)),
+        }
+    };
+    answer.map_err(|e| tracing::debug!(%address, error = %e, "index feed: an active did not answer")).ok()
+}
+
+/// Whether an answer moves an index: changes, a rollback, or more to read.
+fn has_news(answer: &FeedAnswer) -> bool {
+    answer.parts.iter().any(|(_, k)| match k {
+        FeedKind::Changes { changes, end, high, .. } => !changes.is_empty() || end != high,
+        FeedKind::Rollback { .. } => true,
+        FeedKind::Refused { .. } => false,
+    })
 }

@@ -200,21 +200,13 @@ async fn adopt_files(node: &Arc<ClusterNode>, source: &str, req: &AdoptRequest) 
 }
 
 /// The index nodes a rebalance ejecting `eject` leaves: active members running the index
-/// service and not data.
+/// service.
 fn staying_index_nodes(state: &MetaState, eject: &[NodeId]) -> Vec<NodeId> {
     state.index_service_nodes().into_iter().filter(|n| !eject.contains(n)).collect()
 }
 
 /// A copy to build, with the node its files come from (`None`: rebuilt from the streams).
 pub(crate) type SourcedCopy = ((IndexPart, NodeId), Option<NodeId>);
-
-/// One index's placement as the pure functions take it.
-fn as_placement(id: u64, placement: &[Vec<NodeId>]) -> impl Iterator<Item = (IndexPart, Vec<NodeId>)> + '_ {
-    placement
-        .iter()
-        .enumerate()
-        .map(move |(p, copies)| (IndexPart { index: id, partition: u16::try_from(p).unwrap_or(u16::MAX) }, copies.clone()))
-}
 
 /// What a rebalance does to the indexes: every index's placement after it (on the index
 /// nodes that stay), and the copies to build, each with where it comes from. Indexes not
@@ -230,7 +222,7 @@ pub(crate) fn plan_index_moves(
     let defs: Vec<&shoal_meta::IndexDef> = state.indexes.values().flat_map(|by_name| by_name.values()).collect();
     if nodes.is_empty() {
         return match defs.iter().any(|d| d.is_placed()) {
-            true => Err(ClusterError::Refused("no node running the index service alone would be left to hold the indexes".into())),
+            true => Err(ClusterError::Refused("no node running the index service would be left to hold the indexes".into())),
             false => Ok((IndexPlacement::new(), Vec::new())),
         };
     }
@@ -239,7 +231,7 @@ pub(crate) fn plan_index_moves(
     for def in &defs {
         let spec = shoal_meta::state::index_spec_of(def).map_err(ClusterError::Rejected)?;
         specs.push(IndexSpec { index: u64::from(def.id), ..spec });
-        previous.extend(as_placement(u64::from(def.id), &def.placement));
+        previous.extend(shoal_meta::state::placement_units(def));
     }
     let target = place_indexes(&specs, &nodes, &previous).map_err(|e| ClusterError::Refused(format!("cannot place the indexes: {e}")))?;
     let (build, _) = index_moves(&previous, &target);

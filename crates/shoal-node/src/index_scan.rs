@@ -71,7 +71,8 @@ pub fn placed_index<'a>(state: &'a MetaState, collection: &str, name: &str) -> O
 }
 
 /// For each index partition in `parts`, the copy that reads it: `me`'s when it holds one,
-/// else one on a live index node not `excluded`, the copies taking turns by `turn`. Grouped
+/// else one on a live index node not `excluded` (active, or leaving: it holds its copies
+/// until the rebalance has built them elsewhere), the copies taking turns by `turn`. Grouped
 /// by node; `Err` names a part with no such copy.
 pub fn pick_copies(
     state: &MetaState,
@@ -81,7 +82,9 @@ pub fn pick_copies(
     excluded: &BTreeSet<NodeId>,
     turn: usize,
 ) -> Result<BTreeMap<NodeId, Vec<u16>>, u16> {
-    let live = |id: &NodeId| !excluded.contains(id) && state.members.get(id).is_some_and(|m| m.state == MemberState::Active);
+    let live = |id: &NodeId| {
+        !excluded.contains(id) && state.members.get(id).is_some_and(|m| matches!(m.state, MemberState::Active | MemberState::Leaving))
+    };
     let mut groups: BTreeMap<NodeId, Vec<u16>> = BTreeMap::new();
     for &p in parts {
         let copies = def.placement.get(usize::from(p)).map(Vec::as_slice).unwrap_or_default();

@@ -299,7 +299,7 @@ impl ClusterNode {
         // other index nodes could never be placed.
         let replicas = definition.get("replicas").and_then(serde_json::Value::as_u64).unwrap_or(0);
         let state = self.state();
-        // Placed on the nodes running the index service alone when there are any.
+        // Placed on the active members running the index service when there are any.
         let index_nodes = match state.index_service_nodes().len() {
             0 => index_nodes(&state),
             placing => placing,

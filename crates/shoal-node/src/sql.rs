@@ -42,7 +42,8 @@ impl ClusterNode {
 
 impl ClusterNode {
     /// How a SQL statement run here reads indexes placed on index nodes, by `state` (the
-    /// metadata it pins): `None` when no index is placed.
+    /// metadata it pins): `None` when no index is placed. An index whose every partition is
+    /// here, on a node holding every active, is read as a local index.
     pub fn placed_indexes(self: &Arc<Self>, state: &Arc<shoal_meta::MetaState>) -> Option<Arc<dyn PlacedIndexes>> {
         let any = state.indexes.values().flat_map(|by_name| by_name.values()).any(|d| d.is_placed());
         any.then(|| Arc::new(PlacedReader { node: Arc::clone(self), state: Arc::clone(state) }) as Arc<dyn PlacedIndexes>)
@@ -73,6 +74,13 @@ impl PlacedIndexes for PlacedReader {
         limit: usize,
     ) -> Result<Option<Vec<String>>, RemoteError> {
         let Some(def) = crate::index_scan::placed_index(&self.state, collection, index) else { return Ok(None) };
+        // Every partition of the index and every active here (a cluster of one): the
+        // statement reads this node's index as it reads its documents, as one stream.
+        let all_parts = def.parts_on(self.node.id).len() == def.placement.len();
+        let all_actives = crate::routing::actives_here_in(self.node.id, &self.state).is_none();
+        if all_parts && all_actives {
+            return Ok(None);
+        }
         let coll = self.node.engine.store().collection(collection).ok_or_else(|| RemoteError(format!("no collection {collection}")))?;
         let scan = crate::index_scan::RoutedScan { bounds: bounds.clone(), limit, descending: false, consistency, timeout };
         let rows = self.node.routed_scan(&self.state, &coll, def, scan).await.map_err(|e| RemoteError(format!("index {index}: {e}")))?;

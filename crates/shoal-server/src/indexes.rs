@@ -196,17 +196,6 @@ pub async fn scan(
     // (a partition that moved meanwhile would be counted twice or not at all).
     let node = &state.cluster;
     crate::routing::require_serving(&state).await?;
-    // An index node's indexes follow every partition's active: a scan goes to it alone.
-    // (Documents are read from the members holding them, so `include_docs` takes the path
-    // below.)
-    if state.engine.indexes().is_fed() && !req.include_docs {
-        let scan = ScanRequest { bounds, limit, descending: req.descending, consistency, timeout, keep: None, parts: None };
-        let rows = state.engine.indexes().scan(&coll, &name, scan).await?;
-        let coll = Arc::clone(&coll);
-        let body =
-            tokio::task::spawn_blocking(move || write_rows(&coll, &rows, false)).await.map_err(|e| ApiError::internal(e.to_string()))??;
-        return Ok(json_response(StatusCode::OK, body));
-    }
     if let Some(routed_by) = crate::routing::forwarded_by_map(&headers).filter(|v| *v > node.state().map_version()) {
         node.wait_map_after(routed_by - 1, crate::routing::FORWARDED_MAP_WAIT).await;
     }

@@ -184,10 +184,10 @@ impl Server {
     pub async fn bind(config: ServerConfig) -> Result<Server, ServerError> {
         // First: what opening the store, indexes and shadows counts (rebuilds) is kept.
         let metrics = ops::prometheus();
-        // A node running the index service and not data holds no partition: its indexes
-        // follow the actives over the network (`shoal_node::feed`).
+        // A node running the index service holds the index partitions placed on it, fed
+        // from the data partitions' actives wherever they are (`shoal_node::feed`).
         let services = config.cluster.services;
-        let feed = (services.index && !services.data).then(shoal_node::feed::FeedLink::new);
+        let feed = services.index.then(shoal_node::feed::FeedLink::new);
         let mut engine_config = config.engine.clone();
         if let Some(link) = &feed {
             engine_config.index_feed = Some(shoal_engine::IndexFeed(Arc::clone(link) as Arc<dyn shoal_index::ChangeFetcher>));

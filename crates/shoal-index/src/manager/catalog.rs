@@ -110,7 +110,7 @@ pub(super) fn read_catalog(store: &Store) -> Result<BTreeMap<String, Record>, In
 /// catalog, removes storage no definition owns, and loads every index. Any error here
 /// reading the database is for [`damaged_at_open`] to judge.
 /// `target` gives a new or loaded index's build target (see [`load`]).
-pub(super) fn open_database(store: &Store, path: &Path, target: &dyn Fn(&Collection) -> Vec<SeqNo>) -> Result<Opened, IndexError> {
+pub(super) fn open_database(store: &Store, path: &Path, target: &dyn Fn(&Collection, bool) -> Vec<SeqNo>) -> Result<Opened, IndexError> {
     let db = open_fjall(path)?;
     let meta = db.keyspace(META_KEYSPACE, fjall::KeyspaceCreateOptions::default)?;
     let mut records = read_catalog(store)?;
@@ -173,7 +173,7 @@ pub(super) fn open_database(store: &Store, path: &Path, target: &dyn Fn(&Collect
     let mut indexes = Vec::new();
     let mut rebuilt = Vec::new();
     for (coll, r) in found {
-        let index = match load(&db, &meta, r, &coll, target(&coll)) {
+        let index = match load(&db, &meta, r, &coll, target(&coll, r.held.is_some())) {
             Ok(index) => index,
             Err(e) if is_damage(&e) => {
                 let record = Record { id: next_id, ..r.clone() };
@@ -183,7 +183,7 @@ pub(super) fn open_database(store: &Store, path: &Path, target: &dyn Fn(&Collect
                 delete_index_storage(&db, &meta, r.id, r.def.part_count(), None)?;
                 tracing::error!(index = %r.def.name, collection = %r.collection, error = %e, "index storage failed a check at start: rebuilding the index from the documents");
                 rebuilt.push(format!("index {} of collection {} ({e})", r.def.name, r.collection));
-                load(&db, &meta, &record, &coll, target(&coll))?
+                load(&db, &meta, &record, &coll, target(&coll, record.held.is_some()))?
             }
             Err(e) => return Err(e),
         };
@@ -293,6 +293,7 @@ pub(super) fn load(
         corrupt: AtomicBool::new(false),
         // Holding no part here, it has nothing to build.
         target: Mutex::new((!parts_empty).then_some(target)),
+        histories: Mutex::new(vec![0; usize::from(coll.partition_count())]),
         progress: watch::channel(0).0,
         scan: Mutex::new(scan),
     }))

@@ -53,7 +53,7 @@ impl IndexManager {
         // Durable in the store's catalog before the answer: the index database holds only
         // what can be rebuilt from the definition and the documents.
         self.store.put_catalog(&record.catalog_key(), &record.encode()?)?;
-        let index = load(&self.db, &self.meta, &record, coll, self.build_target(coll))?;
+        let index = load(&self.db, &self.meta, &record, coll, self.build_target(coll, record.held.is_some()))?;
         let status = index.status();
         self.attach(coll, index);
         Ok(status)
@@ -68,7 +68,9 @@ impl IndexManager {
 
     /// Where the collection's ready indexes stand in each partition's change stream: the
     /// lowest cursor seqno over them (`None` when it has no ready index). A rebalance hands a
-    /// partition over only once this reaches the new active's copy.
+    /// partition over only once this reaches the new active's copy. Indexes fed from the
+    /// actives wherever they are (placed by the index service) do not depend on which copy
+    /// is active, and hold back no hand-over.
     pub fn lowest_positions(&self, coll: &Collection) -> Option<Vec<shoal_storage::SeqNo>> {
         let colls = self.colls.lock();
         let ready: Vec<&Arc<Index>> = colls
@@ -76,7 +78,10 @@ impl IndexManager {
             .indexes
             .iter()
             .filter(|i| {
-                !i.dropped.load(std::sync::atomic::Ordering::Acquire) && i.state() == super::IndexState::Ready && !i.parts().is_empty()
+                !i.dropped.load(std::sync::atomic::Ordering::Acquire)
+                    && i.state() == super::IndexState::Ready
+                    && !i.parts().is_empty()
+                    && self.fed_by(i).is_none()
             })
             .collect();
         if ready.is_empty() {
@@ -106,10 +111,9 @@ impl IndexManager {
             // Flipped under the lock that `active()` takes: the maintainer's next round
             // sees all of them or none.
             let colls = self.colls.lock();
-            let highs = self.build_target(coll);
             for index in &indexes {
                 if index.deferred.load(Ordering::Acquire) {
-                    *index.target.lock() = Some(highs.clone());
+                    *index.target.lock() = Some(self.build_target(coll, index.placed()));
                     index.deferred.store(false, Ordering::Release);
                 }
             }
@@ -243,7 +247,7 @@ impl IndexManager {
         };
         let record = Record { id: self.allocate_id(None)?, ..old.record() };
         self.store.put_catalog(&record.catalog_key(), &record.encode()?)?;
-        let new = load(&self.db, &self.meta, &record, &coll, self.build_target(&coll))?;
+        let new = load(&self.db, &self.meta, &record, &coll, self.build_target(&coll, record.held.is_some()))?;
         {
             let mut colls = self.colls.lock();
             if let Some(entry) = colls.get_mut(&coll.id()) {

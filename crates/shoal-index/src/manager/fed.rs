@@ -39,6 +39,15 @@ pub trait ChangeFetcher: Send + Sync {
     /// [`reaches`](StreamPosition::reaches) this one: past a failover, the new active's
     /// history differs, and the index must first roll back what the old one lost.
     fn highs<'a>(&'a self, coll: &'a Collection) -> FetchFuture<'a, Vec<StreamPosition>>;
+
+    /// Whether every partition of `coll` is active on this node now (a cluster of one, or
+    /// a node that holds every active): its placed indexes then follow its own partitions'
+    /// streams as unplaced ones do, key-order build included, with no fetch. `None` while
+    /// the fetcher cannot tell (not connected to its cluster yet): placed indexes wait.
+    fn all_here(&self, coll: &Collection) -> Option<bool> {
+        let _ = coll;
+        Some(false)
+    }
 }
 
 /// How long a fetch that finds nothing new may wait for news.
@@ -65,6 +74,11 @@ pub(super) async fn fed_round(
     // A build's target is the highs of its first fetch that answered every partition
     // (unknown until then).
     let whole = fetched.partitions().len() == usize::from(coll.partition_count());
+    let answered = fetched.partitions();
+    let positions = shoal_storage::ChangeSource::positions(&fetched);
+    for index in &live {
+        index.seen(answered.iter().map(|&p| (p, positions[usize::from(p)].uuid)));
+    }
     for index in live.iter().filter(|_| whole) {
         let mut target = index.target.lock();
         if target.as_ref().is_some_and(Vec::is_empty) {

@@ -46,46 +46,60 @@ pub(super) async fn maintain(
         changed.borrow_and_update();
         let mut progressed = false;
         if !active.is_empty() {
-            let result = match &mgr.fetcher {
-                // Fed from elsewhere: the round fetches (waiting for news) before it applies.
-                Some(fetcher) => {
-                    let fetcher = Arc::clone(fetcher);
-                    tokio::select! {
-                        r = fed_round(&mgr, &fetcher, &coll, active, Arc::clone(&round)) => Ok(r),
-                        _ = stop.changed() => continue,
-                    }
-                }
-                None => {
-                    let (tx, rx) = tokio::sync::oneshot::channel();
-                    let (c, r) = (Arc::clone(&coll), Arc::clone(&round));
-                    let m = Arc::clone(&mgr);
-                    mgr.pool.spawn(move || {
-                        let _round = r.lock();
-                        let _ = tx.send(run_round(&m, &c, &active));
-                    });
-                    rx.await
-                }
+            // Placed indexes follow the actives wherever they are, through the fetcher —
+            // unless every partition is active here, when they follow this node's own
+            // streams as the others do.
+            // While the fetcher cannot tell (not connected yet), placed indexes wait.
+            let here = mgr.fetcher.as_ref().map(|f| (f, f.all_here(&coll)));
+            let fetcher = match here {
+                Some((f, Some(false))) => Some(Arc::clone(f)),
+                _ => None,
             };
-            match result {
-                Ok(Ok(p)) => {
-                    mgr.health.round_succeeded();
-                    progressed = p;
-                }
-                Ok(Err(
-                    IndexError::Changes(shoal_storage::ChangesError::CollectionDropped)
-                    | IndexError::Read(shoal_storage::ReadError::CollectionDropped),
-                )) => continue,
-                // An index met damage and was set aside (reported where it was met); the
-                // others go on at once.
-                Ok(Err(IndexError::Rebuilding { .. })) => continue,
-                Ok(Err(e)) => {
-                    tracing::warn!(collection = %coll.name(), error = %e, "index maintenance failed; retrying");
-                    mgr.health.round_failed(&format!("collection {}: {e}", coll.name()));
-                    tokio::time::sleep(IDLE_POLL).await;
-                }
-                Err(_) => return,
+            let waiting = matches!(here, Some((_, None)));
+            let (fed, local): (Vec<Arc<Index>>, Vec<Arc<Index>>) =
+                active.into_iter().filter(|i| !(waiting && i.placed())).partition(|i| fetcher.is_some() && i.placed());
+            let mut results = Vec::with_capacity(2);
+            if !local.is_empty() {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                let (c, r) = (Arc::clone(&coll), Arc::clone(&round));
+                let m = Arc::clone(&mgr);
+                mgr.pool.spawn(move || {
+                    let _round = r.lock();
+                    let _ = tx.send(run_round(&m, &c, &local));
+                });
+                results.push(rx.await);
             }
-            if mgr.fetcher.is_some() {
+            let fetched = fetcher.filter(|_| !fed.is_empty());
+            if let Some(fetcher) = &fetched {
+                // The round fetches (waiting for news) before it applies.
+                tokio::select! {
+                    r = fed_round(&mgr, fetcher, &coll, fed, Arc::clone(&round)) => results.push(Ok(r)),
+                    _ = stop.changed() => continue,
+                }
+            }
+            let mut retry = false;
+            for result in results {
+                match result {
+                    Ok(Ok(p)) => {
+                        mgr.health.round_succeeded();
+                        progressed |= p;
+                    }
+                    Ok(Err(
+                        IndexError::Changes(shoal_storage::ChangesError::CollectionDropped)
+                        | IndexError::Read(shoal_storage::ReadError::CollectionDropped),
+                    )) => retry = true,
+                    // An index met damage and was set aside (reported where it was met); the
+                    // others go on at once.
+                    Ok(Err(IndexError::Rebuilding { .. })) => retry = true,
+                    Ok(Err(e)) => {
+                        tracing::warn!(collection = %coll.name(), error = %e, "index maintenance failed; retrying");
+                        mgr.health.round_failed(&format!("collection {}: {e}", coll.name()));
+                        tokio::time::sleep(IDLE_POLL).await;
+                    }
+                    Err(_) => return,
+                }
+            }
+            if retry || fetched.is_some() {
                 // The fetch waited for news already.
                 continue;
             }
@@ -106,22 +120,34 @@ pub(super) async fn maintain(
 ///
 /// Partitions are handled in groups whose batches are applied together (see [`group_size`]).
 pub(super) fn run_round(mgr: &IndexManager, coll: &Collection, active: &[Arc<Index>]) -> Result<bool, IndexError> {
+    // A target left to the first round (see `build_target`): this node's highs.
+    for index in active {
+        let mut target = index.target.lock();
+        if target.as_ref().is_some_and(Vec::is_empty) {
+            *target = Some(coll.held_high_seqnos());
+        }
+    }
     let Plan { scanning, streaming } = plan_scan(mgr, coll, active)?;
     let now = coll.positions();
     let held = coll.held_here();
+    for index in active {
+        index.seen(now.iter().enumerate().filter(|(p, _)| held[*p]).map(|(p, at)| (p as PartitionId, at.uuid)));
+    }
     // Partitions that left this node (or are being copied in anew): their entries go, in one
-    // pass over each index, so that they neither leak nor count in `items`.
+    // pass over each index, so that they neither leak nor count in `items`. Not from an
+    // index fed from the actives wherever they are (it follows every partition).
+    let node_local: Vec<&Arc<Index>> = streaming.iter().filter(|i| mgr.fed_by(i).is_none()).collect();
     let gone: Vec<PartitionId> = (0..coll.partition_count())
         .filter(|&p| {
             let pi = usize::from(p);
             !held[pi]
-                && streaming
+                && node_local
                     .iter()
                     .any(|i| i.parts().iter().any(|part| part.cursors.lock()[pi].seqno > 0 || part.items[pi].load(Ordering::Relaxed) != 0))
         })
         .collect();
     if !gone.is_empty() {
-        for index in &streaming {
+        for index in &node_local {
             super::stream::drop_partitions(mgr, index, &gone, coll.partition_count())?;
         }
         tracing::info!(collection = %coll.name(), partitions = ?gone, "index entries of partitions no longer on this node dropped");
@@ -141,6 +167,19 @@ pub(super) fn run_round(mgr: &IndexManager, coll: &Collection, active: &[Arc<Ind
         || behind.par_chunks(size).map(|group| catch_up(mgr, coll, &streaming, group)).try_reduce(|| false, |a, b| Ok(a || b)),
     );
     let moved = scanned? | streamed?;
+    // Parts rebuilt from the streams (see `add_part`) serve once they reach the highs.
+    let highs: Vec<_> = now.iter().map(|p| p.seqno).collect();
+    for index in active {
+        let caught_up: Vec<_> =
+            index.parts().iter().filter(|p| !p.serving.load(Ordering::Acquire) && p.caught_up(&highs)).cloned().collect();
+        for part in &caught_up {
+            part.serving.store(true, Ordering::Release);
+        }
+        if !caught_up.is_empty() {
+            index.bump();
+            tracing::info!(index = %index.def.name, parts = caught_up.len(), "index partitions rebuilt");
+        }
+    }
     for index in active {
         let done = index.scan.lock().is_none() && index.target.lock().as_ref().is_some_and(|t| index.caught_up(t));
         if done {

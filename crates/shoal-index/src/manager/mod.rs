@@ -246,6 +246,12 @@ struct Index {
     corrupt: AtomicBool,
     /// High seqnos when the build started; `None` once the index is ready.
     target: Mutex<Option<Vec<SeqNo>>>,
+    /// Per data partition: the history (uuid) its stream was last seen on — the active's,
+    /// by the last fetch, or this node's copy's. Parts adopted at different times may hold
+    /// the same seqno on two histories (one from before a hand-over); the stream is then
+    /// followed from the other one, so that it moves every part onto this history (or
+    /// rolls them back), never leaving one on a history the active no longer names.
+    histories: Mutex<Vec<u64>>,
     /// Bumped whenever cursors move (request_plus waits on it).
     progress: watch::Sender<u64>,
     /// While a build reads the documents in key order (see [`scan_round`]).
@@ -287,6 +293,13 @@ impl Index {
         self.parts.read().clone()
     }
 
+    /// Whether the index service placed this index (this node holds the parts placement
+    /// names here, fed from the partitions' actives wherever they are), rather than every
+    /// part of the partitions this node holds.
+    fn placed(&self) -> bool {
+        self.held.lock().is_some()
+    }
+
     fn state(&self) -> IndexState {
         if self.deferred.load(Ordering::Acquire) {
             IndexState::Deferred
@@ -318,9 +331,31 @@ impl Index {
 
     /// How far every part of the index has applied data partition `p`'s change stream: the
     /// part furthest behind.
+    /// Where following partition `p` goes on from for this index: the lowest of its parts'
+    /// cursors, one on another history than the one last seen first (see `histories`).
     fn cursor(&self, p: PartitionId) -> StreamPosition {
         let pi = usize::from(p);
-        self.parts().iter().map(|part| part.cursors.lock().get(pi).copied().unwrap_or_default()).min_by_key(|c| c.seqno).unwrap_or_default()
+        let seen = self.history(p);
+        self.parts()
+            .iter()
+            .map(|part| part.cursors.lock().get(pi).copied().unwrap_or_default())
+            .min_by_key(|c| (c.seqno, c.uuid == seen))
+            .unwrap_or_default()
+    }
+
+    /// The history partition `p`'s stream was last seen on (0: not seen yet).
+    fn history(&self, p: PartitionId) -> u64 {
+        self.histories.lock().get(usize::from(p)).copied().unwrap_or(0)
+    }
+
+    /// Records the histories partitions' streams were seen on: `(partition, uuid)`.
+    fn seen(&self, seen: impl Iterator<Item = (PartitionId, u64)>) {
+        let mut histories = self.histories.lock();
+        for (p, uuid) in seen {
+            if let Some(h) = histories.get_mut(usize::from(p)) {
+                *h = uuid;
+            }
+        }
     }
 
     fn caught_up(&self, highs: &[SeqNo]) -> bool {
@@ -423,6 +458,9 @@ impl Index {
 /// The high seqnos a new (or newly started) index must reach to be ready: this node's
 /// partitions' now, or, for indexes fed from elsewhere, the highs of the first fetch (empty
 /// until then).
+/// An empty target is set by the first round that runs: the highs of a fed round's first
+/// whole fetch, or this node's highs for a round on its own partitions (a placed index whose
+/// partitions are all active here).
 fn build_target(fed: bool, coll: &Collection) -> Vec<SeqNo> {
     if fed {
         Vec::new()
@@ -496,7 +534,7 @@ impl IndexManager {
             .map_err(|e| IndexError::Invalid(format!("index worker pool: {e}")))?;
         let health = shoal_storage::TaskHealth::default();
         let fed = fetcher.is_some();
-        let target = |coll: &Collection| build_target(fed, coll);
+        let target = |coll: &Collection, placed: bool| build_target(fed && placed, coll);
         let (opened, rebuilds) = match open_database(&store, &path, &target) {
             Ok(opened) => (opened, 0),
             Err(e) if damaged_at_open(&e) => {
@@ -571,14 +609,16 @@ impl IndexManager {
         Ok(())
     }
 
-    /// Whether the indexes are fed from other nodes' partitions (see [`fed`]).
-    pub fn is_fed(&self) -> bool {
-        self.fetcher.is_some()
+    /// The fetcher `index` is fed by: placed indexes follow the partitions' actives
+    /// wherever they are (see [`fed`]); others, this node's partitions.
+    fn fed_by(&self, index: &Index) -> Option<&Arc<dyn ChangeFetcher>> {
+        self.fetcher.as_ref().filter(|_| index.placed())
     }
 
-    /// The high seqnos a new (or newly started) index must reach to be ready.
-    fn build_target(&self, coll: &Collection) -> Vec<SeqNo> {
-        build_target(self.fetcher.is_some(), coll)
+    /// The high seqnos a new (or newly started) index must reach to be ready; `placed`:
+    /// whether the index service placed it.
+    fn build_target(&self, coll: &Collection, placed: bool) -> Vec<SeqNo> {
+        build_target(self.fetcher.is_some() && placed, coll)
     }
 
     /// Indexes rebuilt because their storage was found damaged, since the node started.

@@ -81,7 +81,8 @@ impl IndexManager {
         let deadline = tokio::time::Instant::now() + timeout;
         // Fed from elsewhere, `request_plus` waits for the actives' positions, history
         // included; on its own partitions, for their high seqnos (rolled back with them).
-        let (mut highs, mut at) = match (consistency, &self.fetcher) {
+        let fed = self.fed_by(&*self.find(coll, name)?).cloned();
+        let (mut highs, mut at) = match (consistency, &fed) {
             (Consistency::RequestPlus, Some(fetcher)) => {
                 let at = fetcher.highs(coll).await?;
                 (at.iter().map(|p| p.seqno).collect(), Some(at))
@@ -129,7 +130,7 @@ impl IndexManager {
                         // back by its next fetch) — asking the actives again tells which; what
                         // they answer later includes everything they held at the start.
                         let again = asked + FEED_RECHECK;
-                        if let (Some(fetcher), true, false) = (&self.fetcher, caught_up, reached) {
+                        if let (Some(fetcher), true, false) = (&fed, caught_up, reached) {
                             if tokio::time::Instant::now() >= again {
                                 let fresh = fetcher.highs(coll).await?;
                                 highs = fresh.iter().map(|p| p.seqno).collect();
@@ -138,7 +139,7 @@ impl IndexManager {
                                 continue;
                             }
                         }
-                        let wake = if self.fetcher.is_some() && caught_up && !reached { deadline.min(again) } else { deadline };
+                        let wake = if fed.is_some() && caught_up && !reached { deadline.min(again) } else { deadline };
                         match tokio::time::timeout_at(wake, progress.changed()).await {
                             Err(_) if wake < deadline => {}
                             Err(_) => return Err(IndexError::Timeout),
@@ -165,7 +166,7 @@ impl IndexManager {
         read: &[u16],
         deadline: tokio::time::Instant,
     ) -> Result<Arc<Index>, IndexError> {
-        if self.fetcher.is_some() {
+        if self.fed_by(&index).is_some() {
             // Fed from the actives wherever they are: no partition comes to this node.
             return Ok(index);
         }

@@ -61,7 +61,12 @@ impl ChangeConsumer for IndexFeed<'_> {
 
 /// The lowest position of `indexes` in partition `p`: where following it goes on from.
 pub(super) fn lowest(indexes: &[Arc<Index>], p: PartitionId) -> StreamPosition {
-    indexes.iter().map(|i| i.cursor(p)).min_by_key(|c| c.seqno).unwrap_or_default()
+    indexes
+        .iter()
+        .map(|i| (i.cursor(p), i.history(p)))
+        .min_by_key(|(c, seen)| (c.seqno, c.uuid == *seen))
+        .map(|(c, _)| c)
+        .unwrap_or_default()
 }
 
 /// What one part of an index stages for one data partition of a batch.
