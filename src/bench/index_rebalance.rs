@@ -1,8 +1,9 @@
-//! `shoal bench index-rebalance`: seed 000 re-run (issue 41). A cluster of data nodes and
-//! index nodes (`--services index,query`), real processes on loopback, holds many indexes
+//! `shoal bench index-rebalance`: seed 000 re-run (issue 41). A cluster of data nodes
+//! (`--services data,query`) and index nodes (`--services index,query`) — or, with
+//! `--default-services`, of nodes running all three — real processes on loopback, holds many indexes
 //! over a loaded collection; `eq` scans (each checked against the answer computed from the
 //! loaded documents) and upserts that leave every index entry as it is run at a fixed rate;
-//! then a data node and an index node join in one rebalance (a scale-out). Reported, in one
+//! then a data node and an index node (or one node of all three) join in one rebalance (a scale-out). Reported, in one
 //! run: the rebalance's time, index moves, their method (files, or rebuilt from the change
 //! streams), bytes, scan p50/p95/p99 before and during, wrong answers; the same scale-out
 //! with every index copy rebuilt from the streams (`--copy-by-stream` on the index nodes),
@@ -61,6 +62,12 @@ pub struct IndexRebalanceArgs {
     /// Skip the write throughput part (0 against 5 indexes).
     #[arg(long)]
     no_writes: bool,
+    /// Every node runs the default services (data, index and query), as a cluster started
+    /// without `--services` does: `--data-nodes` such nodes and no index-only node, and the
+    /// scale-out adds one more. Without it, data nodes run `data,query` and index nodes
+    /// `index,query`.
+    #[arg(long)]
+    default_services: bool,
     /// Where the chart of scan latency over the rebalance goes (PNG).
     #[arg(long)]
     chart: Option<PathBuf>,
@@ -150,12 +157,25 @@ fn percentiles(mut ms: Vec<f64>) -> Percentiles {
     Percentiles { p50: at(0.50), p95: at(0.95), p99: at(0.99), n: ms.len() }
 }
 
+/// Index-only nodes before the scale-out: none with `--default-services`.
+fn index_nodes(args: &IndexRebalanceArgs) -> usize {
+    if args.default_services {
+        0
+    } else {
+        args.index_nodes
+    }
+}
+
 pub async fn run(args: IndexRebalanceArgs) -> Result<(), CliError> {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    let shape = match args.default_services {
+        true => format!("{} nodes running data, index and query, then one more", args.data_nodes),
+        false => format!("{} data + {} index nodes, then one more of each", args.data_nodes, args.index_nodes),
+    };
     println!(
-        "bench index-rebalance: {} data + {} index nodes, then one more of each; {} indexes of {} partitions over {} documents, \
+        "bench index-rebalance: {shape}; {} indexes of {} partitions over {} documents, \
          {} data partitions; foreground {} ops/s; every node on this machine's {cores} cores and one disk",
-        args.data_nodes, args.index_nodes, args.indexes, args.index_partitions, args.docs, args.partitions, args.rate
+        args.indexes, args.index_partitions, args.docs, args.partitions, args.rate
     );
     let mut outcomes = Vec::new();
     for method in &args.methods {
@@ -243,26 +263,40 @@ pub async fn run(args: IndexRebalanceArgs) -> Result<(), CliError> {
     Ok(())
 }
 
+/// `serve` flags of a data node: the default services with `--default-services`, else
+/// `data,query` (the index on the index nodes alone).
+fn data_services(default_services: bool) -> Vec<String> {
+    if default_services {
+        Vec::new()
+    } else {
+        vec!["--services".to_string(), "data,query".to_string()]
+    }
+}
+
 /// Starts `data` data nodes and `index` index nodes (the first data node founds the
-/// cluster), and rebalances them in.
+/// cluster), and rebalances them in. With `default_services`, the data nodes run every
+/// service.
 async fn start_cluster(
     label: &str,
-    data: usize,
+    (data, default_services): (usize, bool),
     index: usize,
     partitions: u16,
     index_extra: &[String],
 ) -> Result<(Vec<Node>, Vec<Node>, String), CliError> {
     let base = vec!["--cluster-secret".to_string(), SECRET.to_string(), "--analytics-partitions".into(), "0".into()];
-    let first = Node::start_named(&format!("ixr-{label}-d0"), partitions, &base)?;
+    let mut data_base = base.clone();
+    data_base.extend(data_services(default_services));
+    data_base.extend(index_extra.iter().cloned().filter(|_| default_services));
+    let first = Node::start_named(&format!("ixr-{label}-d0"), partitions, &data_base)?;
     let join = first.url.trim_start_matches("http://").to_string();
-    let mut joining = base.clone();
+    let mut joining = data_base.clone();
     joining.extend(["--join".to_string(), join.clone()]);
     let mut data_nodes = vec![first];
     for i in 1..data {
         data_nodes.push(Node::start_named(&format!("ixr-{label}-d{i}"), partitions, &joining)?);
     }
-    let mut index_args = joining.clone();
-    index_args.extend(["--services".to_string(), "index,query".to_string()]);
+    let mut index_args = base.clone();
+    index_args.extend(["--join".to_string(), join.clone(), "--services".to_string(), "index,query".to_string()]);
     index_args.extend(index_extra.iter().cloned());
     let mut index_nodes = Vec::new();
     for i in 0..index {
@@ -337,11 +371,12 @@ async fn prepare(client: &Client, url: &str, indexes: usize, index_partitions: u
 /// Writes with indexes on index nodes against none, on fresh clusters of the bench's
 /// shape: the seconds until `docs` documents are acknowledged, and until indexed.
 async fn write_ratio(args: &IndexRebalanceArgs) -> Result<(), CliError> {
-    println!("\n--- writes: {} documents with 0 and with 5 indexes on the index nodes", args.docs);
+    println!("\n--- writes: {} documents with 0 and with 5 indexes placed on the index nodes", args.docs);
     let mut rows = Vec::new();
     for indexes in [0usize, 5] {
         let (data_nodes, idx, _) =
-            start_cluster(&format!("writes-{indexes}"), args.data_nodes, args.index_nodes, args.partitions, &[]).await?;
+            start_cluster(&format!("writes-{indexes}"), (args.data_nodes, args.default_services), index_nodes(args), args.partitions, &[])
+                .await?;
         let client = Client::new(&data_nodes[0].url)?;
         let (acked, indexed) = prepare(&client, &data_nodes[0].url, indexes, args.index_partitions, args.docs).await?;
         rows.push((indexes, acked, indexed));
@@ -360,7 +395,8 @@ async fn write_ratio(args: &IndexRebalanceArgs) -> Result<(), CliError> {
 async fn scale_out(args: &IndexRebalanceArgs, method: &str) -> Result<Outcome, CliError> {
     println!("\n--- scale-out, index copies by {method}");
     let extra: Vec<String> = if method == "stream" { vec!["--copy-by-stream".into()] } else { Vec::new() };
-    let (data_nodes, index_nodes, join) = start_cluster(method, args.data_nodes, args.index_nodes, args.partitions, &extra).await?;
+    let (data_nodes, index_nodes, join) =
+        start_cluster(method, (args.data_nodes, args.default_services), self::index_nodes(args), args.partitions, &extra).await?;
     let client = Client::new(&data_nodes[0].url)?;
     let indexes = if method == "none" { 0 } else { args.indexes };
     prepare(&client, &data_nodes[0].url, indexes, args.index_partitions, args.docs).await?;
@@ -373,14 +409,21 @@ async fn scale_out(args: &IndexRebalanceArgs, method: &str) -> Result<Outcome, C
         tokio::spawn(foreground(targets, args.docs, indexes, args.rate, Arc::clone(&expected), Arc::clone(&log), began, Arc::clone(&stop)));
     tokio::time::sleep(Duration::from_secs(args.before_secs)).await;
     let base = vec!["--cluster-secret".to_string(), SECRET.to_string(), "--analytics-partitions".into(), "0".into(), "--join".into(), join];
+    let mut data_args = base.clone();
+    data_args.extend(data_services(args.default_services));
     let mut index_args = base.clone();
     index_args.extend(["--services".to_string(), "index,query".to_string()]);
-    index_args.extend(extra);
+    if args.default_services {
+        data_args.extend(extra);
+    } else {
+        index_args.extend(extra);
+    }
     let newcomers = tokio::task::block_in_place(|| -> Result<Vec<Node>, CliError> {
-        Ok(vec![
-            Node::start_named(&format!("ixr-{method}-dnew"), args.partitions, &base)?,
-            Node::start_named(&format!("ixr-{method}-inew"), args.partitions, &index_args)?,
-        ])
+        let mut started = vec![Node::start_named(&format!("ixr-{method}-dnew"), args.partitions, &data_args)?];
+        if !args.default_services {
+            started.push(Node::start_named(&format!("ixr-{method}-inew"), args.partitions, &index_args)?);
+        }
+        Ok(started)
     })?;
     wait_members(&client, data_nodes.len() + index_nodes.len() + newcomers.len()).await?;
     let start = began.elapsed().as_secs_f64();
@@ -405,7 +448,8 @@ async fn scale_out(args: &IndexRebalanceArgs, method: &str) -> Result<Outcome, C
     }
     let secs = end - start;
     let info = client.cluster().await?;
-    let new_index = node_id(&info, &newcomers[1].url).unwrap_or(0);
+    // The node that joined to hold index partitions: the index node, or the one newcomer.
+    let new_index = newcomers.last().and_then(|n| node_id(&info, &n.url)).unwrap_or(0);
     println!(
         "{method}: rebalance {secs:.1} s, {} index moves onto node {new_index}, {} data moves",
         index_moves.len(),
@@ -506,7 +550,7 @@ async fn eq_latency(args: &IndexRebalanceArgs) -> Result<(), CliError> {
     let mut rows = Vec::new();
     for (index_nodes, partitions) in shapes {
         let label = format!("eq-{index_nodes}-{partitions}");
-        let (data_nodes, idx, _) = start_cluster(&label, 1, index_nodes, partitions, &[]).await?;
+        let (data_nodes, idx, _) = start_cluster(&label, (1, false), index_nodes, partitions, &[]).await?;
         let client = Client::new(&data_nodes[0].url)?;
         prepare(&client, &data_nodes[0].url, 1, args.index_partitions, args.docs).await?;
         let http =

@@ -203,24 +203,12 @@ impl ChangeFetcher for FeedLink {
                 let (node, address) = (Arc::clone(&node), address.to_string());
                 async move { (to, feed_call(&node, to, &address, req, wait).await) }
             };
-            // First what every active has now, at once; only when none has news, wait for
-            // the first that gets some — the others are asked again by the next round, so
-            // an idle active never holds back another's changes.
-            let now = actives.iter().map(|(to, (address, partitions))| call(*to, address, partitions, Duration::ZERO));
-            let mut answers: BTreeMap<NodeId, FeedAnswer> =
-                futures::future::join_all(now).await.into_iter().filter_map(|(to, a)| a.map(|a| (to, a))).collect();
-            if !wait.is_zero() && !answers.values().any(has_news) {
-                let mut waiting: futures::stream::FuturesUnordered<_> =
-                    actives.iter().map(|(to, (address, partitions))| call(*to, address, partitions, wait)).collect();
-                while let Some((to, answer)) = futures::StreamExt::next(&mut waiting).await {
-                    let Some(answer) = answer else { continue };
-                    let news = has_news(&answer);
-                    answers.insert(to, answer);
-                    if news {
-                        break;
-                    }
-                }
-            }
+            // Every active at once, each holding its call up to `wait` while it has nothing
+            // new: a round takes what came meanwhile from all of them, so that its fixed
+            // cost (every index, every partition) is paid once per batch of changes.
+            let calls = actives.iter().map(|(to, (address, partitions))| call(*to, address, partitions, wait));
+            let answers: BTreeMap<NodeId, FeedAnswer> =
+                futures::future::join_all(calls).await.into_iter().filter_map(|(to, a)| a.map(|a| (to, a))).collect();
             let mut fetched = Fetched::new(coll.partition_count());
             for answer in answers.into_values() {
                 for (p, kind) in answer.parts {
@@ -321,13 +309,4 @@ async fn feed_call(node: &Arc<ClusterNode>, to: NodeId, address: &str, req: Feed
         }
     };
     answer.map_err(|e| tracing::debug!(%address, error = %e, "index feed: an active did not answer")).ok()
-}
-
-/// Whether an answer moves an index: changes, a rollback, or more to read.
-fn has_news(answer: &FeedAnswer) -> bool {
-    answer.parts.iter().any(|(_, k)| match k {
-        FeedKind::Changes { changes, end, high, .. } => !changes.is_empty() || end != high,
-        FeedKind::Rollback { .. } => true,
-        FeedKind::Refused { .. } => false,
-    })
 }

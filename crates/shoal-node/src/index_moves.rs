@@ -125,6 +125,13 @@ pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> R
             _ => tokio::time::sleep(Duration::from_millis(50)).await,
         }
     };
+    // The files come a few copies at a time (more towards a node that holds no index
+    // partition yet); catching up from the streams, after, is not counted: a copy waits
+    // for its collection's next rounds, which every copy waiting here shares.
+    let transfer = match held {
+        Some(false) => Some(transfer_slot(node).await?),
+        _ => None,
+    };
     let answer = match held {
         None => return Err(ClusterError::Index(shoal_index::IndexError::NotFound(req.index.clone()))),
         Some(true) => AdoptAnswer { method: CopyMethod::Files, bytes: 0, held_already: true },
@@ -146,8 +153,26 @@ pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> R
             }
         },
     };
+    drop(transfer);
     indexes.wait_parts(&coll, &req.index, &[req.part], INDEX_ADOPT_TIMEOUT).await?;
     Ok(answer)
+}
+
+/// Permits of [`TRANSFERS`]: the whole of them is [`shoal_meta::state::REBALANCE_MOVES_PER_NODE_MAX`]
+/// copies at once.
+const TRANSFER_PERMITS: u32 = shoal_meta::state::REBALANCE_MOVES_PER_NODE_MAX;
+/// The index partition copies whose files this node takes in at once.
+static TRANSFERS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(TRANSFER_PERMITS as usize);
+
+/// One copy's turn to take in its files: [`copy::copy_slots`](crate::copy::copy_slots)
+/// copies at once by the cluster's `rebalance_moves_per_node` (more while this node holds
+/// no index partition), each taking its share of [`TRANSFER_PERMITS`].
+async fn transfer_slot(node: &ClusterNode) -> Result<tokio::sync::SemaphorePermit<'static>, ClusterError> {
+    let state = node.state();
+    let holds_none = !state.indexes.values().flat_map(|b| b.values()).any(|d| d.placement.iter().any(|c| c.contains(&node.id)));
+    let slots = crate::copy::copy_slots(state.settings.rebalance_moves_per_node, holds_none);
+    let share = (TRANSFER_PERMITS / u32::try_from(slots).unwrap_or(u32::MAX).max(1)).max(1);
+    TRANSFERS.acquire_many(share).await.map_err(|_| ClusterError::Refused("index copies stopped".into()))
 }
 
 async fn rebuild(node: &Arc<ClusterNode>, req: &AdoptRequest) -> Result<(), ClusterError> {
@@ -262,16 +287,10 @@ pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> R
         .map(|d| (u64::from(d.id), (d.collection.clone(), d.name.clone())))
         .collect();
     let address = |n: &NodeId| state.members.get(n).map(|m| m.address.clone());
-    let holds_none: BTreeSet<NodeId> = {
-        let holding: BTreeSet<NodeId> =
-            state.indexes.values().flat_map(|b| b.values()).flat_map(|d| d.placement.iter().flatten().copied()).collect();
-        staying_index_nodes(&state, eject).into_iter().filter(|n| !holding.contains(n)).collect()
-    };
-    let per_node = state.settings.rebalance_moves_per_node;
-    let slots: BTreeMap<NodeId, Arc<tokio::sync::Semaphore>> = moves
-        .iter()
-        .map(|((_, to), _)| (*to, Arc::new(tokio::sync::Semaphore::new(crate::copy::copy_slots(per_node, holds_none.contains(to))))))
-        .collect();
+    // The receivers take in the files a few at a time (`transfer_slot`); the calls wait for
+    // their copies to catch up together, up to the most moves one node may run.
+    let slots: BTreeMap<NodeId, Arc<tokio::sync::Semaphore>> =
+        moves.iter().map(|((_, to), _)| (*to, Arc::new(tokio::sync::Semaphore::new(TRANSFER_PERMITS as usize)))).collect();
     let started = Instant::now();
     let mut statuses: Vec<MoveStatus> = Vec::with_capacity(moves.len());
     let mut calls = Vec::with_capacity(moves.len());
