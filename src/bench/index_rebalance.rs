@@ -286,7 +286,9 @@ async fn start_cluster(
     let base = vec!["--cluster-secret".to_string(), SECRET.to_string(), "--analytics-partitions".into(), "0".into()];
     let mut data_base = base.clone();
     data_base.extend(data_services(default_services));
-    data_base.extend(index_extra.iter().cloned().filter(|_| default_services));
+    if default_services {
+        data_base.extend(index_extra.iter().cloned());
+    }
     let first = Node::start_named(&format!("ixr-{label}-d0"), partitions, &data_base)?;
     let join = first.url.trim_start_matches("http://").to_string();
     let mut joining = data_base.clone();
