@@ -371,12 +371,15 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
     let text = r.text().await.unwrap_or_default();
     assert!(status == 409 && text.contains("map changed"), "{status} {text}");
 
-    // An oversized call is refused before it is read whole.
-    let huge = vec![b'x'; 64 * 1024 * 1024 + 1];
-    let r = http.post(first.u("/v1/_internal/pull")).header("x-shoal-cluster-secret", SECRET).body(huge).send().await;
-    if let Ok(r) = r {
-        // (The node may close the connection before the client has sent everything.)
-        assert_eq!(r.status().as_u16(), 413);
+    // An oversized call is refused before it is read whole: the pull, and the index
+    // service's calls (feeds, highs, copies of index partitions, routed scans).
+    let huge = bytes::Bytes::from(vec![b'x'; 64 * 1024 * 1024 + 1]);
+    for op in ["pull", "feed", "highs", "index-export", "index-adopt", "index-scan"] {
+        let r = http.post(first.u(&format!("/v1/_internal/{op}"))).header("x-shoal-cluster-secret", SECRET).body(huge.clone()).send().await;
+        if let Ok(r) = r {
+            // (The node may close the connection before the client has sent everything.)
+            assert_eq!(r.status().as_u16(), 413, "{op}");
+        }
     }
     let (status, _) = get_json(&http, &first.u("/v1/cluster")).await;
     assert_eq!(status, 200, "the node still answers");

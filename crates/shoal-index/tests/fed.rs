@@ -186,6 +186,36 @@ fn eq(a: i64) -> ScanRequest {
     eq_request(json!(a))
 }
 
+/// The index the move tests move: 5 parts; `p` holds the entries of `a = 3`, `q` those of
+/// `a = 1`.
+fn moved_index() -> (IndexDef, u16, u16) {
+    let def = IndexDef { partitions: Some(5), ..common::def("by_a", "a", false) };
+    let part_of = |a: i64| shoal_index::partition::part_of_value(Some(&json!(a)), 5);
+    let (p, q) = (part_of(3), part_of(1));
+    assert_ne!(p, q, "the tests move two different parts");
+    (def, p, q)
+}
+
+/// Index node x (`mx`) holds every part of `def`, built; node y opens its manager fed by
+/// `fy` and holds none yet. Answers y's manager.
+async fn all_on_x_none_on_y(
+    mx: &Arc<IndexManager>,
+    here_x: &Arc<Collection>,
+    (y, fy, here_y): (&Arc<Store>, &Arc<StoreFetcher>, &Arc<Collection>),
+    def: IndexDef,
+) -> Arc<IndexManager> {
+    mx.create_as(here_x, def.clone(), None, Some(every_part(&def))).await.unwrap();
+    let my = IndexManager::open_fed(Arc::clone(y), WORKERS, Arc::clone(fy) as Arc<dyn ChangeFetcher>).unwrap();
+    my.create_as(here_y, def, None, Some(Vec::new())).await.unwrap();
+    assert_eq!(ids(mx.scan(here_x, "by_a", eq(3)).await.unwrap()), expected_a3());
+    my
+}
+
+/// The document keys of scan rows, in order.
+fn ids(rows: Vec<shoal_index::ScanRow>) -> Vec<String> {
+    rows.into_iter().map(|r| r.id).collect()
+}
+
 /// Issue 41: an index partition moves between index nodes as its files. The receiver adopts
 /// the source's snapshot whole and follows the change streams from the positions it
 /// carries: it reads only the changes made since the snapshot, never the documents again,
@@ -195,18 +225,11 @@ fn eq(a: i64) -> ScanRequest {
 fn an_index_partition_moves_as_files_and_goes_on_from_the_positions_they_carry() {
     let Nodes { _dirs, data, docs, x, y, here_x, here_y } = two_index_nodes();
     let (fx, fy) = (fetcher(&data), fetcher(&data));
-    let def = IndexDef { partitions: Some(5), ..common::def("by_a", "a", false) };
-    let part_of = |a: i64| shoal_index::partition::part_of_value(Some(&json!(a)), 5);
-    let (p, q) = (part_of(3), part_of(1));
-    assert_ne!(p, q, "the test moves two different parts");
-    let ids = |rows: Vec<shoal_index::ScanRow>| rows.into_iter().map(|r| r.id).collect::<Vec<_>>();
+    let (def, p, q) = moved_index();
     fed_life(&x, &fx, |mx| {
         let (here_x, here_y, docs, y, fy) = (Arc::clone(&here_x), Arc::clone(&here_y), Arc::clone(&docs), Arc::clone(&y), Arc::clone(&fy));
         async move {
-            mx.create_as(&here_x, def.clone(), None, Some(every_part(&def))).await.unwrap();
-            let my = IndexManager::open_fed(Arc::clone(&y), WORKERS, Arc::clone(&fy) as Arc<dyn ChangeFetcher>).unwrap();
-            my.create_as(&here_y, def, None, Some(Vec::new())).await.unwrap();
-            assert_eq!(ids(mx.scan(&here_x, "by_a", eq(3)).await.unwrap()), expected_a3());
+            let my = all_on_x_none_on_y(&mx, &here_x, (&y, &fy, &here_y), def).await;
             // The export is a snapshot; the changes after it reach the receiver by the stream.
             let files = mx.export_part(&here_x, "by_a", p).unwrap();
             let manifest = files.manifest().clone();
@@ -261,18 +284,11 @@ fn an_index_partition_moves_as_files_and_goes_on_from_the_positions_they_carry()
 fn parts_adopted_across_a_hand_over_all_move_onto_the_new_histories() {
     let Nodes { _dirs, data, docs: _, x, y, here_x, here_y } = two_index_nodes();
     let (fx, fy) = (fetcher(&data), fetcher(&data));
-    let def = IndexDef { partitions: Some(5), ..common::def("by_a", "a", false) };
-    let part_of = |a: i64| shoal_index::partition::part_of_value(Some(&json!(a)), 5);
-    let (p, q) = (part_of(3), part_of(1));
-    assert_ne!(p, q, "the test moves two different parts");
-    let ids = |rows: Vec<shoal_index::ScanRow>| rows.into_iter().map(|r| r.id).collect::<Vec<_>>();
+    let (def, p, q) = moved_index();
     fed_life(&x, &fx, |mx| {
         let (here_x, here_y, data, y, fy) = (Arc::clone(&here_x), Arc::clone(&here_y), Arc::clone(&data), Arc::clone(&y), Arc::clone(&fy));
         async move {
-            mx.create_as(&here_x, def.clone(), None, Some(every_part(&def))).await.unwrap();
-            let my = IndexManager::open_fed(Arc::clone(&y), WORKERS, Arc::clone(&fy) as Arc<dyn ChangeFetcher>).unwrap();
-            my.create_as(&here_y, def, None, Some(Vec::new())).await.unwrap();
-            assert_eq!(ids(mx.scan(&here_x, "by_a", eq(3)).await.unwrap()), expected_a3());
+            let my = all_on_x_none_on_y(&mx, &here_x, (&y, &fy, &here_y), def).await;
             // Both snapshots are taken before the hand-over.
             let files_p = mx.export_part(&here_x, "by_a", p).unwrap();
             let files_q = mx.export_part(&here_x, "by_a", q).unwrap();
@@ -362,7 +378,6 @@ fn a_part_adopted_while_a_round_is_in_flight_misses_no_change() {
             mx.create_as(&here_x, def.clone(), None, Some(every_part(&def))).await.unwrap();
             let my = IndexManager::open_fed(Arc::clone(&y), WORKERS, Arc::clone(&gated) as Arc<dyn ChangeFetcher>).unwrap();
             my.create_as(&here_y, def, None, Some(vec![q])).await.unwrap();
-            let ids = |rows: Vec<shoal_index::ScanRow>| rows.into_iter().map(|r| r.id).collect::<Vec<_>>();
             assert_eq!(ids(mx.scan(&here_x, "by_a", eq(3)).await.unwrap()), expected_a3());
             // The export's snapshot; then a document moves into part p, and the receiver
             // (holding part q only) follows past it.

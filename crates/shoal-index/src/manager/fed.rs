@@ -104,15 +104,7 @@ pub(super) async fn fed_round(
     // Parts rebuilt from the streams serve once they reach this fetch's highs.
     if whole {
         for index in &live {
-            let caught_up: Vec<_> =
-                index.parts().iter().filter(|p| !p.serving.load(Ordering::Acquire) && p.caught_up(&highs)).cloned().collect();
-            for part in &caught_up {
-                part.serving.store(true, Ordering::Release);
-            }
-            if !caught_up.is_empty() {
-                index.bump();
-                tracing::info!(index = %index.def.name, parts = caught_up.len(), "index partitions rebuilt");
-            }
+            index.serve_caught_up(&highs);
         }
     }
     for index in &live {

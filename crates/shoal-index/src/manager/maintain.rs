@@ -170,15 +170,7 @@ pub(super) fn run_round(mgr: &IndexManager, coll: &Collection, active: &[Arc<Ind
     // Parts rebuilt from the streams (see `add_part`) serve once they reach the highs.
     let highs: Vec<_> = now.iter().map(|p| p.seqno).collect();
     for index in active {
-        let caught_up: Vec<_> =
-            index.parts().iter().filter(|p| !p.serving.load(Ordering::Acquire) && p.caught_up(&highs)).cloned().collect();
-        for part in &caught_up {
-            part.serving.store(true, Ordering::Release);
-        }
-        if !caught_up.is_empty() {
-            index.bump();
-            tracing::info!(index = %index.def.name, parts = caught_up.len(), "index partitions rebuilt");
-        }
+        index.serve_caught_up(&highs);
     }
     for index in active {
         let done = index.scan.lock().is_none() && index.target.lock().as_ref().is_some_and(|t| index.caught_up(t));

@@ -343,6 +343,20 @@ impl Index {
             .unwrap_or_default()
     }
 
+    /// Marks parts rebuilt from the streams (see `add_part`) serving once they have applied
+    /// every data partition up to `highs`.
+    fn serve_caught_up(&self, highs: &[SeqNo]) {
+        let caught_up: Vec<Arc<Part>> =
+            self.parts().iter().filter(|p| !p.serving.load(Ordering::Acquire) && p.caught_up(highs)).cloned().collect();
+        for part in &caught_up {
+            part.serving.store(true, Ordering::Release);
+        }
+        if !caught_up.is_empty() {
+            self.bump();
+            tracing::info!(index = %self.def.name, parts = caught_up.len(), "index partitions rebuilt");
+        }
+    }
+
     /// The history partition `p`'s stream was last seen on (0: not seen yet).
     fn history(&self, p: PartitionId) -> u64 {
         self.histories.lock().get(usize::from(p)).copied().unwrap_or(0)
