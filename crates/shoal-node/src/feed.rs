@@ -178,14 +178,24 @@ impl FeedLink {
             .ok_or_else(|| IndexError::Unavailable("this index node has not joined its cluster yet".into()))
     }
 
-    /// Each partition's active and its address in map `state`.
-    fn actives(state: &shoal_meta::MetaState, partitions: u16) -> Result<BTreeMap<NodeId, (String, Vec<PartitionId>)>, IndexError> {
+    /// Each partition's active and its address in map `state`, routed as a key request
+    /// is ([`route_partition`](crate::routing::route_partition)): a partition whose active
+    /// failed is asked of nobody until the map names a new one.
+    fn actives(
+        me: NodeId,
+        state: &shoal_meta::MetaState,
+        partitions: u16,
+    ) -> Result<BTreeMap<NodeId, (String, Vec<PartitionId>)>, IndexError> {
+        use crate::routing::{route_partition, Route};
         let map = state.map.as_ref().ok_or_else(|| IndexError::Unavailable("no partition map yet".into()))?;
         let mut out: BTreeMap<NodeId, (String, Vec<PartitionId>)> = BTreeMap::new();
-        for p in 0..partitions {
-            let Some(copies) = map.partitions.get(usize::from(p)) else { continue };
-            let Some(member) = state.members.get(&copies.active) else { continue };
-            out.entry(copies.active).or_insert_with(|| (member.address.clone(), Vec::new())).1.push(p);
+        for p in 0..partitions.min(map.partition_count()) {
+            let (node, address) = match route_partition(me, state, map, p) {
+                Route::Local => (me, String::new()),
+                Route::Forward { node, address } => (node, address),
+                Route::Unavailable { .. } => continue,
+            };
+            out.entry(node).or_insert_with(|| (address, Vec::new())).1.push(p);
         }
         Ok(out)
     }
@@ -196,7 +206,7 @@ impl ChangeFetcher for FeedLink {
         Box::pin(async move {
             let node = self.node()?;
             let from: BTreeMap<PartitionId, StreamPosition> = asks.iter().copied().collect();
-            let actives = FeedLink::actives(&node.state(), coll.partition_count())?;
+            let actives = FeedLink::actives(node.id, &node.state(), coll.partition_count())?;
             let call = |to: NodeId, address: &str, partitions: &[PartitionId], wait: Duration| {
                 let parts: Vec<(u16, u64, u64)> = partitions.iter().filter_map(|p| from.get(p).map(|at| (*p, at.seqno, at.uuid))).collect();
                 let req = FeedRequest { collection: coll.id(), wait_ms: u32::try_from(wait.as_millis()).unwrap_or(u32::MAX), parts };
@@ -248,7 +258,7 @@ impl ChangeFetcher for FeedLink {
             // count only if this node is still on it once they are in.
             let pinned = node.state();
             let map_version = pinned.map_version();
-            let actives = FeedLink::actives(&pinned, coll.partition_count())?;
+            let actives = FeedLink::actives(node.id, &pinned, coll.partition_count())?;
             let mut at: Vec<Option<StreamPosition>> = vec![None; usize::from(coll.partition_count())];
             let calls = actives.into_iter().map(|(to, (address, partitions))| {
                 let node = Arc::clone(&node);
