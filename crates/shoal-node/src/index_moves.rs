@@ -154,9 +154,25 @@ pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> R
         },
     };
     drop(transfer);
-    indexes.wait_parts(&coll, &req.index, &[req.part], INDEX_ADOPT_TIMEOUT).await?;
+    // Caught up with the actives' positions now. The data stage runs beside this one: while
+    // a partition is frozen for its hand-over (or its active is out of reach) the actives
+    // cannot all say how far they are, and the wait asks again.
+    let deadline = Instant::now() + INDEX_ADOPT_TIMEOUT;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match indexes.wait_parts(&coll, &req.index, &[req.part], left).await {
+            Err(shoal_index::IndexError::Unavailable(why)) if Instant::now() + INDEX_ADOPT_RETRY < deadline => {
+                tracing::debug!(index = %req.index, part = req.part, %why, "an adopted index partition waits for the actives");
+                tokio::time::sleep(INDEX_ADOPT_RETRY).await;
+            }
+            other => break other?,
+        }
+    }
     Ok(answer)
 }
+
+/// How soon an adopted copy asks again how far the actives are, when they could not all say.
+const INDEX_ADOPT_RETRY: Duration = Duration::from_millis(200);
 
 /// Permits of [`TRANSFERS`]: the whole of them is [`shoal_meta::state::REBALANCE_MOVES_PER_NODE_MAX`]
 /// copies at once.
