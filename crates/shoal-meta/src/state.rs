@@ -623,7 +623,7 @@ impl MetaState {
     /// which rebuilds it from the streams (`shoal_cluster::index_placement::repair_indexes`).
     /// Nothing moves while no index node is left (its scans are refused until one is).
     fn repair_index_placements(&mut self) {
-        use shoal_cluster::index_placement::{repair_indexes, IndexPart, IndexPlacement};
+        use shoal_cluster::index_placement::{repair_indexes, IndexPlacement};
         let nodes = self.index_service_nodes();
         if nodes.is_empty() {
             return;
@@ -634,12 +634,8 @@ impl MetaState {
         }
         let repaired = repair_indexes(&previous, &nodes);
         for def in self.indexes.values_mut().flat_map(|by_name| by_name.values_mut()).filter(|d| d.is_placed()) {
-            for (p, copies) in def.placement.iter_mut().enumerate() {
-                let unit = IndexPart { index: u64::from(def.id), partition: u16::try_from(p).unwrap_or(u16::MAX) };
-                if let Some(repaired) = repaired.get(&unit) {
-                    copies.clone_from(repaired);
-                }
-            }
+            let placement = placement_units(def).map(|(unit, copies)| repaired.get(&unit).cloned().unwrap_or(copies)).collect();
+            def.placement = placement;
         }
     }
 

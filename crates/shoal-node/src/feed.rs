@@ -299,11 +299,13 @@ impl ChangeFetcher for FeedLink {
         })
     }
 
-    fn all_here(&self, coll: &Collection) -> Option<bool> {
+    /// Every collection has the map's partitions, so `_coll` does not change the answer.
+    fn all_here(&self, _coll: &Collection) -> Option<bool> {
         let node = self.node().ok()?;
         let state = node.state();
-        let map = state.map.as_ref()?;
-        Some((0..coll.partition_count()).all(|p| map.partitions.get(usize::from(p)).is_some_and(|c| c.active == node.id)))
+        // No map yet: this node cannot tell (without one, `actives_here_in` says all here).
+        state.map.as_ref()?;
+        Some(crate::routing::actives_here_in(node.id, &state).is_none())
     }
 }
 

@@ -185,7 +185,7 @@ static TRANSFERS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(TRA
 /// no index partition), each taking its share of [`TRANSFER_PERMITS`].
 async fn transfer_slot(node: &ClusterNode) -> Result<tokio::sync::SemaphorePermit<'static>, ClusterError> {
     let state = node.state();
-    let holds_none = !state.indexes.values().flat_map(|b| b.values()).any(|d| d.placement.iter().any(|c| c.contains(&node.id)));
+    let holds_none = state.indexes.values().flat_map(|b| b.values()).all(|d| d.parts_on(node.id).is_empty());
     let slots = crate::copy::copy_slots(state.settings.rebalance_moves_per_node, holds_none);
     let share = (TRANSFER_PERMITS / u32::try_from(slots).unwrap_or(u32::MAX).max(1)).max(1);
     TRANSFERS.acquire_many(share).await.map_err(|_| ClusterError::Refused("index copies stopped".into()))

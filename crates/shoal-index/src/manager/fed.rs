@@ -70,12 +70,12 @@ pub(super) async fn fed_round(
     let asks: Vec<(PartitionId, StreamPosition)> = (0..coll.partition_count()).map(|p| (p, lowest(&live, p))).collect();
     let before: Vec<StreamPosition> = asks.iter().map(|a| a.1).collect();
     let fetched = fetcher.fetch(coll, asks, FETCH_WAIT).await?;
-    let highs: Vec<SeqNo> = shoal_storage::ChangeSource::positions(&fetched).iter().map(|p| p.seqno).collect();
+    let positions = shoal_storage::ChangeSource::positions(&fetched);
+    let highs: Vec<SeqNo> = positions.iter().map(|p| p.seqno).collect();
     // A build's target is the highs of its first fetch that answered every partition
     // (unknown until then).
-    let whole = fetched.partitions().len() == usize::from(coll.partition_count());
     let answered = fetched.partitions();
-    let positions = shoal_storage::ChangeSource::positions(&fetched);
+    let whole = answered.len() == usize::from(coll.partition_count());
     for index in &live {
         index.seen(answered.iter().map(|&p| (p, positions[usize::from(p)].uuid)));
     }

@@ -329,8 +329,6 @@ impl Index {
         done as f64 / total as f64
     }
 
-    /// How far every part of the index has applied data partition `p`'s change stream: the
-    /// part furthest behind.
     /// Where following partition `p` goes on from for this index: the lowest of its parts'
     /// cursors, one on another history than the one last seen first (see `histories`).
     fn cursor(&self, p: PartitionId) -> StreamPosition {
