@@ -6,7 +6,10 @@ mod sql;
 
 /// mimalloc rather than glibc's malloc: under the write path's many small, short-lived
 /// allocations across threads, glibc's arenas spent ~8 % of a profile in malloc/free
-/// and consolidation (bench/results, issue 12 write path).
+/// and consolidation (bench/results, issue 12 write path). Built with `no_thp`: mimalloc
+/// otherwise marks its arenas for transparent huge pages, and every page it purges and
+/// touches again is a fresh 2 MiB page the kernel zeroes — 60–80 % of the CPU while
+/// indexes were fed (bench/results/2026-12-02-mimalloc-no-thp.md).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
