@@ -31,6 +31,12 @@ pub const SCAN_ROWS_MAX: usize = 100_000;
 pub const SCAN_TIMEOUT_MAX: std::time::Duration = std::time::Duration::from_secs(300);
 /// Most changes read from one partition per batch.
 pub const BATCH_CHANGES: usize = 1024;
+/// How far (in seqnos of one data partition) a part's stored cursor may lag its applied
+/// position while the part's entries do not change: a part that gains no entry from a
+/// batch stores its cursor only every this many changes, so a round of a few changes does
+/// not rewrite every part's cursors (a restart or an adopted copy re-applies at most this
+/// many changes per partition, each a no-op for the part).
+pub const CURSOR_STORE_LAG: u64 = 4096;
 /// Documents a build reads per write batch when it scans a collection in key order.
 pub const SCAN_BATCH_DOCS: usize = 8 * 1024;
 /// Documents a build scans per maintainer round before other work gets a turn.

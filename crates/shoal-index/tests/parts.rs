@@ -236,6 +236,49 @@ fn each_part_holds_the_entries_of_its_leading_values() {
     });
 }
 
+/// A part none of whose entries a batch changes keeps the cursor it stored (up to
+/// `CURSOR_STORE_LAG` changes behind what it applied). Ended without `close`, the next life
+/// goes on from those cursors and re-applies what followed: it ends with the same entries
+/// and the same counts per part, moved entries included.
+#[test]
+fn parts_going_on_from_cursors_they_stored_behind_end_with_the_same_entries() {
+    let (_dir, store, coll) = filled_store();
+    let def = IndexDef { partitions: Some(5), ..common::def("by_a", "a", false) };
+    // A value whose entries go to another part than 3's: moving d003 there changes two parts.
+    let part = |v: i64| shoal_index::partition::part_of_value(Some(&json!(v)), 5);
+    let moved = (5..100).find(|&v| part(v) != part(3)).unwrap();
+    let before = life_without_close(&store, |mgr| {
+        let coll = Arc::clone(&coll);
+        async move {
+            mgr.create(&coll, def).await.unwrap();
+            assert_eq!(scan_ids(&mgr, &coll, "by_a", json!(3)).await, expected_a3());
+            // Writes that change no entry of any part, then one that moves an entry
+            // between parts, then more that change none.
+            for i in 0..200 {
+                put(&coll, &format!("z{i:03}"), json!({"b": i}));
+            }
+            put(&coll, "d003", json!({"a": moved}));
+            for i in 0..DOCS {
+                put(&coll, &format!("d{i:03}"), json!({"a": if i == 3 { moved } else { (i % 5) as i64 }, "b": format!("again{i}")}));
+            }
+            assert_eq!(scan_ids(&mgr, &coll, "by_a", json!(moved)).await, ["d003"]);
+            mgr.list(&coll)[0].part_items.clone()
+        }
+    });
+    let mut want_a3 = expected_a3();
+    want_a3.retain(|id| id != "d003");
+    life(&store, |mgr| {
+        let coll = Arc::clone(&coll);
+        async move {
+            assert_eq!(scan_ids(&mgr, &coll, "by_a", json!(moved)).await, ["d003"]);
+            assert_eq!(scan_ids(&mgr, &coll, "by_a", json!(3)).await, want_a3);
+            assert_eq!(mgr.list(&coll)[0].part_items, before, "the counts per part are those of the first life");
+            let total: u64 = before.iter().map(|(_, n)| n).sum();
+            assert_eq!(total, DOCS as u64);
+        }
+    });
+}
+
 #[test]
 fn a_node_holding_some_parts_answers_for_them_and_refuses_a_scan_that_needs_the_others() {
     let (_dir, store, coll) = filled_store();

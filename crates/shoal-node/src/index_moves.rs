@@ -128,6 +128,7 @@ pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> R
     // The files come a few copies at a time (more towards a node that holds no index
     // partition yet); catching up from the streams, after, is not counted: a copy waits
     // for its collection's next rounds, which every copy waiting here shares.
+    let asked = Instant::now();
     let transfer = match held {
         Some(false) => Some(transfer_slot(node).await?),
         _ => None,
@@ -154,6 +155,7 @@ pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> R
         },
     };
     drop(transfer);
+    let copied = Instant::now();
     // Caught up with the actives' positions now. The data stage runs beside this one: while
     // a partition is frozen for its hand-over (or its active is out of reach) the actives
     // cannot all say how far they are, and the wait asks again.
@@ -168,6 +170,14 @@ pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> R
             other => break other?,
         }
     }
+    tracing::debug!(
+        index = %req.index,
+        part = req.part,
+        copy_ms = copied.duration_since(asked).as_millis() as u64,
+        catch_up_ms = copied.elapsed().as_millis() as u64,
+        bytes = answer.bytes,
+        "index partition adopted"
+    );
     Ok(answer)
 }
 

@@ -314,7 +314,7 @@ pub(super) fn load_part(no: u16, ks: fjall::Keyspace, n: usize) -> Result<Part, 
             }
         }
     }
-    Ok(Part { no, ks, cursors: Mutex::new(cursors), items, serving: AtomicBool::new(true) })
+    Ok(Part { no, ks, stored: Mutex::new(cursors.clone()), cursors: Mutex::new(cursors), items, serving: AtomicBool::new(true) })
 }
 
 /// Deletes index `id`'s build position and the keyspaces of its parts (`open`, or every

@@ -253,6 +253,7 @@ pub(super) fn scan_round(mgr: &IndexManager, coll: &Collection, scanning: &[Arc<
             for index in scanning {
                 for part in index.parts().iter() {
                     part.cursors.lock().clone_from_slice(&state.start);
+                    part.stored.lock().clone_from_slice(&state.start);
                 }
                 *index.scan.lock() = None;
                 index.progress.send_modify(|v| *v += 1);

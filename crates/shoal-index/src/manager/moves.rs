@@ -19,7 +19,7 @@ use bytes::Bytes;
 use shoal_storage::{Collection, FileManifest, KeyspaceFiles, PartitionError};
 
 use super::{
-    back_prefix, decode_parts, encode_parts, load_part, open_index_keyspace, part_keyspace_name, Consistency, Index, IndexManager, Part,
+    back_prefix, cursor_key, decode_parts, encode_cursor, encode_parts, load_part, open_index_keyspace, part_keyspace_name, Consistency, Index, IndexManager, Part,
     Parts,
 };
 use crate::IndexError;
@@ -41,6 +41,11 @@ impl IndexManager {
         let part = parts.part(no).ok_or_else(|| IndexError::Unavailable(format!("index {name}: partition {no} is not held here")))?;
         // A part still rebuilt from the streams is not a state the index had.
         index.serving(&[no])?;
+        // The copy goes on from the cursors in its files: stored as far as the part has
+        // applied (no round between), so the receiver does not re-apply what it holds.
+        let round = self.colls.lock().get(&coll.id()).map(|e| Arc::clone(&e.round));
+        let _round = round.as_ref().map(|r| r.lock());
+        self.store_cursors([part.as_ref()])?;
         let snapshot = self.db.snapshot();
         Ok(KeyspaceFiles::export(&part.ks, &snapshot, Vec::new())?)
     }
@@ -112,6 +117,30 @@ impl IndexManager {
         .await
         .map_err(|e| IndexError::Invalid(format!("drop task: {e}")))??;
         tracing::info!(index = %name, part = no, "index partition dropped here");
+        Ok(())
+    }
+
+    /// Stores the cursors of `parts` that lag what they applied (see `Part::stored`), in one
+    /// batch. Call with their collection's round held, or no maintainer running: a round
+    /// between reading a cursor and storing it would be undone.
+    pub(super) fn store_cursors<'a>(&self, parts: impl IntoIterator<Item = &'a Part>) -> Result<(), IndexError> {
+        let mut batch = self.db.batch();
+        let mut staged = Vec::new();
+        for part in parts {
+            let cursors = part.cursors.lock().clone();
+            let stored = part.stored.lock().clone();
+            for (pi, (at, was)) in cursors.iter().zip(&stored).enumerate() {
+                if at != was {
+                    let items = part.items[pi].load(std::sync::atomic::Ordering::Relaxed);
+                    batch.insert(&part.ks, cursor_key(pi as shoal_storage::PartitionId), encode_cursor(*at, items));
+                }
+            }
+            staged.push((part, cursors));
+        }
+        batch.commit()?;
+        for (part, cursors) in staged {
+            *part.stored.lock() = cursors;
+        }
         Ok(())
     }
 

@@ -8,11 +8,11 @@ use super::{
     back_key, back_prefix, cursor_key, decode_list, decode_parts, encode_cursor, encode_list, encode_parts, entry_key, part_batch, Index,
     IndexManager, Part, Parts,
 };
-use crate::{IndexError, ROUND_CHANGES_MAX};
+use crate::{IndexError, CURSOR_STORE_LAG, ROUND_CHANGES_MAX};
 use rayon::prelude::*;
 use serde_json::Value;
 use shoal_storage::{Change, Collection, PartitionId, SeqNo, StreamPosition};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -75,6 +75,8 @@ pub(super) struct Staged {
     pi: usize,
     pos: StreamPosition,
     items: i64,
+    /// The cursor went into the batch.
+    stored: bool,
 }
 
 /// Per change, per index: the entries, each with its part (see [`entries_by_part`]).
@@ -124,10 +126,14 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
         // Per part (by slot): entry operations, and each document's entries after the batch.
         let mut fwd: Vec<Vec<(Vec<u8>, bool)>> = vec![Vec::new(); slots];
         let mut back: Vec<HashMap<&[u8], Vec<Vec<u8>>>> = vec![HashMap::new(); slots];
-        // Per document: the parts that may hold its entries after the batch.
+        // Per document: the parts that may hold its entries after the batch, and before it.
         let mut located: HashMap<&[u8], Vec<u16>> = HashMap::new();
-        // Per (slot, data partition): entries added.
+        let mut located_before: HashMap<&[u8], Vec<u16>> = HashMap::new();
+        // Per part (by slot): the documents whose entries there changed.
+        let mut changed: Vec<HashSet<&[u8]>> = vec![HashSet::new(); slots];
+        // Per (slot, data partition): entries added; and whether any entry changed.
         let mut delta: HashMap<(usize, usize), i64> = HashMap::new();
+        let mut touched: HashSet<(usize, usize)> = HashSet::new();
         let cursors: Vec<Vec<StreamPosition>> = held.iter().map(|p| p.cursors.lock().clone()).collect();
         let mut offset = 0;
         for batch_part in parts {
@@ -139,7 +145,11 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
                 let new_all = &per_index[k];
                 let was: Vec<u16> = match located.get(key) {
                     Some(v) => v.clone(),
-                    None if index.locates() => mgr.checked(index, read_located(index, key))?,
+                    None if index.locates() => {
+                        let was = mgr.checked(index, read_located(index, key))?;
+                        located_before.insert(key, was.clone());
+                        was
+                    }
                     // Few parts: each is looked in.
                     None => held.iter().map(|p| p.no).collect(),
                 };
@@ -169,6 +179,8 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
                         None => mgr.checked(index, read_back(part, key))?,
                     };
                     if old != new {
+                        changed[slot].insert(key);
+                        touched.insert((slot, pi));
                         let d = delta.entry((slot, pi)).or_default();
                         for o in old.iter().filter(|o| new.binary_search(o).is_err()) {
                             fwd[slot].push((entry_key(o, key), false));
@@ -193,6 +205,10 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
         let mut docs: Vec<(&[u8], Vec<u16>)> = located.into_iter().collect();
         docs.sort_unstable_by(|a, b| a.0.cmp(b.0));
         for (key, nos) in docs.into_iter().filter(|_| index.locates()) {
+            // Unchanged (a write that changed no indexed field): not written again.
+            if located_before.get(key) == Some(&nos) {
+                continue;
+            }
             if nos.is_empty() {
                 batch.remove(&index.located, key);
             } else {
@@ -201,7 +217,8 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
         }
         let mut per_part = Vec::with_capacity(parts.len() * slots);
         for (slot, part) in held.iter().enumerate() {
-            let mut entries: Vec<(&[u8], Vec<Vec<u8>>)> = std::mem::take(&mut back[slot]).into_iter().collect();
+            let mut entries: Vec<(&[u8], Vec<Vec<u8>>)> =
+                std::mem::take(&mut back[slot]).into_iter().filter(|(key, _)| changed[slot].contains(key)).collect();
             entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
             for (key, list) in entries {
                 if list.is_empty() {
@@ -225,17 +242,27 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
                     batch.remove(&part.ks, key);
                 }
             }
+            let stored = part.stored.lock().clone();
             for batch_part in parts {
                 let pi = usize::from(batch_part.partition);
                 let items = part.items[pi].load(Ordering::Relaxed) + delta.get(&(slot, pi)).copied().unwrap_or(0);
-                // The cursor goes in the batch that holds the entries of every change it
-                // covers.
                 debug_assert!(
                     batch_part.changes.iter().all(|c| c.seqno <= batch_part.position.seqno),
                     "a cursor never runs ahead of its entries"
                 );
-                batch.insert(&part.ks, cursor_key(batch_part.partition), encode_cursor(batch_part.position, items));
-                per_part.push(Staged { part: slot, pi, pos: batch_part.position, items });
+                // The cursor goes in the batch that holds the entries of every change it
+                // covers. A part none of whose entries changed keeps the cursor it stored
+                // (its entries are those of that cursor too) until it lags by
+                // CURSOR_STORE_LAG, or the history changed.
+                let (pos, at) = (batch_part.position, stored.get(pi).copied().unwrap_or_default());
+                let store = touched.contains(&(slot, pi))
+                    || pos.uuid != at.uuid
+                    || pos.seqno < at.seqno
+                    || pos.seqno - at.seqno >= CURSOR_STORE_LAG;
+                if store {
+                    batch.insert(&part.ks, cursor_key(batch_part.partition), encode_cursor(pos, items));
+                }
+                per_part.push(Staged { part: slot, pi, pos, items, stored: store });
             }
         }
         staged.push((index, held.clone(), per_part));
@@ -245,6 +272,9 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
         for st in per_part {
             let part = &held[st.part];
             part.cursors.lock()[st.pi] = st.pos;
+            if st.stored {
+                part.stored.lock()[st.pi] = st.pos;
+            }
             part.items[st.pi].store(st.items, Ordering::Relaxed);
         }
         index.progress.send_modify(|v| *v += 1);
@@ -306,6 +336,7 @@ pub(super) fn drop_partitions(mgr: &IndexManager, index: &Arc<Index>, ps: &[Part
     for part in held.iter() {
         for &p in ps {
             part.cursors.lock()[usize::from(p)] = StreamPosition::default();
+            part.stored.lock()[usize::from(p)] = StreamPosition::default();
             part.items[usize::from(p)].store(0, Ordering::Relaxed);
         }
     }

@@ -100,13 +100,36 @@ where
     F: FnOnce(Arc<IndexManager>) -> Fut,
     Fut: std::future::Future<Output = T>,
 {
+    life_ending(store, open, f, true)
+}
+
+/// [`life`] that ends as a crash right after the index journal's last sync would: without
+/// the manager's `close`, so nothing is flushed or stored at the end.
+pub fn life_without_close<F, Fut, T>(store: &Arc<Store>, f: F) -> T
+where
+    F: FnOnce(Arc<IndexManager>) -> Fut,
+    Fut: std::future::Future<Output = T>,
+{
+    life_ending(store, |s| IndexManager::open(s, WORKERS).unwrap(), f, false)
+}
+
+fn life_ending<O, F, Fut, T>(store: &Arc<Store>, open: O, f: F, close: bool) -> T
+where
+    O: FnOnce(Arc<Store>) -> Arc<IndexManager>,
+    F: FnOnce(Arc<IndexManager>) -> Fut,
+    Fut: std::future::Future<Output = T>,
+{
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let (out, weak): (T, Weak<IndexManager>) = rt.block_on(async {
         let mgr = open(Arc::clone(store));
         let weak = Arc::downgrade(&mgr);
         let out = f(Arc::clone(&mgr)).await;
         mgr.stop().await;
-        mgr.close().unwrap();
+        if close {
+            mgr.close().unwrap();
+        } else {
+            mgr.sync_journal().unwrap();
+        }
         (out, weak)
     });
     drop(rt);
