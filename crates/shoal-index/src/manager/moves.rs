@@ -19,8 +19,8 @@ use bytes::Bytes;
 use shoal_storage::{Collection, FileManifest, KeyspaceFiles, PartitionError};
 
 use super::{
-    back_prefix, cursor_key, decode_parts, encode_cursor, encode_parts, load_part, open_index_keyspace, part_keyspace_name, Consistency, Index, IndexManager, Part,
-    Parts,
+    back_prefix, cursor_key, decode_parts, encode_cursor, encode_parts, load_part, open_index_keyspace, part_keyspace_name, Consistency,
+    Index, IndexManager, Part, Parts,
 };
 use crate::IndexError;
 
