@@ -2144,7 +2144,9 @@ async fn a_placed_index_is_read_where_its_partitions_are_from_any_node() {
 /// every index on it, each adopted as the files of a live copy (none rebuilt), and switches
 /// the placement once they have caught up. Every scan answer, from any node, is the
 /// model's or a 503; afterwards each node holds exactly the partitions placed on it. Then
-/// the new node is killed: the index with replicas is read from the other copies.
+/// the new node is killed: the index with replicas is read from the other copies, the one
+/// without is placed again by the failover and rebuilt, and the next rebalance gives the
+/// index with replicas its lost copies back as the files of the copies left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn index_partitions_move_as_files_when_an_index_node_joins() {
     let IndexCluster { first, second: _second, a, b, join, http } = index_cluster().await;
@@ -2266,5 +2268,49 @@ async fn index_partitions_move_as_files_when_an_index_node_joins() {
         assert_eq!(rows, want(&model, "by_v"));
         let (code, _, v) = scan(node, "by_x").await;
         assert_eq!(code, 503, "{v}");
+    }
+    // The failover takes c out of the placement: by_v's parts c held are read from their
+    // other copy, and by_x's (no replica) are placed again and rebuilt from the streams.
+    let c_id = node_id(&info, &c).unwrap();
+    wait_for(&http, &first.u("/v1/cluster"), "failover of c", |v| {
+        v["nodes"].as_array().is_some_and(|a| a.iter().any(|n| n["id"].as_u64() == Some(c_id) && n["state"] == "failed"))
+    })
+    .await;
+    for (node, index) in [(&first, "by_x"), (&a, "by_v"), (&b, "by_x")] {
+        // A part rebuilt from the streams serves once it has caught up: until then, 503.
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let (code, rows, v) = scan(node, index).await;
+            if code == 200 {
+                assert_eq!(rows, want(&model, index), "{index} from {} after c's failover", node.addr());
+                break;
+            }
+            assert_eq!(code, 503, "{index} after c's failover: {v}");
+            assert!(Instant::now() < deadline, "{index} never answered after c's failover: {v}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    // The next rebalance gives by_v back its second copy of every part c held, as the files
+    // of the copy that is left; none is rebuilt.
+    common::cluster::rebalance_when_possible(&http, &first, &[c_id]).await;
+    let (_, status) = get_json(&http, &first.u("/v1/cluster/rebalance")).await;
+    let by_v_moves: Vec<&Value> =
+        status["moves"].as_array().unwrap().iter().filter(|m| m["kind"] == "index" && m["index"] == "c.by_v").collect();
+    assert!(!by_v_moves.is_empty(), "the lost replicas are copied again: {status}");
+    assert!(by_v_moves.iter().all(|m| m["method"] == "files"), "from a live copy's files: {by_v_moves:?}");
+    let (_, listed) = get_json(&http, &first.u("/v1/collections/c/indexes")).await;
+    let by_v = listed.as_array().unwrap().iter().find(|i| i["name"] == "by_v").cloned().unwrap();
+    let (a_id, b_id) = (node_id(&info, &a).unwrap(), node_id(&info, &b).unwrap());
+    for copies in by_v["placement"].as_array().unwrap() {
+        let mut copies: Vec<u64> = copies.as_array().unwrap().iter().map(|n| n.as_u64().unwrap()).collect();
+        copies.sort_unstable();
+        let mut both = vec![a_id, b_id];
+        both.sort_unstable();
+        assert_eq!(copies, both, "two copies of every part on the index nodes left: {by_v}");
+    }
+    for (node, index) in [(&a, "by_v"), (&b, "by_v"), (&first, "by_x"), (&first, "by_v")] {
+        let (code, rows, v) = scan(node, index).await;
+        assert_eq!(code, 200, "{v}");
+        assert_eq!(rows, want(&model, index), "{index} from {} after the repair's rebalance", node.addr());
     }
 }

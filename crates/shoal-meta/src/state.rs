@@ -618,6 +618,13 @@ impl MetaState {
         self.members.iter().filter(|(_, m)| m.state == MemberState::Active && m.services.index).map(|(id, _)| *id).collect()
     }
 
+    /// Whether member `node` holds copies a failover would move: data partitions (it runs
+    /// the data service) or index partitions placed on it.
+    pub fn holds_copies(&self, node: NodeId) -> bool {
+        let data = self.members.get(&node).is_some_and(|m| m.services.data);
+        data || self.indexes.values().flat_map(|by_name| by_name.values()).any(|d| d.placement.iter().any(|c| c.contains(&node)))
+    }
+
     /// After a member failed over: its index copies are taken out of every placement; an
     /// index partition left without a copy is placed on the least loaded index node left,
     /// which rebuilds it from the streams (`shoal_cluster::index_placement::repair_indexes`).
@@ -1066,6 +1073,20 @@ mod tests {
         state.apply(MetaCommand::SetIndexPlacements { placements: vec![change(moved.clone(), id)] }).expect("placed");
         assert_eq!(state.indexes["c"]["j"].placement, moved);
         state.check().expect("invariants hold");
+        // What an automatic failover looks at: data nodes, and index nodes with copies.
+        let mut query_only = state.clone();
+        query_only
+            .apply(MetaCommand::AddMember { node: n(5), address: "n5".into(), services: Services { data: false, index: false, query: true } })
+            .expect("added");
+        for (node, holds, why) in [
+            (1, true, "a data node"),
+            (3, true, "data and index"),
+            (4, true, "an index node with partitions placed on it"),
+            (5, false, "a query node"),
+            (9, false, "not a member"),
+        ] {
+            assert_eq!(query_only.holds_copies(n(node)), holds, "{why}");
+        }
         // A failover takes the failed node's copies out: a surviving copy serves alone, a
         // partition left with none goes to the index node left (rebuilt there).
         let mut failed = state.clone();

@@ -474,9 +474,11 @@ pub(crate) async fn run_monitor(node: Arc<ClusterNode>) {
         let timeout = Duration::from_secs(u64::from(state.settings.auto_failover_timeout_s));
         let max_count = state.settings.auto_failover_max_count as usize;
         for (id, member) in &state.members {
-            // A node without the data service holds no copy: failing it over would move
-            // nothing and use up `auto_failover_max_count` for the data nodes.
-            if *id == node.id || member.state != MemberState::Active || !member.services.data {
+            // A node holding no copy (no data service, no index partition placed on it):
+            // failing it over would move nothing and use up `auto_failover_max_count`. An
+            // index node's failover gives its index partitions to their replicas, or places
+            // them again.
+            if *id == node.id || member.state != MemberState::Active || !state.holds_copies(*id) {
                 continue;
             }
             if node.monitor.silent_for(id.0, &node.lease).is_none_or(|s| s < timeout) {
