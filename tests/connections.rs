@@ -227,10 +227,20 @@ fn slow_body(
     len: usize,
     send: impl FnOnce(&mut TcpStream) -> std::io::Result<()> + Send + 'static,
 ) -> (Answer, bool, Duration) {
-    let mut s = TcpStream::connect(a).expect("connect");
     let head = format!(
         "PUT /v1/collections/c/docs/{key} HTTP/1.1\r\nHost: shoal\r\nContent-Type: application/json\r\nContent-Length: {len}\r\n\r\n"
     );
+    slow_request(a, key, &head, send)
+}
+
+/// [`slow_body`] of any request: `head` (with its `Content-Length`), then what `send` writes.
+fn slow_request(
+    a: SocketAddr,
+    key: &str,
+    head: &str,
+    send: impl FnOnce(&mut TcpStream) -> std::io::Result<()> + Send + 'static,
+) -> (Answer, bool, Duration) {
+    let mut s = TcpStream::connect(a).expect("connect");
     s.write_all(head.as_bytes()).expect("write head");
     let start = Instant::now();
     let mut w = s.try_clone().expect("clone");
@@ -240,6 +250,40 @@ fn slow_body(
     let elapsed = start.elapsed();
     let (answer, _) = parse_answer(&got).unwrap_or_else(|| panic!("{key}: no complete answer: {:?}", String::from_utf8_lossy(&got)));
     (answer, closed, elapsed)
+}
+
+/// The index service's calls between members (feeds, highs, copies of index partitions,
+/// routed scans) read their bodies as client requests do: a member (or anyone with the
+/// secret) trickling one is answered `408` and cut off, and the node goes on.
+#[test]
+fn trickled_internal_index_calls_time_out() {
+    let node = Node::start(&["--body-read-timeout-secs", "2", "--cluster-secret", "trickle-secret"]);
+    let a = addr(&node);
+    let calls: Vec<_> = ["feed", "highs", "index-export", "index-adopt", "index-scan"]
+        .into_iter()
+        .map(|op| {
+            let head = format!(
+                "POST /v1/_internal/{op} HTTP/1.1\r\nHost: shoal\r\nx-shoal-cluster-secret: trickle-secret\r\nContent-Length: 64\r\n\r\n"
+            );
+            std::thread::spawn(move || {
+                let answer = slow_request(a, op, &head, |w| {
+                    for b in br#"{"collection":"c","index":"i","part":0,"source":null,"pad":"xyz"}"#.iter() {
+                        w.write_all(&[*b])?;
+                        std::thread::sleep(Duration::from_secs(1));
+                    }
+                    Ok(())
+                });
+                (op, answer)
+            })
+        })
+        .collect();
+    for t in calls {
+        let (op, (answer, closed, _)) = t.join().expect("slow call");
+        assert_eq!(answer.status, 408, "{op}: {answer:?}");
+        assert_eq!(answer.json()["error"], "timeout", "{op}: {answer:?}");
+        assert!(closed, "{op}: the connection stayed open after the 408");
+    }
+    assert_eq!(http(a, "GET", "/v1/health", b"").status, 200);
 }
 
 #[test]

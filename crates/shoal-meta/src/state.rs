@@ -1076,7 +1076,11 @@ mod tests {
         // What an automatic failover looks at: data nodes, and index nodes with copies.
         let mut query_only = state.clone();
         query_only
-            .apply(MetaCommand::AddMember { node: n(5), address: "n5".into(), services: Services { data: false, index: false, query: true } })
+            .apply(MetaCommand::AddMember {
+                node: n(5),
+                address: "n5".into(),
+                services: Services { data: false, index: false, query: true },
+            })
             .expect("added");
         for (node, holds, why) in [
             (1, true, "a data node"),
