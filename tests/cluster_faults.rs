@@ -4,7 +4,10 @@
 //! paused with SIGSTOP and resumed, or cut off from the others by a network partition (the
 //! transport's switchable fault layer, `serve --fault-injection`) and healed — each fault
 //! followed by automatic failover when the node stays away, recovery and a rebalance. Every history must be linearizable, so no
-//! acknowledged majority write is lost and no read sees a deposed copy.
+//! acknowledged majority write is lost and no read sees a deposed copy. Every node runs the
+//! index service, and an index with a replica is placed on them through all of it (fed from
+//! the actives, repaired by the failovers, moved by the rebalances); at the end a
+//! `request_plus` scan through every node must answer what majority reads of the documents do.
 //!
 //! A second test runs the same clients through moves by files (a rebalance that grows the
 //! cluster, then one that sheds a node), so the copies' snapshot, catch-up and hand-over
@@ -113,7 +116,17 @@ async fn a_cluster_under_kills_pauses_and_partitions_stays_linearizable_for_majo
         http.put(nodes[0].u("/v1/cluster/settings")).json(&json!({"auto_failover_timeout_s": failover_timeout_s})).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 200);
     assert_eq!(http.put(nodes[0].u("/v1/collections/lin")).send().await.unwrap().status().as_u16(), 201);
+    // Every node runs the index service (the default): the index is placed on them, fed
+    // from the actives through every fault, repaired by the failovers and moved by the
+    // rebalances; at the end it must answer exactly what the documents hold.
     rebalance(&http, &nodes[0], &[]).await;
+    let r = http
+        .post(nodes[0].u("/v1/collections/lin/indexes"))
+        .json(&json!({"name": "by_v", "keys": ["v"], "replicas": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201, "{}", r.text().await.unwrap_or_default());
 
     let history = Arc::new(History::default());
     let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
@@ -260,6 +273,54 @@ async fn a_cluster_under_kills_pauses_and_partitions_stays_linearizable_for_majo
         std::fs::write(format!("{path}.history.ndjson"), history.lines()).unwrap();
     }
     assert!(ok, "Porcupine found the cluster's history not linearizable:\n{out}");
+    index_answers_what_the_documents_hold(&http, &nodes).await;
+}
+
+/// After the faults: a `request_plus` scan of `by_v` through every node answers the hot
+/// keys' documents as majority reads find them (a 503 while a part catches up is asked
+/// again; a short or stale answer is a failure).
+async fn index_answers_what_the_documents_hold(http: &reqwest::Client, nodes: &[common::Node]) {
+    // One write just before the scans, which `request_plus` must see.
+    let r =
+        http.put(nodes[1].u("/v1/collections/lin/docs/last?durability=majority")).json(&json!({"v": "written last"})).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200, "{}", r.text().await.unwrap_or_default());
+    let mut want: Vec<(String, String)> = vec![("written last".into(), "last".into())];
+    for k in 0..KEYS {
+        let url = nodes[0].u(&format!("/v1/collections/lin/docs/k{k}?consistency=majority"));
+        let (status, doc) = get_json(http, &url).await;
+        match status {
+            200 => want.push((doc["v"].as_str().expect("a string value").to_string(), format!("k{k}"))),
+            404 => {}
+            other => panic!("k{k}: {other} {doc}"),
+        }
+    }
+    want.sort();
+    for node in nodes {
+        let deadline = Instant::now() + common::cluster::WAIT_MAX;
+        loop {
+            let r = http
+                .post(node.u("/v1/collections/lin/indexes/by_v/scan"))
+                .json(&json!({"consistency": "request_plus", "timeout_ms": 30_000}))
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            let v: Value = r.json().await.unwrap_or(Value::Null);
+            if status == 200 {
+                let rows: Vec<(String, String)> = v["rows"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|r| (r["key"][0].as_str().unwrap().to_string(), r["id"].as_str().unwrap().to_string()))
+                    .collect();
+                assert_eq!(rows, want, "by_v from {} after the faults", node.addr());
+                break;
+            }
+            assert_eq!(status, 503, "by_v from {}: {v}", node.addr());
+            assert!(Instant::now() < deadline, "by_v never answered from {}: {v}", node.addr());
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
 }
 
 /// Moves by files under the same clients: one node, loaded so that every partition is
