@@ -156,9 +156,9 @@ pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> R
     };
     drop(transfer);
     let copied = Instant::now();
-    // Caught up with the actives' positions now. The data stage runs beside this one: while
-    // a partition is frozen for its hand-over (or its active is out of reach) the actives
-    // cannot all say how far they are, and the wait asks again.
+    // Caught up with the actives' positions now. While a partition is frozen for a
+    // hand-over (or its active is out of reach) the actives cannot all say how far they
+    // are, and the wait asks again.
     let deadline = Instant::now() + INDEX_ADOPT_TIMEOUT;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());

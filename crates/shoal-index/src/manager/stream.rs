@@ -131,9 +131,8 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
         let mut located_before: HashMap<&[u8], Vec<u16>> = HashMap::new();
         // Per part (by slot): the documents whose entries there changed.
         let mut changed: Vec<HashSet<&[u8]>> = vec![HashSet::new(); slots];
-        // Per (slot, data partition): entries added; and whether any entry changed.
+        // Per (slot, data partition) whose entries changed: entries added.
         let mut delta: HashMap<(usize, usize), i64> = HashMap::new();
-        let mut touched: HashSet<(usize, usize)> = HashSet::new();
         let cursors: Vec<Vec<StreamPosition>> = held.iter().map(|p| p.cursors.lock().clone()).collect();
         let mut offset = 0;
         for batch_part in parts {
@@ -180,7 +179,6 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
                     };
                     if old != new {
                         changed[slot].insert(key);
-                        touched.insert((slot, pi));
                         let d = delta.entry((slot, pi)).or_default();
                         for o in old.iter().filter(|o| new.binary_search(o).is_err()) {
                             fwd[slot].push((entry_key(o, key), false));
@@ -255,7 +253,7 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
                 // (its entries are those of that cursor too) until it lags by
                 // CURSOR_STORE_LAG, or the history changed.
                 let (pos, at) = (batch_part.position, stored.get(pi).copied().unwrap_or_default());
-                let store = touched.contains(&(slot, pi))
+                let store = delta.contains_key(&(slot, pi))
                     || pos.uuid != at.uuid
                     || pos.seqno < at.seqno
                     || pos.seqno - at.seqno >= CURSOR_STORE_LAG;
