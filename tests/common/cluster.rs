@@ -14,7 +14,11 @@ pub const PARTITIONS: &str = "16";
 pub const WAIT_MAX: Duration = Duration::from_secs(90);
 
 fn base_args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
-    let mut args = vec!["--cluster-secret", SECRET, "--partitions", PARTITIONS, "--analytics-partitions", "0"];
+    let mut args = vec!["--cluster-secret", SECRET, "--partitions", PARTITIONS];
+    // Analytics off (its shadows cost CPU) unless the test turns it on.
+    if !extra.contains(&"--analytics-partitions") {
+        args.extend_from_slice(&["--analytics-partitions", "0"]);
+    }
     args.extend_from_slice(extra);
     args
 }

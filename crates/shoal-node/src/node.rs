@@ -437,6 +437,10 @@ impl ClusterNode {
                 let answer = crate::index_scan::serve_part_scan(self, req).await?;
                 serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
             }
+            Op::ShadowFields => {
+                let req = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+                crate::sql::serve_shadow_fields(self, req).await
+            }
             Op::IndexAdopt => {
                 let req = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
                 let answer = crate::index_moves::serve_adopt(self, req).await?;

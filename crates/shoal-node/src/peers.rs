@@ -52,6 +52,8 @@ pub enum Op {
     IndexAdopt,
     /// A node asks a holder of index partitions for its part of a scan (`index_scan`).
     IndexScan,
+    /// A coordinator of an analytics statement asks a member for its shadow's fields (`sql`).
+    ShadowFields,
 }
 
 impl Op {
@@ -79,6 +81,7 @@ impl Op {
             Op::IndexExport => "index-export",
             Op::IndexAdopt => "index-adopt",
             Op::IndexScan => "index-scan",
+            Op::ShadowFields => "shadow-fields",
         }
     }
 
@@ -103,6 +106,7 @@ impl Op {
             "index-export" => Op::IndexExport,
             "index-adopt" => Op::IndexAdopt,
             "index-scan" => Op::IndexScan,
+            "shadow-fields" => Op::ShadowFields,
             "catch-up" => Op::CatchUp,
             "invite" => Op::Invite,
             _ => return None,
@@ -181,6 +185,7 @@ mod tests {
             Op::IndexExport,
             Op::IndexAdopt,
             Op::IndexScan,
+            Op::ShadowFields,
         ];
         for op in ops {
             assert_eq!(Op::from_name(op.name()), Some(op));

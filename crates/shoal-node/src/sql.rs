@@ -10,6 +10,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use shoal_query::distributed::{ClusterAnalytics, ShadowMembers};
 use shoal_query::spread::{PlacedIndexes, RemoteDocs, RemoteError, Spread};
 
 use crate::peers::Op;
@@ -25,6 +27,54 @@ pub const DOCS_ANSWER_MAX_DOCS: u32 = 8192;
 const SAME_MAP_WAIT: Duration = Duration::from_secs(1);
 /// A call for documents has this long.
 const DOCS_CALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// A member's preparation of a distributed analytics statement has the statement's own
+/// wait and this much more.
+const FIELDS_CALL_SLACK: Duration = Duration::from_secs(5);
+
+/// A coordinator of an analytics statement asks a member for its shadow's fields, once its
+/// shadow can be read (`shoal_query::distributed`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ShadowFieldsRequest {
+    pub collection: String,
+    pub map_version: u64,
+    pub request_plus: bool,
+    pub timeout_ms: u64,
+}
+
+impl ClusterNode {
+    /// The members an analytics statement run here by `state`'s map (the version it pins)
+    /// runs on: those holding some partition active, this node among them when it does.
+    /// `None` when every partition is active here (the statement reads this node alone).
+    pub fn analytics_members(self: &Arc<Self>, state: &shoal_meta::MetaState) -> Result<Option<Arc<ClusterAnalytics>>, u16> {
+        let owners = self.active_owners_in(state)?;
+        if owners.iter().all(Option::is_none) {
+            return Ok(None);
+        }
+        let mut members: Vec<String> = owners.into_iter().map(|o| o.unwrap_or_else(|| self.address().to_string())).collect();
+        members.sort_unstable();
+        members.dedup();
+        let remote = Members { node: Arc::clone(self), map_version: state.map_version() };
+        Ok(Some(Arc::new(ClusterAnalytics { map_version: state.map_version(), members, remote: Arc::new(remote) })))
+    }
+
+    /// Per partition, whether it is active here under map `map_version`: what a worker's
+    /// task of a distributed statement reads. Refused when this node serves nothing or its
+    /// map is another one.
+    pub fn actives_at(&self, map_version: u64) -> Result<Vec<bool>, String> {
+        if !self.serving() {
+            return Err("this member lost contact with the metadata leader; it serves nothing now".into());
+        }
+        let state = self.state();
+        let version = state.map_version();
+        if version != map_version {
+            return Err(format!(
+                "the partition map changed during the query (version {version} here, {map_version} when it started); run it again"
+            ));
+        }
+        let partitions = usize::from(self.engine.store().partitions());
+        Ok(self.actives_here_in(&state).unwrap_or_else(|| vec![true; partitions]))
+    }
+}
 
 impl ClusterNode {
     /// Where a SQL statement run here reads each partition by `state`'s map (the version the
@@ -130,6 +180,42 @@ impl RemoteDocs for Members {
         }
         Ok(out)
     }
+}
+
+#[async_trait]
+impl ShadowMembers for Members {
+    async fn fields(
+        &self,
+        member: &str,
+        collection: &str,
+        consistency: shoal_index::Consistency,
+        timeout: Duration,
+    ) -> Result<Vec<u8>, RemoteError> {
+        let req = ShadowFieldsRequest {
+            collection: collection.to_string(),
+            map_version: self.map_version,
+            request_plus: consistency == shoal_index::Consistency::RequestPlus,
+            timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+        };
+        let body = serde_json::to_vec(&req).map_err(|e| RemoteError(e.to_string()))?;
+        let answer = self.node.peers.call(member, Op::ShadowFields, body, timeout + FIELDS_CALL_SLACK).await;
+        answer.map_err(|e| RemoteError(format!("a member's shadow of {collection}: {e}")))
+    }
+}
+
+/// The asked side of [`ShadowFieldsRequest`]: this node's shadow fields, under the map the
+/// statement pinned.
+pub(crate) async fn serve_shadow_fields(node: &Arc<ClusterNode>, req: ShadowFieldsRequest) -> Result<Vec<u8>, ClusterError> {
+    if req.map_version > node.state().map_version() {
+        node.wait_map_after(req.map_version - 1, SAME_MAP_WAIT).await;
+    }
+    node.actives_at(req.map_version).map_err(ClusterError::Refused)?;
+    let consistency = if req.request_plus { shoal_index::Consistency::RequestPlus } else { shoal_index::Consistency::NotBounded };
+    let timeout = Duration::from_millis(req.timeout_ms).min(shoal_query::QUERY_TIMEOUT_MAX);
+    node.engine.query().shadow_fields(&req.collection, consistency, timeout).await.map_err(|e| match e {
+        shoal_query::QueryError::Timeout(_) => ClusterError::Timeout(e.to_string()),
+        e => ClusterError::Refused(e.to_string()),
+    })
 }
 
 /// The asked side: live documents of the partitions active here, a page of a scan in key

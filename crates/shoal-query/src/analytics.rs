@@ -10,7 +10,7 @@ use datafusion::arrow::array::{Array, AsArray, BooleanArray};
 use datafusion::arrow::array::{RecordBatch, RecordBatchOptions};
 use datafusion::arrow::buffer::BooleanBuffer;
 use datafusion::arrow::datatypes::Int64Type;
-use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::arrow::datatypes::{Field, SchemaRef};
 use datafusion::catalog::{SchemaProvider, Session, TableProvider};
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::stats::Precision;
@@ -33,6 +33,7 @@ use datafusion::physical_plan::{
 use shoal_index::Consistency;
 use shoal_storage::Store;
 
+use crate::distributed::{ClusterAnalytics, WorkerEnv};
 use crate::merge::adapt_batch;
 use crate::shadow::{Part, Shadow, ShadowError, ShadowManager, GROUP_FIELD};
 use crate::table::leaf_properties;
@@ -44,6 +45,58 @@ pub(crate) struct AnalyticsEnv {
     pub shadows: Arc<ShadowManager>,
     pub consistency: Consistency,
     pub timeout: std::time::Duration,
+    /// On a cluster: the members the statement runs on, and this node's address among them.
+    pub cluster: Option<(Arc<ClusterAnalytics>, String)>,
+    /// Output partitions of a scan in a cluster (per task).
+    pub partitions: usize,
+}
+
+/// A shadow scan in a cluster: one task per member, each reading that member's rows of the
+/// partitions active on it under the pinned map (see [`crate::distributed`]).
+#[derive(Clone)]
+pub(crate) struct ClusterScan {
+    pub collection: String,
+    pub map_version: u64,
+    pub timeout: std::time::Duration,
+    pub members: Arc<[String]>,
+    /// The member this task reads; `None` until the planner splits the scan into tasks.
+    pub member: Option<String>,
+    pub group: Option<String>,
+}
+
+/// The fields of this node's shadow of `collection`, with their weights, once it can be
+/// read at `consistency`.
+pub(crate) async fn fields_here(
+    store: &Store,
+    shadows: &ShadowManager,
+    collection: &str,
+    consistency: Consistency,
+    timeout: std::time::Duration,
+) -> Result<Vec<(Field, u64)>, DataFusionError> {
+    let shadow = ready_shadow(store, shadows, collection, consistency, timeout).await?;
+    tokio::task::spawn_blocking(move || shadow.weighted_fields()).await.map_err(|e| DataFusionError::External(Box::new(e)))
+}
+
+/// This node's shadow of `collection`, waited for: loaded, holding every partition active
+/// here whole and, at `request_plus`, every change up to the high seqnos now.
+async fn ready_shadow(
+    store: &Store,
+    shadows: &ShadowManager,
+    name: &str,
+    consistency: Consistency,
+    timeout: std::time::Duration,
+) -> Result<Arc<Shadow>, DataFusionError> {
+    if shadows.partitions() == 0 {
+        return Err(external(ShadowError::Off));
+    }
+    let coll = store.collection(name).ok_or_else(|| external(ShadowError::NotAttached(name.to_string())))?;
+    shadows.wait_loaded(timeout).await.map_err(external)?;
+    let shadow = shadows.shadow(coll.id()).ok_or_else(|| external(ShadowError::NotAttached(name.to_string())))?;
+    if consistency == Consistency::RequestPlus {
+        shadow.wait_applied(&coll.held_high_seqnos(), timeout).await.map_err(external)?;
+    }
+    shadow.wait_whole(timeout).await.map_err(external)?;
+    Ok(shadow)
 }
 
 /// Every collection of the store, as tables over their shadows.
@@ -66,16 +119,17 @@ impl SchemaProvider for Shadows {
     }
 
     async fn table(&self, name: &str) -> Result<Option<Arc<dyn TableProvider>>, DataFusionError> {
-        let Some(coll) = self.0.store.collection(name) else { return Ok(None) };
-        self.0.shadows.wait_loaded(self.0.timeout).await.map_err(external)?;
-        let shadow = self.0.shadows.shadow(coll.id()).ok_or_else(|| external(ShadowError::NotAttached(name.to_string())))?;
-        if self.0.consistency == Consistency::RequestPlus {
-            shadow.wait_applied(&coll.held_high_seqnos(), self.0.timeout).await.map_err(external)?;
+        let env = &self.0;
+        if env.store.collection(name).is_none() {
+            return Ok(None);
         }
-        shadow.wait_whole(self.0.timeout).await.map_err(external)?;
+        if let Some((cluster, me)) = &env.cluster {
+            return self.cluster_table(name, cluster, me).await.map(Some);
+        }
+        let shadow = ready_shadow(&env.store, &env.shadows, name, env.consistency, env.timeout).await?;
         let s = Arc::clone(&shadow);
         let schema = tokio::task::spawn_blocking(move || s.schema()).await.map_err(|e| DataFusionError::External(Box::new(e)))?;
-        Ok(Some(Arc::new(ShadowTable { shadow, schema })))
+        Ok(Some(Arc::new(ShadowTable { source: Source::Here(shadow), schema })))
     }
 
     fn table_exist(&self, name: &str) -> bool {
@@ -83,14 +137,65 @@ impl SchemaProvider for Shadows {
     }
 }
 
+impl Shadows {
+    /// A collection over the members' shadows: its schema merged from each member's fields,
+    /// asked of them all at once (each waits until its shadow can be read).
+    async fn cluster_table(
+        &self,
+        name: &str,
+        cluster: &Arc<ClusterAnalytics>,
+        me: &str,
+    ) -> Result<Arc<dyn TableProvider>, DataFusionError> {
+        let env = &self.0;
+        let asks = cluster.members.iter().map(|m| async move {
+            if m == me {
+                fields_here(&env.store, &env.shadows, name, env.consistency, env.timeout).await
+            } else {
+                let bytes = cluster
+                    .remote
+                    .fields(m, name, env.consistency, env.timeout)
+                    .await
+                    .map_err(|e| crate::distributed::tag(crate::distributed::Kind::Unavailable, e))?;
+                crate::distributed::decode_fields(&bytes)
+            }
+        });
+        let mut fields = Vec::new();
+        for f in futures::future::try_join_all(asks).await? {
+            fields.extend(f);
+        }
+        fields.insert(0, (Field::new(crate::schema::KEY_COLUMN, datafusion::arrow::datatypes::DataType::Utf8, false), u64::MAX));
+        let schema = Arc::new(datafusion::arrow::datatypes::Schema::new(crate::merge::merge_fields(&fields)));
+        let scan = ClusterScan {
+            collection: name.to_string(),
+            map_version: cluster.map_version,
+            timeout: env.timeout,
+            members: cluster.members.clone().into(),
+            member: None,
+            group: None,
+        };
+        Ok(Arc::new(ShadowTable { source: Source::Cluster(scan, env.partitions.max(2)), schema }))
+    }
+}
+
+/// Where a table's rows are.
+enum Source {
+    /// This node's shadow holds them all.
+    Here(Arc<Shadow>),
+    /// The members' shadows, read by a scan split into `usize` partitions per task.
+    Cluster(ClusterScan, usize),
+}
+
 struct ShadowTable {
-    shadow: Arc<Shadow>,
+    source: Source,
     schema: SchemaRef,
 }
 
 impl fmt::Debug for ShadowTable {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "ShadowTable({})", self.shadow.collection().name())
+        match &self.source {
+            Source::Here(s) => write!(f, "ShadowTable({})", s.collection().name()),
+            Source::Cluster(c, _) => write!(f, "ShadowTable({}, members)", c.collection),
+        }
     }
 }
 
@@ -136,7 +241,14 @@ impl TableProvider for ShadowTable {
     ) -> Result<Arc<dyn ExecutionPlan>, DataFusionError> {
         let projected = project_schema(&self.schema, projection)?;
         let group = filters.iter().find_map(group_of);
-        let (s, g) = (Arc::clone(&self.shadow), group.clone());
+        let shadow = match &self.source {
+            Source::Here(shadow) => shadow,
+            Source::Cluster(scan, partitions) => {
+                let scan = ClusterScan { group, ..scan.clone() };
+                return Ok(Arc::new(ShadowScanExec::in_cluster(scan, projected, limit, *partitions, 0)));
+            }
+        };
+        let (s, g) = (Arc::clone(shadow), group.clone());
         let parts = tokio::task::spawn_blocking(move || s.snapshot(g.as_deref()))
             .await
             .map_err(|e| DataFusionError::External(Box::new(e)))?
@@ -144,7 +256,7 @@ impl TableProvider for ShadowTable {
         let rows = parts.iter().map(|p| p.iter().map(Part::rows).sum()).collect();
         let properties = leaf_properties(&projected, parts.len().max(1));
         Ok(Arc::new(ShadowScanExec {
-            name: self.shadow.collection().name().to_string(),
+            name: shadow.collection().name().to_string(),
             parts: Arc::new(parts),
             rows,
             projected,
@@ -152,13 +264,15 @@ impl TableProvider for ShadowTable {
             limit,
             properties,
             dynamic: Vec::new(),
+            cluster: None,
         }))
     }
 }
 
-/// Reads a snapshot of a shadow: partition `i` of the plan is analytics partition `i`.
+/// Reads a snapshot of a shadow: partition `i` of the plan is analytics partition `i`. In a
+/// cluster, reads a member's shadow instead (`cluster`).
 #[derive(Clone)]
-struct ShadowScanExec {
+pub(crate) struct ShadowScanExec {
     name: String,
     parts: Arc<Vec<Vec<Part>>>,
     /// Live rows per analytics partition.
@@ -170,6 +284,8 @@ struct ShadowScanExec {
     /// Filters a hash join derives from its build side once built (DataFusion's dynamic
     /// filters, e.g. `ss_item_sk IN (...)`): rows they reject are dropped in the scan.
     dynamic: Vec<Arc<dyn PhysicalExpr>>,
+    /// In a cluster: which members' rows, and (on a worker) this node's shadows to read them from.
+    cluster: Option<ClusterScan>,
 }
 
 impl fmt::Debug for ShadowScanExec {
@@ -181,7 +297,15 @@ impl fmt::Debug for ShadowScanExec {
 impl DisplayAs for ShadowScanExec {
     fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
         let pieces: usize = self.parts.iter().map(Vec::len).sum();
-        write!(f, "ShadowScan: collection={}, analytics partitions={}, segments={pieces}", self.name, self.parts.len())?;
+        match &self.cluster {
+            Some(c) => {
+                write!(f, "ShadowScan: collection={}, members={}", self.name, c.members.len())?;
+                if let Some(m) = &c.member {
+                    write!(f, ", member={m}")?;
+                }
+            }
+            None => write!(f, "ShadowScan: collection={}, analytics partitions={}, segments={pieces}", self.name, self.parts.len())?,
+        }
         if let Some(g) = &self.group {
             write!(f, ", {GROUP_FIELD}={g:?}")?;
         }
@@ -343,7 +467,104 @@ fn project(part: &Part, schema: &SchemaRef, sieves: &mut Sieves) -> Result<Vec<R
     Ok(out)
 }
 
+/// A part as batches of the projected columns (no dynamic filters): a worker's read.
+pub(crate) fn project_part(part: &Part, schema: &SchemaRef) -> Result<Vec<RecordBatch>, DataFusionError> {
+    project(part, schema, &mut Sieves { filters: Vec::new(), stats: HashMap::new() })
+}
+
+/// At most `limit` rows of `batches`.
+fn limited(
+    batches: impl Iterator<Item = Result<RecordBatch, DataFusionError>>,
+    limit: Option<usize>,
+) -> impl Iterator<Item = Result<RecordBatch, DataFusionError>> {
+    let mut left = limit.unwrap_or(usize::MAX);
+    batches.map_while(move |b| {
+        if left == 0 {
+            return None;
+        }
+        Some(b.map(|b| {
+            let b = if b.num_rows() > left { b.slice(0, left) } else { b };
+            left -= b.num_rows();
+            b
+        }))
+    })
+}
+
 impl ShadowScanExec {
+    /// A scan over the members' shadows, `partitions` output partitions per task, `rows`
+    /// estimated.
+    pub(crate) fn in_cluster(
+        scan: ClusterScan,
+        projected: SchemaRef,
+        limit: Option<usize>,
+        partitions: usize,
+        rows: usize,
+    ) -> ShadowScanExec {
+        let partitions = partitions.max(1);
+        ShadowScanExec {
+            name: scan.collection.clone(),
+            parts: Arc::new(Vec::new()),
+            rows: vec![rows / partitions; partitions],
+            properties: leaf_properties(&projected, partitions),
+            projected,
+            group: scan.group.clone(),
+            limit,
+            dynamic: Vec::new(),
+            cluster: Some(scan),
+        }
+    }
+
+    /// In a cluster: which members' rows it reads.
+    pub(crate) fn cluster(&self) -> Option<&ClusterScan> {
+        self.cluster.as_ref()
+    }
+
+    pub(crate) fn limit(&self) -> Option<usize> {
+        self.limit
+    }
+
+    /// The scan of one task: `member`'s rows.
+    pub(crate) fn for_member(&self, member: &str) -> ShadowScanExec {
+        let mut out = self.clone();
+        if let Some(c) = &mut out.cluster {
+            c.member = Some(member.to_string());
+        }
+        out
+    }
+
+    /// A task's read of its member's shadow (see [`crate::distributed`]).
+    fn execute_in_cluster(
+        &self,
+        scan: &ClusterScan,
+        partition: usize,
+        context: &TaskContext,
+    ) -> Result<SendableRecordBatchStream, DataFusionError> {
+        use crate::distributed::{tag, Kind};
+        let Some(member) = &scan.member else {
+            return Err(tag(Kind::NotPlaced, format!("the scan of {} was not split over the members", scan.collection)));
+        };
+        // A worker's sessions, the coordinator's own included, carry its shadows.
+        let Some(env) = context.session_config().get_extension::<WorkerEnv>() else {
+            return Err(tag(Kind::NotPlaced, format!("the scan of {member}'s rows ran on a coordinator")));
+        };
+        if env.local.address() != *member {
+            return Err(tag(Kind::NotPlaced, format!("the scan of {member}'s rows ran on {}", env.local.address())));
+        }
+        let scan = scan.clone();
+        let schema = Arc::clone(&self.projected);
+        let partitions = self.properties.partitioning.partition_count();
+        let limit = self.limit;
+        let read = async move { env.read(&scan, partition, partitions, &schema).await };
+        let batches = futures::StreamExt::flat_map(futures::stream::once(read), move |r| {
+            let all: Vec<Result<RecordBatch, DataFusionError>> = match r {
+                Ok(bs) => limited(bs.into_iter().map(Ok), limit).collect(),
+                Err(e) => vec![Err(e)],
+            };
+            futures::stream::iter(all)
+        });
+        Ok(Box::pin(RecordBatchStreamAdapter::new(Arc::clone(&self.projected), batches)))
+    }
+
     fn stats(&self, partition: Option<usize>) -> Arc<Statistics> {
         let rows = match partition {
             Some(p) => self.rows.get(p).copied().unwrap_or(0),
@@ -422,27 +643,18 @@ impl ExecutionPlan for ShadowScanExec {
         Ok(result)
     }
 
-    fn execute(&self, partition: usize, _context: Arc<TaskContext>) -> Result<SendableRecordBatchStream, DataFusionError> {
+    fn execute(&self, partition: usize, context: Arc<TaskContext>) -> Result<SendableRecordBatchStream, DataFusionError> {
+        if let Some(scan) = &self.cluster {
+            return self.execute_in_cluster(scan, partition, &context);
+        }
         let parts: Vec<Part> = self.parts.get(partition).cloned().unwrap_or_default();
         let schema = Arc::clone(&self.projected);
         let mut sieves = Sieves { filters: self.dynamic.clone(), stats: HashMap::new() };
-        let mut left = self.limit.unwrap_or(usize::MAX);
-        let batches = parts
-            .into_iter()
-            .flat_map(move |part| match project(&part, &schema, &mut sieves) {
-                Ok(bs) => bs.into_iter().map(Ok).collect::<Vec<_>>(),
-                Err(e) => vec![Err(e)],
-            })
-            .map_while(move |b| {
-                if left == 0 {
-                    return None;
-                }
-                Some(b.map(|b| {
-                    let b = if b.num_rows() > left { b.slice(0, left) } else { b };
-                    left -= b.num_rows();
-                    b
-                }))
-            });
+        let batches = parts.into_iter().flat_map(move |part| match project(&part, &schema, &mut sieves) {
+            Ok(bs) => bs.into_iter().map(Ok).collect::<Vec<_>>(),
+            Err(e) => vec![Err(e)],
+        });
+        let batches = limited(batches, self.limit);
         Ok(Box::pin(RecordBatchStreamAdapter::new(Arc::clone(&self.projected), futures::stream::iter(batches))))
     }
 }

@@ -10,6 +10,7 @@
 mod analytics;
 mod bounded;
 pub mod convert;
+pub mod distributed;
 mod merge;
 mod pool;
 pub mod rows;
@@ -87,6 +88,10 @@ pub enum QueryError {
     TooLarge(String),
     #[error("{0}")]
     Unavailable(String),
+    /// A statement over the members' shadows that the planner could not place on them (it
+    /// runs on the row engine instead).
+    #[error("{0}")]
+    NotPlaced(String),
     /// A storage fault.
     #[error("{0}")]
     Storage(String),
@@ -97,6 +102,15 @@ pub enum QueryError {
 
 impl From<DataFusionError> for QueryError {
     fn from(e: DataFusionError) -> Self {
+        // Errors of a distributed statement cross the network as text, their kind tagged.
+        if let Some(kind) = distributed::kind_of(&e.to_string()) {
+            let text = e.find_root().to_string();
+            return match kind {
+                distributed::Kind::Unavailable => QueryError::Unavailable(text),
+                distributed::Kind::Timeout => QueryError::Timeout(Duration::ZERO),
+                distributed::Kind::NotPlaced => QueryError::NotPlaced(text),
+            };
+        }
         match e.find_root() {
             DataFusionError::ResourcesExhausted(m) => QueryError::Memory(m.clone()),
             root @ DataFusionError::SchemaError(e, _) if matches!(**e, datafusion::common::SchemaError::FieldNotFound { .. }) => {
@@ -146,6 +160,9 @@ pub struct QueryRequest {
     pub spread: Option<Arc<spread::Spread>>,
     /// In a cluster with index nodes: how indexes placed on them are read.
     pub placed: Option<Arc<dyn spread::PlacedIndexes>>,
+    /// On a cluster member that is not every partition's active: the members an analytics
+    /// statement runs on (see [`distributed`]).
+    pub cluster: Option<Arc<distributed::ClusterAnalytics>>,
 }
 
 /// How an answer's rows are encoded.
@@ -381,6 +398,16 @@ pub struct QueryEngine {
     /// The node's memory pool and spill disk, shared by every query.
     runtime: Arc<datafusion::execution::runtime_env::RuntimeEnv>,
     query_memory_bytes: usize,
+    /// In a cluster: this node as a worker of distributed statements.
+    member: std::sync::OnceLock<Member>,
+}
+
+/// This node as a worker of distributed statements.
+struct Member {
+    env: Arc<distributed::WorkerEnv>,
+    local: Arc<dyn distributed::LocalMember>,
+    worker: datafusion_distributed::Worker,
+    channels: distributed::Channels,
 }
 
 impl QueryEngine {
@@ -412,7 +439,36 @@ impl QueryEngine {
             threads: config.threads.max(1),
             runtime,
             query_memory_bytes: config.query_memory_bytes.min(config.node_memory_bytes),
+            member: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Makes this node a worker of distributed analytics (once; later calls change nothing)
+    /// and answers the worker service to serve on its port under
+    /// [`distributed::WORKER_PATH_PREFIX`].
+    pub fn attach_cluster(&self, local: Arc<dyn distributed::LocalMember>) -> datafusion_distributed::Worker {
+        let member = self.member.get_or_init(|| {
+            let env = Arc::new(distributed::WorkerEnv {
+                store: Arc::clone(&self.store),
+                shadows: Arc::clone(&self.shadows),
+                local: Arc::clone(&local),
+            });
+            let channels = distributed::Channels::new(local.call_headers());
+            let worker = distributed::worker(Arc::clone(&env), Arc::clone(&self.runtime), self.query_memory_bytes, channels.clone());
+            Member { env, local, worker, channels }
+        });
+        member.worker.clone()
+    }
+
+    /// The fields of this node's shadow of `collection` ([`distributed::encode_fields`]),
+    /// once it can be read at `consistency`: a member's part of preparing a distributed
+    /// analytics statement.
+    pub async fn shadow_fields(&self, collection: &str, consistency: Consistency, timeout: Duration) -> Result<Vec<u8>, QueryError> {
+        if self.shadows.partitions() == 0 {
+            return Err(QueryError::Unavailable(shadow::ShadowError::Off.to_string()));
+        }
+        let fields = analytics::fields_here(&self.store, &self.shadows, collection, consistency, timeout).await?;
+        Ok(distributed::encode_fields(&fields)?)
     }
 
     /// Runs one statement (queries and `EXPLAIN`; no DDL, DML or `SET`) on the
@@ -424,7 +480,8 @@ impl QueryEngine {
     /// Runs one statement over the columnar shadows. Every shadow is complete (typed from
     /// all its rows), so there is no second attempt with completed schemas.
     pub async fn analytics(&self, req: QueryRequest, format: RowFormat) -> Result<QueryAnswer, QueryError> {
-        if self.shadows.partitions() == 0 {
+        // A coordinator of a distributed statement needs no shadow of its own.
+        if self.shadows.partitions() == 0 && req.cluster.is_none() {
             return Err(QueryError::Unavailable(shadow::ShadowError::Off.to_string()));
         }
         self.run(req, Path::Analytics, format).await
@@ -535,7 +592,25 @@ impl QueryEngine {
             cache_manager: Arc::clone(&self.runtime.cache_manager),
             object_store_registry: Arc::clone(&self.runtime.object_store_registry),
         });
-        let ctx = SessionContext::new_with_config_rt(config, runtime);
+        // An analytics statement over the members' shadows is planned to run on them.
+        let cluster = match (path, &req.cluster, self.member.get()) {
+            (Path::Analytics, Some(cluster), Some(member)) => Some((Arc::clone(cluster), member)),
+            (Path::Analytics, Some(_), None) => return Err(QueryError::Unavailable("this node is not a worker of the cluster yet".into())),
+            _ => None,
+        };
+        let ctx = match &cluster {
+            None => SessionContext::new_with_config_rt(config, runtime),
+            Some((cluster, member)) => {
+                // Tasks this node runs for itself read its shadows as a worker's do.
+                let builder = datafusion::execution::SessionStateBuilder::new()
+                    .with_default_features()
+                    .with_config(config.with_extension(Arc::clone(&member.env)))
+                    .with_runtime_env(runtime);
+                let builder =
+                    distributed::coordinating(builder, cluster, &member.worker, &member.local.address(), member.channels.clone())?;
+                SessionContext::from(builder.build())
+            }
+        };
         bounded::register(&ctx);
         let env = Arc::new(QueryEnv {
             store: Arc::clone(&self.store),
@@ -557,6 +632,8 @@ impl QueryEngine {
                     shadows: Arc::clone(&self.shadows),
                     consistency: req.consistency,
                     timeout: req.timeout,
+                    cluster: cluster.map(|(c, m)| (c, m.local.address())),
+                    partitions,
                 }))),
             )?,
         };

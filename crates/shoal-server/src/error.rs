@@ -313,7 +313,7 @@ impl From<shoal_query::QueryError> for ApiError {
             QueryError::Invalid(_) => ApiError::bad_request(reason),
             QueryError::TooLarge(_) => ApiError::too_large(reason),
             QueryError::Timeout(_) => ApiError::new(StatusCode::GATEWAY_TIMEOUT, "timeout", reason),
-            QueryError::Unavailable(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", reason),
+            QueryError::Unavailable(_) | QueryError::NotPlaced(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", reason),
             QueryError::Storage(_) => ApiError::unavailable(reason),
             QueryError::Internal(_) => ApiError::internal(reason),
         }

@@ -133,6 +133,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/cluster/recover", post(cluster::recover))
         .route("/v1/cluster/nodes", post(cluster::add_node))
         .route("/v1/cluster/rebalance", post(cluster::rebalance).get(cluster::rebalance_status).delete(cluster::rebalance_stop));
+    // Every member is a worker of distributed analytics, on this same port (gRPC over h2c).
+    let worker = state.engine.query().attach_cluster(Arc::new(transport::WorkerMember(Arc::clone(&state.cluster))));
+    let workers = Router::new()
+        .route_service(&format!("{}{{*call}}", shoal_query::distributed::WORKER_PATH_PREFIX), worker.into_worker_server())
+        .layer(axum::middleware::from_fn_with_state(state.clone(), transport::members_only));
     Router::new()
         .merge(keyed)
         .route("/v1/health", get(ops::health))
@@ -153,6 +158,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/analytics", post(query::analytics))
         .route_layer(axum::middleware::from_fn_with_state(state.limits.clone(), limits::limit))
         .merge(cluster)
+        .merge(workers)
         .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn(ops::telemetry))

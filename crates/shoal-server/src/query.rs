@@ -43,35 +43,46 @@ async fn run(state: AppState, q: Option<String>, headers: HeaderMap, body: Body,
     let body = extract::body(&state, body, QUERY_BODY_MAX_BYTES).await?;
     let req: QueryBody = extract::json_body(&body)?;
     let consistency = extract::consistency(req.consistency.as_deref())?;
-    // In a cluster (the interim design of ARCHITECTURE.md) the statement runs here whole:
-    // over this node's copies when it holds every partition active, otherwise reading the
-    // partitions active elsewhere from their members (`shoal_node::sql`). Replicas are
-    // never read: key and index reads need the active copy, and a replica the rebalance is
-    // still filling would answer short. The analytics shadows are this node's alone, so
-    // where it is not every partition's active an analytics statement runs on the row
-    // engine across the members instead (slower, same rows), and its metrics say so
-    // (`"engine": "rows across members"`). Either way the statement pins the map version
-    // it started under: a partition that moves while it runs could be read twice or not
-    // at all, so the answer is then refused (see below).
+    // In a cluster a statement reads each partition's active copy, never a replica (a
+    // replica the rebalance is still filling would answer short). On a node holding every
+    // partition active it runs here alone. Otherwise `/v1/query` runs here, paging the
+    // documents active elsewhere from their members (`shoal_node::sql`), and
+    // `/v1/analytics` runs distributed: each member scans its shadow's active partitions
+    // (`"engine": "columnar across members"`), or, for a plan that cannot be placed so, on
+    // the rows across the members (slower, same rows). Either way the statement pins the
+    // map version it started under: a partition that moves while it runs could be read
+    // twice or not at all, so the answer is then refused (see below).
     let node = &state.cluster;
     crate::routing::require_serving(&state).await?;
     let pinned = node.state();
     let map_version = pinned.map_version();
     let local = node.actives_here_in(&pinned).is_none();
-    let (spread, path) = if local { (None, path) } else { (node.spread(&pinned).map_err(crate::routing::no_active)?, Path::Operational) };
-    let engine = match path {
-        Path::Operational if spread.is_some() => "rows across members",
-        Path::Operational => "rows",
-        Path::Analytics => "columnar",
-    };
     let timeout = req.timeout_ms.map(Duration::from_millis).unwrap_or(QUERY_TIMEOUT_DEFAULT);
     let placed = node.placed_indexes(&pinned);
-    let req = QueryRequest { sql: req.sql, params: req.params, consistency, timeout, spread, placed };
     let ndjson = headers.get(axum::http::header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("application/x-ndjson"));
     let format = if ndjson { RowFormat::Ndjson } else { RowFormat::JsonArrays };
-    let answer = match path {
-        Path::Operational => state.engine.query().query(req, format).await?,
-        Path::Analytics => state.engine.query().analytics(req, format).await?,
+    let mut req = QueryRequest { sql: req.sql, params: req.params, consistency, timeout, spread: None, placed, cluster: None };
+    let (engine, answer) = match (path, local) {
+        (Path::Operational, true) => ("rows", state.engine.query().query(req, format).await?),
+        (Path::Analytics, true) => ("columnar", state.engine.query().analytics(req, format).await?),
+        (Path::Operational, false) => {
+            req.spread = node.spread(&pinned).map_err(crate::routing::no_active)?;
+            ("rows across members", state.engine.query().query(req, format).await?)
+        }
+        // Over the members' shadows, each member scanning its own active partitions
+        // (`shoal_query::distributed`); a plan that cannot be placed so runs on the rows.
+        (Path::Analytics, false) => {
+            req.cluster = node.analytics_members(&pinned).map_err(crate::routing::no_active)?;
+            match state.engine.query().analytics(req.clone(), format).await {
+                Err(shoal_query::QueryError::NotPlaced(why)) => {
+                    tracing::debug!(%why, "analytics statement not placed on the members; run on the rows");
+                    req.cluster = None;
+                    req.spread = node.spread(&pinned).map_err(crate::routing::no_active)?;
+                    ("rows across members", state.engine.query().query(req, format).await?)
+                }
+                other => ("columnar across members", other?),
+            }
+        }
     };
     // The members refuse a page under another map; this node's own part is checked here: a
     // partition that moved while the statement ran may be missing or read twice.

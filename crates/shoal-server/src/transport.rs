@@ -253,6 +253,34 @@ pub async fn internal(State(state): State<AppState>, Path(op): Path<String>, req
     Ok((StatusCode::OK, [(header::CONTENT_TYPE, "application/octet-stream")], answer).into_response())
 }
 
+/// This node as a worker of distributed analytics (`shoal_query::distributed`): its tasks
+/// read by the node's map, and its calls to other workers carry the cluster secret.
+pub(crate) struct WorkerMember(pub std::sync::Arc<shoal_node::ClusterNode>);
+
+impl shoal_query::distributed::LocalMember for WorkerMember {
+    fn address(&self) -> String {
+        self.0.address().to_string()
+    }
+
+    fn actives_at(&self, map_version: u64) -> Result<Vec<bool>, String> {
+        self.0.actives_at(map_version)
+    }
+
+    fn call_headers(&self) -> Vec<(String, String)> {
+        vec![(SECRET_HEADER.to_string(), self.0.secret().to_string())]
+    }
+}
+
+/// The worker service's calls (gRPC, under `shoal_query::distributed::WORKER_PATH_PREFIX`)
+/// come from members only: they carry the cluster secret.
+pub async fn members_only(State(state): State<AppState>, request: Request, next: axum::middleware::Next) -> Response {
+    let given = request.headers().get(SECRET_HEADER).map(|v| v.as_bytes()).unwrap_or_default();
+    if !constant_time_eq(given, state.cluster.secret().as_bytes()) {
+        return ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "calls between members need the cluster secret").into_response();
+    }
+    next.run(request).await
+}
+
 /// Compares secrets in time that does not depend on where they differ.
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {

@@ -161,6 +161,13 @@ impl Shadow {
         Arc::new(datafusion::arrow::datatypes::Schema::new(merge_fields(&fields)))
     }
 
+    /// Each top-level field of the rows (the key column aside) with the number of values it
+    /// holds, per analytics partition: what [`Shadow::schema`] merges (and a cluster merges
+    /// across its members).
+    pub fn weighted_fields(&self) -> Vec<(Field, u64)> {
+        self.aps.iter().flat_map(|ap| ap.state.lock().fields()).collect()
+    }
+
     /// What a scan reads, per analytics partition, as of now.
     pub fn snapshot(&self, group: Option<&str>) -> Result<Vec<Vec<Part>>, ShadowError> {
         self.aps.iter().map(|ap| ap.state.lock().parts(group).map_err(ShadowError::from)).collect()

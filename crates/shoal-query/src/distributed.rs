@@ -1,0 +1,518 @@
+//! `/v1/analytics` across a cluster, on datafusion-distributed.
+//!
+//! Every member is a worker (its gRPC service shares the node's port, see
+//! [`WORKER_PATH_PREFIX`]); the node a statement reaches plans it and coordinates. A shadow
+//! scan in a cluster ([`ClusterScan`]) is split into one task per member holding some
+//! partition active under the map version the statement pinned, and each task is routed to
+//! its member: filters, projections and partial aggregates run where the rows are, and only
+//! Arrow batches cross the network. A member reads its own shadow, keeping only the rows
+//! of partitions active on it under that map version, so every row is read once.
+//!
+//! What the planner may do that breaks locality — put the scan in fewer tasks than members
+//! (a join that can only run in one task), or not distribute the plan at all — is refused
+//! with [`DistError::NotPlaced`], and the statement runs on the row engine instead (same
+//! rows, slower): never a task reading a member's rows on another member.
+//!
+//! Errors cross the network as text, so the kinds a client must tell apart (unavailable,
+//! timeout) are tagged in it ([`tag`], [`kind_of`]).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use datafusion::arrow::array::{Array, AsArray, BooleanArray, RecordBatch};
+use datafusion::arrow::buffer::BooleanBuffer;
+use datafusion::arrow::datatypes::{Field, Schema, SchemaRef};
+use datafusion::common::DataFusionError;
+use datafusion::execution::{SessionState, TaskContext};
+use datafusion::physical_plan::ExecutionPlan;
+use datafusion::prelude::SessionContext;
+use datafusion_distributed::{
+    DesiredTaskCountEvent, DesiredTaskCountEventResponse, DistributedExt, DistributedLeafExec, RouteTasksEvent, RouteTasksEventResponse,
+    ScaleUpLeafNodeEvent, ScaleUpLeafNodeEventResponse, SessionStateBuilderExt, Worker, WorkerQueryContext,
+};
+use datafusion_proto::physical_plan::{PhysicalExtensionCodec, PhysicalProtoConverterExtension};
+use parking_lot::Mutex;
+use prost::Message;
+use shoal_index::Consistency;
+use shoal_storage::{partition_of, Store};
+
+use crate::analytics::{ClusterScan, ShadowScanExec};
+use crate::shadow::{ShadowError, ShadowManager};
+use crate::spread::RemoteError;
+
+/// The path prefix of the worker service's gRPC calls, served on the node's port.
+pub const WORKER_PATH_PREFIX: &str = "/worker.WorkerService/";
+/// Field metadata carrying how many values a member's shadow holds of a field (schemas of
+/// the members are merged by it, as one node merges its analytics partitions').
+const WEIGHT_KEY: &str = "shoal.weight";
+/// Longest wait for a connection to another worker.
+const WORKER_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why a distributed statement could not run as planned.
+#[derive(Debug, thiserror::Error)]
+pub enum DistError {
+    /// The plan would read a member's rows somewhere else (or on the coordinator alone).
+    #[error("the plan does not place each shadow scan on the members holding its rows: {0}")]
+    NotPlaced(String),
+    /// This member's map is not the one the statement pinned.
+    #[error("{0}")]
+    OtherMap(String),
+}
+
+/// This node as a worker: what its tasks need to know of the cluster.
+pub trait LocalMember: Send + Sync {
+    /// This member's address, as the others name it.
+    fn address(&self) -> String;
+    /// Per storage partition, whether it is active here under map `map_version`; an error
+    /// when this node's map is another one.
+    fn actives_at(&self, map_version: u64) -> Result<Vec<bool>, String>;
+    /// Headers every call to another worker carries (the cluster secret).
+    fn call_headers(&self) -> Vec<(String, String)>;
+}
+
+/// The asking side of a statement's preparation on the members.
+#[async_trait]
+pub trait ShadowMembers: Send + Sync {
+    /// The fields of `member`'s shadow of `collection` ([`encode_fields`]), once it is ready
+    /// to be read at `consistency`.
+    async fn fields(&self, member: &str, collection: &str, consistency: Consistency, timeout: Duration) -> Result<Vec<u8>, RemoteError>;
+}
+
+/// Where an analytics statement on a cluster runs.
+pub struct ClusterAnalytics {
+    /// The map version the statement pinned.
+    pub map_version: u64,
+    /// The members holding some partition active under it, in a fixed order.
+    pub members: Vec<String>,
+    pub remote: Arc<dyn ShadowMembers>,
+}
+
+impl fmt::Debug for ClusterAnalytics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClusterAnalytics").field("map_version", &self.map_version).field("members", &self.members).finish_non_exhaustive()
+    }
+}
+
+/// The kinds of failure a client must tell apart, as they cross the network in text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Unavailable,
+    Timeout,
+    NotPlaced,
+}
+
+impl Kind {
+    fn label(self) -> &'static str {
+        match self {
+            Kind::Unavailable => "[shoal:unavailable] ",
+            Kind::Timeout => "[shoal:timeout] ",
+            Kind::NotPlaced => "[shoal:not-placed] ",
+        }
+    }
+}
+
+/// An error raised on a worker, its kind written into its text.
+pub(crate) fn tag(kind: Kind, e: impl fmt::Display) -> DataFusionError {
+    DataFusionError::Execution(format!("{}{e}", kind.label()))
+}
+
+/// The kind a tagged error's text carries, or a network failure's.
+pub(crate) fn kind_of(text: &str) -> Option<Kind> {
+    for k in [Kind::Unavailable, Kind::Timeout, Kind::NotPlaced] {
+        if text.contains(k.label().trim_end()) {
+            return Some(k);
+        }
+    }
+    // A worker that died or cannot be reached (tonic's transport errors, the planner's
+    // connection errors).
+    let lower = text.to_ascii_lowercase();
+    let network = [
+        "transport error",
+        "connection",
+        "error connecting",
+        "broken pipe",
+        "h2 protocol",
+        "protocol error",
+        "channel closed",
+        "unavailable",
+    ];
+    network.iter().any(|n| lower.contains(n)).then_some(Kind::Unavailable)
+}
+
+fn shadow_kind(e: &ShadowError) -> Kind {
+    match e {
+        ShadowError::Timeout(_) => Kind::Timeout,
+        _ => Kind::Unavailable,
+    }
+}
+
+/// `fields` as bytes for another member: an Arrow schema (protobuf), each field's weight in
+/// its metadata.
+pub fn encode_fields(fields: &[(Field, u64)]) -> Result<Vec<u8>, DataFusionError> {
+    let fields: Vec<Field> = fields
+        .iter()
+        .map(|(f, w)| {
+            let mut meta = f.metadata().clone();
+            meta.insert(WEIGHT_KEY.to_string(), w.to_string());
+            f.clone().with_metadata(meta)
+        })
+        .collect();
+    let proto = datafusion_proto::protobuf::Schema::try_from(&Schema::new(fields))?;
+    Ok(proto.encode_to_vec())
+}
+
+/// The fields [`encode_fields`] wrote.
+pub fn decode_fields(bytes: &[u8]) -> Result<Vec<(Field, u64)>, DataFusionError> {
+    let proto = datafusion_proto::protobuf::Schema::decode(bytes).map_err(|e| DataFusionError::Plan(format!("a member's schema: {e}")))?;
+    let schema: Schema = (&proto).try_into()?;
+    Ok(schema
+        .fields()
+        .iter()
+        .map(|f| {
+            let mut meta = f.metadata().clone();
+            let w = meta.remove(WEIGHT_KEY).and_then(|w| w.parse().ok()).unwrap_or(1);
+            (f.as_ref().clone().with_metadata(meta), w)
+        })
+        .collect())
+}
+
+/// What a worker's tasks read: this node's shadows.
+pub(crate) struct WorkerEnv {
+    pub store: Arc<Store>,
+    pub shadows: Arc<ShadowManager>,
+    pub local: Arc<dyn LocalMember>,
+}
+
+impl WorkerEnv {
+    /// Partition `partition` (of `partitions`) of a task's scan: the analytics partitions
+    /// `i` with `i mod partitions == partition`, rows of partitions active here only.
+    pub(crate) async fn read(
+        &self,
+        scan: &ClusterScan,
+        partition: usize,
+        partitions: usize,
+        schema: &SchemaRef,
+    ) -> Result<Vec<RecordBatch>, DataFusionError> {
+        let unavailable = |e: String| tag(Kind::Unavailable, e);
+        let actives = self.local.actives_at(scan.map_version).map_err(unavailable)?;
+        let coll =
+            self.store.collection(&scan.collection).ok_or_else(|| unavailable(format!("collection {} is not here", scan.collection)))?;
+        self.shadows.wait_loaded(scan.timeout).await.map_err(|e| tag(shadow_kind(&e), e))?;
+        let shadow =
+            self.shadows.shadow(coll.id()).ok_or_else(|| unavailable(ShadowError::NotAttached(scan.collection.clone()).to_string()))?;
+        shadow.wait_whole(scan.timeout).await.map_err(|e| tag(shadow_kind(&e), e))?;
+        let (s, g) = (Arc::clone(&shadow), scan.group.clone());
+        let parts = tokio::task::spawn_blocking(move || s.snapshot(g.as_deref()))
+            .await
+            .map_err(|e| DataFusionError::External(Box::new(e)))?
+            .map_err(|e| tag(shadow_kind(&e), e))?;
+        // The rows read belong to the actives of the pinned map only if the map did not
+        // change meanwhile.
+        let after = self.local.actives_at(scan.map_version).map_err(unavailable)?;
+        if after != actives {
+            return Err(unavailable("partitions moved while the statement ran; run it again".into()));
+        }
+        let count = u16::try_from(actives.len()).unwrap_or(u16::MAX);
+        let all = actives.iter().all(|a| *a);
+        let mut out = Vec::new();
+        for (i, ap) in parts.into_iter().enumerate() {
+            if i % partitions.max(1) != partition {
+                continue;
+            }
+            for mut part in ap {
+                if !all {
+                    part.live = Some(active_rows(&part.batch, part.live.as_ref(), &actives, count)?);
+                }
+                out.extend(crate::analytics::project_part(&part, schema)?);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Which of `batch`'s rows are live (by `live`) and of a partition active here.
+fn active_rows(batch: &RecordBatch, live: Option<&BooleanArray>, actives: &[bool], count: u16) -> Result<BooleanArray, DataFusionError> {
+    let keys = batch
+        .column_by_name(crate::schema::KEY_COLUMN)
+        .and_then(|c| c.as_string_opt::<i32>())
+        .ok_or_else(|| DataFusionError::Internal("a shadow segment without its key column".into()))?;
+    let here = BooleanBuffer::collect_bool(keys.len(), |i| {
+        live.is_none_or(|l| l.is_valid(i) && l.value(i))
+            && actives.get(usize::from(partition_of(keys.value(i).as_bytes(), count))).copied().unwrap_or(false)
+    });
+    Ok(BooleanArray::new(here, None))
+}
+
+/// Encodes and decodes [`ShadowScanExec`] in a cluster for the workers.
+pub(crate) struct ScanCodec;
+
+impl fmt::Debug for ScanCodec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ScanCodec")
+    }
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct ScanProto {
+    #[prost(message, optional, tag = "1")]
+    schema: Option<datafusion_proto::protobuf::Schema>,
+    #[prost(string, tag = "2")]
+    collection: String,
+    #[prost(uint64, tag = "3")]
+    map_version: u64,
+    #[prost(uint64, tag = "4")]
+    timeout_ms: u64,
+    #[prost(string, repeated, tag = "5")]
+    members: Vec<String>,
+    #[prost(string, optional, tag = "6")]
+    member: Option<String>,
+    #[prost(string, optional, tag = "7")]
+    group: Option<String>,
+    #[prost(uint64, optional, tag = "8")]
+    limit: Option<u64>,
+    #[prost(uint64, tag = "9")]
+    partitions: u64,
+}
+
+impl PhysicalExtensionCodec for ScanCodec {
+    fn try_decode(
+        &self,
+        buf: &[u8],
+        inputs: &[Arc<dyn ExecutionPlan>],
+        _ctx: &TaskContext,
+        _proto_converter: &dyn PhysicalProtoConverterExtension,
+    ) -> Result<Arc<dyn ExecutionPlan>, DataFusionError> {
+        if !inputs.is_empty() {
+            return Err(DataFusionError::Internal("a shadow scan has no inputs".into()));
+        }
+        let p = ScanProto::decode(buf).map_err(|e| DataFusionError::Internal(format!("a shadow scan's encoding: {e}")))?;
+        let schema: Schema =
+            p.schema.as_ref().ok_or_else(|| DataFusionError::Internal("a shadow scan without its schema".into()))?.try_into()?;
+        let scan = ClusterScan {
+            collection: p.collection,
+            map_version: p.map_version,
+            timeout: Duration::from_millis(p.timeout_ms),
+            members: p.members.into(),
+            member: p.member,
+            group: p.group,
+        };
+        let limit = p.limit.map(|l| usize::try_from(l).unwrap_or(usize::MAX));
+        let partitions = usize::try_from(p.partitions).unwrap_or(1).max(1);
+        Ok(Arc::new(ShadowScanExec::in_cluster(scan, Arc::new(schema), limit, partitions, 0)))
+    }
+
+    fn try_encode(
+        &self,
+        node: Arc<dyn ExecutionPlan>,
+        buf: &mut Vec<u8>,
+        _proto_converter: &dyn PhysicalProtoConverterExtension,
+    ) -> Result<(), DataFusionError> {
+        let Some(exec) = node.downcast_ref::<ShadowScanExec>() else {
+            return Err(DataFusionError::Internal(format!("not a shadow scan: {}", node.name())));
+        };
+        let Some(scan) = exec.cluster() else {
+            return Err(DataFusionError::Internal("a shadow scan of this node alone is not sent to workers".into()));
+        };
+        let proto = ScanProto {
+            schema: Some(node.schema().as_ref().try_into()?),
+            collection: scan.collection.clone(),
+            map_version: scan.map_version,
+            timeout_ms: u64::try_from(scan.timeout.as_millis()).unwrap_or(u64::MAX),
+            members: scan.members.to_vec(),
+            member: scan.member.clone(),
+            group: scan.group.clone(),
+            limit: exec.limit().map(|l| l as u64),
+            partitions: exec.properties().partitioning.partition_count() as u64,
+        };
+        proto.encode(buf).map_err(|e| DataFusionError::Internal(format!("encoding a shadow scan: {e}")))
+    }
+}
+
+/// One task per member holding actives.
+fn desired_tasks(ev: DesiredTaskCountEvent) -> Option<Result<DesiredTaskCountEventResponse, DataFusionError>> {
+    let scan = ev.plan.downcast_ref::<ShadowScanExec>()?.cluster()?;
+    Some(Ok(DesiredTaskCountEventResponse::desired(scan.members.len())))
+}
+
+/// The scan of task `i` reads member `i`; any other task count is refused.
+fn scale_up(ev: ScaleUpLeafNodeEvent) -> Option<Result<ScaleUpLeafNodeEventResponse, DataFusionError>> {
+    let exec = ev.plan.downcast_ref::<ShadowScanExec>()?;
+    let scan = exec.cluster()?;
+    if ev.task_count != scan.members.len() {
+        let why = format!("the scan of {} would run in {} tasks over {} members", scan.collection, ev.task_count, scan.members.len());
+        return Some(Err(tag(Kind::NotPlaced, DistError::NotPlaced(why))));
+    }
+    let variants = scan.members.iter().map(|m| Arc::new(exec.for_member(m)) as Arc<dyn ExecutionPlan>);
+    Some(DistributedLeafExec::try_new(Arc::clone(ev.plan), variants).map(|leaf| ScaleUpLeafNodeEventResponse::new(Arc::new(leaf))))
+}
+
+/// A stage reading a shadow scan runs task `i` on member `i`.
+fn route(ev: RouteTasksEvent) -> Option<Result<RouteTasksEventResponse, DataFusionError>> {
+    use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+    let mut members: Option<Vec<String>> = None;
+    let walked = ev.plan.apply(|node| {
+        if let Some(leaf) = node.downcast_ref::<DistributedLeafExec>() {
+            if let Some(scan) = leaf.original().downcast_ref::<ShadowScanExec>().and_then(ShadowScanExec::cluster) {
+                members = Some(scan.members.to_vec());
+                return Ok(TreeNodeRecursion::Stop);
+            }
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    if let Err(e) = walked {
+        return Some(Err(e));
+    }
+    let members = members?;
+    if members.len() != ev.task_count {
+        let why = format!("a stage of {} tasks reads a scan over {} members", ev.task_count, members.len());
+        return Some(Err(tag(Kind::NotPlaced, DistError::NotPlaced(why))));
+    }
+    Some(members.iter().map(|m| worker_url(m)).collect::<Result<Vec<_>, _>>().map(RouteTasksEventResponse::new))
+}
+
+/// A member's worker URL.
+pub(crate) fn worker_url(member: &str) -> Result<url::Url, DataFusionError> {
+    url::Url::parse(&format!("http://{member}")).map_err(|e| DataFusionError::Plan(format!("member address {member}: {e}")))
+}
+
+/// The workers of one statement: its members.
+struct Members(Vec<url::Url>);
+
+impl datafusion_distributed::WorkerResolver for Members {
+    fn get_urls(&self) -> Result<Vec<url::Url>, DataFusionError> {
+        Ok(self.0.clone())
+    }
+}
+
+/// Connections to the other workers, one per member for the node's life, each call
+/// carrying the cluster secret.
+#[derive(Clone)]
+pub(crate) struct Channels {
+    headers: Arc<Vec<(http::HeaderName, http::HeaderValue)>>,
+    by_url: Arc<Mutex<HashMap<url::Url, datafusion_distributed::grpc::BoxCloneSyncChannel>>>,
+}
+
+impl Channels {
+    pub(crate) fn new(headers: Vec<(String, String)>) -> Channels {
+        let headers = headers
+            .into_iter()
+            .filter_map(|(k, v)| Some((http::HeaderName::try_from(k).ok()?, http::HeaderValue::try_from(v).ok()?)))
+            .collect();
+        Channels { headers: Arc::new(headers), by_url: Arc::default() }
+    }
+
+    fn channel(&self, url: &url::Url) -> Result<datafusion_distributed::grpc::BoxCloneSyncChannel, DataFusionError> {
+        let mut map = self.by_url.lock();
+        if let Some(c) = map.get(url) {
+            return Ok(c.clone());
+        }
+        let endpoint = tonic::transport::Channel::from_shared(url.to_string())
+            .map_err(|e| DataFusionError::Plan(format!("worker URL {url}: {e}")))?
+            .connect_timeout(WORKER_CONNECT_TIMEOUT)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(10));
+        let channel = endpoint.connect_lazy();
+        let headers = Arc::clone(&self.headers);
+        let svc = tower::ServiceBuilder::new()
+            .map_request(move |mut req: http::Request<tonic::body::Body>| {
+                for (k, v) in headers.iter() {
+                    req.headers_mut().insert(k.clone(), v.clone());
+                }
+                req
+            })
+            .service(channel);
+        let boxed = datafusion_distributed::grpc::BoxCloneSyncChannel::new(svc);
+        map.insert(url.clone(), boxed.clone());
+        Ok(boxed)
+    }
+}
+
+#[async_trait]
+impl datafusion_distributed::ChannelResolver for Channels {
+    async fn get_worker_client_for_url(&self, url: &url::Url) -> Result<Box<dyn datafusion_distributed::WorkerChannel>, DataFusionError> {
+        Ok(datafusion_distributed::grpc::create_worker_client(self.channel(url)?))
+    }
+}
+
+/// Adds what a distributed statement needs to a coordinating session.
+pub(crate) fn coordinating(
+    builder: datafusion::execution::SessionStateBuilder,
+    cluster: &ClusterAnalytics,
+    worker: &Worker,
+    me: &str,
+    channels: Channels,
+) -> Result<datafusion::execution::SessionStateBuilder, DataFusionError> {
+    let urls = cluster.members.iter().map(|m| worker_url(m)).collect::<Result<Vec<_>, _>>()?;
+    Ok(builder
+        .with_distributed_worker_resolver(Members(urls))
+        .with_distributed_channel_resolver(channels)
+        .with_distributed_local_worker_context(worker.to_local_worker_context(worker_url(me)?))
+        .with_distributed_planner()
+        .with_distributed_user_codec(ScanCodec)
+        .with_distributed_desired_task_count_handler(desired_tasks)
+        .with_distributed_scale_up_leaf_node_handler(scale_up)
+        .with_distributed_route_tasks_handler(route))
+}
+
+/// This node's worker: tasks from coordinators, read from this node's shadows.
+pub(crate) fn worker(
+    env: Arc<WorkerEnv>,
+    runtime: Arc<datafusion::execution::runtime_env::RuntimeEnv>,
+    query_memory_bytes: usize,
+    channels: Channels,
+) -> Worker {
+    let node_runtime = Arc::clone(&runtime);
+    let build = move |ctx: WorkerQueryContext| {
+        let env = Arc::clone(&env);
+        let runtime = Arc::clone(&runtime);
+        let channels = channels.clone();
+        async move {
+            // Each task under the per-query cap, within the node's pool and spill disk.
+            let task_runtime = Arc::new(datafusion::execution::runtime_env::RuntimeEnv {
+                memory_pool: Arc::new(crate::pool::QueryPool::new(Arc::clone(&runtime.memory_pool), query_memory_bytes)),
+                disk_manager: Arc::clone(&runtime.disk_manager),
+                cache_manager: Arc::clone(&runtime.cache_manager),
+                object_store_registry: Arc::clone(&runtime.object_store_registry),
+            });
+            let mut state: SessionState = ctx
+                .builder
+                .with_runtime_env(task_runtime)
+                .with_distributed_user_codec(ScanCodec)
+                .with_distributed_channel_resolver(channels)
+                .build();
+            state.config_mut().set_extension(env);
+            let session = SessionContext::from(state);
+            crate::bounded::register(&session);
+            Ok::<_, DataFusionError>(session.state())
+        }
+    };
+    Worker::from_session_builder(build).with_runtime_env(node_runtime)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use datafusion::arrow::datatypes::DataType;
+
+    #[test]
+    fn fields_cross_members_with_their_weights() {
+        let fields = vec![(Field::new("a", DataType::Int64, true), 7), (Field::new("b", DataType::Utf8, true), 1 << 40)];
+        let back = decode_fields(&encode_fields(&fields).unwrap()).unwrap();
+        assert_eq!(back, fields);
+    }
+
+    #[test]
+    fn error_kinds_survive_the_text_they_cross_in() {
+        for k in [Kind::Unavailable, Kind::Timeout, Kind::NotPlaced] {
+            let e = tag(k, "why");
+            assert_eq!(kind_of(&e.to_string()), Some(k));
+            assert_eq!(kind_of(&format!("worker said: {e}")), Some(k), "wrapped");
+        }
+        assert_eq!(kind_of("Error connecting to Distributed DataFusion worker on 'http://x'"), Some(Kind::Unavailable));
+        assert_eq!(kind_of("Arrow error: Divide by zero error"), None);
+    }
+}
