@@ -255,7 +255,9 @@ def main():
                 details.append(f"q{n:02} /v1/{endpoint}: {err}")
             elif expected is None:
                 row[endpoint] = "?"
+                row[endpoint + "_engine"] = answer.get("metrics", {}).get("engine", "?")
             else:
+                row[endpoint + "_engine"] = answer.get("metrics", {}).get("engine", "?")
                 diffs = compare(expected, answer["rows"], keep_order)
                 row[endpoint] = "ok" if not diffs else f"DIFF ({len(answer['rows'])} rows)"
                 if diffs:
@@ -266,10 +268,10 @@ def main():
         results.append(row)
 
     print()
-    print("| query | rows | /v1/query | /v1/analytics | /v1/query ms | /v1/analytics ms | DuckDB ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| query | rows | /v1/query | /v1/analytics | /v1/query ms | /v1/analytics ms | DuckDB ms | analytics engine |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['q']} | {r['rows']} | {r['query']} | {r['analytics']} | {r['query_s'] * 1000:.1f} | {r['analytics_s'] * 1000:.1f} | {r['duck'] * 1000:.1f} |")
+        print(f"| {r['q']} | {r['rows']} | {r['query']} | {r['analytics']} | {r['query_s'] * 1000:.1f} | {r['analytics_s'] * 1000:.1f} | {r['duck'] * 1000:.1f} | {r.get('analytics_engine', '-')} |")
     agree = sum(1 for r in results if r["query"] == "ok" and r["analytics"] == "ok")
     print(f"\n{agree} of {len(results)} queries agree with DuckDB on both endpoints.")
     if details:

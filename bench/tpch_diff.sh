@@ -7,6 +7,7 @@
 #   bench/tpch_diff.sh                 # SF 0.01, release build
 #   bench/tpch_diff.sh --sf 0.1        # a larger scale factor
 #   bench/tpch_diff.sh --debug         # a debug build (quicker to build, slower to run)
+#   bench/tpch_diff.sh --nodes 3       # on a cluster of 3 local nodes (rebalanced), asked through the first
 #   SHOAL_BIN=path/to/shoal bench/tpch_diff.sh   # no build: use this binary
 #
 # Other arguments go to tpch_diff.py (e.g. `--only 6,15`). Needs python3 and
@@ -15,13 +16,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 sf=0.01
+nodes=1
 profile=release
 passthrough=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --sf) sf=$2; shift 2 ;;
     --debug) profile=debug; shift ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    --nodes) nodes=$2; shift 2 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) passthrough+=("$1"); shift ;;
   esac
 done
@@ -41,38 +44,61 @@ else
 fi
 
 work=$(mktemp -d)
-pid=
+pids=()
 cleanup() {
-  if [ -n "$pid" ]; then
-    kill "$pid" 2>/dev/null || true
-    # Let the node flush and exit before its data directory goes.
-    while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
-  fi
+  for pid in ${pids[@]+"${pids[@]}"}; do kill "$pid" 2>/dev/null || true; done
+  # Let the nodes flush and exit before their data directories go.
+  for pid in ${pids[@]+"${pids[@]}"}; do while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done; done
   rm -rf "$work"
 }
 trap cleanup EXIT
 
-echo "date: $(date -u +%FT%TZ); machine: $(nproc) cores; $("$shoal" --version); TPC-H SF $sf"
+echo "date: $(date -u +%FT%TZ); machine: $(nproc) cores; $("$shoal" --version); TPC-H SF $sf; $nodes node(s) (all on these cores)"
 "$shoal" bench tpch-gen --sf "$sf" --out "$work/tpch"
 
-# Port 0: the node picks a free port and prints its address on stdout.
-"$shoal" serve --listen 127.0.0.1:0 --data-path "$work/data" >"$work/out" 2>"$work/err" &
-pid=$!
-url=
-for _ in $(seq 1 300); do
-  url=$(sed -n 's/^shoal listening on \(http:[^ ]*\)$/\1/p' "$work/out")
-  [ -n "$url" ] && break
-  if ! kill -0 "$pid" 2>/dev/null; then
-    echo "error: the node exited:" >&2
-    cat "$work/err" >&2
+# Starts node $1 (port 0: it picks a free port and prints its address on stdout).
+start() {
+  local i=$1; shift
+  "$shoal" serve --listen 127.0.0.1:0 --data-path "$work/data$i" "$@" >"$work/out$i" 2>"$work/err$i" &
+  pids+=($!)
+  local u=
+  for _ in $(seq 1 300); do
+    u=$(sed -n 's/^shoal listening on \(http:[^ ]*\)$/\1/p' "$work/out$i")
+    [ -n "$u" ] && break
+    if ! kill -0 "${pids[-1]}" 2>/dev/null; then
+      echo "error: node $i exited:" >&2
+      cat "$work/err$i" >&2
+      exit 2
+    fi
+    sleep 0.1
+  done
+  if [ -z "$u" ]; then
+    echo "error: node $i did not start within 30 s" >&2
     exit 2
   fi
-  sleep 0.1
-done
-if [ -z "$url" ]; then
-  echo "error: the node did not start within 30 s" >&2
-  exit 2
+  urls+=("$u")
+}
+urls=()
+if [ "$nodes" -le 1 ]; then
+  start 0
+else
+  secret=tpch-diff-$$
+  start 0 --cluster-secret "$secret"
+  for i in $(seq 1 $((nodes - 1))); do start "$i" --cluster-secret "$secret" --join "${urls[0]#http://}"; done
+  field() { python3 -c "import json, sys; print($1)"; }
+  for _ in $(seq 1 150); do
+    [ "$(curl -s "${urls[0]}/v1/cluster" | field 'len(json.load(sys.stdin)["nodes"])')" -ge "$nodes" ] && break
+    sleep 0.2
+  done
+  # Partitions spread over every node before the tables are loaded.
+  curl -sf -XPOST "${urls[0]}/v1/cluster/rebalance" -d '{}' >/dev/null
+  for _ in $(seq 1 600); do
+    [ "$(curl -s "${urls[0]}/v1/cluster/rebalance" | field 'json.load(sys.stdin)["state"]')" = done ] && break
+    sleep 0.2
+  done
+  echo "rebalance: $(curl -s "${urls[0]}/v1/cluster/rebalance" | field 'json.load(sys.stdin)["state"]')"
 fi
-echo "node: $url"
+url=${urls[0]}
+echo "node(s): ${urls[*]}"
 
 python3 bench/tpch_diff.py --url "$url" --data "$work/tpch" ${passthrough[@]+"${passthrough[@]}"}

@@ -487,6 +487,7 @@ pub(crate) fn worker(
             state.config_mut().set_extension(env);
             let session = SessionContext::from(state);
             crate::bounded::register(&session);
+            crate::fsum::register(&session);
             Ok::<_, DataFusionError>(session.state())
         }
     };

@@ -11,6 +11,7 @@ mod analytics;
 mod bounded;
 pub mod convert;
 pub mod distributed;
+mod fsum;
 mod merge;
 mod pool;
 pub mod rows;
@@ -612,6 +613,7 @@ impl QueryEngine {
             }
         };
         bounded::register(&ctx);
+        fsum::register(&ctx);
         let env = Arc::new(QueryEnv {
             store: Arc::clone(&self.store),
             indexes: Arc::clone(&self.indexes),
