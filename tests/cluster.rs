@@ -327,6 +327,7 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
         ("index-export", "{\"collection\": \"c\""),
         ("index-adopt", "[1, 2]"),
         ("index-scan", "{\"collection\": \"c\", \"index\": \"i\", \"parts\": \"all\"}"),
+        ("shadow-fields", "{\"collection\": 5}"),
     ] {
         let r = http
             .post(first.u(&format!("/v1/_internal/{op}")))
@@ -374,11 +375,31 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
     // An oversized call is refused before it is read whole: the pull, and the index
     // service's calls (feeds, highs, copies of index partitions, routed scans).
     let huge = bytes::Bytes::from(vec![b'x'; 64 * 1024 * 1024 + 1]);
-    for op in ["pull", "feed", "highs", "index-export", "index-adopt", "index-scan"] {
+    for op in ["pull", "feed", "highs", "index-export", "index-adopt", "index-scan", "shadow-fields"] {
         let r = http.post(first.u(&format!("/v1/_internal/{op}"))).header("x-shoal-cluster-secret", SECRET).body(huge.clone()).send().await;
         if let Ok(r) = r {
             // (The node may close the connection before the client has sent everything.)
             assert_eq!(r.status().as_u16(), 413, "{op}");
+        }
+    }
+    // The analytics workers' gRPC service (on the same port) takes calls from members
+    // only; with the secret, garbage is a gRPC error, not a crash.
+    let h2 = reqwest::Client::builder().http2_prior_knowledge().build().unwrap();
+    for (secret, garbage) in
+        [(None, vec![0u8, 0, 0, 0, 3, 1, 2, 3]), (Some(SECRET), vec![0u8, 0, 0, 0, 3, 1, 2, 3]), (Some(SECRET), b"nonsense".to_vec())]
+    {
+        let mut r = h2.post(first.u("/worker.WorkerService/CoordinatorChannel")).header("content-type", "application/grpc").body(garbage);
+        if let Some(s) = secret {
+            r = r.header("x-shoal-cluster-secret", s);
+        }
+        let r = r.send().await.unwrap();
+        let status = r.status().as_u16();
+        let grpc = r.headers().get("grpc-status").map(|v| v.to_str().unwrap_or("").to_string());
+        let _ = r.bytes().await;
+        if secret.is_none() {
+            assert_eq!(status, 401, "a worker call without the secret");
+        } else {
+            assert!(status != 500, "a garbage worker call: {status} {grpc:?}");
         }
     }
     let (status, _) = get_json(&http, &first.u("/v1/cluster")).await;

@@ -149,6 +149,11 @@ async fn read_once(http: &reqwest::Client, url: &str, docs: usize, tally: &Tally
     tally.judge("index scan", url, s, &v, v["rows"].as_array().is_some_and(|r| r.len() == docs / 10));
     let (s, v) = sql("/v1/analytics", "SELECT count(*) FROM c").await;
     tally.judge("analytics count", url, s, &v, v["rows"] == json!([[docs]]));
+    // Distributed over the members' shadows: each member's share once, whole.
+    let m = docs / 10;
+    let groups: Vec<Value> = (0..10).map(|g| json!([g, m, 10 * (m * (m - 1) / 2) + g * m])).collect();
+    let (s, v) = sql("/v1/analytics", "SELECT g, count(*), sum(n) FROM c GROUP BY g ORDER BY g").await;
+    tally.judge("analytics groups", url, s, &v, v["rows"] == json!(groups));
     // A change feed from the start names every document once (they were written once);
     // a member's refusal comes as an error line of the stream.
     let (s, lines) = match http.get(format!("{url}/v1/collections/c/changes?limit={}", docs * 2)).send().await {

@@ -338,3 +338,40 @@ async fn an_index_read_never_stops_short() {
     assert!(plan.to_string().contains("index=by_city"), "the statement reads the index: {plan}");
     assert_eq!(rows(&node, &c, sql, json!([])).await, [json!([MATCHING, 0, MATCHING - 1])]);
 }
+
+/// A full scan reads the columnar shadow only when it answers the rows the documents hold:
+/// at `not_bounded` every acknowledged write is still seen (the shadow is read only once it
+/// holds them all, the documents otherwise), `EXPLAIN` says which was read and why, and a
+/// node without shadows reads the documents.
+#[tokio::test]
+async fn a_full_scan_reads_the_shadow_only_when_it_answers_the_same_rows() {
+    let node = Node::start(&["--partitions", "8", "--analytics-partitions", "2"]);
+    let c = node.client();
+    c.put(node.u("/v1/collections/c")).send().await.unwrap();
+    let mut sum = 0;
+    let mut engines = std::collections::BTreeSet::new();
+    for i in 0..60 {
+        put(&node, &c, "c", &format!("k{i}"), json!({"x": i})).await;
+        sum += i;
+        let (s, v) = sql_with(&node, &c, json!({"sql": "SELECT count(*), sum(x) FROM c", "consistency": "not_bounded"})).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(v["rows"], json!([[i + 1, sum]]), "every acknowledged write, whichever is read");
+        engines.insert(v["metrics"]["engine"].as_str().unwrap().to_string());
+    }
+    eprintln!("engines seen: {engines:?}");
+    let (s, v) = sql_with(&node, &c, json!({"sql": "SELECT count(*), sum(x) FROM c", "consistency": "request_plus"})).await;
+    assert_eq!((s, &v["rows"], &v["metrics"]["engine"]), (StatusCode::OK, &json!([[60, sum]]), &json!("columnar")), "{v}");
+    let plan = rows(&node, &c, "EXPLAIN SELECT sum(x) FROM c", json!([])).await;
+    assert!(json!(plan).to_string().contains("columnar: the shadow holds every write made before the statement"), "{plan:?}");
+    // Key lookups still read the documents.
+    let (s, v) = sql_with(&node, &c, json!({"sql": "SELECT x FROM c WHERE meta_id = 'k7'"})).await;
+    assert_eq!((s, &v["rows"], &v["metrics"]["engine"]), (StatusCode::OK, &json!([[7]]), &json!("rows")), "{v}");
+
+    let off = Node::start(&["--partitions", "8", "--analytics-partitions", "0"]);
+    c.put(off.u("/v1/collections/c")).send().await.unwrap();
+    put(&off, &c, "c", "k", json!({"x": 1})).await;
+    let (s, v) = sql_with(&off, &c, json!({"sql": "SELECT sum(x) FROM c"})).await;
+    assert_eq!((s, &v["rows"], &v["metrics"]["engine"]), (StatusCode::OK, &json!([[1]]), &json!("rows")), "{v}");
+    let plan = rows(&off, &c, "EXPLAIN SELECT sum(x) FROM c", json!([])).await;
+    assert!(json!(plan).to_string().contains("rows: analytics is off on this node"), "{plan:?}");
+}

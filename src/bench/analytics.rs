@@ -45,6 +45,11 @@ pub struct AnalyticsArgs {
     /// Skip the DuckDB baseline (`bench/duckdb_q3.py`, needs `pip install duckdb`).
     #[arg(long)]
     no_duckdb: bool,
+    /// Cluster sizes to measure instead (seed 004 on a cluster): one fresh cluster of each
+    /// size, every node on this machine, query 3 and the scan query through the first node,
+    /// with each node's scanned bytes and CPU seconds.
+    #[arg(long, value_delimiter = ',')]
+    nodes: Vec<usize>,
     /// Where the table and query 3's answer go (nothing is written when empty).
     #[arg(long, default_value = "bench/results")]
     out_dir: PathBuf,
@@ -248,6 +253,9 @@ fn duckdb(args: &AnalyticsArgs, threads: usize) -> Result<Value, CliError> {
 
 pub async fn run(args: AnalyticsArgs) -> Result<(), CliError> {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+    if !args.nodes.is_empty() {
+        return on_clusters(&args, cores).await;
+    }
     let mut measured = Vec::new();
     let mut operational = None;
     for &n in &args.analytics_partitions {
@@ -329,6 +337,155 @@ pub async fn run(args: AnalyticsArgs) -> Result<(), CliError> {
     }
     print!("\n{report}");
     write_result(&args.out_dir, "analytics-seed004.md", &report)?;
+    Ok(())
+}
+
+/// What one cluster size did.
+struct OnCluster {
+    nodes: usize,
+    load_secs: f64,
+    q3: Vec<f64>,
+    scan: Vec<f64>,
+    /// Per node, the bytes its scans produced and its CPU seconds, during query 3's runs
+    /// and during the scan query's.
+    q3_nodes: Vec<(u64, f64)>,
+    scan_nodes: Vec<(u64, f64)>,
+    engine: String,
+    answer: Value,
+}
+
+/// The node's `shoal_analytics_scanned_bytes_total`.
+async fn scanned_bytes(http: &reqwest::Client, node: &Node) -> Result<u64, CliError> {
+    let metrics = |e: reqwest::Error| CliError::Bench(format!("{}/metrics: {e}", node.url));
+    let text = http.get(format!("{}/metrics", node.url)).send().await.map_err(metrics)?.text().await.map_err(metrics)?;
+    Ok(text
+        .lines()
+        .find(|l| l.starts_with("shoal_analytics_scanned_bytes_total"))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse::<f64>().ok())
+        .map_or(0, |v| v as u64))
+}
+
+/// Runs `sql` `runs` times through the first node; answers the times, the last answer and
+/// each node's scanned bytes and CPU seconds over the runs.
+async fn per_node_runs(
+    http: &reqwest::Client,
+    nodes: &[Node],
+    sql: &str,
+    runs: usize,
+    label: &str,
+) -> Result<(Vec<f64>, Value, Vec<(u64, f64)>), CliError> {
+    let client = Client::new(&nodes[0].url)?;
+    let mut before = Vec::new();
+    for n in nodes {
+        before.push((scanned_bytes(http, n).await?, n.cpu_ticks().unwrap_or(0)));
+    }
+    let (times, answer) = timed_runs(&client, true, sql, runs, label).await?;
+    let mut per = Vec::new();
+    for (n, (bytes, ticks)) in nodes.iter().zip(before) {
+        let b = scanned_bytes(http, n).await?.saturating_sub(bytes);
+        let t = n.cpu_ticks().unwrap_or(0).saturating_sub(ticks);
+        per.push((b, t as f64 / 100.0));
+    }
+    Ok((times, answer, per))
+}
+
+/// Seed 004 on clusters of each size in `--nodes`.
+async fn on_clusters(args: &AnalyticsArgs, cores: usize) -> Result<(), CliError> {
+    let http = reqwest::Client::new();
+    let mut measured = Vec::new();
+    for &size in &args.nodes {
+        let size = size.max(1);
+        println!("\n--- {size} node(s)");
+        let base = vec!["--cluster-secret".to_string(), "bench-analytics".to_string()];
+        let first = Node::start_named(&format!("analytics-{size}-0"), args.partitions, &base)?;
+        let mut joining = base.clone();
+        joining.extend(["--join".to_string(), first.url.trim_start_matches("http://").to_string()]);
+        let mut nodes = vec![first];
+        for i in 1..size {
+            nodes.push(Node::start_named(&format!("analytics-{size}-{i}"), args.partitions, &joining)?);
+        }
+        let client = Client::new(&nodes[0].url)?;
+        if size > 1 {
+            crate::bench::rebalance::wait_members(&client, size).await?;
+            crate::bench::rebalance::rebalance(&client, &[], None).await?;
+        }
+        let (_, load_secs) = load(&client, args.sf).await?;
+        for n in &nodes {
+            n.wait_idle(std::time::Duration::from_secs(120));
+        }
+        let label = format!("query 3, {size} node(s)");
+        timed_runs(&client, true, tpcds::QUERY_3, 1, &format!("{label}, warm-up")).await?;
+        let (q3, answer, q3_nodes) = per_node_runs(&http, &nodes, tpcds::QUERY_3, args.runs.max(1), &label).await?;
+        let (scan, _, scan_nodes) =
+            per_node_runs(&http, &nodes, SCAN_QUERY, args.runs.max(1), &format!("scan query, {size} node(s)")).await?;
+        let engine = answer["metrics"]["engine"].as_str().unwrap_or("?").to_string();
+        measured.push(OnCluster { nodes: size, load_secs, q3, scan, q3_nodes, scan_nodes, engine, answer });
+    }
+    let duck = if args.no_duckdb { json!({"error": "skipped (--no-duckdb)"}) } else { duckdb(args, cores)? };
+    let same_as = |a: &Value, b: &Value| -> bool {
+        let (Some(a), Some(b)) = (a.as_array(), b.as_array()) else { return false };
+        a.len() == b.len()
+            && a.iter().zip(b).all(|(x, y)| {
+                let (Some(x), Some(y)) = (x.as_array(), y.as_array()) else { return false };
+                x.len() == y.len()
+                    && x.iter().zip(y).all(|(u, v)| match (u.as_f64(), v.as_f64()) {
+                        (Some(u), Some(v)) => (u - v).abs() <= 1e-9 * u.abs().max(v.abs()).max(1.0),
+                        _ => u == v,
+                    })
+            })
+    };
+    let one = measured.first().map(|m| median(&m.q3));
+    let mut report = format!(
+        "Seed 004 on a cluster: TPC-DS query 3 and a scan query (`SCAN_QUERY`) at scale factor {} on `/v1/analytics`, \
+         asked of the first node of fresh clusters of {:?} nodes ({} partitions; median of {} runs after one warm-up, once \
+         the nodes are idle after the load). **Every node of every cluster runs on this machine's {cores} cores**, so wall \
+         time cannot fall with more nodes here: the scale-out shows in the work per node (each node's share of the bytes \
+         scanned and its CPU seconds). Bytes scanned: `shoal_analytics_scanned_bytes_total`, the column values each node's \
+         shadow scans produced. CPU: each node process's user + system seconds over the runs.\n\n\
+         | nodes | engine | load + shadow (s) | query 3 median (ms) | × 1 node | scan query median (ms) | query 3 bytes scanned per node (MB) | share of the total, max / (1/n) | query 3 CPU s per node | scan query CPU s per node | answer = 1 node's | answer = DuckDB's |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        args.sf,
+        args.nodes,
+        args.partitions,
+        args.runs.max(1)
+    );
+    for m in &measured {
+        let total: u64 = m.q3_nodes.iter().map(|(b, _)| b).sum();
+        let mb: Vec<String> = m.q3_nodes.iter().map(|(b, _)| format!("{:.1}", *b as f64 / 1e6)).collect();
+        let share = m.q3_nodes.iter().map(|(b, _)| *b as f64 / total.max(1) as f64).fold(0.0, f64::max) * m.nodes as f64;
+        let cpu = |v: &[(u64, f64)]| v.iter().map(|(_, c)| format!("{c:.2}")).collect::<Vec<_>>().join(" / ");
+        let same_one = measured.first().is_some_and(|f| same_as(&f.answer["rows"], &m.answer["rows"]));
+        let same_duck = duck["answer"].is_array().then(|| same_as(&duck["answer"], &m.answer["rows"]));
+        report.push_str(&format!(
+            "| {} | {} | {:.1} | {:.1} | {:.2}× | {:.1} | {} | {:.2} | {} | {} | {} | {} |\n",
+            m.nodes,
+            m.engine,
+            m.load_secs,
+            median(&m.q3) * 1000.0,
+            one.map_or(f64::NAN, |o| median(&m.q3) / o),
+            median(&m.scan) * 1000.0,
+            mb.join(" / "),
+            share,
+            cpu(&m.q3_nodes),
+            cpu(&m.scan_nodes),
+            if same_one { "yes" } else { "NO" },
+            same_duck.map_or("not run".to_string(), |s| if s { "yes".into() } else { "NO".into() }),
+        ));
+    }
+    if let Some(native) = duck["native_s"].as_array() {
+        let native: Vec<f64> = native.iter().filter_map(Value::as_f64).collect();
+        report.push_str(&format!(
+            "\nDuckDB {} in the same run, native tables, {} threads: query 3 {:.1} ms median.\n",
+            duck["version"].as_str().unwrap_or("?"),
+            duck["threads"],
+            median(&native) * 1000.0
+        ));
+    } else {
+        report.push_str(&format!("\nDuckDB not run: {}\n", duck["error"].as_str().unwrap_or("?")));
+    }
+    print!("\n{report}");
+    write_result(&args.out_dir, "analytics-seed004-cluster.md", &report)?;
     Ok(())
 }
 

@@ -248,25 +248,40 @@ impl TableProvider for ShadowTable {
                 return Ok(Arc::new(ShadowScanExec::in_cluster(scan, projected, limit, *partitions, 0)));
             }
         };
-        let (s, g) = (Arc::clone(shadow), group.clone());
-        let parts = tokio::task::spawn_blocking(move || s.snapshot(g.as_deref()))
-            .await
-            .map_err(|e| DataFusionError::External(Box::new(e)))?
-            .map_err(external)?;
-        let rows = parts.iter().map(|p| p.iter().map(Part::rows).sum()).collect();
-        let properties = leaf_properties(&projected, parts.len().max(1));
-        Ok(Arc::new(ShadowScanExec {
-            name: shadow.collection().name().to_string(),
-            parts: Arc::new(parts),
-            rows,
-            projected,
-            group,
-            limit,
-            properties,
-            dynamic: Vec::new(),
-            cluster: None,
-        }))
+        shadow_scan(Arc::clone(shadow), projected, filters, limit, None).await
     }
+}
+
+/// A scan of a snapshot of `shadow` as of now, one stream per analytics partition; a
+/// `table_name = '...'` filter skips other groups' segments. `columnar` says why `/v1/query`
+/// reads it (for `EXPLAIN`).
+pub(crate) async fn shadow_scan(
+    shadow: Arc<Shadow>,
+    projected: SchemaRef,
+    filters: &[Expr],
+    limit: Option<usize>,
+    columnar: Option<String>,
+) -> Result<Arc<dyn ExecutionPlan>, DataFusionError> {
+    let group = filters.iter().find_map(group_of);
+    let (s, g) = (Arc::clone(&shadow), group.clone());
+    let parts = tokio::task::spawn_blocking(move || s.snapshot(g.as_deref()))
+        .await
+        .map_err(|e| DataFusionError::External(Box::new(e)))?
+        .map_err(external)?;
+    let rows = parts.iter().map(|p| p.iter().map(Part::rows).sum()).collect();
+    let properties = leaf_properties(&projected, parts.len().max(1));
+    Ok(Arc::new(ShadowScanExec {
+        name: shadow.collection().name().to_string(),
+        parts: Arc::new(parts),
+        rows,
+        projected,
+        group,
+        limit,
+        properties,
+        dynamic: Vec::new(),
+        cluster: None,
+        columnar,
+    }))
 }
 
 /// Reads a snapshot of a shadow: partition `i` of the plan is analytics partition `i`. In a
@@ -286,6 +301,8 @@ pub(crate) struct ShadowScanExec {
     dynamic: Vec<Arc<dyn PhysicalExpr>>,
     /// In a cluster: which members' rows, and (on a worker) this node's shadows to read them from.
     cluster: Option<ClusterScan>,
+    /// On `/v1/query`: why the shadow is read rather than the documents.
+    columnar: Option<String>,
 }
 
 impl fmt::Debug for ShadowScanExec {
@@ -311,6 +328,9 @@ impl DisplayAs for ShadowScanExec {
         }
         if let Some(l) = self.limit {
             write!(f, ", limit={l}")?;
+        }
+        if let Some(why) = &self.columnar {
+            write!(f, ", columnar: {why}")?;
         }
         if !self.dynamic.is_empty() {
             let now: Vec<String> = self
@@ -467,6 +487,11 @@ fn project(part: &Part, schema: &SchemaRef, sieves: &mut Sieves) -> Result<Vec<R
     Ok(out)
 }
 
+/// The bytes of a scan's output: its columns' values, slices counted for their own rows.
+pub(crate) fn scanned_bytes(batch: &RecordBatch) -> u64 {
+    batch.columns().iter().map(|c| c.to_data().get_slice_memory_size().unwrap_or(0) as u64).sum()
+}
+
 /// A part as batches of the projected columns (no dynamic filters): a worker's read.
 pub(crate) fn project_part(part: &Part, schema: &SchemaRef) -> Result<Vec<RecordBatch>, DataFusionError> {
     project(part, schema, &mut Sieves { filters: Vec::new(), stats: HashMap::new() })
@@ -511,6 +536,7 @@ impl ShadowScanExec {
             limit,
             dynamic: Vec::new(),
             cluster: Some(scan),
+            columnar: None,
         }
     }
 
@@ -654,7 +680,11 @@ impl ExecutionPlan for ShadowScanExec {
             Ok(bs) => bs.into_iter().map(Ok).collect::<Vec<_>>(),
             Err(e) => vec![Err(e)],
         });
-        let batches = limited(batches, self.limit);
+        let batches = limited(batches, self.limit).inspect(|b| {
+            if let Ok(b) = b {
+                metrics::counter!("shoal_analytics_scanned_bytes_total").increment(scanned_bytes(b));
+            }
+        });
         Ok(Box::pin(RecordBatchStreamAdapter::new(Arc::clone(&self.projected), futures::stream::iter(batches))))
     }
 }

@@ -229,6 +229,8 @@ impl WorkerEnv {
                 out.extend(crate::analytics::project_part(&part, schema)?);
             }
         }
+        let bytes: u64 = out.iter().map(crate::analytics::scanned_bytes).sum();
+        metrics::counter!("shoal_analytics_scanned_bytes_total").increment(bytes);
         Ok(out)
     }
 }

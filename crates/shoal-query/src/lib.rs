@@ -180,6 +180,9 @@ pub enum RowFormat {
 pub struct QueryAnswer {
     pub columns: Vec<String>,
     pub rows: usize,
+    /// How the statement's table scans read: from the documents, from the columnar shadows.
+    pub row_scans: usize,
+    pub columnar_scans: usize,
     /// The encoded rows, at most [`ANSWER_MAX_BYTES`].
     pub body: Vec<u8>,
     pub elapsed: Duration,
@@ -571,6 +574,10 @@ impl QueryEngine {
             }
         };
         let touched = std::mem::take(&mut *env.touched.lock());
+        let result = result.map(|mut a| {
+            (a.row_scans, a.columnar_scans) = *env.scans.lock();
+            a
+        });
         (result, touched)
     }
 
@@ -623,6 +630,8 @@ impl QueryEngine {
             spread: req.spread.clone(),
             placed: req.placed.clone(),
             touched: Mutex::new(Vec::new()),
+            shadows: (self.shadows.partitions() > 0).then(|| Arc::clone(&self.shadows)),
+            scans: Mutex::new((0, 0)),
         });
         let catalog = ctx.catalog("datafusion").ok_or_else(|| QueryError::Storage("no default catalog".into()))?;
         match path {

@@ -51,6 +51,59 @@ pub(crate) struct QueryEnv {
     pub placed: Option<Arc<dyn crate::spread::PlacedIndexes>>,
     /// Collections the query has opened as tables.
     pub touched: parking_lot::Mutex<Vec<Arc<Collection>>>,
+    /// The columnar shadows (`None` with analytics off): a full scan reads its collection's
+    /// shadow when that answers the same rows (see [`columnar`]).
+    pub shadows: Option<Arc<crate::shadow::ShadowManager>>,
+    /// How the statement's scans read: (from the documents, from the shadows).
+    pub scans: parking_lot::Mutex<(usize, usize)>,
+}
+
+/// Longest a `request_plus` full scan waits for the shadow to reach the statement's
+/// positions before it reads the documents instead.
+pub const COLUMNAR_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// A full scan of `coll` over its columnar shadow, when that answers exactly what reading
+/// the documents would (TiDB picks TiFlash so): a shadow whole on every partition active
+/// here, holding every change up to the high seqnos now (at `request_plus` it may wait
+/// [`COLUMNAR_WAIT`] for them; at `not_bounded` it must hold them already, so a statement
+/// never sees fewer writes than the documents show), whose columns have the same types as
+/// the table's (so every value converts alike). `Err` with why not, for `EXPLAIN`.
+async fn columnar(
+    env: &QueryEnv,
+    coll: &Arc<Collection>,
+    projected: &SchemaRef,
+    filters: &[Expr],
+    limit: Option<usize>,
+) -> Result<Arc<dyn ExecutionPlan>, String> {
+    let shadows = env.shadows.as_ref().ok_or("analytics is off on this node")?;
+    let shadow = shadows.shadow(coll.id()).ok_or("no shadow of the collection yet")?;
+    if env.spread.is_some() {
+        return Err("the collection's partitions are on several members".into());
+    }
+    let highs = coll.held_high_seqnos();
+    match env.consistency {
+        Consistency::RequestPlus => shadow.wait_applied(&highs, COLUMNAR_WAIT).await.map_err(|e| e.to_string())?,
+        Consistency::NotBounded => {
+            let applied = shadow.applied_seqnos();
+            if highs.iter().zip(&applied).any(|(h, a)| a < h) {
+                return Err("the shadow has not applied the latest writes yet".into());
+            }
+        }
+    }
+    shadow.wait_whole(std::time::Duration::ZERO).await.map_err(|e| e.to_string())?;
+    let s = Arc::clone(&shadow);
+    let shadow_schema = tokio::task::spawn_blocking(move || s.schema()).await.map_err(|e| e.to_string())?;
+    for f in projected.fields() {
+        match shadow_schema.field_with_name(f.name()) {
+            Ok(sf) if sf.data_type() == f.data_type() => {}
+            _ => return Err(format!("column {} is typed otherwise in the shadow", f.name())),
+        }
+    }
+    let why = Some(match env.consistency {
+        Consistency::RequestPlus => "the shadow holds every write made before the statement (request_plus)".to_string(),
+        Consistency::NotBounded => "the shadow holds every write made so far".to_string(),
+    });
+    crate::analytics::shadow_scan(shadow, Arc::clone(projected), filters, limit, why).await.map_err(|e| e.to_string())
 }
 
 /// Every collection of the store, as tables of the default schema.
@@ -176,6 +229,17 @@ impl TableProvider for CollectionTable {
             access = Access::Full;
         }
         let projected = project_schema(&self.schema, projection)?;
+        let mut why_rows = None;
+        if matches!(access, Access::Full) {
+            match columnar(&self.env, &self.coll, &projected, filters, limit).await {
+                Ok(plan) => {
+                    self.env.scans.lock().1 += 1;
+                    return Ok(plan);
+                }
+                Err(why) => why_rows = Some(why),
+            }
+        }
+        self.env.scans.lock().0 += 1;
         // A full read is split into key ranges, one per core, so documents are parsed and
         // converted in parallel; point reads and index scans are one stream. Spread over
         // members, a full read also has one stream per other member.
@@ -198,6 +262,7 @@ impl TableProvider for CollectionTable {
             remotes,
             limit,
             properties,
+            why_rows,
         }))
     }
 }
@@ -434,6 +499,8 @@ pub(crate) struct ScanExec {
     remotes: Vec<String>,
     limit: Option<usize>,
     properties: Arc<PlanProperties>,
+    /// A full read: why it reads the documents rather than the shadow (for `EXPLAIN`).
+    why_rows: Option<String>,
 }
 
 impl fmt::Debug for ScanExec {
@@ -453,6 +520,9 @@ impl DisplayAs for ScanExec {
         }
         if let Some(l) = self.limit {
             write!(f, ", limit={l}")?;
+        }
+        if let Some(why) = &self.why_rows {
+            write!(f, ", rows: {why}")?;
         }
         Ok(())
     }

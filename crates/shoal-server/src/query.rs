@@ -63,7 +63,16 @@ async fn run(state: AppState, q: Option<String>, headers: HeaderMap, body: Body,
     let format = if ndjson { RowFormat::Ndjson } else { RowFormat::JsonArrays };
     let mut req = QueryRequest { sql: req.sql, params: req.params, consistency, timeout, spread: None, placed, cluster: None };
     let (engine, answer) = match (path, local) {
-        (Path::Operational, true) => ("rows", state.engine.query().query(req, format).await?),
+        (Path::Operational, true) => {
+            // Full scans read the columnar shadow when it answers the same rows.
+            let answer = state.engine.query().query(req, format).await?;
+            let engine = match (answer.row_scans, answer.columnar_scans) {
+                (_, 0) => "rows",
+                (0, _) => "columnar",
+                _ => "rows and columnar",
+            };
+            (engine, answer)
+        }
         (Path::Analytics, true) => ("columnar", state.engine.query().analytics(req, format).await?),
         (Path::Operational, false) => {
             req.spread = node.spread(&pinned).map_err(crate::routing::no_active)?;

@@ -1,0 +1,187 @@
+//! Analytics across a cluster (issue 42): a statement asked of any member runs on every
+//! member holding partitions active, each scanning its own shadow, and answers what the
+//! row engine (checked against DuckDB by `bench/tpch_diff.sh`) answers, or `503` with a
+//! reason — never a partial answer.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::cluster::{member_states, rebalance, wait_for, SECRET};
+use common::Node;
+use serde_json::{json, Value};
+
+/// Analytics on (two analytics partitions), few partitions so that rebalances are quick.
+const ARGS: [&str; 6] = ["--cluster-secret", SECRET, "--partitions", "16", "--analytics-partitions", "2"];
+
+fn http() -> reqwest::Client {
+    reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap()
+}
+
+/// `n` nodes, the first founding the cluster, rebalanced over all of them.
+async fn cluster(http: &reqwest::Client, n: usize) -> Vec<Node> {
+    let mut first = Node::start(&ARGS);
+    first.pin_port();
+    let join = first.addr();
+    let mut nodes = vec![first];
+    for _ in 1..n {
+        let mut node = Node::start(&[&ARGS[..], &["--join", &join][..]].concat());
+        node.pin_port();
+        nodes.push(node);
+    }
+    wait_for(http, &nodes[0].u("/v1/cluster"), "every member", |v| member_states(v).len() == n).await;
+    rebalance(http, &nodes[0], &[]).await;
+    nodes
+}
+
+async fn statement(http: &reqwest::Client, node: &Node, endpoint: &str, sql: &str) -> (u16, Value) {
+    let r = http
+        .post(node.u(&format!("/v1/{endpoint}")))
+        .json(&json!({"sql": sql, "consistency": "request_plus"}))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{endpoint}: {e}"));
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+/// Rows equal, numbers within a relative 1e-9 (the engines add floats in different orders).
+fn same_rows(a: &Value, b: &Value) -> bool {
+    let (Some(a), Some(b)) = (a.as_array(), b.as_array()) else { return false };
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            let (Some(x), Some(y)) = (x.as_array(), y.as_array()) else { return false };
+            x.len() == y.len()
+                && x.iter().zip(y).all(|(u, v)| match (u.as_f64(), v.as_f64()) {
+                    (Some(u), Some(v)) => (u - v).abs() <= 1e-9 * u.abs().max(v.abs()).max(1.0),
+                    _ => u == v,
+                })
+        })
+}
+
+/// TPC-H at a tiny scale factor on three processes: the distributed statements answer
+/// what the row engine across the members answers, each run on the members' shadows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tpch_on_three_members_answers_what_the_rows_answer() {
+    let http = http();
+    let data = tempfile::tempdir().unwrap();
+    let status = std::process::Command::new(common::binary())
+        .args(["bench", "tpch-gen", "--sf", "0.008", "--out"])
+        .arg(data.path())
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success(), "tpch-gen");
+    let nodes = cluster(&http, 3).await;
+    for table in ["region", "nation", "supplier", "customer", "part", "partsupp", "orders", "lineitem"] {
+        let r = http.put(nodes[0].u(&format!("/v1/collections/{table}"))).send().await.unwrap();
+        assert_eq!(r.status(), 201, "{table}");
+        // `{"key", "value"}` lines as `_bulk` upserts.
+        let text = std::fs::read_to_string(data.path().join(format!("{table}.ndjson"))).unwrap();
+        let body: String = text.lines().map(|l| l.replacen('{', r#"{"op":"upsert","#, 1) + "\n").collect();
+        let r = http
+            .post(nodes[1].u(&format!("/v1/collections/{table}/_bulk")))
+            .header("content-type", "application/x-ndjson")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{table}");
+        assert!(!r.text().await.unwrap().contains("\"error\""), "{table}: every line written");
+    }
+    let queries = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/tpch");
+    for q in [1, 3, 5, 6, 10, 12, 13, 14, 15, 18] {
+        let sql = std::fs::read_to_string(queries.join(format!("q{q:02}.sql"))).unwrap();
+        let (s, rows) = statement(&http, &nodes[0], "query", &sql).await;
+        assert_eq!(s, 200, "q{q} /v1/query: {rows}");
+        // Through a different member each time.
+        let asked = &nodes[q % 3];
+        let (s, columnar) = statement(&http, asked, "analytics", &sql).await;
+        assert_eq!(s, 200, "q{q} /v1/analytics: {columnar}");
+        assert_eq!(columnar["metrics"]["engine"], "columnar across members", "q{q}");
+        assert!(same_rows(&rows["rows"], &columnar["rows"]), "q{q}: /v1/analytics {} against /v1/query {}", columnar["rows"], rows["rows"]);
+    }
+}
+
+/// Groups of the model: `g = i % 10`, `n = i` for `i < docs`.
+fn groups(docs: usize) -> Value {
+    let m = docs / 10;
+    json!((0..10).map(|g| json!([g, m, 10 * (m * (m - 1) / 2) + g * m])).collect::<Vec<_>>())
+}
+
+/// A member killed with `kill -9` while statements run through another: each statement
+/// answers the model's groups or `503`; none answers short, fails otherwise or hangs. A
+/// statement whose answer would be huge is refused with a clear error, not gathered on the
+/// coordinator.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_member_killed_mid_statement_ends_it_with_503_never_a_partial_answer() {
+    const DOCS: usize = 6_000;
+    let http = http();
+    let mut nodes = cluster(&http, 3).await;
+    assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    for chunk in (0..DOCS).collect::<Vec<_>>().chunks(2_000) {
+        let body: String = chunk
+            .iter()
+            .map(|i| json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"g": i % 10, "n": i}}).to_string() + "\n")
+            .collect();
+        let r = http.post(nodes[0].u("/v1/collections/c/_bulk")).body(body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(!r.text().await.unwrap().contains("\"error\""), "every line written");
+    }
+    let want = groups(DOCS);
+    let sql = "SELECT g, count(*), sum(n) FROM c GROUP BY g ORDER BY g";
+    let (s, v) = statement(&http, &nodes[0], "analytics", sql).await;
+    assert_eq!((s, &v["rows"]), (200, &want), "{v}");
+    assert_eq!(v["metrics"]["engine"], "columnar across members");
+
+    // Bounded: every pair of rows would be 36 million rows on the coordinator.
+    let (s, v) = statement(&http, &nodes[1], "analytics", "SELECT a.n, b.n FROM c a, c b").await;
+    assert_eq!(s, 413, "{v}");
+    assert!(v["reason"].as_str().unwrap_or("").contains("LIMIT"), "{v}");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let seen: Arc<Mutex<Vec<(u16, Value)>>> = Arc::default();
+    let asked = nodes[0].u("/v1/analytics");
+    let runner = {
+        let (stop, seen, http) = (Arc::clone(&stop), Arc::clone(&seen), http.clone());
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let r = http.post(&asked).json(&json!({"sql": sql, "consistency": "request_plus"})).send().await.unwrap();
+                let status = r.status().as_u16();
+                let v: Value = r.json().await.unwrap_or(Value::Null);
+                seen.lock().unwrap().push((status, v));
+            }
+        })
+    };
+    // Some statements answered before the kill.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while seen.lock().unwrap().len() < 3 {
+        assert!(std::time::Instant::now() < deadline, "no statement answered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let before = seen.lock().unwrap().len();
+    nodes[2].kill9();
+    // Statements after the kill (before any failover): they need the dead member's rows.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while seen.lock().unwrap().len() < before + 5 {
+        assert!(std::time::Instant::now() < deadline, "statements hang after a member died");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    tokio::time::timeout(Duration::from_secs(130), runner).await.expect("the last statement ends").unwrap();
+    let seen = seen.lock().unwrap().clone();
+    let mut refused = 0;
+    for (i, (status, v)) in seen.iter().enumerate() {
+        match status {
+            200 => assert_eq!(v["rows"], want, "statement {i}: a 200 answers every group whole: {v}"),
+            503 => {
+                refused += 1;
+                assert_eq!(v["error"], "unavailable", "{v}");
+            }
+            other => panic!("statement {i}: {other} {v}"),
+        }
+    }
+    assert!(refused >= 1, "statements needing a dead member's rows are refused: {seen:?}");
+}
