@@ -405,8 +405,11 @@ pub(crate) async fn bulk_upsert(
                 chunk.push('\n');
             }
             let answer = client.bulk(collection, chunk, persist).await?;
-            let failed = answer.split(|&b| b == b'\n').filter(|l| l.windows(8).any(|w| w == b"\"error\":")).count();
-            Ok::<_, CliError>(((to - from) as u64, failed as u64))
+            let failed: Vec<&[u8]> = answer.split(|&b| b == b'\n').filter(|l| l.windows(8).any(|w| w == b"\"error\":")).collect();
+            if let Some(first) = failed.first() {
+                eprintln!("{collection}: {} lines failed, the first: {}", failed.len(), String::from_utf8_lossy(first));
+            }
+            Ok::<_, CliError>(((to - from) as u64, failed.len() as u64))
         }
     }))
     .buffer_unordered(plan.concurrency.max(1));

@@ -49,6 +49,8 @@ pub(crate) struct AnalyticsEnv {
     pub cluster: Option<(Arc<ClusterAnalytics>, String)>,
     /// Output partitions of a scan in a cluster (per task).
     pub partitions: usize,
+    /// Tables opened over the members, by name: each opened once per statement.
+    pub opened: parking_lot::Mutex<HashMap<String, Arc<tokio::sync::OnceCell<Arc<dyn TableProvider>>>>>,
 }
 
 /// A shadow scan in a cluster: one task per member, each reading that member's rows of the
@@ -65,16 +67,28 @@ pub(crate) struct ClusterScan {
 }
 
 /// The fields of this node's shadow of `collection`, with their weights, once it can be
-/// read at `consistency`.
+/// read at `consistency`; and about how many of its rows are of partitions active here (its
+/// rows scaled by the active partitions' share of the bytes held), for the planner's
+/// statistics.
 pub(crate) async fn fields_here(
     store: &Store,
     shadows: &ShadowManager,
     collection: &str,
     consistency: Consistency,
     timeout: std::time::Duration,
-) -> Result<Vec<(Field, u64)>, DataFusionError> {
+) -> Result<(Vec<(Field, u64)>, u64), DataFusionError> {
     let shadow = ready_shadow(store, shadows, collection, consistency, timeout).await?;
-    tokio::task::spawn_blocking(move || shadow.weighted_fields()).await.map_err(|e| DataFusionError::External(Box::new(e)))
+    tokio::task::spawn_blocking(move || {
+        let coll = shadow.collection();
+        let (held, active) = (coll.held_here(), coll.active_here());
+        let bytes = |keep: &[bool]| -> u64 {
+            keep.iter().enumerate().filter(|(_, k)| **k).map(|(p, _)| coll.partition_bytes(p as u16)).sum()
+        };
+        let share = bytes(&active) as f64 / bytes(&held).max(1) as f64;
+        (shadow.weighted_fields(), (shadow.rows() as f64 * share.min(1.0)) as u64)
+    })
+    .await
+    .map_err(|e| DataFusionError::External(Box::new(e)))
 }
 
 /// This node's shadow of `collection`, waited for: loaded, holding every partition active
@@ -124,7 +138,9 @@ impl SchemaProvider for Shadows {
             return Ok(None);
         }
         if let Some((cluster, me)) = &env.cluster {
-            return self.cluster_table(name, cluster, me).await.map(Some);
+            let cell = Arc::clone(env.opened.lock().entry(name.to_string()).or_default());
+            let table = cell.get_or_try_init(|| self.cluster_table(name, cluster, me)).await?;
+            return Ok(Some(Arc::clone(table)));
         }
         let shadow = ready_shadow(&env.store, &env.shadows, name, env.consistency, env.timeout).await?;
         let s = Arc::clone(&shadow);
@@ -149,7 +165,8 @@ impl Shadows {
         let env = &self.0;
         let asks = cluster.members.iter().map(|m| async move {
             if m == me {
-                fields_here(&env.store, &env.shadows, name, env.consistency, env.timeout).await
+                let (fields, rows) = fields_here(&env.store, &env.shadows, name, env.consistency, env.timeout).await?;
+                Ok((fields, rows))
             } else {
                 let bytes = cluster
                     .remote
@@ -160,8 +177,10 @@ impl Shadows {
             }
         });
         let mut fields = Vec::new();
-        for f in futures::future::try_join_all(asks).await? {
+        let mut rows = 0;
+        for (f, r) in futures::future::try_join_all(asks).await? {
             fields.extend(f);
+            rows += r;
         }
         fields.insert(0, (Field::new(crate::schema::KEY_COLUMN, datafusion::arrow::datatypes::DataType::Utf8, false), u64::MAX));
         let schema = Arc::new(datafusion::arrow::datatypes::Schema::new(crate::merge::merge_fields(&fields)));
@@ -173,7 +192,7 @@ impl Shadows {
             member: None,
             group: None,
         };
-        Ok(Arc::new(ShadowTable { source: Source::Cluster(scan, env.partitions.max(2)), schema }))
+        Ok(Arc::new(ShadowTable { source: Source::Cluster(scan, env.partitions.max(2), rows as usize), schema }))
     }
 }
 
@@ -181,8 +200,9 @@ impl Shadows {
 enum Source {
     /// This node's shadow holds them all.
     Here(Arc<Shadow>),
-    /// The members' shadows, read by a scan split into `usize` partitions per task.
-    Cluster(ClusterScan, usize),
+    /// The members' shadows, read by a scan split into `.1` partitions per task, about `.2`
+    /// rows in all.
+    Cluster(ClusterScan, usize, usize),
 }
 
 struct ShadowTable {
@@ -194,7 +214,7 @@ impl fmt::Debug for ShadowTable {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.source {
             Source::Here(s) => write!(f, "ShadowTable({})", s.collection().name()),
-            Source::Cluster(c, _) => write!(f, "ShadowTable({}, members)", c.collection),
+            Source::Cluster(c, ..) => write!(f, "ShadowTable({}, members)", c.collection),
         }
     }
 }
@@ -243,9 +263,9 @@ impl TableProvider for ShadowTable {
         let group = filters.iter().find_map(group_of);
         let shadow = match &self.source {
             Source::Here(shadow) => shadow,
-            Source::Cluster(scan, partitions) => {
+            Source::Cluster(scan, partitions, rows) => {
                 let scan = ClusterScan { group, ..scan.clone() };
-                return Ok(Arc::new(ShadowScanExec::in_cluster(scan, projected, limit, *partitions, 0)));
+                return Ok(Arc::new(ShadowScanExec::in_cluster(scan, projected, limit, *partitions, *rows)));
             }
         };
         shadow_scan(Arc::clone(shadow), projected, filters, limit, None).await

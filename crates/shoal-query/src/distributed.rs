@@ -48,6 +48,8 @@ pub const WORKER_PATH_PREFIX: &str = "/worker.WorkerService/";
 /// Field metadata carrying how many values a member's shadow holds of a field (schemas of
 /// the members are merged by it, as one node merges its analytics partitions').
 const WEIGHT_KEY: &str = "shoal.weight";
+/// Schema metadata carrying about how many rows of partitions active there a member holds.
+const ROWS_KEY: &str = "shoal.rows";
 /// Longest wait for a connection to another worker.
 const WORKER_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -149,9 +151,9 @@ fn shadow_kind(e: &ShadowError) -> Kind {
     }
 }
 
-/// `fields` as bytes for another member: an Arrow schema (protobuf), each field's weight in
-/// its metadata.
-pub fn encode_fields(fields: &[(Field, u64)]) -> Result<Vec<u8>, DataFusionError> {
+/// `fields` and `rows` as bytes for another member: an Arrow schema (protobuf), each field's
+/// weight in its metadata, the rows in the schema's.
+pub fn encode_fields(fields: &[(Field, u64)], rows: u64) -> Result<Vec<u8>, DataFusionError> {
     let fields: Vec<Field> = fields
         .iter()
         .map(|(f, w)| {
@@ -160,15 +162,17 @@ pub fn encode_fields(fields: &[(Field, u64)]) -> Result<Vec<u8>, DataFusionError
             f.clone().with_metadata(meta)
         })
         .collect();
-    let proto = datafusion_proto::protobuf::Schema::try_from(&Schema::new(fields))?;
+    let schema = Schema::new(fields).with_metadata([(ROWS_KEY.to_string(), rows.to_string())].into());
+    let proto = datafusion_proto::protobuf::Schema::try_from(&schema)?;
     Ok(proto.encode_to_vec())
 }
 
-/// The fields [`encode_fields`] wrote.
-pub fn decode_fields(bytes: &[u8]) -> Result<Vec<(Field, u64)>, DataFusionError> {
+/// The fields and rows [`encode_fields`] wrote.
+pub fn decode_fields(bytes: &[u8]) -> Result<(Vec<(Field, u64)>, u64), DataFusionError> {
     let proto = datafusion_proto::protobuf::Schema::decode(bytes).map_err(|e| DataFusionError::Plan(format!("a member's schema: {e}")))?;
     let schema: Schema = (&proto).try_into()?;
-    Ok(schema
+    let rows = schema.metadata().get(ROWS_KEY).and_then(|r| r.parse().ok()).unwrap_or(0);
+    let fields = schema
         .fields()
         .iter()
         .map(|f| {
@@ -176,7 +180,8 @@ pub fn decode_fields(bytes: &[u8]) -> Result<Vec<(Field, u64)>, DataFusionError>
             let w = meta.remove(WEIGHT_KEY).and_then(|w| w.parse().ok()).unwrap_or(1);
             (f.as_ref().clone().with_metadata(meta), w)
         })
-        .collect())
+        .collect();
+    Ok((fields, rows))
 }
 
 /// What a worker's tasks read: this node's shadows.
@@ -460,6 +465,17 @@ pub(crate) fn coordinating(
         .with_distributed_route_tasks_handler(route))
 }
 
+/// A worker's stage as decoded has lost the dynamic filters its hash joins pushed into the
+/// shadow scans below them on the coordinator (they do not cross the network): they are
+/// pushed again here, so a scan probing a broadcast build side drops the rows the join
+/// would drop, where they are read.
+fn dynamic_filters(ev: datafusion_distributed::WorkerPlanRewriteEvent) -> Result<datafusion_distributed::WorkerPlanRewriteEventResponse, DataFusionError> {
+    use datafusion::physical_optimizer::PhysicalOptimizerRule;
+    let rule = datafusion::physical_optimizer::filter_pushdown::FilterPushdown::new_post_optimization();
+    let plan = rule.optimize(ev.plan, ev.session_config.options())?;
+    Ok(datafusion_distributed::WorkerPlanRewriteEventResponse::new(plan))
+}
+
 /// This node's worker: tasks from coordinators, read from this node's shadows.
 pub(crate) fn worker(
     env: Arc<WorkerEnv>,
@@ -485,6 +501,7 @@ pub(crate) fn worker(
                 .with_runtime_env(task_runtime)
                 .with_distributed_user_codec(ScanCodec)
                 .with_distributed_channel_resolver(channels)
+                .with_distributed_worker_plan_rewrite_handler(dynamic_filters)
                 .build();
             state.config_mut().set_extension(env);
             let session = SessionContext::from(state);
@@ -504,8 +521,8 @@ mod tests {
     #[test]
     fn fields_cross_members_with_their_weights() {
         let fields = vec![(Field::new("a", DataType::Int64, true), 7), (Field::new("b", DataType::Utf8, true), 1 << 40)];
-        let back = decode_fields(&encode_fields(&fields).unwrap()).unwrap();
-        assert_eq!(back, fields);
+        let back = decode_fields(&encode_fields(&fields, 1234).unwrap()).unwrap();
+        assert_eq!(back, (fields, 1234));
     }
 
     #[test]

@@ -61,6 +61,10 @@ pub const QUERY_SPILL_DEFAULT_BYTES: u64 = 4 * 1024 * 1024 * 1024;
 pub const ANSWER_MAX_BYTES: usize = 64 * 1024 * 1024;
 /// Folder of spill files, under the first data path (emptied at start).
 pub const SPILL_DIR: &str = "tmp/query-spill";
+/// Largest estimated build side of a join broadcast to every member's task in a
+/// distributed statement (bytes, rows); past it both sides are shuffled by hash.
+pub const BROADCAST_BUILD_MAX_BYTES: usize = 32 * 1024 * 1024;
+pub const BROADCAST_BUILD_MAX_ROWS: usize = 1_000_000;
 /// Longest SQL text accepted.
 pub const SQL_MAX_BYTES: usize = 64 * 1024;
 /// Most parameters.
@@ -471,8 +475,8 @@ impl QueryEngine {
         if self.shadows.partitions() == 0 {
             return Err(QueryError::Unavailable(shadow::ShadowError::Off.to_string()));
         }
-        let fields = analytics::fields_here(&self.store, &self.shadows, collection, consistency, timeout).await?;
-        Ok(distributed::encode_fields(&fields)?)
+        let (fields, rows) = analytics::fields_here(&self.store, &self.shadows, collection, consistency, timeout).await?;
+        Ok(distributed::encode_fields(&fields, rows)?)
     }
 
     /// Runs one statement (queries and `EXPLAIN`; no DDL, DML or `SET`) on the
@@ -548,7 +552,18 @@ impl QueryEngine {
             Err(e) => return (Err(e), Vec::new()),
         };
         let sql = req.sql.clone();
+        let prefetch = req.cluster.is_some() && path == Path::Analytics;
         let run = async move {
+            // Over the members, opening a table asks each member for its shadow's fields:
+            // every table the statement names is opened at once, not one after another as
+            // the planner would (it then finds them open).
+            if prefetch {
+                let state = ctx.state();
+                let dialect = state.config().options().sql_parser.dialect;
+                if let Ok(refs) = state.sql_to_statement(&sql, &dialect).and_then(|s| state.resolve_table_references(&s)) {
+                    let _ = futures::future::join_all(refs.into_iter().map(|r| ctx.table_provider(r))).await;
+                }
+            }
             let options =
                 datafusion::execution::context::SQLOptions::new().with_allow_ddl(false).with_allow_dml(false).with_allow_statements(false);
             let mut df = ctx.sql_with_options(&sql, options).await?;
@@ -609,6 +624,13 @@ impl QueryEngine {
         let ctx = match &cluster {
             None => SessionContext::new_with_config_rt(config, runtime),
             Some((cluster, member)) => {
+                // Across the members a join's build side is broadcast to every task
+                // (CollectLeft) up to this size, so that a fact table is joined where its
+                // rows are rather than shuffled between the members by hash.
+                let mut config = config;
+                let optimizer = &mut config.options_mut().optimizer;
+                optimizer.hash_join_single_partition_threshold = BROADCAST_BUILD_MAX_BYTES;
+                optimizer.hash_join_single_partition_threshold_rows = BROADCAST_BUILD_MAX_ROWS;
                 // Tasks this node runs for itself read its shadows as a worker's do.
                 let builder = datafusion::execution::SessionStateBuilder::new()
                     .with_default_features()
@@ -645,6 +667,7 @@ impl QueryEngine {
                     timeout: req.timeout,
                     cluster: cluster.map(|(c, m)| (c, m.local.address())),
                     partitions,
+                    opened: parking_lot::Mutex::default(),
                 }))),
             )?,
         };

@@ -152,6 +152,11 @@ impl Collection {
         self.partitions.iter().map(|p| p.load().is_held()).collect()
     }
 
+    /// Per partition: whether this node holds its active copy now.
+    pub fn active_here(&self) -> Vec<bool> {
+        self.partitions.iter().map(|p| p.load().is_active()).collect()
+    }
+
     pub fn partition_uuids(&self) -> Vec<u64> {
         self.partitions.iter().map(|p| p.load().uuid()).collect()
     }
