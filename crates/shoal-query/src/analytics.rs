@@ -81,9 +81,8 @@ pub(crate) async fn fields_here(
     tokio::task::spawn_blocking(move || {
         let coll = shadow.collection();
         let (held, active) = (coll.held_here(), coll.active_here());
-        let bytes = |keep: &[bool]| -> u64 {
-            keep.iter().enumerate().filter(|(_, k)| **k).map(|(p, _)| coll.partition_bytes(p as u16)).sum()
-        };
+        let bytes =
+            |keep: &[bool]| -> u64 { keep.iter().enumerate().filter(|(_, k)| **k).map(|(p, _)| coll.partition_bytes(p as u16)).sum() };
         let share = bytes(&active) as f64 / bytes(&held).max(1) as f64;
         (shadow.weighted_fields(), (shadow.rows() as f64 * share.min(1.0)) as u64)
     })

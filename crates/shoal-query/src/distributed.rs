@@ -469,7 +469,9 @@ pub(crate) fn coordinating(
 /// shadow scans below them on the coordinator (they do not cross the network): they are
 /// pushed again here, so a scan probing a broadcast build side drops the rows the join
 /// would drop, where they are read.
-fn dynamic_filters(ev: datafusion_distributed::WorkerPlanRewriteEvent) -> Result<datafusion_distributed::WorkerPlanRewriteEventResponse, DataFusionError> {
+fn dynamic_filters(
+    ev: datafusion_distributed::WorkerPlanRewriteEvent,
+) -> Result<datafusion_distributed::WorkerPlanRewriteEventResponse, DataFusionError> {
     use datafusion::physical_optimizer::PhysicalOptimizerRule;
     let rule = datafusion::physical_optimizer::filter_pushdown::FilterPushdown::new_post_optimization();
     let plan = rule.optimize(ev.plan, ev.session_config.options())?;
