@@ -507,13 +507,35 @@ fn project(part: &Part, schema: &SchemaRef, sieves: &mut Sieves) -> Result<Vec<R
 }
 
 /// The bytes of a scan's output: its columns' values, slices counted for their own rows.
-pub(crate) fn scanned_bytes(batch: &RecordBatch) -> u64 {
+fn scanned_bytes(batch: &RecordBatch) -> u64 {
     batch.columns().iter().map(|c| c.to_data().get_slice_memory_size().unwrap_or(0) as u64).sum()
 }
 
-/// A part as batches of the projected columns (no dynamic filters): a worker's read.
-pub(crate) fn project_part(part: &Part, schema: &SchemaRef) -> Result<Vec<RecordBatch>, DataFusionError> {
-    project(part, schema, &mut Sieves { filters: Vec::new(), stats: HashMap::new() })
+/// Which rows of `part` are live and of a storage partition active here.
+fn active_rows(part: &Part, actives: &[bool]) -> Result<BooleanArray, DataFusionError> {
+    let count = u16::try_from(actives.len()).unwrap_or(u16::MAX);
+    let partitions = part.partitions.of(&part.batch, count).map_err(external)?;
+    let live = part.live.as_ref();
+    let keep = BooleanBuffer::collect_bool(part.batch.num_rows(), |i| {
+        live.is_none_or(|l| l.is_valid(i) && l.value(i)) && actives.get(usize::from(partitions[i])).copied().unwrap_or(false)
+    });
+    Ok(BooleanArray::new(keep, None))
+}
+
+/// A member's scan task of a distributed statement, counted while it runs.
+struct TaskRunning;
+
+impl TaskRunning {
+    fn start() -> TaskRunning {
+        metrics::gauge!("shoal_analytics_tasks_running").increment(1.0);
+        TaskRunning
+    }
+}
+
+impl Drop for TaskRunning {
+    fn drop(&mut self) {
+        metrics::gauge!("shoal_analytics_tasks_running").decrement(1.0);
+    }
 }
 
 /// At most `limit` rows of `batches`.
@@ -568,6 +590,16 @@ impl ShadowScanExec {
         self.limit
     }
 
+    /// The dynamic filters joins pushed into it.
+    pub(crate) fn dynamic(&self) -> &[Arc<dyn PhysicalExpr>] {
+        &self.dynamic
+    }
+
+    pub(crate) fn with_dynamic(mut self, dynamic: Vec<Arc<dyn PhysicalExpr>>) -> ShadowScanExec {
+        self.dynamic = dynamic;
+        self
+    }
+
     /// The scan of one task: `member`'s rows.
     pub(crate) fn for_member(&self, member: &str) -> ShadowScanExec {
         let mut out = self.clone();
@@ -598,14 +630,40 @@ impl ShadowScanExec {
         let scan = scan.clone();
         let schema = Arc::clone(&self.projected);
         let partitions = self.properties.partitioning.partition_count();
-        let limit = self.limit;
-        let read = async move { env.read(&scan, partition, partitions, &schema).await };
+        let (limit, dynamic) = (self.limit, self.dynamic.clone());
+        let read = async move { env.read(&scan, partition, partitions).await };
+        // Counted in `shoal_analytics_tasks_running` until the stream ends or is dropped
+        // (its statement done, failed or cancelled).
+        let running = TaskRunning::start();
         let batches = futures::StreamExt::flat_map(futures::stream::once(read), move |r| {
-            let all: Vec<Result<RecordBatch, DataFusionError>> = match r {
-                Ok(bs) => limited(bs.into_iter().map(Ok), limit).collect(),
-                Err(e) => vec![Err(e)],
+            let _ = &running;
+            type Batches = Box<dyn Iterator<Item = Result<RecordBatch, DataFusionError>> + Send>;
+            let out: Batches = match r {
+                Err(e) => Box::new(std::iter::once(Err(e))),
+                // A piece at a time, as they are pulled: a join's dynamic filter is complete
+                // by the time its probe side is read.
+                Ok((parts, actives)) => {
+                    let schema = Arc::clone(&schema);
+                    let mut sieves = Sieves { filters: dynamic.clone(), stats: HashMap::new() };
+                    let pieces = parts.into_iter().flat_map(move |mut part| {
+                        let mut one = || -> Result<Vec<RecordBatch>, DataFusionError> {
+                            if let Some(actives) = &actives {
+                                part.live = Some(active_rows(&part, actives)?);
+                            }
+                            let batches = project(&part, &schema, &mut sieves)?;
+                            let bytes: u64 = batches.iter().map(scanned_bytes).sum();
+                            metrics::counter!("shoal_analytics_scanned_bytes_total").increment(bytes);
+                            Ok(batches)
+                        };
+                        match one() {
+                            Ok(bs) => bs.into_iter().map(Ok).collect::<Vec<_>>(),
+                            Err(e) => vec![Err(e)],
+                        }
+                    });
+                    Box::new(limited(pieces, limit))
+                }
             };
-            futures::stream::iter(all)
+            futures::stream::iter(out)
         });
         Ok(Box::pin(RecordBatchStreamAdapter::new(Arc::clone(&self.projected), batches)))
     }

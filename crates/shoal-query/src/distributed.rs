@@ -22,9 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use datafusion::arrow::array::{Array, AsArray, BooleanArray, RecordBatch};
-use datafusion::arrow::buffer::BooleanBuffer;
-use datafusion::arrow::datatypes::{Field, Schema, SchemaRef};
+use datafusion::arrow::datatypes::{Field, Schema};
 use datafusion::common::DataFusionError;
 use datafusion::execution::{SessionState, TaskContext};
 use datafusion::physical_plan::ExecutionPlan;
@@ -37,7 +35,7 @@ use datafusion_proto::physical_plan::{PhysicalExtensionCodec, PhysicalProtoConve
 use parking_lot::Mutex;
 use prost::Message;
 use shoal_index::Consistency;
-use shoal_storage::{partition_of, Store};
+use shoal_storage::Store;
 
 use crate::analytics::{ClusterScan, ShadowScanExec};
 use crate::shadow::{ShadowError, ShadowManager};
@@ -192,15 +190,15 @@ pub(crate) struct WorkerEnv {
 }
 
 impl WorkerEnv {
-    /// Partition `partition` (of `partitions`) of a task's scan: the analytics partitions
-    /// `i` with `i mod partitions == partition`, rows of partitions active here only.
+    /// Partition `partition` (of `partitions`) of a task's scan: the pieces of the
+    /// analytics partitions `i` with `i mod partitions == partition`, and which storage
+    /// partitions are active here (`None`: all), whose rows alone it may read.
     pub(crate) async fn read(
         &self,
         scan: &ClusterScan,
         partition: usize,
         partitions: usize,
-        schema: &SchemaRef,
-    ) -> Result<Vec<RecordBatch>, DataFusionError> {
+    ) -> Result<(Vec<crate::shadow::Part>, Option<Arc<Vec<bool>>>), DataFusionError> {
         let unavailable = |e: String| tag(Kind::Unavailable, e);
         let actives = self.local.actives_at(scan.map_version).map_err(unavailable)?;
         let coll =
@@ -220,37 +218,10 @@ impl WorkerEnv {
         if after != actives {
             return Err(unavailable("partitions moved while the statement ran; run it again".into()));
         }
-        let count = u16::try_from(actives.len()).unwrap_or(u16::MAX);
+        let mine = parts.into_iter().enumerate().filter(|(i, _)| i % partitions.max(1) == partition).flat_map(|(_, ap)| ap).collect();
         let all = actives.iter().all(|a| *a);
-        let mut out = Vec::new();
-        for (i, ap) in parts.into_iter().enumerate() {
-            if i % partitions.max(1) != partition {
-                continue;
-            }
-            for mut part in ap {
-                if !all {
-                    part.live = Some(active_rows(&part.batch, part.live.as_ref(), &actives, count)?);
-                }
-                out.extend(crate::analytics::project_part(&part, schema)?);
-            }
-        }
-        let bytes: u64 = out.iter().map(crate::analytics::scanned_bytes).sum();
-        metrics::counter!("shoal_analytics_scanned_bytes_total").increment(bytes);
-        Ok(out)
+        Ok((mine, (!all).then(|| Arc::new(actives))))
     }
-}
-
-/// Which of `batch`'s rows are live (by `live`) and of a partition active here.
-fn active_rows(batch: &RecordBatch, live: Option<&BooleanArray>, actives: &[bool], count: u16) -> Result<BooleanArray, DataFusionError> {
-    let keys = batch
-        .column_by_name(crate::schema::KEY_COLUMN)
-        .and_then(|c| c.as_string_opt::<i32>())
-        .ok_or_else(|| DataFusionError::Internal("a shadow segment without its key column".into()))?;
-    let here = BooleanBuffer::collect_bool(keys.len(), |i| {
-        live.is_none_or(|l| l.is_valid(i) && l.value(i))
-            && actives.get(usize::from(partition_of(keys.value(i).as_bytes(), count))).copied().unwrap_or(false)
-    });
-    Ok(BooleanArray::new(here, None))
 }
 
 /// Encodes and decodes [`ShadowScanExec`] in a cluster for the workers.
@@ -282,6 +253,10 @@ struct ScanProto {
     limit: Option<u64>,
     #[prost(uint64, tag = "9")]
     partitions: u64,
+    /// The dynamic filters its joins push into it, encoded as DataFusion's protobuf encodes
+    /// them (so that on a worker they are the same filters its joins fill).
+    #[prost(message, repeated, tag = "10")]
+    dynamic: Vec<datafusion_proto::protobuf::PhysicalExprNode>,
 }
 
 impl PhysicalExtensionCodec for ScanCodec {
@@ -289,8 +264,8 @@ impl PhysicalExtensionCodec for ScanCodec {
         &self,
         buf: &[u8],
         inputs: &[Arc<dyn ExecutionPlan>],
-        _ctx: &TaskContext,
-        _proto_converter: &dyn PhysicalProtoConverterExtension,
+        ctx: &TaskContext,
+        proto_converter: &dyn PhysicalProtoConverterExtension,
     ) -> Result<Arc<dyn ExecutionPlan>, DataFusionError> {
         if !inputs.is_empty() {
             return Err(DataFusionError::Internal("a shadow scan has no inputs".into()));
@@ -308,14 +283,17 @@ impl PhysicalExtensionCodec for ScanCodec {
         };
         let limit = p.limit.map(|l| usize::try_from(l).unwrap_or(usize::MAX));
         let partitions = usize::try_from(p.partitions).unwrap_or(1).max(1);
-        Ok(Arc::new(ShadowScanExec::in_cluster(scan, Arc::new(schema), limit, partitions, 0)))
+        let decoding = datafusion_proto::physical_plan::PhysicalPlanDecodeContext::new(ctx, self);
+        let dynamic =
+            p.dynamic.iter().map(|d| proto_converter.proto_to_physical_expr(d, &schema, &decoding)).collect::<Result<Vec<_>, _>>()?;
+        Ok(Arc::new(ShadowScanExec::in_cluster(scan, Arc::new(schema), limit, partitions, 0).with_dynamic(dynamic)))
     }
 
     fn try_encode(
         &self,
         node: Arc<dyn ExecutionPlan>,
         buf: &mut Vec<u8>,
-        _proto_converter: &dyn PhysicalProtoConverterExtension,
+        proto_converter: &dyn PhysicalProtoConverterExtension,
     ) -> Result<(), DataFusionError> {
         let Some(exec) = node.downcast_ref::<ShadowScanExec>() else {
             return Err(DataFusionError::Internal(format!("not a shadow scan: {}", node.name())));
@@ -333,6 +311,7 @@ impl PhysicalExtensionCodec for ScanCodec {
             group: scan.group.clone(),
             limit: exec.limit().map(|l| l as u64),
             partitions: exec.properties().partitioning.partition_count() as u64,
+            dynamic: exec.dynamic().iter().map(|d| proto_converter.physical_expr_to_proto(d, self)).collect::<Result<Vec<_>, _>>()?,
         };
         proto.encode(buf).map_err(|e| DataFusionError::Internal(format!("encoding a shadow scan: {e}")))
     }
@@ -465,19 +444,6 @@ pub(crate) fn coordinating(
         .with_distributed_route_tasks_handler(route))
 }
 
-/// A worker's stage as decoded has lost the dynamic filters its hash joins pushed into the
-/// shadow scans below them on the coordinator (they do not cross the network): they are
-/// pushed again here, so a scan probing a broadcast build side drops the rows the join
-/// would drop, where they are read.
-fn dynamic_filters(
-    ev: datafusion_distributed::WorkerPlanRewriteEvent,
-) -> Result<datafusion_distributed::WorkerPlanRewriteEventResponse, DataFusionError> {
-    use datafusion::physical_optimizer::PhysicalOptimizerRule;
-    let rule = datafusion::physical_optimizer::filter_pushdown::FilterPushdown::new_post_optimization();
-    let plan = rule.optimize(ev.plan, ev.session_config.options())?;
-    Ok(datafusion_distributed::WorkerPlanRewriteEventResponse::new(plan))
-}
-
 /// This node's worker: tasks from coordinators, read from this node's shadows.
 pub(crate) fn worker(
     env: Arc<WorkerEnv>,
@@ -503,7 +469,6 @@ pub(crate) fn worker(
                 .with_runtime_env(task_runtime)
                 .with_distributed_user_codec(ScanCodec)
                 .with_distributed_channel_resolver(channels)
-                .with_distributed_worker_plan_rewrite_handler(dynamic_filters)
                 .build();
             state.config_mut().set_extension(env);
             let session = SessionContext::from(state);

@@ -309,10 +309,10 @@ impl ApState {
         debug_assert_eq!(self.live_rows(), self.keys.len(), "a key has at most one live row");
         let mut out = Vec::new();
         for s in self.segments.values().filter(|s| keep(&s.group) && s.live() > 0) {
-            out.push(Part { batch: s.batch.clone(), live: s.live_mask() });
+            out.push(Part { batch: s.batch.clone(), live: s.live_mask(), partitions: s.partitions.clone() });
         }
         for b in self.buffers.iter_mut().filter(|b| keep(&b.group) && !b.rows.is_empty()) {
-            out.push(Part { batch: b.batch()?, live: None });
+            out.push(Part { batch: b.batch()?, live: None, partitions: super::RowPartitions::default() });
         }
         Ok(out)
     }

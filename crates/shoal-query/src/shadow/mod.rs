@@ -116,6 +116,33 @@ pub fn default_partitions(cores: usize, memory_bytes: u64) -> usize {
 pub struct Part {
     pub batch: RecordBatch,
     pub live: Option<BooleanArray>,
+    /// Each row's storage partition, shared with its segment so that it is worked out
+    /// once per segment (a distributed scan keeps only rows of partitions active here).
+    pub partitions: RowPartitions,
+}
+
+/// Each row's storage partition of an immutable batch, worked out from the keys when first
+/// asked.
+#[derive(Clone, Default)]
+pub struct RowPartitions(Arc<std::sync::OnceLock<Arc<[PartitionId]>>>);
+
+impl RowPartitions {
+    /// The partition of each row of `batch` (whose key column is `key`), of `count`.
+    pub fn of(&self, batch: &RecordBatch, count: u16) -> Result<Arc<[PartitionId]>, ShadowError> {
+        if let Some(p) = self.0.get() {
+            if p.len() == batch.num_rows() {
+                return Ok(Arc::clone(p));
+            }
+        }
+        use datafusion::arrow::array::AsArray;
+        let keys = batch
+            .column_by_name(crate::schema::KEY_COLUMN)
+            .and_then(|c| c.as_string_opt::<i32>())
+            .ok_or_else(|| ShadowError::Arrow(ArrowError::SchemaError("a shadow segment without its key column".into())))?;
+        let parts: Arc<[PartitionId]> = keys.iter().map(|k| shoal_storage::partition_of(k.unwrap_or("").as_bytes(), count)).collect();
+        let _ = self.0.set(Arc::clone(&parts));
+        Ok(parts)
+    }
 }
 
 impl Part {

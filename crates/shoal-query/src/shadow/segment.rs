@@ -42,12 +42,14 @@ pub(super) struct Segment {
     pub(super) dead_count: usize,
     /// XXH3-64 of its file.
     pub(super) checksum: u64,
+    /// Each row's storage partition, worked out from its key once (see [`super::Part`]).
+    pub(super) partitions: super::RowPartitions,
 }
 
 impl Segment {
     pub(super) fn new(batch: RecordBatch, group: Option<String>, checksum: u64) -> Segment {
         let words = batch.num_rows().div_ceil(64);
-        Segment { batch, group, dead: vec![0; words], dead_count: 0, checksum }
+        Segment { batch, group, dead: vec![0; words], dead_count: 0, checksum, partitions: super::RowPartitions::default() }
     }
 
     pub(super) fn live(&self) -> usize {
