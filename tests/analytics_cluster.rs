@@ -61,8 +61,9 @@ fn same_rows(a: &Value, b: &Value) -> bool {
         })
 }
 
-/// TPC-H at a tiny scale factor on three processes: the distributed statements answer
-/// what the row engine across the members answers, each run on the members' shadows.
+/// TPC-H at a tiny scale factor on three processes: the distributed statements, through
+/// either endpoint, answer what the row engine of a lone node holding the same documents
+/// answers, each run on the members' shadows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn tpch_on_three_members_answers_what_the_rows_answer() {
     let http = http();
@@ -75,21 +76,25 @@ async fn tpch_on_three_members_answers_what_the_rows_answer() {
         .unwrap();
     assert!(status.success(), "tpch-gen");
     let nodes = cluster(&http, 3).await;
+    // The model: one node without shadows, reading its documents.
+    let lone = Node::start(&["--partitions", "16", "--analytics-partitions", "0"]);
     for table in ["region", "nation", "supplier", "customer", "part", "partsupp", "orders", "lineitem"] {
-        let r = http.put(nodes[0].u(&format!("/v1/collections/{table}"))).send().await.unwrap();
-        assert_eq!(r.status(), 201, "{table}");
         // `{"key", "value"}` lines as `_bulk` upserts.
         let text = std::fs::read_to_string(data.path().join(format!("{table}.ndjson"))).unwrap();
         let body: String = text.lines().map(|l| l.replacen('{', r#"{"op":"upsert","#, 1) + "\n").collect();
-        let r = http
-            .post(nodes[1].u(&format!("/v1/collections/{table}/_bulk")))
-            .header("content-type", "application/x-ndjson")
-            .body(body)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200, "{table}");
-        assert!(!r.text().await.unwrap().contains("\"error\""), "{table}: every line written");
+        for (create, write) in [(&nodes[0], &nodes[1]), (&lone, &lone)] {
+            let r = http.put(create.u(&format!("/v1/collections/{table}"))).send().await.unwrap();
+            assert_eq!(r.status(), 201, "{table}");
+            let r = http
+                .post(write.u(&format!("/v1/collections/{table}/_bulk")))
+                .header("content-type", "application/x-ndjson")
+                .body(body.clone())
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200, "{table}");
+            assert!(!r.text().await.unwrap().contains("\"error\""), "{table}: every line written");
+        }
     }
     let queries = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/tpch");
     for q in [1, 3, 5, 6, 10, 12, 13, 14, 15, 18] {
@@ -184,49 +189,4 @@ async fn a_member_killed_mid_statement_ends_it_with_503_never_a_partial_answer()
         }
     }
     assert!(refused >= 1, "statements needing a dead member's rows are refused: {seen:?}");
-}
-
-/// A gauge or counter of a node's `/metrics` (0 when absent).
-async fn metric(http: &reqwest::Client, node: &Node, name: &str) -> f64 {
-    let text = http.get(node.u("/metrics")).send().await.unwrap().text().await.unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
-        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
-        .sum()
-}
-
-/// A client that goes away cancels the whole distributed statement: the node asked stops
-/// it, and every member's scan tasks for it end.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_client_that_goes_away_cancels_the_statement_on_every_member() {
-    use tokio::io::AsyncWriteExt;
-    let http = http();
-    let nodes = cluster(&http, 2).await;
-    assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
-    let body: String =
-        (0..4_000).map(|i| json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"n": i}}).to_string() + "\n").collect();
-    let r = http.post(nodes[0].u("/v1/collections/c/_bulk")).body(body).send().await.unwrap();
-    assert_eq!(r.status(), 200);
-    let (s, v) = statement(&http, &nodes[0], "analytics", "SELECT count(*) FROM c").await;
-    assert_eq!((s, &v["rows"]), (200, &json!([[4_000]])), "{v}");
-    // 64 billion combinations: it would run for its whole timeout.
-    let sql = "SELECT count(*) FROM c a, c b, c d WHERE a.n + b.n + d.n < 0";
-    let body = json!({"sql": sql, "timeout_ms": 120_000}).to_string();
-    let mut tcp = tokio::net::TcpStream::connect(nodes[0].addr()).await.unwrap();
-    let head =
-        format!("POST /v1/analytics HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n", body.len());
-    tcp.write_all(head.as_bytes()).await.unwrap();
-    tcp.write_all(body.as_bytes()).await.unwrap();
-    common::eventually(30, "the statement runs on both members", || async {
-        metric(&http, &nodes[0], "shoal_queries_running").await >= 1.0
-            && metric(&http, &nodes[1], "shoal_analytics_tasks_running").await >= 1.0
-    })
-    .await;
-    drop(tcp);
-    common::eventually(30, "the abandoned statement stops everywhere", || async {
-        metric(&http, &nodes[0], "shoal_queries_running").await == 0.0
-            && metric(&http, &nodes[0], "shoal_analytics_tasks_running").await == 0.0
-            && metric(&http, &nodes[1], "shoal_analytics_tasks_running").await == 0.0
-    })
-    .await;
 }

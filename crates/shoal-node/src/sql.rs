@@ -39,6 +39,9 @@ pub struct ShadowFieldsRequest {
     pub map_version: u64,
     pub request_plus: bool,
     pub timeout_ms: u64,
+    /// Only if the shadow holds every write made so far (`/v1/query` reads it so).
+    #[serde(default)]
+    pub current: bool,
 }
 
 impl ClusterNode {
@@ -190,8 +193,10 @@ impl ShadowMembers for Members {
         collection: &str,
         consistency: shoal_index::Consistency,
         timeout: Duration,
+        current: bool,
     ) -> Result<Vec<u8>, RemoteError> {
         let req = ShadowFieldsRequest {
+            current,
             collection: collection.to_string(),
             map_version: self.map_version,
             request_plus: consistency == shoal_index::Consistency::RequestPlus,
@@ -212,7 +217,7 @@ pub(crate) async fn serve_shadow_fields(node: &Arc<ClusterNode>, req: ShadowFiel
     node.actives_at(req.map_version).map_err(ClusterError::Refused)?;
     let consistency = if req.request_plus { shoal_index::Consistency::RequestPlus } else { shoal_index::Consistency::NotBounded };
     let timeout = Duration::from_millis(req.timeout_ms).min(shoal_query::QUERY_TIMEOUT_MAX);
-    node.engine.query().shadow_fields(&req.collection, consistency, timeout).await.map_err(|e| match e {
+    node.engine.query().shadow_fields(&req.collection, consistency, timeout, req.current).await.map_err(|e| match e {
         shoal_query::QueryError::Timeout(_) => ClusterError::Timeout(e.to_string()),
         e => ClusterError::Refused(e.to_string()),
     })

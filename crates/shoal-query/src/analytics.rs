@@ -50,8 +50,11 @@ pub(crate) struct AnalyticsEnv {
     /// Output partitions of a scan in a cluster (per task).
     pub partitions: usize,
     /// Tables opened over the members, by name: each opened once per statement.
-    pub opened: parking_lot::Mutex<HashMap<String, Arc<tokio::sync::OnceCell<Arc<dyn TableProvider>>>>>,
+    pub opened: parking_lot::Mutex<HashMap<String, Arc<Opening>>>,
 }
+
+/// A table being opened over the members, or opened.
+pub(crate) type Opening = tokio::sync::OnceCell<Arc<dyn TableProvider>>;
 
 /// A shadow scan in a cluster: one task per member, each reading that member's rows of the
 /// partitions active on it under the pinned map (see [`crate::distributed`]).
@@ -70,14 +73,30 @@ pub(crate) struct ClusterScan {
 /// read at `consistency`; and about how many of its rows are of partitions active here (its
 /// rows scaled by the active partitions' share of the bytes held), for the planner's
 /// statistics.
+///
+/// `current` (for `/v1/query`, which reads the shadow only when it answers what the
+/// documents would): at `request_plus` wait at most [`crate::table::COLUMNAR_WAIT`], at
+/// `not_bounded` refuse a shadow that has not applied every write made so far.
 pub(crate) async fn fields_here(
     store: &Store,
     shadows: &ShadowManager,
     collection: &str,
     consistency: Consistency,
     timeout: std::time::Duration,
+    current: bool,
 ) -> Result<(Vec<(Field, u64)>, u64), DataFusionError> {
-    let shadow = ready_shadow(store, shadows, collection, consistency, timeout).await?;
+    let shadow = if current {
+        let timeout = timeout.min(crate::table::COLUMNAR_WAIT);
+        let shadow = ready_shadow(store, shadows, collection, consistency, timeout).await?;
+        let coll = shadow.collection();
+        let (highs, applied) = (coll.held_high_seqnos(), shadow.applied_seqnos());
+        if highs.iter().zip(&applied).any(|(h, a)| a < h) {
+            return Err(external(ShadowError::CatchingUp(0)));
+        }
+        shadow
+    } else {
+        ready_shadow(store, shadows, collection, consistency, timeout).await?
+    };
     tokio::task::spawn_blocking(move || {
         let coll = shadow.collection();
         let (held, active) = (coll.held_here(), coll.active_here());
@@ -144,12 +163,68 @@ impl SchemaProvider for Shadows {
         let shadow = ready_shadow(&env.store, &env.shadows, name, env.consistency, env.timeout).await?;
         let s = Arc::clone(&shadow);
         let schema = tokio::task::spawn_blocking(move || s.schema()).await.map_err(|e| DataFusionError::External(Box::new(e)))?;
-        Ok(Some(Arc::new(ShadowTable { source: Source::Here(shadow), schema })))
+        Ok(Some(Arc::new(ShadowTable { source: Source::Here(shadow), schema, name: name.to_string(), timeout: env.timeout })))
     }
 
     fn table_exist(&self, name: &str) -> bool {
         self.0.store.collection(name).is_some()
     }
+}
+
+/// The members' shadows of `name`: the schema merged from each member's fields (asked of
+/// them all at once; each waits until its shadow can be read, see [`fields_here`]) and
+/// about how many rows they hold of partitions active on them.
+pub(crate) async fn members_schema(
+    store: &Store,
+    shadows: &ShadowManager,
+    (cluster, me): (&ClusterAnalytics, &str),
+    name: &str,
+    consistency: Consistency,
+    timeout: std::time::Duration,
+    current: bool,
+) -> Result<(SchemaRef, usize), DataFusionError> {
+    let asks = cluster.members.iter().map(|m| async move {
+        if m == me {
+            fields_here(store, shadows, name, consistency, timeout, current).await
+        } else {
+            let bytes = cluster
+                .remote
+                .fields(m, name, consistency, timeout, current)
+                .await
+                .map_err(|e| crate::distributed::tag(crate::distributed::Kind::Unavailable, e))?;
+            crate::distributed::decode_fields(&bytes)
+        }
+    });
+    let mut fields = Vec::new();
+    let mut rows = 0;
+    for (f, r) in futures::future::try_join_all(asks).await? {
+        fields.extend(f);
+        rows += r;
+    }
+    fields.insert(0, (Field::new(crate::schema::KEY_COLUMN, datafusion::arrow::datatypes::DataType::Utf8, false), u64::MAX));
+    Ok((Arc::new(datafusion::arrow::datatypes::Schema::new(crate::merge::merge_fields(&fields))), rows as usize))
+}
+
+/// A scan over the members' shadows of `name`, its schema `projected`, one task per member.
+/// `shape`: output partitions per task, and about how many rows in all.
+pub(crate) fn members_scan(
+    cluster: &ClusterAnalytics,
+    name: &str,
+    timeout: std::time::Duration,
+    projected: SchemaRef,
+    filters: &[Expr],
+    limit: Option<usize>,
+    (partitions, rows): (usize, usize),
+) -> ShadowScanExec {
+    let scan = ClusterScan {
+        collection: name.to_string(),
+        map_version: cluster.map_version,
+        timeout,
+        members: cluster.members.clone().into(),
+        member: None,
+        group: filters.iter().find_map(group_of),
+    };
+    ShadowScanExec::in_cluster(scan, projected, limit, partitions.max(2), rows)
 }
 
 impl Shadows {
@@ -162,36 +237,13 @@ impl Shadows {
         me: &str,
     ) -> Result<Arc<dyn TableProvider>, DataFusionError> {
         let env = &self.0;
-        let asks = cluster.members.iter().map(|m| async move {
-            if m == me {
-                let (fields, rows) = fields_here(&env.store, &env.shadows, name, env.consistency, env.timeout).await?;
-                Ok((fields, rows))
-            } else {
-                let bytes = cluster
-                    .remote
-                    .fields(m, name, env.consistency, env.timeout)
-                    .await
-                    .map_err(|e| crate::distributed::tag(crate::distributed::Kind::Unavailable, e))?;
-                crate::distributed::decode_fields(&bytes)
-            }
-        });
-        let mut fields = Vec::new();
-        let mut rows = 0;
-        for (f, r) in futures::future::try_join_all(asks).await? {
-            fields.extend(f);
-            rows += r;
-        }
-        fields.insert(0, (Field::new(crate::schema::KEY_COLUMN, datafusion::arrow::datatypes::DataType::Utf8, false), u64::MAX));
-        let schema = Arc::new(datafusion::arrow::datatypes::Schema::new(crate::merge::merge_fields(&fields)));
-        let scan = ClusterScan {
-            collection: name.to_string(),
-            map_version: cluster.map_version,
+        let (schema, rows) = members_schema(&env.store, &env.shadows, (cluster, me), name, env.consistency, env.timeout, false).await?;
+        Ok(Arc::new(ShadowTable {
+            source: Source::Cluster(Arc::clone(cluster), env.partitions, rows),
+            schema,
+            name: name.to_string(),
             timeout: env.timeout,
-            members: cluster.members.clone().into(),
-            member: None,
-            group: None,
-        };
-        Ok(Arc::new(ShadowTable { source: Source::Cluster(scan, env.partitions.max(2), rows as usize), schema }))
+        }))
     }
 }
 
@@ -201,19 +253,22 @@ enum Source {
     Here(Arc<Shadow>),
     /// The members' shadows, read by a scan split into `.1` partitions per task, about `.2`
     /// rows in all.
-    Cluster(ClusterScan, usize, usize),
+    Cluster(Arc<ClusterAnalytics>, usize, usize),
 }
 
 struct ShadowTable {
     source: Source,
     schema: SchemaRef,
+    name: String,
+    /// The statement's timeout.
+    timeout: std::time::Duration,
 }
 
 impl fmt::Debug for ShadowTable {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.source {
-            Source::Here(s) => write!(f, "ShadowTable({})", s.collection().name()),
-            Source::Cluster(c, ..) => write!(f, "ShadowTable({}, members)", c.collection),
+            Source::Here(_) => write!(f, "ShadowTable({})", self.name),
+            Source::Cluster(..) => write!(f, "ShadowTable({}, members)", self.name),
         }
     }
 }
@@ -259,12 +314,11 @@ impl TableProvider for ShadowTable {
         limit: Option<usize>,
     ) -> Result<Arc<dyn ExecutionPlan>, DataFusionError> {
         let projected = project_schema(&self.schema, projection)?;
-        let group = filters.iter().find_map(group_of);
         let shadow = match &self.source {
             Source::Here(shadow) => shadow,
-            Source::Cluster(scan, partitions, rows) => {
-                let scan = ClusterScan { group, ..scan.clone() };
-                return Ok(Arc::new(ShadowScanExec::in_cluster(scan, projected, limit, *partitions, *rows)));
+            Source::Cluster(cluster, partitions, rows) => {
+                let timeout = self.timeout;
+                return Ok(Arc::new(members_scan(cluster, &self.name, timeout, projected, filters, limit, (*partitions, *rows))));
             }
         };
         shadow_scan(Arc::clone(shadow), projected, filters, limit, None).await

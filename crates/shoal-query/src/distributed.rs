@@ -77,8 +77,16 @@ pub trait LocalMember: Send + Sync {
 #[async_trait]
 pub trait ShadowMembers: Send + Sync {
     /// The fields of `member`'s shadow of `collection` ([`encode_fields`]), once it is ready
-    /// to be read at `consistency`.
-    async fn fields(&self, member: &str, collection: &str, consistency: Consistency, timeout: Duration) -> Result<Vec<u8>, RemoteError>;
+    /// to be read at `consistency`; `current`: only if it holds every write made so far
+    /// (waiting at most `COLUMNAR_WAIT` at `request_plus`), as `/v1/query` reads it.
+    async fn fields(
+        &self,
+        member: &str,
+        collection: &str,
+        consistency: Consistency,
+        timeout: Duration,
+        current: bool,
+    ) -> Result<Vec<u8>, RemoteError>;
 }
 
 /// Where an analytics statement on a cluster runs.
@@ -295,8 +303,10 @@ impl PhysicalExtensionCodec for ScanCodec {
         buf: &mut Vec<u8>,
         proto_converter: &dyn PhysicalProtoConverterExtension,
     ) -> Result<(), DataFusionError> {
+        // A plan whose stage sent to a worker holds another leaf (a `/v1/query` read of the
+        // documents by key) runs on the rows instead.
         let Some(exec) = node.downcast_ref::<ShadowScanExec>() else {
-            return Err(DataFusionError::Internal(format!("not a shadow scan: {}", node.name())));
+            return Err(tag(Kind::NotPlaced, format!("a stage sent to a worker reads {}", node.name())));
         };
         let Some(scan) = exec.cluster() else {
             return Err(DataFusionError::Internal("a shadow scan of this node alone is not sent to workers".into()));

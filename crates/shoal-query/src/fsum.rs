@@ -167,7 +167,7 @@ impl AggregateUDFImpl for ExactSum {
     }
 
     fn groups_accumulator_supported(&self, args: AccumulatorArgs) -> bool {
-        !(is_float(args.return_field.data_type()) && !args.is_distinct) && self.inner.inner().groups_accumulator_supported(args)
+        (args.is_distinct || !is_float(args.return_field.data_type())) && self.inner.inner().groups_accumulator_supported(args)
     }
 
     fn create_groups_accumulator(&self, args: AccumulatorArgs) -> Result<Box<dyn GroupsAccumulator>> {

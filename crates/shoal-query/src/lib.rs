@@ -471,11 +471,17 @@ impl QueryEngine {
     /// The fields of this node's shadow of `collection` ([`distributed::encode_fields`]),
     /// once it can be read at `consistency`: a member's part of preparing a distributed
     /// analytics statement.
-    pub async fn shadow_fields(&self, collection: &str, consistency: Consistency, timeout: Duration) -> Result<Vec<u8>, QueryError> {
+    pub async fn shadow_fields(
+        &self,
+        collection: &str,
+        consistency: Consistency,
+        timeout: Duration,
+        current: bool,
+    ) -> Result<Vec<u8>, QueryError> {
         if self.shadows.partitions() == 0 {
             return Err(QueryError::Unavailable(shadow::ShadowError::Off.to_string()));
         }
-        let (fields, rows) = analytics::fields_here(&self.store, &self.shadows, collection, consistency, timeout).await?;
+        let (fields, rows) = analytics::fields_here(&self.store, &self.shadows, collection, consistency, timeout, current).await?;
         Ok(distributed::encode_fields(&fields, rows)?)
     }
 
@@ -616,8 +622,9 @@ impl QueryEngine {
             object_store_registry: Arc::clone(&self.runtime.object_store_registry),
         });
         // An analytics statement over the members' shadows is planned to run on them.
+        // So is a `/v1/query` statement whose full scans can read the members' shadows.
         let cluster = match (path, &req.cluster, self.member.get()) {
-            (Path::Analytics, Some(cluster), Some(member)) => Some((Arc::clone(cluster), member)),
+            (_, Some(cluster), Some(member)) => Some((Arc::clone(cluster), member)),
             (Path::Analytics, Some(_), None) => return Err(QueryError::Unavailable("this node is not a worker of the cluster yet".into())),
             _ => None,
         };
@@ -654,6 +661,8 @@ impl QueryEngine {
             touched: Mutex::new(Vec::new()),
             shadows: (self.shadows.partitions() > 0).then(|| Arc::clone(&self.shadows)),
             scans: Mutex::new((0, 0)),
+            cluster: cluster.as_ref().map(|(c, m)| (Arc::clone(c), m.local.address())),
+            partitions: self.shadows.partitions().max(1),
         });
         let catalog = ctx.catalog("datafusion").ok_or_else(|| QueryError::Storage("no default catalog".into()))?;
         match path {

@@ -56,11 +56,51 @@ pub(crate) struct QueryEnv {
     pub shadows: Option<Arc<crate::shadow::ShadowManager>>,
     /// How the statement's scans read: (from the documents, from the shadows).
     pub scans: parking_lot::Mutex<(usize, usize)>,
+    /// On a cluster member that is not every partition's active: the members whose shadows
+    /// a full scan may read (see [`columnar`]), and this node's address among them.
+    pub cluster: Option<(Arc<crate::distributed::ClusterAnalytics>, String)>,
+    /// Output partitions per member of such a scan.
+    pub partitions: usize,
 }
 
 /// Longest a `request_plus` full scan waits for the shadow to reach the statement's
 /// positions before it reads the documents instead.
 pub const COLUMNAR_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// [`columnar`] on a cluster member that is not every partition's active: a scan of the
+/// members' shadows, each member reading its own active partitions (as `/v1/analytics` does
+/// there), when every member's shadow holds every write and the merged schema types the
+/// columns read as the table does.
+async fn members_columnar(
+    env: &QueryEnv,
+    coll: &Arc<Collection>,
+    projected: &SchemaRef,
+    filters: &[Expr],
+    limit: Option<usize>,
+) -> Result<Arc<dyn ExecutionPlan>, String> {
+    let (cluster, me) = env.cluster.as_ref().ok_or("the collection's partitions are on several members")?;
+    let shadows = env.shadows.as_ref().ok_or("analytics is off on this node")?;
+    let (schema, rows) =
+        crate::analytics::members_schema(&env.store, shadows, (cluster, me), coll.name(), env.consistency, env.index_timeout, true)
+            .await
+            .map_err(|e| format!("the members' shadows: {}", e.find_root()))?;
+    for f in projected.fields() {
+        match schema.field_with_name(f.name()) {
+            Ok(sf) if sf.data_type() == f.data_type() => {}
+            _ => return Err(format!("column {} is typed otherwise in the members' shadows", f.name())),
+        }
+    }
+    let scan = crate::analytics::members_scan(
+        cluster,
+        coll.name(),
+        env.index_timeout,
+        Arc::clone(projected),
+        filters,
+        limit,
+        (env.partitions, rows),
+    );
+    Ok(Arc::new(scan))
+}
 
 /// A full scan of `coll` over its columnar shadow, when that answers exactly what reading
 /// the documents would (TiDB picks TiFlash so): a shadow whole on every partition active
@@ -75,11 +115,11 @@ async fn columnar(
     filters: &[Expr],
     limit: Option<usize>,
 ) -> Result<Arc<dyn ExecutionPlan>, String> {
+    if env.spread.is_some() {
+        return members_columnar(env, coll, projected, filters, limit).await;
+    }
     let shadows = env.shadows.as_ref().ok_or("analytics is off on this node")?;
     let shadow = shadows.shadow(coll.id()).ok_or("no shadow of the collection yet")?;
-    if env.spread.is_some() {
-        return Err("the collection's partitions are on several members".into());
-    }
     let highs = coll.held_high_seqnos();
     match env.consistency {
         Consistency::RequestPlus => shadow.wait_applied(&highs, COLUMNAR_WAIT).await.map_err(|e| e.to_string())?,

@@ -74,9 +74,25 @@ async fn run(state: AppState, q: Option<String>, headers: HeaderMap, body: Body,
             (engine, answer)
         }
         (Path::Analytics, true) => ("columnar", state.engine.query().analytics(req, format).await?),
+        // Full scans read the members' shadows when they hold every write; key and index
+        // reads page the documents from the members.
         (Path::Operational, false) => {
             req.spread = node.spread(&pinned).map_err(crate::routing::no_active)?;
-            ("rows across members", state.engine.query().query(req, format).await?)
+            req.cluster = node.analytics_members(&pinned).map_err(crate::routing::no_active)?;
+            let answer = match state.engine.query().query(req.clone(), format).await {
+                Err(shoal_query::QueryError::NotPlaced(why)) => {
+                    tracing::debug!(%why, "statement not placed on the members' shadows; run on the rows");
+                    req.cluster = None;
+                    state.engine.query().query(req, format).await?
+                }
+                other => other?,
+            };
+            let engine = match (answer.row_scans, answer.columnar_scans) {
+                (_, 0) => "rows across members",
+                (0, _) => "columnar across members",
+                _ => "rows and columnar across members",
+            };
+            (engine, answer)
         }
         // Over the members' shadows, each member scanning its own active partitions
         // (`shoal_query::distributed`); a plan that cannot be placed so runs on the rows.
