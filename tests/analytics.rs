@@ -80,18 +80,18 @@ async fn query_3_matches_an_independent_computation() {
             r.json::<Value>().await.unwrap()
         }
     };
-    // `/v1/query` reads the shadow too once it holds the statement's writes (full scans;
-    // the documents are read by the cluster tests, whose nodes run no analytics), and
-    // `EXPLAIN` says why.
+    let by_shadow = ask_at("/v1/analytics", q3.clone()).await;
+    check(&by_shadow, &expected);
+    assert_eq!(by_shadow["metrics"]["engine"], "columnar");
+    // `/v1/query` reads the shadow too once it holds the statement's writes (it does now:
+    // the analytics statement waited for them), and `EXPLAIN` says why; the documents are
+    // read by `tests/query.rs`'s node without shadows and by the cluster tests.
     let ask = |sql: String| ask_at("/v1/query", sql);
     let by_query = ask(q3.clone()).await;
     check(&by_query, &expected);
     assert_eq!(by_query["metrics"]["engine"], "columnar");
     let explained = ask(format!("EXPLAIN {q3}")).await.to_string();
     assert!(explained.contains("ShadowScan: collection=store_sales") && explained.contains("columnar: the shadow holds"), "{explained}");
-    let by_shadow = ask_at("/v1/analytics", q3.clone()).await;
-    check(&by_shadow, &expected);
-    assert_eq!(by_shadow["metrics"]["engine"], "columnar");
     // The joins' dynamic filters reach the shadow scan of store_sales and drop its rows there.
     let analyzed = ask_at("/v1/analytics", format!("EXPLAIN ANALYZE {q3}")).await.to_string();
     assert!(
