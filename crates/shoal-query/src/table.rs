@@ -67,6 +67,18 @@ pub(crate) struct QueryEnv {
 /// positions before it reads the documents instead.
 pub const COLUMNAR_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
+/// Whether `shadow` types every column of `projected` as the table does (so every value
+/// converts alike); why not otherwise.
+fn typed_alike(projected: &SchemaRef, shadow: &SchemaRef, what: &str) -> Result<(), String> {
+    for f in projected.fields() {
+        match shadow.field_with_name(f.name()) {
+            Ok(sf) if sf.data_type() == f.data_type() => {}
+            _ => return Err(format!("column {} is typed otherwise in {what}", f.name())),
+        }
+    }
+    Ok(())
+}
+
 /// [`columnar`] on a cluster member that is not every partition's active: a scan of the
 /// members' shadows, each member reading its own active partitions (as `/v1/analytics` does
 /// there), when every member's shadow holds every write and the merged schema types the
@@ -84,12 +96,7 @@ async fn members_columnar(
         crate::analytics::members_schema(&env.store, shadows, (cluster, me), coll.name(), env.consistency, env.index_timeout, true)
             .await
             .map_err(|e| format!("the members' shadows: {}", e.find_root()))?;
-    for f in projected.fields() {
-        match schema.field_with_name(f.name()) {
-            Ok(sf) if sf.data_type() == f.data_type() => {}
-            _ => return Err(format!("column {} is typed otherwise in the members' shadows", f.name())),
-        }
-    }
+    typed_alike(projected, &schema, "the members' shadows")?;
     let scan = crate::analytics::members_scan(
         cluster,
         coll.name(),
@@ -133,12 +140,7 @@ async fn columnar(
     shadow.wait_whole(std::time::Duration::ZERO).await.map_err(|e| e.to_string())?;
     let s = Arc::clone(&shadow);
     let shadow_schema = tokio::task::spawn_blocking(move || s.schema()).await.map_err(|e| e.to_string())?;
-    for f in projected.fields() {
-        match shadow_schema.field_with_name(f.name()) {
-            Ok(sf) if sf.data_type() == f.data_type() => {}
-            _ => return Err(format!("column {} is typed otherwise in the shadow", f.name())),
-        }
-    }
+    typed_alike(projected, &shadow_schema, "the shadow")?;
     let why = Some(match env.consistency {
         Consistency::RequestPlus => "the shadow holds every write made before the statement (request_plus)".to_string(),
         Consistency::NotBounded => "the shadow holds every write made so far".to_string(),
