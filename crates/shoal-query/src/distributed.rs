@@ -57,9 +57,6 @@ pub enum DistError {
     /// The plan would read a member's rows somewhere else (or on the coordinator alone).
     #[error("the plan does not place each shadow scan on the members holding its rows: {0}")]
     NotPlaced(String),
-    /// This member's map is not the one the statement pinned.
-    #[error("{0}")]
-    OtherMap(String),
 }
 
 /// This node as a worker: what its tasks need to know of the cluster.
