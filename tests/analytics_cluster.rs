@@ -190,3 +190,123 @@ async fn a_member_killed_mid_statement_ends_it_with_503_never_a_partial_answer()
     }
     assert!(refused >= 1, "statements needing a dead member's rows are refused: {seen:?}");
 }
+
+/// `[g, count, sum(n)]` per group of `docs` (key → (g, n)), as the group-by answers.
+fn model_groups(docs: &std::collections::BTreeMap<String, (i64, i64)>) -> Value {
+    let mut by: std::collections::BTreeMap<i64, (i64, i64)> = std::collections::BTreeMap::new();
+    for (g, n) in docs.values() {
+        let e = by.entry(*g).or_default();
+        e.0 += 1;
+        e.1 += n;
+    }
+    json!(by.into_iter().map(|(g, (c, s))| json!([g, c, s])).collect::<Vec<_>>())
+}
+
+/// A rebalance copies partitions by files, and each partition's analytics rows go with
+/// its copy: the new member's shadow takes them from the source's segments (each move
+/// reports them as `analytics_rows`) instead of reading the documents again, then follows
+/// what is written after. Analytics answers exactly (or `503`) while the partitions move,
+/// and on every member after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rebalance_moves_each_partitions_analytics_rows_with_its_files() {
+    // Four partitions of 3,000 documents: each is copied by files.
+    const DOCS: i64 = 12_000;
+    const FEW: [&str; 6] = ["--cluster-secret", SECRET, "--partitions", "4", "--analytics-partitions", "2"];
+    let http = http();
+    let mut first = Node::start(&FEW);
+    first.pin_port();
+    assert_eq!(http.put(first.u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    let mut docs = std::collections::BTreeMap::new();
+    for chunk in (0..DOCS).collect::<Vec<_>>().chunks(3_000) {
+        let body: String = chunk
+            .iter()
+            .map(|i| {
+                let table = format!("t{}", i % 3);
+                json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"g": i % 10, "n": i, "table_name": table}}).to_string() + "\n"
+            })
+            .collect();
+        let r = http.post(first.u("/v1/collections/c/_bulk")).body(body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(!r.text().await.unwrap().contains("\"error\""), "every line written");
+        docs.extend(chunk.iter().map(|i| (format!("k{i:05}"), (i % 10, *i))));
+    }
+    let sql = "SELECT g, count(*), sum(n) FROM c GROUP BY g ORDER BY g";
+    let want = model_groups(&docs);
+    let (s, v) = statement(&http, &first, "analytics", sql).await;
+    assert_eq!((s, &v["rows"]), (200, &want), "{v}");
+
+    let mut second = Node::start(&[&FEW[..], &["--join", &first.addr()][..]].concat());
+    second.pin_port();
+    wait_for(&http, &first.u("/v1/cluster"), "two members", |v| member_states(v).len() == 2).await;
+    // Statements through both members while the partitions move.
+    let stop = Arc::new(AtomicBool::new(false));
+    let seen: Arc<Mutex<Vec<(u16, Value)>>> = Arc::default();
+    let runner = {
+        let (stop, seen, http) = (Arc::clone(&stop), Arc::clone(&seen), http.clone());
+        let urls = [first.u("/v1/analytics"), second.u("/v1/analytics")];
+        tokio::spawn(async move {
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let r = http.post(&urls[i % 2]).json(&json!({"sql": sql, "consistency": "request_plus"})).send().await.unwrap();
+                let status = r.status().as_u16();
+                let v: Value = r.json().await.unwrap_or(Value::Null);
+                seen.lock().unwrap().push((status, v));
+                i += 1;
+            }
+        })
+    };
+    let r = http.post(first.u("/v1/cluster/rebalance")).json(&json!({"eject": []})).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 202);
+    let status = wait_for(&http, &first.u("/v1/cluster/rebalance"), "rebalance done", |v| v["state"] != "running").await;
+    assert_eq!(status["state"], "done", "{status}");
+    stop.store(true, Ordering::Relaxed);
+    runner.await.unwrap();
+    for (i, (status, v)) in seen.lock().unwrap().iter().enumerate() {
+        match status {
+            200 => assert_eq!(v["rows"], want, "statement {i} during the rebalance: {v}"),
+            503 => assert_eq!(v["error"], "unavailable", "{v}"),
+            other => panic!("statement {i} during the rebalance: {other} {v}"),
+        }
+    }
+
+    // Every partition came to the new member by files, with its analytics rows.
+    let moves: Vec<&Value> = status["moves"].as_array().unwrap().iter().filter(|m| m["kind"] == "partition").collect();
+    assert!(!moves.is_empty(), "{status}");
+    for m in &moves {
+        assert_eq!(m["method"], "files", "{m}");
+        let p = m["id"].as_u64().unwrap() as u16;
+        let held = docs.keys().filter(|k| shoal_storage::partition_of(k.as_bytes(), 4) == p).count() as u64;
+        assert_eq!(m["analytics_rows"].as_u64(), Some(held), "partition {p}'s rows moved with it: {m}");
+    }
+    let adopted = common::metric(&http, &second, "shoal_analytics_rows_adopted_total").await.unwrap_or(0.0);
+    let applied = common::metric(&http, &second, "shoal_analytics_changes_applied_total").await.unwrap_or(0.0);
+    eprintln!("{} moves, {adopted} rows adopted, {applied} changes applied, {} statements during", moves.len(), seen.lock().unwrap().len());
+    assert!(adopted >= 3_000.0, "the new member adopted rows: {adopted}");
+    assert!(
+        applied < adopted / 10.0,
+        "the new member's shadow did not read the moved documents again: {applied} changes applied, {adopted} rows adopted"
+    );
+
+    // What is written after lands on the moved rows, wherever they are read.
+    let mut body = String::new();
+    for i in (0..DOCS).step_by(7) {
+        let key = format!("k{i:05}");
+        if i % 2 == 0 {
+            body += &(json!({"op": "upsert", "key": key, "value": {"g": 3, "n": -i, "table_name": "t9"}}).to_string() + "\n");
+            docs.insert(key, (3, -i));
+        } else {
+            body += &(json!({"op": "remove", "key": key}).to_string() + "\n");
+            docs.remove(&key);
+        }
+    }
+    let r = http.post(second.u("/v1/collections/c/_bulk")).body(body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(!r.text().await.unwrap().contains("\"error\""), "every line written");
+    let want = model_groups(&docs);
+    for node in [&first, &second] {
+        for endpoint in ["analytics", "query"] {
+            let (s, v) = statement(&http, node, endpoint, sql).await;
+            assert_eq!((s, &v["rows"]), (200, &want), "{endpoint} on {}: {v}", node.url);
+        }
+    }
+}

@@ -328,6 +328,7 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
         ("index-adopt", "[1, 2]"),
         ("index-scan", "{\"collection\": \"c\", \"index\": \"i\", \"parts\": \"all\"}"),
         ("shadow-fields", "{\"collection\": 5}"),
+        ("shadow-export", "\u{ff}\u{ff}garbage"),
     ] {
         let r = http
             .post(first.u(&format!("/v1/_internal/{op}")))
@@ -362,6 +363,18 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 409, "{}", r.text().await.unwrap_or_default());
+    // So are a partition's analytics rows (a move's shadow export; postcard: `from` = 1,
+    // partition 0).
+    let r = http
+        .post(first.u("/v1/_internal/shadow-export"))
+        .header("x-shoal-cluster-secret", SECRET)
+        .header("connection", "upgrade")
+        .header("upgrade", "shoal-copy")
+        .body(vec![1u8, 0])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 409, "{}", r.text().await.unwrap_or_default());
 
     // A page of documents asked under another map version (SQL that ran across a map
     // change) is refused, not answered from the wrong partitions. Postcard: collection "c",
@@ -375,7 +388,7 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
     // An oversized call is refused before it is read whole: the pull, and the index
     // service's calls (feeds, highs, copies of index partitions, routed scans).
     let huge = bytes::Bytes::from(vec![b'x'; 64 * 1024 * 1024 + 1]);
-    for op in ["pull", "feed", "highs", "index-export", "index-adopt", "index-scan", "shadow-fields"] {
+    for op in ["pull", "feed", "highs", "index-export", "index-adopt", "index-scan", "shadow-fields", "shadow-export"] {
         let r = http.post(first.u(&format!("/v1/_internal/{op}"))).header("x-shoal-cluster-secret", SECRET).body(huge.clone()).send().await;
         if let Ok(r) = r {
             // (The node may close the connection before the client has sent everything.)

@@ -147,6 +147,9 @@ pub struct CopyProgress {
     /// A file copy's snapshot, once its header arrived.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shipped: Option<Shipped>,
+    /// Analytics rows taken with a file copy from the source's shadow (`shadow_move`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub analytics_rows: Option<u64>,
 }
 
 impl CopyProgress {
@@ -456,6 +459,10 @@ fn start(node: &Arc<ClusterNode>, source: NodeId, address: String, p: u16, map_v
 /// and leave it to the unpaced change stream).
 async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16, map_version: u64) -> Result<(IngestStats, Phases), ClusterError> {
     let mut phases = Phases::start();
+    // While the copy runs no shadow here drops or follows the partition: its rows come
+    // with it.
+    let shadows = Arc::clone(node.engine.shadows());
+    let incoming = (shadows.partitions() > 0).then(|| shadows.incoming(p));
     if !node.copy_states.wait_follows(map_version, COPY_MAP_WAIT).await {
         tracing::warn!(partition = p, map_version, "the partition states here do not follow the map yet");
     }
@@ -468,6 +475,20 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16, map_version: u64) 
     .await?
     .map_err(|e| ClusterError::Storage(e.to_string()))?;
     phases.mark(Phase::Pending);
+    // The partition's analytics rows, asked before its export so that their position is
+    // at or below the export's snapshot (`shadow_move`); without them (the source keeps
+    // no shadow, or they failed to come) the shadow builds the partition from the stream.
+    let shadow_rows = match &incoming {
+        Some(_) => match crate::shadow_move::fetch(node, address, p).await {
+            Ok(rows) => Some(rows),
+            Err(e) => {
+                tracing::info!(partition = p, error = %e, "analytics rows not moved with the copy; the shadow builds them from the stream");
+                None
+            }
+        },
+        None => None,
+    };
+    phases.mark(Phase::Shadow);
     let request = crate::wire::encode(&ExportRequest { from: node.id, partition: p, files: !node.copies.by_records });
     let mut stream = node.peers.stream(address, Op::Export, request, COPY_IDLE_TIMEOUT).await?;
     let mut decoder = FrameDecoder::default();
@@ -507,10 +528,20 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16, map_version: u64) 
     pumped?;
     let stats = ingested.map_err(|e| ClusterError::Storage(e.to_string()))?;
     phases.mark(Phase::Adopted);
+    if let Some(rows) = shadow_rows {
+        let n = Arc::clone(node);
+        match blocking(move || crate::shadow_move::adopt(&n, p, rows)).await? {
+            Ok(adopted) => node.copies.set(p, |c| c.analytics_rows = Some(adopted)),
+            // Its rows of the partition are then built from the stream (a half-adopted
+            // partition is applied from the start: its rows are replaced as they come).
+            Err(e) => tracing::warn!(partition = p, error = %e, "adopting moved analytics rows"),
+        }
+    }
     // A replica now, at the export's positions: the pulls take it from there.
     let store = Arc::clone(node.engine.store());
     blocking(move || store.set_partition_state(p, PartitionState::Replica)).await?.map_err(|e| ClusterError::Storage(e.to_string()))?;
     phases.mark(Phase::Replica);
+    drop(incoming);
     Ok((stats, phases))
 }
 
@@ -520,6 +551,8 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16, map_version: u64) 
 enum Phase {
     /// The node's partition states follow the map, and the copy is pending here.
     Pending,
+    /// The partition's analytics rows arrived (or were given up on).
+    Shadow,
     /// The source's header arrived: its snapshot is taken.
     Header,
     /// The last chunk arrived and was handed to the import.
@@ -705,18 +738,7 @@ pub(crate) type ExportRecords = dyn Iterator<Item = Result<FilePiece, PartitionE
 /// foreground's p99 during a rebalance).
 pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc::Receiver<Result<Outgoing, ClusterError>>, ClusterError> {
     let req: ExportRequest = crate::wire::decode(body).map_err(ClusterError::BadMessage)?;
-    let state = node.state();
-    let map = state.map.as_ref().ok_or_else(|| ClusterError::Refused("no partition map yet".into()))?;
-    let copies = map
-        .partitions
-        .get(usize::from(req.partition))
-        .ok_or_else(|| ClusterError::BadMessage(format!("no partition {}", req.partition)))?;
-    if copies.active != node.id || !copies.replicas.contains(&req.from) {
-        return Err(ClusterError::Refused(format!(
-            "not the active of partition {} for node {} at map version {}",
-            req.partition, req.from, map.version
-        )));
-    }
+    check_exporter(node, req.from, req.partition)?;
     let (tx, rx) = mpsc::channel(COPY_QUEUE_CHUNKS);
     let node = Arc::clone(node);
     // The receiver sees a broken stream if this thread cannot start or dies.
@@ -741,6 +763,21 @@ pub(crate) fn serve_export(node: &Arc<ClusterNode>, body: &[u8]) -> Result<mpsc:
         send_export(&node, &tx, &header, export);
     })?;
     Ok(rx)
+}
+
+/// Refuses an export of `partition` unless this node is its active and `from` one of its
+/// replicas in the map here.
+pub(crate) fn check_exporter(node: &ClusterNode, from: NodeId, partition: u16) -> Result<(), ClusterError> {
+    let state = node.state();
+    let map = state.map.as_ref().ok_or_else(|| ClusterError::Refused("no partition map yet".into()))?;
+    let copies = map.partitions.get(usize::from(partition)).ok_or_else(|| ClusterError::BadMessage(format!("no partition {partition}")))?;
+    if copies.active != node.id || !copies.replicas.contains(&from) {
+        return Err(ClusterError::Refused(format!(
+            "not the active of partition {partition} for node {from} at map version {}",
+            map.version
+        )));
+    }
+    Ok(())
 }
 
 /// Sends an export as the copy stream's chunks on `tx` (on the export's thread): the

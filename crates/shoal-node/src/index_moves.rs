@@ -338,6 +338,7 @@ pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> R
             bytes_planned: 0,
             copy_started_unix_ms: None,
             copy_finished_unix_ms: None,
+            analytics_rows: None,
         });
         let slot = Arc::clone(&slots[to]);
         let node = Arc::clone(node);

@@ -39,6 +39,7 @@ pub mod peers;
 pub mod rebalance;
 pub mod replica;
 pub mod routing;
+pub mod shadow_move;
 pub mod sql;
 pub mod wire;
 

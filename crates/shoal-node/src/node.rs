@@ -446,7 +446,9 @@ impl ClusterNode {
                 let answer = crate::index_moves::serve_adopt(self, req).await?;
                 serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
             }
-            Op::Export | Op::IndexExport => Err(ClusterError::BadMessage("an export answers as a stream (`export_stream`)".into())),
+            Op::Export | Op::IndexExport | Op::ShadowExport => {
+                Err(ClusterError::BadMessage("an export answers as a stream (`export_stream`)".into()))
+            }
         }
     }
 
@@ -459,6 +461,7 @@ impl ClusterNode {
     ) -> Result<tokio::sync::mpsc::Receiver<Result<crate::copy::Outgoing, ClusterError>>, ClusterError> {
         match op {
             Op::IndexExport => crate::index_moves::serve_index_export(self, body),
+            Op::ShadowExport => crate::shadow_move::serve_shadow_export(self, body),
             _ => crate::copy::serve_export(self, body),
         }
     }

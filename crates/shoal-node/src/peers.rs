@@ -54,9 +54,17 @@ pub enum Op {
     IndexScan,
     /// A coordinator of an analytics statement asks a member for its shadow's fields (`sql`).
     ShadowFields,
+    /// A replica being built by files asks the active for the partition's analytics rows
+    /// (`shadow_move`; streamed).
+    ShadowExport,
 }
 
 impl Op {
+    /// Whether the op answers as a stream of chunks (an export), not one body.
+    pub fn is_streamed(self) -> bool {
+        matches!(self, Op::Export | Op::IndexExport | Op::ShadowExport)
+    }
+
     /// The op's name on the wire (one path segment).
     pub fn name(self) -> &'static str {
         match self {
@@ -82,6 +90,7 @@ impl Op {
             Op::IndexAdopt => "index-adopt",
             Op::IndexScan => "index-scan",
             Op::ShadowFields => "shadow-fields",
+            Op::ShadowExport => "shadow-export",
         }
     }
 
@@ -107,6 +116,7 @@ impl Op {
             "index-adopt" => Op::IndexAdopt,
             "index-scan" => Op::IndexScan,
             "shadow-fields" => Op::ShadowFields,
+            "shadow-export" => Op::ShadowExport,
             "catch-up" => Op::CatchUp,
             "invite" => Op::Invite,
             _ => return None,
@@ -186,6 +196,7 @@ mod tests {
             Op::IndexAdopt,
             Op::IndexScan,
             Op::ShadowFields,
+            Op::ShadowExport,
         ];
         for op in ops {
             assert_eq!(Op::from_name(op.name()), Some(op));

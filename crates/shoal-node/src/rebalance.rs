@@ -203,6 +203,10 @@ pub struct MoveStatus {
     pub copy_started_unix_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub copy_finished_unix_ms: Option<u64>,
+    /// Analytics rows the receiver took with a `files` copy, cut from the source's shadow
+    /// (never rebuilt from the documents).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub analytics_rows: Option<u64>,
 }
 
 #[derive(Default)]
@@ -453,6 +457,7 @@ fn moves(current: &PartitionMap, target: &PartitionMap) -> Vec<MoveStatus> {
             bytes_planned: 0,
             copy_started_unix_ms: None,
             copy_finished_unix_ms: None,
+            analytics_rows: None,
         })
         .collect()
 }
@@ -852,6 +857,7 @@ fn show_copies(node: &ClusterNode, answers: &HashMap<NodeId, Option<ProgressAnsw
         m.bytes_done = copy.bytes_done;
         m.copy_started_unix_ms = copy.started_unix_ms;
         m.copy_finished_unix_ms = copy.finished_unix_ms;
+        m.analytics_rows = copy.analytics_rows;
         m.state = match copy.state {
             CopyState::Copying | CopyState::Streaming => MoveState::Copying,
             CopyState::Queued => MoveState::Queued,
@@ -1180,6 +1186,7 @@ mod tests {
             bytes_planned: planned,
             copy_started_unix_ms: None,
             copy_finished_unix_ms: finished.then_some(1),
+            analytics_rows: None,
         };
         use CopyMethod::{Files, Stream};
         // (what, move, counted total, counted done)

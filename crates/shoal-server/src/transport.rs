@@ -237,7 +237,7 @@ pub async fn internal(State(state): State<AppState>, Path(op): Path<String>, req
         return set_faults(&state, &body).await;
     }
     let op = Op::from_name(&op).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "bad_request", format!("no internal call {op}")))?;
-    if op == Op::Export || op == Op::IndexExport {
+    if op.is_streamed() {
         // The copy's bytes go over the same connection switched to the copy protocol, on
         // the copies' own thread (`copy_io`).
         let asked = parts.headers.get(header::UPGRADE).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(COPY_PROTOCOL.as_bytes()));

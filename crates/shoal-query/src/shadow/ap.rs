@@ -171,6 +171,29 @@ impl ApState {
         Ok(())
     }
 
+    /// Writes `batch` (rows of keys not live here, moved from another node) as a new
+    /// segment and points its keys at their rows. Answers the rows it holds live.
+    pub(super) fn adopt_segment(&mut self, dir: &Path, batch: &RecordBatch, group: Option<String>) -> Result<usize, ShadowError> {
+        let id = self.next_id;
+        let (batch, checksum) = write_segment(dir, id, batch)?;
+        self.next_id += 1;
+        let mut seg = Segment::new(batch, group, checksum);
+        let keys = key_column(&seg.batch, &segment_path(dir, id))?.clone();
+        let mut live = 0;
+        for row in 0..seg.batch.num_rows() {
+            let key = keys.value(row);
+            if self.keys.contains_key(key) {
+                seg.kill(row);
+            } else {
+                self.keys.insert(key.into(), Loc::Seg { id, row: row as u32 });
+                live += 1;
+            }
+        }
+        self.segments.insert(id, seg);
+        self.dirty = true;
+        Ok(live)
+    }
+
     /// Drops segments with no live rows; merges the group's small or mostly dead
     /// segments once there are [`COMPACT_MIN_SEGMENTS`] of them.
     pub(super) fn compact(&mut self, group: &Option<String>, dir: &Path) -> Result<(), ShadowError> {

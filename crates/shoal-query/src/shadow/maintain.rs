@@ -24,6 +24,10 @@ impl Shadow {
         let mut feed = ApFeed { shadow: self, ap, partitions, moved: false };
         let mut budget = ROUND_CHANGES_MAX;
         for (p, from) in &cursors {
+            if self.incoming.contains(*p) {
+                // Being copied in: its rows come with the copy (`transfer`).
+                continue;
+            }
             if !held.get(usize::from(*p)).copied().unwrap_or(false) {
                 // Left this node (or is being copied in anew): its rows go, so that they
                 // neither leak nor count.
@@ -112,6 +116,7 @@ impl ChangeConsumer for ApFeed<'_> {
                 }
             }
             self.shadow.applied[usize::from(part.partition)].store(part.position.seqno, Ordering::Release);
+            metrics::counter!("shoal_analytics_changes_applied_total").increment(part.changes.len() as u64);
             if let Some(cas) = newest_cas {
                 let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
                 let lag = now.saturating_sub(cas);

@@ -26,10 +26,12 @@
 mod ap;
 mod maintain;
 mod segment;
+mod transfer;
 
 use ap::*;
 use maintain::*;
 use segment::*;
+pub use transfer::{decode_batch, encode_batch, IncomingGuard, PartitionRows, SHADOW_MOVE_MAX_BYTES};
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -161,6 +163,8 @@ pub struct Shadow {
     progress: watch::Sender<u64>,
     /// `<data path>/shadow/<collection id>` on each data path.
     roots: Vec<PathBuf>,
+    /// Storage partitions being copied in with their rows (the manager's).
+    incoming: Arc<transfer::Incoming>,
 }
 
 impl Shadow {
@@ -279,6 +283,7 @@ pub struct ShadowManager {
     /// background, so that the node serves documents at once; analytics waits for this).
     loaded: watch::Sender<bool>,
     loader: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    incoming: Arc<transfer::Incoming>,
 }
 
 impl ShadowManager {
@@ -298,6 +303,7 @@ impl ShadowManager {
             tasks: Mutex::new(Vec::new()),
             loaded: watch::channel(false).0,
             loader: Mutex::new(None),
+            incoming: Arc::default(),
         });
         let live: std::collections::HashSet<String> =
             store.list_collections().iter().filter_map(|c| store.collection(&c.name)).map(|c| c.id().to_string()).collect();
@@ -368,7 +374,7 @@ impl ShadowManager {
                 applied[usize::from(*p)].store(c.seqno, Ordering::Release);
             }
         }
-        let shadow = Arc::new(Shadow { coll, aps, applied, progress: watch::channel(0).0, roots });
+        let shadow = Arc::new(Shadow { coll, aps, applied, progress: watch::channel(0).0, roots, incoming: Arc::clone(&self.incoming) });
         let rows = shadow.rows();
         {
             let mut map = self.shadows.lock();
