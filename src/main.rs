@@ -140,6 +140,10 @@ struct ServeArgs {
     /// budget that yields to requests: for the rebalance benchmark's comparison.
     #[arg(long, hide = true)]
     copy_unpaced: bool,
+    /// Builds the analytics rows of partitions copied here by files from the change stream,
+    /// not from the source's shadow: for the analytics benchmark's comparison.
+    #[arg(long, hide = true)]
+    analytics_by_stream: bool,
     /// The address other members and clients reach this node at (default: the listen
     /// address; set it when listening on 0.0.0.0).
     #[arg(long)]
@@ -254,6 +258,7 @@ async fn serve(args: ServeArgs) -> Result<(), cli::CliError> {
             copy_by_stream: args.copy_by_stream,
             copy_by_records: args.copy_by_records,
             copy_unpaced: args.copy_unpaced,
+            analytics_by_stream: args.analytics_by_stream,
             services: args.services,
         },
         fault_injection: args.fault_injection,

@@ -310,3 +310,57 @@ async fn a_rebalance_moves_each_partitions_analytics_rows_with_its_files() {
         }
     }
 }
+
+/// CPU seconds (user + system) `pid` has used so far.
+fn cpu_secs(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces): utime and stime are the 12th
+    // and 13th.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<u64> = rest.split_whitespace().skip(11).take(2).filter_map(|v| v.parse().ok()).collect();
+    f.iter().sum::<u64>() as f64 / 100.0
+}
+
+/// A client that goes away ends its distributed statement on every member: a statement
+/// that would run for hours (a three-way cross join of 27 billion rows, counted) is left
+/// by its client after two seconds; every member's tasks end and every process goes
+/// idle, rather than working on for an answer no one will read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_that_goes_away_ends_the_statement_on_every_member() {
+    const DOCS: usize = 3_000;
+    let http = http();
+    let nodes = cluster(&http, 3).await;
+    assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    let body: String =
+        (0..DOCS).map(|i| json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"g": i % 10, "n": i}}).to_string() + "\n").collect();
+    let r = http.post(nodes[0].u("/v1/collections/c/_bulk")).body(body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let (s, v) = statement(&http, &nodes[0], "analytics", "SELECT count(*) FROM c").await;
+    assert_eq!((s, &v["rows"]), (200, &json!([[DOCS]])), "{v}");
+    assert_eq!(v["metrics"]["engine"], "columnar across members");
+
+    let cpu_before: Vec<f64> = nodes.iter().map(|n| cpu_secs(n.pid())).collect();
+    let impatient = reqwest::Client::builder().timeout(Duration::from_secs(2)).build().unwrap();
+    let sql = "SELECT count(*) FROM c a, c b, c d WHERE a.n + b.n + d.n = -1";
+    let r = impatient.post(nodes[0].u("/v1/analytics")).json(&json!({"sql": sql})).send().await;
+    assert!(r.as_ref().is_err_and(|e| e.is_timeout()), "the statement runs longer than its client waits: {r:?}");
+    let worked: f64 = nodes.iter().zip(&cpu_before).map(|(n, b)| cpu_secs(n.pid()) - b).sum();
+    assert!(worked > 0.2, "the statement was running: {worked} CPU seconds");
+    // Every process goes idle (under a tenth of a core over a second) and no member runs a
+    // task of the statement. A task stops where it yields: a join's output spends the
+    // task's budget per batch, so within 128 batches (seconds in a debug build).
+    common::eventually(240, "every member idle after its client left", || async {
+        let before: Vec<f64> = nodes.iter().map(|n| cpu_secs(n.pid())).collect();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let idle = nodes.iter().zip(&before).all(|(n, b)| cpu_secs(n.pid()) - b < 0.1);
+        let mut tasks = 0.0;
+        for n in &nodes {
+            tasks += common::metric(&http, n, "shoal_analytics_tasks_running").await.unwrap_or(0.0);
+        }
+        idle && tasks == 0.0
+    })
+    .await;
+    // And the members answer as before.
+    let (s, v) = statement(&http, &nodes[1], "analytics", "SELECT count(*) FROM c").await;
+    assert_eq!((s, &v["rows"]), (200, &json!([[DOCS]])), "{v}");
+}

@@ -50,6 +50,12 @@ pub struct AnalyticsArgs {
     /// with each node's scanned bytes and CPU seconds.
     #[arg(long, value_delimiter = ',')]
     nodes: Vec<usize>,
+    /// Measure a scale-out instead (issue 42, item 2): one node loaded, a second joins and
+    /// the rebalance copies it every partition by files with the partitions' analytics
+    /// rows; then the same with the rows rebuilt from the documents (`serve
+    /// --analytics-by-stream`) for the ratio.
+    #[arg(long)]
+    scale_out: bool,
     /// Where the table and query 3's answer go (nothing is written when empty).
     #[arg(long, default_value = "bench/results")]
     out_dir: PathBuf,
@@ -253,6 +259,9 @@ fn duckdb(args: &AnalyticsArgs, threads: usize) -> Result<Value, CliError> {
 
 pub async fn run(args: AnalyticsArgs) -> Result<(), CliError> {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+    if args.scale_out {
+        return scale_out(&args).await;
+    }
     if !args.nodes.is_empty() {
         return on_clusters(&args, cores).await;
     }
@@ -390,6 +399,134 @@ async fn per_node_runs(
     Ok((times, answer, per))
 }
 
+/// Rows equal, numbers within a relative 1e-9 (engines add floats in different orders).
+fn same_rows(a: &Value, b: &Value) -> bool {
+    let (Some(a), Some(b)) = (a.as_array(), b.as_array()) else { return false };
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            let (Some(x), Some(y)) = (x.as_array(), y.as_array()) else { return false };
+            x.len() == y.len()
+                && x.iter().zip(y).all(|(u, v)| match (u.as_f64(), v.as_f64()) {
+                    (Some(u), Some(v)) => (u - v).abs() <= 1e-9 * u.abs().max(v.abs()).max(1.0),
+                    _ => u == v,
+                })
+        })
+}
+
+/// A metric of `node` (0 when it is not there yet).
+async fn metric(http: &reqwest::Client, node: &Node, name: &str) -> Result<f64, CliError> {
+    let metrics = |e: reqwest::Error| CliError::Bench(format!("{}/metrics: {e}", node.url));
+    let text = http.get(format!("{}/metrics", node.url)).send().await.map_err(metrics)?.text().await.map_err(metrics)?;
+    Ok(text
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(name))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0))
+}
+
+/// One scale-out measured: how the new node's analytics rows came, and what it took.
+struct ScaleOut {
+    method: &'static str,
+    load_secs: f64,
+    rebalance_secs: f64,
+    ready_secs: f64,
+    adopted: f64,
+    applied: f64,
+    new_cpu: f64,
+    old_cpu: f64,
+    same: bool,
+}
+
+/// Issue 42, item 2 measured: a loaded node, a second joins, the rebalance gives it every
+/// partition (half active, half replica) by files. `files`: each partition's analytics rows
+/// come with its copy; `stream`: the new node builds them from the copies' documents (as
+/// before). Timed from the rebalance's start to its end (a move is handed over only once the
+/// new copy's derived state caught up) and to query 3 answered by the new node.
+async fn scale_out(args: &AnalyticsArgs) -> Result<(), CliError> {
+    let http = reqwest::Client::new();
+    let mut measured = Vec::new();
+    for method in ["files", "stream"] {
+        println!("\n--- scale-out, analytics rows by {method}");
+        let base = vec!["--cluster-secret".to_string(), "bench-analytics".to_string()];
+        let first = Node::start_named(&format!("analytics-out-{method}-0"), args.partitions, &base)?;
+        let client = Client::new(&first.url)?;
+        let (_, load_secs) = load(&client, args.sf).await?;
+        first.wait_idle(std::time::Duration::from_secs(120));
+        let (_, want) = timed_runs(&client, true, tpcds::QUERY_3, 1, "query 3 on the loaded node").await?;
+        let mut joining = base.clone();
+        joining.extend(["--join".to_string(), first.url.trim_start_matches("http://").to_string()]);
+        if method == "stream" {
+            joining.push("--analytics-by-stream".to_string());
+        }
+        let second = Node::start_named(&format!("analytics-out-{method}-1"), args.partitions, &joining)?;
+        crate::bench::rebalance::wait_members(&client, 2).await?;
+        let ticks = (first.cpu_ticks().unwrap_or(0), second.cpu_ticks().unwrap_or(0));
+        let start = Instant::now();
+        crate::bench::rebalance::rebalance(&client, &[], None).await?;
+        let rebalance_secs = start.elapsed().as_secs_f64();
+        let on_new = Client::new(&second.url)?;
+        let request = json!({"sql": tpcds::QUERY_3, "consistency": "request_plus", "timeout_ms": 600_000});
+        let deadline = Instant::now() + std::time::Duration::from_secs(600);
+        let answer = loop {
+            match on_new.analytics(&request).await {
+                Ok(a) if same_rows(&a["rows"], &want["rows"]) => break a,
+                Ok(a) if Instant::now() > deadline => break a,
+                Err(e) if Instant::now() > deadline => return Err(e.into()),
+                _ => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+            }
+        };
+        let ready_secs = start.elapsed().as_secs_f64();
+        let cpu = |n: &Node, t: u64| n.cpu_ticks().unwrap_or(0).saturating_sub(t) as f64 / 100.0;
+        let (old_cpu, new_cpu) = (cpu(&first, ticks.0), cpu(&second, ticks.1));
+        let adopted = metric(&http, &second, "shoal_analytics_rows_adopted_total").await?;
+        let applied = metric(&http, &second, "shoal_analytics_changes_applied_total").await?;
+        let same = same_rows(&answer["rows"], &want["rows"]);
+        println!(
+            "{method}: rebalance {rebalance_secs:.1}s, query 3 on the new node at {ready_secs:.1}s, {adopted} rows adopted, \
+             {applied} changes applied, CPU new {new_cpu:.1}s old {old_cpu:.1}s"
+        );
+        measured.push(ScaleOut { method, load_secs, rebalance_secs, ready_secs, adopted, applied, new_cpu, old_cpu, same });
+    }
+    let mut report = format!(
+        "Issue 42, item 2: a scale-out from 1 to 2 nodes with seed 004's data (TPC-DS scale factor {}, {} partitions, one \
+         replica: the new node takes every partition, half as active, half as replica, each copied by files). `files`: each \
+         partition's analytics rows move with its copy, cut from the source's segments; `stream`: the new node builds them \
+         from the copied documents (`serve --analytics-by-stream`, as before this change). **Both nodes run on this \
+         machine's cores.** Rebalance: from its start to its end (a move hands over only once the new copy's derived state \
+         caught up). Query 3 on the new node: from the rebalance's start until the new node answers it (`request_plus`) \
+         as the loaded node did. CPU: each process's user + system seconds over that span.\n\n\
+         | analytics rows by | load + shadow (s) | rebalance (s) | query 3 on the new node after (s) | rows adopted | changes applied by the new node's shadow | CPU s, new node | CPU s, first node | answer = before |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
+        args.sf, args.partitions
+    );
+    for m in &measured {
+        report.push_str(&format!(
+            "| {} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.1} | {:.1} | {} |\n",
+            m.method,
+            m.load_secs,
+            m.rebalance_secs,
+            m.ready_secs,
+            m.adopted,
+            m.applied,
+            m.new_cpu,
+            m.old_cpu,
+            if m.same { "yes" } else { "NO" }
+        ));
+    }
+    if let [files, stream] = &measured[..] {
+        report.push_str(&format!(
+            "\nBy files against by stream, same run: rebalance {:.2}×, until query 3 on the new node {:.2}×, the new node's CPU {:.2}×.\n",
+            files.rebalance_secs / stream.rebalance_secs,
+            files.ready_secs / stream.ready_secs,
+            files.new_cpu / stream.new_cpu.max(1e-9)
+        ));
+    }
+    print!("\n{report}");
+    write_result(&args.out_dir, "analytics-scale-out.md", &report)?;
+    Ok(())
+}
+
 /// Seed 004 on clusters of each size in `--nodes`.
 async fn on_clusters(args: &AnalyticsArgs, cores: usize) -> Result<(), CliError> {
     let http = reqwest::Client::new();
@@ -423,18 +560,6 @@ async fn on_clusters(args: &AnalyticsArgs, cores: usize) -> Result<(), CliError>
         measured.push(OnCluster { nodes: size, load_secs, q3, scan, q3_nodes, scan_nodes, engine, answer });
     }
     let duck = if args.no_duckdb { json!({"error": "skipped (--no-duckdb)"}) } else { duckdb(args, cores)? };
-    let same_as = |a: &Value, b: &Value| -> bool {
-        let (Some(a), Some(b)) = (a.as_array(), b.as_array()) else { return false };
-        a.len() == b.len()
-            && a.iter().zip(b).all(|(x, y)| {
-                let (Some(x), Some(y)) = (x.as_array(), y.as_array()) else { return false };
-                x.len() == y.len()
-                    && x.iter().zip(y).all(|(u, v)| match (u.as_f64(), v.as_f64()) {
-                        (Some(u), Some(v)) => (u - v).abs() <= 1e-9 * u.abs().max(v.abs()).max(1.0),
-                        _ => u == v,
-                    })
-            })
-    };
     let one = measured.first().map(|m| median(&m.q3));
     let mut report = format!(
         "Seed 004 on a cluster: TPC-DS query 3 and a scan query (`SCAN_QUERY`) at scale factor {} on `/v1/analytics`, \
@@ -455,8 +580,8 @@ async fn on_clusters(args: &AnalyticsArgs, cores: usize) -> Result<(), CliError>
         let mb: Vec<String> = m.q3_nodes.iter().map(|(b, _)| format!("{:.1}", *b as f64 / 1e6)).collect();
         let share = m.q3_nodes.iter().map(|(b, _)| *b as f64 / total.max(1) as f64).fold(0.0, f64::max) * m.nodes as f64;
         let cpu = |v: &[(u64, f64)]| v.iter().map(|(_, c)| format!("{c:.2}")).collect::<Vec<_>>().join(" / ");
-        let same_one = measured.first().is_some_and(|f| same_as(&f.answer["rows"], &m.answer["rows"]));
-        let same_duck = duck["answer"].is_array().then(|| same_as(&duck["answer"], &m.answer["rows"]));
+        let same_one = measured.first().is_some_and(|f| same_rows(&f.answer["rows"], &m.answer["rows"]));
+        let same_duck = duck["answer"].is_array().then(|| same_rows(&duck["answer"], &m.answer["rows"]));
         report.push_str(&format!(
             "| {} | {} | {:.1} | {:.1} | {:.2}× | {:.1} | {} | {:.2} | {} | {} | {} | {} |\n",
             m.nodes,

@@ -184,6 +184,9 @@ pub struct Copies {
     stream_only: bool,
     /// Copies ask for records, not files (`ClusterConfig::copy_by_records`).
     by_records: bool,
+    /// Copies by files leave the partition's analytics rows to the stream
+    /// (`ClusterConfig::analytics_by_stream`).
+    analytics_by_stream: bool,
 }
 
 impl Copies {
@@ -196,6 +199,12 @@ impl Copies {
     pub(crate) fn new(stream_only: bool, by_records: bool, unpaced: bool) -> Copies {
         let elastic = if unpaced { Elastic::off() } else { Elastic::start() };
         Copies { stream_only, by_records, elastic, ..Copies::default() }
+    }
+
+    /// Copies by files leave the analytics rows to the stream (the benchmark's comparison).
+    pub(crate) fn with_analytics_by_stream(mut self, by_stream: bool) -> Copies {
+        self.analytics_by_stream = by_stream;
+        self
     }
 
     /// Whether partition `p` is being built from files here, or waits to be (its parts are
@@ -462,7 +471,7 @@ async fn copy(node: &Arc<ClusterNode>, address: &str, p: u16, map_version: u64) 
     // While the copy runs no shadow here drops or follows the partition: its rows come
     // with it.
     let shadows = Arc::clone(node.engine.shadows());
-    let incoming = (shadows.partitions() > 0).then(|| shadows.incoming(p));
+    let incoming = (shadows.partitions() > 0 && !node.copies.analytics_by_stream).then(|| shadows.incoming(p));
     if !node.copy_states.wait_follows(map_version, COPY_MAP_WAIT).await {
         tracing::warn!(partition = p, map_version, "the partition states here do not follow the map yet");
     }

@@ -50,6 +50,10 @@ pub struct ClusterConfig {
     /// Copies here move as fast as they can, without the elastic budget that yields to
     /// requests (`serve --copy-unpaced`, hidden): for the benchmark's comparison.
     pub copy_unpaced: bool,
+    /// A copy by files here leaves the partition's analytics rows to be built from the
+    /// change stream, as before they moved with the copy (`serve --analytics-by-stream`,
+    /// hidden): for the benchmark's comparison.
+    pub analytics_by_stream: bool,
     /// The services this node runs (`--services`), told to the cluster when it joins.
     pub services: shoal_meta::Services,
 }
@@ -156,7 +160,8 @@ impl ClusterNode {
             stop: watch::channel(false).0,
             monitor: crate::failover::Monitor::default(),
             rebalancer: crate::rebalance::Rebalancer::default(),
-            copies: crate::copy::Copies::new(config.copy_by_stream, config.copy_by_records, config.copy_unpaced),
+            copies: crate::copy::Copies::new(config.copy_by_stream, config.copy_by_records, config.copy_unpaced)
+                .with_analytics_by_stream(config.analytics_by_stream),
             faults: Faults::default(),
         }))
     }

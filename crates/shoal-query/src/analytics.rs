@@ -118,16 +118,29 @@ async fn ready_shadow(
     consistency: Consistency,
     timeout: std::time::Duration,
 ) -> Result<Arc<Shadow>, DataFusionError> {
+    shadow_when_whole(store, shadows, name, consistency, timeout).await.map_err(external)
+}
+
+/// `name`'s shadow once it is loaded, holds every partition active here whole, and (at
+/// `request_plus`) every change made before the call: what a scan of it here (a lone
+/// node's, or a distributed statement's task) waits for.
+pub(crate) async fn shadow_when_whole(
+    store: &Store,
+    shadows: &ShadowManager,
+    name: &str,
+    consistency: Consistency,
+    timeout: std::time::Duration,
+) -> Result<Arc<Shadow>, ShadowError> {
     if shadows.partitions() == 0 {
-        return Err(external(ShadowError::Off));
+        return Err(ShadowError::Off);
     }
-    let coll = store.collection(name).ok_or_else(|| external(ShadowError::NotAttached(name.to_string())))?;
-    shadows.wait_loaded(timeout).await.map_err(external)?;
-    let shadow = shadows.shadow(coll.id()).ok_or_else(|| external(ShadowError::NotAttached(name.to_string())))?;
+    let coll = store.collection(name).ok_or_else(|| ShadowError::NotAttached(name.to_string()))?;
+    shadows.wait_loaded(timeout).await?;
+    let shadow = shadows.shadow(coll.id()).ok_or_else(|| ShadowError::NotAttached(name.to_string()))?;
     if consistency == Consistency::RequestPlus {
-        shadow.wait_applied(&coll.held_high_seqnos(), timeout).await.map_err(external)?;
+        shadow.wait_applied(&coll.held_high_seqnos(), timeout).await?;
     }
-    shadow.wait_whole(timeout).await.map_err(external)?;
+    shadow.wait_whole(timeout).await?;
     Ok(shadow)
 }
 

@@ -206,12 +206,11 @@ impl WorkerEnv {
     ) -> Result<(Vec<crate::shadow::Part>, Option<Arc<Vec<bool>>>), DataFusionError> {
         let unavailable = |e: String| tag(Kind::Unavailable, e);
         let actives = self.local.actives_at(scan.map_version).map_err(unavailable)?;
-        let coll =
-            self.store.collection(&scan.collection).ok_or_else(|| unavailable(format!("collection {} is not here", scan.collection)))?;
-        self.shadows.wait_loaded(scan.timeout).await.map_err(|e| tag(shadow_kind(&e), e))?;
+        // `request_plus` was waited for by the coordinator's `shadow-fields` call.
         let shadow =
-            self.shadows.shadow(coll.id()).ok_or_else(|| unavailable(ShadowError::NotAttached(scan.collection.clone()).to_string()))?;
-        shadow.wait_whole(scan.timeout).await.map_err(|e| tag(shadow_kind(&e), e))?;
+            crate::analytics::shadow_when_whole(&self.store, &self.shadows, &scan.collection, Consistency::NotBounded, scan.timeout)
+                .await
+                .map_err(|e| tag(shadow_kind(&e), e))?;
         let (s, g) = (Arc::clone(&shadow), scan.group.clone());
         let parts = tokio::task::spawn_blocking(move || s.snapshot(g.as_deref()))
             .await

@@ -15,6 +15,7 @@ mod fsum;
 mod merge;
 mod pool;
 pub mod rows;
+pub mod runtime;
 pub mod schema;
 pub mod shadow;
 pub mod spread;
@@ -585,7 +586,8 @@ impl QueryEngine {
             Ok::<_, QueryError>(answer)
         };
         let timeout = req.timeout;
-        let task = AbortOnDrop(tokio::spawn(async move { tokio::time::timeout(timeout, run).await }));
+        // On the query runtime, away from the node's I/O threads (`runtime`).
+        let task = AbortOnDrop(runtime::query_handle().spawn(async move { tokio::time::timeout(timeout, run).await }));
         let result = match task.join().await {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => Err(QueryError::Timeout(timeout)),
@@ -629,7 +631,14 @@ impl QueryEngine {
             _ => None,
         };
         let ctx = match &cluster {
-            None => SessionContext::new_with_config_rt(config, runtime),
+            None => SessionContext::from(
+                datafusion::execution::SessionStateBuilder::new()
+                    .with_default_features()
+                    .with_config(config)
+                    .with_runtime_env(runtime)
+                    .with_physical_optimizer_rule(Arc::new(runtime::YieldingJoins))
+                    .build(),
+            ),
             Some((cluster, member)) => {
                 // Across the members a join's build side is broadcast to every task
                 // (CollectLeft) up to this size, so that a fact table is joined where its
@@ -642,7 +651,8 @@ impl QueryEngine {
                 let builder = datafusion::execution::SessionStateBuilder::new()
                     .with_default_features()
                     .with_config(config.with_extension(Arc::clone(&member.env)))
-                    .with_runtime_env(runtime);
+                    .with_runtime_env(runtime)
+                    .with_physical_optimizer_rule(Arc::new(runtime::YieldingJoins));
                 let builder =
                     distributed::coordinating(builder, cluster, &member.worker, &member.local.address(), member.channels.clone())?;
                 SessionContext::from(builder.build())

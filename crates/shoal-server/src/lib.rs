@@ -137,6 +137,7 @@ pub fn router(state: AppState) -> Router {
     let worker = state.engine.query().attach_cluster(Arc::new(transport::WorkerMember(Arc::clone(&state.cluster))));
     let workers = Router::new()
         .route_service(&format!("{}{{*call}}", shoal_query::distributed::WORKER_PATH_PREFIX), worker.into_worker_server())
+        .layer(axum::middleware::from_fn(transport::on_query_runtime))
         .layer(axum::middleware::from_fn_with_state(state.clone(), transport::members_only));
     Router::new()
         .merge(keyed)

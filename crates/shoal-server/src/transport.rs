@@ -97,13 +97,18 @@ pub struct HttpPeers {
     copy_io: std::sync::Arc<CopyIo>,
     secret: String,
     faults: std::sync::Arc<Faults>,
+    /// The node's runtime: calls run there whoever makes them (a statement on the query
+    /// runtime asking a member), so that the pooled connections they leave behind are
+    /// driven by I/O threads, never by a runtime busy with a statement.
+    io: Option<tokio::runtime::Handle>,
 }
 
 impl HttpPeers {
     pub fn new(secret: &str, faults: std::sync::Arc<Faults>, copy_io: std::sync::Arc<CopyIo>) -> Result<HttpPeers, reqwest::Error> {
         let client = reqwest::Client::builder().tcp_nodelay(true).no_proxy().pool_max_idle_per_host(64).build()?;
         let copy_client = reqwest::Client::builder().tcp_nodelay(true).no_proxy().http1_only().pool_max_idle_per_host(0).build()?;
-        Ok(HttpPeers { client, copy_client, copy_io, secret: secret.to_string(), faults })
+        let io = tokio::runtime::Handle::try_current().ok();
+        Ok(HttpPeers { client, copy_client, copy_io, secret: secret.to_string(), faults, io })
     }
 }
 
@@ -128,7 +133,8 @@ impl Peers for HttpPeers {
             .body(body)
             .send();
         let address = address.to_string();
-        Box::pin(async move {
+        let called = address.clone();
+        let call = async move {
             let unreachable = |e: reqwest::Error| PeerError::Unreachable { address: address.clone(), why: error_chain(&e) };
             let response = request.await.map_err(unreachable)?;
             let status = response.status();
@@ -140,7 +146,18 @@ impl Peers for HttpPeers {
                 return Ok(bytes.to_vec());
             }
             Err(refusal(address, status, &bytes))
-        })
+        };
+        match &self.io {
+            Some(io) => {
+                let task = AbortOnDrop(io.spawn(call));
+                Box::pin(async move {
+                    task.join()
+                        .await
+                        .unwrap_or_else(|e| Err(PeerError::Unreachable { address: called, why: format!("the call's task ended: {e}") }))
+                })
+            }
+            None => Box::pin(call),
+        }
     }
 
     fn stream(&self, address: &str, op: Op, body: Vec<u8>, timeout: Duration) -> PeerStreamFuture {
@@ -279,6 +296,33 @@ pub async fn members_only(State(state): State<AppState>, request: Request, next:
         return ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "calls between members need the cluster secret").into_response();
     }
     next.run(request).await
+}
+
+/// The worker service's calls run on the query runtime (`shoal_query::runtime`), where
+/// the statement tasks they start run too, away from the node's I/O threads.
+pub async fn on_query_runtime(request: Request, next: axum::middleware::Next) -> Response {
+    let task = AbortOnDrop(shoal_query::runtime::query_handle().spawn(next.run(request)));
+    match task.join().await {
+        Ok(response) => response,
+        Err(e) => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", format!("the worker call's task ended: {e}")).into_response()
+        }
+    }
+}
+
+/// A spawned task aborted when its handle is dropped (the caller went away).
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> AbortOnDrop<T> {
+    async fn join(mut self) -> Result<T, tokio::task::JoinError> {
+        (&mut self.0).await
+    }
+}
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Compares secrets in time that does not depend on where they differ.

@@ -16,6 +16,9 @@
 //! its positions: nothing is rebuilt. Segment files the manifest does not name are
 //! leftovers of an interrupted checkpoint and are removed.
 //!
+//! A storage partition that leaves the node has its rows dropped; one that arrives by a
+//! file copy brings its rows with it, cut from the sender's shadow (`transfer`).
+//!
 //! Segments are derived state and are checked like data: the manifest records each
 //! segment file's checksum (XXH3-64), and a file is read with plain reads (an I/O error is
 //! an error, never the SIGBUS a memory map would raise) and verified before it is decoded.
