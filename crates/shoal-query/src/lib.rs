@@ -587,7 +587,7 @@ impl QueryEngine {
         };
         let timeout = req.timeout;
         // On the query runtime, away from the node's I/O threads (`runtime`).
-        let task = AbortOnDrop(runtime::query_handle().spawn(async move { tokio::time::timeout(timeout, run).await }));
+        let task = runtime::AbortOnDrop(runtime::query_handle().spawn(async move { tokio::time::timeout(timeout, run).await }));
         let result = match task.join().await {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => Err(QueryError::Timeout(timeout)),
@@ -728,21 +728,6 @@ fn encode_rows(
         }
     }
     Ok(())
-}
-
-/// A spawned task that is aborted when this handle is dropped.
-struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
-
-impl<T> AbortOnDrop<T> {
-    async fn join(mut self) -> Result<T, tokio::task::JoinError> {
-        (&mut self.0).await
-    }
-}
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 /// Counts a statement in `shoal_queries_running` while it runs.

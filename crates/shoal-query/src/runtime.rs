@@ -50,6 +50,22 @@ pub fn query_handle() -> tokio::runtime::Handle {
     }
 }
 
+/// A spawned task aborted when its handle is dropped (its caller went away): a statement,
+/// or a call made for one.
+pub struct AbortOnDrop<T>(pub tokio::task::JoinHandle<T>);
+
+impl<T> AbortOnDrop<T> {
+    pub async fn join(mut self) -> Result<T, tokio::task::JoinError> {
+        (&mut self.0).await
+    }
+}
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Wraps every join's output in `CooperativeExec` (see the module doc).
 #[derive(Debug, Default)]
 pub struct YieldingJoins;

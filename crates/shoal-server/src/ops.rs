@@ -105,6 +105,11 @@ fn describe_metrics() {
     describe_histogram!("shoal_request_duration_seconds", Unit::Seconds, "Time to answer an HTTP request, by operation");
     describe_counter!("shoal_subdoc_parsed_cache_total", "Sub-document requests by how the parsed-tree cache served them");
     describe_counter!("shoal_analytics_rebuilds_total", "Analytics partitions quarantined and rebuilt after their files failed a check");
+    describe_counter!("shoal_analytics_changes_applied_total", "Changes the analytics shadows applied from the change streams");
+    describe_counter!(
+        "shoal_analytics_rows_adopted_total",
+        "Analytics rows taken with partitions copied here by files, from the source's shadow (not rebuilt from the documents)"
+    );
     describe_gauge!("shoal_analytics_tasks_running", "Shadow scans this node runs for distributed analytics statements");
     describe_counter!(
         "shoal_analytics_scanned_bytes_total",

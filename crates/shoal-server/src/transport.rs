@@ -149,7 +149,7 @@ impl Peers for HttpPeers {
         };
         match &self.io {
             Some(io) => {
-                let task = AbortOnDrop(io.spawn(call));
+                let task = shoal_query::runtime::AbortOnDrop(io.spawn(call));
                 Box::pin(async move {
                     task.join()
                         .await
@@ -301,27 +301,12 @@ pub async fn members_only(State(state): State<AppState>, request: Request, next:
 /// The worker service's calls run on the query runtime (`shoal_query::runtime`), where
 /// the statement tasks they start run too, away from the node's I/O threads.
 pub async fn on_query_runtime(request: Request, next: axum::middleware::Next) -> Response {
-    let task = AbortOnDrop(shoal_query::runtime::query_handle().spawn(next.run(request)));
+    let task = shoal_query::runtime::AbortOnDrop(shoal_query::runtime::query_handle().spawn(next.run(request)));
     match task.join().await {
         Ok(response) => response,
         Err(e) => {
             ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", format!("the worker call's task ended: {e}")).into_response()
         }
-    }
-}
-
-/// A spawned task aborted when its handle is dropped (the caller went away).
-struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
-
-impl<T> AbortOnDrop<T> {
-    async fn join(mut self) -> Result<T, tokio::task::JoinError> {
-        (&mut self.0).await
-    }
-}
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 

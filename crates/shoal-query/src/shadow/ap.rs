@@ -65,6 +65,21 @@ pub(super) struct ApState {
     pub(super) segment_rows: usize,
 }
 
+/// `batches` (each typed from its own rows) as one batch, each column typed as most of its
+/// values are.
+pub(super) fn merged(batches: &[RecordBatch]) -> Result<RecordBatch, ArrowError> {
+    let fields: Vec<_> = batches.iter().flat_map(weighted_fields).collect();
+    let schema = Arc::new(datafusion::arrow::datatypes::Schema::new(merge_fields(&fields)));
+    let adapted = batches.iter().map(|b| adapt_batch(b, &schema)).collect::<Result<Vec<_>, _>>()?;
+    datafusion::arrow::compute::concat_batches(&schema, &adapted)
+}
+
+/// `batch` in consecutive slices of at most `rows` rows (segments).
+pub(super) fn chunks(batch: &RecordBatch, rows: usize) -> impl Iterator<Item = RecordBatch> + '_ {
+    let rows = rows.max(1);
+    (0..batch.num_rows()).step_by(rows).map(move |at| batch.slice(at, rows.min(batch.num_rows() - at)))
+}
+
 /// One analytics partition.
 pub(super) struct Ap {
     pub(super) dir: PathBuf,
@@ -219,24 +234,16 @@ impl ApState {
             return Ok(());
         }
         let mut live = Vec::with_capacity(small.len());
-        let mut fields = Vec::new();
         for id in &small {
             let Some(s) = self.segments.get(id) else { continue };
             let batch = match s.live_mask() {
                 Some(mask) => datafusion::arrow::compute::filter_record_batch(&s.batch, &mask)?,
                 None => s.batch.clone(),
             };
-            fields.extend(weighted_fields(&batch));
             live.push(batch);
         }
-        let schema = Arc::new(datafusion::arrow::datatypes::Schema::new(merge_fields(&fields)));
-        let adapted = live.iter().map(|b| adapt_batch(b, &schema)).collect::<Result<Vec<_>, _>>()?;
-        let merged = datafusion::arrow::compute::concat_batches(&schema, &adapted)?;
-        let mut offset = 0;
-        while offset < merged.num_rows() {
-            let len = self.segment_rows.min(merged.num_rows() - offset);
-            self.add_segment(dir, &merged.slice(offset, len), group.clone())?;
-            offset += len;
+        for piece in chunks(&merged(&live)?, self.segment_rows) {
+            self.add_segment(dir, &piece, group.clone())?;
         }
         for id in small {
             self.segments.remove(&id);

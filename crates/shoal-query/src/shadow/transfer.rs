@@ -22,8 +22,6 @@ use datafusion::arrow::error::ArrowError;
 use parking_lot::Mutex;
 use shoal_storage::{PartitionId, StreamPosition};
 
-use crate::merge::{adapt_batch, merge_fields, weighted_fields};
-
 use super::{Part, Shadow, ShadowError, ShadowManager};
 
 /// Most bytes of shadow rows one partition's move carries in memory; a partition with more
@@ -91,15 +89,9 @@ impl Shadow {
         st.reset_partition(p, count);
         let mut adopted = 0;
         for (group, batches) in by_group {
-            let fields: Vec<_> = batches.iter().flat_map(weighted_fields).collect();
-            let schema = Arc::new(datafusion::arrow::datatypes::Schema::new(merge_fields(&fields)));
-            let adapted = batches.iter().map(|b| adapt_batch(b, &schema)).collect::<Result<Vec<_>, _>>()?;
-            let merged = datafusion::arrow::compute::concat_batches(&schema, &adapted)?;
-            let mut offset = 0;
-            while offset < merged.num_rows() {
-                let len = st.segment_rows.min(merged.num_rows() - offset);
-                adopted += st.adopt_segment(&ap.dir, &merged.slice(offset, len), group.clone())?;
-                offset += len;
+            let rows = st.segment_rows;
+            for piece in super::ap::chunks(&super::ap::merged(&batches)?, rows) {
+                adopted += st.adopt_segment(&ap.dir, &piece, group.clone())?;
             }
         }
         st.set_cursor(p, rows.position);
