@@ -147,8 +147,11 @@ impl Peers for HttpPeers {
             }
             Err(refusal(address, status, &bytes))
         };
+        // Only a caller on another runtime (a statement's) hops; the node's own calls
+        // (pulls, feeds, pings) run where they are.
+        let here = tokio::runtime::Handle::try_current().ok().map(|h| h.id());
         match &self.io {
-            Some(io) => {
+            Some(io) if here != Some(io.id()) => {
                 let task = shoal_query::runtime::AbortOnDrop(io.spawn(call));
                 Box::pin(async move {
                     task.join()
@@ -156,7 +159,7 @@ impl Peers for HttpPeers {
                         .unwrap_or_else(|e| Err(PeerError::Unreachable { address: called, why: format!("the call's task ended: {e}") }))
                 })
             }
-            None => Box::pin(call),
+            _ => Box::pin(call),
         }
     }
 
