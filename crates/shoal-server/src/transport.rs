@@ -147,11 +147,8 @@ impl Peers for HttpPeers {
             }
             Err(refusal(address, status, &bytes))
         };
-        // Only a caller on another runtime (a statement's) hops; the node's own calls
-        // (pulls, feeds, pings) run where they are.
-        let here = tokio::runtime::Handle::try_current().ok().map(|h| h.id());
         match &self.io {
-            Some(io) if here != Some(io.id()) => {
+            Some(io) => {
                 let task = shoal_query::runtime::AbortOnDrop(io.spawn(call));
                 Box::pin(async move {
                     task.join()
@@ -159,7 +156,7 @@ impl Peers for HttpPeers {
                         .unwrap_or_else(|e| Err(PeerError::Unreachable { address: called, why: format!("the call's task ended: {e}") }))
                 })
             }
-            _ => Box::pin(call),
+            None => Box::pin(call),
         }
     }
 
