@@ -329,6 +329,7 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
         ("index-scan", "{\"collection\": \"c\", \"index\": \"i\", \"parts\": \"all\"}"),
         ("shadow-fields", "{\"collection\": 5}"),
         ("shadow-export", "\u{ff}\u{ff}garbage"),
+        ("applied", "{\"index\": \"ten\"}"),
     ] {
         let r = http
             .post(first.u(&format!("/v1/_internal/{op}")))
@@ -388,7 +389,7 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
     // An oversized call is refused before it is read whole: the pull, and the index
     // service's calls (feeds, highs, copies of index partitions, routed scans).
     let huge = bytes::Bytes::from(vec![b'x'; 64 * 1024 * 1024 + 1]);
-    for op in ["pull", "feed", "highs", "index-export", "index-adopt", "index-scan", "shadow-fields", "shadow-export"] {
+    for op in ["pull", "feed", "highs", "index-export", "index-adopt", "index-scan", "shadow-fields", "shadow-export", "applied"] {
         let r = http.post(first.u(&format!("/v1/_internal/{op}"))).header("x-shoal-cluster-secret", SECRET).body(huge.clone()).send().await;
         if let Ok(r) = r {
             // (The node may close the connection before the client has sent everything.)
@@ -736,6 +737,56 @@ async fn many_key_requests_and_scans_span_the_members() {
         assert_eq!(status, 200, "{v}");
         assert_eq!(v["rows"].as_array().unwrap(), &want, "analytics through {}", node.url);
         assert_eq!(v["metrics"]["engine"], "columnar across members", "{v}");
+    }
+}
+
+/// A DDL change answered by one member holds on every member at once: a collection or an
+/// index made through one is there on the others for the very next request, and a dropped
+/// collection is gone from them (the author waits for the members to apply it — before,
+/// a write to another member right after a `201` could answer `404`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ddl_answered_by_one_member_holds_on_every_member_at_once() {
+    let nodes = start_cluster(3, &[]);
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    wait_for(&http, &nodes[0].u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
+    rebalance(&http, &nodes[0], &[]).await;
+    for round in 0..6 {
+        let (via, other, third) = (&nodes[round % 3], &nodes[(round + 1) % 3], &nodes[(round + 2) % 3]);
+        let coll = format!("/v1/collections/ddl{round}");
+        let r = http.put(via.u(&coll)).send().await.unwrap();
+        assert_eq!(r.status(), 201, "{}", r.text().await.unwrap_or_default());
+        for (n, node) in [other, third].into_iter().enumerate() {
+            let r = http.put(node.u(&format!("{coll}/docs/k{n}"))).json(&json!({"v": round})).send().await.unwrap();
+            let status = r.status().as_u16();
+            assert!(
+                status == 200 || status == 201,
+                "round {round}: a write right after the create: {status} {}",
+                r.text().await.unwrap_or_default()
+            );
+        }
+        let create = json!({"name": "by_v", "keys": ["v"]});
+        let r = http.post(other.u(&format!("{coll}/indexes"))).json(&create).send().await.unwrap();
+        assert_eq!(r.status(), 201, "{}", r.text().await.unwrap_or_default());
+        for node in [third, via] {
+            let scan = json!({"eq": [round], "consistency": "request_plus", "timeout_ms": 30_000});
+            let r = http.post(node.u(&format!("{coll}/indexes/by_v/scan"))).json(&scan).send().await.unwrap();
+            let status = r.status().as_u16();
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(status, 200, "round {round}: a scan right after the index's create: {v}");
+            assert_eq!(v["rows"].as_array().map(Vec::len), Some(2), "round {round}: {v}");
+        }
+        let r = http.delete(third.u(&coll)).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+        for node in [via, other] {
+            let r = http.get(node.u(&format!("{coll}/docs/k0"))).send().await.unwrap();
+            let status = r.status().as_u16();
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(
+                (status, v["error"].as_str()),
+                (404, Some("collection_not_found")),
+                "round {round}: a read right after the drop: {v}"
+            );
+        }
     }
 }
 

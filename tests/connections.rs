@@ -259,7 +259,7 @@ fn slow_request(
 fn trickled_internal_index_calls_time_out() {
     let node = Node::start(&["--body-read-timeout-secs", "2", "--cluster-secret", "trickle-secret"]);
     let a = addr(&node);
-    let calls: Vec<_> = ["feed", "highs", "index-export", "index-adopt", "index-scan", "shadow-fields", "shadow-export"]
+    let calls: Vec<_> = ["feed", "highs", "index-export", "index-adopt", "index-scan", "shadow-fields", "shadow-export", "applied"]
         .into_iter()
         .map(|op| {
             let head = format!(

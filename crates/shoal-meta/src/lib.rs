@@ -19,8 +19,8 @@ pub use log_store::MetaLogStore;
 pub use network::{InProcessRouter, MetaNetwork, MetaTransport, RpcHandleError, RpcKind, TransportError};
 pub use node::{InitializeError, MembershipError, MetaNode, OpenError, ProposeError};
 pub use state::{
-    CollectionDef, CollectionId, IndexDef, IndexId, IndexPlacementChange, Member, MemberState, MetaCommand, MetaReject, MetaResponse,
-    MetaState, RebalancePlan, Services, ServicesError, Settings, SettingsPatch,
+    Applied, CollectionDef, CollectionId, IndexDef, IndexId, IndexPlacementChange, Member, MemberState, MetaCommand, MetaReject,
+    MetaResponse, MetaState, RebalancePlan, Services, ServicesError, Settings, SettingsPatch,
 };
 pub use state_machine::{MetaStateMachine, TermLeaders};
 pub use vote_gate::VoteGate;

@@ -226,7 +226,26 @@ pub struct MetaState {
     /// reverts it) where the old one left off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rebalance: Option<RebalancePlan>,
+    /// The index of the last log entry this state includes, as the state machine published
+    /// it (0 in a state built otherwise). Not part of the state's value: never stored,
+    /// and equal in every state.
+    #[serde(skip)]
+    pub applied: Applied,
 }
+
+/// The log index a published [`MetaState`] includes. Two states are equal whatever their
+/// indexes: members publish the same state after different entries (a snapshot ends on a
+/// blank one), and the index only says how far a member's view is.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Applied(pub u64);
+
+impl PartialEq for Applied {
+    fn eq(&self, _: &Applied) -> bool {
+        true
+    }
+}
+
+impl Eq for Applied {}
 
 /// A rebalance as the log keeps it: where the map goes, and what to go back to.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -256,6 +275,7 @@ impl Default for MetaState {
             next_collection_id: 1,
             next_index_id: 1,
             rebalance: None,
+            applied: Applied(0),
         }
     }
 }

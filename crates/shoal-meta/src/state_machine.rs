@@ -20,7 +20,7 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 
 use crate::files::{io_err, read_file, replace_file, StoreError};
-use crate::state::{MetaResponse, MetaState};
+use crate::state::{Applied, MetaResponse, MetaState};
 use crate::{MetaOutcome, TypeConfig};
 
 type NodeId = u64;
@@ -228,7 +228,9 @@ impl RaftStateMachine<TypeConfig> for MetaStateMachine {
             }
         }
         if changed {
-            self.shared.published.send_replace(Arc::new(data.state.clone()));
+            let mut published = data.state.clone();
+            published.applied = Applied(data.last_applied.map_or(0, |l| l.index));
+            self.shared.published.send_replace(Arc::new(published));
         }
         Ok(answers)
     }
@@ -254,7 +256,9 @@ impl RaftStateMachine<TypeConfig> for MetaStateMachine {
         data.last_applied = meta.last_log_id;
         data.membership = meta.last_membership.clone();
         data.state = state;
-        self.shared.published.send_replace(Arc::new(data.state.clone()));
+        let mut published = data.state.clone();
+        published.applied = Applied(meta.last_log_id.map_or(0, |l| l.index));
+        self.shared.published.send_replace(Arc::new(published));
         self.shared.leaders.send_replace(TermLeaders::from_last(meta.last_log_id));
         Ok(())
     }

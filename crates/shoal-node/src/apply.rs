@@ -43,9 +43,18 @@ pub(crate) struct Applier {
     /// Index partitions held here that the placement no longer names, waiting out
     /// `INDEX_DRAIN_WAIT` before they are dropped: (collection, index, part).
     draining: Mutex<std::collections::BTreeSet<(String, String, u16)>>,
+    /// The index of the last metadata log entry this node's engine is in step with (a
+    /// reconcile of a state that includes it succeeded): what a DDL's author waits for on
+    /// every member (`ClusterNode::serve_applied`).
+    reconciled: watch::Sender<u64>,
 }
 
 impl Applier {
+    /// How far this node's engine is in step with the metadata log, now and as it goes on.
+    pub(crate) fn reconciled(&self) -> watch::Receiver<u64> {
+        self.reconciled.subscribe()
+    }
+
     /// Stops every replication stream.
     pub(crate) fn stop_replication(&self) {
         for (_, stop) in self.replicators.lock().drain() {
@@ -120,8 +129,16 @@ impl ClusterNode {
         let mut stop = self.stop.subscribe();
         loop {
             let state = Arc::clone(&rx.borrow_and_update());
+            let index = state.applied.0;
             let failed = match self.reconcile(&state).await {
-                Ok(()) => false,
+                Ok(()) => {
+                    self.applier.reconciled.send_if_modified(|r| {
+                        let newer = index > *r;
+                        *r = (*r).max(index);
+                        newer
+                    });
+                    false
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "applying the cluster metadata; will try again");
                     true

@@ -31,6 +31,24 @@ pub const PROPOSE_TIMEOUT: Duration = Duration::from_secs(10);
 pub const STARTUP_WAIT: Duration = Duration::from_secs(10);
 /// Time between looks when a caller waits for this node to apply something.
 const APPLY_POLL: Duration = Duration::from_millis(10);
+/// Longest a DDL change (a collection or an index created, built or dropped) waits, once
+/// this node has applied it, for the other members' engines to have applied it too, so
+/// that a request to any member right after the answer finds what it made. A member that
+/// does not confirm within it (stopped, cut off, slow) is logged and not waited for.
+pub const DDL_SPREAD_WAIT: Duration = Duration::from_secs(5);
+
+/// `applied`: wait until the engine is in step with the metadata log up to `index`.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct AppliedRequest {
+    pub index: u64,
+}
+
+/// How far a member's engine is in step with the metadata log.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub(crate) struct AppliedAnswer {
+    pub applied: u64,
+}
 
 /// How this node takes part in a cluster.
 #[derive(Clone, Debug, Default)]
@@ -351,6 +369,8 @@ impl ClusterNode {
         self.wait_local(|| !indexes.list(coll).iter().any(|s| s.def.name == name)).await
     }
 
+    /// Waits until this node has applied a DDL change (`done`), then until the other
+    /// members have (bounded by [`DDL_SPREAD_WAIT`]).
     async fn wait_local(&self, done: impl Fn() -> bool) -> Result<(), ClusterError> {
         let deadline = Instant::now() + PROPOSE_TIMEOUT;
         while !done() {
@@ -359,7 +379,43 @@ impl ClusterNode {
             }
             tokio::time::sleep(APPLY_POLL).await;
         }
+        self.wait_members_applied().await;
         Ok(())
+    }
+
+    /// Waits until every other member that is not failed has its engine in step with this
+    /// node's applied metadata (which includes the change just made), for at most
+    /// [`DDL_SPREAD_WAIT`]; members that do not confirm in time are logged and not waited for.
+    async fn wait_members_applied(&self) {
+        let state = self.state();
+        let index = state.applied.0;
+        let body = serde_json::to_vec(&AppliedRequest { index }).unwrap_or_default();
+        let calls = state.members.iter().filter(|(id, m)| **id != self.id && m.state != shoal_meta::MemberState::Failed).map(|(id, m)| {
+            let body = body.clone();
+            async move {
+                let answer = self.peers.call(&m.address, Op::Applied, body, DDL_SPREAD_WAIT).await;
+                let reached = match answer {
+                    Ok(bytes) => serde_json::from_slice::<AppliedAnswer>(&bytes).is_ok_and(|a| a.applied >= index),
+                    Err(e) => {
+                        tracing::debug!(member = id.0, error = %e, "asking a member whether it applied a change");
+                        false
+                    }
+                };
+                if !reached {
+                    tracing::warn!(member = id.0, index, "a member did not confirm a metadata change in time; not waiting for it");
+                }
+            }
+        });
+        futures::future::join_all(calls).await;
+    }
+
+    /// Answers once this node's engine is in step with the metadata log up to the asked
+    /// index, or after [`DDL_SPREAD_WAIT`], with how far it is.
+    pub(crate) async fn serve_applied(&self, req: AppliedRequest) -> AppliedAnswer {
+        let mut rx = self.applier.reconciled();
+        let _ = tokio::time::timeout(DDL_SPREAD_WAIT, rx.wait_for(|r| *r >= req.index)).await;
+        let applied = *rx.borrow();
+        AppliedAnswer { applied }
     }
 
     /// Answers a call from another member (the server checked the cluster secret).
@@ -449,6 +505,11 @@ impl ClusterNode {
             Op::IndexAdopt => {
                 let req = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
                 let answer = crate::index_moves::serve_adopt(self, req).await?;
+                serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
+            }
+            Op::Applied => {
+                let req = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+                let answer = self.serve_applied(req).await;
                 serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
             }
             Op::Export | Op::IndexExport | Op::ShadowExport => {

@@ -57,6 +57,9 @@ pub enum Op {
     /// A replica being built by files asks the active for the partition's analytics rows
     /// (`shadow_move`; streamed).
     ShadowExport,
+    /// The author of a DDL change waits until a member's engine is in step with the log up
+    /// to an index (`ClusterNode::serve_applied`).
+    Applied,
 }
 
 impl Op {
@@ -91,6 +94,7 @@ impl Op {
             Op::IndexScan => "index-scan",
             Op::ShadowFields => "shadow-fields",
             Op::ShadowExport => "shadow-export",
+            Op::Applied => "applied",
         }
     }
 
@@ -117,6 +121,7 @@ impl Op {
             "index-scan" => Op::IndexScan,
             "shadow-fields" => Op::ShadowFields,
             "shadow-export" => Op::ShadowExport,
+            "applied" => Op::Applied,
             "catch-up" => Op::CatchUp,
             "invite" => Op::Invite,
             _ => return None,

@@ -358,7 +358,15 @@ pub(crate) async fn get_many(
             }
             entries[i] = entry;
         }
-        if misrouted.is_empty() || !reroute.again(&state.cluster, routed_at).await {
+        if misrouted.is_empty() {
+            break;
+        }
+        if !reroute.again(&state.cluster, routed_at).await {
+            // Never `not_my_partition` to a client that does not route itself.
+            for i in misrouted {
+                entries[i].clear();
+                push_error(&mut entries[i], &keys[i], &crate::routing::unsettled());
+            }
             break;
         }
         pending = misrouted;
@@ -536,10 +544,23 @@ pub async fn bulk(
             answers[i] = answer;
         }
         misrouted.retain(|&i| lines[i].key.as_deref().and_then(|k| last_written.get(k)).is_none_or(|&w| w < i));
-        if misrouted.is_empty() || !reroute.again(&state.cluster, routed_at).await {
+        if misrouted.is_empty() {
+            break;
+        }
+        if !reroute.again(&state.cluster, routed_at).await {
             break;
         }
         pending = misrouted;
+    }
+    if !relayed {
+        // A line still refused as misrouted was applied nowhere (the wait is over, or a
+        // later line of its key was written): never `not_my_partition` to a client.
+        let e = crate::routing::unsettled();
+        for answer in &mut answers {
+            if answer.get("error").and_then(serde_json::Value::as_str) == Some("not_my_partition") {
+                *answer = serde_json::json!({"error": e.code, "reason": e.reason});
+            }
+        }
     }
     let mut out = Vec::with_capacity(answers.len() * 96);
     for (mut line, slot) in answers.into_iter().zip(lines) {

@@ -134,7 +134,7 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
                     node.wait_map_after(routed_at, reroute.left()).await;
                     route = node.route(key.as_bytes());
                     if route == Route::Local {
-                        return misdirected(routed_at, node.id());
+                        return unsettled().into_response();
                     }
                     continue;
                 }
@@ -147,11 +147,26 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
             }
             other => return refuse(&state, other),
         };
-        if answer.status() != StatusCode::MISDIRECTED_REQUEST || !reroute.again(node, routed_at).await {
+        if answer.status() != StatusCode::MISDIRECTED_REQUEST {
             return answer;
+        }
+        if !reroute.again(node, routed_at).await {
+            // A client that does not route itself never sees `not_my_partition`: the
+            // request was applied nowhere, and it may simply be sent again.
+            return unsettled().into_response();
         }
         route = node.route(key.as_bytes());
     }
+}
+
+/// `503 unavailable` for a client's request (or a key of its `_get` / `_bulk`) that met its
+/// partition moving and did not find where it went within [`HANDOVER_WAIT`]: it was applied
+/// nowhere; a retry goes where the map says by then.
+pub(crate) fn unsettled() -> ApiError {
+    ApiError::unavailable(format!(
+        "the key's partition is moving between members and its new place was not settled within {} s; nothing was applied, retry",
+        HANDOVER_WAIT.as_secs()
+    ))
 }
 
 /// `421 not_my_partition`: `owner` holds the key's partition at `map_version`.
