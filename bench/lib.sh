@@ -3,6 +3,13 @@
 # Source it after `set -euo pipefail`; then `bench_start_shoal [serve flags...]`.
 
 shoal=${SHOAL_BIN:-${CARGO_TARGET_DIR:-target}/release/shoal}
+# The nodes a script starts give their admin this password; the CLI (`SHOAL_USER`,
+# `SHOAL_PASSWORD`), curl (the function below) and wrk (`-H "Authorization: $SHOAL_AUTH"`)
+# call with it.
+export SHOAL_ADMIN_PASSWORD=${SHOAL_ADMIN_PASSWORD:-bench-admin-password}
+export SHOAL_USER=admin SHOAL_PASSWORD=$SHOAL_ADMIN_PASSWORD
+SHOAL_AUTH="Basic $(printf 'admin:%s' "$SHOAL_ADMIN_PASSWORD" | base64 -w0)"
+curl() { command curl -u "admin:$SHOAL_ADMIN_PASSWORD" "$@"; }
 work=$(mktemp -d)
 bench_cleanups=()
 

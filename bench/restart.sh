@@ -6,6 +6,11 @@
 # turns, run by run, so that a baseline build is measured in the same run.
 # Usage: bench/restart.sh RUNS BINARY... (DOCS=1000000 by default)
 set -euo pipefail
+# The nodes started here give their admin this password; the CLI, curl and tpch_diff.py
+# call with it.
+export SHOAL_ADMIN_PASSWORD=${SHOAL_ADMIN_PASSWORD:-bench-admin-password}
+export SHOAL_USER=admin SHOAL_PASSWORD=$SHOAL_ADMIN_PASSWORD
+curl() { command curl -u "admin:$SHOAL_ADMIN_PASSWORD" "$@"; }
 runs=$1
 shift
 docs=${DOCS:-1000000}

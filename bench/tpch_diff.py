@@ -17,10 +17,12 @@ Usage: bench/tpch_diff.py --data DIR [--url http://127.0.0.1:7070] [--only 6,15]
 (`bench/tpch_diff.sh` builds, generates, starts a node and runs this in one command.)
 """
 import argparse
+import base64
 import datetime
 import decimal
 import json
 import math
+import os
 import pathlib
 import re
 import sys
@@ -56,6 +58,11 @@ class ShoalError(Exception):
 def request(url, method="GET", body=None, content_type="application/json"):
     data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
     req = urllib.request.Request(url, data=data, method=method)
+    # The node's credentials, as the CLI takes them (bench/tpch_diff.sh sets them).
+    user, password = os.environ.get("SHOAL_USER"), os.environ.get("SHOAL_PASSWORD")
+    if user and password:
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        req.add_header("Authorization", f"Basic {token}")
     if data is not None:
         req.add_header("Content-Type", content_type)
     try:

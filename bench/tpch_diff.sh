@@ -13,6 +13,11 @@
 # Other arguments go to tpch_diff.py (e.g. `--only 6,15`). Needs python3 and
 # `pip install duckdb`.
 set -euo pipefail
+# The nodes started here give their admin this password; the CLI, curl and tpch_diff.py
+# call with it.
+export SHOAL_ADMIN_PASSWORD=${SHOAL_ADMIN_PASSWORD:-bench-admin-password}
+export SHOAL_USER=admin SHOAL_PASSWORD=$SHOAL_ADMIN_PASSWORD
+curl() { command curl -u "admin:$SHOAL_ADMIN_PASSWORD" "$@"; }
 cd "$(dirname "$0")/.."
 
 sf=0.01

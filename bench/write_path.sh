@@ -25,10 +25,10 @@ for i in $(seq "$runs"); do
   # The HTTP floor: the same connections on an endpoint that does no work (no body, no
   # storage), so a reader sees what the HTTP stack and wrk alone leave of the 2 cores.
   echo "\$ wrk -t2 -c200 -d${secs}s --latency http://127.0.0.1:7070/v1/health"
-  wrk -t2 -c200 -d"${secs}s" --latency http://127.0.0.1:7070/v1/health | grep -E "Requests/sec|^ +(50|99)%|Non-2xx"
+  wrk -t2 -c200 -d"${secs}s" --latency -H "Authorization: $SHOAL_AUTH" http://127.0.0.1:7070/v1/health | grep -E "Requests/sec|^ +(50|99)%|Non-2xx"
   for d in none persist; do
     echo "\$ DURABILITY=$d wrk -t2 -c200 -d${secs}s --latency -s bench/wrk/upsert.lua http://127.0.0.1:7070"
-    DURABILITY=$d wrk -t2 -c200 -d"${secs}s" --latency -s "$lua" http://127.0.0.1:7070 | grep -E "Requests/sec|^ +(50|99)%|Non-2xx"
+    DURABILITY=$d wrk -t2 -c200 -d"${secs}s" --latency -H "Authorization: $SHOAL_AUTH" -s "$lua" http://127.0.0.1:7070 | grep -E "Requests/sec|^ +(50|99)%|Non-2xx"
   done
   echo "\$ redis-benchmark -p 6398 -c 200 -t set -d 180 -r 1000000 -n 400000 -q (appendfsync always)"
   redis-benchmark -p 6398 -c 200 -t set -d 180 -r 1000000 -n 400000 -q | tr '\r' '\n' | grep -E '^SET: [0-9]'

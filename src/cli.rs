@@ -25,6 +25,33 @@ pub enum CliError {
     Bench(String),
 }
 
+/// Where the CLI finds a local node's admin password when given no credentials (the
+/// README's first command keeps its data in `./shoal-data`).
+pub const LOCAL_ADMIN_PASSWORD_FILE: &str = "shoal-data/admin-password";
+
+/// `url` with the credentials the CLI calls as: `user`/`password` when given (`--user`,
+/// `SHOAL_USER`...), else `admin` with the password in [`LOCAL_ADMIN_PASSWORD_FILE`] when
+/// that file is readable; `url` unchanged when it carries credentials already or none are
+/// found (the server then answers `401`).
+pub fn with_credentials(url: &str, user: Option<&str>, password: Option<&str>) -> Result<String, CliError> {
+    let Some((scheme, rest)) = url.split_once("://") else { return Ok(url.to_string()) };
+    if rest.split('/').next().is_some_and(|authority| authority.contains('@')) {
+        return Ok(url.to_string());
+    }
+    let (user, password) = match (user, password) {
+        (Some(u), Some(p)) => (u.to_string(), p.to_string()),
+        (Some(_), None) | (None, Some(_)) => {
+            return Err(CliError::Usage("give both --user and --password (or SHOAL_USER and SHOAL_PASSWORD)".into()))
+        }
+        (None, None) => match std::fs::read_to_string(LOCAL_ADMIN_PASSWORD_FILE) {
+            Ok(p) => ("admin".to_string(), p.trim().to_string()),
+            Err(_) => return Ok(url.to_string()),
+        },
+    };
+    let enc = |s: &str| percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string();
+    Ok(format!("{scheme}://{}:{}@{rest}", enc(&user), enc(&password)))
+}
+
 #[derive(Subcommand)]
 pub enum CollectionCmd {
     /// Create a collection.

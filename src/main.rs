@@ -24,6 +24,13 @@ struct Args {
     /// Server to talk to (all commands but `serve`).
     #[arg(long, global = true, env = "SHOAL_URL", default_value = "http://127.0.0.1:7070")]
     url: String,
+    /// User to call the server as (default: `admin`, with the password of a local node's
+    /// `shoal-data/admin-password`).
+    #[arg(long, global = true, env = "SHOAL_USER")]
+    user: Option<String>,
+    /// That user's password.
+    #[arg(long, global = true, env = "SHOAL_PASSWORD", hide_env_values = true)]
+    password: Option<String>,
     /// How to print answers.
     #[arg(long, global = true, value_enum, default_value_t = Output::Table)]
     output: Output,
@@ -124,6 +131,11 @@ struct ServeArgs {
     /// data; a joining node must be given it.
     #[arg(long, env = "SHOAL_CLUSTER_SECRET")]
     cluster_secret: Option<String>,
+    /// A file holding the password the cluster's first start gives the user `admin`
+    /// (else `SHOAL_ADMIN_PASSWORD`, else a generated one, printed once and kept in
+    /// `<first data path>/admin-password`).
+    #[arg(long)]
+    admin_password_file: Option<PathBuf>,
     /// Lets `POST /v1/_internal/faults` (with the cluster secret) cut this node off from
     /// other members: for fault tests only.
     #[arg(long, hide = true)]
@@ -213,6 +225,11 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> Result<(), cli::CliError> {
+    let url = match &args.command {
+        Command::Serve(_) => args.url.clone(),
+        _ => cli::with_credentials(&args.url, args.user.as_deref(), args.password.as_deref())?,
+    };
+    let args = Args { url, ..args };
     match args.command {
         Command::Serve(s) => serve(s).await,
         Command::Collection(c) => cli::collection(&args.url, args.output, c).await,
@@ -228,6 +245,15 @@ async fn run(args: Args) -> Result<(), cli::CliError> {
 }
 
 async fn serve(args: ServeArgs) -> Result<(), cli::CliError> {
+    let admin_password = match &args.admin_password_file {
+        Some(f) => Some(
+            std::fs::read_to_string(f).map_err(|e| cli::CliError::Usage(format!("cannot read {}: {e}", f.display())))?.trim().to_string(),
+        ),
+        None => std::env::var("SHOAL_ADMIN_PASSWORD").ok().filter(|p| !p.is_empty()),
+    };
+    if let Some(p) = &admin_password {
+        shoal_server::auth::check_password(p).map_err(|e| cli::CliError::Usage(format!("the admin password: {}", e.reason)))?;
+    }
     let config = shoal_server::ServerConfig {
         listen: args.listen,
         engine: shoal_engine::EngineConfig {
@@ -262,11 +288,24 @@ async fn serve(args: ServeArgs) -> Result<(), cli::CliError> {
             services: args.services,
         },
         fault_injection: args.fault_injection,
+        admin_password,
     };
     let signal = shutdown_signal()?;
     let server = shoal_server::Server::bind(config).await?;
     let addr = server.local_addr()?;
     println!("shoal listening on http://{addr}");
+    let mut first_admin = server.first_admin();
+    tokio::spawn(async move {
+        if let Ok(made) = first_admin.wait_for(Option::is_some).await {
+            if let Some(made) = made.as_ref() {
+                eprintln!(
+                    "shoal: created the user `admin` with password {} (shown once; kept in {}, readable by you only)",
+                    made.password,
+                    made.file.display()
+                );
+            }
+        }
+    });
     match server.run(signal).await? {
         shoal_server::RunOutcome::Stopped => println!("shoal stopped cleanly"),
         shoal_server::RunOutcome::Restart => {

@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 const ARGS: [&str; 6] = ["--cluster-secret", SECRET, "--partitions", "16", "--analytics-partitions", "2"];
 
 fn http() -> reqwest::Client {
-    reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap()
+    common::client_builder().timeout(Duration::from_secs(120)).build().unwrap()
 }
 
 /// `n` nodes, the first founding the cluster, rebalanced over all of them.
@@ -340,7 +340,7 @@ async fn a_client_that_goes_away_ends_the_statement_on_every_member() {
     assert_eq!(v["metrics"]["engine"], "columnar across members");
 
     let cpu_before: Vec<f64> = nodes.iter().map(|n| cpu_secs(n.pid())).collect();
-    let impatient = reqwest::Client::builder().timeout(Duration::from_secs(2)).build().unwrap();
+    let impatient = common::client_builder().timeout(Duration::from_secs(2)).build().unwrap();
     let sql = "SELECT count(*) FROM c a, c b, c d WHERE a.n + b.n + d.n = -1";
     let r = impatient.post(nodes[0].u("/v1/analytics")).json(&json!({"sql": sql})).send().await;
     assert!(r.as_ref().is_err_and(|e| e.is_timeout()), "the statement runs longer than its client waits: {r:?}");

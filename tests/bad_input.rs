@@ -156,9 +156,10 @@ async fn every_bad_request_gets_its_code_and_loses_nothing() {
             "x-shoal-forwarded",
             &map_version,
         ),
-        // Routed by a map this node never applies: it waits `FORWARDED_MAP_WAIT`, then refuses.
+        // The mark of a call between members, from a client, counts for nothing: `partitions`
+        // stays a members' parameter.
         with(
-            case("changes routed by a map not here", Method::GET, "/v1/collections/c/changes?partitions=0", "", 503, "unavailable"),
+            case("a client's forwarded mark", Method::GET, "/v1/collections/c/changes?partitions=0", "", 400, "bad_request"),
             "x-shoal-forwarded",
             &(map_version.parse::<u64>().unwrap() + 1000).to_string(),
         ),

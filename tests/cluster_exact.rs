@@ -29,7 +29,7 @@ fn joined(join: &str) -> Node {
 }
 
 fn http() -> reqwest::Client {
-    reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap()
+    common::client_builder().timeout(Duration::from_secs(60)).build().unwrap()
 }
 
 async fn post(http: &reqwest::Client, url: String, body: Value) -> (u16, Value) {

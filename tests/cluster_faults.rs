@@ -109,7 +109,7 @@ async fn a_cluster_under_kills_pauses_and_partitions_stays_linearizable_for_majo
     // the others are drawn at random.
     let leader_every = env_or("SHOAL_FAULT_LEADER_EVERY", 2);
     let mut nodes = start_cluster(nodes_n, &["--fault-injection"]);
-    let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
+    let http = common::client_builder().timeout(Duration::from_secs(30)).build().unwrap();
     wait_for(&http, &nodes[0].u("/v1/cluster"), "members", |v| member_states(v).len() == nodes_n).await;
     let failover_timeout_s = env_or("SHOAL_FAULT_TIMEOUT_S", 2);
     let r =
@@ -334,7 +334,7 @@ async fn moves_by_files_stay_linearizable() {
     let args = ["--cluster-secret", common::cluster::SECRET, "--analytics-partitions", "0", "--partitions", "4"];
     let mut first = common::Node::start(&args);
     first.pin_port();
-    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let http = common::client_builder().timeout(Duration::from_secs(60)).build().unwrap();
     assert_eq!(http.put(first.u("/v1/collections/lin")).send().await.unwrap().status().as_u16(), 201);
     const FILLER: usize = 12_000;
     let pad = "x".repeat(200);

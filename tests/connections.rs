@@ -121,7 +121,7 @@ fn read_answer(s: &mut TcpStream, limit: Duration) -> Answer {
 /// One request on a fresh connection (`Connection: close`), answered within 10 s.
 fn http(a: SocketAddr, method: &str, path: &str, body: &[u8]) -> Answer {
     let mut s = TcpStream::connect(a).expect("connect");
-    let head = format!("{method} {path} HTTP/1.1\r\nHost: shoal\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+    let head = format!("{method} {path} HTTP/1.1\r\nHost: shoal\r\nAuthorization: Basic YWRtaW46dGVzdC1hZG1pbi1wYXNzd29yZA==\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
     s.write_all(head.as_bytes()).expect("write head");
     s.write_all(body).expect("write body");
     read_answer(&mut s, Duration::from_secs(10))
@@ -143,7 +143,7 @@ fn raise_fd_limit() -> u64 {
 
 /// A client that keeps no idle connection (which the node would count as open).
 fn one_shot_client() -> reqwest::Client {
-    reqwest::Client::builder().timeout(Duration::from_secs(10)).pool_max_idle_per_host(0).build().expect("client")
+    common::client_builder().timeout(Duration::from_secs(10)).pool_max_idle_per_host(0).build().expect("client")
 }
 
 /// The value of one series in the node's `/metrics` (over a connection of its own: the
@@ -228,7 +228,7 @@ fn slow_body(
     send: impl FnOnce(&mut TcpStream) -> std::io::Result<()> + Send + 'static,
 ) -> (Answer, bool, Duration) {
     let head = format!(
-        "PUT /v1/collections/c/docs/{key} HTTP/1.1\r\nHost: shoal\r\nContent-Type: application/json\r\nContent-Length: {len}\r\n\r\n"
+        "PUT /v1/collections/c/docs/{key} HTTP/1.1\r\nHost: shoal\r\nAuthorization: Basic YWRtaW46dGVzdC1hZG1pbi1wYXNzd29yZA==\r\nContent-Type: application/json\r\nContent-Length: {len}\r\n\r\n"
     );
     slow_request(a, key, &head, send)
 }
@@ -333,7 +333,7 @@ fn a_trickled_body_times_out_and_a_fair_one_is_accepted() {
     }
     assert!(bulk.len() >= 1024 * 1024, "{}", bulk.len());
     let mut s = TcpStream::connect(a).expect("connect");
-    let head = format!("POST /v1/collections/c/_bulk HTTP/1.1\r\nHost: shoal\r\nContent-Length: {}\r\n\r\n", bulk.len());
+    let head = format!("POST /v1/collections/c/_bulk HTTP/1.1\r\nHost: shoal\r\nAuthorization: Basic YWRtaW46dGVzdC1hZG1pbi1wYXNzd29yZA==\r\nContent-Length: {}\r\n\r\n", bulk.len());
     s.write_all(head.as_bytes()).expect("write head");
     let start = Instant::now();
     for chunk in bulk.chunks(64 * 1024) {
@@ -386,7 +386,7 @@ async fn slowloris_and_idle_crowds_do_not_starve_a_client() {
     println!("1000 of them answered a request by {:?}", opened.elapsed());
     eventually(10, "the node holds the 4000 connections", || async { metric(&node, "shoal_connections").await >= 4000.0 }).await;
 
-    let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().expect("client");
+    let client = common::client_builder().timeout(Duration::from_secs(10)).build().expect("client");
     let start = Instant::now();
     let r = client.put(node.u("/v1/collections/c")).send().await.expect("create collection");
     assert!(r.status().is_success(), "{}", r.status());
@@ -544,7 +544,7 @@ async fn a_query_flood_is_shed_while_gets_go_on() {
     let (slots, queue) = (1, QUEUE_PER_SLOT);
     let flood = slots + queue + 35;
 
-    let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().expect("client");
+    let client = common::client_builder().timeout(Duration::from_secs(10)).build().expect("client");
     assert!(client.put(node.u("/v1/collections/c")).send().await.expect("create").status().is_success());
     let r = client.put(node.u("/v1/collections/c/docs/k")).body(r#"{"v":7}"#).send().await.expect("put");
     assert_eq!(r.status(), 200);
@@ -552,7 +552,7 @@ async fn a_query_flood_is_shed_while_gets_go_on() {
     // Each statement runs until its own 30 s timeout; the node is killed long before.
     let heavy = serde_json::json!({"sql": "SELECT count(*) FROM generate_series(1, 100000000000)", "timeout_ms": 30_000});
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let flood_client = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().expect("client");
+    let flood_client = common::client_builder().timeout(Duration::from_secs(60)).build().expect("client");
     let start = Instant::now();
     let tasks: Vec<_> = (0..flood)
         .map(|_| {
@@ -614,7 +614,7 @@ async fn a_shutdown_ends_open_feeds_cleanly() {
     let since = lines.last().and_then(|l| l["last"].as_str()).expect("last token").to_string();
 
     // A longpoll feed over HTTP/1.1 and one over h2c, both waiting for news.
-    let h2 = reqwest::Client::builder().http2_prior_knowledge().timeout(Duration::from_secs(60)).build().expect("h2 client");
+    let h2 = common::client_builder().http2_prior_knowledge().timeout(Duration::from_secs(60)).build().expect("h2 client");
     let url = node.u(&format!("/v1/collections/c/changes?feed=longpoll&timeout=60000&since={since}"));
     let mut feeds = Vec::new();
     for c in [&client, &h2] {
@@ -659,7 +659,8 @@ fn a_head_that_starts_with_a_lone_p_is_still_timed() {
     s.set_nodelay(true).unwrap();
     s.write_all(b"P").unwrap();
     std::thread::sleep(Duration::from_millis(300));
-    s.write_all(b"UT /v1/collections/c/docs/k HTTP/1.1\r\nHost: shoal\r\n").unwrap();
+    s.write_all(b"UT /v1/collections/c/docs/k HTTP/1.1\r\nHost: shoal\r\nAuthorization: Basic YWRtaW46dGVzdC1hZG1pbi1wYXNzd29yZA==\r\n")
+        .unwrap();
     let mut w = s.try_clone().unwrap();
     std::thread::spawn(move || {
         for i in 0..100 {
@@ -695,10 +696,10 @@ async fn a_reader_that_stops_reading_a_streamed_answer_is_closed() {
     let small: libc::c_int = 4096;
     // SAFETY: setsockopt reads an int from the pointer we pass, which lives on the stack.
     unsafe { libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVBUF, &small as *const _ as *const libc::c_void, 4) };
-    s.write_all(b"GET /v1/collections/c/changes?include_docs=true HTTP/1.1\r\nHost: shoal\r\n\r\n").unwrap();
+    s.write_all(b"GET /v1/collections/c/changes?include_docs=true HTTP/1.1\r\nHost: shoal\r\nAuthorization: Basic YWRtaW46dGVzdC1hZG1pbi1wYXNzd29yZA==\r\n\r\n").unwrap();
     let start = Instant::now();
     let gauge = || async {
-        let text = reqwest::Client::builder()
+        let text = common::client_builder()
             .pool_max_idle_per_host(0)
             .build()
             .unwrap()
@@ -748,7 +749,7 @@ fn a_lingering_connection_is_cut_off_in_time_and_in_bytes() {
     assert_eq!(http(a, "PUT", "/v1/collections/c", b"").status, 201);
     let refused = || {
         let mut s = TcpStream::connect(a).expect("connect");
-        let head = format!("POST /v1/collections/c/_get HTTP/1.1\r\nHost: shoal\r\nContent-Length: {}\r\n\r\n", 1u64 << 40);
+        let head = format!("POST /v1/collections/c/_get HTTP/1.1\r\nHost: shoal\r\nAuthorization: Basic YWRtaW46dGVzdC1hZG1pbi1wYXNzd29yZA==\r\nContent-Length: {}\r\n\r\n", 1u64 << 40);
         s.write_all(head.as_bytes()).expect("write head");
         assert_eq!(read_answer(&mut s, Duration::from_secs(10)).status, 413);
         s

@@ -277,7 +277,7 @@ fn cli_speaks_to_the_server() {
 #[tokio::test]
 async fn h2c_multiplexes_requests_on_one_connection() {
     let node = Node::start(&[]);
-    let h2 = reqwest::Client::builder().http2_prior_knowledge().build().unwrap();
+    let h2 = common::client_builder().http2_prior_knowledge().build().unwrap();
     let r = h2.put(node.u("/v1/collections/h")).send().await.unwrap();
     assert_eq!(r.version(), reqwest::Version::HTTP_2);
     assert_eq!(r.status(), StatusCode::CREATED);

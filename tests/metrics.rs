@@ -119,6 +119,21 @@ fn requests() -> Vec<Call> {
         ("cluster_rebalance_stop", Method::DELETE, "/v1/cluster/rebalance".into(), String::new()),
         ("cluster_failover", Method::POST, "/v1/cluster/failover".into(), json(serde_json::json!({"node": 1}))),
         ("cluster_recover", Method::POST, "/v1/cluster/recover".into(), json(serde_json::json!({"node": 1}))),
+        // Adding a node that is not there is refused, and counted all the same.
+        ("cluster_add_node", Method::POST, "/v1/cluster/nodes".into(), json(serde_json::json!({"address": "127.0.0.1:1"}))),
+        ("whoami", Method::GET, "/v1/whoami".into(), String::new()),
+        (
+            "user_put",
+            Method::PUT,
+            "/v1/users/reader".into(),
+            json(serde_json::json!({"password": "reader-password", "roles": ["data_reader[c]"]})),
+        ),
+        ("user_list", Method::GET, "/v1/users".into(), String::new()),
+        ("user_delete", Method::DELETE, "/v1/users/reader".into(), String::new()),
+        // An empty key is refused (`invalid_key`), and counted.
+        ("doc_get_empty_key", Method::GET, "/v1/collections/c/docs/".into(), String::new()),
+        ("doc_put_empty_key", Method::PUT, "/v1/collections/c/docs/".into(), "{}".into()),
+        ("doc_remove_empty_key", Method::DELETE, "/v1/collections/c/docs/".into(), String::new()),
     ];
     calls.into_iter().map(|(op, method, path, body)| Call { op, method, path, body }).collect()
 }
@@ -197,7 +212,9 @@ async fn every_route_is_counted_under_its_name_and_metrics_pass_promlint() {
         // A one-node cluster's rebalance has nothing to move and may end before its stop
         // arrives: the stop then answers that none is under way (still counted).
         let already_done = op == "cluster_rebalance_stop" && status == 409 && text.contains("no rebalance is under way");
-        let refused_by_design = (matches!(op, "cluster_failover" | "cluster_recover") && status.is_client_error()) || already_done;
+        let refused_by_design = (matches!(op, "cluster_failover" | "cluster_recover" | "cluster_add_node") && !status.is_success())
+            || (op.ends_with("_empty_key") && status == 400)
+            || already_done;
         assert!(status.is_success() || refused_by_design, "{op}: {method} {path} answered {status}: {text}");
     }
     // One deliberately unknown path: the only request counted as `other`.
@@ -214,7 +231,7 @@ async fn every_route_is_counted_under_its_name_and_metrics_pass_promlint() {
     assert!(refused.starts_with("HTTP/1.1 503"), "{refused}");
     drop(held);
     drop(client);
-    let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().expect("client");
+    let client = common::client_builder().timeout(Duration::from_secs(10)).build().expect("client");
     eventually(20, "the node serves again", || async { client.get(node.u("/v1/health")).send().await.is_ok_and(|r| r.status() == 200) })
         .await;
 

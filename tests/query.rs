@@ -290,7 +290,7 @@ async fn a_query_is_cancelled_when_its_client_disconnects() {
         let addr = node.url.trim_start_matches("http://").to_string();
         let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
         let head =
-            format!("POST /v1/{path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n", body.len());
+            format!("POST /v1/{path} HTTP/1.1\r\nhost: x\r\nAuthorization: Basic YWRtaW46dGVzdC1hZG1pbi1wYXNzd29yZA==\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n", body.len());
         tcp.write_all(head.as_bytes()).await.unwrap();
         tcp.write_all(body.as_bytes()).await.unwrap();
         // The statement starts running...

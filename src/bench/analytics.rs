@@ -444,7 +444,7 @@ struct ScaleOut {
 /// before). Timed from the rebalance's start to its end (a move is handed over only once the
 /// new copy's derived state caught up) and to query 3 answered by the new node.
 async fn scale_out(args: &AnalyticsArgs) -> Result<(), CliError> {
-    let http = reqwest::Client::new();
+    let http = crate::bench::http_builder().build().unwrap_or_default();
     let mut measured = Vec::new();
     for method in ["files", "stream"] {
         println!("\n--- scale-out, analytics rows by {method}");
@@ -455,7 +455,7 @@ async fn scale_out(args: &AnalyticsArgs) -> Result<(), CliError> {
         first.wait_idle(std::time::Duration::from_secs(120));
         let (_, want) = timed_runs(&client, true, tpcds::QUERY_3, 1, "query 3 on the loaded node").await?;
         let mut joining = base.clone();
-        joining.extend(["--join".to_string(), first.url.trim_start_matches("http://").to_string()]);
+        joining.extend(["--join".to_string(), crate::bench::host_port(&first.url)]);
         if method == "stream" {
             joining.push("--analytics-by-stream".to_string());
         }
@@ -529,7 +529,7 @@ async fn scale_out(args: &AnalyticsArgs) -> Result<(), CliError> {
 
 /// Seed 004 on clusters of each size in `--nodes`.
 async fn on_clusters(args: &AnalyticsArgs, cores: usize) -> Result<(), CliError> {
-    let http = reqwest::Client::new();
+    let http = crate::bench::http_builder().build().unwrap_or_default();
     let mut measured = Vec::new();
     for &size in &args.nodes {
         let size = size.max(1);
@@ -537,7 +537,7 @@ async fn on_clusters(args: &AnalyticsArgs, cores: usize) -> Result<(), CliError>
         let base = vec!["--cluster-secret".to_string(), "bench-analytics".to_string()];
         let first = Node::start_named(&format!("analytics-{size}-0"), args.partitions, &base)?;
         let mut joining = base.clone();
-        joining.extend(["--join".to_string(), first.url.trim_start_matches("http://").to_string()]);
+        joining.extend(["--join".to_string(), crate::bench::host_port(&first.url)]);
         let mut nodes = vec![first];
         for i in 1..size {
             nodes.push(Node::start_named(&format!("analytics-{size}-{i}"), args.partitions, &joining)?);

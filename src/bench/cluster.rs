@@ -93,7 +93,7 @@ pub async fn run(args: ClusterArgs) -> Result<(), CliError> {
 fn start(size: usize, partitions: u16) -> Result<Vec<Node>, CliError> {
     let base = vec!["--cluster-secret".to_string(), SECRET.to_string(), "--analytics-partitions".into(), "0".into()];
     let first = Node::start_named(&format!("cluster{size}-0"), partitions, &base)?;
-    let join = first.url.trim_start_matches("http://").to_string();
+    let join = crate::bench::host_port(&first.url);
     let mut nodes = vec![first];
     for i in 1..size {
         let mut extra = base.clone();

@@ -134,7 +134,12 @@ impl Node {
         // Each line it logs goes out prefixed with the node's name, so that several nodes'
         // logs can be told apart.
         let log = std::env::var("SHOAL_BENCH_NODE_LOG").unwrap_or_else(|_| "warn".into());
-        let mut child = cmd.env("SHOAL_LOG", log).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+        let mut child = cmd
+            .env("SHOAL_LOG", log)
+            .env("SHOAL_ADMIN_PASSWORD", crate::bench::BENCH_ADMIN_PASSWORD)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()?;
         if let Some(stderr) = child.stderr.take() {
             let name = name.to_string();
             std::thread::spawn(move || {
@@ -146,7 +151,9 @@ impl Node {
         let stdout = child.stdout.take().ok_or_else(|| CliError::Usage("no stdout from shoal serve".into()))?;
         let mut lines = std::io::BufReader::new(stdout).lines();
         let first = lines.next().transpose()?.unwrap_or_default();
-        let url = first.strip_prefix("shoal listening on ").ok_or_else(|| CliError::Usage(format!("server said {first:?}")))?.to_string();
+        let address = first.strip_prefix("shoal listening on http://").ok_or_else(|| CliError::Usage(format!("server said {first:?}")))?;
+        // Calls to the node carry its admin's credentials.
+        let url = format!("http://admin:{}@{address}", crate::bench::BENCH_ADMIN_PASSWORD);
         std::thread::spawn(move || for _ in lines {});
         Ok(Node { child, dir, url })
     }

@@ -290,7 +290,7 @@ async fn start_cluster(
         data_base.extend(index_extra.iter().cloned());
     }
     let first = Node::start_named(&format!("ixr-{label}-d0"), partitions, &data_base)?;
-    let join = first.url.trim_start_matches("http://").to_string();
+    let join = crate::bench::host_port(&first.url);
     let mut joining = data_base.clone();
     joining.extend(["--join".to_string(), join.clone()]);
     let mut data_nodes = vec![first];
@@ -345,7 +345,7 @@ async fn prepare(client: &Client, url: &str, indexes: usize, index_partitions: u
         first += LOAD_SLICE;
     }
     let acked = loaded.elapsed().as_secs_f64();
-    let http = reqwest::Client::builder().timeout(WAIT_MAX).no_proxy().build().map_err(|e| CliError::Bench(e.to_string()))?;
+    let http = crate::bench::http_builder().timeout(WAIT_MAX).no_proxy().build().map_err(|e| CliError::Bench(e.to_string()))?;
     for n in 0..indexes {
         let name = format!("i{n:03}");
         let deadline = Instant::now() + WAIT_MAX;
@@ -488,7 +488,7 @@ async fn foreground(
     began: Instant,
     stop: Arc<std::sync::atomic::AtomicBool>,
 ) {
-    let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).no_proxy().build().unwrap_or_default();
+    let http = crate::bench::http_builder().timeout(Duration::from_secs(30)).no_proxy().build().unwrap_or_default();
     let mut rng = rand::rngs::StdRng::seed_from_u64(41);
     let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / rate.max(1) as f64));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
@@ -556,7 +556,7 @@ async fn eq_latency(args: &IndexRebalanceArgs) -> Result<(), CliError> {
         let client = Client::new(&data_nodes[0].url)?;
         prepare(&client, &data_nodes[0].url, 1, args.index_partitions, args.docs).await?;
         let http =
-            reqwest::Client::builder().timeout(Duration::from_secs(30)).no_proxy().build().map_err(|e| CliError::Bench(e.to_string()))?;
+            crate::bench::http_builder().timeout(Duration::from_secs(30)).no_proxy().build().map_err(|e| CliError::Bench(e.to_string()))?;
         let expected = expected(args.docs);
         let mut ms = Vec::with_capacity(args.eq_scans);
         let mut wrong = 0;

@@ -206,7 +206,7 @@ async fn kv(url: &str, args: KvArgs) -> Result<(), CliError> {
     let key = "test-regular";
     let doc = seed_document(key, args.keys);
     client.put(&args.collection, key, doc.clone(), &PutOptions::default()).await?;
-    let authority = url.trim_start_matches("http://").trim_end_matches('/').to_string();
+    let authority = url.trim_end_matches('/').to_string();
     let target_key = if args.search_non_existent { "not-exists" } else { key };
     let path = format!("/v1/collections/{}/docs/{}", args.collection, target_key);
     if !args.json {
@@ -231,7 +231,40 @@ async fn kv(url: &str, args: KvArgs) -> Result<(), CliError> {
     Ok(())
 }
 
+/// The password of the admin of the nodes a bench starts (`SHOAL_ADMIN_PASSWORD`).
+pub(crate) const BENCH_ADMIN_PASSWORD: &str = "bench-admin-password";
+
+/// `host:port` of `url` (its scheme, credentials and path dropped).
+pub(crate) fn host_port(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    authority.rsplit_once('@').map_or(authority, |(_, hp)| hp).to_string()
+}
+
+/// The Basic `Authorization` header of the credentials in `url`, if it carries any.
+pub(crate) fn basic_of(url: &str) -> Option<String> {
+    use base64::Engine as _;
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let (userinfo, _) = authority.rsplit_once('@')?;
+    let (user, password) = userinfo.split_once(':').unwrap_or((userinfo, ""));
+    let decode = |s: &str| percent_encoding::percent_decode_str(s).decode_utf8_lossy().into_owned();
+    let pair = format!("{}:{}", decode(user), decode(password));
+    Some(format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(pair)))
+}
+
+/// An HTTP client whose requests carry the bench nodes' admin credentials (for URLs built
+/// from member addresses, which carry none).
+pub(crate) fn http_builder() -> reqwest::ClientBuilder {
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Some(Ok(v)) = basic_of(&format!("http://admin:{BENCH_ADMIN_PASSWORD}@x")).map(|a| reqwest::header::HeaderValue::from_str(&a)) {
+        headers.insert(reqwest::header::AUTHORIZATION, v);
+    }
+    reqwest::Client::builder().default_headers(headers)
+}
+
 /// Runs `parallel` connections, each sending `repeat` requests one after the other.
+/// `authority` is the node's URL (with its credentials, if any).
 async fn drive(
     authority: &str,
     path: &str,
@@ -260,6 +293,9 @@ async fn drive_until(
     repeat: usize,
     control: Option<std::sync::Arc<RunControl>>,
 ) -> Result<RunReport, CliError> {
+    let auth = basic_of(authority);
+    let authority = host_port(authority);
+    let authority = authority.as_str();
     let mut conns = Vec::with_capacity(parallel);
     for _ in 0..parallel {
         let tcp = tokio::net::TcpStream::connect(authority).await?;
@@ -273,7 +309,7 @@ async fn drive_until(
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(parallel);
     for mut sender in conns {
-        let (method, body, path, authority) = (method.clone(), body.clone(), path.to_string(), authority.to_string());
+        let (method, body, path, authority, auth) = (method.clone(), body.clone(), path.to_string(), authority.to_string(), auth.clone());
         let control = control.clone();
         tasks.push(tokio::spawn(async move {
             let mut lat = Vec::with_capacity(repeat.min(1 << 16));
@@ -282,12 +318,15 @@ async fn drive_until(
                 if control.as_ref().is_some_and(|c| c.stop.load(std::sync::atomic::Ordering::Relaxed)) {
                     break;
                 }
-                let req = hyper::Request::builder()
+                let mut req = hyper::Request::builder()
                     .method(method.clone())
                     .uri(path.as_str())
                     .header("host", authority.as_str())
-                    .header("content-type", "application/json")
-                    .body(Full::new(body.clone()));
+                    .header("content-type", "application/json");
+                if let Some(a) = &auth {
+                    req = req.header("authorization", a.as_str());
+                }
+                let req = req.body(Full::new(body.clone()));
                 let Ok(req) = req else {
                     err += 1;
                     continue;
@@ -504,7 +543,7 @@ async fn subdoc(url: &str, args: SubdocArgs) -> Result<(), CliError> {
     client.put(&args.collection, key, doc.clone(), &PutOptions::default()).await?;
     let target = if args.search_non_existent { "not-exists" } else { key };
     let paths = search_paths(args.keys, args.search_keys, &args.difficulty)?;
-    let authority = url.trim_start_matches("http://").trim_end_matches('/').to_string();
+    let authority = url.trim_end_matches('/').to_string();
     let base = format!("/v1/collections/{}/docs/{target}", args.collection);
     if !args.json {
         println!(
@@ -536,7 +575,7 @@ async fn sweep_point(client: &Client, url: &str, args: &SubdocArgs, keys: usize,
     if client.get(&args.collection, &key, None, None).await.is_err() {
         client.put(&args.collection, &key, seed_document(&key, keys), &PutOptions::default()).await?;
     }
-    let authority = url.trim_start_matches("http://").trim_end_matches('/').to_string();
+    let authority = url.trim_end_matches('/').to_string();
     let base = format!("/v1/collections/{}/docs/{key}", args.collection);
     let report = if difficulty == "regular" {
         drive(&authority, &base, hyper::Method::GET, Bytes::new(), args.parallel, args.repeat).await?
@@ -567,7 +606,7 @@ fn flood_request(args: &SubdocArgs) -> Result<(String, Bytes), CliError> {
 /// would be: its queueing is not the neighbours'.
 async fn noisy_neighbour(client: &Client, url: &str, args: &SubdocArgs) -> Result<(), CliError> {
     use std::io::{BufRead, Read};
-    let authority = url.trim_start_matches("http://").trim_end_matches('/').to_string();
+    let authority = url.trim_end_matches('/').to_string();
     client.put(&args.collection, "neighbour-small", seed_document("neighbour-small", 5), &PutOptions::default()).await?;
     client.put(&args.collection, "neighbour-large", seed_document("neighbour-large", args.keys), &PutOptions::default()).await?;
     let small = format!("/v1/collections/{}/docs/neighbour-small", args.collection);
@@ -653,7 +692,7 @@ impl Drop for KillOnDrop {
 /// The flood of [`noisy_neighbour`], in its own process: runs until stdin closes.
 async fn flood_child(url: &str, args: &SubdocArgs) -> Result<(), CliError> {
     use std::sync::atomic::Ordering;
-    let authority = url.trim_start_matches("http://").trim_end_matches('/').to_string();
+    let authority = url.trim_end_matches('/').to_string();
     let (large, body) = flood_request(args)?;
     let control = std::sync::Arc::new(RunControl::default());
     let flood = {

@@ -311,7 +311,7 @@ async fn swap(args: &RebalanceArgs, docs: usize, method: &str, scenario: Scenari
         base.push("--copy-unpaced".into());
     }
     let first = Node::start_named(&format!("rebalance-{label}-0"), args.partitions, &base)?;
-    let join = first.url.trim_start_matches("http://").to_string();
+    let join = crate::bench::host_port(&first.url);
     let mut nodes = vec![first];
     let mut joining = base.clone();
     joining.extend(["--join".to_string(), join.clone()]);
@@ -496,7 +496,7 @@ fn copies_on(map: &Value, node: u64) -> usize {
 }
 
 pub(crate) fn node_id(info: &Value, url: &str) -> Option<u64> {
-    let address = url.trim_start_matches("http://");
+    let address = crate::bench::host_port(url);
     info["nodes"].as_array()?.iter().find(|n| n["address"] == address).and_then(|n| n["id"].as_u64())
 }
 
@@ -623,7 +623,7 @@ fn write_requests(path: &std::path::Path, label: &str, rebalance_start: f64, log
 async fn foreground(load: Foreground, log: Arc<Mutex<Vec<Request>>>, began: Instant, stop: Arc<std::sync::atomic::AtomicBool>) -> u64 {
     let Foreground { targets, docs, rate, actives, direct, durability } = load;
     let durable = durability.map(|d| format!("?durability={d}")).unwrap_or_default();
-    let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).no_proxy().build().unwrap_or_default();
+    let http = crate::bench::http_builder().timeout(Duration::from_secs(30)).no_proxy().build().unwrap_or_default();
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let interval = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
     let mut ticker = tokio::time::interval(interval);

@@ -150,7 +150,7 @@ pub async fn index_cluster() -> IndexCluster {
     let second = joined(&data_node_args(), &join);
     let a = joined(&index_node_args(), &join);
     let b = joined(&index_node_args(), &join);
-    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let http = super::client_builder().timeout(Duration::from_secs(60)).build().unwrap();
     wait_for(&http, &first.u("/v1/cluster"), "four members", |v| member_states(v).len() == 4).await;
     rebalance(&http, &first, &[]).await;
     assert_eq!(http.put(first.u("/v1/collections/c")).send().await.unwrap().status(), 201);

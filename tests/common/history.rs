@@ -130,7 +130,7 @@ pub struct Workload<'a> {
 /// with its CAS) on `keys` of `collection` until `until`. Every value written is unique
 /// (client and counter), so comparing values is comparing versions.
 pub async fn run_client(target: Target, w: &Workload<'_>, client: usize, seed: u64, history: &History) {
-    let http = reqwest::Client::new();
+    let http = super::client();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut n = 0u64;
     let (collection, params) = (w.collection, w.write_params);

@@ -10,6 +10,32 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+/// The password every test node gives its first admin (`SHOAL_ADMIN_PASSWORD`).
+pub const ADMIN_PASSWORD: &str = "test-admin-password";
+
+/// The `Authorization` header of the test nodes' admin.
+pub fn admin_auth() -> String {
+    basic_auth("admin", ADMIN_PASSWORD)
+}
+
+/// A Basic `Authorization` header for `user` and `password`.
+pub fn basic_auth(user: &str, password: &str) -> String {
+    use base64::Engine as _;
+    format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}")))
+}
+
+/// A client builder whose requests carry the admin's credentials.
+pub fn client_builder() -> reqwest::ClientBuilder {
+    let mut headers = reqwest::header::HeaderMap::new();
+    headers.insert(reqwest::header::AUTHORIZATION, admin_auth().parse().expect("header"));
+    reqwest::Client::builder().default_headers(headers)
+}
+
+/// A client whose requests carry the admin's credentials.
+pub fn client() -> reqwest::Client {
+    client_builder().build().expect("client")
+}
+
 pub struct Node {
     child: Option<Child>,
     pub url: String,
@@ -70,6 +96,7 @@ impl Node {
             // warnings, each line prefixed with the node's process id (to read a long
             // fault run's log).
             .env("SHOAL_LOG", std::env::var("SHOAL_TEST_NODE_LOG").unwrap_or_else(|_| "warn".into()))
+            .env("SHOAL_ADMIN_PASSWORD", ADMIN_PASSWORD)
             .stdout(Stdio::piped())
             .stderr(if std::env::var_os("SHOAL_TEST_NODE_LOG").is_some() { Stdio::piped() } else { Stdio::inherit() })
             .spawn()
@@ -146,7 +173,7 @@ impl Node {
     }
 
     pub fn client(&self) -> reqwest::Client {
-        reqwest::Client::builder().timeout(Duration::from_secs(60)).build().expect("client")
+        client_builder().timeout(Duration::from_secs(60)).build().expect("client")
     }
 
     pub fn u(&self, path: &str) -> String {
@@ -168,7 +195,7 @@ pub fn binary() -> PathBuf {
 
 pub fn cli(url: &str, args: &[&str], stdin: Option<&str>) -> (bool, String, String) {
     let mut cmd = Command::new(binary());
-    cmd.arg("--url").arg(url).args(args).env("SHOAL_LOG", "warn");
+    cmd.arg("--url").arg(url).args(args).env("SHOAL_LOG", "warn").env("SHOAL_USER", "admin").env("SHOAL_PASSWORD", ADMIN_PASSWORD);
     cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() }).stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = cmd.spawn().expect("spawn cli");
     if let Some(input) = stdin {

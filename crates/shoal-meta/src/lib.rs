@@ -12,6 +12,7 @@ pub mod network;
 pub mod node;
 pub mod state;
 pub mod state_machine;
+pub mod users;
 pub mod vote_gate;
 
 pub use files::StoreError;
@@ -23,6 +24,7 @@ pub use state::{
     MetaResponse, MetaState, RebalancePlan, Services, ServicesError, Settings, SettingsPatch,
 };
 pub use state_machine::{MetaStateMachine, TermLeaders};
+pub use users::{allows, Needs, Role, Scope, User};
 pub use vote_gate::VoteGate;
 
 /// What applying one log entry answers: the command's response, or why every member

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::users::User;
 use serde::{Deserialize, Serialize};
 use shoal_cluster::{NodeId, PartitionMap, REPLICAS_MAX};
 use thiserror::Error;
@@ -226,6 +227,9 @@ pub struct MetaState {
     /// reverts it) where the old one left off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rebalance: Option<RebalancePlan>,
+    /// Who may call the cluster, by name (`users`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub users: BTreeMap<String, User>,
     /// The index of the last log entry this state includes, as the state machine published
     /// it (0 in a state built otherwise). Not part of the state's value: never stored,
     /// and equal in every state.
@@ -275,6 +279,7 @@ impl Default for MetaState {
             next_collection_id: 1,
             next_index_id: 1,
             rebalance: None,
+            users: BTreeMap::new(),
             applied: Applied(0),
         }
     }
@@ -350,6 +355,20 @@ pub enum MetaCommand {
     SetIndexPlacements {
         placements: Vec<IndexPlacementChange>,
     },
+    /// Creates or replaces a user (the server hashed the password and checked that the
+    /// caller may). Refused when it would leave no admin, or a role names no collection.
+    PutUser {
+        name: String,
+        user: User,
+    },
+    /// Refused when it would leave no admin.
+    DeleteUser {
+        name: String,
+    },
+    /// The first start's admin: applied only while the cluster has no user at all.
+    CreateFirstAdmin {
+        user: User,
+    },
 }
 
 /// One index's new placement (see [`IndexDef::placement`]).
@@ -419,6 +438,14 @@ pub enum MetaReject {
     RebalanceRunning,
     #[error("no rebalance is under way")]
     NoRebalance,
+    #[error("no user {name}")]
+    NoSuchUser { name: String },
+    #[error("the cluster must keep at least one user with the admin role")]
+    LastAdmin,
+    #[error("the cluster has users already")]
+    UsersExist,
+    #[error("the user is not valid: {why}")]
+    InvalidUser { why: String },
 }
 
 /// What an index definition asks of placement: `partitions` (default
@@ -514,6 +541,10 @@ impl MetaState {
                     return Err(MetaReject::NoSuchCollection { name });
                 }
                 self.indexes.remove(&name);
+                // A collection made again under this name is another one: no role carries over.
+                for user in self.users.values_mut() {
+                    user.roles.retain(|r| r.collection() != Some(name.as_str()));
+                }
                 Ok(MetaResponse::Done)
             }
             MetaCommand::CreateIndex { collection, name, definition } => self.create_index(collection, name, definition),
@@ -543,6 +574,24 @@ impl MetaState {
             }
             MetaCommand::SetMap { map } => self.set_map(map),
             MetaCommand::UpdateSettings { patch } => self.update_settings(patch),
+            MetaCommand::PutUser { name, user } => self.put_user(name, user),
+            MetaCommand::DeleteUser { name } => {
+                let user = self.users.get(&name).ok_or_else(|| MetaReject::NoSuchUser { name: name.clone() })?;
+                if user.is_admin() && self.users.values().filter(|u| u.is_admin()).count() == 1 {
+                    return Err(MetaReject::LastAdmin);
+                }
+                self.users.remove(&name);
+                Ok(MetaResponse::Done)
+            }
+            MetaCommand::CreateFirstAdmin { user } => {
+                if !self.users.is_empty() {
+                    return Err(MetaReject::UsersExist);
+                }
+                if !user.is_admin() {
+                    return Err(MetaReject::InvalidUser { why: "the first user is an admin".into() });
+                }
+                self.put_user(crate::users::ADMIN_USER.to_string(), user)
+            }
             MetaCommand::BeginRebalance { plan } => {
                 if self.rebalance.is_some() {
                     return Err(MetaReject::RebalanceRunning);
@@ -756,6 +805,32 @@ impl MetaState {
         Ok(MetaResponse::MapSet { version })
     }
 
+    fn put_user(&mut self, name: String, user: User) -> Result<MetaResponse, MetaReject> {
+        use crate::users::{check_user_name, HASH_MAX_BYTES, ROLES_PER_USER_MAX, USERS_MAX};
+        check_user_name(&name).map_err(|why| MetaReject::InvalidUser { why })?;
+        if user.hash.is_empty() || user.hash.len() > HASH_MAX_BYTES {
+            return Err(MetaReject::InvalidUser { why: format!("a password hash has 1 to {HASH_MAX_BYTES} bytes") });
+        }
+        if user.roles.len() > ROLES_PER_USER_MAX {
+            return Err(MetaReject::InvalidUser { why: format!("at most {ROLES_PER_USER_MAX} roles") });
+        }
+        if let Some(missing) = user.roles.iter().filter_map(|r| r.collection()).find(|c| !self.collections.contains_key(*c)) {
+            return Err(MetaReject::NoSuchCollection { name: missing.to_string() });
+        }
+        let was_admin = self.users.get(&name).is_some_and(User::is_admin);
+        if was_admin && !user.is_admin() && self.users.values().filter(|u| u.is_admin()).count() == 1 {
+            return Err(MetaReject::LastAdmin);
+        }
+        if !self.users.contains_key(&name) && self.users.len() >= USERS_MAX {
+            return Err(MetaReject::LimitReached { what: format!("at most {USERS_MAX} users") });
+        }
+        let mut user = user;
+        user.roles.sort();
+        user.roles.dedup();
+        self.users.insert(name, user);
+        Ok(MetaResponse::Done)
+    }
+
     fn update_settings(&mut self, patch: SettingsPatch) -> Result<MetaResponse, MetaReject> {
         // Check every field before changing any, so a refused patch changes nothing.
         if let Some(v) = patch.auto_failover_timeout_s {
@@ -878,7 +953,49 @@ mod tests {
         use MetaReject as R;
         use MetaResponse as A;
         type Case = (&'static str, Vec<(MetaCommand, Result<MetaResponse, MetaReject>)>);
+        let user = |roles: &[&str]| crate::users::User {
+            hash: "$argon2id$v=19$m=19456,t=2,p=1$c2FsdA$aGFzaA".into(),
+            roles: roles.iter().map(|r| r.parse().unwrap()).collect(),
+        };
+        let put = |name: &str, roles: &[&str]| MetaCommand::PutUser { name: name.into(), user: user(roles) };
+        let delete = |name: &str| MetaCommand::DeleteUser { name: name.into() };
         let cases: Vec<Case> = vec![
+            (
+                "the first admin is made once, and the last admin stays",
+                vec![
+                    (
+                        MetaCommand::CreateFirstAdmin { user: user(&["metrics_reader"]) },
+                        Err(R::InvalidUser { why: "the first user is an admin".into() }),
+                    ),
+                    (MetaCommand::CreateFirstAdmin { user: user(&["admin"]) }, Ok(A::Done)),
+                    (MetaCommand::CreateFirstAdmin { user: user(&["admin"]) }, Err(R::UsersExist)),
+                    (delete("admin"), Err(R::LastAdmin)),
+                    (put("admin", &["cluster_admin"]), Err(R::LastAdmin)),
+                    (put("root", &["admin"]), Ok(A::Done)),
+                    (put("admin", &["cluster_admin"]), Ok(A::Done)),
+                    (delete("root"), Err(R::LastAdmin)),
+                    (delete("admin"), Ok(A::Done)),
+                    (delete("admin"), Err(R::NoSuchUser { name: "admin".into() })),
+                ],
+            ),
+            (
+                "a role names a collection that exists, and goes when it is dropped",
+                vec![
+                    (put("app", &["data_reader[c]"]), Err(R::NoSuchCollection { name: "c".into() })),
+                    (create("c"), Ok(A::CollectionCreated { id: 1 })),
+                    (put("app", &["data_reader[c]", "data_writer[*]", "data_reader[c]"]), Ok(A::Done)),
+                    (MetaCommand::DropCollection { name: "c".into() }, Ok(A::Done)),
+                    (create("c"), Ok(A::CollectionCreated { id: 2 })),
+                    (
+                        put("bad:name", &[]),
+                        Err(R::InvalidUser { why: "a user name holds letters, digits and _ . - @ only, not ':'".into() }),
+                    ),
+                    (
+                        MetaCommand::PutUser { name: "nohash".into(), user: crate::users::User { hash: String::new(), roles: vec![] } },
+                        Err(R::InvalidUser { why: format!("a password hash has 1 to {} bytes", crate::users::HASH_MAX_BYTES) }),
+                    ),
+                ],
+            ),
             (
                 "collection ids come from the log, in order, never reused",
                 vec![
@@ -1033,6 +1150,17 @@ mod tests {
                 state.check().unwrap();
             }
         }
+    }
+
+    #[test]
+    fn a_dropped_collection_takes_its_roles_with_it() {
+        let mut state = MetaState::default();
+        state.apply(create("c")).unwrap();
+        let roles = ["data_reader[c]", "data_writer[*]"].iter().map(|r| r.parse().unwrap()).collect();
+        state.apply(MetaCommand::PutUser { name: "app".into(), user: crate::users::User { hash: "h".into(), roles } }).unwrap();
+        state.apply(MetaCommand::DropCollection { name: "c".into() }).unwrap();
+        state.apply(create("c")).unwrap();
+        assert_eq!(state.users["app"].roles, vec![crate::users::Role::DataWriter(crate::users::Scope::All)]);
     }
 
     /// Members that create a built index later build it too: the flag is in the state.

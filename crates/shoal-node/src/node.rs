@@ -362,6 +362,26 @@ impl ClusterNode {
             .collect()
     }
 
+    /// Creates or replaces a user cluster-wide (the hash is already made) and waits until
+    /// the members have it.
+    pub async fn put_user(&self, name: &str, user: shoal_meta::User) -> Result<(), ClusterError> {
+        let want = user.hash.clone();
+        self.propose(MetaCommand::PutUser { name: name.to_string(), user }).await?;
+        self.wait_local(|| self.state().users.get(name).is_some_and(|u| u.hash == want)).await
+    }
+
+    /// Deletes a user cluster-wide and waits until the members have dropped it.
+    pub async fn delete_user(&self, name: &str) -> Result<(), ClusterError> {
+        self.propose(MetaCommand::DeleteUser { name: name.to_string() }).await?;
+        self.wait_local(|| !self.state().users.contains_key(name)).await
+    }
+
+    /// The first start's admin: committed only while the cluster has no user.
+    pub async fn create_first_admin(&self, user: shoal_meta::User) -> Result<(), ClusterError> {
+        self.propose(MetaCommand::CreateFirstAdmin { user }).await?;
+        self.wait_local(|| !self.state().users.is_empty()).await
+    }
+
     /// Drops an index cluster-wide and waits until this node has dropped it.
     pub async fn drop_index(&self, coll: &Arc<shoal_storage::Collection>, name: &str) -> Result<(), ClusterError> {
         self.propose(MetaCommand::DropIndex { collection: coll.name().to_string(), name: name.to_string() }).await?;

@@ -154,6 +154,44 @@ impl From<DataFusionError> for QueryError {
     }
 }
 
+/// What a statement reads, for access checks before it runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reads {
+    /// The documents of a collection (a table in a `FROM`, a join, a subquery).
+    Collection(String),
+    /// The catalog (`information_schema`, or any schema but `public`): the names and fields
+    /// of every collection.
+    Catalog,
+}
+
+/// Every table `sql` reads, subqueries included (names a `WITH` defines are not tables). A
+/// statement that does not parse is refused here as it would be when run.
+pub fn reads(sql: &str) -> Result<Vec<Reads>, QueryError> {
+    use datafusion::common::TableReference;
+    if sql.len() > SQL_MAX_BYTES {
+        return Err(QueryError::Invalid(format!("the statement is longer than {SQL_MAX_BYTES} bytes")));
+    }
+    let statements = datafusion::sql::parser::DFParser::parse_sql(sql).map_err(|e| QueryError::Sql(e.to_string()))?;
+    let mut out = Vec::new();
+    for statement in &statements {
+        let (tables, _ctes) = datafusion::sql::resolve::resolve_table_references(statement, false)?;
+        for t in tables {
+            let read = match &t {
+                TableReference::Bare { table } => Reads::Collection(table.to_string()),
+                TableReference::Partial { schema, table } if schema.as_ref() == "public" => Reads::Collection(table.to_string()),
+                TableReference::Full { catalog, schema, table } if catalog.as_ref() == "datafusion" && schema.as_ref() == "public" => {
+                    Reads::Collection(table.to_string())
+                }
+                _ => Reads::Catalog,
+            };
+            if !out.contains(&read) {
+                out.push(read);
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// One statement to run.
 #[derive(Clone, Debug)]
 pub struct QueryRequest {

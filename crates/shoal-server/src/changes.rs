@@ -90,7 +90,7 @@ pub async fn changes(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQu
             };
             let spec = Spec { feed: params.feed, limit, timeout, include_docs: params.include_docs };
             let path = uri.path_and_query().map_or_else(|| uri.path().to_string(), |pq| pq.as_str().to_string());
-            return span(&state, coll, since, base, owners, spec, &path, pinned.map_version());
+            return span(&state, coll, since, base, owners, spec, &path, pinned.map_version(), headers.get(crate::auth::USER_HEADER));
         }
     }
     let only = match params.partitions.as_deref() {
@@ -391,6 +391,7 @@ fn span(
     spec: Spec,
     path: &str,
     map_version: u64,
+    user: Option<&axum::http::HeaderValue>,
 ) -> Result<Response, ApiError> {
     let count = usize::from(coll.partition_count());
     if owners.len() != count {
@@ -430,11 +431,14 @@ fn span(
                 // The member serves exactly the partitions given here, by this map.
                 let given: Vec<String> = served.iter().enumerate().filter(|(_, s)| **s).map(|(p, _)| p.to_string()).collect();
                 let sep = if path.contains('?') { '&' } else { '?' };
-                let request = state
+                let mut request = state
                     .forwarder
                     .get(format!("http://{address}{path}{sep}partitions={}", given.join(",")))
                     .timeout(spec.timeout + FORWARD_TIMEOUT)
                     .header(FORWARDED_HEADER, map_version.to_string());
+                if let Some(user) = user {
+                    request = request.header(crate::auth::USER_HEADER, user.as_bytes());
+                }
                 let address = address.clone();
                 tokio::spawn(async move {
                     let failed = |reason: String| {

@@ -203,6 +203,10 @@ impl AsyncWrite for Watched {
 #[derive(Clone, Debug)]
 pub(crate) struct Socket(pub(crate) Arc<std::net::TcpStream>);
 
+/// The address a request's connection came from (each request carries it).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Peer(pub(crate) std::net::IpAddr);
+
 /// Counts a request in flight until its answer's body is done (or dropped).
 struct InFlight(Arc<Activity>);
 
@@ -251,7 +255,7 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimi
     let (closing_tx, closing) = watch::channel(false);
     let open = Arc::new(AtomicUsize::new(0));
     loop {
-        let (tcp, _peer): (TcpStream, SocketAddr) = tokio::select! {
+        let (tcp, peer): (TcpStream, SocketAddr) = tokio::select! {
             r = listener.accept() => match r {
                 Ok(c) => c,
                 Err(e) => {
@@ -273,7 +277,7 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimi
         tokio::spawn(async move {
             open.fetch_add(1, Ordering::Relaxed);
             metrics::gauge!("shoal_connections").increment(1.0);
-            serve_one(tcp, router, limits, &mut closing).await;
+            serve_one(tcp, peer, router, limits, &mut closing).await;
             metrics::gauge!("shoal_connections").decrement(1.0);
             open.fetch_sub(1, Ordering::Relaxed);
             drop(permit);
@@ -303,7 +307,7 @@ async fn refuse(mut tcp: TcpStream) {
     let _ = tokio::time::timeout(REFUSAL_WRITE_TIMEOUT, tcp.write_all(answer.as_bytes())).await;
 }
 
-async fn serve_one(tcp: TcpStream, router: Router, limits: ConnectionLimits, closing: &mut watch::Receiver<bool>) {
+async fn serve_one(tcp: TcpStream, peer: SocketAddr, router: Router, limits: ConnectionLimits, closing: &mut watch::Receiver<bool>) {
     // A second descriptor of the socket: when hyper is done with the connection and drops
     // its own, the socket stays open for `linger`.
     // Also handed to each request that asks to switch protocols (`Socket`): an upgraded
@@ -313,7 +317,7 @@ async fn serve_one(tcp: TcpStream, router: Router, limits: ConnectionLimits, clo
         tcp.as_fd().try_clone_to_owned().ok().map(|fd| Socket(Arc::new(std::net::TcpStream::from(fd))))
     };
     let activity = Activity::new();
-    if drive(tcp, router, limits, closing, &activity, lingering.clone()).await && !activity.upgraded.load(Ordering::Acquire) {
+    if drive(tcp, peer, router, limits, closing, &activity, lingering.clone()).await && !activity.upgraded.load(Ordering::Acquire) {
         if let Some(tcp) = lingering.and_then(|s| Arc::try_unwrap(s.0).or_else(|s| s.try_clone()).ok()) {
             linger(tcp).await;
         }
@@ -348,6 +352,7 @@ async fn linger(tcp: std::net::TcpStream) {
 /// the protocol closed it), not by one of the timeouts here (then it is simply dropped).
 async fn drive(
     tcp: TcpStream,
+    peer: SocketAddr,
     router: Router,
     limits: ConnectionLimits,
     closing: &mut watch::Receiver<bool>,
@@ -357,6 +362,7 @@ async fn drive(
     let io = TokioIo::new(Watched { io: tcp, activity: Arc::clone(activity) });
     let tracker = Arc::clone(activity);
     let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
+        req.extensions_mut().insert(Peer(peer.ip()));
         if let Some(socket) = socket.as_ref().filter(|_| req.headers().contains_key(axum::http::header::UPGRADE)) {
             req.extensions_mut().insert(socket.clone());
         }

@@ -419,7 +419,7 @@ async fn get_round(
         }
         Ok::<_, ApiError>(entries)
     });
-    let (remote, local) = tokio::join!(spread::call_all(state, path, state.cluster.state().map_version(), calls), local);
+    let (remote, local) = tokio::join!(spread::call_all(state, path, state.cluster.state().map_version(), headers, calls), local);
     let mut entries = local.map_err(|e| ApiError::internal(format!("multi-get task: {e}")))??;
     for ((group, keys), answer) in groups.values().zip(&group_keys).zip(remote) {
         let docs = answer.and_then(|bytes| {
@@ -639,7 +639,7 @@ async fn bulk_round(
         let durable = if durability.fsync_here() { wait.wait().await.map_err(ApiError::from) } else { Ok(()) };
         Ok::<_, ApiError>((outcomes, durable))
     };
-    let (remote, local) = tokio::join!(spread::call_all(state, path, state.cluster.state().map_version(), calls), local);
+    let (remote, local) = tokio::join!(spread::call_all(state, path, state.cluster.state().map_version(), headers, calls), local);
     let (outcomes, durable) = local?;
     let mut local_answers: Vec<Result<serde_json::Value, ApiError>> = outcomes
         .iter()

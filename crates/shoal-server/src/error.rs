@@ -118,6 +118,7 @@ const KNOWN_CODES: &[&str] = &[
     "doc_exists",
     "doc_not_found",
     "durability_impossible",
+    "forbidden",
     "index_exists",
     "index_not_found",
     "insufficient_storage",
@@ -132,8 +133,10 @@ const KNOWN_CODES: &[&str] = &[
     "rebalance_running",
     "timeout",
     "too_large",
+    "too_many_requests",
     "unauthorized",
     "unavailable",
+    "user_not_found",
 ];
 /// Members of an error object passed on with it.
 const KNOWN_DETAILS: &[&str] = &["ambiguous", "partition", "map_version", "node", "index", "status"];

@@ -180,7 +180,7 @@ pub async fn scan(
         let scan = shoal_node::index_scan::RoutedScan { bounds, limit, descending: req.descending, consistency, timeout };
         let rows = state.cluster.routed_scan(&pinned, &coll, def, scan).await.map_err(crate::error::cluster_error)?;
         if req.include_docs {
-            return with_docs(&state, &coll, &rows).await.map(|body| json_response(StatusCode::OK, body));
+            return with_docs(&state, &coll, &rows, &headers).await.map(|body| json_response(StatusCode::OK, body));
         }
         let written = Arc::clone(&coll);
         let body = tokio::task::spawn_blocking(move || write_rows(&written, &rows, false))
@@ -228,7 +228,7 @@ pub async fn scan(
         return Ok(json_response(StatusCode::OK, local));
     }
     let calls = others.into_iter().map(|address| (address, body.to_vec())).collect();
-    let (remote, local) = tokio::join!(spread::call_all(&state, uri.path(), map_version, calls), local);
+    let (remote, local) = tokio::join!(spread::call_all(&state, uri.path(), map_version, &headers, calls), local);
     let mut answers = vec![Bytes::from(local?)];
     for answer in remote {
         // A scan writes nothing: a member that did not answer makes it unavailable, never
@@ -255,10 +255,15 @@ struct GotDoc<'a> {
 
 /// The scan answer of `rows` with each row's document, read from the partitions' actives
 /// (`null` for one removed since the scan).
-async fn with_docs(state: &AppState, coll: &Arc<Collection>, rows: &[ScanRow]) -> Result<Vec<u8>, ApiError> {
+async fn with_docs(state: &AppState, coll: &Arc<Collection>, rows: &[ScanRow], headers: &HeaderMap) -> Result<Vec<u8>, ApiError> {
     let keys: Vec<Value> = rows.iter().map(|r| Value::String(r.id.clone())).collect();
     let path = format!("/v1/collections/{}/_get", coll.name());
-    let entries = crate::docs::get_many(state, coll, keys, &HeaderMap::new(), &path).await?;
+    // The user the scan runs for reads the documents (the members check it again).
+    let mut asked = HeaderMap::new();
+    if let Some(user) = headers.get(crate::auth::USER_HEADER) {
+        asked.insert(crate::auth::USER_HEADER, user.clone());
+    }
+    let entries = crate::docs::get_many(state, coll, keys, &asked, &path).await?;
     let mut out = Vec::with_capacity(64 + rows.len() * 48 + entries.iter().map(Vec::len).sum::<usize>());
     out.extend_from_slice(b"{\"rows\":[");
     for (i, (row, entry)) in rows.iter().zip(&entries).enumerate() {

@@ -3,6 +3,7 @@
 //! Only this crate knows HTTP. Handlers parse and validate their own input (see
 //! [`extract`]) so that every rejection is an API error with a code, never axum's default.
 
+pub mod auth;
 mod changes;
 pub mod cluster;
 mod collections;
@@ -20,12 +21,12 @@ pub mod routing;
 mod spread;
 mod subdoc;
 pub mod transport;
+mod users;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::routing::{get, post, put};
 use axum::Router;
 use shoal_engine::{Engine, EngineConfig};
 use shoal_node::{ClusterConfig, ClusterNode};
@@ -61,6 +62,9 @@ pub struct ServerConfig {
     /// Whether `POST /v1/_internal/faults` may cut this node off from other members (for
     /// fault tests: a network partition without network namespaces).
     pub fault_injection: bool,
+    /// The password of the first start's `admin` (`SHOAL_ADMIN_PASSWORD`); `None` generates
+    /// one, kept in `<first data path>/admin-password`.
+    pub admin_password: Option<String>,
 }
 
 /// How many client connections the node holds and how long it waits for slow or idle ones.
@@ -112,56 +116,91 @@ pub struct AppState {
     pub faults: Arc<transport::Faults>,
     /// The thread that moves partition copies' bytes, off the request threads.
     pub copy_io: Arc<copy_io::CopyIo>,
+    /// Verified credentials and failed logins (`auth`).
+    pub auth: Arc<auth::Auth>,
 }
 
 pub fn router(state: AppState) -> Router {
+    use axum::routing::MethodFilter;
+    // Every route is added here, through its access rule (`auth::RULES`): a route without
+    // one stops the server at its start, so none can be served unchecked.
+    fn at<H, T>(router: Router<AppState>, method: &'static str, path: &'static str, handler: H) -> Router<AppState>
+    where
+        H: axum::handler::Handler<T, AppState>,
+        T: 'static,
+    {
+        assert!(auth::rule_of(method, path).is_some(), "route {method} {path} has no access rule in auth::RULES");
+        let filter = match method {
+            "GET" => MethodFilter::GET,
+            "PUT" => MethodFilter::PUT,
+            "POST" => MethodFilter::POST,
+            "DELETE" => MethodFilter::DELETE,
+            other => panic!("route {other} {path}: no such method here"),
+        };
+        router.route(path, axum::routing::on(filter, handler))
+    }
     // Key requests go where the key's active copy is (see `routing::route`).
-    let keyed = Router::new()
-        .route("/v1/collections/{c}/docs/{key}", get(docs::get).put(docs::put).delete(docs::remove))
-        .route("/v1/collections/{c}/docs/{key}/touch", post(docs::touch))
-        .route("/v1/collections/{c}/docs/{key}/unlock", post(docs::unlock))
-        .route("/v1/collections/{c}/docs/{key}/lookup", post(subdoc::lookup))
-        .route("/v1/collections/{c}/docs/{key}/mutate", post(subdoc::mutate))
-        .route_layer(axum::middleware::from_fn_with_state(state.clone(), routing::route));
+    let mut keyed = Router::new();
+    keyed = at(keyed, "GET", "/v1/collections/{c}/docs/{key}", docs::get);
+    keyed = at(keyed, "PUT", "/v1/collections/{c}/docs/{key}", docs::put);
+    keyed = at(keyed, "DELETE", "/v1/collections/{c}/docs/{key}", docs::remove);
+    keyed = at(keyed, "POST", "/v1/collections/{c}/docs/{key}/touch", docs::touch);
+    keyed = at(keyed, "POST", "/v1/collections/{c}/docs/{key}/unlock", docs::unlock);
+    keyed = at(keyed, "POST", "/v1/collections/{c}/docs/{key}/lookup", subdoc::lookup);
+    keyed = at(keyed, "POST", "/v1/collections/{c}/docs/{key}/mutate", subdoc::mutate);
+    let keyed = keyed.route_layer(axum::middleware::from_fn_with_state(state.clone(), routing::route));
     // Calls between members and the cluster API: not limited by the client classes.
-    let cluster = Router::new()
-        .route("/v1/_internal/{op}", post(transport::internal))
-        .route("/v1/cluster", get(cluster::info))
-        .route("/v1/cluster/map", get(cluster::map))
-        .route("/v1/cluster/settings", put(cluster::settings))
-        .route("/v1/cluster/failover", post(cluster::failover))
-        .route("/v1/cluster/recover", post(cluster::recover))
-        .route("/v1/cluster/nodes", post(cluster::add_node))
-        .route("/v1/cluster/rebalance", post(cluster::rebalance).get(cluster::rebalance_status).delete(cluster::rebalance_stop));
+    let mut cluster = Router::new();
+    cluster = at(cluster, "POST", "/v1/_internal/{op}", transport::internal);
+    cluster = at(cluster, "GET", "/v1/cluster", cluster::info);
+    cluster = at(cluster, "GET", "/v1/cluster/map", cluster::map);
+    cluster = at(cluster, "PUT", "/v1/cluster/settings", cluster::settings);
+    cluster = at(cluster, "POST", "/v1/cluster/failover", cluster::failover);
+    cluster = at(cluster, "POST", "/v1/cluster/recover", cluster::recover);
+    cluster = at(cluster, "POST", "/v1/cluster/nodes", cluster::add_node);
+    cluster = at(cluster, "POST", "/v1/cluster/rebalance", cluster::rebalance);
+    cluster = at(cluster, "GET", "/v1/cluster/rebalance", cluster::rebalance_status);
+    cluster = at(cluster, "DELETE", "/v1/cluster/rebalance", cluster::rebalance_stop);
+    cluster = at(cluster, "GET", "/v1/whoami", users::whoami);
+    cluster = at(cluster, "GET", "/v1/users", users::list);
+    cluster = at(cluster, "PUT", "/v1/users/{name}", users::put);
+    cluster = at(cluster, "DELETE", "/v1/users/{name}", users::delete);
     // Every member is a worker of distributed analytics, on this same port (gRPC over h2c).
     let worker = state.engine.query().attach_cluster(Arc::new(transport::WorkerMember(Arc::clone(&state.cluster))));
     let workers = Router::new()
         .route_service(&format!("{}{{*call}}", shoal_query::distributed::WORKER_PATH_PREFIX), worker.into_worker_server())
         .layer(axum::middleware::from_fn(transport::on_query_runtime))
         .layer(axum::middleware::from_fn_with_state(state.clone(), transport::members_only));
+    let mut api = Router::new();
+    api = at(api, "GET", "/v1/health", ops::health);
+    api = at(api, "GET", "/v1/node", ops::node);
+    api = at(api, "GET", "/metrics", ops::metrics);
+    api = at(api, "GET", "/v1/collections", collections::list);
+    api = at(api, "PUT", "/v1/collections/{c}", collections::create);
+    api = at(api, "DELETE", "/v1/collections/{c}", collections::drop);
+    api = at(api, "GET", "/v1/collections/{c}/docs/", empty_key);
+    api = at(api, "PUT", "/v1/collections/{c}/docs/", empty_key);
+    api = at(api, "DELETE", "/v1/collections/{c}/docs/", empty_key);
+    api = at(api, "POST", "/v1/collections/{c}/_get", docs::multi_get);
+    api = at(api, "POST", "/v1/collections/{c}/_bulk", docs::bulk);
+    api = at(api, "GET", "/v1/collections/{c}/changes", changes::changes);
+    api = at(api, "GET", "/v1/collections/{c}/indexes", indexes::list);
+    api = at(api, "POST", "/v1/collections/{c}/indexes", indexes::create);
+    api = at(api, "POST", "/v1/collections/{c}/indexes/_build", indexes::build_many);
+    api = at(api, "DELETE", "/v1/collections/{c}/indexes/{name}", indexes::drop);
+    api = at(api, "POST", "/v1/collections/{c}/indexes/{name}/build", indexes::build);
+    api = at(api, "POST", "/v1/collections/{c}/indexes/{name}/scan", indexes::scan);
+    api = at(api, "POST", "/v1/query", query::query);
+    api = at(api, "POST", "/v1/analytics", query::analytics);
     Router::new()
         .merge(keyed)
-        .route("/v1/health", get(ops::health))
-        .route("/v1/node", get(ops::node))
-        .route("/metrics", get(ops::metrics))
-        .route("/v1/collections", get(collections::list))
-        .route("/v1/collections/{c}", put(collections::create).delete(collections::drop))
-        .route("/v1/collections/{c}/docs/", get(empty_key).put(empty_key).delete(empty_key))
-        .route("/v1/collections/{c}/_get", post(docs::multi_get))
-        .route("/v1/collections/{c}/_bulk", post(docs::bulk))
-        .route("/v1/collections/{c}/changes", get(changes::changes))
-        .route("/v1/collections/{c}/indexes", get(indexes::list).post(indexes::create))
-        .route("/v1/collections/{c}/indexes/_build", post(indexes::build_many))
-        .route("/v1/collections/{c}/indexes/{name}", axum::routing::delete(indexes::drop))
-        .route("/v1/collections/{c}/indexes/{name}/build", post(indexes::build))
-        .route("/v1/collections/{c}/indexes/{name}/scan", post(indexes::scan))
-        .route("/v1/query", post(query::query))
-        .route("/v1/analytics", post(query::analytics))
+        .merge(api)
         .route_layer(axum::middleware::from_fn_with_state(state.limits.clone(), limits::limit))
         .merge(cluster)
         .merge(workers)
         .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(state.clone(), auth::authenticate))
         .layer(axum::middleware::from_fn(ops::telemetry))
         .with_state(state)
 }
@@ -184,6 +223,8 @@ pub struct Server {
     state: AppState,
     shutdown_tx: watch::Sender<bool>,
     connections: ConnectionLimits,
+    admin_password: Option<String>,
+    first_admin: watch::Sender<Option<auth::FirstAdmin>>,
 }
 
 impl Server {
@@ -236,19 +277,26 @@ impl Server {
             forwarder: routing::forwarder()?,
             faults,
             copy_io,
+            auth: Arc::new(auth::Auth::default()),
         };
-        Ok(Server { listener, state, shutdown_tx, connections: config.connections })
+        let (first_admin, _) = watch::channel(None);
+        Ok(Server { listener, state, shutdown_tx, connections: config.connections, admin_password: config.admin_password, first_admin })
     }
 
     pub fn local_addr(&self) -> Result<SocketAddr, ServerError> {
         Ok(self.listener.local_addr()?)
     }
 
+    /// Told once if this node makes the cluster's first admin with a generated password.
+    pub fn first_admin(&self) -> watch::Receiver<Option<auth::FirstAdmin>> {
+        self.first_admin.subscribe()
+    }
+
     /// Serves until `shutdown` resolves (or the storage engine must be reopened), then
     /// drains requests briefly and closes the store cleanly (everything flushed and
     /// fsynced). Says whether the caller should start the node again at once.
     pub async fn run(self, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> Result<RunOutcome, ServerError> {
-        let Server { listener, state, shutdown_tx, connections } = self;
+        let Server { listener, state, shutdown_tx, connections, admin_password, first_admin } = self;
         let engine = Arc::clone(&state.engine);
         let restart = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let fatal: Arc<parking_lot::Mutex<Option<String>>> = Arc::default();
@@ -281,6 +329,7 @@ impl Server {
         };
         tokio::spawn(signal);
         state.cluster.start();
+        tokio::spawn(auth::ensure_first_admin(state.clone(), admin_password, first_admin));
         conn::serve(listener, router(state.clone()), connections, state.shutdown.clone()).await;
         let restart = restart.load(std::sync::atomic::Ordering::SeqCst);
         state.cluster.shutdown().await;

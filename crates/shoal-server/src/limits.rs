@@ -169,7 +169,7 @@ mod tests {
 
     #[test]
     fn classes_cover_the_heavy_operations_only() {
-        for (_, _, op) in crate::ops::ROUTES {
+        for (_, _, op, _) in crate::ops::ROUTES {
             let class = Class::of(op);
             match *op {
                 "doc_get" | "multi_get" | "health" | "metrics" | "node" | "changes" => assert_eq!(class, None, "{op}"),

@@ -8,6 +8,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
+use crate::auth::Rule;
 use crate::docs::json_response;
 use crate::AppState;
 
@@ -54,54 +55,63 @@ fn status_class(status: StatusCode) -> &'static str {
     }
 }
 
-/// Every endpoint: method, route as registered in [`crate::router`], and the operation name
-/// its metrics carry (static strings keep the label set small). A request that matches no
-/// route is `other`.
-pub const ROUTES: &[(&str, &str, &str)] = &[
-    ("GET", "/v1/health", "health"),
-    ("GET", "/v1/node", "node"),
-    ("GET", "/metrics", "metrics"),
-    ("GET", "/v1/collections", "collection_list"),
-    ("PUT", "/v1/collections/{c}", "collection_create"),
-    ("DELETE", "/v1/collections/{c}", "collection_drop"),
-    ("GET", "/v1/collections/{c}/docs/{key}", "doc_get"),
-    ("PUT", "/v1/collections/{c}/docs/{key}", "doc_put"),
-    ("DELETE", "/v1/collections/{c}/docs/{key}", "doc_remove"),
-    ("POST", "/v1/collections/{c}/docs/{key}/touch", "doc_touch"),
-    ("POST", "/v1/collections/{c}/docs/{key}/unlock", "doc_unlock"),
-    ("POST", "/v1/collections/{c}/docs/{key}/lookup", "subdoc_lookup"),
-    ("POST", "/v1/collections/{c}/docs/{key}/mutate", "subdoc_mutate"),
-    ("POST", "/v1/collections/{c}/_get", "multi_get"),
-    ("POST", "/v1/collections/{c}/_bulk", "bulk"),
-    ("GET", "/v1/collections/{c}/changes", "changes"),
-    ("GET", "/v1/collections/{c}/indexes", "index_list"),
-    ("POST", "/v1/collections/{c}/indexes", "index_create"),
-    ("POST", "/v1/collections/{c}/indexes/_build", "index_build_many"),
-    ("DELETE", "/v1/collections/{c}/indexes/{name}", "index_drop"),
-    ("POST", "/v1/collections/{c}/indexes/{name}/build", "index_build"),
-    ("POST", "/v1/collections/{c}/indexes/{name}/scan", "index_scan"),
-    ("POST", "/v1/query", "query"),
-    ("POST", "/v1/analytics", "analytics"),
-    ("POST", "/v1/_internal/{op}", "internal"),
-    ("GET", "/v1/cluster", "cluster_info"),
-    ("GET", "/v1/cluster/map", "cluster_map"),
-    ("PUT", "/v1/cluster/settings", "cluster_settings"),
-    ("POST", "/v1/cluster/failover", "cluster_failover"),
-    ("POST", "/v1/cluster/recover", "cluster_recover"),
-    ("POST", "/v1/cluster/rebalance", "cluster_rebalance"),
-    ("GET", "/v1/cluster/rebalance", "cluster_rebalance_status"),
-    ("DELETE", "/v1/cluster/rebalance", "cluster_rebalance_stop"),
+/// Every endpoint: method, route as registered in [`crate::router`], the operation name its
+/// metrics carry (static strings keep the label set small; a request that matches no route
+/// is `other`), and who may call it ([`Rule`]; the router refuses a route not here).
+pub const ROUTES: &[(&str, &str, &str, Rule)] = &[
+    ("GET", "/v1/health", "health", Rule::Open),
+    ("GET", "/v1/node", "node", Rule::Monitor),
+    ("GET", "/metrics", "metrics", Rule::Monitor),
+    ("GET", "/v1/collections", "collection_list", Rule::User),
+    ("PUT", "/v1/collections/{c}", "collection_create", Rule::ClusterAdmin),
+    ("DELETE", "/v1/collections/{c}", "collection_drop", Rule::ClusterAdmin),
+    ("GET", "/v1/collections/{c}/docs/{key}", "doc_get", Rule::ReadOrLock),
+    ("PUT", "/v1/collections/{c}/docs/{key}", "doc_put", Rule::Write),
+    ("DELETE", "/v1/collections/{c}/docs/{key}", "doc_remove", Rule::Write),
+    ("POST", "/v1/collections/{c}/docs/{key}/touch", "doc_touch", Rule::Write),
+    ("POST", "/v1/collections/{c}/docs/{key}/unlock", "doc_unlock", Rule::Write),
+    ("POST", "/v1/collections/{c}/docs/{key}/lookup", "subdoc_lookup", Rule::Read),
+    ("POST", "/v1/collections/{c}/docs/{key}/mutate", "subdoc_mutate", Rule::Write),
+    ("POST", "/v1/collections/{c}/_get", "multi_get", Rule::Read),
+    ("POST", "/v1/collections/{c}/_bulk", "bulk", Rule::Write),
+    ("GET", "/v1/collections/{c}/changes", "changes", Rule::Read),
+    ("GET", "/v1/collections/{c}/indexes", "index_list", Rule::Read),
+    ("POST", "/v1/collections/{c}/indexes", "index_create", Rule::ClusterAdmin),
+    ("POST", "/v1/collections/{c}/indexes/_build", "index_build_many", Rule::ClusterAdmin),
+    ("DELETE", "/v1/collections/{c}/indexes/{name}", "index_drop", Rule::ClusterAdmin),
+    ("POST", "/v1/collections/{c}/indexes/{name}/build", "index_build", Rule::ClusterAdmin),
+    ("POST", "/v1/collections/{c}/indexes/{name}/scan", "index_scan", Rule::Read),
+    ("POST", "/v1/query", "query", Rule::User),
+    ("POST", "/v1/analytics", "analytics", Rule::User),
+    ("POST", "/v1/_internal/{op}", "internal", Rule::Members),
+    ("GET", "/v1/cluster", "cluster_info", Rule::Monitor),
+    ("GET", "/v1/cluster/map", "cluster_map", Rule::User),
+    ("PUT", "/v1/cluster/settings", "cluster_settings", Rule::ClusterAdmin),
+    ("POST", "/v1/cluster/failover", "cluster_failover", Rule::ClusterAdmin),
+    ("POST", "/v1/cluster/recover", "cluster_recover", Rule::ClusterAdmin),
+    ("POST", "/v1/cluster/rebalance", "cluster_rebalance", Rule::ClusterAdmin),
+    ("GET", "/v1/cluster/rebalance", "cluster_rebalance_status", Rule::Monitor),
+    ("DELETE", "/v1/cluster/rebalance", "cluster_rebalance_stop", Rule::ClusterAdmin),
+    ("GET", "/v1/whoami", "whoami", Rule::User),
+    ("GET", "/v1/users", "user_list", Rule::ClusterAdmin),
+    ("PUT", "/v1/users/{name}", "user_put", Rule::ClusterAdmin),
+    ("DELETE", "/v1/users/{name}", "user_delete", Rule::ClusterAdmin),
+    ("GET", "/v1/collections/{c}/docs/", "doc_get_empty_key", Rule::Read),
+    ("PUT", "/v1/collections/{c}/docs/", "doc_put_empty_key", Rule::Write),
+    ("DELETE", "/v1/collections/{c}/docs/", "doc_remove_empty_key", Rule::Write),
+    ("POST", "/v1/cluster/nodes", "cluster_add_node", Rule::ClusterAdmin),
 ];
 
 pub(crate) fn operation_name(method: &str, route: Option<&str>) -> &'static str {
     let route = route.unwrap_or("");
-    ROUTES.iter().find(|(m, r, _)| *m == method && *r == route).map_or("other", |(_, _, op)| op)
+    ROUTES.iter().find(|(m, r, _, _)| *m == method && *r == route).map_or("other", |(_, _, op, _)| op)
 }
 
 /// Help text of every metric the node exports (Prometheus' `# HELP` lines).
 fn describe_metrics() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_counter!("shoal_requests_total", "HTTP requests answered, by operation and status class");
+    describe_counter!("shoal_login_failures_total", "Requests refused for wrong or unknown credentials");
     describe_histogram!("shoal_request_duration_seconds", Unit::Seconds, "Time to answer an HTTP request, by operation");
     describe_counter!("shoal_subdoc_parsed_cache_total", "Sub-document requests by how the parsed-tree cache served them");
     describe_counter!("shoal_analytics_rebuilds_total", "Analytics partitions quarantined and rebuilt after their files failed a check");

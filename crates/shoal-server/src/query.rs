@@ -30,18 +30,57 @@ struct QueryBody {
     timeout_ms: Option<u64>,
 }
 
-pub async fn query(State(state): State<AppState>, RawQuery(q): RawQuery, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
-    run(state, q, headers, body, Path::Operational).await
+pub async fn query(
+    State(state): State<AppState>,
+    RawQuery(q): RawQuery,
+    headers: HeaderMap,
+    extensions: axum::http::Extensions,
+    body: Body,
+) -> Result<Response, ApiError> {
+    run(state, q, headers, &extensions, body, Path::Operational).await
 }
 
-pub async fn analytics(State(state): State<AppState>, RawQuery(q): RawQuery, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
-    run(state, q, headers, body, Path::Analytics).await
+pub async fn analytics(
+    State(state): State<AppState>,
+    RawQuery(q): RawQuery,
+    headers: HeaderMap,
+    extensions: axum::http::Extensions,
+    body: Body,
+) -> Result<Response, ApiError> {
+    run(state, q, headers, &extensions, body, Path::Analytics).await
 }
 
-async fn run(state: AppState, q: Option<String>, headers: HeaderMap, body: Body, path: Path) -> Result<Response, ApiError> {
+/// Refuses a statement that reads a collection its caller may not read (`403`). The
+/// catalog (`information_schema`) names every collection and its fields: it needs reading
+/// every collection, or cluster administration.
+fn check_reads(caller: &crate::auth::Principal, sql: &str) -> Result<(), ApiError> {
+    use shoal_meta::Needs;
+    for read in shoal_query::reads(sql)? {
+        match read {
+            shoal_query::Reads::Collection(c) => caller.check(&Needs::Read(c))?,
+            shoal_query::Reads::Catalog => {
+                if !caller.may(&Needs::Read("*".into())) && !caller.may(&Needs::ClusterAdmin) {
+                    caller.check(&Needs::Read("*".into()))?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn run(
+    state: AppState,
+    q: Option<String>,
+    headers: HeaderMap,
+    extensions: &axum::http::Extensions,
+    body: Body,
+    path: Path,
+) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
+    let caller = crate::auth::principal(extensions)?;
     let body = extract::body(&state, body, QUERY_BODY_MAX_BYTES).await?;
     let req: QueryBody = extract::json_body(&body)?;
+    check_reads(&caller, &req.sql)?;
     let consistency = extract::consistency(req.consistency.as_deref())?;
     // In a cluster a statement reads each partition's active copy, never a replica (a
     // replica the rebalance is still filling would answer short). On a node holding every

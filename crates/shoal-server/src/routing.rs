@@ -198,7 +198,7 @@ fn refuse(state: &AppState, route: Route) -> Response {
 }
 
 /// Headers a forwarded request keeps (the rest are hop-by-hop or the client's own).
-const FORWARDED_REQUEST_HEADERS: &[&str] = &["content-type", "if-match", "if-none-match", DIRECT_HEADER];
+const FORWARDED_REQUEST_HEADERS: &[&str] = &["content-type", "if-match", "if-none-match", DIRECT_HEADER, crate::auth::USER_HEADER];
 /// Headers a forwarded answer keeps.
 const FORWARDED_ANSWER_HEADERS: &[&str] = &["content-type", "etag", "x-shoal-expiry"];
 

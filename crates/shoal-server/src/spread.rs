@@ -85,20 +85,27 @@ pub(crate) async fn call_all(
     state: &AppState,
     path_and_query: &str,
     map_version: u64,
+    headers: &axum::http::HeaderMap,
     calls: Vec<(String, Vec<u8>)>,
 ) -> Vec<Result<Bytes, CallError>> {
+    // The user the request runs for, signed by this member (`auth`).
+    let user = headers.get(crate::auth::USER_HEADER);
     let routed_by = map_version.to_string();
     let routed_by = &routed_by;
     let calls = calls.into_iter().map(|(address, body)| async move {
         if state.faults.is_cut(&address) {
             return Err(CallError { error: crate::transport::Faults::cut_error(&address) });
         }
-        let answer = state
+        let mut request = state
             .forwarder
             .post(format!("http://{address}{path_and_query}"))
             .timeout(FORWARD_TIMEOUT)
             .header(FORWARDED_HEADER, routed_by.as_str())
-            .header("content-type", "application/json")
+            .header("content-type", "application/json");
+        if let Some(user) = user {
+            request = request.header(crate::auth::USER_HEADER, user.as_bytes());
+        }
+        let answer = request
             .body(body)
             .send()
             .await

@@ -311,7 +311,7 @@ pub async fn on_query_runtime(request: Request, next: axum::middleware::Next) ->
 }
 
 /// Compares secrets in time that does not depend on where they differ.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
         return false;
     }

@@ -1,0 +1,602 @@
+//! Who calls, and whether they may (`API.md`, Security).
+//!
+//! Every route has a [`Rule`] in [`crate::ops::ROUTES`] — the router is built through
+//! [`rule_of`], so a route without one cannot be served. A call proves who it is by HTTP Basic credentials,
+//! checked against the user's argon2id hash in the metadata log; a member passing a client's
+//! request on to another member proves it with the user's name signed by the cluster secret
+//! ([`USER_HEADER`]), never with the client's password. `/v1/health` needs nothing; calls
+//! between members (`/v1/_internal`, the analytics workers) need the cluster secret
+//! (`transport`).
+//!
+//! A password check costs argon2id's tens of milliseconds, so a header already verified is
+//! remembered, keyed by a keyed hash of it (never the password), for as long as its user's
+//! hash is the one it was verified against: a new password or a deleted user ends it at
+//! once, and role changes apply to the next call. Failures are counted per source address
+//! and per user name ([`Failures`]); past [`FAILURES_FREE`] in a row, each further attempt
+//! waits out a growing pause or is answered `429` with `Retry-After`.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
+use argon2::Argon2;
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
+use blake2::digest::{KeyInit, Mac};
+use parking_lot::Mutex;
+use shoal_meta::{allows, MetaState, Needs, Role};
+
+use crate::error::ApiError;
+use crate::AppState;
+
+/// Set by a member on a client's request it passes on: `<user> <expiry unix s> <signature>`,
+/// the signature keyed by the cluster secret. A client cannot make one.
+pub const USER_HEADER: &str = "x-shoal-user";
+/// How long a signed user is good for (members' clocks agree far better than this).
+pub const SIGNED_USER_VALID: Duration = Duration::from_secs(60);
+/// Longest `Authorization` header read; a longer one is refused as malformed.
+pub const AUTHORIZATION_MAX_BYTES: usize = 1024;
+/// A password's length in bytes.
+pub const PASSWORD_MIN_BYTES: usize = 8;
+pub const PASSWORD_MAX_BYTES: usize = 256;
+/// Verified credentials remembered (each a keyed hash, a name and the hash it matched).
+pub const CREDENTIALS_CACHED: usize = 10_000;
+/// Failed attempts in a row, per source address and per user name, before attempts slow down.
+pub const FAILURES_FREE: u32 = 5;
+/// The longest pause a source or a user is made to wait between failed attempts.
+pub const FAILURE_PAUSE_MAX: Duration = Duration::from_secs(60);
+/// A source or user with no failure for this long starts afresh.
+pub const FAILURE_MEMORY: Duration = Duration::from_secs(15 * 60);
+/// Sources and user names whose failures are remembered; when full, the oldest go.
+pub const FAILURES_TRACKED: usize = 10_000;
+/// Length of a generated password (letters and digits: about 143 bits).
+pub const GENERATED_PASSWORD_CHARS: usize = 24;
+
+/// What a route asks of its caller.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rule {
+    /// Anyone (`/v1/health`).
+    Open,
+    /// Members only, by the cluster secret (checked by `transport`).
+    Members,
+    /// Any known user (the route's handler may ask more: SQL checks the collections a
+    /// statement reads, user management who is changed).
+    User,
+    /// Metrics and the node's and cluster's state.
+    Monitor,
+    /// Cluster operations and DDL.
+    ClusterAdmin,
+    /// Reading the documents of the collection in the path.
+    Read,
+    /// Changing the documents of the collection in the path.
+    Write,
+    /// Reading a document, which writes when it locks or touches it (`?lock=`, `?touch=`).
+    ReadOrLock,
+}
+
+/// The rule of a route; `None` for one not in [`crate::ops::ROUTES`].
+pub fn rule_of(method: &str, path: &str) -> Option<Rule> {
+    crate::ops::ROUTES.iter().find(|(m, p, _, _)| *m == method && *p == path).map(|(_, _, _, r)| *r)
+}
+
+/// Who a request runs for (in its extensions once authenticated).
+#[derive(Clone, Debug)]
+pub struct Principal {
+    pub name: String,
+    pub roles: Vec<Role>,
+}
+
+impl Principal {
+    pub fn may(&self, needs: &Needs) -> bool {
+        allows(&self.roles, needs)
+    }
+
+    /// `403 forbidden` unless the roles grant `needs`.
+    pub fn check(&self, needs: &Needs) -> Result<(), ApiError> {
+        if self.may(needs) {
+            return Ok(());
+        }
+        Err(forbidden(&self.name, needs))
+    }
+}
+
+fn forbidden(user: &str, needs: &Needs) -> ApiError {
+    let what = match needs {
+        Needs::User => "this".to_string(),
+        Needs::Monitor => "monitoring (metrics_reader, cluster_admin or admin)".to_string(),
+        Needs::ClusterAdmin => "cluster administration (cluster_admin or admin)".to_string(),
+        Needs::Read(c) => format!("reading collection {c:?} (data_reader[{c}] or data_writer[{c}])"),
+        Needs::Write(c) => format!("writing collection {c:?} (data_writer[{c}])"),
+    };
+    ApiError::new(StatusCode::FORBIDDEN, "forbidden", format!("user {user:?} has no role allowing {what}"))
+}
+
+/// `401 unauthorized`, asking for Basic credentials.
+pub fn unauthorized(reason: impl Into<String>) -> Response {
+    let mut r = ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", reason).into_response();
+    r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Basic realm=\"shoal\", charset=\"UTF-8\""));
+    r
+}
+
+/// The node's authentication state: the credential cache and the failure counts.
+pub struct Auth {
+    /// Keys the hashes of `Authorization` headers the cache is looked up by.
+    key: [u8; 32],
+    /// Keyed hash of a verified header → (user, the hash it was verified against).
+    verified: quick_cache::sync::Cache<[u8; 32], Arc<(String, String)>>,
+    failures: Failures,
+    /// A hash to check passwords of unknown users against, so that they take as long.
+    decoy: String,
+}
+
+impl Default for Auth {
+    fn default() -> Self {
+        let key: [u8; 32] = rand::random();
+        let decoy = hash_password(&generate_password()).unwrap_or_default();
+        Auth { key, verified: quick_cache::sync::Cache::new(CREDENTIALS_CACHED), failures: Failures::default(), decoy }
+    }
+}
+
+/// An argon2id hash of `password` (PHC string, random salt, the crate's default costs:
+/// 19 MiB, 2 passes — OWASP's recommendation).
+pub fn hash_password(password: &str) -> Result<String, ApiError> {
+    let salt = SaltString::generate(&mut argon2::password_hash::rand_core::OsRng);
+    Argon2::default()
+        .hash_password(password.as_bytes(), &salt)
+        .map(|h| h.to_string())
+        .map_err(|e| ApiError::internal(format!("hashing a password: {e}")))
+}
+
+/// A random password of [`GENERATED_PASSWORD_CHARS`] letters and digits.
+pub fn generate_password() -> String {
+    use rand::distr::{Alphanumeric, SampleString};
+    Alphanumeric.sample_string(&mut rand::rng(), GENERATED_PASSWORD_CHARS)
+}
+
+/// Checks a password's length: [`PASSWORD_MIN_BYTES`] to [`PASSWORD_MAX_BYTES`].
+pub fn check_password(password: &str) -> Result<(), ApiError> {
+    if password.len() < PASSWORD_MIN_BYTES || password.len() > PASSWORD_MAX_BYTES {
+        return Err(ApiError::bad_request(format!("a password has {PASSWORD_MIN_BYTES} to {PASSWORD_MAX_BYTES} bytes")));
+    }
+    Ok(())
+}
+
+fn verify_password(password: &str, hash: &str) -> bool {
+    PasswordHash::new(hash).is_ok_and(|parsed| Argon2::default().verify_password(password.as_bytes(), &parsed).is_ok())
+}
+
+type Signer = blake2::Blake2bMac<blake2::digest::consts::U32>;
+
+/// A member's signature of `user` until `expiry`, keyed by the cluster secret.
+fn signature(secret: &str, user: &str, expiry: u64) -> String {
+    // The secret (8-256 bytes) is hashed to the 32-byte key.
+    let key = <blake2::Blake2b<blake2::digest::consts::U32> as blake2::Digest>::digest(secret.as_bytes());
+    let mut mac = <Signer as KeyInit>::new_from_slice(&key).expect("32 bytes is a valid key length");
+    mac.update(user.as_bytes());
+    mac.update(&[0]);
+    mac.update(&expiry.to_be_bytes());
+    let bytes = mac.finalize().into_bytes();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// The [`USER_HEADER`] a member sends with a request it passes on for `user`.
+pub fn signed_user(secret: &str, user: &str) -> HeaderValue {
+    let expiry = unix_now() + SIGNED_USER_VALID.as_secs();
+    let value = format!("{user} {expiry} {}", signature(secret, user, expiry));
+    HeaderValue::from_str(&value).unwrap_or_else(|_| HeaderValue::from_static("-"))
+}
+
+/// The user a [`USER_HEADER`] names, if a member signed it and it has not expired.
+fn verify_signed(secret: &str, value: &HeaderValue) -> Option<String> {
+    let value = value.to_str().ok()?;
+    let mut parts = value.split(' ');
+    let (user, expiry, sig) = (parts.next()?, parts.next()?.parse::<u64>().ok()?, parts.next()?);
+    let now = unix_now();
+    if parts.next().is_some() || expiry < now || expiry > now + 2 * SIGNED_USER_VALID.as_secs() {
+        return None;
+    }
+    let want = signature(secret, user, expiry);
+    crate::transport::constant_time_eq(want.as_bytes(), sig.as_bytes()).then(|| user.to_string())
+}
+
+/// The user and password of a Basic `Authorization` header.
+fn basic(value: &HeaderValue) -> Result<(String, String), &'static str> {
+    if value.len() > AUTHORIZATION_MAX_BYTES {
+        return Err("the Authorization header is too long");
+    }
+    let text = value.to_str().map_err(|_| "the Authorization header is not text")?;
+    let (scheme, encoded) = text.trim().split_once(' ').ok_or("the Authorization header is not `Basic <base64 of user:password>`")?;
+    if !scheme.eq_ignore_ascii_case("basic") {
+        return Err("only Basic credentials are taken");
+    }
+    let decoded =
+        base64::engine::general_purpose::STANDARD.decode(encoded.trim()).map_err(|_| "the Basic credentials are not valid base64")?;
+    let decoded = String::from_utf8(decoded).map_err(|_| "the Basic credentials are not UTF-8")?;
+    let (user, password) = decoded.split_once(':').ok_or("the Basic credentials have no `:` between user and password")?;
+    Ok((user.to_string(), password.to_string()))
+}
+
+/// Failed attempts per source address and per user name.
+#[derive(Default)]
+pub(crate) struct Failures {
+    by: Mutex<HashMap<FailureKey, Failing>>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum FailureKey {
+    Source(IpAddr),
+    User(String),
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Failing {
+    count: u32,
+    last: Instant,
+}
+
+/// The pause after `count` failures in a row: none for the first [`FAILURES_FREE`], then
+/// doubling from one second up to [`FAILURE_PAUSE_MAX`].
+pub fn failure_pause(count: u32) -> Duration {
+    if count < FAILURES_FREE {
+        return Duration::ZERO;
+    }
+    let doublings = (count - FAILURES_FREE).min(16);
+    Duration::from_secs(1u64 << doublings).min(FAILURE_PAUSE_MAX)
+}
+
+impl Failures {
+    /// How long the caller must still wait before another attempt, if at all.
+    fn wait(&self, keys: &[FailureKey], now: Instant) -> Option<Duration> {
+        let by = self.by.lock();
+        keys.iter()
+            .filter_map(|k| by.get(k))
+            .filter_map(|f| (f.last + failure_pause(f.count)).checked_duration_since(now))
+            .filter(|d| !d.is_zero())
+            .max()
+    }
+
+    fn failed(&self, keys: &[FailureKey], now: Instant) {
+        let mut by = self.by.lock();
+        if by.len() + keys.len() > FAILURES_TRACKED {
+            by.retain(|_, f| now.duration_since(f.last) < FAILURE_MEMORY);
+            if by.len() + keys.len() > FAILURES_TRACKED {
+                // Still full: forget the oldest half.
+                let mut lasts: Vec<Instant> = by.values().map(|f| f.last).collect();
+                lasts.sort();
+                let cut = lasts[lasts.len() / 2];
+                by.retain(|_, f| f.last > cut);
+            }
+        }
+        for k in keys {
+            let f = by.entry(k.clone()).or_insert(Failing { count: 0, last: now });
+            if now.duration_since(f.last) >= FAILURE_MEMORY {
+                f.count = 0;
+            }
+            f.count = f.count.saturating_add(1);
+            f.last = now;
+        }
+    }
+
+    fn succeeded(&self, keys: &[FailureKey]) {
+        let mut by = self.by.lock();
+        for k in keys {
+            by.remove(k);
+        }
+    }
+}
+
+fn too_many(wait: Duration) -> Response {
+    let secs = wait.as_secs_f64().ceil().max(1.0) as u64;
+    let mut r = ApiError::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        "too_many_requests",
+        format!("too many failed logins from this address or for this user; try again in {secs} s"),
+    )
+    .into_response();
+    if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
+        r.headers_mut().insert(header::RETRY_AFTER, v);
+    }
+    r
+}
+
+/// What the rule of a route needs of this request (`None`: no user needed).
+fn needs(rule: Rule, req: &Request) -> Result<Option<Needs>, ApiError> {
+    let collection = || crate::extract::collection_name(req.uri());
+    Ok(Some(match rule {
+        Rule::Open | Rule::Members => return Ok(None),
+        Rule::User => Needs::User,
+        Rule::Monitor => Needs::Monitor,
+        Rule::ClusterAdmin => Needs::ClusterAdmin,
+        Rule::Read => Needs::Read(collection()?),
+        Rule::Write => Needs::Write(collection()?),
+        Rule::ReadOrLock => {
+            let locks = req.uri().query().is_some_and(|q| {
+                serde_urlencoded::from_str::<Vec<(String, String)>>(q)
+                    .is_ok_and(|pairs| pairs.iter().any(|(k, _)| k == "lock" || k == "touch"))
+            });
+            if locks {
+                Needs::Write(collection()?)
+            } else {
+                Needs::Read(collection()?)
+            }
+        }
+    }))
+}
+
+/// The middleware in front of every route: authenticates the caller, checks the route's
+/// rule, and hands the handler the [`Principal`] (signed for members it passes the request
+/// on to). A `x-shoal-forwarded` header counts only on a request a member signed.
+pub async fn authenticate(State(state): State<AppState>, matched: Option<MatchedPath>, mut req: Request, next: Next) -> Response {
+    let rule = match &matched {
+        Some(path) => rule_of(req.method().as_str(), path.as_str()).unwrap_or(Rule::User),
+        // No route: the caller still proves who it is before it learns that.
+        None => Rule::User,
+    };
+    if matches!(rule, Rule::Open | Rule::Members) || is_worker_call(req.uri().path()) {
+        return next.run(req).await;
+    }
+    let mut meta = state.cluster.state();
+    if meta.users.is_empty() {
+        // Just started: the cluster's first admin is made within moments of its founding,
+        // and a joining node learns the users with the rest of the metadata.
+        let _ = state.cluster.wait_applied(|s| !s.users.is_empty()).await;
+        meta = state.cluster.state();
+    }
+    let principal = if let Some(signed) = req.headers().get(USER_HEADER) {
+        match verify_signed(state.cluster.secret(), signed).and_then(|name| principal_of(&meta, &name)) {
+            Some(p) => p,
+            None => return unauthorized("the request's signed user is not valid (expired, forged, or no longer a user)"),
+        }
+    } else {
+        req.headers_mut().remove(crate::routing::FORWARDED_HEADER);
+        let source = req.extensions().get::<crate::conn::Peer>().map_or(IpAddr::from([0, 0, 0, 0]), |p| p.0);
+        let credentials = req.headers().get(header::AUTHORIZATION).cloned();
+        match login(&state, &meta, credentials, source).await {
+            Ok(p) => p,
+            Err(r) => return r,
+        }
+    };
+    match needs(rule, &req) {
+        Ok(Some(needs)) => {
+            if let Err(e) = principal.check(&needs) {
+                return e.into_response();
+            }
+        }
+        Ok(None) => {}
+        Err(e) => return e.into_response(),
+    }
+    let signed = signed_user(state.cluster.secret(), &principal.name);
+    req.headers_mut().insert(USER_HEADER, signed);
+    req.extensions_mut().insert(Arc::new(principal));
+    next.run(req).await
+}
+
+fn is_worker_call(path: &str) -> bool {
+    path.starts_with(shoal_query::distributed::WORKER_PATH_PREFIX)
+}
+
+fn principal_of(meta: &MetaState, name: &str) -> Option<Principal> {
+    meta.users.get(name).map(|u| Principal { name: name.to_string(), roles: u.roles.clone() })
+}
+
+/// Checks a request's Basic credentials (from the cache when seen before).
+async fn login(state: &AppState, meta: &MetaState, credentials: Option<HeaderValue>, source: IpAddr) -> Result<Principal, Response> {
+    let auth = &state.auth;
+    let Some(value) = credentials.as_ref() else {
+        return Err(unauthorized("credentials are needed: HTTP Basic (`Authorization: Basic <base64 of user:password>`)"));
+    };
+    if meta.users.is_empty() {
+        return Err(ApiError::unavailable("this node knows no user yet (it is still entering its cluster); try again").into_response());
+    }
+    let mut cache_key = [0u8; 32];
+    {
+        let mut mac = <Signer as KeyInit>::new_from_slice(&auth.key).expect("32 bytes is a valid key length");
+        mac.update(value.as_bytes());
+        cache_key.copy_from_slice(&mac.finalize().into_bytes());
+    }
+    if let Some(hit) = auth.verified.get(&cache_key) {
+        let (name, hash) = (&hit.0, &hit.1);
+        if let Some(user) = meta.users.get(name).filter(|u| &u.hash == hash) {
+            return Ok(Principal { name: name.clone(), roles: user.roles.clone() });
+        }
+        auth.verified.remove(&cache_key);
+    }
+    let (name, password) = basic(value).map_err(unauthorized)?;
+    let mut keys = vec![FailureKey::Source(source)];
+    if meta.users.contains_key(&name) {
+        keys.push(FailureKey::User(name.clone()));
+    }
+    if let Some(wait) = auth.failures.wait(&keys, Instant::now()) {
+        return Err(too_many(wait));
+    }
+    let hash = meta.users.get(&name).map(|u| u.hash.clone());
+    let check = hash.clone().unwrap_or_else(|| auth.decoy.clone());
+    let ok = state.cpu.run(move || verify_password(&password, &check)).await.unwrap_or(false) && hash.is_some();
+    if !ok {
+        auth.failures.failed(&keys, Instant::now());
+        metrics::counter!("shoal_login_failures_total").increment(1);
+        tracing::info!(user = %name.chars().take(64).collect::<String>(), source = %source, "login failed");
+        return Err(unauthorized("wrong user name or password"));
+    }
+    auth.failures.succeeded(&keys);
+    let hash = hash.unwrap_or_default();
+    auth.verified.insert(cache_key, Arc::new((name.clone(), hash)));
+    let roles = meta.users.get(&name).map(|u| u.roles.clone()).unwrap_or_default();
+    Ok(Principal { name, roles })
+}
+
+/// The principal a handler runs for (set by [`authenticate`]).
+pub fn principal(extensions: &axum::http::Extensions) -> Result<Arc<Principal>, ApiError> {
+    extensions.get::<Arc<Principal>>().cloned().ok_or_else(|| ApiError::internal("a route ran without its caller authenticated"))
+}
+
+/// Whether `principal` may give or take `target`'s roles: an admin may do anything; a
+/// cluster admin may not touch an admin, nor make one.
+pub fn may_manage(principal: &Principal, target_is_admin: bool, grants_admin: bool) -> bool {
+    principal.roles.contains(&Role::Admin) || (!target_is_admin && !grants_admin)
+}
+
+/// The file of a node's first data path holding the password the first start gave `admin`.
+pub const ADMIN_PASSWORD_FILE: &str = "admin-password";
+/// How often a node looks whether the cluster still needs its first admin.
+const FIRST_ADMIN_POLL: Duration = Duration::from_millis(250);
+
+/// The first start's admin, when its password was generated (to be told once).
+#[derive(Clone, Debug)]
+pub struct FirstAdmin {
+    pub password: String,
+    pub file: std::path::PathBuf,
+}
+
+/// Makes the cluster's first user, `admin`, if it has none: done by the metadata leader,
+/// with `given` as its password or a generated one written first to
+/// [`ADMIN_PASSWORD_FILE`] (mode 0600) and sent on `told`. Ends once the cluster has a user.
+pub(crate) async fn ensure_first_admin(state: AppState, given: Option<String>, told: tokio::sync::watch::Sender<Option<FirstAdmin>>) {
+    let mut shutdown = state.shutdown.clone();
+    loop {
+        let meta = state.cluster.state();
+        if !meta.users.is_empty() {
+            return;
+        }
+        if state.cluster.is_leader() && !meta.cluster_id.is_empty() {
+            match first_admin(&state, given.clone()).await {
+                Ok(Some(made)) => {
+                    tracing::warn!(file = %made.file.display(), "created user admin with a generated password, kept in the file");
+                    told.send_replace(Some(made));
+                    return;
+                }
+                Ok(None) => return,
+                Err(e) => tracing::warn!(error = %e.reason, "creating the first admin; will try again"),
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(FIRST_ADMIN_POLL) => {}
+            _ = shutdown.wait_for(|s| *s) => return,
+        }
+    }
+}
+
+async fn first_admin(state: &AppState, given: Option<String>) -> Result<Option<FirstAdmin>, ApiError> {
+    let dir = state.engine.store().data_paths()[0].clone();
+    let file = dir.join(ADMIN_PASSWORD_FILE);
+    let (password, generated) = match given {
+        Some(p) => (p, false),
+        None => (generate_password(), true),
+    };
+    if generated {
+        // Kept before it is committed: a crash in between must not leave an admin whose
+        // password no one has.
+        write_private(&dir, ADMIN_PASSWORD_FILE, password.as_bytes())
+            .map_err(|e| ApiError::unavailable(format!("cannot write {}: {e}", file.display())))?;
+    }
+    let pw = password.clone();
+    let hash = state.cpu.run(move || hash_password(&pw)).await??;
+    match state.cluster.create_first_admin(shoal_meta::User { hash, roles: vec![Role::Admin] }).await {
+        Ok(()) => Ok(generated.then_some(FirstAdmin { password, file })),
+        Err(shoal_node::ClusterError::Rejected(shoal_meta::MetaReject::UsersExist)) => {
+            if generated {
+                let _ = std::fs::remove_file(&file);
+            }
+            Ok(None)
+        }
+        Err(e) => Err(crate::error::cluster_error(e)),
+    }
+}
+
+/// Writes `name` in `dir` readable by this user only (mode 0600 from its creation), then
+/// renames it into place.
+fn write_private(dir: &std::path::Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let tmp = dir.join(format!(".{name}.tmp"));
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600);
+    }
+    let mut f = options.open(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, dir.join(name))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn basic_credentials_are_parsed_and_malformed_ones_refused() {
+        let enc = |s: &str| HeaderValue::from_str(&format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(s))).unwrap();
+        assert_eq!(basic(&enc("admin:pw:with:colons")).unwrap(), ("admin".into(), "pw:with:colons".into()));
+        assert_eq!(basic(&HeaderValue::from_static("basic YTpi")).unwrap(), ("a".into(), "b".into()));
+        for bad in [
+            HeaderValue::from_static("Basic"),
+            HeaderValue::from_static("Bearer abc"),
+            HeaderValue::from_static("Basic !!!notbase64"),
+            enc("no-colon"),
+            HeaderValue::from_str(&format!("Basic {}", "A".repeat(AUTHORIZATION_MAX_BYTES))).unwrap(),
+            HeaderValue::from_bytes(b"Basic \xff\xfe").unwrap(),
+        ] {
+            assert!(basic(&bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_signed_user_verifies_only_with_the_secret_and_in_time() {
+        let v = signed_user("secret-one", "alice");
+        assert_eq!(verify_signed("secret-one", &v).as_deref(), Some("alice"));
+        assert_eq!(verify_signed("secret-two", &v), None);
+        let text = v.to_str().unwrap();
+        let forged = text.replacen("alice", "admin", 1);
+        assert_eq!(verify_signed("secret-one", &HeaderValue::from_str(&forged).unwrap()), None);
+        let expired = format!("alice 1 {}", signature("secret-one", "alice", 1));
+        assert_eq!(verify_signed("secret-one", &HeaderValue::from_str(&expired).unwrap()), None);
+        let far = unix_now() + 86_400;
+        let too_long = format!("alice {far} {}", signature("secret-one", "alice", far));
+        assert_eq!(verify_signed("secret-one", &HeaderValue::from_str(&too_long).unwrap()), None);
+    }
+
+    #[test]
+    fn passwords_hash_and_verify() {
+        let h = hash_password("correct horse").unwrap();
+        assert!(h.starts_with("$argon2id$"), "{h}");
+        assert!(verify_password("correct horse", &h));
+        assert!(!verify_password("correct horsf", &h));
+        assert!(!verify_password("x", "not a hash"));
+        assert_ne!(hash_password("correct horse").unwrap(), h, "salted");
+        assert_eq!(generate_password().len(), GENERATED_PASSWORD_CHARS);
+    }
+
+    #[test]
+    fn failures_pause_a_source_then_forget_it() {
+        assert_eq!(failure_pause(FAILURES_FREE - 1), Duration::ZERO);
+        assert_eq!(failure_pause(FAILURES_FREE), Duration::from_secs(1));
+        assert_eq!(failure_pause(FAILURES_FREE + 3), Duration::from_secs(8));
+        assert_eq!(failure_pause(1000), FAILURE_PAUSE_MAX);
+        let f = Failures::default();
+        let t0 = Instant::now();
+        let bad = [FailureKey::Source(IpAddr::from([10, 0, 0, 1]))];
+        let other = [FailureKey::Source(IpAddr::from([10, 0, 0, 2]))];
+        for _ in 0..FAILURES_FREE {
+            assert_eq!(f.wait(&bad, t0), None);
+            f.failed(&bad, t0);
+        }
+        assert_eq!(f.wait(&bad, t0), Some(Duration::from_secs(1)));
+        assert_eq!(f.wait(&other, t0), None, "another source is not slowed");
+        assert_eq!(f.wait(&bad, t0 + Duration::from_secs(2)), None, "after the pause");
+        f.failed(&bad, t0 + FAILURE_MEMORY + Duration::from_secs(1));
+        assert_eq!(f.wait(&bad, t0 + FAILURE_MEMORY + Duration::from_secs(1)), None, "old failures are forgotten");
+        f.succeeded(&bad);
+        assert_eq!(f.by.lock().len(), 0);
+    }
+}
