@@ -181,6 +181,24 @@ async fn every_route_answers_each_role_as_its_rule_says() {
     }
     assert_eq!(sql("all_writer", "SELECT * FROM information_schema.tables").await.unwrap().status(), 200);
     assert_eq!(sql("reader", "WITH other AS (SELECT * FROM c) SELECT count(*) FROM other").await.unwrap().status(), 200);
+    // The audit trail has a line for each failed login, each refusal and each change made.
+    let trail = audit_trail(&node);
+    let has = |event: &str, user: &str, path: &str| trail.iter().any(|l| l["event"] == event && l["user"] == user && l["path"] == path);
+    assert!(has("login_failed", "decoy1", "/v1/node"), "a failed login");
+    assert!(has("login_failed", "stranger", "/v1/node"), "an unknown user");
+    assert!(has("forbidden", "reader", "/v1/collections/made"), "a refusal");
+    assert!(trail
+        .iter()
+        .any(|l| l["event"] == "change" && l["user"] == "root" && l["path"] == "/v1/collections/made" && l["method"] == "PUT"));
+    assert!(trail.iter().any(|l| l["event"] == "change" && l["user"] == "admin" && l["path"] == "/v1/users/reader" && l["status"] == 200));
+    assert!(!trail.iter().any(|l| l["event"] == "change" && l["method"] == "GET"), "reads are not changes");
+    assert!(!trail.iter().any(|l| l.to_string().contains("password-of-a-user")), "no password in the trail");
+}
+
+/// The lines of a node's audit trail.
+fn audit_trail(node: &Node) -> Vec<Value> {
+    let text = std::fs::read_to_string(node.dir.join("audit.log")).expect("the audit trail");
+    text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}"))).collect()
 }
 
 /// Users: a cluster admin manages users but not admins; the last admin stays; a password
@@ -322,6 +340,11 @@ async fn brute_force_is_slowed_without_slowing_others() {
     // The right password from the attacker's address waits too while the pause lasts.
     let r = attacker.get(node.u("/v1/whoami")).header("authorization", basic_auth("victim", "victim-password")).send().await.unwrap();
     assert_eq!(r.status(), 429);
+    let trail = audit_trail(&node);
+    let from_attacker =
+        |event: &str| trail.iter().filter(|l| l["event"] == event && l["source"] == "127.0.0.3" && l["user"] == "victim").count();
+    assert_eq!(from_attacker("login_failed"), statuses.iter().filter(|s| **s == 401).count());
+    assert!(from_attacker("login_paused") >= 2);
 }
 
 /// The first start with no password given makes `admin` with a generated one: told once

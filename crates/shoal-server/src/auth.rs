@@ -123,7 +123,10 @@ pub fn unauthorized(reason: impl Into<String>) -> Response {
     r
 }
 
-/// The node's authentication state: the credential cache and the failure counts.
+/// Longest user name an audit line carries (a failed login's name is the client's to choose).
+pub const AUDIT_NAME_MAX_CHARS: usize = 128;
+
+/// The node's authentication state: the credential cache, the failure counts, the audit trail.
 pub struct Auth {
     /// Keys the hashes of `Authorization` headers the cache is looked up by.
     key: [u8; 32],
@@ -132,13 +135,21 @@ pub struct Auth {
     failures: Failures,
     /// A hash to check passwords of unknown users against, so that they take as long.
     decoy: String,
+    pub(crate) audit: crate::audit::Audit,
 }
 
-impl Default for Auth {
-    fn default() -> Self {
+impl Auth {
+    /// The state of a node whose audit trail is kept in `dir`.
+    pub fn new(dir: &std::path::Path) -> Auth {
         let key: [u8; 32] = rand::random();
         let decoy = hash_password(&generate_password()).unwrap_or_default();
-        Auth { key, verified: quick_cache::sync::Cache::new(CREDENTIALS_CACHED), failures: Failures::default(), decoy }
+        Auth {
+            key,
+            verified: quick_cache::sync::Cache::new(CREDENTIALS_CACHED),
+            failures: Failures::default(),
+            decoy,
+            audit: crate::audit::Audit::new(dir),
+        }
     }
 }
 
@@ -351,6 +362,7 @@ pub async fn authenticate(State(state): State<AppState>, matched: Option<Matched
         let _ = state.cluster.wait_applied(|s| !s.users.is_empty()).await;
         meta = state.cluster.state();
     }
+    let from_member = req.headers().contains_key(USER_HEADER);
     let principal = if let Some(signed) = req.headers().get(USER_HEADER) {
         match verify_signed(state.cluster.secret(), signed).and_then(|name| principal_of(&meta, &name)) {
             Some(p) => p,
@@ -358,16 +370,21 @@ pub async fn authenticate(State(state): State<AppState>, matched: Option<Matched
         }
     } else {
         req.headers_mut().remove(crate::routing::FORWARDED_HEADER);
-        let source = req.extensions().get::<crate::conn::Peer>().map_or(IpAddr::from([0, 0, 0, 0]), |p| p.0);
         let credentials = req.headers().get(header::AUTHORIZATION).cloned();
-        match login(&state, &meta, credentials, source).await {
+        match login(&state, &meta, credentials, source_of(&req)).await {
             Ok(p) => p,
-            Err(r) => return r,
+            Err((response, event)) => {
+                if let Some((event, user)) = event {
+                    audit(&state, event, Some(&user), &req, response.status());
+                }
+                return response;
+            }
         }
     };
     match needs(rule, &req) {
         Ok(Some(needs)) => {
             if let Err(e) = principal.check(&needs) {
+                audit(&state, crate::audit::Event::Forbidden, Some(&principal.name), &req, e.status);
                 return e.into_response();
             }
         }
@@ -376,8 +393,39 @@ pub async fn authenticate(State(state): State<AppState>, matched: Option<Matched
     }
     let signed = signed_user(state.cluster.secret(), &principal.name);
     req.headers_mut().insert(USER_HEADER, signed);
+    // A change to users, collections, indexes or the cluster is recorded with its answer
+    // (once, by the member the client called: not again where a member passed it on).
+    let change = (rule == Rule::ClusterAdmin && req.method() != axum::http::Method::GET && !from_member)
+        .then(|| (req.method().to_string(), req.uri().path().to_string(), source_of(&req)));
+    let name = change.as_ref().map(|_| principal.name.clone());
     req.extensions_mut().insert(Arc::new(principal));
-    next.run(req).await
+    let response = next.run(req).await;
+    if let (Some((method, path, source)), Some(name)) = (change, name) {
+        state.auth.audit.record(&crate::audit::Record {
+            event: crate::audit::Event::Change,
+            user: Some(&name),
+            source,
+            method: &method,
+            path: &path,
+            status: response.status().as_u16(),
+        });
+    }
+    response
+}
+
+fn source_of(req: &Request) -> IpAddr {
+    req.extensions().get::<crate::conn::Peer>().map_or(IpAddr::from([0, 0, 0, 0]), |p| p.0)
+}
+
+fn audit(state: &AppState, event: crate::audit::Event, user: Option<&str>, req: &Request, status: StatusCode) {
+    state.auth.audit.record(&crate::audit::Record {
+        event,
+        user,
+        source: source_of(req),
+        method: req.method().as_str(),
+        path: req.uri().path(),
+        status: status.as_u16(),
+    });
 }
 
 fn is_worker_call(path: &str) -> bool {
@@ -389,13 +437,19 @@ fn principal_of(meta: &MetaState, name: &str) -> Option<Principal> {
 }
 
 /// Checks a request's Basic credentials (from the cache when seen before).
-async fn login(state: &AppState, meta: &MetaState, credentials: Option<HeaderValue>, source: IpAddr) -> Result<Principal, Response> {
+/// A refused login: its answer, and the event to record (with the user name given).
+type Refused = (Response, Option<(crate::audit::Event, String)>);
+
+async fn login(state: &AppState, meta: &MetaState, credentials: Option<HeaderValue>, source: IpAddr) -> Result<Principal, Refused> {
     let auth = &state.auth;
     let Some(value) = credentials.as_ref() else {
-        return Err(unauthorized("credentials are needed: HTTP Basic (`Authorization: Basic <base64 of user:password>`)"));
+        return Err((unauthorized("credentials are needed: HTTP Basic (`Authorization: Basic <base64 of user:password>`)"), None));
     };
     if meta.users.is_empty() {
-        return Err(ApiError::unavailable("this node knows no user yet (it is still entering its cluster); try again").into_response());
+        return Err((
+            ApiError::unavailable("this node knows no user yet (it is still entering its cluster); try again").into_response(),
+            None,
+        ));
     }
     let mut cache_key = [0u8; 32];
     {
@@ -410,13 +464,13 @@ async fn login(state: &AppState, meta: &MetaState, credentials: Option<HeaderVal
         }
         auth.verified.remove(&cache_key);
     }
-    let (name, password) = basic(value).map_err(unauthorized)?;
+    let (name, password) = basic(value).map_err(|why| (unauthorized(why), Some((crate::audit::Event::LoginFailed, String::new()))))?;
     let mut keys = vec![FailureKey::Source(source)];
     if meta.users.contains_key(&name) {
         keys.push(FailureKey::User(name.clone()));
     }
     if let Some(wait) = auth.failures.wait(&keys, Instant::now()) {
-        return Err(too_many(wait));
+        return Err((too_many(wait), Some((crate::audit::Event::LoginPaused, name))));
     }
     let hash = meta.users.get(&name).map(|u| u.hash.clone());
     let check = hash.clone().unwrap_or_else(|| auth.decoy.clone());
@@ -425,7 +479,7 @@ async fn login(state: &AppState, meta: &MetaState, credentials: Option<HeaderVal
         auth.failures.failed(&keys, Instant::now());
         metrics::counter!("shoal_login_failures_total").increment(1);
         tracing::info!(user = %name.chars().take(64).collect::<String>(), source = %source, "login failed");
-        return Err(unauthorized("wrong user name or password"));
+        return Err((unauthorized("wrong user name or password"), Some((crate::audit::Event::LoginFailed, name))));
     }
     auth.failures.succeeded(&keys);
     let hash = hash.unwrap_or_default();

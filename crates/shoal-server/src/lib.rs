@@ -3,6 +3,7 @@
 //! Only this crate knows HTTP. Handlers parse and validate their own input (see
 //! [`extract`]) so that every rejection is an API error with a code, never axum's default.
 
+mod audit;
 pub mod auth;
 mod changes;
 pub mod cluster;
@@ -264,6 +265,7 @@ impl Server {
         if let Some(link) = &feed {
             link.attach(&cluster);
         }
+        let audit_dir = engine.store().data_paths()[0].clone();
         let state = AppState {
             engine,
             started: Instant::now(),
@@ -277,7 +279,7 @@ impl Server {
             forwarder: routing::forwarder()?,
             faults,
             copy_io,
-            auth: Arc::new(auth::Auth::default()),
+            auth: Arc::new(auth::Auth::new(&audit_dir)),
         };
         let (first_admin, _) = watch::channel(None);
         Ok(Server { listener, state, shutdown_tx, connections: config.connections, admin_password: config.admin_password, first_admin })
