@@ -423,56 +423,88 @@ async fn the_first_admin_and_no_password_on_disk() {
 
 /// Users live in the metadata log: one made on one member works on the others, for key
 /// requests forwarded between members too (the member passes the user on, signed), and
-/// its rights hold there.
+/// its rights hold there; after the metadata leader is killed, the users are still there
+/// on the others, and users can still be made and deleted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_user_made_on_one_member_works_on_every_member() {
-    let nodes = common::cluster::start_cluster(2, &[]);
+async fn users_live_on_every_member_and_outlive_the_metadata_leader() {
+    let mut nodes = common::cluster::start_cluster(3, &[]);
     let admin = nodes[0].client();
-    wait_for(&admin, &nodes[0].u("/v1/cluster"), "two members", |v| member_states(v).len() == 2).await;
+    wait_for(&admin, &nodes[0].u("/v1/cluster"), "three members", |v| member_states(v).len() == 3).await;
+    rebalance(&admin, &nodes[0], &[]).await;
+    let r = admin.put(nodes[0].u("/v1/cluster/settings")).json(&json!({"replicas": 1})).send().await.unwrap();
+    assert_eq!(r.status(), 200);
     rebalance(&admin, &nodes[0], &[]).await;
     assert_eq!(admin.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
     for i in 0..20 {
         let r = admin.put(nodes[0].u(&format!("/v1/collections/c/docs/k{i}"))).json(&json!({"v": i})).send().await.unwrap();
         assert_eq!(r.status(), 200);
     }
-    assert_eq!(put_user(&admin, &nodes[0], "reader", "reader-password", &["data_reader[c]"]).await.0, 200);
+    assert_eq!(put_user(&admin, &nodes[1], "reader", "reader-password", &["data_reader[c]"]).await.0, 200);
     let plain = reqwest::Client::new();
-    for node in &nodes {
-        for i in 0..20 {
-            // Half the keys live on the other member: the request is forwarded there.
+    let check = |node: &Node| {
+        let (plain, node_u) = (plain.clone(), node.u(""));
+        async move {
+            for i in 0..20 {
+                // Keys live on the other members too: those requests are forwarded.
+                let r = plain
+                    .get(format!("{node_u}/v1/collections/c/docs/k{i}"))
+                    .header("authorization", basic_auth("reader", "reader-password"))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200, "k{i} through {node_u}");
+                let r = plain
+                    .put(format!("{node_u}/v1/collections/c/docs/k{i}"))
+                    .header("authorization", basic_auth("reader", "reader-password"))
+                    .body("{}")
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 403, "a reader's write of k{i} through {node_u}");
+            }
             let r = plain
-                .get(node.u(&format!("/v1/collections/c/docs/k{i}")))
+                .post(format!("{node_u}/v1/collections/c/_get"))
                 .header("authorization", basic_auth("reader", "reader-password"))
+                .json(&json!({"keys": (0..20).map(|i| format!("k{i}")).collect::<Vec<_>>()}))
                 .send()
                 .await
                 .unwrap();
-            assert_eq!(r.status(), 200, "k{i} through {}", node.url);
+            assert_eq!(r.status(), 200);
+            let text = r.text().await.unwrap();
+            assert_eq!(text.matches("\"value\"").count(), 20, "every key read across the members: {text}");
             let r = plain
-                .put(node.u(&format!("/v1/collections/c/docs/k{i}")))
+                .post(format!("{node_u}/v1/query"))
                 .header("authorization", basic_auth("reader", "reader-password"))
-                .body("{}")
+                .json(&json!({"sql": "SELECT count(*) AS n FROM c"}))
                 .send()
                 .await
                 .unwrap();
-            assert_eq!(r.status(), 403, "a reader's write of k{i} through {}", node.url);
+            assert_eq!(r.json::<Value>().await.unwrap()["rows"], json!([[20]]));
         }
-        let r = plain
-            .post(node.u("/v1/collections/c/_get"))
-            .header("authorization", basic_auth("reader", "reader-password"))
-            .json(&json!({"keys": (0..20).map(|i| format!("k{i}")).collect::<Vec<_>>()}))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
-        let text = r.text().await.unwrap();
-        assert_eq!(text.matches("\"value\"").count(), 20, "every key read across the members: {text}");
-        let r = plain
-            .post(node.u("/v1/query"))
-            .header("authorization", basic_auth("reader", "reader-password"))
-            .json(&json!({"sql": "SELECT count(*) AS n FROM c"}))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.json::<Value>().await.unwrap()["rows"], json!([[20]]));
+    };
+    for node in &nodes {
+        check(node).await;
     }
+    // kill -9 the metadata leader: the survivors elect another, fail the dead one over, and
+    // keep every user.
+    let (_, info) = common::cluster::get_json(&admin, &nodes[0].u("/v1/cluster")).await;
+    let leader = info["leader"].as_u64().unwrap();
+    let victim = (0..3).find(|&i| common::cluster::node_id(&info, &nodes[i]) == Some(leader)).unwrap();
+    nodes[victim].kill9();
+    let alive: Vec<usize> = (0..3).filter(|&i| i != victim).collect();
+    let survivor = &nodes[alive[0]];
+    wait_for(&admin, &survivor.u("/v1/cluster"), "the dead leader failed over", |v| {
+        v["nodes"].as_array().is_some_and(|ns| ns.iter().any(|n| n["state"] == "failed"))
+            && v["leader"].as_u64().is_some_and(|l| l != leader)
+    })
+    .await;
+    for &i in &alive {
+        check(&nodes[i]).await;
+    }
+    assert_eq!(put_user(&admin, survivor, "later", "later-password", &["metrics_reader"]).await.0, 200);
+    let r = plain.get(nodes[alive[1]].u("/v1/whoami")).header("authorization", basic_auth("later", "later-password")).send().await.unwrap();
+    assert_eq!(r.status(), 200, "a user made after the failover works on the other survivor");
+    assert_eq!(admin.delete(nodes[alive[1]].u("/v1/users/reader")).send().await.unwrap().status(), 200);
+    let r = plain.get(survivor.u("/v1/whoami")).header("authorization", basic_auth("reader", "reader-password")).send().await.unwrap();
+    assert_eq!(r.status(), 401, "a user deleted on one survivor is gone on the other");
 }

@@ -130,12 +130,16 @@ pub const AUDIT_NAME_MAX_CHARS: usize = 128;
 pub struct Auth {
     /// Keys the hashes of `Authorization` headers the cache is looked up by.
     key: [u8; 32],
-    /// Keyed hash of a verified header → (user, the hash it was verified against).
-    verified: quick_cache::sync::Cache<[u8; 32], Arc<(String, String)>>,
+    /// Keyed hash of a verified header → the hash it was verified against and its
+    /// principal (reused while the user's hash and roles are unchanged).
+    verified: quick_cache::sync::Cache<[u8; 32], Arc<(String, Arc<Principal>)>>,
     failures: Failures,
     /// A hash to check passwords of unknown users against, so that they take as long.
     decoy: String,
     pub(crate) audit: crate::audit::Audit,
+    /// Each user's signed [`USER_HEADER`] and its expiry, made again once half its time is
+    /// gone: a signature per request cost a small get several per cent.
+    signed: Mutex<HashMap<String, (u64, HeaderValue)>>,
 }
 
 impl Auth {
@@ -149,7 +153,27 @@ impl Auth {
             failures: Failures::default(),
             decoy,
             audit: crate::audit::Audit::new(dir),
+            signed: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// `user` signed with `secret`, from the cache while more than half its time is left.
+    fn signed_user(&self, secret: &str, user: &str) -> HeaderValue {
+        let now = unix_now();
+        let fresh = SIGNED_USER_VALID.as_secs() / 2;
+        let mut signed = self.signed.lock();
+        if let Some((expiry, value)) = signed.get(user) {
+            if *expiry >= now + fresh {
+                return value.clone();
+            }
+        }
+        if signed.len() >= CREDENTIALS_CACHED {
+            signed.clear();
+        }
+        let expiry = now + SIGNED_USER_VALID.as_secs();
+        let value = signed_user_until(secret, user, expiry);
+        signed.insert(user.to_string(), (expiry, value.clone()));
+        value
     }
 }
 
@@ -192,7 +216,12 @@ fn signature(secret: &str, user: &str, expiry: u64) -> String {
     mac.update(&[0]);
     mac.update(&expiry.to_be_bytes());
     let bytes = mac.finalize().into_bytes();
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    let mut hex = String::with_capacity(bytes.len() * 2);
+    for b in bytes.iter() {
+        hex.push(char::from(b"0123456789abcdef"[usize::from(b >> 4)]));
+        hex.push(char::from(b"0123456789abcdef"[usize::from(b & 15)]));
+    }
+    hex
 }
 
 fn unix_now() -> u64 {
@@ -201,7 +230,10 @@ fn unix_now() -> u64 {
 
 /// The [`USER_HEADER`] a member sends with a request it passes on for `user`.
 pub fn signed_user(secret: &str, user: &str) -> HeaderValue {
-    let expiry = unix_now() + SIGNED_USER_VALID.as_secs();
+    signed_user_until(secret, user, unix_now() + SIGNED_USER_VALID.as_secs())
+}
+
+fn signed_user_until(secret: &str, user: &str, expiry: u64) -> HeaderValue {
     let value = format!("{user} {expiry} {}", signature(secret, user, expiry));
     HeaderValue::from_str(&value).unwrap_or_else(|_| HeaderValue::from_static("-"))
 }
@@ -346,7 +378,7 @@ fn needs(rule: Rule, req: &Request) -> Result<Option<Needs>, ApiError> {
 /// The middleware in front of every route: authenticates the caller, checks the route's
 /// rule, and hands the handler the [`Principal`] (signed for members it passes the request
 /// on to). A `x-shoal-forwarded` header counts only on a request a member signed.
-pub async fn authenticate(State(state): State<AppState>, matched: Option<MatchedPath>, mut req: Request, next: Next) -> Response {
+pub async fn authenticate(State(state): State<Arc<AppState>>, matched: Option<MatchedPath>, mut req: Request, next: Next) -> Response {
     let rule = match &matched {
         Some(path) => rule_of(req.method().as_str(), path.as_str()).unwrap_or(Rule::User),
         // No route: the caller still proves who it is before it learns that.
@@ -391,14 +423,14 @@ pub async fn authenticate(State(state): State<AppState>, matched: Option<Matched
         Ok(None) => {}
         Err(e) => return e.into_response(),
     }
-    let signed = signed_user(state.cluster.secret(), &principal.name);
+    let signed = state.auth.signed_user(state.cluster.secret(), &principal.name);
     req.headers_mut().insert(USER_HEADER, signed);
     // A change to users, collections, indexes or the cluster is recorded with its answer
     // (once, by the member the client called: not again where a member passed it on).
     let change = (rule == Rule::ClusterAdmin && req.method() != axum::http::Method::GET && !from_member)
         .then(|| (req.method().to_string(), req.uri().path().to_string(), source_of(&req)));
     let name = change.as_ref().map(|_| principal.name.clone());
-    req.extensions_mut().insert(Arc::new(principal));
+    req.extensions_mut().insert(principal);
     let response = next.run(req).await;
     if let (Some((method, path, source)), Some(name)) = (change, name) {
         state.auth.audit.record(&crate::audit::Record {
@@ -432,15 +464,15 @@ fn is_worker_call(path: &str) -> bool {
     path.starts_with(shoal_query::distributed::WORKER_PATH_PREFIX)
 }
 
-fn principal_of(meta: &MetaState, name: &str) -> Option<Principal> {
-    meta.users.get(name).map(|u| Principal { name: name.to_string(), roles: u.roles.clone() })
+fn principal_of(meta: &MetaState, name: &str) -> Option<Arc<Principal>> {
+    meta.users.get(name).map(|u| Arc::new(Principal { name: name.to_string(), roles: u.roles.clone() }))
 }
 
 /// Checks a request's Basic credentials (from the cache when seen before).
 /// A refused login: its answer, and the event to record (with the user name given).
 type Refused = (Response, Option<(crate::audit::Event, String)>);
 
-async fn login(state: &AppState, meta: &MetaState, credentials: Option<HeaderValue>, source: IpAddr) -> Result<Principal, Refused> {
+async fn login(state: &AppState, meta: &MetaState, credentials: Option<HeaderValue>, source: IpAddr) -> Result<Arc<Principal>, Refused> {
     let auth = &state.auth;
     let Some(value) = credentials.as_ref() else {
         return Err((unauthorized("credentials are needed: HTTP Basic (`Authorization: Basic <base64 of user:password>`)"), None));
@@ -458,9 +490,15 @@ async fn login(state: &AppState, meta: &MetaState, credentials: Option<HeaderVal
         cache_key.copy_from_slice(&mac.finalize().into_bytes());
     }
     if let Some(hit) = auth.verified.get(&cache_key) {
-        let (name, hash) = (&hit.0, &hit.1);
-        if let Some(user) = meta.users.get(name).filter(|u| &u.hash == hash) {
-            return Ok(Principal { name: name.clone(), roles: user.roles.clone() });
+        let (hash, principal) = (&hit.0, &hit.1);
+        if let Some(user) = meta.users.get(&principal.name).filter(|u| &u.hash == hash) {
+            if user.roles == principal.roles {
+                return Ok(Arc::clone(principal));
+            }
+            // Its roles changed: the next call finds the new ones.
+            let principal = Arc::new(Principal { name: principal.name.clone(), roles: user.roles.clone() });
+            auth.verified.insert(cache_key, Arc::new((hash.clone(), Arc::clone(&principal))));
+            return Ok(principal);
         }
         auth.verified.remove(&cache_key);
     }
@@ -483,9 +521,10 @@ async fn login(state: &AppState, meta: &MetaState, credentials: Option<HeaderVal
     }
     auth.failures.succeeded(&keys);
     let hash = hash.unwrap_or_default();
-    auth.verified.insert(cache_key, Arc::new((name.clone(), hash)));
     let roles = meta.users.get(&name).map(|u| u.roles.clone()).unwrap_or_default();
-    Ok(Principal { name, roles })
+    let principal = Arc::new(Principal { name, roles });
+    auth.verified.insert(cache_key, Arc::new((hash, Arc::clone(&principal))));
+    Ok(principal)
 }
 
 /// The principal a handler runs for (set by [`authenticate`]).

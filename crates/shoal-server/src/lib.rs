@@ -201,7 +201,7 @@ pub fn router(state: AppState) -> Router {
         .merge(workers)
         .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(axum::middleware::from_fn_with_state(state.clone(), auth::authenticate))
+        .layer(axum::middleware::from_fn_with_state(Arc::new(state.clone()), auth::authenticate))
         .layer(axum::middleware::from_fn(ops::telemetry))
         .with_state(state)
 }
