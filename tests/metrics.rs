@@ -14,26 +14,10 @@ use std::time::Duration;
 use common::{eventually, Node};
 use reqwest::Method;
 
-/// The route table, read from its source so that a new route fails this test until it is
-/// exercised below.
-const OPS_SOURCE: &str = include_str!("../crates/shoal-server/src/ops.rs");
-
-/// `(method, route, operation)` of every entry of `ops::ROUTES`.
+/// `(method, route, operation)` of every entry of `ops::ROUTES` (read from its source, so
+/// that a new route fails this test until it is exercised below).
 fn routes() -> Vec<(String, String, String)> {
-    let start = OPS_SOURCE.find("pub const ROUTES").expect("ROUTES in ops.rs");
-    let table = &OPS_SOURCE[start..];
-    let table = &table[table.find("= &[").expect("ROUTES table") + 4..table.find("];").expect("end of ROUTES")];
-    let routes: Vec<_> = table
-        .lines()
-        .filter(|l| l.trim_start().starts_with("(\""))
-        .map(|l| {
-            let parts: Vec<&str> = l.split('"').collect();
-            assert!(parts.len() >= 7, "unexpected ROUTES line {l:?}");
-            (parts[1].to_string(), parts[3].to_string(), parts[5].to_string())
-        })
-        .collect();
-    assert!(routes.len() >= 20, "parsed only {} routes from ops.rs", routes.len());
-    routes
+    common::route_table().into_iter().map(|(m, r, op, _)| (m, r, op)).collect()
 }
 
 /// A request and the operation it should be counted as.

@@ -12,26 +12,10 @@ use reqwest::Method;
 use serde_json::{json, Value};
 use shoal_meta::{allows, Needs, Role};
 
-/// The route table with its rules, read from its source (as `tests/metrics.rs` reads the
-/// operation names): a route added there is tried here for every role.
-const OPS_SOURCE: &str = include_str!("../crates/shoal-server/src/ops.rs");
-
-/// `(method, route, rule)` of every route.
+/// `(method, route, rule)` of every route (`ops::ROUTES`, read from its source: a route
+/// added there is tried here for every role).
 fn routes() -> Vec<(String, String, String)> {
-    let start = OPS_SOURCE.find("pub const ROUTES").expect("ROUTES in ops.rs");
-    let table = &OPS_SOURCE[start..];
-    let table = &table[table.find("= &[").expect("ROUTES table") + 4..table.find("];").expect("end of ROUTES")];
-    let routes: Vec<_> = table
-        .lines()
-        .filter(|l| l.trim_start().starts_with("(\""))
-        .map(|l| {
-            let parts: Vec<&str> = l.split('"').collect();
-            let rule = l.rsplit("Rule::").next().expect("a rule").trim_end_matches([')', ',', ' ']).to_string();
-            (parts[1].to_string(), parts[3].to_string(), rule)
-        })
-        .collect();
-    assert!(routes.len() >= 30, "parsed only {} routes from ops.rs", routes.len());
-    routes
+    common::route_table().into_iter().map(|(m, r, _, rule)| (m, r, rule)).collect()
 }
 
 /// A request for `route`, harmless to the fixture (drops target things that do not exist)
@@ -162,6 +146,12 @@ async fn every_route_answers_each_role_as_its_rule_says() {
     let reader = |path: &str| plain.get(node.u(path)).header("authorization", basic_auth("reader", "password-of-a-user")).send();
     assert_eq!(reader("/v1/collections/c/docs/k").await.unwrap().status(), 200);
     assert_eq!(reader("/v1/collections/c/docs/k?lock=5").await.unwrap().status(), 403);
+    // A HEAD asks what its GET asks.
+    let head =
+        |user: &str| plain.head(node.u("/v1/collections/c/docs/k")).header("authorization", basic_auth(user, "password-of-a-user")).send();
+    assert_eq!(head("reader").await.unwrap().status(), 200);
+    assert_eq!(head("other_reader").await.unwrap().status(), 403);
+    assert_eq!(head("monitor").await.unwrap().status(), 403);
     // SQL reads only what the caller may read: every collection of a join or a subquery,
     // and the catalog only with every collection.
     let sql = |user: &str, sql: &str| {
@@ -180,6 +170,21 @@ async fn every_route_answers_each_role_as_its_rule_says() {
         assert_eq!(r.status(), 403, "{statement}: {}", r.text().await.unwrap_or_default());
     }
     assert_eq!(sql("all_writer", "SELECT * FROM information_schema.tables").await.unwrap().status(), 200);
+    // The collections listed are those the caller may read.
+    let listed = |user: &str| {
+        let r = plain.get(node.u("/v1/collections")).header("authorization", basic_auth(user, "password-of-a-user")).send();
+        async move {
+            let v: Value = r.await.unwrap().json().await.unwrap();
+            let mut names: Vec<String> =
+                v.as_array().unwrap_or_else(|| panic!("{v}")).iter().map(|c| c["name"].as_str().unwrap().to_string()).collect();
+            names.sort();
+            names
+        }
+    };
+    assert_eq!(listed("reader").await, ["c"]);
+    assert_eq!(listed("other_reader").await, ["other"]);
+    assert_eq!(listed("nobody_much").await, Vec::<String>::new());
+    assert_eq!(listed("monitor").await, ["c", "made", "other"]);
     assert_eq!(sql("reader", "WITH other AS (SELECT * FROM c) SELECT count(*) FROM other").await.unwrap().status(), 200);
     // The audit trail has a line for each failed login, each refusal and each change made.
     let trail = audit_trail(&node);

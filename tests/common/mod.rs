@@ -296,3 +296,25 @@ pub async fn metric(http: &reqwest::Client, node: &Node, series: &str) -> Option
     let text = http.get(node.u("/metrics")).send().await.expect("GET /metrics").text().await.expect("metrics text");
     text.lines().find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
 }
+
+/// The server's route table (`ops::ROUTES`), read from its source so that a route added
+/// there is tried by the tests that go through every route: `(method, route, operation,
+/// rule)` of each.
+pub fn route_table() -> Vec<(String, String, String, String)> {
+    const OPS_SOURCE: &str = include_str!("../../crates/shoal-server/src/ops.rs");
+    let start = OPS_SOURCE.find("pub const ROUTES").expect("ROUTES in ops.rs");
+    let table = &OPS_SOURCE[start..];
+    let table = &table[table.find("= &[").expect("ROUTES table") + 4..table.find("];").expect("end of ROUTES")];
+    let routes: Vec<_> = table
+        .lines()
+        .filter(|l| l.trim_start().starts_with("(\""))
+        .map(|l| {
+            let parts: Vec<&str> = l.split('"').collect();
+            assert!(parts.len() >= 7 && l.contains("Rule::"), "unexpected ROUTES line {l:?}");
+            let rule = l.rsplit("Rule::").next().expect("a rule").trim_end_matches([')', ',', ' ']).to_string();
+            (parts[1].to_string(), parts[3].to_string(), parts[5].to_string(), rule)
+        })
+        .collect();
+    assert!(routes.len() >= 30, "parsed only {} routes from ops.rs", routes.len());
+    routes
+}

@@ -156,14 +156,16 @@ pub enum Needs {
 
 /// Whether `roles` grant what `needs` asks.
 pub fn allows(roles: &[Role], needs: &Needs) -> bool {
-    roles.iter().any(|r| match (r, needs) {
-        (Role::Admin, _) | (_, Needs::User) => true,
-        (Role::ClusterAdmin, Needs::ClusterAdmin | Needs::Monitor) => true,
-        (Role::MetricsReader, Needs::Monitor) => true,
-        (Role::DataReader(s), Needs::Read(c)) => s.covers(c),
-        (Role::DataWriter(s), Needs::Read(c) | Needs::Write(c)) => s.covers(c),
-        _ => false,
-    })
+    // Any known user, with roles or none, may ask who they are and what they may see.
+    *needs == Needs::User
+        || roles.iter().any(|r| match (r, needs) {
+            (Role::Admin, _) | (_, Needs::User) => true,
+            (Role::ClusterAdmin, Needs::ClusterAdmin | Needs::Monitor) => true,
+            (Role::MetricsReader, Needs::Monitor) => true,
+            (Role::DataReader(s), Needs::Read(c)) => s.covers(c),
+            (Role::DataWriter(s), Needs::Read(c) | Needs::Write(c)) => s.covers(c),
+            _ => false,
+        })
 }
 
 /// Checks a user name: 1 to [`USER_NAME_MAX_BYTES`] bytes of letters, digits and `_.-@`
@@ -207,7 +209,8 @@ mod tests {
         let write = |c: &str| Write(c.to_string());
         // (roles, needs, allowed)
         let cases: Vec<(&[&str], Needs, bool)> = vec![
-            (&[], User, false),
+            (&[], User, true),
+            (&[], Monitor, false),
             (&["metrics_reader"], User, true),
             (&["admin"], write("c"), true),
             (&["admin"], ClusterAdmin, true),

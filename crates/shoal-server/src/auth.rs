@@ -9,7 +9,7 @@
 //! (`transport`).
 //!
 //! A password check costs argon2id's tens of milliseconds, so a header already verified is
-//! remembered, keyed by a keyed hash of it (never the password), for as long as its user's
+//! remembered, keyed by a keyed 128-bit hash of it (never the password), for as long as its user's
 //! hash is the one it was verified against: a new password or a deleted user ends it at
 //! once, and role changes apply to the next call. Failures are counted per source address
 //! and per user name ([`Failures`]); past [`FAILURES_FREE`] in a row, each further attempt
@@ -128,11 +128,13 @@ pub const AUDIT_NAME_MAX_CHARS: usize = 128;
 
 /// The node's authentication state: the credential cache, the failure counts, the audit trail.
 pub struct Auth {
-    /// Keys the hashes of `Authorization` headers the cache is looked up by.
-    key: [u8; 32],
+    /// Two SipHash keys (random per process) for the 128-bit hashes of `Authorization`
+    /// headers the cache is looked up by: a header is never kept, and one that is not
+    /// verified cannot be made to match one that was without the keys.
+    keys: [(u64, u64); 2],
     /// Keyed hash of a verified header → the hash it was verified against and its
     /// principal (reused while the user's hash and roles are unchanged).
-    verified: quick_cache::sync::Cache<[u8; 32], Arc<(String, Arc<Principal>)>>,
+    verified: quick_cache::sync::Cache<(u64, u64), Arc<(String, Arc<Principal>)>>,
     failures: Failures,
     /// A hash to check passwords of unknown users against, so that they take as long.
     decoy: String,
@@ -145,10 +147,9 @@ pub struct Auth {
 impl Auth {
     /// The state of a node whose audit trail is kept in `dir`.
     pub fn new(dir: &std::path::Path) -> Auth {
-        let key: [u8; 32] = rand::random();
         let decoy = hash_password(&generate_password()).unwrap_or_default();
         Auth {
-            key,
+            keys: rand::random(),
             verified: quick_cache::sync::Cache::new(CREDENTIALS_CACHED),
             failures: Failures::default(),
             decoy,
@@ -203,6 +204,16 @@ pub fn check_password(password: &str) -> Result<(), ApiError> {
 
 fn verify_password(password: &str, hash: &str) -> bool {
     PasswordHash::new(hash).is_ok_and(|parsed| Argon2::default().verify_password(password.as_bytes(), &parsed).is_ok())
+}
+
+/// SipHash-2-4 of `bytes` under `key` (the standard library's; "deprecated" there only in
+/// favour of its randomly keyed `RandomState`, which gives no control of the keys).
+#[allow(deprecated)]
+fn keyed_hash(key: (u64, u64), bytes: &[u8]) -> u64 {
+    use std::hash::Hasher;
+    let mut h = std::hash::SipHasher::new_with_keys(key.0, key.1);
+    h.write(bytes);
+    h.finish()
 }
 
 type Signer = blake2::Blake2bMac<blake2::digest::consts::U32>;
@@ -380,7 +391,11 @@ fn needs(rule: Rule, req: &Request) -> Result<Option<Needs>, ApiError> {
 /// on to). A `x-shoal-forwarded` header counts only on a request a member signed.
 pub async fn authenticate(State(state): State<Arc<AppState>>, matched: Option<MatchedPath>, mut req: Request, next: Next) -> Response {
     let rule = match &matched {
-        Some(path) => rule_of(req.method().as_str(), path.as_str()).unwrap_or(Rule::User),
+        // A HEAD is answered by the GET route: it asks what the GET asks.
+        Some(path) => {
+            let method = if req.method() == axum::http::Method::HEAD { "GET" } else { req.method().as_str() };
+            rule_of(method, path.as_str()).unwrap_or(Rule::User)
+        }
         // No route: the caller still proves who it is before it learns that.
         None => Rule::User,
     };
@@ -483,12 +498,7 @@ async fn login(state: &AppState, meta: &MetaState, credentials: Option<HeaderVal
             None,
         ));
     }
-    let mut cache_key = [0u8; 32];
-    {
-        let mut mac = <Signer as KeyInit>::new_from_slice(&auth.key).expect("32 bytes is a valid key length");
-        mac.update(value.as_bytes());
-        cache_key.copy_from_slice(&mac.finalize().into_bytes());
-    }
+    let cache_key = (keyed_hash(auth.keys[0], value.as_bytes()), keyed_hash(auth.keys[1], value.as_bytes()));
     if let Some(hit) = auth.verified.get(&cache_key) {
         let (hash, principal) = (&hit.0, &hit.1);
         if let Some(user) = meta.users.get(&principal.name).filter(|u| &u.hash == hash) {

@@ -34,13 +34,18 @@ pub async fn create(State(state): State<AppState>, uri: Uri, RawQuery(q): RawQue
     Ok(json_response(StatusCode::CREATED, out.to_string().into_bytes()))
 }
 
-pub async fn list(State(state): State<AppState>, RawQuery(q): RawQuery) -> Result<Response, ApiError> {
+/// `GET /v1/collections`: the collections the caller may read (every one for cluster
+/// administrators and monitors), as Couchbase lists only the buckets a user may see.
+pub async fn list(State(state): State<AppState>, RawQuery(q): RawQuery, extensions: axum::http::Extensions) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
+    let caller = crate::auth::principal(&extensions)?;
+    let sees_all = caller.may(&shoal_meta::Needs::Monitor);
     let list: Vec<_> = state
         .engine
         .store()
         .list_collections()
         .into_iter()
+        .filter(|c| sees_all || caller.may(&shoal_meta::Needs::Read(c.name.clone())))
         .map(|c| serde_json::json!({"name": c.name, "docs": c.docs, "bytes": c.bytes, "max_ttl": c.max_ttl}))
         .collect();
     Ok(json_response(StatusCode::OK, serde_json::Value::Array(list).to_string().into_bytes()))
