@@ -123,6 +123,9 @@ pub fn unauthorized(reason: impl Into<String>) -> Response {
     r
 }
 
+/// A verified header's user hash (as verified) and principal, in the credential cache.
+type Verified = (String, Arc<Principal>);
+
 /// Longest user name an audit line carries (a failed login's name is the client's to choose).
 pub const AUDIT_NAME_MAX_CHARS: usize = 128;
 
@@ -134,7 +137,7 @@ pub struct Auth {
     keys: [(u64, u64); 2],
     /// Keyed hash of a verified header → the hash it was verified against and its
     /// principal (reused while the user's hash and roles are unchanged).
-    verified: quick_cache::sync::Cache<(u64, u64), Arc<(String, Arc<Principal>)>>,
+    verified: quick_cache::sync::Cache<(u64, u64), Arc<Verified>>,
     failures: Failures,
     /// A hash to check passwords of unknown users against, so that they take as long.
     decoy: String,
