@@ -502,19 +502,33 @@ async fn login(state: &AppState, meta: &MetaState, credentials: Option<HeaderVal
         ));
     }
     let cache_key = (keyed_hash(auth.keys[0], value.as_bytes()), keyed_hash(auth.keys[1], value.as_bytes()));
-    if let Some(hit) = auth.verified.get(&cache_key) {
+    let still_valid = |hit: &Verified| -> Option<Arc<Principal>> {
         let (hash, principal) = (&hit.0, &hit.1);
-        if let Some(user) = meta.users.get(&principal.name).filter(|u| &u.hash == hash) {
-            if user.roles == principal.roles {
-                return Ok(Arc::clone(principal));
-            }
-            // Its roles changed: the next call finds the new ones.
-            let principal = Arc::new(Principal { name: principal.name.clone(), roles: user.roles.clone() });
-            auth.verified.insert(cache_key, Arc::new((hash.clone(), Arc::clone(&principal))));
-            return Ok(principal);
+        let user = meta.users.get(&principal.name).filter(|u| &u.hash == hash)?;
+        if user.roles == principal.roles {
+            return Some(Arc::clone(principal));
+        }
+        // Its roles changed: the next call finds the new ones.
+        let principal = Arc::new(Principal { name: principal.name.clone(), roles: user.roles.clone() });
+        auth.verified.insert(cache_key, Arc::new((hash.clone(), Arc::clone(&principal))));
+        Some(principal)
+    };
+    if let Some(hit) = auth.verified.get(&cache_key) {
+        if let Some(p) = still_valid(&hit) {
+            return Ok(p);
         }
         auth.verified.remove(&cache_key);
     }
+    // Many connections opening with the same new credentials at once verify them once:
+    // the others wait for that check (a client's pool of 200 connections cost 200 argon2
+    // checks, seconds of CPU, before).
+    let guard = match auth.verified.get_value_or_guard_async(&cache_key).await {
+        Ok(hit) => match still_valid(&hit) {
+            Some(p) => return Ok(p),
+            None => None,
+        },
+        Err(guard) => Some(guard),
+    };
     let (name, password) = basic(value).map_err(|why| (unauthorized(why), Some((crate::audit::Event::LoginFailed, String::new()))))?;
     let mut keys = vec![FailureKey::Source(source)];
     if meta.users.contains_key(&name) {
@@ -536,7 +550,13 @@ async fn login(state: &AppState, meta: &MetaState, credentials: Option<HeaderVal
     let hash = hash.unwrap_or_default();
     let roles = meta.users.get(&name).map(|u| u.roles.clone()).unwrap_or_default();
     let principal = Arc::new(Principal { name, roles });
-    auth.verified.insert(cache_key, Arc::new((hash, Arc::clone(&principal))));
+    let entry = Arc::new((hash, Arc::clone(&principal)));
+    match guard {
+        Some(guard) => {
+            let _ = guard.insert(entry);
+        }
+        None => auth.verified.insert(cache_key, entry),
+    }
     Ok(principal)
 }
 
