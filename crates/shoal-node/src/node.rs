@@ -31,7 +31,8 @@ pub const PROPOSE_TIMEOUT: Duration = Duration::from_secs(10);
 pub const STARTUP_WAIT: Duration = Duration::from_secs(10);
 /// Time between looks when a caller waits for this node to apply something.
 const APPLY_POLL: Duration = Duration::from_millis(10);
-/// Longest a DDL change (a collection or an index created, built or dropped) waits, once
+/// Longest a DDL change (a collection or an index created, built or dropped; a user made,
+/// changed or deleted) waits, once
 /// this node has applied it, for the other members' engines to have applied it too, so
 /// that a request to any member right after the answer finds what it made. A member that
 /// does not confirm within it (stopped, cut off, slow) is logged and not waited for.
@@ -301,13 +302,13 @@ impl ClusterNode {
     pub async fn create_collection(&self, name: &str, max_ttl: u32) -> Result<(), ClusterError> {
         let r = self.propose(MetaCommand::CreateCollection { name: name.into(), max_ttl, id: None }).await?;
         let MetaResponse::CollectionCreated { id } = r else { return Err(ClusterError::Meta(format!("unexpected answer {r:?}"))) };
-        self.wait_local(|| self.engine.store().collection(name).is_some_and(|c| c.id() == id)).await
+        self.wait_applied_everywhere(|| self.engine.store().collection(name).is_some_and(|c| c.id() == id)).await
     }
 
     /// Drops a collection cluster-wide and waits until this node has dropped it.
     pub async fn drop_collection(&self, name: &str) -> Result<(), ClusterError> {
         self.propose(MetaCommand::DropCollection { name: name.into() }).await?;
-        self.wait_local(|| self.engine.store().collection(name).is_none()).await
+        self.wait_applied_everywhere(|| self.engine.store().collection(name).is_none()).await
     }
 
     /// Defines an index cluster-wide (the log gives its id) and waits until this node has it;
@@ -335,7 +336,7 @@ impl ClusterNode {
         let cmd = MetaCommand::CreateIndex { collection: coll.name().to_string(), name: name.to_string(), definition };
         self.propose(cmd).await?;
         let indexes = self.engine.indexes();
-        self.wait_local(|| indexes.list(coll).iter().any(|s| s.def.name == name)).await?;
+        self.wait_applied_everywhere(|| indexes.list(coll).iter().any(|s| s.def.name == name)).await?;
         indexes.list(coll).into_iter().find(|s| s.def.name == name).ok_or_else(|| ClusterError::Refused("the index went away".into()))
     }
 
@@ -354,7 +355,7 @@ impl ClusterNode {
         let started = |list: &[shoal_index::IndexStatus]| {
             names.iter().all(|n| list.iter().any(|s| &s.def.name == n && s.state != shoal_index::IndexState::Deferred))
         };
-        self.wait_local(|| started(&indexes.list(coll))).await?;
+        self.wait_applied_everywhere(|| started(&indexes.list(coll))).await?;
         let list = indexes.list(coll);
         names
             .iter()
@@ -367,31 +368,31 @@ impl ClusterNode {
     pub async fn put_user(&self, name: &str, user: shoal_meta::User) -> Result<(), ClusterError> {
         let want = user.hash.clone();
         self.propose(MetaCommand::PutUser { name: name.to_string(), user }).await?;
-        self.wait_local(|| self.state().users.get(name).is_some_and(|u| u.hash == want)).await
+        self.wait_applied_everywhere(|| self.state().users.get(name).is_some_and(|u| u.hash == want)).await
     }
 
     /// Deletes a user cluster-wide and waits until the members have dropped it.
     pub async fn delete_user(&self, name: &str) -> Result<(), ClusterError> {
         self.propose(MetaCommand::DeleteUser { name: name.to_string() }).await?;
-        self.wait_local(|| !self.state().users.contains_key(name)).await
+        self.wait_applied_everywhere(|| !self.state().users.contains_key(name)).await
     }
 
     /// The first start's admin: committed only while the cluster has no user.
     pub async fn create_first_admin(&self, user: shoal_meta::User) -> Result<(), ClusterError> {
         self.propose(MetaCommand::CreateFirstAdmin { user }).await?;
-        self.wait_local(|| !self.state().users.is_empty()).await
+        self.wait_applied_everywhere(|| !self.state().users.is_empty()).await
     }
 
     /// Drops an index cluster-wide and waits until this node has dropped it.
     pub async fn drop_index(&self, coll: &Arc<shoal_storage::Collection>, name: &str) -> Result<(), ClusterError> {
         self.propose(MetaCommand::DropIndex { collection: coll.name().to_string(), name: name.to_string() }).await?;
         let indexes = self.engine.indexes();
-        self.wait_local(|| !indexes.list(coll).iter().any(|s| s.def.name == name)).await
+        self.wait_applied_everywhere(|| !indexes.list(coll).iter().any(|s| s.def.name == name)).await
     }
 
     /// Waits until this node has applied a DDL change (`done`), then until the other
     /// members have (bounded by [`DDL_SPREAD_WAIT`]).
-    async fn wait_local(&self, done: impl Fn() -> bool) -> Result<(), ClusterError> {
+    async fn wait_applied_everywhere(&self, done: impl Fn() -> bool) -> Result<(), ClusterError> {
         let deadline = Instant::now() + PROPOSE_TIMEOUT;
         while !done() {
             if Instant::now() >= deadline {

@@ -486,10 +486,10 @@ fn principal_of(meta: &MetaState, name: &str) -> Option<Arc<Principal>> {
     meta.users.get(name).map(|u| Arc::new(Principal { name: name.to_string(), roles: u.roles.clone() }))
 }
 
-/// Checks a request's Basic credentials (from the cache when seen before).
 /// A refused login: its answer, and the event to record (with the user name given).
 type Refused = (Response, Option<(crate::audit::Event, String)>);
 
+/// Checks a request's Basic credentials (from the cache when seen before).
 async fn login(state: &AppState, meta: &MetaState, credentials: Option<HeaderValue>, source: IpAddr) -> Result<Arc<Principal>, Refused> {
     let auth = &state.auth;
     let Some(value) = credentials.as_ref() else {
@@ -513,19 +513,17 @@ async fn login(state: &AppState, meta: &MetaState, credentials: Option<HeaderVal
         auth.verified.insert(cache_key, Arc::new((hash.clone(), Arc::clone(&principal))));
         Some(principal)
     };
-    if let Some(hit) = auth.verified.get(&cache_key) {
-        if let Some(p) = still_valid(&hit) {
-            return Ok(p);
-        }
-        auth.verified.remove(&cache_key);
-    }
     // Many connections opening with the same new credentials at once verify them once:
     // the others wait for that check (a client's pool of 200 connections cost 200 argon2
-    // checks, seconds of CPU, before).
+    // checks, seconds of CPU, before). An entry no longer valid (a new password, a deleted
+    // user) is checked again without the guard, and replaced when the check passes.
     let guard = match auth.verified.get_value_or_guard_async(&cache_key).await {
         Ok(hit) => match still_valid(&hit) {
             Some(p) => return Ok(p),
-            None => None,
+            None => {
+                auth.verified.remove(&cache_key);
+                None
+            }
         },
         Err(guard) => Some(guard),
     };
