@@ -1,6 +1,7 @@
 //! `shoal`: the server and the command-line tool. Only this crate knows the terminal.
 
 mod bench;
+mod cert;
 mod cli;
 mod sql;
 
@@ -31,6 +32,10 @@ struct Args {
     /// That user's password.
     #[arg(long, global = true, env = "SHOAL_PASSWORD", hide_env_values = true)]
     password: Option<String>,
+    /// The cluster's CA certificates (PEM): what `https://` servers are verified by, and
+    /// for `serve`, what members verify each other by (with `--tls-cert`/`--tls-key`).
+    #[arg(long, global = true, env = "SHOAL_TLS_CA")]
+    tls_ca: Option<PathBuf>,
     /// How to print answers.
     #[arg(long, global = true, value_enum, default_value_t = Output::Table)]
     output: Output,
@@ -74,6 +79,8 @@ enum Command {
     /// The cluster: status, map, settings, failover, recover, rebalance.
     #[command(subcommand)]
     Cluster(cli::ClusterCmd),
+    /// Make a CA and node certificates for TLS (`serve --tls-cert ... --tls-key ... --tls-ca ...`).
+    Cert(cert::CertArgs),
 }
 
 #[derive(clap::Args)]
@@ -136,6 +143,13 @@ struct ServeArgs {
     /// `<first data path>/admin-password`).
     #[arg(long)]
     admin_password_file: Option<PathBuf>,
+    /// The node's certificate chain (PEM): the port then speaks TLS only (HTTP/1.1 and h2),
+    /// and members call each other over TLS, verified by `--tls-ca`. Read again on SIGHUP.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// Lets `POST /v1/_internal/faults` (with the cluster secret) cut this node off from
     /// other members: for fault tests only.
     #[arg(long, hide = true)]
@@ -189,6 +203,11 @@ fn log_directives(user: Option<String>) -> String {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if let Some(ca) = &args.tls_ca {
+        // The clients the commands make read it (`shoal_client::ClientOptions`); no other
+        // thread runs yet.
+        std::env::set_var("SHOAL_TLS_CA", ca);
+    }
     let directives = log_directives(std::env::var("SHOAL_LOG").ok());
     let filter = tracing_subscriber::EnvFilter::try_new(&directives).unwrap_or_else(|_| log_directives(None).into());
     // Colours only on a terminal: logs sent to a file or a pipe stay plain text.
@@ -226,12 +245,13 @@ fn main() -> ExitCode {
 
 async fn run(args: Args) -> Result<(), cli::CliError> {
     let url = match &args.command {
-        Command::Serve(_) => args.url.clone(),
+        Command::Serve(_) | Command::Cert(_) => args.url.clone(),
         _ => cli::with_credentials(&args.url, args.user.as_deref(), args.password.as_deref())?,
     };
     let args = Args { url, ..args };
     match args.command {
-        Command::Serve(s) => serve(s).await,
+        Command::Serve(s) => serve(s, args.tls_ca).await,
+        Command::Cert(c) => cert::run(c),
         Command::Collection(c) => cli::collection(&args.url, args.output, c).await,
         Command::Doc(d) => cli::doc(&args.url, args.output, d).await,
         Command::Subdoc(c) => cli::subdoc(&args.url, args.output, c).await,
@@ -244,7 +264,16 @@ async fn run(args: Args) -> Result<(), cli::CliError> {
     }
 }
 
-async fn serve(args: ServeArgs) -> Result<(), cli::CliError> {
+async fn serve(args: ServeArgs, tls_ca: Option<PathBuf>) -> Result<(), cli::CliError> {
+    let tls = match (args.tls_cert.clone(), args.tls_key.clone(), tls_ca) {
+        (Some(cert), Some(key), Some(ca)) => Some(shoal_server::tls::TlsFiles { cert, key, ca }),
+        (Some(_), _, None) => return Err(cli::CliError::Usage(
+            "--tls-cert needs --tls-ca: the CA members verify each other by (the one that signed the certificates; `shoal cert` makes one)"
+                .into(),
+        )),
+        _ => None,
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let admin_password = match &args.admin_password_file {
         Some(f) => Some(
             std::fs::read_to_string(f).map_err(|e| cli::CliError::Usage(format!("cannot read {}: {e}", f.display())))?.trim().to_string(),
@@ -289,11 +318,12 @@ async fn serve(args: ServeArgs) -> Result<(), cli::CliError> {
         },
         fault_injection: args.fault_injection,
         admin_password,
+        tls,
     };
     let signal = shutdown_signal()?;
     let server = shoal_server::Server::bind(config).await?;
     let addr = server.local_addr()?;
-    println!("shoal listening on http://{addr}");
+    println!("shoal listening on {scheme}://{addr}");
     let mut first_admin = server.first_admin();
     tokio::spawn(async move {
         if let Ok(made) = first_admin.wait_for(Option::is_some).await {

@@ -22,12 +22,29 @@ pub enum ClientError {
     /// The server answered with an API error.
     #[error("{code}: {reason} (HTTP {status})")]
     Api { status: u16, code: String, reason: String },
-    #[error("request failed: {0}")]
+    /// The request did not get an answer; the message names each cause (a refused
+    /// connection, a certificate the CA did not sign...).
+    #[error("request failed: {}", error_chain(.0))]
     Http(#[from] reqwest::Error),
+    /// The TLS configuration (`tls_ca`) could not be used.
+    #[error("TLS: {0}")]
+    Tls(String),
     #[error("unexpected answer: {0}")]
     Decode(String),
     #[error("invalid base URL {0:?}")]
     Url(String),
+}
+
+/// An error with its causes, outermost first.
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        out.push_str(": ");
+        out.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    out
 }
 
 impl ClientError {
@@ -48,13 +65,59 @@ pub struct ClientOptions {
     pub timeout: Duration,
     /// Idle connections kept per host.
     pub pool_max_idle: usize,
+    /// The CA certificates (PEM file) an `https://` server is verified by; `None` trusts
+    /// the system's roots. The default is `SHOAL_TLS_CA`, as curl reads `CURL_CA_BUNDLE`.
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 impl Default for ClientOptions {
     fn default() -> Self {
-        ClientOptions { http2: false, timeout: REQUEST_TIMEOUT_DEFAULT, pool_max_idle: 256 }
+        ClientOptions {
+            http2: false,
+            timeout: REQUEST_TIMEOUT_DEFAULT,
+            pool_max_idle: 256,
+            tls_ca: std::env::var_os("SHOAL_TLS_CA").filter(|v| !v.is_empty()).map(std::path::PathBuf::from),
+        }
     }
 }
+
+/// The TLS client configuration of an `https://` server verified by the CA in `ca` (PEM),
+/// or by the system's roots.
+fn tls_config(ca: Option<&std::path::Path>, http2: bool) -> Result<rustls::ClientConfig, ClientError> {
+    use rustls::pki_types::pem::PemObject;
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| ClientError::Tls(e.to_string()))?;
+    let mut config = match ca {
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            let certs = rustls::pki_types::CertificateDer::pem_file_iter(ca)
+                .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+                .map_err(|e| ClientError::Tls(format!("{}: {e}", ca.display())))?;
+            let (added, _) = roots.add_parsable_certificates(certs);
+            if added == 0 {
+                return Err(ClientError::Tls(format!("{}: no CA certificate in it (PEM)", ca.display())));
+            }
+            builder.with_root_certificates(roots).with_no_client_auth()
+        }
+        None => {
+            let mut roots = rustls::RootCertStore::empty();
+            // The system's roots, where the platform keeps them.
+            for path in SYSTEM_CA_FILES {
+                if let Ok(certs) = rustls::pki_types::CertificateDer::pem_file_iter(path) {
+                    roots.add_parsable_certificates(certs.filter_map(Result::ok));
+                }
+            }
+            builder.with_root_certificates(roots).with_no_client_auth()
+        }
+    };
+    config.alpn_protocols = vec![if http2 { b"h2".to_vec() } else { b"http/1.1".to_vec() }];
+    Ok(config)
+}
+
+/// Where Linux distributions keep their CA bundle.
+const SYSTEM_CA_FILES: &[&str] = &["/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt", "/etc/ssl/cert.pem"];
 
 /// A document as read.
 #[derive(Clone, Debug)]
@@ -128,11 +191,15 @@ impl Client {
 
     pub fn with_options(url: &str, options: ClientOptions) -> Result<Client, ClientError> {
         let base = url.trim_end_matches('/').to_string();
-        if !base.starts_with("http://") {
+        let https = base.starts_with("https://");
+        if !base.starts_with("http://") && !https {
             return Err(ClientError::Url(url.to_string()));
         }
         let mut builder =
             reqwest::Client::builder().timeout(options.timeout).pool_max_idle_per_host(options.pool_max_idle).tcp_nodelay(true).no_proxy();
+        if https {
+            builder = builder.tls_backend_preconfigured(tls_config(options.tls_ca.as_deref(), options.http2)?);
+        }
         if options.http2 {
             builder = builder.http2_prior_knowledge();
         } else {

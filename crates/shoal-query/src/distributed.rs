@@ -68,6 +68,11 @@ pub trait LocalMember: Send + Sync {
     fn actives_at(&self, map_version: u64) -> Result<Vec<bool>, String>;
     /// Headers every call to another worker carries (the cluster secret).
     fn call_headers(&self) -> Vec<(String, String)>;
+    /// The TLS client configuration (h2) calls to other workers use, when members speak
+    /// TLS: they verify each other by the cluster's CA.
+    fn tls(&self) -> Option<Arc<rustls::ClientConfig>> {
+        None
+    }
 }
 
 /// The asking side of a statement's preparation on the members.
@@ -384,16 +389,17 @@ impl datafusion_distributed::WorkerResolver for Members {
 #[derive(Clone)]
 pub(crate) struct Channels {
     headers: Arc<Vec<(http::HeaderName, http::HeaderValue)>>,
+    tls: Option<Arc<rustls::ClientConfig>>,
     by_url: Arc<Mutex<HashMap<url::Url, datafusion_distributed::grpc::BoxCloneSyncChannel>>>,
 }
 
 impl Channels {
-    pub(crate) fn new(headers: Vec<(String, String)>) -> Channels {
+    pub(crate) fn new(headers: Vec<(String, String)>, tls: Option<Arc<rustls::ClientConfig>>) -> Channels {
         let headers = headers
             .into_iter()
             .filter_map(|(k, v)| Some((http::HeaderName::try_from(k).ok()?, http::HeaderValue::try_from(v).ok()?)))
             .collect();
-        Channels { headers: Arc::new(headers), by_url: Arc::default() }
+        Channels { headers: Arc::new(headers), tls, by_url: Arc::default() }
     }
 
     fn channel(&self, url: &url::Url) -> Result<datafusion_distributed::grpc::BoxCloneSyncChannel, DataFusionError> {
@@ -407,7 +413,11 @@ impl Channels {
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(10))
             .keep_alive_timeout(Duration::from_secs(10));
-        let channel = endpoint.connect_lazy();
+        let channel = match &self.tls {
+            None => endpoint.connect_lazy(),
+            // The URL stays `http://`: TLS is this connector's, not tonic's.
+            Some(tls) => endpoint.connect_with_connector_lazy(tls_connector(Arc::clone(tls))),
+        };
         let headers = Arc::clone(&self.headers);
         let svc = tower::ServiceBuilder::new()
             .map_request(move |mut req: http::Request<tonic::body::Body>| {
@@ -421,6 +431,32 @@ impl Channels {
         map.insert(url.clone(), boxed.clone());
         Ok(boxed)
     }
+}
+
+/// Connects to a worker over TLS: TCP, then the handshake naming the member's host.
+fn tls_connector(
+    config: Arc<rustls::ClientConfig>,
+) -> impl tower::Service<
+    http::Uri,
+    Response = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>,
+    Error = std::io::Error,
+    Future = impl Send,
+> + Send
+       + Clone
+       + 'static {
+    tower::service_fn(move |uri: http::Uri| {
+        let connector = tokio_rustls::TlsConnector::from(Arc::clone(&config));
+        async move {
+            let invalid = |why: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, why);
+            let host = uri.host().ok_or_else(|| invalid(format!("worker URL {uri} has no host")))?;
+            let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
+            let port = uri.port_u16().unwrap_or(80);
+            let tcp = tokio::net::TcpStream::connect((host.as_str(), port)).await?;
+            tcp.set_nodelay(true)?;
+            let name = rustls::pki_types::ServerName::try_from(host).map_err(|e| invalid(e.to_string()))?;
+            Ok(hyper_util::rt::TokioIo::new(connector.connect(name, tcp).await?))
+        }
+    })
 }
 
 #[async_trait]

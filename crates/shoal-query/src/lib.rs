@@ -500,7 +500,7 @@ impl QueryEngine {
                 shadows: Arc::clone(&self.shadows),
                 local: Arc::clone(&local),
             });
-            let channels = distributed::Channels::new(local.call_headers());
+            let channels = distributed::Channels::new(local.call_headers(), local.tls());
             let worker = distributed::worker(Arc::clone(&env), Arc::clone(&self.runtime), self.query_memory_bytes, channels.clone());
             Member { env, local, worker, channels }
         });

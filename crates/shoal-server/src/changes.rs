@@ -433,7 +433,7 @@ fn span(
                 let sep = if path.contains('?') { '&' } else { '?' };
                 let mut request = state
                     .forwarder
-                    .get(format!("http://{address}{path}{sep}partitions={}", given.join(",")))
+                    .get(state.member_url(address, &format!("{path}{sep}partitions={}", given.join(","))))
                     .timeout(spec.timeout + FORWARD_TIMEOUT)
                     .header(FORWARDED_HEADER, map_version.to_string());
                 if let Some(user) = user {

@@ -32,6 +32,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Semaphore};
 
+use crate::tls::{MemberCert, Tls, TLS_HANDSHAKE_RECORD, TLS_HANDSHAKE_TIMEOUT};
 use crate::ConnectionLimits;
 
 /// Most client connections open at once.
@@ -158,13 +159,13 @@ impl Activity {
     }
 }
 
-/// The socket, noting activity on every read and write.
-struct Watched {
-    io: TcpStream,
+/// The connection (a socket, or TLS over it), noting activity on every read and write.
+struct Watched<T> {
+    io: T,
     activity: Arc<Activity>,
 }
 
-impl AsyncRead for Watched {
+impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
         let before = buf.filled().len();
         let r = Pin::new(&mut self.io).poll_read(cx, buf);
@@ -175,7 +176,7 @@ impl AsyncRead for Watched {
     }
 }
 
-impl AsyncWrite for Watched {
+impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<std::io::Result<usize>> {
         let r = Pin::new(&mut self.io).poll_write(cx, data);
         self.activity.wrote(&r);
@@ -249,7 +250,13 @@ impl http_body::Body for TrackedBody {
 
 /// Accepts connections until `shutdown` turns true, then lets open requests finish for
 /// [`SHUTDOWN_GRACE`].
-pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimits, mut shutdown: watch::Receiver<bool>) {
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: ConnectionLimits,
+    tls: Option<Arc<Tls>>,
+    mut shutdown: watch::Receiver<bool>,
+) {
     raise_fd_limit();
     let permits = Arc::new(Semaphore::new(limits.max));
     let (closing_tx, closing) = watch::channel(false);
@@ -273,11 +280,11 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimi
             continue;
         };
         let _ = tcp.set_nodelay(true);
-        let (router, mut closing, open) = (router.clone(), closing.clone(), Arc::clone(&open));
+        let (router, mut closing, open, tls) = (router.clone(), closing.clone(), Arc::clone(&open), tls.clone());
         tokio::spawn(async move {
             open.fetch_add(1, Ordering::Relaxed);
             metrics::gauge!("shoal_connections").increment(1.0);
-            serve_one(tcp, peer, router, limits, &mut closing).await;
+            serve_one(tcp, peer, router, limits, tls, &mut closing).await;
             metrics::gauge!("shoal_connections").decrement(1.0);
             open.fetch_sub(1, Ordering::Relaxed);
             drop(permit);
@@ -307,21 +314,88 @@ async fn refuse(mut tcp: TcpStream) {
     let _ = tokio::time::timeout(REFUSAL_WRITE_TIMEOUT, tcp.write_all(answer.as_bytes())).await;
 }
 
-async fn serve_one(tcp: TcpStream, peer: SocketAddr, router: Router, limits: ConnectionLimits, closing: &mut watch::Receiver<bool>) {
+async fn serve_one(
+    tcp: TcpStream,
+    peer: SocketAddr,
+    router: Router,
+    limits: ConnectionLimits,
+    tls: Option<Arc<Tls>>,
+    closing: &mut watch::Receiver<bool>,
+) {
     // A second descriptor of the socket: when hyper is done with the connection and drops
     // its own, the socket stays open for `linger`.
     // Also handed to each request that asks to switch protocols (`Socket`): an upgraded
-    // copy writes to the socket itself.
+    // copy writes to the socket itself (not over TLS: its bytes must be encrypted).
     let lingering = {
         use std::os::fd::AsFd;
         tcp.as_fd().try_clone_to_owned().ok().map(|fd| Socket(Arc::new(std::net::TcpStream::from(fd))))
     };
     let activity = Activity::new();
-    if drive(tcp, peer, router, limits, closing, &activity, lingering.clone()).await && !activity.upgraded.load(Ordering::Acquire) {
+    let ended = match tls {
+        None => drive(tcp, peer, router, limits, closing, &activity, lingering.clone(), false).await,
+        Some(tls) => match handshake(tcp, &tls).await {
+            Handshake::Done(stream) => {
+                // A client certificate is there only if the CA's verification passed.
+                let member = stream.get_ref().1.peer_certificates().is_some_and(|c| !c.is_empty());
+                drive(stream, peer, router, limits, closing, &activity, None, member).await
+            }
+            Handshake::NotTls => true,
+            Handshake::Failed => false,
+        },
+    };
+    if ended && !activity.upgraded.load(Ordering::Acquire) {
         if let Some(tcp) = lingering.and_then(|s| Arc::try_unwrap(s.0).or_else(|s| s.try_clone()).ok()) {
             linger(tcp).await;
         }
     }
+}
+
+enum Handshake {
+    Done(Box<tokio_rustls::server::TlsStream<TcpStream>>),
+    /// The client spoke something else (plain HTTP); it was told so.
+    NotTls,
+    Failed,
+}
+
+/// Reads a client's TLS handshake, within [`TLS_HANDSHAKE_TIMEOUT`]. A client that
+/// speaks plain HTTP to the TLS port gets a plain `400` saying so, rather than bytes it
+/// cannot read.
+async fn handshake(tcp: TcpStream, tls: &Tls) -> Handshake {
+    let mut first = [0u8; 1];
+    match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, tcp.peek(&mut first)).await {
+        Ok(Ok(1)) if first[0] != TLS_HANDSHAKE_RECORD => {
+            metrics::counter!("shoal_tls_handshake_failures_total").increment(1);
+            refuse_plain(tcp).await;
+            return Handshake::NotTls;
+        }
+        Ok(Ok(1)) => {}
+        _ => return Handshake::Failed,
+    }
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls.server_config());
+    match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+        Ok(Ok(stream)) => Handshake::Done(Box::new(stream)),
+        Ok(Err(e)) => {
+            metrics::counter!("shoal_tls_handshake_failures_total").increment(1);
+            tracing::debug!(error = %e, "TLS handshake failed");
+            Handshake::Failed
+        }
+        Err(_) => {
+            metrics::counter!("shoal_tls_handshake_failures_total").increment(1);
+            Handshake::Failed
+        }
+    }
+}
+
+/// The answer to plain HTTP on the TLS port.
+async fn refuse_plain(mut tcp: TcpStream) {
+    use tokio::io::AsyncWriteExt;
+    let body = r#"{"error":"bad_request","reason":"this port speaks TLS only; call it with https://"}"#;
+    let answer = format!(
+        "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = tokio::time::timeout(REFUSAL_WRITE_TIMEOUT, tcp.write_all(answer.as_bytes())).await;
+    let _ = tokio::time::timeout(REFUSAL_WRITE_TIMEOUT, tcp.shutdown()).await;
 }
 
 /// After the last answer of a connection that ended normally: its side is shut (the answer
@@ -350,19 +424,24 @@ async fn linger(tcp: std::net::TcpStream) {
 
 /// Serves one connection until it ends; answers whether it ended by itself (the client or
 /// the protocol closed it), not by one of the timeouts here (then it is simply dropped).
-async fn drive(
-    tcp: TcpStream,
+#[allow(clippy::too_many_arguments)]
+async fn drive<T: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
+    io: T,
     peer: SocketAddr,
     router: Router,
     limits: ConnectionLimits,
     closing: &mut watch::Receiver<bool>,
     activity: &Arc<Activity>,
     socket: Option<Socket>,
+    member: bool,
 ) -> bool {
-    let io = TokioIo::new(Watched { io: tcp, activity: Arc::clone(activity) });
+    let io = TokioIo::new(Watched { io, activity: Arc::clone(activity) });
     let tracker = Arc::clone(activity);
     let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
         req.extensions_mut().insert(Peer(peer.ip()));
+        if member {
+            req.extensions_mut().insert(MemberCert);
+        }
         if let Some(socket) = socket.as_ref().filter(|_| req.headers().contains_key(axum::http::header::UPGRADE)) {
             req.extensions_mut().insert(socket.clone());
         }

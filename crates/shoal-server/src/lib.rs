@@ -21,6 +21,7 @@ mod query;
 pub mod routing;
 mod spread;
 mod subdoc;
+pub mod tls;
 pub mod transport;
 mod users;
 
@@ -49,6 +50,8 @@ pub enum ServerError {
     Client(#[from] reqwest::Error),
     #[error("server: {0}")]
     Io(#[from] std::io::Error),
+    #[error("TLS: {0}")]
+    Tls(#[from] tls::TlsError),
 }
 
 #[derive(Clone, Debug)]
@@ -66,6 +69,8 @@ pub struct ServerConfig {
     /// The password of the first start's `admin` (`SHOAL_ADMIN_PASSWORD`); `None` generates
     /// one, kept in `<first data path>/admin-password`.
     pub admin_password: Option<String>,
+    /// `--tls-cert`, `--tls-key`, `--tls-ca`: the port speaks TLS only, and so do members.
+    pub tls: Option<tls::TlsFiles>,
 }
 
 /// How many client connections the node holds and how long it waits for slow or idle ones.
@@ -119,6 +124,15 @@ pub struct AppState {
     pub copy_io: Arc<copy_io::CopyIo>,
     /// Verified credentials and failed logins (`auth`).
     pub auth: Arc<auth::Auth>,
+    /// The node's TLS, if it speaks TLS (then members call each other over it).
+    pub tls: Option<Arc<tls::Tls>>,
+}
+
+impl AppState {
+    /// The URL of `path` on the member at `address` (`https` when the cluster runs TLS).
+    pub(crate) fn member_url(&self, address: &str, path_and_query: &str) -> String {
+        transport::member_url(self.tls.is_some(), address, path_and_query)
+    }
 }
 
 pub fn router(state: AppState) -> Router {
@@ -167,7 +181,10 @@ pub fn router(state: AppState) -> Router {
     cluster = at(cluster, "PUT", "/v1/users/{name}", users::put);
     cluster = at(cluster, "DELETE", "/v1/users/{name}", users::delete);
     // Every member is a worker of distributed analytics, on this same port (gRPC over h2c).
-    let worker = state.engine.query().attach_cluster(Arc::new(transport::WorkerMember(Arc::clone(&state.cluster))));
+    let worker = state.engine.query().attach_cluster(Arc::new(transport::WorkerMember {
+        node: Arc::clone(&state.cluster),
+        tls: state.tls.as_ref().map(|t| t.peer_h2()),
+    }));
     let workers = Router::new()
         .route_service(&format!("{}{{*call}}", shoal_query::distributed::WORKER_PATH_PREFIX), worker.into_worker_server())
         .layer(axum::middleware::from_fn(transport::on_query_runtime))
@@ -241,6 +258,8 @@ impl Server {
         if let Some(link) = &feed {
             engine_config.index_feed = Some(shoal_engine::IndexFeed(Arc::clone(link) as Arc<dyn shoal_index::ChangeFetcher>));
         }
+        // Before anything opens: a TLS file that cannot be read stops the start.
+        let tls = config.tls.clone().map(tls::Tls::load).transpose()?;
         let engine = Engine::open(engine_config).await?;
         let listener = listen(&config.listen).await.map_err(|source| ServerError::Bind { addr: config.listen.clone(), source })?;
         for path in engine.store().data_paths() {
@@ -256,8 +275,9 @@ impl Server {
         let peer_faults = Arc::clone(&faults);
         let copy_io = Arc::new(copy_io::CopyIo::start()?);
         let peer_copy_io = Arc::clone(&copy_io);
+        let peer_tls = tls.clone();
         let cluster = ClusterNode::open(Arc::clone(&engine), cluster_config, move |secret| {
-            transport::HttpPeers::new(secret, peer_faults, peer_copy_io)
+            transport::HttpPeers::new(secret, peer_faults, peer_copy_io, peer_tls.as_deref())
                 .map(|p| Arc::new(p) as Arc<dyn shoal_node::Peers>)
                 .map_err(|e| shoal_node::ClusterError::Identity(e.to_string()))
         })
@@ -276,10 +296,11 @@ impl Server {
             body_timeout: config.connections.body_read_timeout,
             limits: limits::Limits::new(cores),
             cluster,
-            forwarder: routing::forwarder()?,
+            forwarder: routing::forwarder(tls.as_deref())?,
             faults,
             copy_io,
             auth: Arc::new(auth::Auth::new(&audit_dir)),
+            tls,
         };
         let (first_admin, _) = watch::channel(None);
         Ok(Server { listener, state, shutdown_tx, connections: config.connections, admin_password: config.admin_password, first_admin })
@@ -332,7 +353,10 @@ impl Server {
         tokio::spawn(signal);
         state.cluster.start();
         tokio::spawn(auth::ensure_first_admin(state.clone(), admin_password, first_admin));
-        conn::serve(listener, router(state.clone()), connections, state.shutdown.clone()).await;
+        if let Some(tls) = &state.tls {
+            tokio::spawn(reload_on_hangup(Arc::clone(tls)));
+        }
+        conn::serve(listener, router(state.clone()), connections, state.tls.clone(), state.shutdown.clone()).await;
         let restart = restart.load(std::sync::atomic::Ordering::SeqCst);
         state.cluster.shutdown().await;
         let closed = engine.close().await;
@@ -345,6 +369,27 @@ impl Server {
             // acknowledged write, and the next start recovers from it.
             (_, true) => Ok(RunOutcome::Restart),
             (Err(e), false) => Err(e.into()),
+        }
+    }
+}
+
+/// Reads the TLS files again on each `SIGHUP` (a renewed certificate, a new CA).
+async fn reload_on_hangup(tls: Arc<tls::Tls>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hangups) = signal(SignalKind::hangup()) else {
+        tracing::warn!("cannot watch for SIGHUP; TLS files are read at the start only");
+        return;
+    };
+    while hangups.recv().await.is_some() {
+        match tls.reload() {
+            Ok(()) => {
+                metrics::counter!("shoal_tls_reloads_total", "outcome" => "ok").increment(1);
+                tracing::info!("TLS certificate, key and CA read again (SIGHUP)");
+            }
+            Err(e) => {
+                metrics::counter!("shoal_tls_reloads_total", "outcome" => "failed").increment(1);
+                tracing::warn!(error = %e, "SIGHUP: the TLS files could not be read; the ones loaded stay");
+            }
         }
     }
 }

@@ -216,7 +216,7 @@ pub(crate) async fn forward(
     }
     let mut request = state
         .forwarder
-        .request(method, format!("http://{address}{path}"))
+        .request(method, state.member_url(address, path))
         .timeout(FORWARD_TIMEOUT)
         .header(FORWARDED_HEADER, routed_at.to_string());
     for name in FORWARDED_REQUEST_HEADERS {
@@ -248,8 +248,8 @@ pub(crate) fn forwarded_by_map(headers: &HeaderMap) -> Option<u64> {
 }
 
 /// The client used to forward requests.
-pub fn forwarder() -> Result<reqwest::Client, reqwest::Error> {
-    reqwest::Client::builder().tcp_nodelay(true).no_proxy().pool_max_idle_per_host(256).build()
+pub fn forwarder(tls: Option<&crate::tls::Tls>) -> Result<reqwest::Client, reqwest::Error> {
+    crate::transport::member_client(reqwest::Client::builder().tcp_nodelay(true).no_proxy().pool_max_idle_per_host(256), tls).build()
 }
 
 /// Waits for this node to serve (a node just started is given `STARTUP_WAIT` to enter its

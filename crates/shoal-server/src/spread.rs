@@ -98,7 +98,7 @@ pub(crate) async fn call_all(
         }
         let mut request = state
             .forwarder
-            .post(format!("http://{address}{path_and_query}"))
+            .post(state.member_url(&address, path_and_query))
             .timeout(FORWARD_TIMEOUT)
             .header(FORWARDED_HEADER, routed_by.as_str())
             .header("content-type", "application/json");

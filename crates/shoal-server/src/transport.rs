@@ -17,6 +17,7 @@ use crate::copy_io::{CopyIo, COPY_PROTOCOL};
 use crate::docs::json_response;
 use crate::error::{cluster_error, ApiError};
 use crate::extract;
+use crate::tls::{MemberCert, Tls};
 use crate::AppState;
 
 /// The header that carries the cluster secret between members.
@@ -96,6 +97,8 @@ pub struct HttpPeers {
     copy_client: reqwest::Client,
     copy_io: std::sync::Arc<CopyIo>,
     secret: String,
+    /// Whether members speak TLS (`https`).
+    https: bool,
     faults: std::sync::Arc<Faults>,
     /// The node's runtime: calls run there whoever makes them (a statement on the query
     /// runtime asking a member), so that the pooled connections they leave behind are
@@ -104,12 +107,33 @@ pub struct HttpPeers {
 }
 
 impl HttpPeers {
-    pub fn new(secret: &str, faults: std::sync::Arc<Faults>, copy_io: std::sync::Arc<CopyIo>) -> Result<HttpPeers, reqwest::Error> {
-        let client = reqwest::Client::builder().tcp_nodelay(true).no_proxy().pool_max_idle_per_host(64).build()?;
-        let copy_client = reqwest::Client::builder().tcp_nodelay(true).no_proxy().http1_only().pool_max_idle_per_host(0).build()?;
+    pub fn new(
+        secret: &str,
+        faults: std::sync::Arc<Faults>,
+        copy_io: std::sync::Arc<CopyIo>,
+        tls: Option<&Tls>,
+    ) -> Result<HttpPeers, reqwest::Error> {
+        let client = member_client(reqwest::Client::builder().tcp_nodelay(true).no_proxy().pool_max_idle_per_host(64), tls).build()?;
+        let copy_client =
+            member_client(reqwest::Client::builder().tcp_nodelay(true).no_proxy().http1_only().pool_max_idle_per_host(0), tls).build()?;
         let io = tokio::runtime::Handle::try_current().ok();
-        Ok(HttpPeers { client, copy_client, copy_io, secret: secret.to_string(), faults, io })
+        Ok(HttpPeers { client, copy_client, copy_io, secret: secret.to_string(), https: tls.is_some(), faults, io })
     }
+}
+
+/// A client for calls to other members: over TLS with this node's certificate, verifying
+/// theirs by the CA, when the node speaks TLS.
+pub(crate) fn member_client(builder: reqwest::ClientBuilder, tls: Option<&Tls>) -> reqwest::ClientBuilder {
+    match tls {
+        Some(tls) => builder.tls_backend_preconfigured(tls.peer_http1().as_ref().clone()),
+        None => builder,
+    }
+}
+
+/// The URL of `path_and_query` on the member at `address`.
+pub(crate) fn member_url(https: bool, address: &str, path_and_query: &str) -> String {
+    let scheme = if https { "https" } else { "http" };
+    format!("{scheme}://{address}{path_and_query}")
 }
 
 impl Peers for HttpPeers {
@@ -127,7 +151,7 @@ impl Peers for HttpPeers {
         }
         let request = self
             .client
-            .post(format!("http://{address}/v1/_internal/{}", op.name()))
+            .post(member_url(self.https, address, &format!("/v1/_internal/{}", op.name())))
             .header(SECRET_HEADER, secret)
             .timeout(timeout)
             .body(body)
@@ -170,8 +194,11 @@ impl Peers for HttpPeers {
         }
         // No overall timeout: a copy takes as long as its size needs; the caller bounds
         // the gaps between chunks. The answer must start within `timeout`.
-        let request =
-            self.copy_client.post(format!("http://{address}/v1/_internal/{}", op.name())).header(SECRET_HEADER, &self.secret).body(body);
+        let request = self
+            .copy_client
+            .post(member_url(self.https, address, &format!("/v1/_internal/{}", op.name())))
+            .header(SECRET_HEADER, &self.secret)
+            .body(body);
         let address = address.to_string();
         let (faults, copy_io) = (std::sync::Arc::clone(&self.faults), std::sync::Arc::clone(&self.copy_io));
         Box::pin(async move {
@@ -243,6 +270,9 @@ pub async fn internal(State(state): State<AppState>, Path(op): Path<String>, req
     let (mut parts, body) = request.into_parts();
     let headers = &parts.headers;
     let node = &state.cluster;
+    if let Some(refused) = without_member_cert(&state, &parts.extensions) {
+        return Err(refused);
+    }
     let given = headers.get(SECRET_HEADER).map(|v| v.as_bytes()).unwrap_or_default();
     // An invitation comes from a cluster whose secret this node does not know yet; only a
     // lone node with no collections takes it (`ClusterNode::invite`).
@@ -272,25 +302,36 @@ pub async fn internal(State(state): State<AppState>, Path(op): Path<String>, req
 
 /// This node as a worker of distributed analytics (`shoal_query::distributed`): its tasks
 /// read by the node's map, and its calls to other workers carry the cluster secret.
-pub(crate) struct WorkerMember(pub std::sync::Arc<shoal_node::ClusterNode>);
+pub(crate) struct WorkerMember {
+    pub node: std::sync::Arc<shoal_node::ClusterNode>,
+    /// The members' TLS client configuration (h2), when the cluster speaks TLS.
+    pub tls: Option<std::sync::Arc<rustls::ClientConfig>>,
+}
 
 impl shoal_query::distributed::LocalMember for WorkerMember {
     fn address(&self) -> String {
-        self.0.address().to_string()
+        self.node.address().to_string()
     }
 
     fn actives_at(&self, map_version: u64) -> Result<Vec<bool>, String> {
-        self.0.actives_at(map_version)
+        self.node.actives_at(map_version)
     }
 
     fn call_headers(&self) -> Vec<(String, String)> {
-        vec![(SECRET_HEADER.to_string(), self.0.secret().to_string())]
+        vec![(SECRET_HEADER.to_string(), self.node.secret().to_string())]
+    }
+
+    fn tls(&self) -> Option<std::sync::Arc<rustls::ClientConfig>> {
+        self.tls.clone()
     }
 }
 
 /// The worker service's calls (gRPC, under `shoal_query::distributed::WORKER_PATH_PREFIX`)
 /// come from members only: they carry the cluster secret.
 pub async fn members_only(State(state): State<AppState>, request: Request, next: axum::middleware::Next) -> Response {
+    if let Some(refused) = without_member_cert(&state, request.extensions()) {
+        return refused.into_response();
+    }
     let given = request.headers().get(SECRET_HEADER).map(|v| v.as_bytes()).unwrap_or_default();
     if !constant_time_eq(given, state.cluster.secret().as_bytes()) {
         return ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "calls between members need the cluster secret").into_response();
@@ -308,6 +349,18 @@ pub async fn on_query_runtime(request: Request, next: axum::middleware::Next) ->
             ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", format!("the worker call's task ended: {e}")).into_response()
         }
     }
+}
+
+/// On a node that speaks TLS, a call between members must come over a connection whose
+/// client certificate the CA signed (`tls::MemberCert`), besides carrying the secret.
+fn without_member_cert(state: &AppState, extensions: &axum::http::Extensions) -> Option<ApiError> {
+    (state.tls.is_some() && extensions.get::<MemberCert>().is_none()).then(|| {
+        ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "calls between members need a member's certificate (TLS with a client certificate signed by the cluster's CA)",
+        )
+    })
 }
 
 /// Compares secrets in time that does not depend on where they differ.
