@@ -202,6 +202,7 @@ fn log_directives(user: Option<String>) -> String {
 }
 
 fn main() -> ExitCode {
+    shoal_client::install_crypto();
     let args = Args::parse();
     if let Some(ca) = &args.tls_ca {
         // The clients the commands make read it (`shoal_client::ClientOptions`); no other

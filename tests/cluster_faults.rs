@@ -13,6 +13,9 @@
 //! cluster, then one that sheds a node), so the copies' snapshot, catch-up and hand-over
 //! are checked by Porcupine too.
 //!
+//! The faults' cluster runs as a deployment would (issue 43): users on, and TLS between
+//! clients and members and among members (`SHOAL_FAULT_TLS=0` runs it in plain HTTP).
+//!
 //! `cargo test` runs the short version (3 nodes, a few faults). The long run is
 //! `scripts/cluster-faults.sh` (README), which sets `SHOAL_FAULT_NODES`, `SHOAL_FAULT_ROUNDS`
 //! and `SHOAL_FAULT_REPORT` for this same test.
@@ -108,8 +111,13 @@ async fn a_cluster_under_kills_pauses_and_partitions_stays_linearizable_for_majo
     // Every how many faults the victim is the metadata leader (0: victims drawn at random);
     // the others are drawn at random.
     let leader_every = env_or("SHOAL_FAULT_LEADER_EVERY", 2);
-    let mut nodes = start_cluster(nodes_n, &["--fault-injection"]);
-    let http = common::client_builder().timeout(Duration::from_secs(30)).build().unwrap();
+    let mut args = vec!["--fault-injection"];
+    if env_or("SHOAL_FAULT_TLS", 1) == 1 {
+        args.extend(common::tls_flags());
+    }
+    let mut nodes = start_cluster(nodes_n, &args);
+    // A member's certificate: the fault switches are calls between members.
+    let http = common::member_client_builder().timeout(Duration::from_secs(30)).build().unwrap();
     wait_for(&http, &nodes[0].u("/v1/cluster"), "members", |v| member_states(v).len() == nodes_n).await;
     let failover_timeout_s = env_or("SHOAL_FAULT_TIMEOUT_S", 2);
     let r =

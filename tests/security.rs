@@ -91,14 +91,14 @@ async fn every_route_answers_each_role_as_its_rule_says() {
     for n in 0..table.len() {
         assert_eq!(put_user(&admin, &node, &format!("decoy{n}"), "password-of-the-decoy", &["admin"]).await.0, 200);
     }
-    let plain = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let plain = common::plain_client_builder().timeout(Duration::from_secs(60)).build().unwrap();
     let mut tried = 0;
     for (n, (method, route, rule)) in table.into_iter().enumerate() {
         let method = Method::from_bytes(method.as_bytes()).unwrap();
         let (path, body) = instance(method.as_str(), &route);
         // Failed logins pause their source address: each route's come from an address of
         // its own, so that they stay below the pause.
-        let failing = reqwest::Client::builder()
+        let failing = common::plain_client_builder()
             .local_address(std::net::IpAddr::from([127, 0, 1, u8::try_from(n + 1).unwrap()]))
             .timeout(Duration::from_secs(60))
             .build()
@@ -218,7 +218,7 @@ async fn users_are_managed_with_their_limits_and_changes_apply_at_once() {
     let as_user = |user: &str, password: &str| {
         let mut h = reqwest::header::HeaderMap::new();
         h.insert("authorization", basic_auth(user, password).parse().unwrap());
-        reqwest::Client::builder().default_headers(h).build().unwrap()
+        common::plain_client_builder().default_headers(h).build().unwrap()
     };
     let ops = as_user("ops", "ops-password");
     let (_, me) = (200, ops.get(node.u("/v1/whoami")).send().await.unwrap().json::<Value>().await.unwrap());
@@ -278,7 +278,7 @@ async fn malformed_and_forged_credentials_are_refused() {
     let admin = node.client();
     assert_eq!(admin.put(node.u("/v1/collections/c")).send().await.unwrap().status(), 201);
     assert_eq!(put_user(&admin, &node, "reader", "reader-password", &["data_reader[c]"]).await.0, 200);
-    let plain = reqwest::Client::new();
+    let plain = common::plain_client_builder().build().unwrap();
     let huge = format!("Basic {}", "A".repeat(100 * 1024));
     for value in ["Basic", "Basic YWRtaW4=", "Basic !!!", "Bearer abc", "basic", "Basic YWRtaW46", &huge] {
         let r = plain.get(node.u("/v1/whoami")).header("authorization", value).send().await.unwrap();
@@ -320,7 +320,7 @@ async fn brute_force_is_slowed_without_slowing_others() {
     let admin = node.client();
     assert_eq!(put_user(&admin, &node, "victim", "victim-password", &["metrics_reader"]).await.0, 200);
     assert_eq!(put_user(&admin, &node, "bystander", "bystander-password", &["metrics_reader"]).await.0, 200);
-    let from = |ip: [u8; 4]| reqwest::Client::builder().local_address(std::net::IpAddr::from(ip)).build().unwrap();
+    let from = |ip: [u8; 4]| common::plain_client_builder().local_address(std::net::IpAddr::from(ip)).build().unwrap();
     let attacker = from([127, 0, 0, 3]);
     let mut statuses = Vec::new();
     let mut retry_after = None;
@@ -376,7 +376,7 @@ async fn the_first_admin_and_no_password_on_disk() {
         std::io::BufReader::new(stderr).lines().map_while(Result::ok).find(|l| l.contains("created the user `admin`")).unwrap_or_default()
     });
     let file = dir.join("admin-password");
-    let http = reqwest::Client::new();
+    let http = common::plain_client_builder().build().unwrap();
     common::eventually(30, "the admin password file", || {
         let file = file.clone();
         async move { file.exists() }
@@ -392,7 +392,7 @@ async fn the_first_admin_and_no_password_on_disk() {
     let admin = {
         let mut h = reqwest::header::HeaderMap::new();
         h.insert("authorization", basic_auth("admin", password.trim()).parse().unwrap());
-        reqwest::Client::builder().default_headers(h).build().unwrap()
+        common::plain_client_builder().default_headers(h).build().unwrap()
     };
     assert_eq!(admin.put(format!("{url}/v1/collections/c")).send().await.unwrap().status(), 201);
     let secret_password = "a-user-password-to-look-for";
@@ -445,7 +445,7 @@ async fn users_live_on_every_member_and_outlive_the_metadata_leader() {
         assert_eq!(r.status(), 200);
     }
     assert_eq!(put_user(&admin, &nodes[1], "reader", "reader-password", &["data_reader[c]"]).await.0, 200);
-    let plain = reqwest::Client::new();
+    let plain = common::plain_client_builder().build().unwrap();
     let check = |node: &Node| {
         let (plain, node_u) = (plain.clone(), node.u(""));
         async move {

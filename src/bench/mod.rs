@@ -260,6 +260,7 @@ pub(crate) fn http_builder() -> reqwest::ClientBuilder {
     if let Some(Ok(v)) = basic_of(&format!("http://admin:{BENCH_ADMIN_PASSWORD}@x")).map(|a| reqwest::header::HeaderValue::from_str(&a)) {
         headers.insert(reqwest::header::AUTHORIZATION, v);
     }
+    shoal_client::install_crypto();
     reqwest::Client::builder().default_headers(headers)
 }
 

@@ -24,11 +24,85 @@ pub fn basic_auth(user: &str, password: &str) -> String {
     format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}")))
 }
 
-/// A client builder whose requests carry the admin's credentials.
+/// A client builder whose requests carry the admin's credentials (and that trusts the
+/// test CA, for nodes started with [`tls_flags`]).
 pub fn client_builder() -> reqwest::ClientBuilder {
     let mut headers = reqwest::header::HeaderMap::new();
     headers.insert(reqwest::header::AUTHORIZATION, admin_auth().parse().expect("header"));
-    reqwest::Client::builder().default_headers(headers)
+    plain_client_builder().default_headers(headers)
+}
+
+/// A client builder without credentials that trusts the test CA.
+pub fn plain_client_builder() -> reqwest::ClientBuilder {
+    reqwest::Client::builder().tls_backend_preconfigured(tls_client_config(&test_tls().ca, None))
+}
+
+/// Like [`client_builder`], presenting the test nodes' certificate: a member's client (to
+/// make calls between members by hand, over TLS).
+pub fn member_client_builder() -> reqwest::ClientBuilder {
+    let tls = test_tls();
+    let mut headers = reqwest::header::HeaderMap::new();
+    headers.insert(reqwest::header::AUTHORIZATION, admin_auth().parse().expect("header"));
+    reqwest::Client::builder().default_headers(headers).tls_backend_preconfigured(tls_client_config(&tls.ca, Some((&tls.cert, &tls.key))))
+}
+
+/// A TLS client configuration trusting the CA certificates in `ca`, presenting
+/// `identity` (certificate, key) if given.
+pub fn tls_client_config(ca: &std::path::Path, identity: Option<(&std::path::Path, &std::path::Path)>) -> rustls::ClientConfig {
+    use rustls::pki_types::pem::PemObject;
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::CertificateDer::pem_file_iter(ca).expect("CA file") {
+        roots.add(cert.expect("CA certificate")).expect("CA");
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(provider).with_safe_default_protocol_versions().expect("TLS versions");
+    let builder = builder.with_root_certificates(roots);
+    let mut config = match identity {
+        None => builder.with_no_client_auth(),
+        Some((cert, key)) => {
+            let chain = rustls::pki_types::CertificateDer::pem_file_iter(cert).expect("cert").map(|c| c.expect("cert")).collect();
+            builder.with_client_auth_cert(chain, rustls::pki_types::PrivateKeyDer::from_pem_file(key).expect("key")).expect("identity")
+        }
+    };
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    config
+}
+
+/// The test CA and one node certificate for `127.0.0.1` and `localhost` (every test node
+/// listens on loopback), made once per test process by `shoal cert`.
+pub struct TestTls {
+    pub dir: PathBuf,
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+pub fn test_tls() -> &'static TestTls {
+    static TLS: std::sync::OnceLock<TestTls> = std::sync::OnceLock::new();
+    TLS.get_or_init(|| {
+        let dir = tempfile::tempdir().expect("tempdir").keep();
+        let out = Command::new(binary())
+            .args(["cert", "--dir"])
+            .arg(&dir)
+            .args(["--host", "127.0.0.1", "--host", "localhost"])
+            .output()
+            .expect("run shoal cert");
+        assert!(out.status.success(), "shoal cert: {}", String::from_utf8_lossy(&out.stderr));
+        TestTls { ca: dir.join("ca.pem"), cert: dir.join("node.pem"), key: dir.join("node-key.pem"), dir }
+    })
+}
+
+/// The `serve` flags of a TLS node with the test CA's certificate.
+pub fn tls_flags() -> Vec<&'static str> {
+    static FLAGS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    let flags = FLAGS.get_or_init(|| {
+        let t = test_tls();
+        ["--tls-cert", &t.cert.display().to_string(), "--tls-key", &t.key.display().to_string(), "--tls-ca", &t.ca.display().to_string()]
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    });
+    flags.iter().map(String::as_str).collect()
 }
 
 /// A client whose requests carry the admin's credentials.
@@ -79,7 +153,7 @@ impl Node {
 
     /// `host:port` of the node.
     pub fn addr(&self) -> String {
-        self.url.trim_start_matches("http://").to_string()
+        self.url.trim_start_matches("https://").trim_start_matches("http://").to_string()
     }
 
     fn spawn(&mut self) {
@@ -196,6 +270,9 @@ pub fn binary() -> PathBuf {
 pub fn cli(url: &str, args: &[&str], stdin: Option<&str>) -> (bool, String, String) {
     let mut cmd = Command::new(binary());
     cmd.arg("--url").arg(url).args(args).env("SHOAL_LOG", "warn").env("SHOAL_USER", "admin").env("SHOAL_PASSWORD", ADMIN_PASSWORD);
+    if url.starts_with("https://") {
+        cmd.env("SHOAL_TLS_CA", &test_tls().ca);
+    }
     cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() }).stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = cmd.spawn().expect("spawn cli");
     if let Some(input) = stdin {

@@ -81,6 +81,13 @@ impl Default for ClientOptions {
     }
 }
 
+/// Makes `ring` the process's TLS provider, if none is: reqwest (built without one, so
+/// that nothing needs a C toolchain) builds a TLS configuration for every client from it,
+/// `https` or not. Idempotent.
+pub fn install_crypto() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 /// The TLS client configuration of an `https://` server verified by the CA in `ca` (PEM),
 /// or by the system's roots.
 fn tls_config(ca: Option<&std::path::Path>, http2: bool) -> Result<rustls::ClientConfig, ClientError> {
@@ -191,6 +198,7 @@ impl Client {
 
     pub fn with_options(url: &str, options: ClientOptions) -> Result<Client, ClientError> {
         let base = url.trim_end_matches('/').to_string();
+        install_crypto();
         let https = base.starts_with("https://");
         if !base.starts_with("http://") && !https {
             return Err(ClientError::Url(url.to_string()));

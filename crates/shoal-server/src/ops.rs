@@ -143,6 +143,11 @@ fn describe_metrics() {
     describe_gauge!("shoal_queries_running", "SQL statements running now, by path");
     describe_counter!("shoal_connections_refused_total", "Connections closed at once because the node was at its connection cap");
     describe_gauge!("shoal_connections", "Open client connections");
+    describe_counter!(
+        "shoal_tls_handshake_failures_total",
+        "Connections to the TLS port that did not complete a handshake (plain HTTP, a certificate refused, garbage, too slow)"
+    );
+    describe_counter!("shoal_tls_reloads_total", "TLS files read again on SIGHUP, by outcome (ok, failed)");
     describe_counter!("shoal_requests_shed_total", "Requests refused because their class was at its concurrency limit, by class");
     describe_gauge!("shoal_partitions", "Partitions this node holds, by state (active, replica, pending, dead)");
     describe_gauge!("shoal_replication_lag_seqnos", "Changes of this node's active copies a replica has not acknowledged, by replica node");

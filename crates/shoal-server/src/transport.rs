@@ -124,6 +124,9 @@ impl HttpPeers {
 /// A client for calls to other members: over TLS with this node's certificate, verifying
 /// theirs by the CA, when the node speaks TLS.
 pub(crate) fn member_client(builder: reqwest::ClientBuilder, tls: Option<&Tls>) -> reqwest::ClientBuilder {
+    // reqwest builds a TLS configuration for every client, `https` or not, from the
+    // process's provider: `ring` (no other is built in).
+    let _ = rustls::crypto::ring::default_provider().install_default();
     match tls {
         Some(tls) => builder.tls_backend_preconfigured(tls.peer_http1().as_ref().clone()),
         None => builder,
@@ -407,7 +410,7 @@ mod tests {
             let _ = socket.read(&mut buf).await;
             // Closed without an answer, as by `kill -9` mid-request.
         });
-        let http = reqwest::Client::new();
+        let http = member_client(reqwest::Client::builder(), None).build().unwrap();
         let cut = http.put(format!("http://{address}/v1/collections/c/docs/k")).body("{}").send().await.unwrap_err();
         let err = lost_call("member", &cut);
         assert_eq!(err.status, StatusCode::REQUEST_TIMEOUT, "{err:?}");
