@@ -10,6 +10,7 @@
 #
 # LEADER_EVERY=k makes every k-th fault's victim the metadata leader (0: drawn at random);
 # TIMEOUT_S is the auto-failover timeout the cluster runs with (the lowest allowed is 2).
+# The nodes run with users and TLS on (members over TLS too); SHOAL_FAULT_TLS=0 runs plain HTTP.
 #
 # Writes bench/results/<date>-issue13-cluster-faults.md (and the raw history beside it).
 set -euo pipefail
@@ -31,6 +32,7 @@ END=$(date +%s)
   echo "- command: \`scripts/cluster-faults.sh $NODES $ROUNDS $SEED $LEADER_EVERY $TIMEOUT_S\`"
   echo "- date: $(date -u +%FT%TZ); machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo); all $NODES nodes share them (debug build, as \`cargo test\` builds it)"
   echo "- wall time: $((END - START)) s"
+  echo "- TLS: $([ "${SHOAL_FAULT_TLS:-1}" = 1 ] && echo "on (clients and members; \`shoal cert\` certificates)" || echo off); users: on"
   echo
   echo "## Result"
   echo

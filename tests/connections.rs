@@ -286,6 +286,38 @@ fn trickled_internal_index_calls_time_out() {
     assert_eq!(http(a, "GET", "/v1/health", b"").status, 200);
 }
 
+/// The user endpoint's body (`PUT /v1/users/{name}`): trickled, it is answered `408`;
+/// over its limit (64 KiB, `USER_BODY_MAX_BYTES`), `413` before it is read; no user is made.
+#[test]
+fn a_trickled_or_oversized_user_body_is_refused_and_makes_no_user() {
+    let node = Node::start(&["--body-read-timeout-secs", "2"]);
+    let a = addr(&node);
+    let body = br#"{"password":"a-good-password","roles":["data_reader[*]"],"pad":"abcdefghij"}"#;
+    let head = format!(
+        "PUT /v1/users/trickled HTTP/1.1\r\nHost: shoal\r\nAuthorization: Basic YWRtaW46dGVzdC1hZG1pbi1wYXNzd29yZA==\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    let (answer, closed, _) = slow_request(a, "trickled", &head, |w| {
+        for b in body.iter() {
+            w.write_all(&[*b])?;
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        Ok(())
+    });
+    assert_eq!(answer.status, 408, "{answer:?}");
+    assert!(closed, "the connection stayed open after the 408");
+    let mut big = br#"{"password":"a-good-password","roles":[],"pad":""#.to_vec();
+    big.extend(std::iter::repeat_n(b'x', 100 * 1024));
+    big.extend_from_slice(br#""}"#);
+    let answer = http(a, "PUT", "/v1/users/oversized", &big);
+    assert_eq!(answer.status, 413, "{answer:?}");
+    assert_eq!(answer.json()["error"], "too_large");
+    let users = http(a, "GET", "/v1/users", b"");
+    assert_eq!(users.status, 200);
+    let listed = String::from_utf8_lossy(&users.body).to_string();
+    assert!(!listed.contains("trickled") && !listed.contains("oversized"), "{listed}");
+}
+
 #[test]
 fn a_trickled_body_times_out_and_a_fair_one_is_accepted() {
     let node = Node::start(&["--body-read-timeout-secs", "2"]);
