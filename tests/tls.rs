@@ -12,18 +12,6 @@ use common::cluster::{get_json, node_id, rebalance, start_cluster, wait_for};
 use common::Node;
 use serde_json::{json, Value};
 
-/// An error with its causes (reqwest hides the TLS reason in them).
-fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        out.push_str(": ");
-        out.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    out
-}
-
 fn client_with(config: rustls::ClientConfig) -> reqwest::Client {
     let mut headers = reqwest::header::HeaderMap::new();
     headers.insert(reqwest::header::AUTHORIZATION, common::admin_auth().parse().unwrap());
@@ -102,7 +90,7 @@ async fn clients_that_trust_another_ca_or_meet_an_expired_certificate_are_refuse
     // A client trusting another CA.
     let (_other, other_ca) = other_ca();
     let e = client_with(common::tls_client_config(&other_ca, None)).get(node.u("/v1/health")).send().await.unwrap_err();
-    let why = chain(&e);
+    let why = shoal_client::error_chain(&e);
     assert!(why.contains("UnknownIssuer") || why.contains("unknown issuer"), "{why}");
     // The CLI without the CA says why.
     let out = std::process::Command::new(common::binary())
@@ -136,7 +124,7 @@ async fn clients_that_trust_another_ca_or_meet_an_expired_certificate_are_refuse
     let ca = tls.ca.display().to_string();
     let expired = Node::start(&["--tls-cert", cert_path.to_str().unwrap(), "--tls-key", key_path.to_str().unwrap(), "--tls-ca", &ca]);
     let e = expired.client().get(expired.u("/v1/health")).send().await.unwrap_err();
-    let why = chain(&e);
+    let why = shoal_client::error_chain(&e);
     assert!(why.to_lowercase().contains("expired"), "{why}");
     // The node itself is fine: the valid node still answers.
     assert_eq!(node.client().get(node.u("/v1/health")).send().await.unwrap().status().as_u16(), 200);
@@ -149,7 +137,12 @@ async fn a_node_without_its_tls_files_or_with_a_key_that_is_not_its_certificates
     let other_key = other_ca.with_file_name("node-key.pem");
     let ca = tls.ca.display().to_string();
     let cert = tls.cert.display().to_string();
+    // A file past `TLS_FILE_MAX_BYTES` (1 MiB) is not read.
+    let big = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(big.path(), vec![b'#'; (1 << 20) + 1]).unwrap();
+    let big_ca = big.path().display().to_string();
     for (args, expect) in [
+        (vec!["--tls-cert", &cert, "--tls-key", tls.key.to_str().unwrap(), "--tls-ca", &big_ca], "the most read is 1048576"),
         (vec!["--tls-cert", &cert, "--tls-key", "/nonexistent/key.pem", "--tls-ca", &ca], "/nonexistent/key.pem"),
         (vec!["--tls-cert", &cert, "--tls-key", other_key.to_str().unwrap(), "--tls-ca", &ca], "not the key of"),
         (vec!["--tls-cert", &cert, "--tls-key", tls.key.to_str().unwrap()], "--tls-ca"),
@@ -254,24 +247,20 @@ async fn members_call_each_other_over_tls_with_certificates_the_ca_signed_and_an
     }
     // Calls between members need a member's certificate, even with the secret; a client's
     // signed user is not taken either.
-    let r = http
-        .post(nodes[0].u("/v1/_internal/no-such-call"))
-        .header("x-shoal-cluster-secret", common::cluster::SECRET)
-        .body("{}")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 401);
-    assert!(r.text().await.unwrap().contains("certificate"));
     let member = common::member_client_builder().build().unwrap();
-    let r = member
-        .post(nodes[0].u("/v1/_internal/no-such-call"))
-        .header("x-shoal-cluster-secret", common::cluster::SECRET)
-        .body("{}")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 404, "past the certificate and the secret, the call is unknown");
+    // Past the certificate and the secret, the call is unknown (404).
+    for (client, status, answer) in [(&http, 401, "certificate"), (&member, 404, "no internal call")] {
+        let r = client
+            .post(nodes[0].u("/v1/_internal/no-such-call"))
+            .header("x-shoal-cluster-secret", common::cluster::SECRET)
+            .body("{}")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), status);
+        let text = r.text().await.unwrap();
+        assert!(text.contains(answer), "{text}");
+    }
     let r = common::plain_client_builder()
         .build()
         .unwrap()
@@ -281,6 +270,7 @@ async fn members_call_each_other_over_tls_with_certificates_the_ca_signed_and_an
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 401);
+    assert!(r.text().await.unwrap().contains("certificate"));
     // kill -9 a member: failed over, and every answer on the others is still exact.
     let (_, info) = get_json(&http, &nodes[0].u("/v1/cluster")).await;
     let victim = node_id(&info, &nodes[2]).unwrap();

@@ -35,8 +35,9 @@ pub enum ClientError {
     Url(String),
 }
 
-/// An error with its causes, outermost first.
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+/// An error with its causes, outermost first (reqwest's own message hides them: a TLS
+/// error reads "error sending request").
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
     while let Some(cause) = source {
@@ -96,29 +97,26 @@ fn tls_config(ca: Option<&std::path::Path>, http2: bool) -> Result<rustls::Clien
     let builder = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .map_err(|e| ClientError::Tls(e.to_string()))?;
-    let mut config = match ca {
+    let mut roots = rustls::RootCertStore::empty();
+    match ca {
         Some(ca) => {
-            let mut roots = rustls::RootCertStore::empty();
             let certs = rustls::pki_types::CertificateDer::pem_file_iter(ca)
                 .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
                 .map_err(|e| ClientError::Tls(format!("{}: {e}", ca.display())))?;
-            let (added, _) = roots.add_parsable_certificates(certs);
-            if added == 0 {
+            if roots.add_parsable_certificates(certs).0 == 0 {
                 return Err(ClientError::Tls(format!("{}: no CA certificate in it (PEM)", ca.display())));
             }
-            builder.with_root_certificates(roots).with_no_client_auth()
         }
+        // The system's roots, where the platform keeps them.
         None => {
-            let mut roots = rustls::RootCertStore::empty();
-            // The system's roots, where the platform keeps them.
             for path in SYSTEM_CA_FILES {
                 if let Ok(certs) = rustls::pki_types::CertificateDer::pem_file_iter(path) {
                     roots.add_parsable_certificates(certs.filter_map(Result::ok));
                 }
             }
-            builder.with_root_certificates(roots).with_no_client_auth()
         }
-    };
+    }
+    let mut config = builder.with_root_certificates(roots).with_no_client_auth();
     config.alpn_protocols = vec![if http2 { b"h2".to_vec() } else { b"http/1.1".to_vec() }];
     Ok(config)
 }

@@ -415,8 +415,8 @@ pub async fn authenticate(State(state): State<Arc<AppState>>, matched: Option<Ma
     let from_member = req.headers().contains_key(USER_HEADER);
     let principal = if let Some(signed) = req.headers().get(USER_HEADER) {
         // Over TLS, only a member's connection (its certificate checked) may pass a user on.
-        if state.tls.is_some() && req.extensions().get::<crate::tls::MemberCert>().is_none() {
-            return unauthorized("a signed user is taken only from a member's connection (a client certificate signed by the CA)");
+        if let Some(refused) = crate::transport::without_member_cert(&state, req.extensions()) {
+            return refused.into_response();
         }
         match verify_signed(state.cluster.secret(), signed).and_then(|name| principal_of(&meta, &name)) {
             Some(p) => p,

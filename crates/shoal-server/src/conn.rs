@@ -357,33 +357,29 @@ enum Handshake {
     Failed,
 }
 
-/// Reads a client's TLS handshake, within [`TLS_HANDSHAKE_TIMEOUT`]. A client that
-/// speaks plain HTTP to the TLS port gets a plain `400` saying so, rather than bytes it
-/// cannot read.
+/// Reads a client's TLS handshake, all of it within [`TLS_HANDSHAKE_TIMEOUT`] of the
+/// connection. A client that speaks plain HTTP to the TLS port gets a plain `400` saying
+/// so, rather than bytes it cannot read. Every outcome but `Done` is counted.
 async fn handshake(tcp: TcpStream, tls: &Tls) -> Handshake {
+    let deadline = tokio::time::Instant::now() + TLS_HANDSHAKE_TIMEOUT;
     let mut first = [0u8; 1];
-    match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, tcp.peek(&mut first)).await {
+    let outcome = match tokio::time::timeout_at(deadline, tcp.peek(&mut first)).await {
         Ok(Ok(1)) if first[0] != TLS_HANDSHAKE_RECORD => {
-            metrics::counter!("shoal_tls_handshake_failures_total").increment(1);
             refuse_plain(tcp).await;
-            return Handshake::NotTls;
+            Handshake::NotTls
         }
-        Ok(Ok(1)) => {}
-        _ => return Handshake::Failed,
-    }
-    let acceptor = tokio_rustls::TlsAcceptor::from(tls.server_config());
-    match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-        Ok(Ok(stream)) => Handshake::Done(Box::new(stream)),
-        Ok(Err(e)) => {
-            metrics::counter!("shoal_tls_handshake_failures_total").increment(1);
-            tracing::debug!(error = %e, "TLS handshake failed");
-            Handshake::Failed
-        }
-        Err(_) => {
-            metrics::counter!("shoal_tls_handshake_failures_total").increment(1);
-            Handshake::Failed
-        }
-    }
+        Ok(Ok(1)) => match tokio::time::timeout_at(deadline, tokio_rustls::TlsAcceptor::from(tls.server_config()).accept(tcp)).await {
+            Ok(Ok(stream)) => return Handshake::Done(Box::new(stream)),
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "TLS handshake failed");
+                Handshake::Failed
+            }
+            Err(_) => Handshake::Failed,
+        },
+        _ => Handshake::Failed,
+    };
+    metrics::counter!("shoal_tls_handshake_failures_total").increment(1);
+    outcome
 }
 
 /// The answer to plain HTTP on the TLS port.

@@ -356,7 +356,7 @@ pub async fn on_query_runtime(request: Request, next: axum::middleware::Next) ->
 
 /// On a node that speaks TLS, a call between members must come over a connection whose
 /// client certificate the CA signed (`tls::MemberCert`), besides carrying the secret.
-fn without_member_cert(state: &AppState, extensions: &axum::http::Extensions) -> Option<ApiError> {
+pub(crate) fn without_member_cert(state: &AppState, extensions: &axum::http::Extensions) -> Option<ApiError> {
     (state.tls.is_some() && extensions.get::<MemberCert>().is_none()).then(|| {
         ApiError::new(
             StatusCode::UNAUTHORIZED,
