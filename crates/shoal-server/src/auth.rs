@@ -22,8 +22,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
 use argon2::Argon2;
-use axum::extract::{MatchedPath, Request, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::extract::Request;
+use axum::http::{header, HeaderName, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
@@ -37,6 +37,10 @@ use crate::AppState;
 /// Set by a member on a client's request it passes on: `<user> <expiry unix s> <signature>`,
 /// the signature keyed by the cluster secret. A client cannot make one.
 pub const USER_HEADER: &str = "x-shoal-user";
+/// [`USER_HEADER`] as a header name: a name given as `&str` is parsed on every use.
+static USER_HEADER_NAME: HeaderName = HeaderName::from_static(USER_HEADER);
+/// [`crate::routing::FORWARDED_HEADER`] as a header name.
+static FORWARDED_HEADER_NAME: HeaderName = HeaderName::from_static(crate::routing::FORWARDED_HEADER);
 /// How long a signed user is good for (members' clocks agree far better than this).
 pub const SIGNED_USER_VALID: Duration = Duration::from_secs(60);
 /// Longest `Authorization` header read; a longer one is refused as malformed.
@@ -81,7 +85,18 @@ pub enum Rule {
 
 /// The rule of a route; `None` for one not in [`crate::ops::ROUTES`].
 pub fn rule_of(method: &str, path: &str) -> Option<Rule> {
-    crate::ops::ROUTES.iter().find(|(m, p, _, _)| *m == method && *p == path).map(|(_, _, _, r)| *r)
+    crate::ops::route_of(method, Some(path)).map(|(_, _, _, r)| *r)
+}
+
+/// The rule of a request: its endpoint's (`entry`, when [`crate::ops::ROUTES`] lists it); a
+/// HEAD asks what the GET of its route asks (the GET route answers it); anything else —
+/// no route, or a method the route does not take — needs a known user, who then learns that.
+pub fn rule_for(entry: Option<&crate::ops::Route>, method: &axum::http::Method, matched: Option<&str>) -> Rule {
+    match (entry, matched) {
+        (Some((_, _, _, rule)), _) => *rule,
+        (None, Some(path)) if method == axum::http::Method::HEAD => rule_of("GET", path).unwrap_or(Rule::User),
+        _ => Rule::User,
+    }
 }
 
 /// Who a request runs for (in its extensions once authenticated).
@@ -131,13 +146,13 @@ pub const AUDIT_NAME_MAX_CHARS: usize = 128;
 
 /// The node's authentication state: the credential cache, the failure counts, the audit trail.
 pub struct Auth {
-    /// Two SipHash keys (random per process) for the 128-bit hashes of `Authorization`
+    /// The SipHash key (random per process) of the 128-bit hashes of `Authorization`
     /// headers the cache is looked up by: a header is never kept, and one that is not
-    /// verified cannot be made to match one that was without the keys.
-    keys: [(u64, u64); 2],
+    /// verified cannot be made to match one that was without the key.
+    key: (u64, u64),
     /// Keyed hash of a verified header → the hash it was verified against and its
     /// principal (reused while the user's hash and roles are unchanged).
-    verified: quick_cache::sync::Cache<(u64, u64), Arc<Verified>>,
+    verified: quick_cache::sync::Cache<u128, Arc<Verified>>,
     failures: Failures,
     /// A hash to check passwords of unknown users against, so that they take as long.
     decoy: String,
@@ -152,7 +167,7 @@ impl Auth {
     pub fn new(dir: &std::path::Path) -> Auth {
         let decoy = hash_password(&generate_password()).unwrap_or_default();
         Auth {
-            keys: rand::random(),
+            key: rand::random(),
             verified: quick_cache::sync::Cache::new(CREDENTIALS_CACHED),
             failures: Failures::default(),
             decoy,
@@ -209,14 +224,14 @@ fn verify_password(password: &str, hash: &str) -> bool {
     PasswordHash::new(hash).is_ok_and(|parsed| Argon2::default().verify_password(password.as_bytes(), &parsed).is_ok())
 }
 
-/// SipHash-2-4 of `bytes` under `key` (the standard library's; "deprecated" there only in
-/// favour of its randomly keyed `RandomState`, which gives no control of the keys).
-#[allow(deprecated)]
-fn keyed_hash(key: (u64, u64), bytes: &[u8]) -> u64 {
+/// SipHash-1-3 of `bytes` under `key`, 128 bits (one pass; two 64-bit SipHash-2-4 passes
+/// under two keys cost a small get 1.3 % of its instructions).
+fn keyed_hash(key: (u64, u64), bytes: &[u8]) -> u128 {
+    use siphasher::sip128::Hasher128;
     use std::hash::Hasher;
-    let mut h = std::hash::SipHasher::new_with_keys(key.0, key.1);
+    let mut h = siphasher::sip128::SipHasher13::new_with_keys(key.0, key.1);
     h.write(bytes);
-    h.finish()
+    h.finish128().as_u128()
 }
 
 type Signer = blake2::Blake2bMac<blake2::digest::consts::U32>;
@@ -389,19 +404,14 @@ fn needs(rule: Rule, req: &Request) -> Result<Option<Needs>, ApiError> {
     }))
 }
 
-/// The middleware in front of every route: authenticates the caller, checks the route's
-/// rule, and hands the handler the [`Principal`] (signed for members it passes the request
-/// on to). A `x-shoal-forwarded` header counts only on a request a member signed.
-pub async fn authenticate(State(state): State<Arc<AppState>>, matched: Option<MatchedPath>, mut req: Request, next: Next) -> Response {
-    let rule = match &matched {
-        // A HEAD is answered by the GET route: it asks what the GET asks.
-        Some(path) => {
-            let method = if req.method() == axum::http::Method::HEAD { "GET" } else { req.method().as_str() };
-            rule_of(method, path.as_str()).unwrap_or(Rule::User)
-        }
-        // No route: the caller still proves who it is before it learns that.
-        None => Rule::User,
-    };
+/// In front of every route (see `crate::front_door`): authenticates the caller, checks the
+/// route's `rule`, and hands the handler the [`Principal`] (signed for members it passes the
+/// request on to). A `x-shoal-forwarded` header counts only on a request a member signed.
+///
+/// A key request (`keyed`) is not signed here: `routing` signs it only when it passes it on
+/// ([`user_to_pass_on`]), which most key requests are not; a signature per request cost a
+/// small get about 1 % of its instructions.
+pub async fn authenticate(state: &AppState, rule: Rule, keyed: bool, mut req: Request, next: Next) -> Response {
     if matches!(rule, Rule::Open | Rule::Members) || is_worker_call(req.uri().path()) {
         return next.run(req).await;
     }
@@ -412,10 +422,10 @@ pub async fn authenticate(State(state): State<Arc<AppState>>, matched: Option<Ma
         let _ = state.cluster.wait_applied(|s| !s.users.is_empty()).await;
         meta = state.cluster.state();
     }
-    let from_member = req.headers().contains_key(USER_HEADER);
-    let principal = if let Some(signed) = req.headers().get(USER_HEADER) {
+    let from_member = req.headers().get(&USER_HEADER_NAME).cloned();
+    let principal = if let Some(signed) = &from_member {
         // Over TLS, only a member's connection (its certificate checked) may pass a user on.
-        if let Some(refused) = crate::transport::without_member_cert(&state, req.extensions()) {
+        if let Some(refused) = crate::transport::without_member_cert(state, req.extensions()) {
             return refused.into_response();
         }
         match verify_signed(state.cluster.secret(), signed).and_then(|name| principal_of(&meta, &name)) {
@@ -423,13 +433,13 @@ pub async fn authenticate(State(state): State<Arc<AppState>>, matched: Option<Ma
             None => return unauthorized("the request's signed user is not valid (expired, forged, or no longer a user)"),
         }
     } else {
-        req.headers_mut().remove(crate::routing::FORWARDED_HEADER);
+        req.headers_mut().remove(&FORWARDED_HEADER_NAME);
         let credentials = req.headers().get(header::AUTHORIZATION).cloned();
-        match login(&state, &meta, credentials, source_of(&req)).await {
+        match login(state, &meta, credentials, source_of(&req)).await {
             Ok(p) => p,
             Err((response, event)) => {
                 if let Some((event, user)) = event {
-                    audit(&state, event, Some(&user), &req, response.status());
+                    audit(state, event, Some(&user), &req, response.status());
                 }
                 return response;
             }
@@ -438,18 +448,20 @@ pub async fn authenticate(State(state): State<Arc<AppState>>, matched: Option<Ma
     match needs(rule, &req) {
         Ok(Some(needs)) => {
             if let Err(e) = principal.check(&needs) {
-                audit(&state, crate::audit::Event::Forbidden, Some(&principal.name), &req, e.status);
+                audit(state, crate::audit::Event::Forbidden, Some(&principal.name), &req, e.status);
                 return e.into_response();
             }
         }
         Ok(None) => {}
         Err(e) => return e.into_response(),
     }
-    let signed = state.auth.signed_user(state.cluster.secret(), &principal.name);
-    req.headers_mut().insert(USER_HEADER, signed);
+    if !keyed {
+        let signed = state.auth.signed_user(state.cluster.secret(), &principal.name);
+        req.headers_mut().insert(USER_HEADER_NAME.clone(), signed);
+    }
     // A change to users, collections, indexes or the cluster is recorded with its answer
     // (once, by the member the client called: not again where a member passed it on).
-    let change = (rule == Rule::ClusterAdmin && req.method() != axum::http::Method::GET && !from_member)
+    let change = (rule == Rule::ClusterAdmin && req.method() != axum::http::Method::GET && from_member.is_none())
         .then(|| (req.method().to_string(), req.uri().path().to_string(), source_of(&req)));
     let name = change.as_ref().map(|_| principal.name.clone());
     req.extensions_mut().insert(principal);
@@ -505,7 +517,7 @@ async fn login(state: &AppState, meta: &MetaState, credentials: Option<HeaderVal
             None,
         ));
     }
-    let cache_key = (keyed_hash(auth.keys[0], value.as_bytes()), keyed_hash(auth.keys[1], value.as_bytes()));
+    let cache_key = keyed_hash(auth.key, value.as_bytes());
     let still_valid = |hit: &Verified| -> Option<Arc<Principal>> {
         let (hash, principal) = (&hit.0, &hit.1);
         let user = meta.users.get(&principal.name).filter(|u| &u.hash == hash)?;
@@ -560,6 +572,15 @@ async fn login(state: &AppState, meta: &MetaState, credentials: Option<HeaderVal
         None => auth.verified.insert(cache_key, entry),
     }
     Ok(principal)
+}
+
+/// The signed user a request passes on to another member: the one it carries (signed by
+/// the member that passed it here, or by [`authenticate`]), else its `principal` signed now.
+pub(crate) fn user_to_pass_on(state: &AppState, headers: &axum::http::HeaderMap, principal: Option<&Principal>) -> Option<HeaderValue> {
+    if let Some(signed) = headers.get(&USER_HEADER_NAME) {
+        return Some(signed.clone());
+    }
+    Some(state.auth.signed_user(state.cluster.secret(), &principal?.name))
 }
 
 /// The principal a handler runs for (set by [`authenticate`]).

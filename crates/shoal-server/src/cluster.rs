@@ -216,5 +216,6 @@ async fn to_leader(state: &AppState, method: Method, path: &str, headers: &Heade
     }
     let (_, address) = state.cluster.leader().ok_or_else(|| ApiError::unavailable("no metadata leader now; try again"))?;
     let map = state.cluster.state().map_version();
-    forward(state, &address, map, method, path, headers, Bytes::copy_from_slice(body)).await.map(Some)
+    let user = headers.get(crate::auth::USER_HEADER);
+    forward(state, &address, map, method, path, headers, user, Bytes::copy_from_slice(body)).await.map(Some)
 }

@@ -13,8 +13,11 @@ use crate::error::ApiError;
 /// `what` names the segment in errors; keys get `invalid_key`, others `bad_request`.
 pub fn path_segment(uri: &Uri, index: usize, what: &str) -> Result<String, ApiError> {
     let raw = uri.path().trim_start_matches('/').split('/').nth(index).unwrap_or("");
-    let bytes: Vec<u8> = percent_encoding::percent_decode_str(raw).collect();
-    String::from_utf8(bytes).map_err(|_| {
+    if !raw.contains('%') {
+        // Nothing to decode (the usual case; the decoder looks at each byte in turn).
+        return Ok(raw.to_string());
+    }
+    percent_encoding::percent_decode_str(raw).decode_utf8().map(std::borrow::Cow::into_owned).map_err(|_| {
         let reason = format!("the {what} is not valid UTF-8");
         if what == "key" {
             ApiError::invalid_key(reason)

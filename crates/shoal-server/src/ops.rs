@@ -2,9 +2,8 @@
 
 use std::time::Instant;
 
-use axum::extract::{MatchedPath, Request, State};
+use axum::extract::State;
 use axum::http::{header, StatusCode};
-use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
@@ -35,11 +34,10 @@ pub fn prometheus() -> PrometheusHandle {
         .clone()
 }
 
-/// Counts requests and times them per operation (method and route).
-pub async fn telemetry(matched: Option<MatchedPath>, req: Request, next: Next) -> Response {
-    let op = operation_name(req.method().as_str(), matched.as_ref().map(|m| m.as_str()));
+/// Times and counts a request's `response` under its operation's name.
+pub(crate) async fn timed(op: &'static str, response: impl std::future::Future<Output = Response>) -> Response {
     let start = Instant::now();
-    let response = next.run(req).await;
+    let response = response.await;
     let status = status_class(response.status());
     metrics::histogram!("shoal_request_duration_seconds", "op" => op).record(start.elapsed().as_secs_f64());
     metrics::counter!("shoal_requests_total", "op" => op, "status" => status).increment(1);
@@ -102,9 +100,18 @@ pub const ROUTES: &[(&str, &str, &str, Rule)] = &[
     ("POST", "/v1/cluster/nodes", "cluster_add_node", Rule::ClusterAdmin),
 ];
 
+/// An endpoint of [`ROUTES`]: method, route, operation name, rule.
+pub type Route = (&'static str, &'static str, &'static str, Rule);
+
+/// The endpoint of `method` on the route a request matched (`None`: no route matched, or
+/// the route has no such method).
+pub(crate) fn route_of(method: &str, route: Option<&str>) -> Option<&'static Route> {
+    let route = route?;
+    ROUTES.iter().find(|(m, r, _, _)| *m == method && *r == route)
+}
+
 pub(crate) fn operation_name(method: &str, route: Option<&str>) -> &'static str {
-    let route = route.unwrap_or("");
-    ROUTES.iter().find(|(m, r, _, _)| *m == method && *r == route).map_or("other", |(_, _, op, _)| op)
+    route_of(method, route).map_or("other", |(_, _, op, _)| op)
 }
 
 /// Help text of every metric the node exports (Prometheus' `# HELP` lines).

@@ -70,6 +70,16 @@ impl Reroute {
 /// Largest body forwarded (a document or sub-document request; `_bulk` is not forwarded).
 pub const FORWARD_BODY_MAX_BYTES: usize = shoal_storage::DOC_MAX_BYTES + 1024 * 1024;
 
+/// The routes [`route`] runs in front of: every one under a document's key.
+pub(crate) const KEYED_ROUTE_PREFIX: &str = "/v1/collections/{c}/docs/{key}";
+
+/// Whether the matched route `path` is a key request's, which [`route`] sends where its
+/// key's active copy is. Only a cost rides on it: such a request is signed for the members
+/// only when [`route`] passes it on; any other is signed by `auth` up front.
+pub(crate) fn is_keyed(path: &str) -> bool {
+    path.starts_with(KEYED_ROUTE_PREFIX)
+}
+
 /// Routes a key request: passes it on when this node serves the key's partition, forwards
 /// it to the node that does, or refuses it.
 pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> Response {
@@ -109,6 +119,8 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
         Err(e) => return e.into_response(),
     };
     let (method, headers) = (parts.method.clone(), parts.headers.clone());
+    // Signed only when the request is passed on (see `auth::authenticate`).
+    let principal = parts.extensions.get::<std::sync::Arc<crate::auth::Principal>>().cloned();
     let path = uri.path_and_query().map_or_else(|| uri.path().to_string(), |pq| pq.as_str().to_string());
     let mut local = Some((next, parts));
     let reroute = Reroute::start();
@@ -140,7 +152,8 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
                 }
             },
             Route::Forward { ref address, .. } => {
-                match forward(&state, address, routed_at, method.clone(), &path, &headers, body.clone()).await {
+                let user = crate::auth::user_to_pass_on(&state, &headers, principal.as_deref());
+                match forward(&state, address, routed_at, method.clone(), &path, &headers, user.as_ref(), body.clone()).await {
                     Ok(r) => r,
                     Err(e) => return e.into_response(),
                 }
@@ -198,10 +211,13 @@ fn refuse(state: &AppState, route: Route) -> Response {
 }
 
 /// Headers a forwarded request keeps (the rest are hop-by-hop or the client's own).
-const FORWARDED_REQUEST_HEADERS: &[&str] = &["content-type", "if-match", "if-none-match", DIRECT_HEADER, crate::auth::USER_HEADER];
+const FORWARDED_REQUEST_HEADERS: &[&str] = &["content-type", "if-match", "if-none-match", DIRECT_HEADER];
 /// Headers a forwarded answer keeps.
 const FORWARDED_ANSWER_HEADERS: &[&str] = &["content-type", "etag", "x-shoal-expiry"];
 
+/// Sends a request to the member at `address`, with the client's `headers` that matter and
+/// `user`, the signed user it runs for (`auth::user_to_pass_on`).
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn forward(
     state: &AppState,
     address: &str,
@@ -209,6 +225,7 @@ pub(crate) async fn forward(
     method: Method,
     path: &str,
     headers: &HeaderMap,
+    user: Option<&HeaderValue>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     if state.faults.is_cut(address) {
@@ -223,6 +240,9 @@ pub(crate) async fn forward(
         if let Some(v) = headers.get(*name) {
             request = request.header(*name, v.as_bytes());
         }
+    }
+    if let Some(user) = user {
+        request = request.header(crate::auth::USER_HEADER, user.as_bytes());
     }
     let answer = request.body(body).send().await.map_err(|e| lost_call("the node holding the key", &e))?;
     let status = answer.status();
