@@ -170,6 +170,9 @@ async fn every_route_answers_each_role_as_its_rule_says() {
         assert_eq!(r.status(), 403, "{statement}: {}", r.text().await.unwrap_or_default());
     }
     assert_eq!(sql("all_writer", "SELECT * FROM information_schema.tables").await.unwrap().status(), 200);
+    let r = sql("monitor", "SELECT * FROM information_schema.tables").await.unwrap();
+    assert_eq!(r.status(), 403);
+    assert!(r.text().await.unwrap().contains("the catalog"), "the refusal names what was needed");
     // The collections listed are those the caller may read.
     let listed = |user: &str| {
         let r = plain.get(node.u("/v1/collections")).header("authorization", basic_auth(user, "password-of-a-user")).send();

@@ -1163,6 +1163,35 @@ mod tests {
         assert_eq!(state.users["app"].roles, vec![crate::users::Role::DataWriter(crate::users::Scope::All)]);
     }
 
+    /// A user holds at most `ROLES_PER_USER_MAX` roles, and the log at most `USERS_MAX`
+    /// users; at the cap a user can still be changed, and one deleted makes room.
+    #[test]
+    fn users_and_their_roles_stop_at_their_limits() {
+        use crate::users::{Role, Scope, User, ROLES_PER_USER_MAX, USERS_MAX};
+        let mut state = MetaState::default();
+        for i in 0..=ROLES_PER_USER_MAX {
+            state.apply(create(&format!("c{i}"))).unwrap();
+        }
+        let roles = |n: usize| (0..n).map(|i| Role::DataReader(Scope::Collection(format!("c{i}")))).collect::<Vec<_>>();
+        let user = |roles: Vec<Role>| User { hash: "h".into(), roles };
+        let put = |name: &str, roles: Vec<Role>| MetaCommand::PutUser { name: name.into(), user: user(roles) };
+        assert_eq!(state.apply(put("many", roles(ROLES_PER_USER_MAX))), Ok(MetaResponse::Done));
+        assert_eq!(state.users["many"].roles.len(), ROLES_PER_USER_MAX);
+        assert_eq!(
+            state.apply(put("many", roles(ROLES_PER_USER_MAX + 1))),
+            Err(MetaReject::InvalidUser { why: format!("at most {ROLES_PER_USER_MAX} roles") })
+        );
+        for i in state.users.len()..USERS_MAX {
+            assert_eq!(state.apply(put(&format!("u{i}"), vec![])), Ok(MetaResponse::Done));
+        }
+        assert_eq!(state.users.len(), USERS_MAX);
+        assert_eq!(state.apply(put("one-more", vec![])), Err(MetaReject::LimitReached { what: format!("at most {USERS_MAX} users") }));
+        assert_eq!(state.apply(put("many", roles(1))), Ok(MetaResponse::Done), "a user at the cap can still be changed");
+        assert_eq!(state.apply(MetaCommand::DeleteUser { name: "many".into() }), Ok(MetaResponse::Done));
+        assert_eq!(state.apply(put("one-more", vec![])), Ok(MetaResponse::Done), "a deleted user makes room");
+        assert_eq!(state.users.len(), USERS_MAX);
+    }
+
     /// Members that create a built index later build it too: the flag is in the state.
     #[test]
     fn a_new_index_is_placed_on_the_nodes_running_the_index_service() {

@@ -152,6 +152,9 @@ pub enum Needs {
     Read(String),
     /// Changing the documents of a collection.
     Write(String),
+    /// The SQL catalog (`information_schema`), which names every collection and its fields:
+    /// reading every collection, or administering the cluster.
+    Catalog,
 }
 
 /// Whether `roles` grant what `needs` asks.
@@ -160,7 +163,8 @@ pub fn allows(roles: &[Role], needs: &Needs) -> bool {
     *needs == Needs::User
         || roles.iter().any(|r| match (r, needs) {
             (Role::Admin, _) | (_, Needs::User) => true,
-            (Role::ClusterAdmin, Needs::ClusterAdmin | Needs::Monitor) => true,
+            (Role::ClusterAdmin, Needs::ClusterAdmin | Needs::Monitor | Needs::Catalog) => true,
+            (Role::DataReader(Scope::All) | Role::DataWriter(Scope::All), Needs::Catalog) => true,
             (Role::MetricsReader, Needs::Monitor) => true,
             (Role::DataReader(s), Needs::Read(c)) => s.covers(c),
             (Role::DataWriter(s), Needs::Read(c) | Needs::Write(c)) => s.covers(c),
@@ -233,6 +237,14 @@ mod tests {
             (&["data_writer[*]"], ClusterAdmin, false),
             (&["data_reader[c]", "data_writer[d]"], write("d"), true),
             (&["data_reader[c]", "data_writer[d]"], write("c"), false),
+            (&["admin"], Catalog, true),
+            (&["cluster_admin"], Catalog, true),
+            (&["data_reader[*]"], Catalog, true),
+            (&["data_writer[*]"], Catalog, true),
+            (&["data_reader[c]"], Catalog, false),
+            (&["data_writer[c]", "data_reader[d]"], Catalog, false),
+            (&["metrics_reader"], Catalog, false),
+            (&[], Catalog, false),
         ];
         for (list, needs, want) in cases {
             assert_eq!(allows(&roles(list), &needs), want, "{list:?} {needs:?}");

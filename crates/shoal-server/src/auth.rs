@@ -127,6 +127,7 @@ fn forbidden(user: &str, needs: &Needs) -> ApiError {
         Needs::ClusterAdmin => "cluster administration (cluster_admin or admin)".to_string(),
         Needs::Read(c) => format!("reading collection {c:?} (data_reader[{c}] or data_writer[{c}])"),
         Needs::Write(c) => format!("writing collection {c:?} (data_writer[{c}])"),
+        Needs::Catalog => "reading the catalog, information_schema (data_reader[*], data_writer[*], cluster_admin or admin)".to_string(),
     };
     ApiError::new(StatusCode::FORBIDDEN, "forbidden", format!("user {user:?} has no role allowing {what}"))
 }
@@ -747,5 +748,37 @@ mod tests {
         assert_eq!(f.wait(&bad, t0 + FAILURE_MEMORY + Duration::from_secs(1)), None, "old failures are forgotten");
         f.succeeded(&bad);
         assert_eq!(f.by.lock().len(), 0);
+    }
+
+    /// A flood of sources failing at once (faster than `FAILURE_MEMORY` forgets them)
+    /// keeps at most `FAILURES_TRACKED` counts, and the newest failures are among them.
+    #[test]
+    fn failure_counts_stay_within_their_bound() {
+        let f = Failures::default();
+        let t0 = Instant::now();
+        let source = |i: usize| FailureKey::Source(IpAddr::from((i as u32 + 1).to_be_bytes()));
+        for i in 0..FAILURES_TRACKED * 2 + 10 {
+            f.failed(&[source(i)], t0 + Duration::from_millis(i as u64));
+            assert!(f.by.lock().len() <= FAILURES_TRACKED, "after {i} sources");
+        }
+        let newest = FAILURES_TRACKED * 2 + 9;
+        assert_eq!(f.by.lock().get(&source(newest)).map(|x| x.count), Some(1));
+    }
+
+    /// The credential cache and the signed users kept per user name stay within
+    /// `CREDENTIALS_CACHED`, however many distinct callers come.
+    #[test]
+    fn cached_credentials_and_signatures_stay_within_their_bound() {
+        let dir = std::env::temp_dir().join(format!("shoal-auth-bound-{}", std::process::id()));
+        let auth = Auth::new(&dir);
+        for i in 0..CREDENTIALS_CACHED + 500 {
+            let header = format!("Basic {i}");
+            let principal = Arc::new(Principal { name: format!("u{i}"), roles: vec![] });
+            auth.verified.insert(keyed_hash(auth.key, header.as_bytes()), Arc::new(("h".to_string(), principal)));
+            let _ = auth.signed_user("secret", &format!("u{i}"));
+            assert!(auth.signed.lock().len() <= CREDENTIALS_CACHED, "after {i} users");
+        }
+        assert!(auth.verified.len() <= CREDENTIALS_CACHED, "{} cached", auth.verified.len());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -58,11 +58,7 @@ fn check_reads(caller: &crate::auth::Principal, sql: &str) -> Result<(), ApiErro
     for read in shoal_query::reads(sql)? {
         match read {
             shoal_query::Reads::Collection(c) => caller.check(&Needs::Read(c))?,
-            shoal_query::Reads::Catalog => {
-                if !caller.may(&Needs::Read("*".into())) && !caller.may(&Needs::ClusterAdmin) {
-                    caller.check(&Needs::Read("*".into()))?;
-                }
-            }
+            shoal_query::Reads::Catalog => caller.check(&Needs::Catalog)?,
         }
     }
     Ok(())
