@@ -1811,12 +1811,44 @@ async fn cluster_add_brings_in_a_lone_empty_node() {
     assert!(!ok && err.contains("unreachable"), "an address where nothing listens: {err}");
     let (ok, _, err) = a.cli(&["cluster", "add", &a.addr()]);
     assert!(!ok && err.contains("already a member"), "{err}");
+    // An invitation is taken only with the credentials of one of the invited node's
+    // administrators: none, a wrong password or a user without the right get 401/403.
+    let admin = common::admin_auth();
+    let anyone = common::plain_client_builder().build().unwrap();
+    for (creds, status) in [
+        (None, 401),
+        (Some(common::basic_auth("admin", "not-the-password")), 401),
+        (Some(common::basic_auth("stranger", common::ADMIN_PASSWORD)), 401),
+    ] {
+        let mut invitation = json!({"join": a.addr(), "secret": SECRET});
+        if let Some(creds) = creds {
+            invitation["admin"] = json!(creds);
+        }
+        let r = anyone.post(b.u("/v1/_internal/invite")).json(&invitation).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), status, "invitation {invitation}");
+    }
+    let r = http
+        .put(b.u("/v1/users/watcher"))
+        .json(&json!({"password": "watcher-password", "roles": ["metrics_reader"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let as_watcher = json!({"join": a.addr(), "secret": SECRET, "admin": common::basic_auth("watcher", "watcher-password")});
+    let r = anyone.post(b.u("/v1/_internal/invite")).json(&as_watcher).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 403, "a user of b who is no administrator");
     // A forged invitation (no secret) to a node with collections changes nothing there.
-    let r = http.post(c.u("/v1/_internal/invite")).json(&json!({"join": a.addr(), "secret": "forged-secret"})).send().await.unwrap();
+    let r = http
+        .post(c.u("/v1/_internal/invite"))
+        .json(&json!({"join": a.addr(), "secret": "forged-secret", "admin": admin}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 409);
     assert_eq!(get_json(&http, &c.u("/v1/collections")).await.1.as_array().map(Vec::len), Some(1));
     // Malformed invitations to the lone node: a clear 400, and it stays as it was.
-    for body in ["", "{", "[]", r#"{"join": 7}"#, r#"{"secret": "s"}"#, "\u{0}\u{1}garbage"] {
+    for body in ["", "{", "[]", r#"{"join": 7}"#, r#"{"secret": "s"}"#, "\u{0}\u{1}garbage", r#"{"join": "x:1", "secret": "s", "more": 1}"#]
+    {
         let r = http.post(b.u("/v1/_internal/invite")).body(body).send().await.unwrap();
         assert_eq!(r.status().as_u16(), 400, "invite body {body:?}");
     }
@@ -1837,7 +1869,7 @@ async fn cluster_add_brings_in_a_lone_empty_node() {
         (String::new(), String::new()),
         (silent_addr, SECRET.to_string()),
     ] {
-        let r = http.post(b.u("/v1/_internal/invite")).json(&json!({"join": join, "secret": secret})).send().await.unwrap();
+        let r = http.post(b.u("/v1/_internal/invite")).json(&json!({"join": join, "secret": secret, "admin": admin})).send().await.unwrap();
         assert_eq!(r.status().as_u16(), 409, "forged invitation to {join:?}");
         assert!(r.text().await.unwrap().contains("does not check out"), "forged invitation to {join:?}");
     }

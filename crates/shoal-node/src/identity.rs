@@ -89,6 +89,19 @@ pub struct Invitation {
     pub secret: String,
 }
 
+/// What a member sends the lone node it invites: the invitation, and the `Authorization`
+/// value of an administrator of the invited node, which the invited node's server checks
+/// (an invitation from whoever knows some cluster's secret is not enough). The
+/// credentials are never kept: only the [`Invitation`] is.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InviteCall {
+    pub join: String,
+    pub secret: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admin: Option<String>,
+}
+
 /// The invitation this node accepted and has not yet acted on, if any.
 pub fn join_request(dir: &Path) -> Result<Option<Invitation>, ClusterError> {
     let path = dir.join(JOIN_REQUEST_FILE);

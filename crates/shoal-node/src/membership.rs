@@ -192,17 +192,18 @@ impl ClusterNode {
     }
 
     /// `shoal cluster add`: asks the lone node at `address`, which holds no collections, to
-    /// join this cluster; it restarts and joins as `added`, as `--join` would. Answers its
-    /// node id once this node sees it as a member.
-    pub async fn invite(&self, address: &str) -> Result<NodeId, ClusterError> {
+    /// join this cluster; it restarts and joins as `added`, as `--join` would. `admin` is the
+    /// `Authorization` value of an administrator of that node, which its server checks.
+    /// Answers its node id once this node sees it as a member.
+    pub async fn invite(&self, address: &str, admin: Option<String>) -> Result<NodeId, ClusterError> {
         if !self.is_ready() {
             return Err(ClusterError::Refused("this member is still starting".into()));
         }
         if let Some((id, _)) = self.state().members.iter().find(|(_, m)| m.address == address) {
             return Err(ClusterError::Refused(format!("node {} at {address} is already a member", id.0)));
         }
-        let invitation = identity::Invitation { join: self.advertise.clone(), secret: self.membership.secret.clone() };
-        let body = serde_json::to_vec(&invitation).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+        let call = identity::InviteCall { join: self.advertise.clone(), secret: self.membership.secret.clone(), admin };
+        let body = serde_json::to_vec(&call).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
         let bytes = match self.peers.call(address, Op::Invite, body, INVITE_CALL_TIMEOUT).await {
             Ok(bytes) => bytes,
             Err(PeerError::Refused { message, .. }) => {
@@ -228,7 +229,9 @@ impl ClusterNode {
     /// accepts (nothing it holds could be lost); it keeps the invitation and asks to be
     /// restarted.
     pub(crate) async fn accept_invitation(&self, body: &[u8]) -> Result<JoinRequest, ClusterError> {
-        let invitation: identity::Invitation = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+        // Its administrator's credentials were checked by the server, and are dropped here.
+        let call: identity::InviteCall = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+        let invitation = identity::Invitation { join: call.join, secret: call.secret };
         if !self.is_ready() {
             return Err(ClusterError::Refused("this node is still starting".into()));
         }

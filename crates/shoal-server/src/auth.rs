@@ -481,7 +481,57 @@ pub async fn authenticate(state: &AppState, rule: Rule, keyed: bool, mut req: Re
 }
 
 fn source_of(req: &Request) -> IpAddr {
-    req.extensions().get::<crate::conn::Peer>().map_or(IpAddr::from([0, 0, 0, 0]), |p| p.0)
+    source_of_parts(req.extensions())
+}
+
+/// The address a request came from (`0.0.0.0` if unknown).
+pub(crate) fn source_of_parts(extensions: &axum::http::Extensions) -> IpAddr {
+    extensions.get::<crate::conn::Peer>().map_or(IpAddr::from([0, 0, 0, 0]), |p| p.0)
+}
+
+/// An invitation to join another cluster comes without this node's secret: it is taken
+/// only with the credentials of one of this node's administrators (`cluster_admin` or
+/// `admin`), as Couchbase asks for the added node's. Those are checked as a login is
+/// (cached, failures paused and audited); a malformed invitation is a `400`.
+pub(crate) async fn check_invitation(state: &AppState, body: &[u8], source: IpAddr) -> Result<(), ApiError> {
+    let call: shoal_node::identity::InviteCall =
+        serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invitation: {e}")))?;
+    let missing = || {
+        ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "an invitation carries the credentials of an administrator of the node invited (`POST /v1/cluster/nodes` offers the caller's own, or `user` and `password`)",
+        )
+    };
+    let credentials = call.admin.as_deref().and_then(|a| HeaderValue::from_str(a).ok()).ok_or_else(missing)?;
+    let meta = state.cluster.state();
+    let principal = match login(state, &meta, Some(credentials), source).await {
+        Ok(p) => p,
+        Err((response, event)) => {
+            if let Some((event, user)) = event {
+                state.auth.audit.record(&crate::audit::Record {
+                    event,
+                    user: Some(&user),
+                    source,
+                    method: "POST",
+                    path: "/v1/_internal/invite",
+                    status: response.status().as_u16(),
+                });
+            }
+            return Err(match response.status() {
+                StatusCode::TOO_MANY_REQUESTS => {
+                    ApiError::new(StatusCode::TOO_MANY_REQUESTS, "too_many_requests", "too many failed invitations; try later")
+                }
+                StatusCode::SERVICE_UNAVAILABLE => ApiError::unavailable("this node knows no user yet; try again"),
+                _ => ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "unauthorized",
+                    "the invitation's credentials are not those of a user of the node invited",
+                ),
+            });
+        }
+    };
+    principal.check(&Needs::ClusterAdmin)
 }
 
 fn audit(state: &AppState, event: crate::audit::Event, user: Option<&str>, req: &Request, status: StatusCode) {

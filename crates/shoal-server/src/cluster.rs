@@ -136,11 +136,17 @@ pub async fn failover(State(state): State<AppState>, RawQuery(q): RawQuery, head
 #[serde(deny_unknown_fields)]
 struct AddBody {
     address: String,
+    /// An administrator of the node added (Couchbase asks for them too); by default the
+    /// caller's own credentials are offered to it.
+    #[serde(default)]
+    user: Option<String>,
+    #[serde(default)]
+    password: Option<String>,
 }
 
 /// `POST /v1/cluster/nodes` (`shoal cluster add`): asks the lone, empty node at `address`
 /// to join this cluster; answers once it is a member (`added`).
-pub async fn add_node(State(state): State<AppState>, RawQuery(q): RawQuery, body: Body) -> Result<Response, ApiError> {
+pub async fn add_node(State(state): State<AppState>, RawQuery(q): RawQuery, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     extract::no_params(q.as_deref())?;
     let body = extract::body(&state, body, CLUSTER_BODY_MAX_BYTES).await?;
     let req: AddBody = extract::json_body(&body)?;
@@ -150,7 +156,16 @@ pub async fn add_node(State(state): State<AppState>, RawQuery(q): RawQuery, body
     if !valid {
         return Err(ApiError::bad_request(format!("address {:?} is not host:port", req.address)));
     }
-    let node = state.cluster.invite(&req.address).await.map_err(cluster_error)?;
+    let admin = match (&req.user, &req.password) {
+        (Some(user), password) => {
+            use base64::Engine as _;
+            let pair = format!("{user}:{}", password.as_deref().unwrap_or(""));
+            Some(format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(pair)))
+        }
+        (None, Some(_)) => return Err(ApiError::bad_request("a password comes with a user")),
+        (None, None) => headers.get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok()).map(str::to_string),
+    };
+    let node = state.cluster.invite(&req.address, admin).await.map_err(cluster_error)?;
     let answer = serde_json::json!({"node": node, "address": req.address, "state": "added"});
     Ok(json_response(StatusCode::OK, answer.to_string().into_bytes()))
 }

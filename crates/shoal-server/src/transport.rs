@@ -279,10 +279,15 @@ pub async fn internal(State(state): State<AppState>, Path(op): Path<String>, req
     let given = headers.get(SECRET_HEADER).map(|v| v.as_bytes()).unwrap_or_default();
     // An invitation comes from a cluster whose secret this node does not know yet; only a
     // lone node with no collections takes it (`ClusterNode::invite`).
-    if !constant_time_eq(given, node.secret().as_bytes()) && op != Op::Invite.name() {
+    let member = constant_time_eq(given, node.secret().as_bytes());
+    if !member && op != Op::Invite.name() {
         return Err(ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "calls between members need the cluster secret"));
     }
     let body = extract::body(&state, body, INTERNAL_BODY_MAX_BYTES).await?;
+    if !member {
+        // An invitation: it must carry an administrator of this node (see `auth`).
+        crate::auth::check_invitation(&state, &body, crate::auth::source_of_parts(&parts.extensions)).await?;
+    }
     if op == "faults" {
         return set_faults(&state, &body).await;
     }
