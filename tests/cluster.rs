@@ -1803,7 +1803,7 @@ async fn cluster_add_brings_in_a_lone_empty_node() {
     let oversized = format!(r#"{{"address": "{}:1"}}"#, "h".repeat(64 * 1024));
     let r = http.post(a.u("/v1/cluster/nodes")).body(oversized).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 413, "an oversized body");
-    for body in ["{", "[]", r#"{"address": "x:1", "extra": 1}"#, r#"{"address": 7}"#] {
+    for body in ["{", "[]", r#"{"address": "x:1", "extra": 1}"#, r#"{"address": 7}"#, r#"{"address": "x:1", "password": "p"}"#] {
         let r = http.post(a.u("/v1/cluster/nodes")).body(body).send().await.unwrap();
         assert_eq!(r.status().as_u16(), 400, "body {body}");
     }
