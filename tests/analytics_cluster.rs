@@ -97,7 +97,7 @@ async fn tpch_on_three_members_answers_what_the_rows_answer() {
         }
     }
     let queries = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/tpch");
-    for q in [1, 3, 5, 6, 10, 12, 13, 14, 15, 18] {
+    for q in [1, 3, 5, 6, 10, 12, 13, 14, 15, 16, 18] {
         let sql = std::fs::read_to_string(queries.join(format!("q{q:02}.sql"))).unwrap();
         let (s, rows) = statement(&http, &nodes[0], "query", &sql).await;
         assert_eq!(s, 200, "q{q} /v1/query: {rows}");

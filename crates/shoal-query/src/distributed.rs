@@ -8,8 +8,10 @@
 //! Arrow batches cross the network. A member reads its own shadow, keeping only the rows
 //! of partitions active on it under that map version, so every row is read once.
 //!
-//! What the planner may do that breaks locality — put the scan in fewer tasks than members
-//! (a join that can only run in one task), or not distribute the plan at all — is refused
+//! A join that can only run in one task gets its inputs gathered to it over the network
+//! ([`GatherSingleTaskJoins`]), its scans still one task per member. What the planner may
+//! do that breaks locality — put the scan in fewer tasks than members, or not distribute
+//! the plan at all — is refused
 //! with [`DistError::NotPlaced`], and the statement runs on the row engine instead (same
 //! rows, slower): never a task reading a member's rows on another member.
 //!
@@ -370,6 +372,77 @@ fn route(ev: RouteTasksEvent) -> Option<Result<RouteTasksEventResponse, DataFusi
     Some(members.iter().map(|m| worker_url(m)).collect::<Result<Vec<_>, _>>().map(RouteTasksEventResponse::new))
 }
 
+/// Gathers the inputs of the joins datafusion-distributed runs in one task — a null-aware
+/// anti join (`NOT IN`, TPC-H q16), whose null checks cannot span tasks, and a full
+/// nested-loop join — through a coalesce, which it turns into a network boundary: the
+/// scans below still run one task per member and only their filtered rows come to the
+/// join. Without it the join's stage, its scans included, ran in one task, which would
+/// read every member's rows in one place (refused as not placed, so run on the rows).
+#[derive(Debug, Default)]
+pub(crate) struct GatherSingleTaskJoins;
+
+/// Whether `plan` is a join datafusion-distributed caps to one task.
+fn runs_in_one_task(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    use datafusion::common::JoinType;
+    use datafusion::physical_plan::joins::{HashJoinExec, NestedLoopJoinExec, PartitionMode};
+    if let Some(join) = plan.downcast_ref::<HashJoinExec>() {
+        return join.null_aware && join.mode == PartitionMode::CollectLeft;
+    }
+    plan.downcast_ref::<NestedLoopJoinExec>().is_some_and(|join| join.join_type() == &JoinType::Full)
+}
+
+/// Whether `plan` reads a shadow scan across the members.
+fn scans_members(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+    let mut found = false;
+    let _ = plan.apply(|node| {
+        found = node.downcast_ref::<ShadowScanExec>().is_some_and(|s| s.cluster().is_some());
+        Ok(if found { TreeNodeRecursion::Stop } else { TreeNodeRecursion::Continue })
+    });
+    found
+}
+
+impl datafusion::physical_optimizer::PhysicalOptimizerRule for GatherSingleTaskJoins {
+    fn optimize(
+        &self,
+        plan: Arc<dyn ExecutionPlan>,
+        _config: &datafusion::config::ConfigOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>, DataFusionError> {
+        use datafusion::common::tree_node::{Transformed, TreeNode};
+        use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+        plan.transform_up(|p| {
+            if !runs_in_one_task(&p) {
+                return Ok(Transformed::no(p));
+            }
+            let mut changed = false;
+            let children = p
+                .children()
+                .into_iter()
+                .map(|child| {
+                    if child.downcast_ref::<CoalescePartitionsExec>().is_some() || !scans_members(child) {
+                        return Arc::clone(child);
+                    }
+                    changed = true;
+                    Arc::new(CoalescePartitionsExec::new(Arc::clone(child))) as Arc<dyn ExecutionPlan>
+                })
+                .collect();
+            Ok(match changed {
+                true => Transformed::yes(datafusion::physical_plan::execution_plan::replace_children_if_necessary(p, children)?),
+                false => Transformed::no(p),
+            })
+        })
+        .map(|t| t.data)
+    }
+
+    fn name(&self) -> &str {
+        "gather_single_task_joins"
+    }
+
+    fn schema_check(&self) -> bool {
+        true
+    }
+}
+
 /// A member's worker URL.
 pub(crate) fn worker_url(member: &str) -> Result<url::Url, DataFusionError> {
     url::Url::parse(&format!("http://{member}")).map_err(|e| DataFusionError::Plan(format!("member address {member}: {e}")))
@@ -476,6 +549,7 @@ pub(crate) fn coordinating(
 ) -> Result<datafusion::execution::SessionStateBuilder, DataFusionError> {
     let urls = cluster.members.iter().map(|m| worker_url(m)).collect::<Result<Vec<_>, _>>()?;
     Ok(builder
+        .with_physical_optimizer_rule(Arc::new(GatherSingleTaskJoins))
         .with_distributed_worker_resolver(Members(urls))
         .with_distributed_channel_resolver(channels)
         .with_distributed_local_worker_context(worker.to_local_worker_context(worker_url(me)?))
