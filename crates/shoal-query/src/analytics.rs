@@ -444,6 +444,10 @@ impl Sieve {
     }
 }
 
+/// A scan copies the rows its masks keep out of a batch once they are fewer than this share
+/// of it (later conjuncts then read fewer rows); until then the masks are combined.
+const COPY_OUT_BELOW: f64 = 0.25;
+
 /// Widest range of integers an `IN` list is run as a bitmap over (2 MiB of bits).
 const BITMAP_RANGE_MAX: u64 = 1 << 24;
 
@@ -525,17 +529,9 @@ struct Sieves {
 /// far, so the one that keeps few rows spares the others most of their work.
 fn project(part: &Part, schema: &SchemaRef, sieves: &mut Sieves) -> Result<Vec<RecordBatch>, DataFusionError> {
     let mut batch = adapt_batch(&part.batch, schema)?;
-    if let Some(mask) = &part.live {
-        batch = if schema.fields().is_empty() {
-            RecordBatch::try_new_with_options(
-                Arc::clone(schema),
-                vec![],
-                &RecordBatchOptions::new().with_row_count(Some(mask.true_count())),
-            )?
-        } else {
-            datafusion::arrow::compute::filter_record_batch(&batch, mask)?
-        };
-    }
+    // The rows kept so far and not copied out yet: the live rows of partitions active here
+    // first (on a cluster, about half of what a member holds are replicas' rows).
+    let mut keep = part.live.clone();
     // Each filter as of now (its join's build side is complete by the time the probe side
     // is read; `true` until then), split into conjuncts.
     let mut conjuncts = Vec::new();
@@ -553,15 +549,31 @@ fn project(part: &Part, schema: &SchemaRef, sieves: &mut Sieves) -> Result<Vec<R
         rate(&a.0).total_cmp(&rate(&b.0))
     });
     for (key, c) in conjuncts {
-        if batch.num_rows() == 0 {
+        let kept = keep.as_ref().map_or(batch.num_rows(), BooleanArray::true_count);
+        if kept == 0 {
             break;
         }
-        if let Some(keep) = c.evaluate(&batch)? {
+        // A conjunct (a join's bounds or key lookup: it cannot fail on a row) runs over the
+        // rows not copied out yet, dropped ones too, and its answer joins the mask: rows are
+        // copied once they are few, or at the end, rather than after every step.
+        if let Some(pass) = c.evaluate(&batch)? {
+            let now = match keep.take() {
+                Some(k) => datafusion::arrow::compute::and(&k, &pass)?,
+                None => pass,
+            };
+            let passed = now.true_count();
             let sieve = stats.entry(key).or_default();
-            sieve.seen += batch.num_rows() as u64;
-            batch = datafusion::arrow::compute::filter_record_batch(&batch, &keep)?;
-            sieve.passed += batch.num_rows() as u64;
+            sieve.seen += kept as u64;
+            sieve.passed += passed as u64;
+            if (passed as f64) < COPY_OUT_BELOW * batch.num_rows() as f64 {
+                batch = keep_rows(&batch, schema, &now)?;
+            } else {
+                keep = Some(now);
+            }
         }
+    }
+    if let Some(k) = keep {
+        batch = keep_rows(&batch, schema, &k)?;
     }
     let mut out = Vec::with_capacity(batch.num_rows().div_ceil(SCAN_BATCH_ROWS));
     let mut offset = 0;
@@ -571,6 +583,15 @@ fn project(part: &Part, schema: &SchemaRef, sieves: &mut Sieves) -> Result<Vec<R
         offset += len;
     }
     Ok(out)
+}
+
+/// The rows of `batch` that `mask` keeps.
+fn keep_rows(batch: &RecordBatch, schema: &SchemaRef, mask: &BooleanArray) -> Result<RecordBatch, DataFusionError> {
+    if schema.fields().is_empty() {
+        let options = RecordBatchOptions::new().with_row_count(Some(mask.true_count()));
+        return Ok(RecordBatch::try_new_with_options(Arc::clone(schema), vec![], &options)?);
+    }
+    Ok(datafusion::arrow::compute::filter_record_batch(batch, mask)?)
 }
 
 /// The bytes of a scan's output: its columns' values, slices counted for their own rows.

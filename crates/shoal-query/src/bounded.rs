@@ -14,9 +14,8 @@ use std::sync::Arc;
 use datafusion::arrow::array::{Array, AsArray};
 use datafusion::arrow::datatypes::{DataType, FieldRef, Int64Type};
 use datafusion::common::{DataFusionError, Result, ScalarValue};
-use datafusion::execution::FunctionRegistry;
+use datafusion::execution::SessionStateBuilder;
 use datafusion::logical_expr::{ColumnarValue, Documentation, ReturnFieldArgs, ScalarFunctionArgs, ScalarUDF, ScalarUDFImpl, Signature};
-use datafusion::prelude::SessionContext;
 
 /// Largest value one call may produce (a string or a list).
 pub const VALUE_MAX_BYTES: u64 = 64 * 1024 * 1024;
@@ -51,11 +50,14 @@ const WRAPPED: &[(&str, Growth)] = &[
     ("generate_series", Growth::Range),
 ];
 
-/// Replaces the size-choosing functions of `ctx` with bounded ones.
-pub fn register(ctx: &SessionContext) {
-    for (name, growth) in WRAPPED {
-        if let Ok(inner) = ctx.udf(name) {
-            ctx.register_udf(ScalarUDF::new_from_impl(Bounded { inner: Arc::clone(inner.inner()), growth: *growth }));
+/// Replaces the size-choosing functions of the session `builder` makes with bounded ones
+/// (in place: building a session once costs less than registering into it after).
+pub fn wrap(builder: &mut SessionStateBuilder) {
+    let Some(functions) = builder.scalar_functions() else { return };
+    for f in functions.iter_mut() {
+        let named = |n: &&(&str, Growth)| f.name() == n.0 || f.aliases().iter().any(|a| a == n.0);
+        if let Some((_, growth)) = WRAPPED.iter().find(named) {
+            *f = Arc::new(ScalarUDF::new_from_impl(Bounded { inner: Arc::clone(f.inner()), growth: *growth }));
         }
     }
 }
@@ -205,6 +207,7 @@ fn range_len(args: &[ColumnarValue], row: usize) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use datafusion::prelude::SessionContext;
 
     async fn run(ctx: &SessionContext, sql: &str) -> Result<usize> {
         let batches = ctx.sql(sql).await?.collect().await?;
@@ -213,8 +216,9 @@ mod tests {
 
     #[tokio::test]
     async fn size_choosing_functions_are_bounded_and_still_work() {
-        let ctx = SessionContext::new();
-        register(&ctx);
+        let mut builder = SessionStateBuilder::new().with_default_features();
+        wrap(&mut builder);
+        let ctx = SessionContext::from(builder.build());
         for ok in [
             "SELECT repeat('ab', 3)",
             "SELECT lpad('x', 10, '-')",

@@ -28,7 +28,6 @@ use datafusion::arrow::datatypes::{Field, Schema};
 use datafusion::common::DataFusionError;
 use datafusion::execution::{SessionState, TaskContext};
 use datafusion::physical_plan::ExecutionPlan;
-use datafusion::prelude::SessionContext;
 use datafusion_distributed::{
     DesiredTaskCountEvent, DesiredTaskCountEventResponse, DistributedExt, DistributedLeafExec, RouteTasksEvent, RouteTasksEventResponse,
     ScaleUpLeafNodeEvent, ScaleUpLeafNodeEventResponse, SessionStateBuilderExt, Worker, WorkerQueryContext,
@@ -580,17 +579,16 @@ pub(crate) fn worker(
                 cache_manager: Arc::clone(&runtime.cache_manager),
                 object_store_registry: Arc::clone(&runtime.object_store_registry),
             });
-            let mut state: SessionState = ctx
+            let mut builder = ctx
                 .builder
                 .with_runtime_env(task_runtime)
                 .with_distributed_user_codec(ScanCodec)
-                .with_distributed_channel_resolver(channels)
-                .build();
+                .with_distributed_channel_resolver(channels);
+            crate::bounded::wrap(&mut builder);
+            crate::fsum::wrap(&mut builder);
+            let mut state: SessionState = builder.build();
             state.config_mut().set_extension(env);
-            let session = SessionContext::from(state);
-            crate::bounded::register(&session);
-            crate::fsum::register(&session);
-            Ok::<_, DataFusionError>(session.state())
+            Ok::<_, DataFusionError>(state)
         }
     };
     Worker::from_session_builder(build).with_runtime_env(node_runtime)

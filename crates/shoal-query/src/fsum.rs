@@ -17,9 +17,9 @@ use datafusion::arrow::array::{Array, ArrayRef, AsArray, Float64Array, ListArray
 use datafusion::arrow::buffer::OffsetBuffer;
 use datafusion::arrow::datatypes::{DataType, Field, FieldRef, Float64Type};
 use datafusion::common::{DataFusionError, Result, ScalarValue};
+use datafusion::execution::SessionStateBuilder;
 use datafusion::logical_expr::function::{AccumulatorArgs, StateFieldsArgs};
 use datafusion::logical_expr::{Accumulator, AggregateUDF, AggregateUDFImpl, GroupsAccumulator, ReversedUDAF, Signature};
-use datafusion::prelude::SessionContext;
 
 /// The exact sum of some floats: non-overlapping partials, smallest magnitude first, whose
 /// sum is exactly the sum of the finite values added; infinities and NaNs apart.
@@ -264,10 +264,13 @@ impl Accumulator for ExactAccumulator {
     }
 }
 
-/// Replaces `sum` in `ctx` with one that sums floats exactly.
-pub(crate) fn register(ctx: &SessionContext) {
-    if let Some(inner) = ctx.state().aggregate_functions().get("sum").cloned() {
-        ctx.register_udaf(AggregateUDF::new_from_impl(ExactSum { inner }));
+/// Replaces `sum` in the session `builder` makes with one that sums floats exactly.
+pub(crate) fn wrap(builder: &mut SessionStateBuilder) {
+    let Some(functions) = builder.aggregate_functions() else { return };
+    for f in functions.iter_mut() {
+        if f.name() == "sum" {
+            *f = Arc::new(AggregateUDF::new_from_impl(ExactSum { inner: Arc::clone(f) }));
+        }
     }
 }
 

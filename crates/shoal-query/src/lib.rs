@@ -668,15 +668,12 @@ impl QueryEngine {
             (Path::Analytics, Some(_), None) => return Err(QueryError::Unavailable("this node is not a worker of the cluster yet".into())),
             _ => None,
         };
-        let ctx = match &cluster {
-            None => SessionContext::from(
-                datafusion::execution::SessionStateBuilder::new()
-                    .with_default_features()
-                    .with_config(config)
-                    .with_runtime_env(runtime)
-                    .with_physical_optimizer_rule(Arc::new(runtime::YieldingJoins))
-                    .build(),
-            ),
+        let mut builder = match &cluster {
+            None => datafusion::execution::SessionStateBuilder::new()
+                .with_default_features()
+                .with_config(config)
+                .with_runtime_env(runtime)
+                .with_physical_optimizer_rule(Arc::new(runtime::YieldingJoins)),
             Some((cluster, member)) => {
                 // Across the members a join's build side is broadcast to every task
                 // (CollectLeft) up to this size, so that a fact table is joined where its
@@ -691,13 +688,12 @@ impl QueryEngine {
                     .with_config(config.with_extension(Arc::clone(&member.env)))
                     .with_runtime_env(runtime)
                     .with_physical_optimizer_rule(Arc::new(runtime::YieldingJoins));
-                let builder =
-                    distributed::coordinating(builder, cluster, &member.worker, &member.local.address(), member.channels.clone())?;
-                SessionContext::from(builder.build())
+                distributed::coordinating(builder, cluster, &member.worker, &member.local.address(), member.channels.clone())?
             }
         };
-        bounded::register(&ctx);
-        fsum::register(&ctx);
+        bounded::wrap(&mut builder);
+        fsum::wrap(&mut builder);
+        let ctx = SessionContext::from(builder.build());
         let env = Arc::new(QueryEnv {
             store: Arc::clone(&self.store),
             indexes: Arc::clone(&self.indexes),
