@@ -414,6 +414,26 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
             assert!(status != 500, "a garbage worker call: {status} {grpc:?}");
         }
     }
+    // A message past WORKER_MESSAGE_MAX_BYTES is refused by the length in its frame's
+    // header, before the node holds it: only the header and a few bytes are sent.
+    let mut frame = vec![0u8];
+    frame.extend_from_slice(&u32::try_from(shoal_query::distributed::WORKER_MESSAGE_MAX_BYTES + 1).unwrap().to_be_bytes());
+    frame.extend_from_slice(&[7u8; 16]);
+    let r = h2
+        .post(first.u("/worker.WorkerService/CoordinatorChannel"))
+        .header("content-type", "application/grpc")
+        .header("x-shoal-cluster-secret", SECRET)
+        .body(frame)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let grpc = r.headers().get("grpc-status").map(|v| v.to_str().unwrap_or("").to_string());
+    let message = r.headers().get("grpc-message").map(|v| v.to_str().unwrap_or("").to_string()).unwrap_or_default();
+    let _ = r.bytes().await;
+    assert_eq!(status, 200, "gRPC answers its errors in its status");
+    let message = message.replace("%20", " ");
+    assert!(grpc.as_deref().is_some_and(|g| g != "0") && message.contains("too large"), "an oversized worker message: {grpc:?} {message}");
     let (status, _) = get_json(&http, &first.u("/v1/cluster")).await;
     assert_eq!(status, 200, "the node still answers");
     // A key request's body is kept (to send again on a newer map) up to

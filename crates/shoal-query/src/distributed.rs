@@ -51,6 +51,10 @@ const WEIGHT_KEY: &str = "shoal.weight";
 const ROWS_KEY: &str = "shoal.rows";
 /// Longest wait for a connection to another worker.
 const WORKER_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest message a worker takes from a coordinator or another worker (a task's plan, its
+/// joins' filters included; a request for a stream): a larger one is refused by its length
+/// before it is read (datafusion-distributed takes any size).
+pub const WORKER_MESSAGE_MAX_BYTES: usize = 64 * 1024 * 1024;
 
 /// Why a distributed statement could not run as planned.
 #[derive(Debug, thiserror::Error)]

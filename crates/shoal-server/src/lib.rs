@@ -198,7 +198,10 @@ pub fn router(state: AppState) -> Router {
         tls: state.tls.as_ref().map(|t| t.peer_h2()),
     }));
     let workers = Router::new()
-        .route_service(&format!("{}{{*call}}", shoal_query::distributed::WORKER_PATH_PREFIX), worker.into_worker_server())
+        .route_service(
+            &format!("{}{{*call}}", shoal_query::distributed::WORKER_PATH_PREFIX),
+            worker.into_worker_server().max_decoding_message_size(shoal_query::distributed::WORKER_MESSAGE_MAX_BYTES),
+        )
         .layer(axum::middleware::from_fn(transport::on_query_runtime))
         .layer(axum::middleware::from_fn_with_state(state.clone(), transport::members_only));
     let mut api = Router::new();
