@@ -62,6 +62,11 @@ pub struct IndexRebalanceArgs {
     /// Skip the write throughput part (0 against 5 indexes).
     #[arg(long)]
     no_writes: bool,
+    /// `_bulk` calls of 2,000 documents in flight at once while loading (the write
+    /// throughput part's load): 1 measures one client's latency, more the cluster's
+    /// throughput.
+    #[arg(long, default_value_t = 1)]
+    writers: usize,
     /// Every node runs the default services (data, index and query), as a cluster started
     /// without `--services` does: `--data-nodes` such nodes and no index-only node, and the
     /// scale-out adds one more. Without it, data nodes run `data,query` and index nodes
@@ -314,14 +319,22 @@ async fn start_cluster(
 /// index answers at `request_plus` for all its partitions (the foreground's scans are
 /// `not_bounded`, exact only once each partition has every document). Answers the seconds
 /// until every write was acknowledged, and until every index had them.
-async fn prepare(client: &Client, url: &str, indexes: usize, index_partitions: u16, docs: usize) -> Result<(f64, f64), CliError> {
+async fn prepare(
+    client: &Client,
+    url: &str,
+    indexes: usize,
+    index_partitions: u16,
+    docs: usize,
+    writers: usize,
+) -> Result<(f64, f64), CliError> {
+    use futures::{StreamExt, TryStreamExt};
     client.create_collection("bench", None).await?;
     for n in 0..indexes {
         client.create_index("bench", &index_def(n, index_partitions)).await?;
     }
     let loaded = Instant::now();
-    let mut first = 0;
-    while first < docs {
+    // `writers` slices in flight at once, each a `_bulk` of LOAD_SLICE documents.
+    let slice = |first: usize| async move {
         let mut body = String::new();
         for i in first..(first + LOAD_SLICE).min(docs) {
             body.push_str(&json!({"op": "upsert", "key": format!("doc-{i:08}"), "value": document(i, 100)}).to_string());
@@ -334,7 +347,7 @@ async fn prepare(client: &Client, url: &str, indexes: usize, index_partitions: u
             let answer = client.bulk("bench", body.clone(), false).await?;
             let text = String::from_utf8_lossy(&answer);
             match text.lines().find(|l| l.contains("\"error\"")) {
-                None => break,
+                None => return Ok::<(), CliError>(()),
                 Some(line) if line.contains("\"unavailable\"") && tries < LOAD_TRIES => {
                     tries += 1;
                     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -342,8 +355,8 @@ async fn prepare(client: &Client, url: &str, indexes: usize, index_partitions: u
                 Some(line) => return Err(CliError::Bench(format!("loading: {line}"))),
             }
         }
-        first += LOAD_SLICE;
-    }
+    };
+    futures::stream::iter((0..docs).step_by(LOAD_SLICE)).map(slice).buffer_unordered(writers.max(1)).try_collect::<Vec<()>>().await?;
     let acked = loaded.elapsed().as_secs_f64();
     let http = crate::bench::http_builder().timeout(WAIT_MAX).no_proxy().build().map_err(|e| CliError::Bench(e.to_string()))?;
     for n in 0..indexes {
@@ -373,14 +386,17 @@ async fn prepare(client: &Client, url: &str, indexes: usize, index_partitions: u
 /// Writes with indexes on index nodes against none, on fresh clusters of the bench's
 /// shape: the seconds until `docs` documents are acknowledged, and until indexed.
 async fn write_ratio(args: &IndexRebalanceArgs) -> Result<(), CliError> {
-    println!("\n--- writes: {} documents with 0 and with 5 indexes placed on the index nodes", args.docs);
+    println!(
+        "\n--- writes: {} documents with 0 and with 5 indexes placed on the index nodes, {} _bulk calls in flight",
+        args.docs, args.writers
+    );
     let mut rows = Vec::new();
     for indexes in [0usize, 5] {
         let (data_nodes, idx, _) =
             start_cluster(&format!("writes-{indexes}"), (args.data_nodes, args.default_services), index_nodes(args), args.partitions, &[])
                 .await?;
         let client = Client::new(&data_nodes[0].url)?;
-        let (acked, indexed) = prepare(&client, &data_nodes[0].url, indexes, args.index_partitions, args.docs).await?;
+        let (acked, indexed) = prepare(&client, &data_nodes[0].url, indexes, args.index_partitions, args.docs, args.writers).await?;
         rows.push((indexes, acked, indexed));
         drop((data_nodes, idx));
     }
@@ -401,7 +417,7 @@ async fn scale_out(args: &IndexRebalanceArgs, method: &str) -> Result<Outcome, C
         start_cluster(method, (args.data_nodes, args.default_services), self::index_nodes(args), args.partitions, &extra).await?;
     let client = Client::new(&data_nodes[0].url)?;
     let indexes = if method == "none" { 0 } else { args.indexes };
-    prepare(&client, &data_nodes[0].url, indexes, args.index_partitions, args.docs).await?;
+    prepare(&client, &data_nodes[0].url, indexes, args.index_partitions, args.docs, args.writers).await?;
     let expected = Arc::new(expected(args.docs));
     let targets: Vec<String> = data_nodes.iter().chain(&index_nodes).map(|n| n.url.clone()).collect();
     let log: Arc<Mutex<Vec<Scan>>> = Arc::default();
@@ -554,7 +570,7 @@ async fn eq_latency(args: &IndexRebalanceArgs) -> Result<(), CliError> {
         let label = format!("eq-{index_nodes}-{partitions}");
         let (data_nodes, idx, _) = start_cluster(&label, (1, false), index_nodes, partitions, &[]).await?;
         let client = Client::new(&data_nodes[0].url)?;
-        prepare(&client, &data_nodes[0].url, 1, args.index_partitions, args.docs).await?;
+        prepare(&client, &data_nodes[0].url, 1, args.index_partitions, args.docs, args.writers).await?;
         let http =
             crate::bench::http_builder().timeout(Duration::from_secs(30)).no_proxy().build().map_err(|e| CliError::Bench(e.to_string()))?;
         let expected = expected(args.docs);
