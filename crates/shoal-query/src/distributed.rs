@@ -49,6 +49,9 @@ pub const WORKER_PATH_PREFIX: &str = "/worker.WorkerService/";
 const WEIGHT_KEY: &str = "shoal.weight";
 /// Schema metadata carrying about how many rows of partitions active there a member holds.
 const ROWS_KEY: &str = "shoal.rows";
+/// The header each task of a distributed statement carries its statement's id in, so that
+/// a member holds all its tasks of the statement to one memory cap ([`StatementPools`]).
+const STATEMENT_HEADER: &str = "x-shoal-statement";
 /// Longest wait for a connection to another worker.
 const WORKER_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest message a worker takes from a coordinator or another worker (a task's plan, its
@@ -549,9 +552,14 @@ pub(crate) fn coordinating(
     worker: &Worker,
     me: &str,
     channels: Channels,
+    statement: &str,
 ) -> Result<datafusion::execution::SessionStateBuilder, DataFusionError> {
     let urls = cluster.members.iter().map(|m| worker_url(m)).collect::<Result<Vec<_>, _>>()?;
+    let mut headers = http::HeaderMap::new();
+    let id = http::HeaderValue::try_from(statement).map_err(|e| DataFusionError::Plan(format!("statement id {statement}: {e}")))?;
+    headers.insert(http::HeaderName::from_static(STATEMENT_HEADER), id);
     Ok(builder
+        .with_distributed_passthrough_headers(headers)?
         .with_physical_optimizer_rule(Arc::new(GatherSingleTaskJoins))
         .with_distributed_worker_resolver(Members(urls))
         .with_distributed_channel_resolver(channels)
@@ -569,16 +577,23 @@ pub(crate) fn worker(
     runtime: Arc<datafusion::execution::runtime_env::RuntimeEnv>,
     query_memory_bytes: usize,
     channels: Channels,
+    statements: Arc<crate::pool::StatementPools>,
 ) -> Worker {
     let node_runtime = Arc::clone(&runtime);
     let build = move |ctx: WorkerQueryContext| {
         let env = Arc::clone(&env);
         let runtime = Arc::clone(&runtime);
         let channels = channels.clone();
+        let statements = Arc::clone(&statements);
         async move {
-            // Each task under the per-query cap, within the node's pool and spill disk.
+            // The statement's tasks here share its cap, within the node's pool and spill
+            // disk (a task without the statement's id has a cap of its own).
+            let pool = match ctx.headers.get(STATEMENT_HEADER).and_then(|v| v.to_str().ok()) {
+                Some(id) => statements.pool(id, &runtime.memory_pool, query_memory_bytes),
+                None => Arc::new(crate::pool::QueryPool::new(Arc::clone(&runtime.memory_pool), query_memory_bytes)),
+            };
             let task_runtime = Arc::new(datafusion::execution::runtime_env::RuntimeEnv {
-                memory_pool: Arc::new(crate::pool::QueryPool::new(Arc::clone(&runtime.memory_pool), query_memory_bytes)),
+                memory_pool: pool,
                 disk_manager: Arc::clone(&runtime.disk_manager),
                 cache_manager: Arc::clone(&runtime.cache_manager),
                 object_store_registry: Arc::clone(&runtime.object_store_registry),

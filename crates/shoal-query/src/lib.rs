@@ -455,6 +455,8 @@ struct Member {
     local: Arc<dyn distributed::LocalMember>,
     worker: datafusion_distributed::Worker,
     channels: distributed::Channels,
+    /// The memory pools of the distributed statements with tasks on this node.
+    statements: Arc<pool::StatementPools>,
 }
 
 impl QueryEngine {
@@ -501,8 +503,15 @@ impl QueryEngine {
                 local: Arc::clone(&local),
             });
             let channels = distributed::Channels::new(local.call_headers(), local.tls());
-            let worker = distributed::worker(Arc::clone(&env), Arc::clone(&self.runtime), self.query_memory_bytes, channels.clone());
-            Member { env, local, worker, channels }
+            let statements = Arc::new(pool::StatementPools::default());
+            let worker = distributed::worker(
+                Arc::clone(&env),
+                Arc::clone(&self.runtime),
+                self.query_memory_bytes,
+                channels.clone(),
+                Arc::clone(&statements),
+            );
+            Member { env, local, worker, channels, statements }
         });
         member.worker.clone()
     }
@@ -655,8 +664,9 @@ impl QueryEngine {
         // `0.06 + 0.01` is exactly 0.07, as in PostgreSQL and DuckDB (a float literal
         // would make it 0.06999999999999999 and drop every row at 0.07).
         config.options_mut().sql_parser.parse_float_as_decimal = true;
+        let statement_pool = Arc::new(pool::QueryPool::new(Arc::clone(&self.runtime.memory_pool), self.query_memory_bytes));
         let runtime = Arc::new(datafusion::execution::runtime_env::RuntimeEnv {
-            memory_pool: Arc::new(pool::QueryPool::new(Arc::clone(&self.runtime.memory_pool), self.query_memory_bytes)),
+            memory_pool: Arc::clone(&statement_pool) as Arc<dyn datafusion::execution::memory_pool::MemoryPool>,
             disk_manager: Arc::clone(&self.runtime.disk_manager),
             cache_manager: Arc::clone(&self.runtime.cache_manager),
             object_store_registry: Arc::clone(&self.runtime.object_store_registry),
@@ -688,7 +698,10 @@ impl QueryEngine {
                     .with_config(config.with_extension(Arc::clone(&member.env)))
                     .with_runtime_env(runtime)
                     .with_physical_optimizer_rule(Arc::new(runtime::YieldingJoins));
-                distributed::coordinating(builder, cluster, &member.worker, &member.local.address(), member.channels.clone())?
+                // The tasks this node runs for itself share the statement's pool.
+                let statement = uuid::Uuid::new_v4().to_string();
+                member.statements.adopt(&statement, &statement_pool);
+                distributed::coordinating(builder, cluster, &member.worker, &member.local.address(), member.channels.clone(), &statement)?
             }
         };
         bounded::wrap(&mut builder);

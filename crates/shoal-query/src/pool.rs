@@ -8,9 +8,16 @@
 //!
 //! DataFusion has node pools and per-consumer tracking but no per-query cap on a shared
 //! pool, hence this small wrapper.
+//!
+//! A distributed statement runs as several tasks on each member (one per stage), each with
+//! its own session; [`StatementPools`] gives every task of one statement on a member the
+//! same pool, so that the cap holds for the statement there, as it does on one node.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
+
+use parking_lot::Mutex;
 
 use datafusion::common::{DataFusionError, Result};
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryLimit, MemoryPool, MemoryReservation};
@@ -88,10 +95,72 @@ impl MemoryPool for QueryPool {
     }
 }
 
+/// The pools of the statements running on this node, by statement id, each shared by the
+/// statement's tasks here and dropped with the last of them.
+#[derive(Debug, Default)]
+pub struct StatementPools {
+    by_id: Mutex<HashMap<String, Weak<QueryPool>>>,
+}
+
+impl StatementPools {
+    /// Statement `id`'s pool on this node: the one its other tasks here hold, or a new one
+    /// capped at `limit` over `node`.
+    pub fn pool(&self, id: &str, node: &Arc<dyn MemoryPool>, limit: usize) -> Arc<QueryPool> {
+        let mut by_id = self.by_id.lock();
+        if let Some(pool) = by_id.get(id).and_then(Weak::upgrade) {
+            return pool;
+        }
+        // Statements that ended leave dead entries; they go as new ones come.
+        by_id.retain(|_, p| p.strong_count() > 0);
+        let pool = Arc::new(QueryPool::new(Arc::clone(node), limit));
+        by_id.insert(id.to_string(), Arc::downgrade(&pool));
+        pool
+    }
+
+    /// Registers the coordinator's own pool of statement `id`, so that the tasks it runs
+    /// for itself share it.
+    pub fn adopt(&self, id: &str, pool: &Arc<QueryPool>) {
+        let mut by_id = self.by_id.lock();
+        by_id.retain(|_, p| p.strong_count() > 0);
+        by_id.insert(id.to_string(), Arc::downgrade(pool));
+    }
+
+    /// Statements with a live pool here.
+    #[cfg(test)]
+    fn live(&self) -> usize {
+        self.by_id.lock().values().filter(|p| p.strong_count() > 0).count()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use datafusion::execution::memory_pool::GreedyMemoryPool;
+
+    #[test]
+    fn the_tasks_of_one_statement_share_its_cap_on_a_member() {
+        let node: Arc<dyn MemoryPool> = Arc::new(GreedyMemoryPool::new(10_000));
+        let pools = StatementPools::default();
+        let (t1, t2) = (pools.pool("s1", &node, 600), pools.pool("s1", &node, 600));
+        assert!(Arc::ptr_eq(&t1, &t2), "two tasks of one statement, one pool");
+        let other = pools.pool("s2", &node, 600);
+        assert!(!Arc::ptr_eq(&t1, &other));
+        let (d1, d2): (Arc<dyn MemoryPool>, Arc<dyn MemoryPool>) = (t1.clone(), t2.clone());
+        let r1 = MemoryConsumer::new("join").register(&d1);
+        let r2 = MemoryConsumer::new("aggregate").register(&d2);
+        r1.try_grow(400).unwrap();
+        assert!(r2.try_grow(300).is_err(), "the second task is held to what the first left of the cap");
+        r2.try_grow(200).unwrap();
+        drop((r1, r2, d1, d2, t1, t2));
+        assert_eq!(pools.live(), 1, "a statement's pool goes with its last task");
+        // The coordinator's own pool is shared by the tasks it runs for itself.
+        let mine = Arc::new(QueryPool::new(Arc::clone(&node), 600));
+        pools.adopt("s3", &mine);
+        assert!(Arc::ptr_eq(&pools.pool("s3", &node, 600), &mine));
+        drop(other);
+        drop(mine);
+        assert_eq!(pools.live(), 0);
+    }
 
     #[test]
     fn a_query_is_held_to_its_cap_and_the_node_to_its_own() {
