@@ -373,6 +373,37 @@ pub fn import_keyspace_files<I>(ks: &fjall::Keyspace, manifest: &FileManifest, r
 where
     I: IntoIterator<Item = Result<(Bytes, Bytes), PartitionError>>,
 {
+    import_keyspace(ks, manifest, records, None)
+}
+
+/// [`import_keyspace_files`] for a keyspace of `db` that many small copies land in (an
+/// index's partitions): a copy with no file — all of it in the source's memtables — is
+/// written through `db`'s journal in one batch and made durable with one journal fsync,
+/// instead of becoming a table of its own and a new version (two folder fsyncs, the
+/// table's, the version's and its folder's, and a compaction after). Each key's newest item
+/// below the snapshot is its state; a tombstone has nothing under it in an empty keyspace.
+/// A copy with files is adopted as [`import_keyspace_files`] does.
+pub fn import_small_keyspace<I>(
+    db: &fjall::Database,
+    ks: &fjall::Keyspace,
+    manifest: &FileManifest,
+    records: I,
+) -> Result<IngestStats, PartitionError>
+where
+    I: IntoIterator<Item = Result<(Bytes, Bytes), PartitionError>>,
+{
+    import_keyspace(ks, manifest, records, Some(db))
+}
+
+fn import_keyspace<I>(
+    ks: &fjall::Keyspace,
+    manifest: &FileManifest,
+    records: I,
+    journal: Option<&fjall::Database>,
+) -> Result<IngestStats, PartitionError>
+where
+    I: IntoIterator<Item = Result<(Bytes, Bytes), PartitionError>>,
+{
     let import = manifest.to_import()?;
     let files: Vec<(&ShippedFile, bool)> = manifest.files().collect();
     if files.len() > FILES_MAX {
@@ -445,8 +476,44 @@ where
     if items_hash.hex() != manifest.items_checksum {
         return Err(PartitionError::Malformed("the memtable items do not match their checksum".into()));
     }
-    ks.import_files(&import, items)?;
+    match journal {
+        Some(db) if files.is_empty() => write_items(db, ks, items)?,
+        _ => ks.import_files(&import, items)?,
+    }
     Ok(stats)
+}
+
+/// Writes each key's newest item of `items` (in the memtable's order: key, then newest
+/// first) into the empty `ks` by one batch, durable when this returns.
+fn write_items(db: &fjall::Database, ks: &fjall::Keyspace, items: Vec<fjall::InternalValue>) -> Result<(), PartitionError> {
+    if !ks.is_empty()? {
+        return Err(PartitionError::Malformed("only an empty keyspace adopts a copy".into()));
+    }
+    if !items.windows(2).all(|w| w[0].key < w[1].key) {
+        return Err(PartitionError::Malformed("memtable items out of order".into()));
+    }
+    if items.is_empty() {
+        return Ok(());
+    }
+    let mut batch = db.batch();
+    let mut last: Option<&[u8]> = None;
+    for item in &items {
+        let key: &[u8] = &item.key.user_key;
+        if last == Some(key) {
+            continue; // an older version of the key just written
+        }
+        last = Some(key);
+        match item.key.value_type {
+            fjall::ValueType::Value => batch.insert(ks, key, &*item.value),
+            fjall::ValueType::Tombstone | fjall::ValueType::WeakTombstone => {}
+            fjall::ValueType::Indirection => {
+                return Err(PartitionError::Malformed("a memtable item pointing into a blob file, with no file".into()))
+            }
+        }
+    }
+    batch.commit()?;
+    db.persist(fjall::PersistMode::SyncAll)?;
+    Ok(())
 }
 
 fn chunk_key(index: u32) -> Bytes {
@@ -744,6 +811,55 @@ mod tests {
         let mut fewer = ItemsHash::default();
         items[..2].iter().for_each(|i| fewer.add_item(i));
         assert_ne!(fewer.hex(), records.hex());
+    }
+
+    /// A copy with no file lands through the journal ([`import_small_keyspace`]); with
+    /// files, as tables. Either way the receiver holds exactly what the source held at the
+    /// export's snapshot: each key's newest value, nothing a tombstone removed, nothing
+    /// written after the snapshot.
+    #[test]
+    fn a_small_copy_lands_through_the_journal_with_what_the_snapshot_held() {
+        use fjall::Readable as _;
+        let dir = tempfile::tempdir().unwrap();
+        let open = |name: &str| fjall::Database::builder(dir.path().join(name)).open().unwrap();
+        let opts = fjall::KeyspaceCreateOptions::default;
+        let src = open("src");
+        let ks = src.keyspace("ks", opts).unwrap();
+        for flush in [false, true] {
+            for i in 0..50u32 {
+                ks.insert(format!("k{i:03}"), format!("v{i}")).unwrap();
+            }
+            for i in (0..50u32).step_by(3) {
+                ks.insert(format!("k{i:03}"), format!("again{i}")).unwrap();
+            }
+            for i in (0..50u32).step_by(7) {
+                ks.remove(format!("k{i:03}")).unwrap();
+            }
+            if flush {
+                ks.rotate_memtable_and_wait().unwrap();
+                ks.insert("after-flush", "in the memtable").unwrap();
+                ks.remove("k001").unwrap();
+            }
+            let snapshot = src.snapshot();
+            let expected: Vec<(Vec<u8>, Vec<u8>)> =
+                snapshot.iter(&ks).map(|g| g.into_inner().map(|(k, v)| (k.to_vec(), v.to_vec())).unwrap()).collect();
+            ks.insert("k000", "written after the snapshot").unwrap();
+            ks.insert("late", "written after the snapshot").unwrap();
+            let mut files = KeyspaceFiles::export(&ks, &snapshot, Vec::new()).unwrap();
+            assert_eq!(files.manifest().files().next().is_some(), flush);
+            let manifest = files.manifest().clone();
+            let records: Vec<(Bytes, Bytes)> =
+                std::iter::from_fn(|| files.next_piece()).map(|p| p.and_then(FilePiece::into_record).unwrap()).collect();
+            let dst = open(if flush { "dst-tables" } else { "dst-journal" });
+            let to = dst.keyspace("ks", opts).unwrap();
+            import_small_keyspace(&dst, &to, &manifest, records.iter().cloned().map(Ok)).unwrap();
+            let got: Vec<(Vec<u8>, Vec<u8>)> = to.iter().map(|g| g.into_inner().map(|(k, v)| (k.to_vec(), v.to_vec())).unwrap()).collect();
+            assert_eq!(got, expected, "flushed: {flush}");
+            assert!(!expected.is_empty());
+            // Only an empty keyspace adopts a copy.
+            assert!(import_small_keyspace(&dst, &to, &manifest, records.iter().cloned().map(Ok)).is_err());
+            assert_eq!(to.iter().count(), expected.len());
+        }
     }
 
     /// Both ways of writing a received file leave exactly its bytes, whatever the sizes of

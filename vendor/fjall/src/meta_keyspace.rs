@@ -101,7 +101,11 @@ impl MetaKeyspace {
             .compact(
                 Arc::new(
                     crate::compaction::Leveled::default()
-                        .with_l0_threshold(2)
+                        // SHOAL-PATCH: 8, not upstream's 2. Every keyspace created or
+                        // removed is one L0 table here; merging them every second one
+                        // rewrote the whole meta keyspace (and fsynced it, its folder and a
+                        // new version) on every other creation.
+                        .with_l0_threshold(8)
                         .with_level_ratio_policy(vec![20.0]),
                 ),
                 0,

@@ -123,11 +123,10 @@ pub fn rewrite_atomic(path: &Path, content: &[u8]) -> std::io::Result<()> {
     persist_temp_file(temp_file, path)?;
 
     // TODO: not sure why it fails on Windows...
+    // SHOAL-PATCH: the renamed file is not fsynced again (upstream did): its content was
+    // fsynced before the rename, and the folder's fsync below makes the rename durable.
     #[cfg(not(target_os = "windows"))]
     {
-        let file = std::fs::File::open(path)?;
-        file.sync_all()?;
-
         #[expect(
             clippy::expect_used,
             reason = "files should always have a parent directory"

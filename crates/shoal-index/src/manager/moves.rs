@@ -51,8 +51,10 @@ impl IndexManager {
     }
 
     /// Adopts part `no` of index `name` from another node's export (`manifest`, then its
-    /// `records`): its files become the part's keyspace whole, its cursors are the positions
-    /// the maintainer goes on from. Refused when the part is held here already. Blocking:
+    /// `records`): its files become the part's keyspace whole (a copy that is all memtable
+    /// items, as a small part's is, lands through the journal in one batch:
+    /// `shoal_storage::import_small_keyspace`), its cursors are the positions the maintainer
+    /// goes on from. Refused when the part is held here already. Blocking:
     /// call off the async threads. Answers what arrived (records and bytes).
     pub fn import_part<I>(
         &self,
@@ -67,7 +69,7 @@ impl IndexManager {
     {
         let index = self.writable_part(coll, name, no)?;
         let ks = self.empty_part_keyspace(&index, no)?;
-        let stats = shoal_storage::import_keyspace_files(&ks, manifest, records)?;
+        let stats = shoal_storage::import_small_keyspace(&self.db, &ks, manifest, records)?;
         let part = load_part(no, ks, usize::from(coll.partition_count()))?;
         self.locate_part(&index, &part)?;
         self.hold(coll, &index, part)?;

@@ -1009,7 +1009,7 @@ impl Tree {
 
     /// Creates a new LSM-tree in a directory.
     fn create_new(config: Config) -> crate::Result<Self> {
-        use crate::file::{fsync_directory, TABLES_FOLDER};
+        use crate::file::TABLES_FOLDER;
         use std::fs::create_dir_all;
 
         let path = config.path.clone();
@@ -1020,10 +1020,10 @@ impl Tree {
         let table_folder_path = path.join(TABLES_FOLDER);
         create_dir_all(&table_folder_path)?;
 
-        // IMPORTANT: fsync folders on Unix
-        fsync_directory(&table_folder_path)?;
-        fsync_directory(&path)?;
-
+        // SHOAL-PATCH: the folders are not fsynced here (upstream fsynced both): the first
+        // version's persist, next, fsyncs `path` twice before `CURRENT` exists, which makes
+        // the `tables` entry durable; the empty `tables` folder has no entry of its own to
+        // sync. Until `CURRENT` is durable the tree does not exist for a recovery.
         let inner = TreeInner::create_new(config)?;
         Ok(Self(Arc::new(inner)))
     }
