@@ -83,3 +83,45 @@ fn keyspaces_created_and_deleted_while_another_is_written_reopen_as_left() {
     let busy = db.keyspace("busy", fjall::KeyspaceCreateOptions::default).unwrap();
     assert_eq!(busy.len().unwrap(), WRITES as usize);
 }
+
+/// Keyspaces created at once by several threads are recorded together (one creator writes
+/// every waiting one's name in one ingestion): each creator gets its own keyspace, and a
+/// reopened database has every one of them, with what was written to it.
+#[test]
+fn keyspaces_created_at_once_are_recorded_together_and_all_reopen() {
+    const EACH: usize = 25;
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let db = Arc::new(open(dir.path()));
+        let barrier = Arc::new(std::sync::Barrier::new(THREADS));
+        let ids: Vec<u64> = (0..THREADS)
+            .map(|t| {
+                let (db, barrier) = (db.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    (0..EACH)
+                        .map(|i| {
+                            let ks = db.keyspace(&format!("t{t}-{i}"), fjall::KeyspaceCreateOptions::default).unwrap();
+                            ks.insert("who", format!("t{t}-{i}")).unwrap();
+                            ks.id()
+                        })
+                        .collect::<Vec<u64>>()
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .flat_map(|t| t.join().unwrap())
+            .collect();
+        assert_eq!(ids.iter().collect::<BTreeSet<_>>().len(), THREADS * EACH, "two names got one keyspace id");
+        db.persist(fjall::PersistMode::SyncAll).unwrap();
+    }
+    let db = open(dir.path());
+    assert_eq!(db.keyspace_count(), THREADS * EACH);
+    for t in 0..THREADS {
+        for i in 0..EACH {
+            let name = format!("t{t}-{i}");
+            let ks = db.keyspace(&name, fjall::KeyspaceCreateOptions::default).unwrap();
+            assert_eq!(ks.get("who").unwrap().as_deref(), Some(name.as_bytes()), "{name}");
+        }
+    }
+}

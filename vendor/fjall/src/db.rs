@@ -55,6 +55,9 @@ pub struct DatabaseInner {
 
     pub(crate) keyspace_id_counter: SequenceNumberCounter,
 
+    /// SHOAL-PATCH: names of keyspaces being created (see `Database::keyspace`).
+    pub(crate) creating: Mutex<std::collections::HashSet<String>>,
+
     pub worker_pool: WorkerPool,
 
     pub(crate) lock_file: LockedFileGuard,
@@ -536,37 +539,53 @@ impl Database {
             log::trace!("Opening existing keyspace {name:?}");
             return Ok(keyspace);
         }
-        let ddl = self.meta_keyspace.lock_ddl();
-
-        Ok(if let Some(keyspace) = existing(name) {
-            log::trace!("Opening existing keyspace {name:?}");
-            keyspace
-        } else {
-            let keyspace_id = self.allocate_keyspace_id()?;
-
-            let name: KeyspaceKey = name.into();
-            let mut opts = create_options();
-
-            // Install compaction filter factory if needed
-            if let Some(f) = self
-                .config
-                .compaction_filter_factory_assigner
-                .as_ref()
-                .and_then(|f| f(&name))
-            {
-                opts = opts.with_compaction_filter_factory(f);
+        // SHOAL-PATCH: the name is claimed (one creator per name; others wait for it to
+        // appear), the tree is created without any lock, and only its record in the meta
+        // keyspace takes the DDL lock, group-committed with other creations'
+        // (`MetaKeyspace::create_keyspace`). Upstream created the tree under the lock too,
+        // so keyspaces created at once (a node adopting many index partitions) queued
+        // behind one another's fsyncs.
+        let _claim = loop {
+            if let Some(keyspace) = existing(name) {
+                log::trace!("Opening existing keyspace {name:?}");
+                return Ok(keyspace);
             }
+            let mut creating = self.creating.lock().expect("lock is poisoned");
+            // Checked again under the claim lock: a creator inserts into the map before
+            // it gives up its claim.
+            if let Some(keyspace) = existing(name) {
+                return Ok(keyspace);
+            }
+            if creating.insert(name.to_string()) {
+                break NameClaim { creating: &self.creating, name: name.to_string() };
+            }
+            drop(creating);
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        };
 
-            let handle = Keyspace::create_new(keyspace_id, self, name.clone(), opts)?;
+        let keyspace_id = self.allocate_keyspace_id()?;
 
-            self.meta_keyspace
-                .create_keyspace(keyspace_id, &name, handle.clone(), &ddl)?;
+        let name: KeyspaceKey = name.into();
+        let mut opts = create_options();
 
-            #[cfg(feature = "__internal_whitebox")]
-            crate::drop::increment_drop_counter();
+        // Install compaction filter factory if needed
+        if let Some(f) = self
+            .config
+            .compaction_filter_factory_assigner
+            .as_ref()
+            .and_then(|f| f(&name))
+        {
+            opts = opts.with_compaction_filter_factory(f);
+        }
 
-            handle
-        })
+        let handle = Keyspace::create_new(keyspace_id, self, name, opts)?;
+
+        self.meta_keyspace.create_keyspace(keyspace_id, handle.clone())?;
+
+        #[cfg(feature = "__internal_whitebox")]
+        crate::drop::increment_drop_counter();
+
+        Ok(handle)
     }
 
     /// Returns the number of keyspaces.
@@ -729,6 +748,7 @@ impl Database {
             supervisor,
             worker_pool: WorkerPool::prepare(),
             keyspace_id_counter: SequenceNumberCounter::new(1),
+            creating: Mutex::default(),
             meta_keyspace: meta_keyspace.clone(),
             config,
             stop_signal: lsm_tree::stop_signal::StopSignal::default(),
@@ -1009,6 +1029,7 @@ impl Database {
             supervisor,
             worker_pool: WorkerPool::prepare(),
             keyspace_id_counter: SequenceNumberCounter::new(1),
+            creating: Mutex::default(),
             meta_keyspace,
             config,
             stop_signal: lsm_tree::stop_signal::StopSignal::default(),
@@ -1029,5 +1050,20 @@ impl Database {
         )?;
 
         Ok(db)
+    }
+}
+
+/// SHOAL-PATCH: a name being created (`Database::keyspace`), released when its creator
+/// returns, created or not.
+struct NameClaim<'a> {
+    creating: &'a std::sync::Mutex<std::collections::HashSet<String>>,
+    name: String,
+}
+
+impl Drop for NameClaim<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut creating) = self.creating.lock() {
+            creating.remove(&self.name);
+        }
     }
 }

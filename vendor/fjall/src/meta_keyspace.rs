@@ -59,6 +59,19 @@ pub struct MetaKeyspace {
     /// meta keyspace's fsynced ingestion and its maintenance run *without* the keyspace
     /// map's write lock (see `create_keyspace`).
     ddl: Arc<Mutex<()>>,
+
+    /// SHOAL-PATCH: keyspaces whose trees exist, waiting for their names and configs in
+    /// this keyspace (see `create_keyspace`): whoever holds the DDL lock next writes them
+    /// all in one ingestion.
+    pending: Arc<Mutex<Vec<PendingCreate>>>,
+}
+
+/// SHOAL-PATCH: one keyspace waiting in `MetaKeyspace::pending`, and where its creator
+/// finds the outcome when another creator wrote it.
+struct PendingCreate {
+    keyspace_id: InternalKeyspaceId,
+    keyspace: Keyspace,
+    done: Arc<Mutex<Option<Result<(), String>>>>,
 }
 
 impl MetaKeyspace {
@@ -74,6 +87,7 @@ impl MetaKeyspace {
             seqno_generator,
             visible_seqno,
             ddl: Arc::default(),
+            pending: Arc::default(),
         }
     }
 
@@ -113,35 +127,52 @@ impl MetaKeyspace {
             .map_err(Into::into)
     }
 
-    pub(crate) fn create_keyspace(
-        &self,
-        keyspace_id: InternalKeyspaceId,
-        name: &str,
-        keyspace: Keyspace,
-        _ddl: &MutexGuard<'_, ()>,
-    ) -> crate::Result<()> {
-        let mut kvs = keyspace.config.encode_kvs(keyspace_id);
+    /// SHOAL-PATCH: records a keyspace whose tree `keyspace` already exists (created
+    /// outside the DDL lock by `Database::keyspace`) in this keyspace, and makes it visible
+    /// in the keyspace map. Creations group-commit: each creator queues its keyspace, then
+    /// takes the DDL lock; the first to get it writes every queued keyspace's names and
+    /// configs in one fsynced ingestion (upstream wrote one ingestion, and ran maintenance,
+    /// per keyspace, all under the lock), and the others find theirs written. A creation is
+    /// durable when this returns, as upstream.
+    pub(crate) fn create_keyspace(&self, keyspace_id: InternalKeyspaceId, keyspace: Keyspace) -> crate::Result<()> {
+        let done = Arc::new(Mutex::new(None));
+        self.pending
+            .lock()
+            .expect("lock is poisoned")
+            .push(PendingCreate { keyspace_id, keyspace, done: Arc::clone(&done) });
 
-        kvs.push({
-            let mut key: Vec<u8> =
-                Vec::with_capacity(std::mem::size_of::<InternalKeyspaceId>() + 1);
-            key.push(b'n');
-            key.extend(keyspace_id.to_be_bytes());
+        let _ddl = self.lock_ddl();
+        // Written by an earlier holder of the lock (it took the queue after our push).
+        if let Some(outcome) = done.lock().expect("lock is poisoned").take() {
+            return outcome.map_err(|e| crate::Error::Io(std::io::Error::other(e)));
+        }
+        let batch = std::mem::take(&mut *self.pending.lock().expect("lock is poisoned"));
+        debug_assert!(batch.iter().any(|p| Arc::ptr_eq(&p.done, &done)));
+        let outcome = self.write_created(&batch);
+        for p in batch.iter().filter(|p| !Arc::ptr_eq(&p.done, &done)) {
+            *p.done.lock().expect("lock is poisoned") = Some(outcome.as_ref().map(|()| ()).map_err(|e| format!("{e:?}")));
+        }
+        outcome
+    }
 
-            let value = UserValue::new(name.as_bytes());
+    /// SHOAL-PATCH: the names and configs of `batch` in one ingestion, then each keyspace
+    /// in the map. Call with the DDL lock held.
+    fn write_created(&self, batch: &[PendingCreate]) -> crate::Result<()> {
+        let mut kvs = Vec::new();
+        for p in batch {
+            kvs.extend(p.keyspace.config.encode_kvs(p.keyspace_id));
+            kvs.push({
+                let mut key: Vec<u8> = Vec::with_capacity(std::mem::size_of::<InternalKeyspaceId>() + 1);
+                key.push(b'n');
+                key.extend(p.keyspace_id.to_be_bytes());
 
-            (key.into(), value)
-        });
+                let value = UserValue::new(p.keyspace.name.as_bytes());
+
+                (key.into(), value)
+            });
+        }
 
         kvs.sort_by(|(a, _), (b, _)| a.cmp(b));
-
-        #[cfg(debug_assertions)]
-        {
-            assert!(
-                kvs.is_sorted_by_key(|(k, _)| k),
-                "config KVs need to be sorted by key",
-            );
-        }
 
         let mut ingestion = self.inner.ingestion()?;
 
@@ -157,10 +188,12 @@ impl MetaKeyspace {
         // stalled every write to the database for its fsyncs (10-33 ms measured, per
         // partition a rebalance drops). Callers hold the DDL lock instead, and the map is
         // locked only to insert.
-        self.keyspaces
-            .write()
-            .expect("lock is poisoned")
-            .insert(name.into(), keyspace);
+        {
+            let mut map = self.keyspaces.write().expect("lock is poisoned");
+            for p in batch {
+                map.insert(p.keyspace.name.clone(), p.keyspace.clone());
+            }
+        }
 
         self.maintenance()
             .inspect_err(|e| {
