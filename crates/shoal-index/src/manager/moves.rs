@@ -71,8 +71,15 @@ impl IndexManager {
         let ks = self.empty_part_keyspace(&index, no)?;
         let stats = shoal_storage::import_small_keyspace(&self.db, &ks, manifest, records)?;
         let part = load_part(no, ks, usize::from(coll.partition_count()))?;
+        // Under the collection's round lock: a round that read a document's `located`
+        // record before `locate_part` wrote it would write it back without this part (its
+        // entries there would then never be removed), and two parts of one index adopted
+        // at once would each write their own over the other's.
+        let round = self.colls.lock().get(&coll.id()).map(|e| Arc::clone(&e.round));
+        let located = round.as_ref().map(|r| r.lock());
         self.locate_part(&index, &part)?;
         self.hold(coll, &index, part)?;
+        drop(located);
         tracing::info!(index = %name, part = no, files = manifest.files().count(), bytes = stats.bytes, "index partition adopted from files");
         Ok(stats)
     }
