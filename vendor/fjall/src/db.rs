@@ -546,14 +546,11 @@ impl Database {
         // so keyspaces created at once (a node adopting many index partitions) queued
         // behind one another's fsyncs.
         let _claim = loop {
-            if let Some(keyspace) = existing(name) {
-                log::trace!("Opening existing keyspace {name:?}");
-                return Ok(keyspace);
-            }
             let mut creating = self.creating.lock().expect("lock is poisoned");
             // Checked again under the claim lock: a creator inserts into the map before
             // it gives up its claim.
             if let Some(keyspace) = existing(name) {
+                log::trace!("Opening existing keyspace {name:?}");
                 return Ok(keyspace);
             }
             if creating.insert(name.to_string()) {
