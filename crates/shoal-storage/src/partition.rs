@@ -225,6 +225,12 @@ pub struct Partition {
     /// Locks currently held; lets reads skip the sequencer lock when there are none.
     locked_docs: AtomicUsize,
     pub(crate) purge_seqno: AtomicU64,
+    /// No document of this copy expires before this time (unix seconds; a lower bound):
+    /// the expiry pager reads the partition's expiry keys only once it has passed, not
+    /// every second. 0 on a new object (a start, an ingest, a promotion: what its keys
+    /// hold is unknown), lowered by every write with an expiry, and set again by the
+    /// pager's read ([`Partition::expiry_scan`]).
+    next_expiry: AtomicU64,
     pub(crate) docs_count: AtomicI64,
     pub(crate) docs_bytes: AtomicI64,
 }
@@ -280,6 +286,7 @@ impl Partition {
             closed: AtomicBool::new(false),
             locked_docs: AtomicUsize::new(0),
             purge_seqno: AtomicU64::new(parts.purge_seqno),
+            next_expiry: AtomicU64::new(0),
             docs_count: AtomicI64::new(parts.live.count),
             docs_bytes: AtomicI64::new(parts.live.bytes),
         })
@@ -651,6 +658,8 @@ impl Partition {
         batch.insert(&self.ks, codec::seq_key(c, new.seqno), codec::seq_value(new.cas, new.deleted, key));
         if new.expiry != 0 && !new.deleted {
             batch.insert(&self.ks, codec::exp_key(c, new.expiry, key), Vec::new());
+            // Under the sequencer lock, as the commit that follows: see `expiry_scan`.
+            self.next_expiry.fetch_min(u64::from(new.expiry), Ordering::AcqRel);
         }
         let (mut count_delta, mut bytes_delta) = (0i64, 0i64);
         if let Some((old, old_len)) = old {
@@ -924,6 +933,29 @@ impl Partition {
         }
         self.collection_changed.send_modify(|n| *n = n.wrapping_add(1));
         Ok(restored)
+    }
+
+    /// Whether a document of this copy may have expired by `now`: the expiry pager reads
+    /// the partition's expiry keys only then.
+    pub(crate) fn expiry_due(&self, now: u64) -> bool {
+        self.next_expiry.load(Ordering::Acquire) <= now
+    }
+
+    /// Starts a read of the expiry keys by the pager, which ends with
+    /// [`expiry_scanned`](Self::expiry_scanned). The bound is cleared under the sequencer
+    /// lock, which every write holds from staging its expiry key to committing it: a write
+    /// committed before this is in the pager's read, and one staged after it lowers the
+    /// bound again itself.
+    pub(crate) fn expiry_scan(&self) -> Result<(), WriteError> {
+        let _state = self.lock_sequencer()?;
+        self.next_expiry.store(u64::MAX, Ordering::Release);
+        Ok(())
+    }
+
+    /// Ends the pager's read: the earliest expiry it left behind (`u64::MAX` for none, 0 to
+    /// read again at the next round).
+    pub(crate) fn expiry_scanned(&self, next: u64) {
+        self.next_expiry.fetch_min(next, Ordering::AcqRel);
     }
 
     /// Deletes `key` if it is still the document that expired at `expiry`; called by the

@@ -724,25 +724,49 @@ impl Store {
         for collection in collections {
             for slot in &collection.partitions {
                 let partition = slot.load();
+                // Most partitions have nothing due: their keys are not read (a range over
+                // every table of 128 partitions a second kept idle nodes busy).
+                if !partition.expiry_due(now) {
+                    continue;
+                }
+                if let Err(err) = partition.expiry_scan() {
+                    tracing::warn!(%err, "expiry pager");
+                    continue;
+                }
+                // The earliest expiry left for later; 0 reads the partition again next round.
+                let mut next = u64::MAX;
                 let mut due = Vec::new();
                 for guard in partition.ks.range(codec::tag_range(collection.id, codec::TAG_EXP)) {
-                    let Ok(k) = guard.key() else { break };
+                    let Ok(k) = guard.key() else {
+                        next = 0;
+                        break;
+                    };
                     match codec::decode_exp_key(&k) {
-                        Some((expiry, _)) if u64::from(expiry) > now => break,
+                        Some((expiry, _)) if u64::from(expiry) > now => {
+                            next = u64::from(expiry);
+                            break;
+                        }
                         Some((expiry, key)) => due.push((expiry, bytes::Bytes::copy_from_slice(key))),
                         None => continue,
                     }
                     if due.len() >= EXPIRY_PAGER_BATCH_MAX {
+                        next = 0;
                         break;
                     }
                 }
                 for (expiry, key) in due {
                     match partition.expire(&key, expiry, now) {
                         Ok(true) => expired += 1,
+                        // Changed since, or a replica's (deleted when the active's deletion
+                        // arrives; a promotion makes a new object, which is read again).
                         Ok(false) => {}
-                        Err(err) => tracing::warn!(%err, "expiry pager"),
+                        Err(err) => {
+                            next = 0;
+                            tracing::warn!(%err, "expiry pager");
+                        }
                     }
                 }
+                partition.expiry_scanned(next);
             }
         }
         expired

@@ -159,3 +159,74 @@ fn a_manual_clock_expires_documents_and_ages_tombstones_without_waiting() {
     other.close().unwrap();
     store.close().unwrap();
 }
+
+/// The pager reads a partition's expiry keys only once something in it may be due, and a
+/// write racing its read is never left behind: documents written by four threads while the
+/// pager runs in a fifth (some already due, some later) all expire exactly once.
+#[test]
+fn the_pager_skips_partitions_with_nothing_due_and_misses_no_racing_write() {
+    use shoal_storage::ManualClock;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let start: u64 = 2_000_000_000;
+    let time = ManualClock::at(start);
+    let config = StoreConfig {
+        data_paths: vec![dir.path().to_path_buf()],
+        partitions: Some(8),
+        purge_interval: Duration::from_secs(3600),
+        time: time.clone(),
+        ..StoreConfig::default()
+    };
+    let store = Arc::new(Store::open(config.clone()).unwrap());
+    let coll = store.create_collection("c", 0).unwrap();
+    // Nothing expires yet: every partition is read once (a new copy), then not again.
+    let _ = coll.write(req("later", WriteOp::Upsert, (start + 50) as u32)).unwrap();
+    assert_eq!(store.run_expiry_pager(), 0);
+    assert_eq!(store.run_expiry_pager(), 0);
+
+    const THREADS: usize = 4;
+    const DOCS: usize = 300;
+    let (stop, paged) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
+    let pager = {
+        let (store, stop, paged) = (Arc::clone(&store), Arc::clone(&stop), Arc::clone(&paged));
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Acquire) {
+                paged.fetch_add(store.run_expiry_pager(), Ordering::AcqRel);
+            }
+        })
+    };
+    let writers: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let coll = Arc::clone(&coll);
+            std::thread::spawn(move || {
+                for i in 0..DOCS {
+                    // Every third is due at once; the rest expire 1–99 s from the start.
+                    let expiry = if i % 3 == 0 { start - 1 } else { start + 1 + ((i * 7 + t) % 99) as u64 };
+                    let _ = coll.write(req(&format!("t{t}-{i}"), WriteOp::Upsert, expiry as u32)).unwrap();
+                }
+            })
+        })
+        .collect();
+    for w in writers {
+        w.join().unwrap();
+    }
+    stop.store(true, Ordering::Release);
+    pager.join().unwrap();
+    let due_at_once = THREADS * DOCS.div_ceil(3);
+    let mut total = paged.load(Ordering::Acquire) + store.run_expiry_pager();
+    assert_eq!(total, due_at_once, "every document already due expired once, none early");
+    time.advance(Duration::from_secs(100));
+    total += store.run_expiry_pager();
+    assert_eq!(total, THREADS * DOCS + 1, "every document expired exactly once");
+    assert_eq!(store.run_expiry_pager(), 0);
+
+    // A restart makes new copies, whose keys are read again.
+    let _ = coll.write(req("after", WriteOp::Upsert, (start + 200) as u32)).unwrap();
+    store.close().unwrap();
+    drop(coll);
+    drop(Arc::try_unwrap(store).ok().expect("the only holder"));
+    let store = Store::open(config).unwrap();
+    time.advance(Duration::from_secs(101));
+    assert_eq!(store.run_expiry_pager(), 1, "found by the new copy's first read");
+}
