@@ -565,10 +565,24 @@ pub(crate) fn coordinating(
         .with_distributed_channel_resolver(channels)
         .with_distributed_local_worker_context(worker.to_local_worker_context(worker_url(me)?))
         .with_distributed_planner()
+        // Tasks send their metrics back to the coordinator only for `EXPLAIN ANALYZE`
+        // ([`analyzed`]): gathering and encoding them cost every statement otherwise.
+        .with_distributed_metrics_collection(false)?
         .with_distributed_user_codec(ScanCodec)
         .with_distributed_desired_task_count_handler(desired_tasks)
         .with_distributed_scale_up_leaf_node_handler(scale_up)
         .with_distributed_route_tasks_handler(route))
+}
+
+/// `df` with its tasks' metrics collected if it is an `EXPLAIN ANALYZE`, which shows them
+/// (a coordinating session leaves them off).
+pub(crate) fn analyzed(df: datafusion::dataframe::DataFrame) -> Result<datafusion::dataframe::DataFrame, DataFusionError> {
+    if !matches!(df.logical_plan(), datafusion::logical_expr::LogicalPlan::Analyze(_)) {
+        return Ok(df);
+    }
+    let (mut state, plan) = df.into_parts();
+    state.set_distributed_metrics_collection(true)?;
+    Ok(datafusion::dataframe::DataFrame::new(state, plan))
 }
 
 /// This node's worker: tasks from coordinators, read from this node's shadows.

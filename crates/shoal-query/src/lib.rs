@@ -607,6 +607,7 @@ impl QueryEngine {
         };
         let sql = req.sql.clone();
         let prefetch = req.cluster.is_some() && path == Path::Analytics;
+        let distributed = req.cluster.is_some() && self.member.get().is_some();
         let run = async move {
             // Over the members, opening a table asks each member for its shadow's fields:
             // every table the statement names is opened at once, not one after another as
@@ -621,6 +622,9 @@ impl QueryEngine {
             let options =
                 datafusion::execution::context::SQLOptions::new().with_allow_ddl(false).with_allow_dml(false).with_allow_statements(false);
             let mut df = ctx.sql_with_options(&sql, options).await?;
+            if distributed {
+                df = distributed::analyzed(df)?;
+            }
             if !params.is_empty() {
                 df = df.with_param_values(params)?;
             }
