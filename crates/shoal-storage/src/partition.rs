@@ -958,6 +958,12 @@ impl Partition {
         self.next_expiry.fetch_min(next, Ordering::AcqRel);
     }
 
+    /// Whether this copy deletes its expired documents itself (the active; a replica's go
+    /// when the active's deletions arrive).
+    pub(crate) fn expires_here(&self) -> bool {
+        !self.is_dropped() && self.check_active().is_ok()
+    }
+
     /// Deletes `key` if it is still the document that expired at `expiry`; called by the
     /// expiry pager. Stale index entries are removed either way.
     pub(crate) fn expire(&self, key: &[u8], expiry: u32, now: u64) -> Result<bool, WriteError> {

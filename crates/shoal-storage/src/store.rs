@@ -754,11 +754,16 @@ impl Store {
                         break;
                     }
                 }
+                // A copy that is not the active leaves its due documents to the active's
+                // deletions; it reads them again every round until then (as every
+                // partition was read before), so that one made active meanwhile expires them.
+                if !due.is_empty() && !partition.expires_here() {
+                    next = 0;
+                }
                 for (expiry, key) in due {
                     match partition.expire(&key, expiry, now) {
                         Ok(true) => expired += 1,
-                        // Changed since, or a replica's (deleted when the active's deletion
-                        // arrives; a promotion makes a new object, which is read again).
+                        // Changed since (its expiry key is gone), or not the active (above).
                         Ok(false) => {}
                         Err(err) => {
                             next = 0;
