@@ -25,6 +25,12 @@ use super::{
 use crate::IndexError;
 
 impl IndexManager {
+    /// The lock `coll`'s maintainer holds for a round (none while it has no index): a part
+    /// exported, adopted or dropped under it is not in the middle of one.
+    fn round_of(&self, coll: &Collection) -> Option<Arc<parking_lot::Mutex<()>>> {
+        self.colls.lock().get(&coll.id()).map(|e| Arc::clone(&e.round))
+    }
+
     /// Starts an export of part `no` of index `name` as its keyspace's files at a snapshot.
     /// Refused while the index is not ready (a building index's parts have no positions to
     /// go on from) or when the part is not held here.
@@ -43,7 +49,7 @@ impl IndexManager {
         index.serving(&[no])?;
         // The copy goes on from the cursors in its files: stored as far as the part has
         // applied (no round between), so the receiver does not re-apply what it holds.
-        let round = self.colls.lock().get(&coll.id()).map(|e| Arc::clone(&e.round));
+        let round = self.round_of(coll);
         let _round = round.as_ref().map(|r| r.lock());
         self.store_cursors([part.as_ref()])?;
         let snapshot = self.db.snapshot();
@@ -75,7 +81,7 @@ impl IndexManager {
         // record before `locate_part` wrote it would write it back without this part (its
         // entries there would then never be removed), and two parts of one index adopted
         // at once would each write their own over the other's.
-        let round = self.colls.lock().get(&coll.id()).map(|e| Arc::clone(&e.round));
+        let round = self.round_of(coll);
         let located = round.as_ref().map(|r| r.lock());
         self.locate_part(&index, &part)?;
         self.hold(coll, &index, part)?;
@@ -101,7 +107,7 @@ impl IndexManager {
         let _ddl = self.ddl.lock().await;
         let index = self.find(coll, name)?;
         let Some(part) = index.parts().part(no).cloned() else { return Ok(()) };
-        let round = self.colls.lock().get(&coll.id()).map(|e| Arc::clone(&e.round));
+        let round = self.round_of(coll);
         let (store, db) = (Arc::clone(&self.store), self.db.clone());
         tokio::task::spawn_blocking(move || {
             let _round = round.as_ref().map(|r| r.lock());
