@@ -235,6 +235,17 @@ pub struct Partition {
     pub(crate) docs_bytes: AtomicI64,
 }
 
+/// What [`Partition::expire`] did with a due expiry key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Expired {
+    /// The document was deleted (a deletion in the change stream).
+    Deleted,
+    /// The document changed since (its expiry key was stale, and is gone).
+    Changed,
+    /// Not the active copy: a replica's documents go when the active's deletions arrive.
+    NotHere,
+}
+
 /// The current record of a key, as the sequencer sees it before a write.
 struct Current {
     meta: DocMeta,
@@ -958,25 +969,19 @@ impl Partition {
         self.next_expiry.fetch_min(next, Ordering::AcqRel);
     }
 
-    /// Whether this copy deletes its expired documents itself (the active; a replica's go
-    /// when the active's deletions arrive).
-    pub(crate) fn expires_here(&self) -> bool {
-        !self.is_dropped() && self.check_active().is_ok()
-    }
-
     /// Deletes `key` if it is still the document that expired at `expiry`; called by the
     /// expiry pager. Stale index entries are removed either way.
-    pub(crate) fn expire(&self, key: &[u8], expiry: u32, now: u64) -> Result<bool, WriteError> {
+    pub(crate) fn expire(&self, key: &[u8], expiry: u32, now: u64) -> Result<Expired, WriteError> {
         self.health.check_writable()?;
         let mut state = self.lock_sequencer()?;
         // A replica's documents expire when the active's deletions arrive.
         if self.is_dropped() || self.check_active().is_err() {
-            return Ok(false);
+            return Ok(Expired::NotHere);
         }
         let current = self.read_current(key)?;
         let Some(current) = current.filter(|c| !c.meta.deleted && c.meta.expiry == expiry && u64::from(expiry) <= now) else {
             self.ks.remove(codec::exp_key(self.coll, expiry, key))?;
-            return Ok(false);
+            return Ok(Expired::Changed);
         };
         if state.locks.remove(key).is_some() {
             self.locked_docs.fetch_sub(1, Ordering::AcqRel);
@@ -988,7 +993,7 @@ impl Partition {
         let key = Bytes::copy_from_slice(key);
         let change = Change { partition: self.id, seqno, key, cas, deleted: true, expiry: 0, value: None };
         self.commit(&mut state, batch, vec![change])?;
-        Ok(true)
+        Ok(Expired::Deleted)
     }
 
     /// Up to `max` tombstones whose deletion (their CAS, in nanoseconds) is older than

@@ -17,7 +17,7 @@ use crate::codec;
 use crate::collection::{Collection, CollectionInfo};
 use crate::error::{CatalogError, CollectionError, OpenError, WriteError};
 use crate::health::{StorageHealth, StorageState};
-use crate::partition::{count_live, FailoverEntry, LiveCount, Partition, PartitionParts, TailLimit};
+use crate::partition::{count_live, Expired, FailoverEntry, LiveCount, Partition, PartitionParts, TailLimit};
 use crate::syncer::Syncer;
 use crate::unit::{Ownership, PartitionState};
 use crate::{PartitionId, SeqNo, PARTITIONS_DEFAULT, PARTITIONS_MAX};
@@ -754,17 +754,14 @@ impl Store {
                         break;
                     }
                 }
-                // A copy that is not the active leaves its due documents to the active's
-                // deletions; it reads them again every round until then (as every
-                // partition was read before), so that one made active meanwhile expires them.
-                if !due.is_empty() && !partition.expires_here() {
-                    next = 0;
-                }
                 for (expiry, key) in due {
                     match partition.expire(&key, expiry, now) {
-                        Ok(true) => expired += 1,
-                        // Changed since (its expiry key is gone), or not the active (above).
-                        Ok(false) => {}
+                        Ok(Expired::Deleted) => expired += 1,
+                        Ok(Expired::Changed) => {}
+                        // Left to the active's deletions, and read again every round until
+                        // then (as every partition was before), so that a copy made active
+                        // meanwhile expires them.
+                        Ok(Expired::NotHere) => next = 0,
                         Err(err) => {
                             next = 0;
                             tracing::warn!(%err, "expiry pager");
