@@ -274,6 +274,56 @@ fn an_index_partition_moves_as_files_and_goes_on_from_the_positions_they_carry()
     });
 }
 
+/// A node holding one part of an index follows every document but records where entries
+/// lie only for the parts it holds: a document whose entries move out of the part, in again
+/// from a part held elsewhere, and out again leaves exactly the part's entries at each
+/// step, and after a restart.
+#[test]
+fn entries_moving_between_a_part_held_here_and_parts_held_elsewhere_stay_exact() {
+    let Nodes { _dirs, data, docs, x: _, y, here_x: _, here_y } = two_index_nodes();
+    let fy = fetcher(&data);
+    let (def, p, q) = moved_index();
+    let want = |extra: &[&str], gone: &[&str]| {
+        let mut w: Vec<String> = expected_a3().into_iter().filter(|k| !gone.contains(&k.as_str())).collect();
+        w.extend(extra.iter().map(|k| k.to_string()));
+        w.sort();
+        w
+    };
+    fed_life(&y, &fy, |my| {
+        let (here_y, docs) = (Arc::clone(&here_y), Arc::clone(&docs));
+        async move {
+            my.create_as(&here_y, def, None, Some(vec![p])).await.unwrap();
+            assert_eq!(ids(my.scan(&here_y, "by_a", eq(3)).await.unwrap()), want(&[], &[]));
+            // Out of part p into part q, which is not held here.
+            put(&docs, "d003", json!({"a": 1, "b": "out"}));
+            assert_eq!(ids(my.scan(&here_y, "by_a", eq(3)).await.unwrap()), want(&[], &["d003"]));
+            // In from q, for a document that never had an entry here, and for one back.
+            put(&docs, "d001", json!({"a": 3, "b": "in"}));
+            put(&docs, "d003", json!({"a": 3, "b": "back"}));
+            assert_eq!(ids(my.scan(&here_y, "by_a", eq(3)).await.unwrap()), want(&["d001"], &[]));
+            // Out again, both in one round.
+            put(&docs, "d001", json!({"a": 1, "b": "out again"}));
+            put(&docs, "d003", json!({"a": 4, "b": "out again"}));
+            assert_eq!(ids(my.scan(&here_y, "by_a", eq(3)).await.unwrap()), want(&[], &["d003"]));
+            let refused = my.scan(&here_y, "by_a", eq(1)).await;
+            assert!(matches!(refused, Err(IndexError::Unavailable(_))), "part q is held elsewhere: {refused:?}");
+            // Part p holds the entries of every value hashed to it, `a = 3` among them.
+            let in_p = |a: i64| shoal_index::partition::part_of_value(Some(&json!(a)), 5) == p;
+            let held = (0..DOCS as i64).filter(|&i| in_p(if i == 3 { 4 } else { i % 5 })).count();
+            assert_eq!(my.list(&here_y).remove(0).items, held as u64, "only part p's entries are counted here");
+        }
+    });
+    fed_life(&y, &fy, |my| {
+        let (here_y, docs) = (Arc::clone(&here_y), Arc::clone(&docs));
+        async move {
+            put(&docs, "d003", json!({"a": 3, "b": "after the restart"}));
+            put(&docs, "d008", json!({"a": 1, "b": "after the restart"}));
+            assert_eq!(ids(my.scan(&here_y, "by_a", eq(3)).await.unwrap()), want(&[], &["d008"]));
+        }
+    });
+    let _ = q;
+}
+
 /// Parts adopted on both sides of a hand-over: the first follows the streams onto the new
 /// actives' histories (the same seqnos under new uuids) while the second arrives with the
 /// old ones. The streams are then followed from the old positions, which moves every part

@@ -13,6 +13,12 @@ use rayon::prelude::*;
 use serde_json::Value;
 use shoal_storage::{Change, Collection, PartitionId, SeqNo, StreamPosition};
 use std::collections::{HashMap, HashSet};
+
+/// Maps of one batch keyed by document keys, hashed several times per change per index:
+/// foldhash (hashbrown's default) instead of SipHash, which took a tenth of the index
+/// workers' time. Keys come from clients, so its seed is random per process.
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+type FastSet<K> = HashSet<K, foldhash::fast::RandomState>;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -103,7 +109,11 @@ pub(super) fn entries_by_part(index: &Index, doc: &Value) -> Vec<(u16, Vec<u8>)>
 /// A change can move a document's entries between parts (its leading value changed), so
 /// its old entries are looked for in every part it may have them in: the parts its
 /// `located` record names (one read), not all of them — unless the index has so few parts
-/// that looking in each costs less (see [`Index::locates`]).
+/// that looking in each costs less (see [`Index::locates`]). A `located` record names only
+/// parts held here (a part adopted later is added to the records by
+/// [`IndexManager::import_part`]), so on an index node of a cluster, which follows every
+/// document but holds a few of the parts, a document whose entries all lie elsewhere costs
+/// one read and no write; and a held part the record does not name is not read.
 pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[PartitionBatch]) -> Result<(), IndexError> {
     // Parse each document once, for all indexes (in parallel within the batch).
     let all: Vec<&Change> = parts.iter().flat_map(|b| &b.changes).collect();
@@ -123,16 +133,20 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
         }
         let held = index.parts();
         let slots = held.len();
+        if slots == 0 {
+            // No part of this index here: nothing to write, no cursor to move.
+            continue;
+        }
         // Per part (by slot): entry operations, and each document's entries after the batch.
         let mut fwd: Vec<Vec<(Vec<u8>, bool)>> = vec![Vec::new(); slots];
-        let mut back: Vec<HashMap<&[u8], Vec<Vec<u8>>>> = vec![HashMap::new(); slots];
-        // Per document: the parts that may hold its entries after the batch, and before it.
-        let mut located: HashMap<&[u8], Vec<u16>> = HashMap::new();
-        let mut located_before: HashMap<&[u8], Vec<u16>> = HashMap::new();
+        let mut back: Vec<FastMap<&[u8], Vec<Vec<u8>>>> = vec![FastMap::default(); slots];
+        // Per document: the held parts that may hold its entries after the batch, and before it.
+        let mut located: FastMap<&[u8], Vec<u16>> = FastMap::default();
+        let mut located_before: FastMap<&[u8], Vec<u16>> = FastMap::default();
         // Per part (by slot): the documents whose entries there changed.
-        let mut changed: Vec<HashSet<&[u8]>> = vec![HashSet::new(); slots];
+        let mut changed: Vec<FastSet<&[u8]>> = vec![FastSet::default(); slots];
         // Per (slot, data partition) whose entries changed: entries added.
-        let mut delta: HashMap<(usize, usize), i64> = HashMap::new();
+        let mut delta: FastMap<(usize, usize), i64> = FastMap::default();
         let cursors: Vec<Vec<StreamPosition>> = held.iter().map(|p| p.cursors.lock().clone()).collect();
         let mut offset = 0;
         for batch_part in parts {
@@ -159,10 +173,8 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
                 for no in candidates {
                     let new: Vec<Vec<u8>> = new_all.iter().filter(|(n, _)| *n == no).map(|(_, e)| e.clone()).collect();
                     let Some(slot) = held.slot(no) else {
-                        // Not held here: nothing to do in it; remembered as it was.
-                        if was.contains(&no) {
-                            now.push(no);
-                        }
+                        // Not held here: nothing to do in it, and not recorded (a record
+                        // naming it, from before it was dropped here, loses it now).
                         continue;
                     };
                     if c.seqno <= cursors[slot][pi].seqno {
@@ -175,6 +187,8 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
                     let part = &held[slot];
                     let old: Vec<Vec<u8>> = match back[slot].get(key) {
                         Some(v) => v.clone(),
+                        // The record names every held part with entries of the document.
+                        None if index.locates() && !was.contains(&no) => Vec::new(),
                         None => mgr.checked(index, read_back(part, key))?,
                     };
                     if old != new {
