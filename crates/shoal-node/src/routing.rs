@@ -124,6 +124,11 @@ impl CopyStates {
         self.frozen.lock().contains_key(&p)
     }
 
+    /// The map version partition `p` was frozen under, if it is frozen now.
+    pub(crate) fn frozen_under(&self, p: u16) -> Option<u64> {
+        self.frozen.lock().get(&p).map(|f| f.map_version)
+    }
+
     /// Whether any partition is frozen (the metadata applier looks again until none is).
     pub(crate) fn any_frozen(&self) -> bool {
         !self.frozen.lock().is_empty()
@@ -156,10 +161,18 @@ impl CopyStates {
 impl ClusterNode {
     /// Where a request for `key` goes.
     pub fn route(&self, key: &[u8]) -> Route {
+        self.route_versioned(key).0
+    }
+
+    /// [`route`](Self::route), with the map version it was routed by (both from one look at
+    /// the metadata): what a request waits past, or names when forwarded, must be the map
+    /// that routed it, not a newer one applied meanwhile.
+    pub fn route_versioned(&self, key: &[u8]) -> (Route, u64) {
         let state = self.state();
-        let Some(map) = &state.map else { return Route::Local };
+        let version = state.map_version();
+        let Some(map) = &state.map else { return (Route::Local, version) };
         let p = shoal_storage::partition_of(key, map.partition_count());
-        route_partition(self.id, &state, map, p)
+        (route_partition(self.id, &state, map, p), version)
     }
 
     /// Which partitions this node holds active, by number; `None` when it holds them all
@@ -269,11 +282,13 @@ impl ClusterNode {
         self.copy_states.wait_follows(version, max).await
     }
 
-    /// Whether the partition of `key` is frozen here for a hand-over (its new active takes
-    /// it when the next map commits).
-    pub fn handing_over(&self, key: &[u8]) -> bool {
+    /// The map version the partition of `key` was frozen under here for a hand-over, if it
+    /// is frozen (its new active takes it when a newer map commits). The metadata applier
+    /// lifts the freeze once it has applied that map: for a moment the newer map is in and
+    /// the partition still frozen.
+    pub fn handing_over(&self, key: &[u8]) -> Option<u64> {
         let partitions = self.engine.store().partitions();
-        self.copy_states.is_frozen(shoal_storage::partition_of(key, partitions))
+        self.copy_states.frozen_under(shoal_storage::partition_of(key, partitions))
     }
 
     /// Whether partition `p` is frozen here for a hand-over.

@@ -95,7 +95,7 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
         // refuse by an older one (the sender would wait for a map newer than its own).
         node.wait_map_after(routed_by - 1, FORWARDED_MAP_WAIT).await;
     }
-    let mut route = node.route(key.as_bytes());
+    let (mut route, mut routed_at) = node.route_versioned(key.as_bytes());
     if req.headers().contains_key(FORWARDED_HEADER) || req.headers().contains_key(DIRECT_HEADER) {
         // Relayed by a member, or from a client that routes itself: answered here or refused.
         return match route {
@@ -125,11 +125,16 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     let mut local = Some((next, parts));
     let reroute = Reroute::start();
     loop {
-        let routed_at = node.state().map_version();
-        if route == Route::Local && node.handing_over(key.as_bytes()) {
-            // This node is giving the partition up: wait for the map that names its new active.
-            node.wait_map_after(routed_at, reroute.left()).await;
-            route = node.route(key.as_bytes());
+        // `routed_at` is the map `route` was read from. Reading the newest version here
+        // instead, a request routed before a hand-over's map came in waited for the map
+        // after that one (up to HANDOVER_WAIT, then refused), as a client saw once in a
+        // scale-out of `shoal bench index-rebalance`.
+        if let Some(frozen_under) = node.handing_over(key.as_bytes()).filter(|_| route == Route::Local) {
+            // This node is giving the partition up: wait for the map after the one it was
+            // frozen under, which names its new active (it may be in already, the freeze
+            // not lifted yet).
+            node.wait_map_after(frozen_under, reroute.left()).await;
+            (route, routed_at) = node.route_versioned(key.as_bytes());
         }
         if route == Route::Local {
             // The map says here: run once this node's copies follow it.
@@ -144,7 +149,7 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
                 // cannot run here again.)
                 None => {
                     node.wait_map_after(routed_at, reroute.left()).await;
-                    route = node.route(key.as_bytes());
+                    (route, routed_at) = node.route_versioned(key.as_bytes());
                     if route == Route::Local {
                         return unsettled().into_response();
                     }
@@ -168,7 +173,7 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
             // request was applied nowhere, and it may simply be sent again.
             return unsettled().into_response();
         }
-        route = node.route(key.as_bytes());
+        (route, routed_at) = node.route_versioned(key.as_bytes());
     }
 }
 
