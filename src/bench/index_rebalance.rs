@@ -121,7 +121,10 @@ fn expected(docs: usize) -> Vec<Vec<usize>> {
     counts
 }
 
-/// One foreground scan as the load saw it.
+/// What the load saw, shared with its tasks.
+type Log = Arc<Mutex<Vec<Scan>>>;
+
+/// One foreground scan or write as the load saw it.
 struct Scan {
     at: f64,
     ms: f64,
@@ -421,10 +424,11 @@ async fn scale_out(args: &IndexRebalanceArgs, method: &str) -> Result<Outcome, C
     let expected = Arc::new(expected(args.docs));
     let targets: Vec<String> = data_nodes.iter().chain(&index_nodes).map(|n| n.url.clone()).collect();
     let log: Arc<Mutex<Vec<Scan>>> = Arc::default();
+    let writes: Arc<Mutex<Vec<Scan>>> = Arc::default();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let began = Instant::now();
-    let fg =
-        tokio::spawn(foreground(targets, args.docs, indexes, args.rate, Arc::clone(&expected), Arc::clone(&log), began, Arc::clone(&stop)));
+    let logs = (Arc::clone(&log), Arc::clone(&writes));
+    let fg = tokio::spawn(foreground(targets, args.docs, indexes, args.rate, Arc::clone(&expected), logs, began, Arc::clone(&stop)));
     tokio::time::sleep(Duration::from_secs(args.before_secs)).await;
     let base = vec!["--cluster-secret".to_string(), SECRET.to_string(), "--analytics-partitions".into(), "0".into(), "--join".into(), join];
     let mut data_args = base.clone();
@@ -473,6 +477,14 @@ async fn scale_out(args: &IndexRebalanceArgs, method: &str) -> Result<Outcome, C
         index_moves.len(),
         moves.len() - index_moves.len()
     );
+    let writes: Vec<Scan> = std::mem::take(&mut *writes.lock().map_err(|_| CliError::Bench("the load's log".into()))?);
+    let during: Vec<&Scan> = writes.iter().filter(|w| w.at >= start && w.at < end + 2.0).collect();
+    println!(
+        "{method}: foreground writes from the rebalance's start to 2 s after it: {}, refused {}, slowest {:.0} ms",
+        during.len(),
+        during.iter().filter(|w| !w.ok).count(),
+        during.iter().map(|w| w.ms).fold(0.0, f64::max)
+    );
     drop(newcomers);
     Ok(Outcome {
         method: method.to_string(),
@@ -500,7 +512,7 @@ async fn foreground(
     indexes: usize,
     rate: u64,
     expected: Arc<Vec<Vec<usize>>>,
-    log: Arc<Mutex<Vec<Scan>>>,
+    (log, writes): (Log, Log),
     began: Instant,
     stop: Arc<std::sync::atomic::AtomicBool>,
 ) {
@@ -545,8 +557,14 @@ async fn foreground(
             }));
         } else {
             let d = rng.random_range(0..docs.max(1));
+            let writes = Arc::clone(&writes);
             inflight.push(tokio::spawn(async move {
-                let _ = http.put(format!("{target}/v1/collections/bench/docs/doc-{d:08}")).json(&document(d, 100)).send().await;
+                let (at, sent) = (began.elapsed().as_secs_f64(), Instant::now());
+                let r = http.put(format!("{target}/v1/collections/bench/docs/doc-{d:08}")).json(&document(d, 100)).send().await;
+                let ok = r.is_ok_and(|r| r.status().is_success());
+                if let Ok(mut writes) = writes.lock() {
+                    writes.push(Scan { at, ms: sent.elapsed().as_secs_f64() * 1000.0, ok, exact: ok });
+                }
             }));
         }
         i += 1;
