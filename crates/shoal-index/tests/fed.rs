@@ -282,7 +282,7 @@ fn an_index_partition_moves_as_files_and_goes_on_from_the_positions_they_carry()
 fn entries_moving_between_a_part_held_here_and_parts_held_elsewhere_stay_exact() {
     let Nodes { _dirs, data, docs, x: _, y, here_x: _, here_y } = two_index_nodes();
     let fy = fetcher(&data);
-    let (def, p, q) = moved_index();
+    let (def, p, _) = moved_index();
     let want = |extra: &[&str], gone: &[&str]| {
         let mut w: Vec<String> = expected_a3().into_iter().filter(|k| !gone.contains(&k.as_str())).collect();
         w.extend(extra.iter().map(|k| k.to_string()));
@@ -321,7 +321,6 @@ fn entries_moving_between_a_part_held_here_and_parts_held_elsewhere_stay_exact()
             assert_eq!(ids(my.scan(&here_y, "by_a", eq(3)).await.unwrap()), want(&[], &["d008"]));
         }
     });
-    let _ = q;
 }
 
 /// Parts adopted on both sides of a hand-over: the first follows the streams onto the new
