@@ -171,12 +171,12 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
                 candidates.dedup();
                 let mut now = Vec::with_capacity(candidates.len());
                 for no in candidates {
-                    let new: Vec<Vec<u8>> = new_all.iter().filter(|(n, _)| *n == no).map(|(_, e)| e.clone()).collect();
                     let Some(slot) = held.slot(no) else {
                         // Not held here: nothing to do in it, and not recorded (a record
                         // naming it, from before it was dropped here, loses it now).
                         continue;
                     };
+                    let new: Vec<Vec<u8>> = new_all.iter().filter(|(n, _)| *n == no).map(|(_, e)| e.clone()).collect();
                     if c.seqno <= cursors[slot][pi].seqno {
                         // This part is past the change already: it keeps what it has.
                         if was.contains(&no) || !new.is_empty() {
