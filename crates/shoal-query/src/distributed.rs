@@ -627,10 +627,47 @@ pub(crate) fn worker(
     Worker::from_session_builder(build).with_runtime_env(node_runtime)
 }
 
+/// Sets a distributed statement's joins to broadcast a build side estimated below
+/// [`crate::BROADCAST_BUILD_MAX_BYTES`] (or, its bytes unknown, [`crate::BROADCAST_BUILD_MAX_ROWS`])
+/// to every member's task (`CollectLeft`), so that a fact table is joined where its rows
+/// are; a bigger one is shuffled between the members by hash with the other side.
+pub(crate) fn broadcast_builds_up_to_limits(config: &mut datafusion::prelude::SessionConfig) {
+    let optimizer = &mut config.options_mut().optimizer;
+    optimizer.hash_join_single_partition_threshold = crate::BROADCAST_BUILD_MAX_BYTES;
+    optimizer.hash_join_single_partition_threshold_rows = crate::BROADCAST_BUILD_MAX_ROWS;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use datafusion::arrow::array::Int64Array;
     use datafusion::arrow::datatypes::DataType;
+    use datafusion::arrow::record_batch::RecordBatch;
+
+    /// The join mode the planner picks for `a JOIN b` with `a` of `rows_a` and `b` of
+    /// `rows_b` rows of one 8-byte column, under the distributed statement's settings.
+    async fn join_mode(rows_a: i64, rows_b: i64) -> String {
+        let mut config = datafusion::prelude::SessionConfig::new().with_target_partitions(2);
+        broadcast_builds_up_to_limits(&mut config);
+        let ctx = datafusion::prelude::SessionContext::new_with_config(config);
+        for (name, rows) in [("a", rows_a), ("b", rows_b)] {
+            let batch = RecordBatch::try_from_iter([("k", Arc::new(Int64Array::from_iter_values(0..rows)) as _)]).unwrap();
+            ctx.register_batch(name, batch).unwrap();
+        }
+        let plan = ctx.sql("SELECT count(*) FROM a JOIN b ON a.k = b.k").await.unwrap().create_physical_plan().await.unwrap();
+        let text = datafusion::physical_plan::displayable(plan.as_ref()).indent(true).to_string();
+        let join = text.lines().find(|l| l.contains("HashJoinExec")).unwrap_or_else(|| panic!("no hash join in {text}"));
+        ["CollectLeft", "Partitioned"].into_iter().find(|m| join.contains(m)).unwrap_or_else(|| panic!("no mode in {join}")).to_string()
+    }
+
+    #[tokio::test]
+    async fn a_join_build_side_past_the_broadcast_limit_is_shuffled_not_broadcast() {
+        let rows_at_limit = i64::try_from(crate::BROADCAST_BUILD_MAX_BYTES / 8).unwrap();
+        // 16 MiB, past DataFusion's own default of 1 MiB: broadcast.
+        assert_eq!(join_mode(rows_at_limit / 2, rows_at_limit * 2).await, "CollectLeft");
+        // Both sides past the limit: the smaller one is not broadcast either.
+        assert_eq!(join_mode(rows_at_limit + 1024, rows_at_limit + 2048).await, "Partitioned");
+    }
 
     #[test]
     fn fields_cross_members_with_their_weights() {

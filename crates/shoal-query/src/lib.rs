@@ -693,9 +693,7 @@ impl QueryEngine {
                 // (CollectLeft) up to this size, so that a fact table is joined where its
                 // rows are rather than shuffled between the members by hash.
                 let mut config = config;
-                let optimizer = &mut config.options_mut().optimizer;
-                optimizer.hash_join_single_partition_threshold = BROADCAST_BUILD_MAX_BYTES;
-                optimizer.hash_join_single_partition_threshold_rows = BROADCAST_BUILD_MAX_ROWS;
+                distributed::broadcast_builds_up_to_limits(&mut config);
                 // Tasks this node runs for itself read its shadows as a worker's do.
                 let builder = datafusion::execution::SessionStateBuilder::new()
                     .with_default_features()

@@ -257,13 +257,7 @@ impl TableProvider for CollectionTable {
                 .keys(self.coll.name(), name, bounds, env.consistency, env.index_timeout, PLACED_INDEX_KEYS_MAX)
                 .await
                 .map_err(external)?;
-            match keys {
-                Some(keys) if keys.len() < PLACED_INDEX_KEYS_MAX => {
-                    access = Access::PlacedIndex { name: name.clone(), bounds: bounds.clone(), keys };
-                }
-                Some(_) => access = Access::Full,
-                None => {}
-            }
+            access = placed_access(access, keys, PLACED_INDEX_KEYS_MAX);
         }
         // Spread over members, an index scan would see only this node's index: the
         // documents are read instead, and DataFusion filters them.
@@ -341,6 +335,18 @@ fn show_bounds(bounds: &ScanBounds) -> String {
 /// Most keys a statement reads through an index placed on index nodes before it reads the
 /// documents instead (one index scan's rows).
 const PLACED_INDEX_KEYS_MAX: usize = shoal_index::SCAN_ROWS_MAX;
+
+/// The access an index scan becomes once its index's placement answered with `keys` (read
+/// with a limit of `max`): `None`, the index is this node's own and `access` stays; `max`
+/// keys or more (the read stopped at its limit, so some may be missing), every document
+/// instead; fewer, the keys, read by key from their actives.
+fn placed_access(access: Access, keys: Option<Vec<String>>, max: usize) -> Access {
+    match (access, keys) {
+        (Access::Index { name, bounds }, Some(keys)) if keys.len() < max => Access::PlacedIndex { name, bounds, keys },
+        (Access::Index { .. }, Some(_)) => Access::Full,
+        (access, _) => access,
+    }
+}
 
 impl fmt::Display for Access {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -800,6 +806,27 @@ async fn fetch(coll: &Arc<Collection>, keys: Vec<String>) -> Result<Vec<(String,
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_placed_index_read_that_reached_its_key_limit_reads_every_document_instead() {
+        let index = || Access::Index { name: "by_a".into(), bounds: ScanBounds::All };
+        let keys = |n: usize| (0..n).map(|i| format!("k{i}")).collect::<Vec<_>>();
+        // (keys the placement answered, limit, the access the statement runs)
+        let table: [(Option<Vec<String>>, usize, &str); 5] = [
+            (None, 3, "index=by_a all"),
+            (Some(keys(0)), 3, "index=by_a all on index nodes, keys=0"),
+            (Some(keys(2)), 3, "index=by_a all on index nodes, keys=2"),
+            (Some(keys(3)), 3, "full scan"),
+            (Some(keys(4)), 3, "full scan"),
+        ];
+        for (answer, max, want) in table {
+            let n = answer.as_ref().map(Vec::len);
+            assert_eq!(placed_access(index(), answer, max).to_string(), want, "{n:?} keys, limit {max}");
+        }
+        // Other accesses are not index scans: the placement's answer does not change them.
+        assert_eq!(placed_access(Access::Full, Some(keys(1)), 3).to_string(), "full scan");
+        assert_eq!(placed_access(Access::Keys(keys(2)), Some(keys(1)), 3).to_string(), "keys=2");
+    }
 
     #[test]
     fn key_ranges_cover_every_key_once() {
