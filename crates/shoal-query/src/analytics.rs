@@ -456,7 +456,7 @@ const BITMAP_RANGE_MAX: u64 = 1 << 24;
 /// per row; DataFusion's hash set costs about 4 ns a row, most of query 3 (profiled).
 /// Anything else runs as DataFusion evaluates it.
 enum Conjunct {
-    Bits { column: usize, min: i64, range: u64, bits: Vec<u64> },
+    Bits { column: usize, min: i64, bits: Vec<u64> },
     Expr(Arc<dyn PhysicalExpr>),
 }
 
@@ -487,32 +487,59 @@ impl Conjunct {
             let at = v.wrapping_sub(min) as u64;
             bits[(at / 64) as usize] |= 1 << (at % 64);
         }
-        Conjunct::Bits { column: column.index(), min, range, bits }
+        Conjunct::Bits { column: column.index(), min, bits }
     }
 
-    /// Which rows pass.
-    fn evaluate(&self, batch: &RecordBatch) -> Result<Option<BooleanArray>, DataFusionError> {
+    /// Which rows pass of those `keep` holds (all when `None`): the mask to keep from here.
+    fn evaluate(&self, batch: &RecordBatch, keep: Option<&BooleanArray>) -> Result<Option<BooleanArray>, DataFusionError> {
         match self {
-            Conjunct::Bits { column, min, range, bits } => {
+            Conjunct::Bits { column, min, bits } => {
                 let Some(values) = batch.columns().get(*column).and_then(|c| c.as_primitive_opt::<Int64Type>()) else {
                     return Ok(None);
                 };
-                let v = values.values();
-                let keep = BooleanBuffer::collect_bool(v.len(), |i| {
-                    let at = v[i].wrapping_sub(*min) as u64;
-                    at < *range && bits[(at / 64) as usize] & (1 << (at % 64)) != 0
-                });
-                let keep = match values.nulls() {
-                    Some(n) => &keep & n.inner(),
-                    None => keep,
-                };
-                Ok(Some(BooleanArray::new(keep, None)))
+                let (v, min, bits): (&[i64], i64, &[u64]) = (values.values(), *min, bits);
+                let held: Option<Vec<u64>> = keep.map(|k| definite(k).bit_chunks().iter_padded().collect());
+                let mut words = vec![0u64; v.len().div_ceil(64)];
+                for (w, out) in words.iter_mut().enumerate() {
+                    // Runs of rows already dropped (a replica's partitions: segments are in
+                    // partition order) are skipped 64 at a time.
+                    let kept = held.as_ref().map_or(u64::MAX, |h| h.get(w).copied().unwrap_or(0));
+                    if kept == 0 {
+                        continue;
+                    }
+                    let start = w * 64;
+                    let mut pass = 0u64;
+                    for (j, &x) in v[start..v.len().min(start + 64)].iter().enumerate() {
+                        // Past the bitmap is past the range; its last word's spare bits are 0.
+                        let at = x.wrapping_sub(min) as u64;
+                        let hit = bits.get((at / 64) as usize).map_or(0, |b| (b >> (at % 64)) & 1);
+                        pass |= hit << j;
+                    }
+                    *out = pass & kept;
+                }
+                let mut pass = BooleanBuffer::new(datafusion::arrow::buffer::Buffer::from_vec(words), 0, v.len());
+                if let Some(n) = values.nulls() {
+                    pass = &pass & n.inner();
+                }
+                Ok(Some(BooleanArray::new(pass, None)))
             }
             Conjunct::Expr(e) => {
-                let keep = e.evaluate(batch)?.into_array(batch.num_rows())?;
-                Ok(keep.as_any().downcast_ref::<BooleanArray>().cloned())
+                let pass = e.evaluate(batch)?.into_array(batch.num_rows())?;
+                let Some(pass) = pass.as_any().downcast_ref::<BooleanArray>() else { return Ok(None) };
+                Ok(Some(match keep {
+                    Some(k) => datafusion::arrow::compute::and(k, pass)?,
+                    None => pass.clone(),
+                }))
             }
         }
+    }
+}
+
+/// `mask`'s rows that are set and not null.
+fn definite(mask: &BooleanArray) -> BooleanBuffer {
+    match mask.nulls() {
+        Some(n) => mask.values() & n.inner(),
+        None => mask.values().clone(),
     }
 }
 
@@ -556,11 +583,8 @@ fn project(part: &Part, schema: &SchemaRef, sieves: &mut Sieves) -> Result<Vec<R
         // A conjunct (a join's bounds or key lookup: it cannot fail on a row) runs over the
         // rows not copied out yet, dropped ones too, and its answer joins the mask: rows are
         // copied once they are few, or at the end, rather than after every step.
-        if let Some(pass) = c.evaluate(&batch)? {
-            let now = match keep.take() {
-                Some(k) => datafusion::arrow::compute::and(&k, &pass)?,
-                None => pass,
-            };
+        if let Some(now) = c.evaluate(&batch, keep.as_ref())? {
+            keep = None;
             let passed = now.true_count();
             let sieve = stats.entry(key).or_default();
             sieve.seen += kept as u64;
@@ -601,12 +625,11 @@ fn scanned_bytes(batch: &RecordBatch) -> u64 {
 
 /// Which rows of `part` are live and of a storage partition active here.
 fn active_rows(part: &Part, actives: &[bool]) -> Result<BooleanArray, DataFusionError> {
-    let count = u16::try_from(actives.len()).unwrap_or(u16::MAX);
-    let partitions = part.partitions.of(&part.batch, count).map_err(external)?;
-    let live = part.live.as_ref();
-    let keep = BooleanBuffer::collect_bool(part.batch.num_rows(), |i| {
-        live.is_none_or(|l| l.is_valid(i) && l.value(i)) && actives.get(usize::from(partitions[i])).copied().unwrap_or(false)
-    });
+    let active = part.partitions.active(&part.batch, actives).map_err(external)?;
+    let keep = match &part.live {
+        Some(live) => &active & &definite(live),
+        None => active,
+    };
     Ok(BooleanArray::new(keep, None))
 }
 
@@ -864,21 +887,32 @@ mod tests {
 
     proptest! {
         /// The bitmap form of `x IN (...)` keeps exactly the rows DataFusion's own
-        /// evaluation keeps (NULL rows and NULLs in the list included).
+        /// evaluation keeps (NULL rows and NULLs in the list included), of the rows a mask
+        /// kept so far (long runs of dropped rows among them, as a replica's partitions
+        /// are) — batch and mask slices at any offset.
         #[test]
         fn in_lists_as_bitmaps_keep_what_datafusion_keeps(
             rows in prop::collection::vec(prop::option::of(-50i64..50), 0..300),
             list in prop::collection::vec(prop::option::of(-40i64..40), 1..20),
+            runs in prop::option::of(prop::collection::vec((prop::option::of(any::<bool>()), 1usize..130), 0..10)),
+            skip in 0usize..70,
         ) {
             let schema = Arc::new(Schema::new(vec![Field::new("x", DataType::Int64, true)]));
-            let batch = RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from(rows))]).unwrap();
+            let whole = RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from(rows))]).unwrap();
+            let skip = skip.min(whole.num_rows());
+            let batch = whole.slice(skip, whole.num_rows() - skip);
+            let keep = runs.map(|runs| {
+                let mut mask: Vec<Option<bool>> = runs.iter().flat_map(|&(v, n)| std::iter::repeat_n(v, n)).collect();
+                mask.resize(batch.num_rows() + 7, Some(false));
+                BooleanArray::from(mask).slice(7, batch.num_rows())
+            });
             let items: Vec<Arc<dyn PhysicalExpr>> = list.iter().map(|v| lit(ScalarValue::Int64(*v))).collect();
             let expr = in_list(Arc::new(Column::new("x", 0)), items, &false, &schema).unwrap();
             let compiled = Conjunct::compile(&expr);
             let bitmap = matches!(compiled, Conjunct::Bits { .. });
             prop_assert_eq!(bitmap, list.iter().any(Option::is_some), "compiled to a bitmap when the list has values");
-            let got = compiled.evaluate(&batch).unwrap().unwrap();
-            let want = Conjunct::Expr(expr).evaluate(&batch).unwrap().unwrap();
+            let got = compiled.evaluate(&batch, keep.as_ref()).unwrap().unwrap();
+            let want = Conjunct::Expr(expr).evaluate(&batch, keep.as_ref()).unwrap().unwrap();
             let kept = |a: &BooleanArray| (0..a.len()).map(|i| a.is_valid(i) && a.value(i)).collect::<Vec<_>>();
             prop_assert_eq!(kept(&got), kept(&want));
         }

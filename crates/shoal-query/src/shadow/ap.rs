@@ -16,8 +16,9 @@ use crate::merge::{adapt_batch, merge_fields, weighted_fields};
 use crate::rows::{ColumnBuffer, ParsedDoc};
 
 use super::{
-    io_at, key_column, quarantine, read_segment, segment_path, write_atomically, write_segment, Manifest, Part, Segment, SegmentMeta,
-    ShadowError, COMPACT_MIN_SEGMENTS, GROUPS_MAX, GROUP_FIELD, MANIFEST, MANIFEST_VERSION, SEGMENT_BYTES_MAX, SEGMENT_ROWS,
+    io_at, key_column, quarantine, read_segment, segment_path, sorted_by_partition, write_atomically, write_segment, Manifest, Part,
+    Segment, SegmentMeta, ShadowError, COMPACT_MIN_SEGMENTS, GROUPS_MAX, GROUP_FIELD, MANIFEST, MANIFEST_VERSION, SEGMENT_BYTES_MAX,
+    SEGMENT_ROWS,
 };
 
 /// Recent documents of one group, not yet a segment.
@@ -63,6 +64,8 @@ pub(super) struct ApState {
     pub(super) garbage: Vec<PathBuf>,
     /// Rows per segment ([`SEGMENT_ROWS`]; smaller in tests).
     pub(super) segment_rows: usize,
+    /// The collection's storage partitions, of which segments' rows are sorted by theirs.
+    pub(super) partition_count: u16,
 }
 
 /// `batches` (each typed from its own rows) as one batch, each column typed as most of its
@@ -87,7 +90,7 @@ pub(super) struct Ap {
 }
 
 impl ApState {
-    pub(super) fn fresh(cursors: Vec<(PartitionId, StreamPosition)>) -> ApState {
+    pub(super) fn fresh(cursors: Vec<(PartitionId, StreamPosition)>, partition_count: u16) -> ApState {
         ApState {
             cursors,
             segments: BTreeMap::new(),
@@ -100,6 +103,7 @@ impl ApState {
             last_change: Instant::now(),
             garbage: Vec::new(),
             segment_rows: SEGMENT_ROWS,
+            partition_count,
         }
     }
 
@@ -174,7 +178,8 @@ impl ApState {
     /// Writes `batch` as a new segment of `group` and points its keys at their rows there.
     pub(super) fn add_segment(&mut self, dir: &Path, batch: &RecordBatch, group: Option<String>) -> Result<(), ShadowError> {
         let id = self.next_id;
-        let (batch, checksum) = write_segment(dir, id, batch)?;
+        let (batch, partitions) = sorted_by_partition(batch, self.partition_count)?;
+        let (batch, checksum) = write_segment(dir, id, &batch)?;
         self.next_id += 1;
         let keys = key_column(&batch, &segment_path(dir, id))?;
         for row in 0..batch.num_rows() {
@@ -182,7 +187,9 @@ impl ApState {
                 *loc = Loc::Seg { id, row: row as u32 };
             }
         }
-        self.segments.insert(id, Segment::new(batch, group, checksum));
+        let mut seg = Segment::new(batch, group, checksum);
+        seg.partitions = partitions;
+        self.segments.insert(id, seg);
         Ok(())
     }
 
@@ -190,9 +197,11 @@ impl ApState {
     /// segment and points its keys at their rows. Answers the rows it holds live.
     pub(super) fn adopt_segment(&mut self, dir: &Path, batch: &RecordBatch, group: Option<String>) -> Result<usize, ShadowError> {
         let id = self.next_id;
-        let (batch, checksum) = write_segment(dir, id, batch)?;
+        let (batch, partitions) = sorted_by_partition(batch, self.partition_count)?;
+        let (batch, checksum) = write_segment(dir, id, &batch)?;
         self.next_id += 1;
         let mut seg = Segment::new(batch, group, checksum);
+        seg.partitions = partitions;
         let keys = key_column(&seg.batch, &segment_path(dir, id))?.clone();
         let mut live = 0;
         for row in 0..seg.batch.num_rows() {
@@ -369,12 +378,12 @@ impl Ap {
             (0..partitions).filter(|p| usize::from(*p) % aps == index).map(|p| (p, StreamPosition::default())).collect();
         let state = match Self::load(&dir, aps, partitions) {
             Ok(Some(state)) => state,
-            Ok(None) => ApState::fresh(own),
+            Ok(None) => ApState::fresh(own, partitions),
             Err(e) => {
                 tracing::warn!(partition = index, error = %e, "analytics partition damaged: quarantined, rebuilding it from the change streams");
                 metrics::counter!("shoal_analytics_rebuilds_total").increment(1);
                 quarantine(&dir)?;
-                ApState::fresh(own)
+                ApState::fresh(own, partitions)
             }
         };
         // Files the manifest does not name: leftovers of an interrupted checkpoint.
@@ -399,7 +408,7 @@ impl Ap {
         if m.version != MANIFEST_VERSION || m.analytics_partitions != aps || m.partitions != partitions {
             return Ok(None);
         }
-        let mut state = ApState::fresh(m.cursors.iter().map(|&(p, seqno, uuid)| (p, StreamPosition { seqno, uuid })).collect());
+        let mut state = ApState::fresh(m.cursors.iter().map(|&(p, seqno, uuid)| (p, StreamPosition { seqno, uuid })).collect(), partitions);
         state.next_id = m.next_id;
         for meta in m.segments {
             let seg_path = segment_path(dir, meta.id);
@@ -494,7 +503,8 @@ mod tests {
             1 => Just(Op::Reopen),
         ], 1..300)) {
             let dir = tempfile::tempdir().unwrap();
-            let mut st = ApState::fresh(vec![(0, StreamPosition::default())]);
+            // Four storage partitions: segments reorder their rows by partition.
+            let mut st = ApState::fresh(vec![(0, StreamPosition::default())], 4);
             st.segment_rows = 8;
             let mut model: HashMap<String, Value> = HashMap::new();
             for op in ops {
@@ -508,10 +518,10 @@ mod tests {
                         st.remove(&format!("k{k}"));
                         model.remove(&format!("k{k}"));
                     }
-                    Op::Checkpoint => st.checkpoint(dir.path(), 1, 1).unwrap(),
+                    Op::Checkpoint => st.checkpoint(dir.path(), 1, 4).unwrap(),
                     Op::Reopen => {
-                        st.checkpoint(dir.path(), 1, 1).unwrap();
-                        st = Ap::load(dir.path(), 1, 1).unwrap().unwrap();
+                        st.checkpoint(dir.path(), 1, 4).unwrap();
+                        st = Ap::load(dir.path(), 1, 4).unwrap().unwrap();
                         st.segment_rows = 8;
                     }
                 }
@@ -522,6 +532,14 @@ mod tests {
                 d.as_object_mut().unwrap().retain(|_, v| !v.is_null());
             }
             prop_assert_eq!(got, model);
+            // Every segment, written here or read back, holds its rows in partition order,
+            // and the partitions it remembers are the ones its keys hash to.
+            for seg in st.segments.values() {
+                let kept = seg.partitions.of(&seg.batch, 4).unwrap();
+                let fresh = super::super::RowPartitions::default().of(&seg.batch, 4).unwrap();
+                prop_assert!(kept.is_sorted());
+                prop_assert_eq!(&*kept, &*fresh);
+            }
         }
     }
 
@@ -530,7 +548,7 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let dir = root.path().join("0");
         std::fs::create_dir_all(&dir).unwrap();
-        let mut st = ApState::fresh(vec![(0, StreamPosition::default())]);
+        let mut st = ApState::fresh(vec![(0, StreamPosition::default())], 1);
         for i in 0..10 {
             let text = serde_json::json!({"n": i}).to_string();
             st.upsert(format!("k{i}"), ParsedDoc::parse(text.as_bytes()), &dir).unwrap();
@@ -559,7 +577,7 @@ mod tests {
         // A "directory" that is a file: every segment write under it fails, as on a full disk.
         let broken = root.path().join("broken");
         std::fs::write(&broken, b"not a directory").unwrap();
-        let mut st = ApState::fresh(vec![(0, StreamPosition::default())]);
+        let mut st = ApState::fresh(vec![(0, StreamPosition::default())], 1);
         for i in 0..10 {
             let text = serde_json::json!({"n": i}).to_string();
             st.upsert(format!("k{i}"), ParsedDoc::parse(text.as_bytes()), &dir).unwrap();

@@ -16,6 +16,11 @@
 //! its positions: nothing is rebuilt. Segment files the manifest does not name are
 //! leftovers of an interrupted checkpoint and are removed.
 //!
+//! A segment holds its rows in storage-partition order ([`sorted_by_partition`]): on a
+//! cluster a member's shadow holds its replicas' rows beside its actives', and a scan's
+//! mask of the partitions active here is then long runs a filter skips 64 rows at a time;
+//! the mask itself is worked out once per segment and map ([`RowPartitions::active`]).
+//!
 //! A storage partition that leaves the node has its rows dropped; one that arrives by a
 //! file copy brings its rows with it, cut from the sender's shadow (`transfer`).
 //!
@@ -42,7 +47,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use datafusion::arrow::array::{BooleanArray, RecordBatch};
+use datafusion::arrow::array::{BooleanArray, RecordBatch, StringArray};
+use datafusion::arrow::buffer::BooleanBuffer;
 use datafusion::arrow::datatypes::{Field, SchemaRef};
 use datafusion::arrow::error::ArrowError;
 use parking_lot::Mutex;
@@ -126,16 +132,36 @@ pub struct Part {
     pub partitions: RowPartitions,
 }
 
-/// Each row's storage partition of an immutable batch, worked out from the keys when first
-/// asked.
+/// Each row's storage partition of an immutable batch, and which rows are of partitions
+/// active here as the last scan asked: both worked out once per batch, not per statement.
 #[derive(Clone, Default)]
-pub struct RowPartitions(Arc<std::sync::OnceLock<Arc<[PartitionId]>>>);
+pub struct RowPartitions(Arc<RowPartitionsOf>);
+
+#[derive(Default)]
+struct RowPartitionsOf {
+    /// The partition count they were worked out for, and each row's partition.
+    ids: std::sync::OnceLock<(u16, Arc<[PartitionId]>)>,
+    /// The flags of the last [`RowPartitions::active`] call (one per partition) and its rows.
+    active: Mutex<Option<(Vec<bool>, BooleanBuffer)>>,
+}
+
+/// The storage partition (of `count`) of each key.
+fn partitions_of_keys(keys: &StringArray, count: u16) -> Vec<PartitionId> {
+    keys.iter().map(|k| shoal_storage::partition_of(k.unwrap_or("").as_bytes(), count)).collect()
+}
 
 impl RowPartitions {
+    /// Partitions already worked out (a segment is written sorted by them).
+    fn known(count: u16, ids: Arc<[PartitionId]>) -> RowPartitions {
+        let of = RowPartitionsOf::default();
+        let _ = of.ids.set((count, ids));
+        RowPartitions(Arc::new(of))
+    }
+
     /// The partition of each row of `batch` (whose key column is `key`), of `count`.
     pub fn of(&self, batch: &RecordBatch, count: u16) -> Result<Arc<[PartitionId]>, ShadowError> {
-        if let Some(p) = self.0.get() {
-            if p.len() == batch.num_rows() {
+        if let Some((c, p)) = self.0.ids.get() {
+            if *c == count && p.len() == batch.num_rows() {
                 return Ok(Arc::clone(p));
             }
         }
@@ -144,10 +170,46 @@ impl RowPartitions {
             .column_by_name(crate::schema::KEY_COLUMN)
             .and_then(|c| c.as_string_opt::<i32>())
             .ok_or_else(|| ShadowError::Arrow(ArrowError::SchemaError("a shadow segment without its key column".into())))?;
-        let parts: Arc<[PartitionId]> = keys.iter().map(|k| shoal_storage::partition_of(k.unwrap_or("").as_bytes(), count)).collect();
-        let _ = self.0.set(Arc::clone(&parts));
+        let parts: Arc<[PartitionId]> = partitions_of_keys(keys, count).into();
+        let _ = self.0.ids.set((count, Arc::clone(&parts)));
         Ok(parts)
     }
+
+    /// Which rows of `batch` are of a partition `actives` flags (one flag per partition, of
+    /// `actives.len()`). Remembered: the next statement under the same map asks the same.
+    pub fn active(&self, batch: &RecordBatch, actives: &[bool]) -> Result<BooleanBuffer, ShadowError> {
+        if let Some((flags, rows)) = &*self.0.active.lock() {
+            if flags.as_slice() == actives && rows.len() == batch.num_rows() {
+                return Ok(rows.clone());
+            }
+        }
+        let count = u16::try_from(actives.len()).unwrap_or(u16::MAX);
+        let ids = self.of(batch, count)?;
+        let rows = BooleanBuffer::collect_bool(ids.len(), |i| actives.get(usize::from(ids[i])).copied().unwrap_or(false));
+        *self.0.active.lock() = Some((actives.to_vec(), rows.clone()));
+        Ok(rows)
+    }
+}
+
+/// `batch` with its rows ordered by storage partition (of `count`; stable within one), and
+/// those partitions. A segment is written so: the rows of one partition are a run, so a
+/// scan's mask of the partitions active on its node is long runs of ones and zeros, and
+/// its filters skip the replicas' runs 64 rows at a time instead of testing every row.
+fn sorted_by_partition(batch: &RecordBatch, count: u16) -> Result<(RecordBatch, RowPartitions), ArrowError> {
+    use datafusion::arrow::array::{AsArray, UInt32Array};
+    let Some(keys) = batch.column_by_name(crate::schema::KEY_COLUMN).and_then(|c| c.as_string_opt::<i32>()) else {
+        return Ok((batch.clone(), RowPartitions::default()));
+    };
+    let ids = partitions_of_keys(keys, count);
+    if ids.is_sorted() {
+        return Ok((batch.clone(), RowPartitions::known(count, ids.into())));
+    }
+    let mut order: Vec<u32> = (0..ids.len() as u32).collect();
+    order.sort_by_key(|&row| ids[row as usize]);
+    let sorted: Arc<[PartitionId]> = order.iter().map(|&row| ids[row as usize]).collect();
+    let batch = datafusion::arrow::compute::take_record_batch(batch, &UInt32Array::from(order))?;
+    debug_assert!(sorted.is_sorted(), "a segment's rows are in partition order");
+    Ok((batch, RowPartitions::known(count, sorted)))
 }
 
 impl Part {
@@ -431,5 +493,49 @@ mod tests {
         assert_eq!(default_partitions(32, 32 << 30), 16);
         assert_eq!(default_partitions(8, 3 << 30), 3);
         assert_eq!(default_partitions(2, 512 << 20), 1, "never zero");
+    }
+
+    fn keyed(keys: &[String]) -> RecordBatch {
+        let schema = Arc::new(datafusion::arrow::datatypes::Schema::new(vec![
+            Field::new(crate::schema::KEY_COLUMN, datafusion::arrow::datatypes::DataType::Utf8, false),
+            Field::new("n", datafusion::arrow::datatypes::DataType::Int64, false),
+        ]));
+        let n: Vec<i64> = (0..keys.len() as i64).collect();
+        RecordBatch::try_new(
+            schema,
+            vec![Arc::new(StringArray::from(keys.to_vec())), Arc::new(datafusion::arrow::array::Int64Array::from(n))],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_scans_active_rows_are_the_rows_of_its_active_partitions_under_any_flags() {
+        let count = 8u16;
+        let keys: Vec<String> = (0..500).map(|i| format!("doc-{i}")).collect();
+        let (batch, partitions) = sorted_by_partition(&keyed(&keys), count).unwrap();
+        let ids = partitions.of(&batch, count).unwrap();
+        assert!(ids.is_sorted(), "rows in partition order");
+        let mut all: Vec<i64> = batch.column(1).as_any().downcast_ref::<datafusion::arrow::array::Int64Array>().unwrap().values().to_vec();
+        all.sort_unstable();
+        assert_eq!(all, (0..500).collect::<Vec<i64>>(), "every row kept once");
+        // Asked again with other flags (a new map), the mask follows them, not the cache.
+        for flags in [
+            vec![true, false, true, false, true, false, true, false],
+            vec![false; 8],
+            vec![true; 8],
+            vec![true, false, true, false, true, false, true, false],
+        ] {
+            let rows = partitions.active(&batch, &flags).unwrap();
+            for (row, &p) in ids.iter().enumerate() {
+                assert_eq!(rows.value(row), flags[usize::from(p)], "row {row} of partition {p}");
+            }
+        }
+        // An unsorted batch's partitions are worked out from its keys.
+        let lazy = RowPartitions::default();
+        let raw = keyed(&keys);
+        let of = lazy.of(&raw, count).unwrap();
+        for (row, key) in keys.iter().enumerate() {
+            assert_eq!(of[row], shoal_storage::partition_of(key.as_bytes(), count));
+        }
     }
 }
