@@ -30,6 +30,9 @@ const DOCS_CALL_TIMEOUT: Duration = Duration::from_secs(60);
 /// A member's preparation of a distributed analytics statement has the statement's own
 /// wait and this much more.
 const FIELDS_CALL_SLACK: Duration = Duration::from_secs(5);
+/// How often a running distributed statement's coordinator looks whether one of its
+/// members was failed over ([`ShadowMembers::member_gone`]).
+const MEMBER_CHECK_INTERVAL: Duration = Duration::from_millis(250);
 
 /// A coordinator of an analytics statement asks a member for its shadow's fields, once its
 /// shadow can be read (`shoal_query::distributed`).
@@ -206,6 +209,29 @@ impl ShadowMembers for Members {
         let answer = self.node.peers.call(member, Op::ShadowFields, body, timeout + FIELDS_CALL_SLACK).await;
         answer.map_err(|e| RemoteError(format!("a member's shadow of {collection}: {e}")))
     }
+
+    async fn member_gone(&self, members: &[String]) -> String {
+        loop {
+            let state = self.node.state();
+            if state.map_version() != self.map_version {
+                if let Some(gone) = gone_member(members, self.node.active_owners_in(&state), self.node.address()) {
+                    return format!(
+                        "member {gone} holds no partition active any more (failed over or ejected while the statement ran); run it again"
+                    );
+                }
+            }
+            tokio::time::sleep(MEMBER_CHECK_INTERVAL).await;
+        }
+    }
+}
+
+/// The first of `members` that holds no partition active by `owners` (each partition's
+/// active, `None` for this node at `me`); none while a partition has no active at all
+/// (its statement's tasks then fail on their own).
+fn gone_member<'a>(members: &'a [String], owners: Result<Vec<Option<String>>, u16>, me: &str) -> Option<&'a String> {
+    let owners = owners.ok()?;
+    let now: std::collections::HashSet<&str> = owners.iter().map(|o| o.as_deref().unwrap_or(me)).collect();
+    members.iter().find(|m| !now.contains(m.as_str()))
 }
 
 /// The asked side of [`ShadowFieldsRequest`]: this node's shadow fields, under the map the
@@ -289,4 +315,34 @@ pub(crate) async fn serve_docs(node: &Arc<ClusterNode>, req: DocsRequest) -> Res
     })
     .await
     .map_err(|e| ClusterError::Storage(e.to_string()))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gone_member;
+
+    /// Each partition's active under the newest map (`None`: this node), or the partition
+    /// with none.
+    type Owners = Result<Vec<Option<String>>, u16>;
+
+    #[test]
+    fn a_statement_member_holding_no_active_partition_is_gone() {
+        let members = vec!["a:1".to_string(), "b:1".to_string(), "c:1".to_string()];
+        let some = |s: &str| Some(s.to_string());
+        // (owners of each partition under the newest map, the member found gone)
+        let cases: Vec<(Owners, Option<&str>)> = vec![
+            // Every member still holds some active (this node, "a:1", as None).
+            (Ok(vec![None, some("b:1"), some("c:1"), some("b:1")]), None),
+            // "c:1" failed over: its partitions promoted on the others.
+            (Ok(vec![None, some("b:1"), some("b:1"), None]), Some("c:1")),
+            // This node lost its last active (ejected).
+            (Ok(vec![some("b:1"), some("c:1")]), Some("a:1")),
+            // A partition with no active at all: not judged here.
+            (Err(3), None),
+        ];
+        for (owners, want) in cases {
+            let got = gone_member(&members, owners.clone(), "a:1").map(String::as_str);
+            assert_eq!(got, want, "owners {owners:?}");
+        }
+    }
 }

@@ -97,6 +97,12 @@ pub trait ShadowMembers: Send + Sync {
         timeout: Duration,
         current: bool,
     ) -> Result<Vec<u8>, RemoteError>;
+
+    /// Resolves, with the reason, once one of `members` (a statement's, by the map it
+    /// pinned) holds no partition active under this node's newest map: it was failed over
+    /// (stopped or cut off) or ejected, and a statement waiting on its tasks would wait
+    /// until its timeout. Pending for as long as every member still holds some.
+    async fn member_gone(&self, members: &[String]) -> String;
 }
 
 /// Where an analytics statement on a cluster runs.

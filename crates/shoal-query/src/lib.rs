@@ -636,6 +636,16 @@ impl QueryEngine {
             }
             Ok::<_, QueryError>(answer)
         };
+        // Across members: a member failed over (stopped, cut off) while the statement runs
+        // ends it at once with `503`, rather than at its timeout.
+        let cluster = req.cluster.clone();
+        let run = async move {
+            let Some(cluster) = cluster else { return run.await };
+            tokio::select! {
+                answer = run => answer,
+                why = cluster.remote.member_gone(&cluster.members) => Err(QueryError::Unavailable(why)),
+            }
+        };
         let timeout = req.timeout;
         // On the query runtime, away from the node's I/O threads (`runtime`).
         let task = runtime::AbortOnDrop(runtime::query_handle().spawn(async move { tokio::time::timeout(timeout, run).await }));
