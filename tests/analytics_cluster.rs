@@ -47,6 +47,24 @@ async fn statement(http: &reqwest::Client, node: &Node, endpoint: &str, sql: &st
     (status, r.json().await.unwrap_or(Value::Null))
 }
 
+/// Three members (see [`cluster`]) holding collection `c` of `docs` documents
+/// `{"g": i % 10, "n": i}`, written at `durability`.
+async fn loaded_cluster(http: &reqwest::Client, docs: usize, durability: &str) -> Vec<Node> {
+    let nodes = cluster(http, 3).await;
+    assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    for chunk in (0..docs).collect::<Vec<_>>().chunks(2_000) {
+        let body: String = chunk
+            .iter()
+            .map(|i| json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"g": i % 10, "n": i}}).to_string() + "\n")
+            .collect();
+        let url = nodes[0].u(&format!("/v1/collections/c/_bulk?durability={durability}"));
+        let r = http.post(url).body(body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(!r.text().await.unwrap().contains("\"error\""), "every line written");
+    }
+    nodes
+}
+
 /// Rows equal, numbers within a relative 1e-9 (the engines add floats in different orders).
 fn same_rows(a: &Value, b: &Value) -> bool {
     let (Some(a), Some(b)) = (a.as_array(), b.as_array()) else { return false };
@@ -124,17 +142,7 @@ fn groups(docs: usize) -> Value {
 async fn a_member_killed_mid_statement_ends_it_with_503_never_a_partial_answer() {
     const DOCS: usize = 6_000;
     let http = http();
-    let mut nodes = cluster(&http, 3).await;
-    assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
-    for chunk in (0..DOCS).collect::<Vec<_>>().chunks(2_000) {
-        let body: String = chunk
-            .iter()
-            .map(|i| json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"g": i % 10, "n": i}}).to_string() + "\n")
-            .collect();
-        let r = http.post(nodes[0].u("/v1/collections/c/_bulk")).body(body).send().await.unwrap();
-        assert_eq!(r.status(), 200);
-        assert!(!r.text().await.unwrap().contains("\"error\""), "every line written");
-    }
+    let mut nodes = loaded_cluster(&http, DOCS, "none").await;
     let want = groups(DOCS);
     let sql = "SELECT g, count(*), sum(n) FROM c GROUP BY g ORDER BY g";
     let (s, v) = statement(&http, &nodes[0], "analytics", sql).await;
@@ -210,16 +218,10 @@ async fn a_member_killed_mid_statement_ends_it_with_503_never_a_partial_answer()
 async fn a_member_stopped_mid_statement_ends_it_with_503_never_a_partial_answer() {
     const DOCS: usize = 2_000;
     let http = http();
-    let nodes = cluster(&http, 3).await;
-    assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
-    let body: String =
-        (0..DOCS).map(|i| json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"g": i % 10, "n": i}}).to_string() + "\n").collect();
     // On both copies before it is acknowledged: the stopped member's partitions fail over to
     // their replicas, and a write acknowledged by its active alone may be lost then (README,
     // failure model), which would change the answer, not break it.
-    let r = http.post(nodes[0].u("/v1/collections/c/_bulk?durability=majority")).body(body).send().await.unwrap();
-    assert_eq!(r.status(), 200);
-    assert!(!r.text().await.unwrap().contains("\"error\""), "every line written");
+    let nodes = loaded_cluster(&http, DOCS, "majority").await;
     let want = groups(DOCS);
     let sql = "SELECT g, count(*), sum(n) FROM c GROUP BY g ORDER BY g";
     let (s, v) = statement(&http, &nodes[0], "analytics", sql).await;
@@ -407,12 +409,7 @@ fn cpu_secs(pid: u32) -> f64 {
 async fn a_client_that_goes_away_ends_the_statement_on_every_member() {
     const DOCS: usize = 3_000;
     let http = http();
-    let nodes = cluster(&http, 3).await;
-    assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
-    let body: String =
-        (0..DOCS).map(|i| json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"g": i % 10, "n": i}}).to_string() + "\n").collect();
-    let r = http.post(nodes[0].u("/v1/collections/c/_bulk")).body(body).send().await.unwrap();
-    assert_eq!(r.status(), 200);
+    let nodes = loaded_cluster(&http, DOCS, "none").await;
     let (s, v) = statement(&http, &nodes[0], "analytics", "SELECT count(*) FROM c").await;
     assert_eq!((s, &v["rows"]), (200, &json!([[DOCS]])), "{v}");
     assert_eq!(v["metrics"]["engine"], "columnar across members");
