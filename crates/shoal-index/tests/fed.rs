@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use serde_json::json;
-use shoal_index::{ChangeFetcher, Consistency, FetchFuture, IndexDef, IndexError, IndexManager, ScanBounds, ScanRequest};
+use shoal_index::{ChangeFetcher, Consistency, FetchFuture, IndexDef, IndexError, IndexManager, IndexState, ScanBounds, ScanRequest};
 use shoal_storage::{Collection, Fetched, FetchedPart, PartitionId, Store, StreamPosition};
 
 /// A data node, as an index node's fetcher sees it: its store, read directly.
@@ -214,6 +214,23 @@ async fn all_on_x_none_on_y(
 /// The document keys of scan rows, in order.
 fn ids(rows: Vec<shoal_index::ScanRow>) -> Vec<String> {
     rows.into_iter().map(|r| r.id).collect()
+}
+
+/// A deferred placed index built through a node that holds none of its parts is ready
+/// there (it has nothing to follow), not `building` for ever: the cluster test of
+/// `_build` on later members (`tests/cluster_exact.rs`) waited on such a node in vain.
+#[test]
+fn a_build_on_a_node_holding_no_part_of_the_index_leaves_it_ready_there() {
+    let Nodes { _dirs, data, x, here_x, .. } = two_index_nodes();
+    let fx = fetcher(&data);
+    fed_life(&x, &fx, |mx| async move {
+        let def = IndexDef { defer_build: true, ..moved_index().0 };
+        let created = mx.create_as(&here_x, def, None, Some(Vec::new())).await.unwrap();
+        assert_eq!(created.state, IndexState::Deferred);
+        let built = mx.build_many(&here_x, &["by_a".to_string()]).await.unwrap();
+        assert_eq!(built.iter().map(|s| s.state).collect::<Vec<_>>(), vec![IndexState::Ready]);
+        assert_eq!(mx.list(&here_x).iter().map(|s| s.state).collect::<Vec<_>>(), vec![IndexState::Ready]);
+    });
 }
 
 /// Issue 41: an index partition moves between index nodes as its files. The receiver adopts

@@ -113,7 +113,12 @@ impl IndexManager {
             let colls = self.colls.lock();
             for index in &indexes {
                 if index.deferred.load(Ordering::Acquire) {
-                    *index.target.lock() = Some(self.build_target(coll, index.placed()));
+                    // An index holding no part here (placed on other index nodes) has
+                    // nothing to build here and no round that would end a build (`active`
+                    // leaves it out): it is ready here, as it opens (`catalog`).
+                    if !index.parts().is_empty() {
+                        *index.target.lock() = Some(self.build_target(coll, index.placed()));
+                    }
                     index.deferred.store(false, Ordering::Release);
                 }
             }
