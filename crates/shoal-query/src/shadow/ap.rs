@@ -177,31 +177,33 @@ impl ApState {
 
     /// Writes `batch` as a new segment of `group` and points its keys at their rows there.
     pub(super) fn add_segment(&mut self, dir: &Path, batch: &RecordBatch, group: Option<String>) -> Result<(), ShadowError> {
-        let id = self.next_id;
-        let (batch, partitions) = sorted_by_partition(batch, self.partition_count)?;
-        let (batch, checksum) = write_segment(dir, id, &batch)?;
-        self.next_id += 1;
-        let keys = key_column(&batch, &segment_path(dir, id))?;
-        for row in 0..batch.num_rows() {
+        let (id, seg) = self.write_new_segment(dir, batch, group)?;
+        let keys = key_column(&seg.batch, &segment_path(dir, id))?;
+        for row in 0..seg.batch.num_rows() {
             if let Some(loc) = self.keys.get_mut(keys.value(row)) {
                 *loc = Loc::Seg { id, row: row as u32 };
             }
         }
-        let mut seg = Segment::new(batch, group, checksum);
-        seg.partitions = partitions;
         self.segments.insert(id, seg);
         Ok(())
+    }
+
+    /// Writes `batch`, its rows in partition order, as the file of a new segment of `group`
+    /// (not yet in `segments`).
+    fn write_new_segment(&mut self, dir: &Path, batch: &RecordBatch, group: Option<String>) -> Result<(u32, Segment), ShadowError> {
+        let id = self.next_id;
+        let (batch, partitions) = sorted_by_partition(batch, self.partition_count)?;
+        let (batch, checksum) = write_segment(dir, id, &batch)?;
+        self.next_id += 1;
+        let mut seg = Segment::new(batch, group, checksum);
+        seg.partitions = partitions;
+        Ok((id, seg))
     }
 
     /// Writes `batch` (rows of keys not live here, moved from another node) as a new
     /// segment and points its keys at their rows. Answers the rows it holds live.
     pub(super) fn adopt_segment(&mut self, dir: &Path, batch: &RecordBatch, group: Option<String>) -> Result<usize, ShadowError> {
-        let id = self.next_id;
-        let (batch, partitions) = sorted_by_partition(batch, self.partition_count)?;
-        let (batch, checksum) = write_segment(dir, id, &batch)?;
-        self.next_id += 1;
-        let mut seg = Segment::new(batch, group, checksum);
-        seg.partitions = partitions;
+        let (id, mut seg) = self.write_new_segment(dir, batch, group)?;
         let keys = key_column(&seg.batch, &segment_path(dir, id))?.clone();
         let mut live = 0;
         for row in 0..seg.batch.num_rows() {
@@ -264,7 +266,7 @@ impl ApState {
 
     /// Every buffer becomes a segment; then the manifest is replaced atomically and the
     /// files it no longer names are removed.
-    pub(super) fn checkpoint(&mut self, dir: &Path, aps: usize, partitions: u16) -> Result<(), ShadowError> {
+    pub(super) fn checkpoint(&mut self, dir: &Path, aps: usize) -> Result<(), ShadowError> {
         for slot in 0..self.buffers.len() {
             self.flush(slot, dir)?;
         }
@@ -274,7 +276,7 @@ impl ApState {
         let manifest = Manifest {
             version: MANIFEST_VERSION,
             analytics_partitions: aps,
-            partitions,
+            partitions: self.partition_count,
             cursors: self.cursors.iter().map(|(p, c)| (*p, c.seqno, c.uuid)).collect(),
             segments: self
                 .segments
@@ -320,7 +322,8 @@ impl ApState {
 
     /// Forgets every row of storage partition `p` (its history diverged): the partition is
     /// read again from the start.
-    pub(super) fn reset_partition(&mut self, p: PartitionId, partitions: u16) {
+    pub(super) fn reset_partition(&mut self, p: PartitionId) {
+        let partitions = self.partition_count;
         let keys: Vec<Box<str>> =
             self.keys.keys().filter(|k| shoal_storage::partition_of(k.as_bytes(), partitions) == p).cloned().collect();
         for k in keys {
@@ -518,9 +521,9 @@ mod tests {
                         st.remove(&format!("k{k}"));
                         model.remove(&format!("k{k}"));
                     }
-                    Op::Checkpoint => st.checkpoint(dir.path(), 1, 4).unwrap(),
+                    Op::Checkpoint => st.checkpoint(dir.path(), 1).unwrap(),
                     Op::Reopen => {
-                        st.checkpoint(dir.path(), 1, 4).unwrap();
+                        st.checkpoint(dir.path(), 1).unwrap();
                         st = Ap::load(dir.path(), 1, 4).unwrap().unwrap();
                         st.segment_rows = 8;
                     }
@@ -554,7 +557,7 @@ mod tests {
             st.upsert(format!("k{i}"), ParsedDoc::parse(text.as_bytes()), &dir).unwrap();
         }
         st.cursors[0].1 = StreamPosition { seqno: 10, uuid: 7 };
-        st.checkpoint(&dir, 1, 1).unwrap();
+        st.checkpoint(&dir, 1).unwrap();
         let seg = segment_path(&dir, 1);
         let mut bytes = std::fs::read(&seg).unwrap();
         let at = bytes.len() / 2;
@@ -583,8 +586,8 @@ mod tests {
             st.upsert(format!("k{i}"), ParsedDoc::parse(text.as_bytes()), &dir).unwrap();
         }
         st.cursors[0].1 = StreamPosition { seqno: 10, uuid: 7 };
-        assert!(st.checkpoint(&broken, 1, 1).is_err(), "a checkpoint that cannot write is an error");
-        st.checkpoint(&dir, 1, 1).unwrap();
+        assert!(st.checkpoint(&broken, 1).is_err(), "a checkpoint that cannot write is an error");
+        st.checkpoint(&dir, 1).unwrap();
         let ap = Ap::open(0, dir.clone(), 1, 1).unwrap();
         let st = ap.state.lock();
         assert_eq!(st.keys.len(), 10, "the rows buffered when the flush failed were written by the next checkpoint");

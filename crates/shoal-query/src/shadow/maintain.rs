@@ -17,11 +17,10 @@ impl Shadow {
     /// anything was applied.
     pub(super) fn round(&self, i: usize) -> Result<bool, ShadowError> {
         let ap = &self.aps[i];
-        let partitions = self.coll.partition_count();
         let cursors = ap.state.lock().cursors.clone();
         let now = self.coll.positions();
         let held = self.coll.held_here();
-        let mut feed = ApFeed { shadow: self, ap, partitions, moved: false };
+        let mut feed = ApFeed { shadow: self, ap, moved: false };
         let mut budget = ROUND_CHANGES_MAX;
         for (p, from) in &cursors {
             if self.incoming.contains(*p) {
@@ -33,7 +32,7 @@ impl Shadow {
                 // neither leak nor count.
                 if from.seqno > 0 {
                     let mut st = ap.state.lock();
-                    st.reset_partition(*p, partitions);
+                    st.reset_partition(*p);
                     st.dirty = true;
                     self.applied[usize::from(*p)].store(0, Ordering::Release);
                     tracing::info!(collection = %self.coll.name(), partition = p, "analytics rows of a partition no longer on this node dropped");
@@ -59,7 +58,7 @@ impl Shadow {
         let mut st = ap.state.lock();
         let quiet = !moved && st.last_change.elapsed() >= QUIET_CHECKPOINT;
         if st.dirty && (quiet || st.last_checkpoint.elapsed() >= CHECKPOINT_INTERVAL) {
-            st.checkpoint(&ap.dir, self.aps.len(), partitions)?;
+            st.checkpoint(&ap.dir, self.aps.len())?;
         }
         Ok(moved)
     }
@@ -71,7 +70,6 @@ impl Shadow {
 struct ApFeed<'a> {
     shadow: &'a Shadow,
     ap: &'a Ap,
-    partitions: u16,
     /// Whether any change was applied.
     moved: bool,
 }
@@ -85,7 +83,7 @@ impl ChangeConsumer for ApFeed<'_> {
 
     /// Forgets every row of the partition; it is read again from the start.
     fn rollback(&mut self, p: PartitionId, _shared: SeqNo) -> Result<(), ShadowError> {
-        self.ap.state.lock().reset_partition(p, self.partitions);
+        self.ap.state.lock().reset_partition(p);
         Ok(())
     }
 

@@ -314,11 +314,10 @@ impl Shadow {
 
 impl Shadow {
     fn checkpoint_all(&self) -> Result<(), ShadowError> {
-        let partitions = self.coll.partition_count();
         for ap in &self.aps {
             let mut st = ap.state.lock();
             if st.dirty {
-                st.checkpoint(&ap.dir, self.aps.len(), partitions)?;
+                st.checkpoint(&ap.dir, self.aps.len())?;
             }
         }
         Ok(())

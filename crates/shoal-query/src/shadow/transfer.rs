@@ -86,7 +86,7 @@ impl Shadow {
             by_group.entry(group).or_default().push(batch);
         }
         let mut st = ap.state.lock();
-        st.reset_partition(p, count);
+        st.reset_partition(p);
         let mut adopted = 0;
         for (group, batches) in by_group {
             let rows = st.segment_rows;
