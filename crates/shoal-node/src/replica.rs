@@ -53,7 +53,12 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: NodeId, mut s
     // node's copy budget, as file copies do.
     let mut pacing = StreamPacing::default();
     let mut copying = None;
-    loop {
+    // A collection created, or a copy given to this node, shows in `parts_from` once the
+    // engine is in step with the metadata that made it: the stream asks for it then, not a
+    // `PULL_WAIT` later (the first writes to a new collection would wait that long to be
+    // replicated, and a failover meanwhile lose them at `durability=none`).
+    let mut reconciled = node.applier.reconciled();
+    'pulls: loop {
         if *stop.borrow() {
             break;
         }
@@ -61,6 +66,8 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: NodeId, mut s
         let Some(address) = following(&node, &state, source) else { break };
         let mut parts = parts_from(&node, &state, source, &snapshot_end);
         pacing.follow_only(&parts);
+        // What the stream follows now, asked for or sitting out its pacing.
+        let following_now: Vec<(u32, u16)> = parts.iter().map(|p| (p.collection, p.partition)).collect();
         let deferred = pacing.defer(&mut parts, Instant::now());
         // Held from one pull to the next while copies are built (the probe measures then).
         copying = pacing.is_building().then(|| copying.take().unwrap_or_else(|| node.copies.elastic.copying()));
@@ -74,6 +81,7 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: NodeId, mut s
             // Nothing to follow yet (no collections): look again later.
             tokio::select! {
                 _ = tokio::time::sleep(PULL_WAIT) => continue,
+                _ = next_reconcile(&mut reconciled) => continue,
                 _ = stop.changed() => continue,
             }
         }
@@ -97,9 +105,20 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: NodeId, mut s
         let wait_ms = u32::try_from(wait.as_millis()).unwrap_or(u32::MAX);
         let request = PullRequest { from: node.id, map_version, round, wait_ms, parts, catch_up_for: None };
         let call = node.peers.call(&address, Op::Pull, wire::encode(&request), PULL_TIMEOUT);
-        let answer = tokio::select! {
-            a = call => a,
-            _ = stop.changed() => continue,
+        tokio::pin!(call);
+        let answer = loop {
+            tokio::select! {
+                a = &mut call => break a,
+                _ = stop.changed() => continue 'pulls,
+                _ = next_reconcile(&mut reconciled) => {
+                    // The pull in flight is dropped (nothing of it applied; the next one asks
+                    // from the same positions) when there is more to follow than when it asked.
+                    let now = parts_from(&node, &node.state(), source, &snapshot_end);
+                    if asks_for_more(&following_now, &now) {
+                        continue 'pulls;
+                    }
+                }
+            }
         };
         let answer: PullAnswer = match answer.map_err(ClusterError::from).and_then(|b| wire::decode(&b).map_err(ClusterError::BadMessage)) {
             Ok(a) => a,
@@ -169,6 +188,19 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: NodeId, mut s
         pacing.paced(Instant::now(), node.copies.pace_stream(usize::try_from(streamed).unwrap_or(usize::MAX), mb_per_s));
     }
     tracing::info!(source = source.0, "replication stopped");
+}
+
+/// Waits for the engine's next step with the metadata (for ever if the node is going away).
+async fn next_reconcile(reconciled: &mut watch::Receiver<u64>) {
+    if reconciled.changed().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Whether a stream that followed `asked` (collection, partition) when it pulled should now
+/// follow a part it did not (a new collection, a copy given to this node). Pure.
+fn asks_for_more(asked: &[(u32, u16)], now: &[PullPart]) -> bool {
+    now.iter().any(|p| !asked.contains(&(p.collection, p.partition)))
 }
 
 /// Whether a copy backfilling from the change stream, now at seqno `at`, is built: it holds
@@ -641,6 +673,25 @@ mod tests {
 
     fn part(collection: u32, partition: u16) -> PullPart {
         PullPart { collection, partition, seqno: 7, uuid: 1, persisted: 7, consistent: false, peek: false }
+    }
+
+    #[test]
+    fn a_pull_in_flight_is_asked_again_only_for_a_part_it_does_not_follow() {
+        let asked = [(1, 0), (1, 1), (2, 0)];
+        // (what the stream should follow now, asks for more)
+        let table: [(Vec<PullPart>, bool); 5] = [
+            (vec![part(1, 0), part(1, 1), part(2, 0)], false),
+            // A copy moved away: the pull in flight is answered or refused for it.
+            (vec![part(1, 0)], false),
+            (vec![], false),
+            // A new collection's copy of a partition already followed for another.
+            (vec![part(1, 0), part(1, 1), part(2, 0), part(3, 0)], true),
+            // A copy of a new partition given to this node.
+            (vec![part(1, 0), part(1, 1), part(1, 2), part(2, 0)], true),
+        ];
+        for (now, more) in table {
+            assert_eq!(asks_for_more(&asked, &now), more, "{now:?}");
+        }
     }
 
     #[test]
