@@ -111,8 +111,8 @@ pub(crate) async fn handle_rpc(raft: &Raft<TypeConfig>, heard: &Heard, kind: Rpc
             serde_json::to_vec(&answer)
         }
         RpcKind::PreVote => {
-            let req: PreVoteRequest = decode(kind, body)?;
-            serde_json::to_vec(&crate::pre_vote::answer(raft, heard, &req))
+            let _: PreVoteRequest = decode(kind, body)?;
+            serde_json::to_vec(&crate::pre_vote::answer(raft, heard))
         }
     };
     encoded.map_err(|e| RpcHandleError::Encode(e.to_string()))

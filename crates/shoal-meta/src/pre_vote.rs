@@ -14,10 +14,7 @@
 //!
 //! A voter grants a pre-vote when it has not heard from a leader for the lease
 //! ([`grants_pre_vote`]): a follower by the last append-entries or snapshot it accepted, a
-//! leader by its quorum's last acknowledgement; and when the candidate's log reaches as far
-//! as its own (by index: openraft keeps the last entry's term to itself, and the real vote
-//! checks both — this only keeps a lagging member from raising the term for an election it
-//! cannot win, as openraft's timer held such a member back). The decisions are pure and table-tested; the
+//! leader by its quorum's last acknowledgement. The decisions are pure and table-tested; the
 //! timer and the messages are [`drive`]'s.
 
 use std::sync::Arc;
@@ -43,8 +40,6 @@ pub const LEADER_LEASE: Duration = Duration::from_millis(ELECTION_TIMEOUT_MAX_MS
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct PreVoteRequest {
     pub candidate: u64,
-    /// The index of the candidate's last log entry.
-    pub last_log_index: Option<u64>,
 }
 
 /// A voter's answer.
@@ -85,18 +80,8 @@ impl Default for Heard {
 /// Whether a voter grants a pre-vote: a leader that its quorum acknowledged within the lease
 /// refuses (`since_quorum_ack`; `None`: no acknowledgement yet, as just after its election
 /// by a quorum, refuses too), anyone else that heard from a leader within the lease refuses.
-/// A candidate whose log ends before this member's (`candidate_log` < `my_log`) is refused
-/// either way. Pure.
-pub fn grants_pre_vote(
-    leading: bool,
-    since_quorum_ack: Option<Duration>,
-    since_heard: Duration,
-    candidate_log: Option<u64>,
-    my_log: Option<u64>,
-) -> bool {
-    if candidate_log < my_log {
-        return false;
-    }
+/// Pure.
+pub fn grants_pre_vote(leading: bool, since_quorum_ack: Option<Duration>, since_heard: Duration) -> bool {
     if leading {
         return since_quorum_ack.is_some_and(|d| d >= LEADER_LEASE);
     }
@@ -130,13 +115,13 @@ fn jitter(id: u64) -> f64 {
 }
 
 /// This member's answer to a pre-vote request, from its Raft's view now.
-pub(crate) fn answer(raft: &Raft<TypeConfig>, heard: &Heard, req: &PreVoteRequest) -> PreVoteResponse {
-    let (leading, since_ack, my_log) = {
+pub(crate) fn answer(raft: &Raft<TypeConfig>, heard: &Heard) -> PreVoteResponse {
+    let (leading, since_ack) = {
         let m = raft.metrics();
         let m = m.borrow();
-        (m.state == ServerState::Leader, m.millis_since_quorum_ack.map(Duration::from_millis), m.last_log_index)
+        (m.state == ServerState::Leader, m.millis_since_quorum_ack.map(Duration::from_millis))
     };
-    PreVoteResponse { granted: grants_pre_vote(leading, since_ack, heard.since(), req.last_log_index, my_log) }
+    PreVoteResponse { granted: grants_pre_vote(leading, since_ack, heard.since()) }
 }
 
 /// The election timer of member `id`: until Raft stops, campaigns when it has heard from no
@@ -146,13 +131,13 @@ pub(crate) async fn drive<T: MetaTransport>(raft: Raft<TypeConfig>, id: u64, tra
     let mut jitter_now = jitter(id);
     loop {
         tokio::time::sleep(PRE_VOTE_TICK).await;
-        let (running, leading, voters, last_log_index) = {
+        let (running, leading, voters) = {
             let m = raft.metrics();
             let m = m.borrow();
             let membership = m.membership_config.membership();
             let voters: Vec<(u64, String)> =
                 membership.voter_ids().map(|v| (v, membership.get_node(&v).map(|n| n.addr.clone()).unwrap_or_default())).collect();
-            (m.running_state.is_ok(), m.state == ServerState::Leader, voters, m.last_log_index)
+            (m.running_state.is_ok(), m.state == ServerState::Leader, voters)
         };
         if !running {
             break;
@@ -165,7 +150,7 @@ pub(crate) async fn drive<T: MetaTransport>(raft: Raft<TypeConfig>, id: u64, tra
         if heard.since() < wait {
             continue;
         }
-        let body = match serde_json::to_vec(&PreVoteRequest { candidate: id, last_log_index }) {
+        let body = match serde_json::to_vec(&PreVoteRequest { candidate: id }) {
             Ok(b) => b,
             Err(_) => continue,
         };
@@ -198,8 +183,7 @@ mod tests {
     #[test]
     fn a_voter_grants_a_pre_vote_only_once_its_leader_is_silent_for_the_lease() {
         let lease = LEADER_LEASE.as_millis() as u64;
-        // (leading, since the quorum's last ack, since this member heard from a leader, grants;
-        // the candidate's log as long as the voter's)
+        // (leading, since the quorum's last ack, since this member heard from a leader, grants)
         let table = [
             // A follower that hears its leader's heartbeats: the candidate came back from a pause.
             (false, None, MS(100), false),
@@ -215,25 +199,7 @@ mod tests {
             (true, None, MS(0), false),
         ];
         for (leading, ack, heard, grants) in table {
-            assert_eq!(grants_pre_vote(leading, ack, heard, Some(40), Some(40)), grants, "{leading} {ack:?} {heard:?}");
-        }
-    }
-
-    #[test]
-    fn a_voter_grants_no_pre_vote_to_a_candidate_whose_log_ends_before_its_own() {
-        let silent = LEADER_LEASE * 2;
-        // (the candidate's last log index, the voter's, grants)
-        let table = [
-            (Some(40), Some(40), true),
-            (Some(41), Some(40), true),
-            (Some(39), Some(40), false),
-            (None, Some(1), false),
-            (Some(1), None, true),
-            (None, None, true),
-        ];
-        for (candidate, mine, grants) in table {
-            assert_eq!(grants_pre_vote(false, None, silent, candidate, mine), grants, "{candidate:?} {mine:?}");
-            assert_eq!(grants_pre_vote(true, Some(silent), silent, candidate, mine), grants, "a leader cut off: {candidate:?} {mine:?}");
+            assert_eq!(grants_pre_vote(leading, ack, heard), grants, "{leading} {ack:?} {heard:?}");
         }
     }
 
