@@ -359,36 +359,19 @@ fn write(h: &Harness, m: &mut Model, items: &[(u8, Kind)], persist: bool, many: 
         return;
     }
 
-    // Failing fsyncs reach the engine in the background too (the journal's periodic sync, a
-    // memtable flush), not only through a persist: a write after that meets a failed engine
-    // (a CI run saw `Engine(Poisoned)` for a `persist: false` write), and the store must be
-    // failed from then on. What was acknowledged before is checked as ever.
-    if m.fail_fsync && results.iter().any(|r| matches!(r, Err(e) if engine_failure(e))) {
-        for &i in &order {
-            match (&predicted[i], &results[i]) {
-                (Ok(new), Ok(outcome)) => {
-                    m.applied.push((items[i].0, *new));
-                    match new {
-                        Some(_) => m.cas.insert(items[i].0, outcome.cas),
-                        None => m.cas.remove(&items[i].0),
-                    };
-                }
-                (Ok(s), Err(e)) if engine_failure(e) => m.maybe.push((items[i].0, *s)),
-                (Err(want), Err(got)) if refusal_of(got) == Some(*want) => {}
-                (want, got) => panic!("{what}: item {i} ({:?}) answered {got:?}, the model expected {want:?}", items[i]),
-            }
-        }
-        drop(wait);
-        h.check_visible(m, &what);
-        m.failed = true;
-        h.check_failed(m, &what);
-        return;
-    }
-
-    // No write fault: every result is as predicted.
+    // No write fault: every result is as predicted — except that failing fsyncs reach the
+    // engine in the background too (the journal's periodic sync, a memtable flush), not only
+    // through a persist: a write after that meets a failed engine (a CI run saw
+    // `Engine(Poisoned)` for a `persist: false` write), and the store must be failed from
+    // then on. What was acknowledged before is checked as ever.
     let mut committed = false;
+    let mut engine_failed = false;
     for &i in &order {
         match (&predicted[i], &results[i]) {
+            (Ok(s), Err(e)) if m.fail_fsync && engine_failure(e) => {
+                engine_failed = true;
+                m.maybe.push((items[i].0, *s));
+            }
             (Ok(new), Ok(outcome)) => {
                 let key = items[i].0;
                 m.applied.push((key, *new));
@@ -401,6 +384,13 @@ fn write(h: &Harness, m: &mut Model, items: &[(u8, Kind)], persist: bool, many: 
             (Err(want), Err(got)) if refusal_of(got) == Some(*want) => {}
             (want, got) => panic!("{what}: item {i} ({:?}) answered {got:?}, the model expected {want:?}", items[i]),
         }
+    }
+    if engine_failed {
+        drop(wait);
+        h.check_visible(m, &what);
+        m.failed = true;
+        h.check_failed(m, &what);
+        return;
     }
     if persist {
         let durable = h.persist(wait.wait());
