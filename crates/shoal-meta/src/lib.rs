@@ -10,6 +10,7 @@ pub mod files;
 pub mod log_store;
 pub mod network;
 pub mod node;
+pub mod pre_vote;
 pub mod state;
 pub mod state_machine;
 pub mod users;

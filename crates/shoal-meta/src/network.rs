@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::pre_vote::{Heard, PreVoteRequest};
 use crate::TypeConfig;
 
 type NodeId = u64;
@@ -33,6 +34,8 @@ pub enum RpcKind {
     AppendEntries,
     Vote,
     InstallSnapshot,
+    /// Would the voter vote for the sender? (`crate::pre_vote`.)
+    PreVote,
 }
 
 /// Why a message did not reach its member or its answer did not come back.
@@ -88,11 +91,29 @@ pub(crate) fn decode<T: DeserializeOwned>(kind: RpcKind, body: &[u8]) -> Result<
 
 /// Answers one received message with the local Raft: decodes the request, calls Raft, and
 /// encodes its `Result` (a remote Raft error travels back as data, not as a transport error).
-pub(crate) async fn handle_rpc(raft: &Raft<TypeConfig>, kind: RpcKind, body: &[u8]) -> Result<Vec<u8>, RpcHandleError> {
+/// Messages that move this member's election timer (an append-entries or snapshot from a
+/// leader it accepts) touch `heard`.
+pub(crate) async fn handle_rpc(raft: &Raft<TypeConfig>, heard: &Heard, kind: RpcKind, body: &[u8]) -> Result<Vec<u8>, RpcHandleError> {
     let encoded = match kind {
-        RpcKind::AppendEntries => serde_json::to_vec(&raft.append_entries(decode(kind, body)?).await),
+        RpcKind::AppendEntries => {
+            let answer = raft.append_entries(decode(kind, body)?).await;
+            if answer.as_ref().is_ok_and(|a| !matches!(a, AppendEntriesResponse::HigherVote(_))) {
+                heard.touch();
+            }
+            serde_json::to_vec(&answer)
+        }
         RpcKind::Vote => serde_json::to_vec(&raft.vote(decode(kind, body)?).await),
-        RpcKind::InstallSnapshot => serde_json::to_vec(&raft.install_snapshot(decode(kind, body)?).await),
+        RpcKind::InstallSnapshot => {
+            let answer = raft.install_snapshot(decode(kind, body)?).await;
+            if answer.is_ok() {
+                heard.touch();
+            }
+            serde_json::to_vec(&answer)
+        }
+        RpcKind::PreVote => {
+            let req: PreVoteRequest = decode(kind, body)?;
+            serde_json::to_vec(&crate::pre_vote::answer(raft, heard, &req))
+        }
     };
     encoded.map_err(|e| RpcHandleError::Encode(e.to_string()))
 }
@@ -204,13 +225,13 @@ impl InProcessRouter {
     /// Delivers messages for `address` to `node` until `unplug` (or the router is dropped).
     pub fn serve(&self, address: &str, node: &crate::MetaNode) {
         let (tx, mut rx) = mpsc::channel::<Envelope>(ROUTER_QUEUE_MAX);
-        let raft = node.raft().clone();
+        let responder = node.responder();
         tokio::spawn(async move {
             while let Some(env) = rx.recv().await {
-                let raft = raft.clone();
+                let responder = responder.clone();
                 // One task per message: a slow call (a snapshot) must not hold up heartbeats.
                 tokio::spawn(async move {
-                    let answer = handle_rpc(&raft, env.kind, &env.body).await.map_err(|e| e.to_string());
+                    let answer = responder.handle(env.kind, &env.body).await.map_err(|e| e.to_string());
                     let _ = env.reply.send(answer);
                 });
             }

@@ -14,6 +14,7 @@ use thiserror::Error;
 use tokio::sync::watch;
 
 use crate::network::{decode, handle_rpc, MetaNetwork, MetaTransport, RpcHandleError, RpcKind};
+use crate::pre_vote::Heard;
 use crate::state::{MetaCommand, MetaReject, MetaResponse, MetaState};
 use crate::state_machine::TermLeaders;
 use crate::vote_gate::VoteGate;
@@ -109,7 +110,50 @@ pub struct MetaNode {
     raft: Raft<TypeConfig>,
     applied: watch::Receiver<Arc<MetaState>>,
     leaders: watch::Receiver<TermLeaders>,
-    gate: VoteGate,
+    responder: Responder,
+}
+
+/// A member's end of the messages from the others (`MetaNode::handle_rpc`), cheap to clone
+/// into the tasks that answer them.
+#[derive(Clone)]
+pub struct Responder {
+    raft: Raft<TypeConfig>,
+    gate: Arc<VoteGate>,
+    heard: Arc<Heard>,
+}
+
+impl Responder {
+    /// Answers one message. A vote request passes the `VoteGate` first; one it holds back is
+    /// refused as openraft refuses one within its own leader lease (this member's vote, not
+    /// granted, no log id). A vote granted resets this member's election timer, as in Raft.
+    pub async fn handle(&self, kind: RpcKind, body: &[u8]) -> Result<Vec<u8>, RpcHandleError> {
+        if kind != RpcKind::Vote {
+            return handle_rpc(&self.raft, &self.heard, kind, body).await;
+        }
+        let req: VoteRequest<u64> = decode(kind, body)?;
+        let candidate = req.vote.leader_id().voted_for();
+        let refusal = || VoteResponse::new(self.raft.metrics().borrow().vote, None, false);
+        let Some(ticket) = self.gate.admit_vote() else {
+            let refused: Result<VoteResponse<u64>, RaftError<u64>> = Ok(refusal());
+            return serde_json::to_vec(&refused).map_err(|e| RpcHandleError::Encode(e.to_string()));
+        };
+        let answer = match tokio::time::timeout(VOTE_HANDLE_TIMEOUT, self.raft.vote(req)).await {
+            Ok(answer) => answer,
+            Err(_) => {
+                // Raft may still grant it: counted as granted, so this member vouches for no
+                // one else for the hold; the candidate hears a refusal.
+                ticket.granted(candidate.unwrap_or(u64::MAX));
+                Ok(refusal())
+            }
+        };
+        if let (Ok(resp), Some(candidate)) = (&answer, candidate) {
+            if resp.vote_granted {
+                ticket.granted(candidate);
+                self.heard.touch();
+            }
+        }
+        serde_json::to_vec(&answer).map_err(|e| RpcHandleError::Encode(e.to_string()))
+    }
 }
 
 impl MetaNode {
@@ -131,11 +175,17 @@ impl MetaNode {
             max_in_snapshot_log_to_keep: LOGS_KEPT_AFTER_SNAPSHOT,
             snapshot_max_chunk_size: SNAPSHOT_CHUNK_MAX_BYTES,
             max_payload_entries: APPEND_ENTRIES_MAX,
+            // Elections start after a pre-vote (`crate::pre_vote::drive`), not by openraft's timer.
+            enable_elect: false,
             ..Config::default()
         };
         let config = Arc::new(config.validate().map_err(|e| OpenError::Config(e.to_string()))?);
-        let raft = Raft::new(id, config, MetaNetwork::new(transport), log, sm).await.map_err(|e| OpenError::Raft(e.to_string()))?;
-        Ok(MetaNode { id, raft, applied, leaders, gate: VoteGate::new(vote_hold) })
+        let raft =
+            Raft::new(id, config, MetaNetwork::new(Arc::clone(&transport)), log, sm).await.map_err(|e| OpenError::Raft(e.to_string()))?;
+        let heard = Arc::new(Heard::new());
+        tokio::spawn(crate::pre_vote::drive(raft.clone(), id, transport, Arc::clone(&heard)));
+        let responder = Responder { raft: raft.clone(), gate: Arc::new(VoteGate::new(vote_hold)), heard };
+        Ok(MetaNode { id, raft, applied, leaders, responder })
     }
 
     pub fn id(&self) -> u64 {
@@ -233,39 +283,18 @@ impl MetaNode {
     }
 
     /// Answers a message from another member (the server's end of `MetaTransport`).
-    /// A vote request passes the `VoteGate` first; one it holds back is refused as openraft
-    /// refuses one within its own leader lease (this member's vote, not granted, no log id).
     pub async fn handle_rpc(&self, kind: RpcKind, body: &[u8]) -> Result<Vec<u8>, RpcHandleError> {
-        if kind != RpcKind::Vote {
-            return handle_rpc(&self.raft, kind, body).await;
-        }
-        let req: VoteRequest<u64> = decode(kind, body)?;
-        let candidate = req.vote.leader_id().voted_for();
-        let refusal = || VoteResponse::new(self.raft.metrics().borrow().vote, None, false);
-        let Some(ticket) = self.gate.admit_vote() else {
-            let refused: Result<VoteResponse<u64>, RaftError<u64>> = Ok(refusal());
-            return serde_json::to_vec(&refused).map_err(|e| RpcHandleError::Encode(e.to_string()));
-        };
-        let answer = match tokio::time::timeout(VOTE_HANDLE_TIMEOUT, self.raft.vote(req)).await {
-            Ok(answer) => answer,
-            Err(_) => {
-                // Raft may still grant it: counted as granted, so this member vouches for no
-                // one else for the hold; the candidate hears a refusal.
-                ticket.granted(candidate.unwrap_or(u64::MAX));
-                Ok(refusal())
-            }
-        };
-        if let (Ok(resp), Some(candidate)) = (&answer, candidate) {
-            if resp.vote_granted {
-                ticket.granted(candidate);
-            }
-        }
-        serde_json::to_vec(&answer).map_err(|e| RpcHandleError::Encode(e.to_string()))
+        self.responder.handle(kind, body).await
+    }
+
+    /// What answers the messages from the others, for a task of its own.
+    pub fn responder(&self) -> Responder {
+        self.responder.clone()
     }
 
     /// This member's vote gate: the cluster layer vouches through it.
     pub fn vote_gate(&self) -> &VoteGate {
-        &self.gate
+        &self.responder.gate
     }
 
     /// Builds a snapshot now (Raft also builds one every `SNAPSHOT_LOGS_SINCE_LAST` entries).
@@ -279,10 +308,6 @@ impl MetaNode {
     /// behind the purged part catches up from the snapshot.
     pub async fn purge_log(&self, upto: u64) -> Result<(), String> {
         self.raft.trigger().purge_log(upto).await.map_err(|e| e.to_string())
-    }
-
-    pub(crate) fn raft(&self) -> &Raft<TypeConfig> {
-        &self.raft
     }
 
     /// Stops Raft; the log files are closed when its tasks end. What was acknowledged is on

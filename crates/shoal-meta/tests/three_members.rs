@@ -154,3 +154,51 @@ async fn a_new_member_catches_up_from_a_snapshot() {
     first.shutdown().await.unwrap();
     second.shutdown().await.unwrap();
 }
+
+/// The term every member of `nodes` is at, once they agree on it.
+fn terms(nodes: &BTreeMap<u64, MetaNode>) -> Vec<u64> {
+    nodes.values().map(|n| n.metrics().borrow().current_term).collect()
+}
+
+/// A follower that heard nothing for longer than the election timeout (it was cut off, or
+/// paused: `SIGSTOP`) comes back as a follower of the same leader, in the same term: it asks
+/// the others first (pre-vote), and they still have a leader. Without pre-vote it raised its
+/// term; the leader heard the higher term, stepped down, and the group had no leader for
+/// seconds (or the returning member took the lead).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_back_from_a_silence_longer_than_the_election_timeout_disrupts_no_leader() {
+    let router = InProcessRouter::new();
+    let dirs: BTreeMap<u64, TempDir> = (1..=3).map(|id| (id, TempDir::new().unwrap())).collect();
+    let mut nodes = BTreeMap::new();
+    for id in 1..=3 {
+        nodes.insert(id, start(&router, &dirs, id).await);
+    }
+    nodes[&1].initialize((1..=3).map(|id| (id, address(id))).collect()).await.unwrap();
+    let leader = agreed_leader(&nodes).await;
+    nodes[&leader].propose(create("users")).await.unwrap();
+    for node in nodes.values() {
+        wait_applied(node, "users", |s| s.collections.contains_key("users")).await;
+    }
+    let before = wait_for("one term everywhere", || {
+        let t = terms(&nodes);
+        t.windows(2).all(|w| w[0] == w[1]).then_some(t[0])
+    })
+    .await;
+    let follower = *nodes.keys().find(|&&id| id != leader).unwrap();
+    // Nothing reaches the follower for twice the longest election timeout (what it sends
+    // still arrives: its pre-votes, and a vote request if it campaigned).
+    router.isolate(&address(follower), true);
+    tokio::time::sleep(Duration::from_millis(2 * (shoal_meta::node::ELECTION_TIMEOUT_MAX_MS * 2))).await;
+    assert_eq!(nodes[&leader].leader(), Some(leader), "the leader kept the lead while the follower was away");
+    router.isolate(&address(follower), false);
+    // It follows the leader again...
+    wait_for("the follower back under the same leader", || (nodes[&follower].leader() == Some(leader)).then_some(())).await;
+    // ...and a while later nothing moved: same leader, same term, everywhere.
+    tokio::time::sleep(Duration::from_millis(2 * shoal_meta::node::ELECTION_TIMEOUT_MAX_MS)).await;
+    assert_eq!(agreed_leader(&nodes).await, leader);
+    assert_eq!(terms(&nodes), vec![before; 3], "no member raised its term");
+    nodes[&leader].propose(create("orders")).await.unwrap();
+    for node in nodes.values() {
+        node.shutdown().await.unwrap();
+    }
+}
