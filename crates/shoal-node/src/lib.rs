@@ -71,6 +71,9 @@ pub enum ClusterError {
     Index(#[from] shoal_index::IndexError),
     #[error("storage: {0}")]
     Storage(String),
+    /// A copy this node no longer holds in the state the request needs (the map moved it).
+    #[error(transparent)]
+    NotMine(#[from] shoal_storage::NotMine),
     #[error("no member {}", .0 .0)]
     NodeNotFound(shoal_cluster::NodeId),
     /// A request the cluster cannot do in its current state (the reason says why).

@@ -179,7 +179,13 @@ pub(crate) async fn replicate_from(node: Arc<ClusterNode>, source: NodeId, mut s
                 }
                 Ok(None) => {}
                 Err(e) => {
-                    tracing::warn!(source = source.0, collection = key.0, partition = key.1, error = %e, "applying replicated changes");
+                    // A pull answered for a copy the map has just moved away or made active
+                    // here is discarded; that is a rebalance's or failover's ordinary race.
+                    if matches!(e, ClusterError::NotMine(_)) {
+                        tracing::debug!(source = source.0, collection = key.0, partition = key.1, error = %e, "replicated changes for a copy no longer followed here");
+                    } else {
+                        tracing::warn!(source = source.0, collection = key.0, partition = key.1, error = %e, "applying replicated changes");
+                    }
                     snapshot_end.remove(&key);
                 }
             }
@@ -346,7 +352,10 @@ pub(crate) async fn apply_part(node: &Arc<ClusterNode>, source_address: &str, pa
                     c.apply(p, &changes)
                 })
                 .await?
-                .map_err(|e| ClusterError::Storage(e.to_string()))?;
+                .map_err(|e| match e {
+                    shoal_storage::WriteError::NotMyPartition(n) => ClusterError::NotMine(n),
+                    e => ClusterError::Storage(e.to_string()),
+                })?;
                 // The persisted seqno moves only when someone waits for an fsync; the next
                 // pull reports it (persist_majority writes wait for that).
                 tokio::spawn(async move {

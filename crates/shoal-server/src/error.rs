@@ -382,9 +382,11 @@ pub fn cluster_error(e: ClusterError) -> ApiError {
         ClusterError::Refused(why) => ApiError::new(StatusCode::CONFLICT, "bad_request", why),
         ClusterError::Timeout(why) => ApiError::unavailable(why),
         ClusterError::BadMessage(why) => ApiError::bad_request(why),
-        ClusterError::NoLeader(_) | ClusterError::Peer(_) | ClusterError::NotLeader { .. } | ClusterError::ShuttingDown => {
-            ApiError::unavailable(e.to_string())
-        }
+        ClusterError::NoLeader(_)
+        | ClusterError::Peer(_)
+        | ClusterError::NotLeader { .. }
+        | ClusterError::NotMine(_)
+        | ClusterError::ShuttingDown => ApiError::unavailable(e.to_string()),
         ClusterError::Index(e) => ApiError::from(e),
         ClusterError::Identity(_) | ClusterError::Meta(_) | ClusterError::Engine(_) | ClusterError::Storage(_) => {
             ApiError::unavailable(e.to_string())
