@@ -198,21 +198,21 @@ pub(crate) async fn members_schema(
 ) -> Result<(SchemaRef, usize), DataFusionError> {
     let asks = cluster.members.iter().map(|m| async move {
         if m == me {
-            fields_here(store, shadows, name, consistency, timeout, current).await
+            fields_here(store, shadows, name, consistency, timeout, current).await.map(Arc::new)
         } else {
             let bytes = cluster
                 .remote
                 .fields(m, name, consistency, timeout, current)
                 .await
                 .map_err(|e| crate::distributed::tag(crate::distributed::Kind::Unavailable, e))?;
-            crate::distributed::decode_fields(&bytes)
+            crate::distributed::decode_fields_cached(&bytes)
         }
     });
     let mut fields = Vec::new();
     let mut rows = 0;
-    for (f, r) in futures::future::try_join_all(asks).await? {
-        fields.extend(f);
-        rows += r;
+    for member in futures::future::try_join_all(asks).await? {
+        fields.extend(member.0.iter().cloned());
+        rows += member.1;
     }
     fields.insert(0, (Field::new(crate::schema::KEY_COLUMN, datafusion::arrow::datatypes::DataType::Utf8, false), u64::MAX));
     Ok((Arc::new(datafusion::arrow::datatypes::Schema::new(crate::merge::merge_fields(&fields))), rows as usize))

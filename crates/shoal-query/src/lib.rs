@@ -609,6 +609,7 @@ impl QueryEngine {
         let prefetch = req.cluster.is_some() && path == Path::Analytics;
         let distributed = req.cluster.is_some() && self.member.get().is_some();
         let run = async move {
+            let t0 = Instant::now();
             // Over the members, opening a table asks each member for its shadow's fields:
             // every table the statement names is opened at once, not one after another as
             // the planner would (it then finds them open).
@@ -619,21 +620,38 @@ impl QueryEngine {
                     let _ = futures::future::join_all(refs.into_iter().map(|r| ctx.table_provider(r))).await;
                 }
             }
+            let t1 = Instant::now();
             let options =
                 datafusion::execution::context::SQLOptions::new().with_allow_ddl(false).with_allow_dml(false).with_allow_statements(false);
             let mut df = ctx.sql_with_options(&sql, options).await?;
             if distributed {
                 df = distributed::analyzed(df)?;
             }
+            let t2 = Instant::now();
             if !params.is_empty() {
                 df = df.with_param_values(params)?;
             }
             let columns: Vec<String> = df.schema().fields().iter().map(|f| f.name().clone()).collect();
             let mut stream = df.execute_stream().await?;
+            let t3 = Instant::now();
             let mut answer = QueryAnswer { columns, ..QueryAnswer::default() };
+            let mut first = None;
             while let Some(batch) = futures::StreamExt::next(&mut stream).await {
+                first.get_or_insert_with(Instant::now);
                 encode_rows(&mut answer, &batch?, format)?;
             }
+            let t4 = Instant::now();
+            // Where a statement's time went (`SHOAL_LOG=shoal_query=debug`): opening its
+            // tables (over the members: asking each for its fields), logical and physical
+            // planning (over the members: the tasks sent), its first batch, the whole.
+            tracing::debug!(
+                open_us = micros(t1 - t0),
+                plan_us = micros(t2 - t1),
+                physical_us = micros(t3 - t2),
+                first_batch_us = first.map_or(0, |f| micros(f - t3)),
+                total_us = micros(t4 - t0),
+                "statement phases"
+            );
             Ok::<_, QueryError>(answer)
         };
         // Across members: a member failed over (stopped, cut off) while the statement runs
@@ -751,6 +769,10 @@ impl QueryEngine {
         };
         Ok((ctx, env))
     }
+}
+
+fn micros(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 /// Appends `batch`'s rows to the answer, refusing one past [`RESULT_ROWS_MAX`] rows or
