@@ -50,6 +50,10 @@ pub struct AnalyticsArgs {
     /// with each node's scanned bytes and CPU seconds.
     #[arg(long, value_delimiter = ',')]
     nodes: Vec<usize>,
+    /// With `--nodes`: arguments given to every node's `serve` besides the bench's own
+    /// (e.g. `--node-arg=--analytics-partitions=1`, each node told it has one core's share).
+    #[arg(long = "node-arg", allow_hyphen_values = true)]
+    node_args: Vec<String>,
     /// Measure a scale-out instead (issue 42, item 2): one node loaded, a second joins and
     /// the rebalance copies it every partition by files with the partitions' analytics
     /// rows; then the same with the rows rebuilt from the documents (`serve
@@ -534,7 +538,8 @@ async fn on_clusters(args: &AnalyticsArgs, cores: usize) -> Result<(), CliError>
     for &size in &args.nodes {
         let size = size.max(1);
         println!("\n--- {size} node(s)");
-        let base = vec!["--cluster-secret".to_string(), "bench-analytics".to_string()];
+        let mut base = vec!["--cluster-secret".to_string(), "bench-analytics".to_string()];
+        base.extend(args.node_args.iter().cloned());
         let first = Node::start_named(&format!("analytics-{size}-0"), args.partitions, &base)?;
         let mut joining = base.clone();
         joining.extend(["--join".to_string(), crate::bench::host_port(&first.url)]);
@@ -567,13 +572,18 @@ async fn on_clusters(args: &AnalyticsArgs, cores: usize) -> Result<(), CliError>
          the nodes are idle after the load). **Every node of every cluster runs on this machine's {cores} cores**, so wall \
          time cannot fall with more nodes here: the scale-out shows in the work per node (each node's share of the bytes \
          scanned and its CPU seconds). Bytes scanned: `shoal_analytics_scanned_bytes_total`, the column values each node's \
-         shadow scans produced. CPU: each node process's user + system seconds over the runs.\n\n\
+         shadow scans produced. CPU: each node process's user + system seconds over the runs.{}\n\n\
          | nodes | engine | load + shadow (s) | query 3 median (ms) | × 1 node | scan query median (ms) | query 3 bytes scanned per node (MB) | share of the total, max / (1/n) | query 3 CPU s per node | scan query CPU s per node | answer = 1 node's | answer = DuckDB's |\n\
          |---|---|---|---|---|---|---|---|---|---|---|---|\n",
         args.sf,
         args.nodes,
         args.partitions,
-        args.runs.max(1)
+        args.runs.max(1),
+        if args.node_args.is_empty() {
+            String::new()
+        } else {
+            format!(" Every node was started with `{}` besides the bench's own arguments.", args.node_args.join(" "))
+        }
     );
     for m in &measured {
         let total: u64 = m.q3_nodes.iter().map(|(b, _)| b).sum();
