@@ -35,6 +35,18 @@ async fn wait_for<T>(what: &str, mut check: impl FnMut() -> Option<T>) -> T {
     }
 }
 
+/// Members 1 to 3, each in a directory of its own, started and initialized as one group.
+async fn three_started() -> (Arc<InProcessRouter>, BTreeMap<u64, TempDir>, BTreeMap<u64, MetaNode>) {
+    let router = InProcessRouter::new();
+    let dirs: BTreeMap<u64, TempDir> = (1..=3).map(|id| (id, TempDir::new().unwrap())).collect();
+    let mut nodes = BTreeMap::new();
+    for id in 1..=3 {
+        nodes.insert(id, start(&router, &dirs, id).await);
+    }
+    nodes[&1].initialize((1..=3).map(|id| (id, address(id))).collect()).await.unwrap();
+    (router, dirs, nodes)
+}
+
 /// The leader all `nodes` agree on.
 async fn agreed_leader(nodes: &BTreeMap<u64, MetaNode>) -> u64 {
     wait_for("an agreed leader", || {
@@ -57,13 +69,7 @@ fn create(name: &str) -> MetaCommand {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_members_elect_commit_fail_over_and_catch_up() {
-    let router = InProcessRouter::new();
-    let dirs: BTreeMap<u64, TempDir> = (1..=3).map(|id| (id, TempDir::new().unwrap())).collect();
-    let mut nodes = BTreeMap::new();
-    for id in 1..=3 {
-        nodes.insert(id, start(&router, &dirs, id).await);
-    }
-    nodes[&1].initialize((1..=3).map(|id| (id, address(id))).collect()).await.unwrap();
+    let (router, dirs, mut nodes) = three_started().await;
     // A second initialize anywhere is refused, not a second cluster.
     assert!(nodes[&1].initialize((1..=3).map(|id| (id, address(id))).collect()).await.is_err());
 
@@ -167,13 +173,7 @@ fn terms(nodes: &BTreeMap<u64, MetaNode>) -> Vec<u64> {
 /// seconds (or the returning member took the lead).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follower_back_from_a_silence_longer_than_the_election_timeout_disrupts_no_leader() {
-    let router = InProcessRouter::new();
-    let dirs: BTreeMap<u64, TempDir> = (1..=3).map(|id| (id, TempDir::new().unwrap())).collect();
-    let mut nodes = BTreeMap::new();
-    for id in 1..=3 {
-        nodes.insert(id, start(&router, &dirs, id).await);
-    }
-    nodes[&1].initialize((1..=3).map(|id| (id, address(id))).collect()).await.unwrap();
+    let (router, _dirs, nodes) = three_started().await;
     let leader = agreed_leader(&nodes).await;
     nodes[&leader].propose(create("users")).await.unwrap();
     for node in nodes.values() {
