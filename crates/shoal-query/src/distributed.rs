@@ -200,7 +200,7 @@ const DECODED_FIELDS_MAX: usize = 256;
 /// A member's fields of a table with their weights, and its rows ([`encode_fields`]).
 pub type DecodedFields = (Vec<(Field, u64)>, u64);
 
-/// [`decode_fields`], answered from the bytes seen last when they are the same.
+/// [`decode_fields`], answered without decoding for bytes decoded before.
 pub fn decode_fields_cached(bytes: &[u8]) -> Result<Arc<DecodedFields>, DataFusionError> {
     if let Some(d) = DECODED_FIELDS.lock().get(bytes) {
         return Ok(Arc::clone(d));
