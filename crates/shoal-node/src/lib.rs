@@ -94,3 +94,28 @@ pub enum ClusterError {
     #[error("the node is shutting down")]
     ShuttingDown,
 }
+
+impl From<shoal_storage::PartitionError> for ClusterError {
+    /// A copy the map moved away keeps its type (`NotMine`, an ordinary race of a
+    /// rebalance); any other storage failure is told as it is.
+    fn from(e: shoal_storage::PartitionError) -> Self {
+        match e {
+            shoal_storage::PartitionError::NotMine(n) => ClusterError::NotMine(n),
+            e => ClusterError::Storage(e.to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ClusterError;
+    use shoal_storage::{NotMine, PartitionError, PartitionState};
+
+    #[test]
+    fn a_copy_moved_away_keeps_its_type_and_other_storage_failures_are_told() {
+        let moved = NotMine { partition: 56, state: PartitionState::Dead, wanted: "replica or pending", map_version: 5 };
+        assert!(matches!(ClusterError::from(PartitionError::NotMine(moved)), ClusterError::NotMine(n) if n.partition == 56));
+        let other = ClusterError::from(PartitionError::Malformed("a bad record".into()));
+        assert!(matches!(&other, ClusterError::Storage(s) if s.contains("a bad record")), "{other}");
+    }
+}

@@ -387,9 +387,9 @@ async fn adopt(
             roll_back(node, source_address, coll, p, rollback_to).await?;
             let store = Arc::clone(node.engine.store());
             let c = Arc::clone(coll);
-            blocking(move || store.adopt_history(&c, p, &history)).await?.map_err(|e| ClusterError::Storage(e.to_string()))
+            blocking(move || store.adopt_history(&c, p, &history)).await?.map_err(ClusterError::from)
         }
-        Err(e) => Err(ClusterError::Storage(e.to_string())),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -404,7 +404,7 @@ async fn roll_back(node: &Arc<ClusterNode>, source_address: &str, coll: &Arc<Col
     let mut versions = fetch_versions(node, source_address, coll, p, &doomed).await?;
     let store = Arc::clone(node.engine.store());
     let c = Arc::clone(coll);
-    let report = blocking(move || store.rollback_partition(&c, p, to)).await?.map_err(|e| ClusterError::Storage(e.to_string()))?;
+    let report = blocking(move || store.rollback_partition(&c, p, to)).await?.map_err(ClusterError::from)?;
     tracing::info!(collection = coll.name(), partition = p, to = report.seqno, removed = report.removed.len(), "rolled back");
     metrics::counter!("shoal_replica_rollbacks_total").increment(1);
     // Nothing writes this copy between the two looks (its changes come from this loop); a
@@ -414,7 +414,7 @@ async fn roll_back(node: &Arc<ClusterNode>, source_address: &str, coll: &Arc<Col
     debug_assert!(unlisted.is_empty(), "a rollback removes only the keys listed before it");
     versions.extend(fetch_versions(node, source_address, coll, p, &unlisted).await?);
     let c = Arc::clone(coll);
-    blocking(move || c.restore(p, &versions)).await?.map_err(|e| ClusterError::Storage(e.to_string()))?;
+    blocking(move || c.restore(p, &versions)).await?.map_err(ClusterError::from)?;
     Ok(())
 }
 
