@@ -6,6 +6,7 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -259,8 +260,9 @@ fn an_index_partition_moves_as_files_and_goes_on_from_the_positions_they_carry()
             want.push("d100".into());
             assert_eq!(ids(my.scan(&here_y, "by_a", eq(3)).await.unwrap()), want, "adopted, then caught up");
             assert_eq!(fy.handed.load(Ordering::Relaxed), 2, "the receiver read the two changes since the snapshot, nothing else");
-            // d003 left part p for the part of 4: the receiver's located records knew it was
-            // in p (learnt from the adopted back entries), so its old entry went.
+            // d003 left part p for the part of 4: the receiver looks in the adopted part for
+            // a changed document's old entries (its located records do not name p yet), so
+            // its old entry went.
             let refused = my.scan(&here_y, "by_a", eq(1)).await;
             assert!(matches!(refused, Err(IndexError::Unavailable(_))), "part q is not held yet: {refused:?}");
             // The other way: an empty part rebuilt from every change.
@@ -503,4 +505,105 @@ fn a_part_adopted_while_a_round_is_in_flight_misses_no_change() {
 /// placed index is fed from the actives; one not placed follows this node's partitions).
 fn every_part(def: &IndexDef) -> Vec<u16> {
     (0..def.part_count()).collect()
+}
+
+/// Parts adopted as files are not in the receiver's `located` records at once: every change
+/// looks in them for the document's old entries until the records learn them (once an index
+/// has `LOCATE_PARTS_MIN`, 3, such parts on the node). Documents moved out of, into and
+/// between adopted parts, and documents never changed since their part came, leave exactly
+/// the model's entries at each step: with one and two such parts, across a restart (the
+/// catalog keeps which parts the records may not name), and after the third adoption had
+/// the records learn them all.
+#[test]
+fn documents_of_parts_adopted_as_files_keep_exact_entries_before_and_after_the_records_learn_them() {
+    let Nodes { _dirs, data, docs, x, y, here_x, here_y } = two_index_nodes();
+    let (fx, fy) = (fetcher(&data), fetcher(&data));
+    let (def, _, _) = moved_index();
+    let part_of = |a: i64| shoal_index::partition::part_of_value(Some(&json!(a)), 5);
+    // Values whose parts are adopted in this order, one new part each.
+    let mut order: Vec<i64> = Vec::new();
+    for a in [3, 1, 4, 0, 2] {
+        if order.iter().all(|&b| part_of(b) != part_of(a)) {
+            order.push(a);
+        }
+    }
+    assert!(order.len() >= 3, "the test adopts three different parts: {order:?}");
+    let model: BTreeMap<String, i64> = (0..DOCS).map(|i| (format!("d{i:03}"), (i % 5) as i64)).collect();
+    let model = Arc::new(parking_lot::Mutex::new(model));
+    // Writes a document and the model.
+    let set = {
+        let (docs, model) = (Arc::clone(&docs), Arc::clone(&model));
+        move |key: &str, a: i64| {
+            put(&docs, key, json!({"a": a, "b": "changed"}));
+            model.lock().insert(key.to_string(), a);
+        }
+    };
+    // Every value whose part y holds scans exactly the model's documents.
+    let check = {
+        let (model, here_y) = (Arc::clone(&model), Arc::clone(&here_y));
+        move |my: Arc<IndexManager>, held: Vec<u16>, step: &'static str| {
+            let (model, here_y) = (Arc::clone(&model), Arc::clone(&here_y));
+            async move {
+                for a in 0..5i64 {
+                    if !held.contains(&part_of(a)) {
+                        continue;
+                    }
+                    let want: Vec<String> = model.lock().iter().filter(|(_, v)| **v == a).map(|(k, _)| k.clone()).collect();
+                    assert_eq!(ids(my.scan(&here_y, "by_a", eq(a)).await.unwrap()), want, "a = {a}, {step}");
+                }
+            }
+        }
+    };
+    let adopt = |mx: Arc<IndexManager>, my: Arc<IndexManager>, no: u16| {
+        let (here_x, here_y) = (Arc::clone(&here_x), Arc::clone(&here_y));
+        async move {
+            let files = mx.export_part(&here_x, "by_a", no).unwrap();
+            let manifest = files.manifest().clone();
+            tokio::task::spawn_blocking(move || my.import_part(&here_y, "by_a", no, &manifest, files)).await.unwrap().unwrap();
+        }
+    };
+    let reopen = |my: Arc<IndexManager>| {
+        let (y, fy) = (Arc::clone(&y), Arc::clone(&fy));
+        async move {
+            my.stop().await;
+            my.close().unwrap();
+            drop(my);
+            IndexManager::open_fed(y, WORKERS, fy as Arc<dyn ChangeFetcher>).unwrap()
+        }
+    };
+    let (here_x2, here_y2, y2, fy2) = (Arc::clone(&here_x), Arc::clone(&here_y), Arc::clone(&y), Arc::clone(&fy));
+    fed_life(&x, &fx, |mx| async move {
+        let my = all_on_x_none_on_y(&mx, &here_x2, (&y2, &fy2, &here_y2), def).await;
+        let mut held = vec![part_of(order[0])];
+        adopt(Arc::clone(&mx), Arc::clone(&my), held[0]).await;
+        check(Arc::clone(&my), held.clone(), "one part adopted").await;
+        set("d003", 4); // out of the adopted part (to one held elsewhere, or the same)
+        set("d008", order[0]); // within it
+        set("d000", order[0]); // into it
+        check(Arc::clone(&my), held.clone(), "changes after one part adopted").await;
+        held.push(part_of(order[1]));
+        adopt(Arc::clone(&mx), Arc::clone(&my), held[1]).await;
+        set("d013", order[1]); // between the two adopted parts, never changed before
+        set(&format!("d{:03}", order[1] + 10), order[0]); // and back the other way
+        check(Arc::clone(&my), held.clone(), "two parts adopted").await;
+        // A restart keeps which parts the records may not name.
+        let my = reopen(my).await;
+        set("d018", order[1]); // never changed before
+        set(&format!("d{:03}", order[1] + 20), 2); // out, never changed before
+        check(Arc::clone(&my), held.clone(), "two parts adopted, restarted").await;
+        // The third adopted part: the records learn all three.
+        held.push(part_of(order[2]));
+        adopt(Arc::clone(&mx), Arc::clone(&my), held[2]).await;
+        check(Arc::clone(&my), held.clone(), "three parts adopted").await;
+        set("d023", order[2]); // never changed before, first part to third
+        set(&format!("d{:03}", order[2] + 30), order[1]); // third to second
+        set(&format!("d{:03}", order[1] + 30), 2); // second out
+        check(Arc::clone(&my), held.clone(), "three parts adopted, records learnt").await;
+        let my = reopen(my).await;
+        set("d028", order[1]);
+        set(&format!("d{:03}", order[2] + 40), order[0]);
+        check(Arc::clone(&my), held.clone(), "three parts adopted, restarted").await;
+        my.stop().await;
+        my.close().unwrap();
+    });
 }

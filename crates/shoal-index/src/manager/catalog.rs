@@ -176,7 +176,7 @@ pub(super) fn open_database(store: &Store, path: &Path, target: &dyn Fn(&Collect
         let index = match load(&db, &meta, r, &coll, target(&coll, r.held.is_some())) {
             Ok(index) => index,
             Err(e) if is_damage(&e) => {
-                let record = Record { id: next_id, ..r.clone() };
+                let record = Record { id: next_id, unlocated: Vec::new(), ..r.clone() };
                 next_id = next_id.checked_add(1).ok_or_else(|| IndexError::Invalid("index ids are exhausted".into()))?;
                 meta.insert(NEXT_ID_KEY, next_id.to_be_bytes())?;
                 store.put_catalog(&record.catalog_key(), &record.encode()?)?;
@@ -288,6 +288,7 @@ pub(super) fn load(
         parts: parking_lot::RwLock::new(Parts::new(parts)),
         held: Mutex::new(r.held.as_ref().map(|_| r.held_parts())),
         located: open_located(db, r.id)?,
+        unlocated: Mutex::new(r.unlocated.iter().copied().filter(|no| r.held_parts().contains(no)).collect()),
         deferred: AtomicBool::new(r.def.defer_build),
         dropped: AtomicBool::new(false),
         corrupt: AtomicBool::new(false),

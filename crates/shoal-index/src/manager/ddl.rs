@@ -49,7 +49,7 @@ impl IndexManager {
             return Err(IndexError::Exists(def.name));
         }
         let id = self.allocate_id(id)?;
-        let record = Record { id, collection_id: coll.id(), collection: coll.name().to_string(), def, held };
+        let record = Record { id, collection_id: coll.id(), collection: coll.name().to_string(), def, held, unlocated: Vec::new() };
         // Durable in the store's catalog before the answer: the index database holds only
         // what can be rebuilt from the definition and the documents.
         self.store.put_catalog(&record.catalog_key(), &record.encode()?)?;
@@ -250,7 +250,7 @@ impl IndexManager {
             // Dropped meanwhile (alone or with its collection): nothing to rebuild.
             return Ok(());
         };
-        let record = Record { id: self.allocate_id(None)?, ..old.record() };
+        let record = Record { id: self.allocate_id(None)?, unlocated: Vec::new(), ..old.record() };
         self.store.put_catalog(&record.catalog_key(), &record.encode()?)?;
         let new = load(&self.db, &self.meta, &record, &coll, self.build_target(&coll, record.held.is_some()))?;
         {

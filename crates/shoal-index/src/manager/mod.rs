@@ -161,6 +161,10 @@ struct Record {
     /// them on index nodes: `shoal_meta::IndexDef::placement`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     held: Option<Vec<u16>>,
+    /// Held parts adopted from another node whose documents the `located` records may not
+    /// name: every change looks in them (see [`Index::unlocated`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    unlocated: Vec<u16>,
 }
 
 impl Record {
@@ -244,6 +248,11 @@ struct Index {
     held: Mutex<Option<Vec<u16>>>,
     /// Per document: the parts that may hold its entries (see [`layout`]).
     located: fjall::Keyspace,
+    /// Held parts adopted as files whose documents the `located` records may not name
+    /// (see [`IndexManager::import_part`]): a change looks for a document's old entries in
+    /// each of them too, as in every part of an index with few parts. Changed with `parts`,
+    /// under its lock.
+    unlocated: Mutex<Vec<u16>>,
     deferred: AtomicBool,
     /// Dropped, or replaced by its rebuild: no longer in its collection's set.
     dropped: AtomicBool,
@@ -460,6 +469,7 @@ impl Index {
             collection: self.collection.clone(),
             def: IndexDef { defer_build: self.deferred.load(Ordering::Acquire), ..self.def.clone() },
             held: self.held.lock().clone(),
+            unlocated: self.unlocated.lock().clone(),
         }
     }
 

@@ -8,7 +8,13 @@
 //! (`request_plus`) or the cluster routes none to it until it has ([`IndexManager::wait_parts`]).
 //!
 //! The receiver's `located` records (which parts a document's entries may be in, node-local)
-//! learn the adopted part from its back entries, one local read of the part.
+//! do not learn an adopted part at once: until they do, the maintainer looks for every
+//! changed document's old entries in it, as it looks in every part of an index with few
+//! parts ([`Index::unlocated`]), and a document's record names the part once the document
+//! changes. Once an index has [`LOCATE_PARTS_MIN`] such parts here, looking in each costs
+//! more than reading the record, and the records learn them all from their back entries
+//! (one local read of each part). A scale-out's new node, which adopts a few parts of each
+//! index, so adopts them without writing a record per document.
 //! [`IndexManager::add_part`] is the other way, the one moves took before: an empty part
 //! rebuilt from every data partition's change stream (the benchmark's comparison).
 
@@ -20,7 +26,7 @@ use shoal_storage::{Collection, FileManifest, KeyspaceFiles, PartitionError};
 
 use super::{
     back_prefix, cursor_key, decode_parts, encode_cursor, encode_parts, load_part, open_index_keyspace, part_keyspace_name, Consistency,
-    Index, IndexManager, Part, Parts,
+    Index, IndexManager, Part, Parts, LOCATE_PARTS_MIN,
 };
 use crate::IndexError;
 
@@ -60,8 +66,9 @@ impl IndexManager {
     /// `records`): its files become the part's keyspace whole (a copy that is all memtable
     /// items, as a small part's is, lands through the journal in one batch:
     /// `shoal_storage::import_small_keyspace`), its cursors are the positions the maintainer
-    /// goes on from. Refused when the part is held here already. Blocking:
-    /// call off the async threads. Answers what arrived (records and bytes).
+    /// goes on from; the `located` records learn it later (see the module's doc). Refused
+    /// when the part is held here already. Blocking: call off the async threads. Answers
+    /// what arrived (records and bytes).
     pub fn import_part<I>(
         &self,
         coll: &Collection,
@@ -78,13 +85,13 @@ impl IndexManager {
         let stats = shoal_storage::import_small_keyspace(&self.db, &ks, manifest, records)?;
         let part = load_part(no, ks, usize::from(coll.partition_count()))?;
         // Under the collection's round lock: a round that read a document's `located`
-        // record before `locate_part` wrote it would write it back without this part (its
+        // record before `locate_parts` wrote it would write it back without the parts (their
         // entries there would then never be removed), and two parts of one index adopted
         // at once would each write their own over the other's.
         let round = self.round_of(coll);
         let located = round.as_ref().map(|r| r.lock());
-        self.locate_part(&index, &part)?;
-        self.hold(coll, &index, part)?;
+        self.hold(coll, &index, part, true)?;
+        self.locate_adopted(&index)?;
         drop(located);
         tracing::info!(index = %name, part = no, files = manifest.files().count(), bytes = stats.bytes, "index partition adopted from files");
         Ok(stats)
@@ -97,7 +104,8 @@ impl IndexManager {
         let ks = self.empty_part_keyspace(&index, no)?;
         let part = load_part(no, ks, usize::from(coll.partition_count()))?;
         part.serving.store(false, std::sync::atomic::Ordering::Release);
-        self.hold(coll, &index, part)
+        // Empty: its documents' records name it as its entries are written.
+        self.hold(coll, &index, part, false)
     }
 
     /// Drops part `no` of index `name` held here (its copy moved to another node): once no
@@ -117,6 +125,7 @@ impl IndexManager {
             let remaining: Vec<Arc<Part>> = set.iter().filter(|p| p.no != no).cloned().collect();
             let held: Vec<u16> = remaining.iter().map(|p| p.no).collect();
             *index.held.lock() = Some(held);
+            index.unlocated.lock().retain(|&u| u != no);
             let record = index.record();
             // The definition first: a crash after it leaves only storage, which the next
             // open removes as an orphan.
@@ -196,11 +205,33 @@ impl IndexManager {
         open_index_keyspace(&self.db, &name)
     }
 
-    /// Records part `part` in the `located` record of every document with entries in it.
-    fn locate_part(&self, index: &Index, part: &Part) -> Result<(), IndexError> {
-        if !index.locates() {
+    /// Once `index` holds [`LOCATE_PARTS_MIN`] parts adopted as files that the `located`
+    /// records do not name yet, records them in the records of every document with entries
+    /// in them, durably, then says so in the catalog. Call with the collection's round held.
+    fn locate_adopted(&self, index: &Index) -> Result<(), IndexError> {
+        let nos = index.unlocated.lock().clone();
+        if nos.len() < usize::from(LOCATE_PARTS_MIN) {
             return Ok(());
         }
+        let parts = index.parts();
+        for no in &nos {
+            if let Some(part) = parts.part(*no) {
+                self.locate_part(index, part)?;
+            }
+        }
+        // The records first: a catalog saying they are there while a crash lost them would
+        // leave entries no change looks for.
+        self.db.persist(fjall::PersistMode::SyncAll)?;
+        let _set = index.parts.write();
+        index.unlocated.lock().retain(|no| !nos.contains(no));
+        let record = index.record();
+        self.store.put_catalog(&record.catalog_key(), &record.encode()?)?;
+        tracing::debug!(index = %index.def.name, parts = ?nos, "adopted index partitions located");
+        Ok(())
+    }
+
+    /// Records part `part` in the `located` record of every document with entries in it.
+    fn locate_part(&self, index: &Index, part: &Part) -> Result<(), IndexError> {
         let mut batch = self.db.batch();
         for guard in part.ks.prefix(back_prefix()) {
             let key = guard.key()?;
@@ -220,13 +251,15 @@ impl IndexManager {
     }
 
     /// Makes `part` one of the parts `index` holds here: recorded in the catalog, then in
-    /// the set the maintainer and scans use.
-    fn hold(&self, coll: &Collection, index: &Arc<Index>, part: Part) -> Result<(), IndexError> {
+    /// the set the maintainer and scans use. `adopted`: its documents' `located` records
+    /// do not name it (see the module's doc).
+    fn hold(&self, coll: &Collection, index: &Arc<Index>, part: Part, adopted: bool) -> Result<(), IndexError> {
         // Read and replaced under the set's lock (see `drop_part`).
         let mut set = index.parts.write();
         if set.part(part.no).is_some() {
             return Err(IndexError::Exists(format!("{} partition {}", index.def.name, part.no)));
         }
+        let no = part.no;
         let mut parts: Vec<Arc<Part>> = set.iter().cloned().collect();
         parts.push(Arc::new(part));
         let held: Vec<u16> = {
@@ -235,6 +268,9 @@ impl IndexManager {
             h
         };
         *index.held.lock() = Some(held);
+        if adopted && index.locates() {
+            index.unlocated.lock().push(no);
+        }
         let record = index.record();
         self.store.put_catalog(&record.catalog_key(), &record.encode()?)?;
         *set = Parts::new(parts);

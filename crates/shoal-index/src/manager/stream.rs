@@ -110,8 +110,9 @@ pub(super) fn entries_by_part(index: &Index, doc: &Value) -> Vec<(u16, Vec<u8>)>
 /// its old entries are looked for in every part it may have them in: the parts its
 /// `located` record names (one read), not all of them — unless the index has so few parts
 /// that looking in each costs less (see [`Index::locates`]). A `located` record names only
-/// parts held here (a part adopted later is added to the records by
-/// [`IndexManager::import_part`]), so on an index node of a cluster, which follows every
+/// parts held here; a part adopted as files is looked in for every document until the
+/// records name it ([`Index::unlocated`], see [`IndexManager::import_part`]), and a
+/// record is rewritten whenever its document changes. So on an index node of a cluster, which follows every
 /// document but holds a few of the parts, a document whose entries all lie elsewhere costs
 /// one read and no write; and a held part the record does not name is not read.
 pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[PartitionBatch]) -> Result<(), IndexError> {
@@ -132,6 +133,7 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
             continue;
         }
         let held = index.parts();
+        let unlocated = index.unlocated.lock().clone();
         let slots = held.len();
         if slots == 0 {
             // No part of this index here: nothing to write, no cursor to move.
@@ -159,8 +161,14 @@ pub(super) fn apply(mgr: &IndexManager, active: &[Arc<Index>], parts: &[Partitio
                 let was: Vec<u16> = match located.get(key) {
                     Some(v) => v.clone(),
                     None if index.locates() => {
-                        let was = mgr.checked(index, read_located(index, key))?;
+                        let mut was = mgr.checked(index, read_located(index, key))?;
                         located_before.insert(key, was.clone());
+                        // Parts adopted as files are looked in whatever the record says.
+                        for &no in &unlocated {
+                            if !was.contains(&no) {
+                                was.push(no);
+                            }
+                        }
                         was
                     }
                     // Few parts: each is looked in.
