@@ -20,10 +20,15 @@
 //!    copies to the stayers — only necessary moves (seed 000: the moves that were not
 //!    needed). Where the distinct-node rule leaves no stayer with room that lacks a unit,
 //!    one copy passes between stayers for it, never more than one per copy the removed node
-//!    held (`tests/index_placement_invariants.rs`).
+//!    held (`tests/index_placement_invariants.rs`). The copy a move takes is one of the
+//!    index the giver holds most of and the receiver least (then by the rendezvous score),
+//!    so each index's partitions spread over the nodes too.
 //!
 //! Scan load is spread by the same balance: every copy of a unit serves scans (the scan
-//! picks one by health and load), so copies per node is what each node scans and stores.
+//! picks one by health and load), so copies per node is what each node scans and stores;
+//! and since each index is spread as well, so are one index's scans (a scale-out to four
+//! nodes gives the new node about a quarter of every index, not all of some and none of
+//! others).
 //! Units weigh the same; index partitions of one index are about the same size (a hash of
 //! the leading key), and indexes differ in size, which a later version may weigh.
 
@@ -134,9 +139,12 @@ pub fn place_indexes(specs: &[IndexSpec], nodes: &[Node], previous: &IndexPlacem
     let weights: Vec<u32> = members.iter().map(|n| n.weight).collect();
     let target = targets(total as u64, placed.len() as u64, &weights);
     let mut load = vec![0usize; members.len()];
-    for copies in placed.values() {
+    // Copies of each index on each node (by slot): what spreads one index over the nodes.
+    let mut of_index: BTreeMap<(u64, usize), usize> = BTreeMap::new();
+    for (part, copies) in &placed {
         for n in copies {
             load[slot[n]] += 1;
+            *of_index.entry((part.index, slot[n])).or_default() += 1;
         }
     }
 
@@ -151,6 +159,7 @@ pub fn place_indexes(specs: &[IndexSpec], nodes: &[Node], previous: &IndexPlacem
             debug_assert!(!copies.contains(&members[i].id));
             copies.push(members[i].id);
             load[i] += 1;
+            *of_index.entry((part.index, i)).or_default() += 1;
         }
     }
 
@@ -174,14 +183,16 @@ pub fn place_indexes(specs: &[IndexSpec], nodes: &[Node], previous: &IndexPlacem
             from.sort_by(|&a, &b| by_fill(&load, b, a));
             pairs.extend(from.into_iter().map(|f| (f, to)));
         }
-        // The first pair with a unit to move: the unit the receiver prefers most among those
-        // the giver holds and it lacks.
+        // The first pair with a unit to move: among those the giver holds and the receiver
+        // lacks, one of the index the giver holds most of against the receiver, then the
+        // unit the receiver prefers most.
         let found = pairs.into_iter().find_map(|(from, to)| {
             let (from_id, to_id) = (members[from].id, members[to].id);
+            let count = |index: u64, i: usize| of_index.get(&(index, i)).copied().unwrap_or(0) as i64;
             placed
                 .iter()
                 .filter(|(_, copies)| copies.contains(&from_id) && !copies.contains(&to_id))
-                .max_by_key(|(part, _)| score(part, to_id))
+                .max_by_key(|(part, _)| (count(part.index, from) - count(part.index, to), score(part, to_id)))
                 .map(|(part, _)| (from, to, *part))
         });
         let Some((from, to, unit)) = found else { break };
@@ -191,6 +202,10 @@ pub fn place_indexes(specs: &[IndexSpec], nodes: &[Node], previous: &IndexPlacem
         }
         load[from] -= 1;
         load[to] += 1;
+        if let Some(n) = of_index.get_mut(&(unit.index, from)) {
+            *n -= 1;
+        }
+        *of_index.entry((unit.index, to)).or_default() += 1;
     }
     debug_assert!(placed.iter().all(|(part, copies)| copies.len() == wanted[part]));
     debug_assert!(placed.values().all(|copies| copies.iter().collect::<BTreeSet<_>>().len() == copies.len()));
@@ -340,6 +355,32 @@ mod tests {
         let (build, drop) = index_moves(&after, &back);
         assert!(drop.iter().all(|(_, n)| *n == NodeId(4)));
         assert_eq!(build.len(), 400);
+    }
+
+    /// Copies of each index on `node`: (fewest, most) over the indexes of `specs`.
+    fn spread(p: &IndexPlacement, specs: &[IndexSpec], node: NodeId) -> (usize, usize) {
+        let counts: Vec<usize> = specs.iter().map(|s| p.iter().filter(|(k, c)| k.index == s.index && c.contains(&node)).count()).collect();
+        (counts.iter().copied().min().unwrap_or(0), counts.iter().copied().max().unwrap_or(0))
+    }
+
+    /// Scan load of one index spreads over the nodes, and a scale-out's new node adopts about
+    /// its share of every index (before, the balance took whichever copies the rendezvous
+    /// score preferred: the fourth node of 100 indexes of 8 partitions held 0 of 7 indexes and
+    /// 4 of 9, so those indexes' scans all went to three nodes, or half of them to one).
+    #[test]
+    fn a_scale_out_gives_the_new_node_its_share_of_every_index() {
+        for (replicas, share) in [(0u8, 2usize), (1, 4)] {
+            let specs: Vec<IndexSpec> = (0..100).map(|i| IndexSpec { index: i, partitions: 8, replicas }).collect();
+            let before = place_indexes(&specs, &nodes(&[1, 2, 3]), &IndexPlacement::new()).expect("placed");
+            let after = place_indexes(&specs, &nodes(&[1, 2, 3, 4]), &before).expect("placed");
+            assert_eq!(spread(&after, &specs, NodeId(4)), (share, share), "replicas {replicas}");
+            for n in 1..=3 {
+                let (lo, hi) = spread(&after, &specs, NodeId(n));
+                assert!(lo + 1 >= share && hi <= share + 1, "replicas {replicas}, node {n}: {lo}..={hi}");
+            }
+            let (build, _) = index_moves(&before, &after);
+            assert!(build.iter().all(|(_, n)| *n == NodeId(4)), "still only the new node builds");
+        }
     }
 
     #[test]
