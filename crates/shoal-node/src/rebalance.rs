@@ -495,10 +495,76 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
     set_moves(node, MoveState::Building);
     // 2. Catch up.
     let new_copies = stages::new_copies(&plan.from, target).map_err(|e| ClusterError::Refused(e.to_string()))?;
-    // 2 and 3, partition by partition: once every new copy of a partition has caught up,
-    // its active role is handed over (with every other partition ready at that look) and a
-    // map moves those partitions to their target copies. A stop or a failure afterwards
-    // keeps the partitions already moved and undoes only the others.
+    // The index partitions, beside the data partitions' stages (an index partition is fed
+    // by every data partition's active, wherever it is, and needs no data copy to move):
+    // placed on the index nodes that stay, each new copy adopted as the files of a live
+    // one, then the placement switched at once.
+    let index_stage = crate::index_moves::move_indexes(node, &eject);
+    let data_stage = move_partitions(node, plan, map, &new_copies);
+    // A data stage that stops or fails ends the index stage (its copies not yet named are
+    // dropped by their nodes); an index stage that fails lets the data stage end first,
+    // never leaving it in the middle of a hand-over.
+    tokio::pin!(index_stage, data_stage);
+    let mut index_ended = None;
+    let data_ended = loop {
+        tokio::select! {
+            ended = &mut data_stage => break ended,
+            ended = &mut index_stage, if index_ended.is_none() => index_ended = Some(ended),
+        }
+    };
+    if let Some(finish) = data_ended? {
+        return Ok(finish);
+    }
+    let index_moves = match index_ended {
+        Some(ended) => ended?,
+        None => index_stage.await?,
+    };
+    if !index_moves.is_empty() {
+        tracing::info!(moves = index_moves.len(), "index partitions moved");
+    }
+    let one = node.monitor.lock.lock().await;
+    tracing::info!("every partition is at its target copies");
+    for id in &eject {
+        node.propose(MetaCommand::SetMemberState { node: *id, state: MemberState::Ejected }).await?;
+    }
+    node.retire_voters(&eject).await?;
+    drop(one);
+    // 4. Settle: done when every replica follows its active and holds a whole snapshot of
+    // it, so that majority writes work on every partition the moment the rebalance says it
+    // is done, and losing an old copy then loses nothing. Replicas still reading their
+    // first snapshot are waited for as copies are (`CATCH_UP_MAX`); ones not heard from,
+    // `SETTLE_MAX`.
+    set_moves(node, MoveState::Settling);
+    let started = Instant::now();
+    loop {
+        let map = node.state().map.clone().unwrap_or_else(|| target.clone());
+        let (unsettled, building) = unsettled_of(node, &map).await;
+        if unsettled + building == 0 {
+            break;
+        }
+        let waited = started.elapsed();
+        if (unsettled > 0 && waited >= SETTLE_MAX) || waited >= CATCH_UP_MAX {
+            tracing::warn!(unsettled, building, "rebalance done, but some replicas do not follow their actives yet");
+            break;
+        }
+        tokio::time::sleep(PROGRESS_POLL).await;
+    }
+    Ok(Finish::Done)
+}
+
+/// Stages 2 and 3 of a rebalance for the data partitions, partition by partition: once every
+/// new copy of a partition has caught up, its active role is handed over (with every other
+/// partition ready at that look) and a map moves those partitions to their target copies. A
+/// stop or a failure afterwards keeps the partitions already moved and undoes only the
+/// others. `map` is the build map. Answers `None` once every partition is at its target
+/// copies, the finish otherwise (a stop reverted).
+async fn move_partitions(
+    node: &Arc<ClusterNode>,
+    plan: &RebalancePlan,
+    mut map: PartitionMap,
+    new_copies: &[(PartitionId, NodeId)],
+) -> Result<Option<Finish>, ClusterError> {
+    let target = &plan.target;
     let deadline = Instant::now() + CATCH_UP_MAX;
     let started = Instant::now();
     let mut waves = 0usize;
@@ -534,7 +600,7 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
             stop_asked,
             map: &map,
             target,
-            new_copies: &new_copies,
+            new_copies,
             caught_up: &caught_up,
             heard: &heard,
             derived_ready: &derived_ready,
@@ -544,7 +610,7 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
         let step = stages::next_step(&look, WAVE_INTERVAL);
         {
             let mut status = node.rebalancer.status.lock();
-            for m in &mut status.moves {
+            for m in status.moves.iter_mut().filter(|m| m.kind == MoveKind::Partition) {
                 let at_target = map.partitions.get(usize::from(m.id)) == target.partitions.get(usize::from(m.id));
                 let copy = (m.id, m.to);
                 let next = if at_target && caught_up.contains(&copy) {
@@ -577,7 +643,7 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
         }
         match step {
             stages::Step::Finish => break,
-            stages::Step::Revert => return revert(node, plan).await.map(|()| Finish::Stopped),
+            stages::Step::Revert => return revert(node, plan).await.map(|()| Some(Finish::Stopped)),
             stages::Step::OutOfTime { behind } => {
                 return Err(ClusterError::Timeout(format!("{behind} new copies did not catch up in {CATCH_UP_MAX:?}")));
             }
@@ -589,40 +655,8 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
             }
         }
     }
-    // The index partitions: placed on the index nodes that stay, each new copy adopted as
-    // the files of a live one, then the placement switched at once.
-    let index_moves = crate::index_moves::move_indexes(node, &eject).await?;
-    if !index_moves.is_empty() {
-        tracing::info!(moves = index_moves.len(), "index partitions moved");
-    }
-    let one = node.monitor.lock.lock().await;
-    tracing::info!(waves, "every partition is at its target copies");
-    for id in &eject {
-        node.propose(MetaCommand::SetMemberState { node: *id, state: MemberState::Ejected }).await?;
-    }
-    node.retire_voters(&eject).await?;
-    drop(one);
-    // 4. Settle: done when every replica follows its active and holds a whole snapshot of
-    // it, so that majority writes work on every partition the moment the rebalance says it
-    // is done, and losing an old copy then loses nothing. Replicas still reading their
-    // first snapshot are waited for as copies are (`CATCH_UP_MAX`); ones not heard from,
-    // `SETTLE_MAX`.
-    set_moves(node, MoveState::Settling);
-    let started = Instant::now();
-    loop {
-        let map = node.state().map.clone().unwrap_or_else(|| target.clone());
-        let (unsettled, building) = unsettled_of(node, &map).await;
-        if unsettled + building == 0 {
-            break;
-        }
-        let waited = started.elapsed();
-        if (unsettled > 0 && waited >= SETTLE_MAX) || waited >= CATCH_UP_MAX {
-            tracing::warn!(unsettled, building, "rebalance done, but some replicas do not follow their actives yet");
-            break;
-        }
-        tokio::time::sleep(PROGRESS_POLL).await;
-    }
-    Ok(Finish::Done)
+    tracing::info!(waves, "every data partition is at its target copies");
+    Ok(None)
 }
 
 /// Hands over the active roles of the `ready` partitions that change active, then commits
