@@ -295,9 +295,9 @@ pub(crate) fn plan_index_moves(
     Ok((target, index_sources(&previous, &build, &alive)))
 }
 
-/// The rebalance's index stage (leader): builds every new copy (as many at once per node
-/// as its copy slots, more towards a node that held none), then commits the placement.
-/// Answers the moves as the rebalance's status shows them.
+/// The rebalance's index stage (leader; it runs beside the data partitions' stages): builds
+/// every new copy (as many at once per node as its copy slots, more towards a node that held
+/// none), then commits the placement. Answers the moves as the rebalance's status shows them.
 pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> Result<Vec<MoveStatus>, ClusterError> {
     let state = node.state();
     let down: BTreeSet<NodeId> =
