@@ -193,25 +193,44 @@ pub fn encode_fields(fields: &[(Field, u64)], rows: u64) -> Result<Vec<u8>, Data
 /// for as long as its shadow's fields and row count do not change, and every statement
 /// asks each member for each table it reads (decoding them was about a tenth of a
 /// coordinator's CPU in query 3 on 3 nodes). Keyed by content, so it is never stale.
-static DECODED_FIELDS: std::sync::LazyLock<Mutex<HashMap<Vec<u8>, Arc<DecodedFields>>>> = std::sync::LazyLock::new(Mutex::default);
+static DECODED_FIELDS: std::sync::LazyLock<FieldsMemo> = std::sync::LazyLock::new(|| FieldsMemo::new(DECODED_FIELDS_MAX));
 /// Most distinct encodings [`DECODED_FIELDS`] keeps; past it, it starts over.
 const DECODED_FIELDS_MAX: usize = 256;
 
 /// A member's fields of a table with their weights, and its rows ([`encode_fields`]).
 pub type DecodedFields = (Vec<(Field, u64)>, u64);
 
-/// [`decode_fields`], answered without decoding for bytes decoded before.
+/// Decoded fields by their encoding, up to `max` encodings; past it, it starts over (the
+/// encodings in use are a few per table and member, so starting over is rare and cheap).
+struct FieldsMemo {
+    decoded: Mutex<HashMap<Vec<u8>, Arc<DecodedFields>>>,
+    max: usize,
+}
+
+impl FieldsMemo {
+    fn new(max: usize) -> FieldsMemo {
+        FieldsMemo { decoded: Mutex::default(), max }
+    }
+
+    /// [`decode_fields`], answered without decoding for bytes decoded before.
+    fn decode(&self, bytes: &[u8]) -> Result<Arc<DecodedFields>, DataFusionError> {
+        if let Some(d) = self.decoded.lock().get(bytes) {
+            return Ok(Arc::clone(d));
+        }
+        let decoded = Arc::new(decode_fields(bytes)?);
+        let mut memo = self.decoded.lock();
+        if memo.len() >= self.max {
+            memo.clear();
+        }
+        memo.insert(bytes.to_vec(), Arc::clone(&decoded));
+        debug_assert!(memo.len() <= self.max);
+        Ok(decoded)
+    }
+}
+
+/// [`decode_fields`], answered without decoding for bytes decoded before (see [`DECODED_FIELDS`]).
 pub fn decode_fields_cached(bytes: &[u8]) -> Result<Arc<DecodedFields>, DataFusionError> {
-    if let Some(d) = DECODED_FIELDS.lock().get(bytes) {
-        return Ok(Arc::clone(d));
-    }
-    let decoded = Arc::new(decode_fields(bytes)?);
-    let mut memo = DECODED_FIELDS.lock();
-    if memo.len() >= DECODED_FIELDS_MAX {
-        memo.clear();
-    }
-    memo.insert(bytes.to_vec(), Arc::clone(&decoded));
-    Ok(decoded)
+    DECODED_FIELDS.decode(bytes)
 }
 
 /// The fields and rows [`encode_fields`] wrote.
@@ -718,6 +737,27 @@ mod tests {
         let more = decode_fields_cached(&encode_fields(&fields, 11).unwrap()).unwrap();
         assert_eq!(*more, (fields, 11));
         assert!(decode_fields_cached(b"\xff not a schema").is_err(), "bad bytes are refused, not kept");
+    }
+
+    /// The memo is bounded: past its most encodings it starts over, and what it held is
+    /// decoded again when asked (the process-wide one keeps `DECODED_FIELDS_MAX`).
+    #[test]
+    fn the_fields_memo_starts_over_past_its_most_encodings() {
+        assert_eq!(DECODED_FIELDS.max, DECODED_FIELDS_MAX);
+        let memo = FieldsMemo::new(2);
+        let fields = vec![(Field::new("memo_b", DataType::Utf8, true), 1)];
+        let enc: Vec<Vec<u8>> = (0..3).map(|rows| encode_fields(&fields, rows).unwrap()).collect();
+        let first = memo.decode(&enc[0]).unwrap();
+        let second = memo.decode(&enc[1]).unwrap();
+        assert!(Arc::ptr_eq(&first, &memo.decode(&enc[0]).unwrap()), "held: not decoded again");
+        assert_eq!(memo.decoded.lock().len(), 2);
+        // A third encoding: the memo starts over and holds it alone.
+        assert_eq!(*memo.decode(&enc[2]).unwrap(), (fields.clone(), 2));
+        assert_eq!(memo.decoded.lock().len(), 1);
+        let again = memo.decode(&enc[0]).unwrap();
+        assert!(!Arc::ptr_eq(&first, &again), "decoded again after the start over");
+        assert_eq!(*again, *first);
+        assert!(!Arc::ptr_eq(&second, &memo.decode(&enc[1]).unwrap()));
     }
 
     #[test]

@@ -91,7 +91,11 @@ impl IndexManager {
         let round = self.round_of(coll);
         let located = round.as_ref().map(|r| r.lock());
         self.hold(coll, &index, part, true)?;
-        self.locate_adopted(&index)?;
+        // The part is adopted whatever happens here: until the records learn it, changes
+        // look in it.
+        if let Err(e) = self.locate_adopted(&index) {
+            tracing::warn!(index = %name, error = %e, "the located records did not learn the adopted index partitions; changes go on looking in them");
+        }
         drop(located);
         tracing::info!(index = %name, part = no, files = manifest.files().count(), bytes = stats.bytes, "index partition adopted from files");
         Ok(stats)
