@@ -197,8 +197,13 @@ async fn transfer_slot(node: &ClusterNode) -> Result<tokio::sync::SemaphorePermi
     let state = node.state();
     let holds_none = state.indexes.values().flat_map(|b| b.values()).all(|d| d.parts_on(node.id).is_empty());
     let slots = crate::copy::copy_slots(state.settings.rebalance_moves_per_node, holds_none);
-    let share = (TRANSFER_PERMITS / u32::try_from(slots).unwrap_or(u32::MAX).max(1)).max(1);
-    TRANSFERS.acquire_many(share).await.map_err(|_| ClusterError::Refused("index copies stopped".into()))
+    TRANSFERS.acquire_many(transfer_share(slots)).await.map_err(|_| ClusterError::Refused("index copies stopped".into()))
+}
+
+/// The permits of [`TRANSFER_PERMITS`] one copy takes when `slots` copies may run at once:
+/// at least one, so that no more than `slots` (and never more than the permits) run at once.
+fn transfer_share(slots: usize) -> u32 {
+    (TRANSFER_PERMITS / u32::try_from(slots).unwrap_or(u32::MAX).max(1)).max(1)
 }
 
 async fn rebuild(node: &Arc<ClusterNode>, req: &AdoptRequest) -> Result<(), ClusterError> {
@@ -377,4 +382,23 @@ pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> R
     }
     tracing::info!(moves = statuses.len(), rebuilt, secs = started.elapsed().as_secs_f64(), "index partitions placed");
     Ok(statuses)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{transfer_share, TRANSFER_PERMITS};
+
+    /// Index copies taking in their files at once: as many as the copy slots say, each with
+    /// an equal share of the permits, never more than the permits and never none.
+    #[test]
+    fn copies_at_once_follow_the_slots_within_the_transfer_permits() {
+        let at_once = |slots: usize| TRANSFER_PERMITS / transfer_share(slots);
+        for (slots, want) in [(0, 1), (1, 1), (2, 2), (8, 8), (TRANSFER_PERMITS as usize, TRANSFER_PERMITS), (10_000, TRANSFER_PERMITS)] {
+            assert_eq!(at_once(slots), want, "{slots} slots");
+            assert!(transfer_share(slots) >= 1 && transfer_share(slots) <= TRANSFER_PERMITS);
+        }
+        // The empty node's slots (the most a node may run) fit the permits whole.
+        let most = crate::copy::copy_slots(shoal_meta::state::REBALANCE_MOVES_PER_NODE_MAX, true);
+        assert_eq!(at_once(most), TRANSFER_PERMITS);
+    }
 }
