@@ -288,11 +288,12 @@ impl ClusterNode {
         self.apply_current_map().await
     }
 
-    /// Makes the index partitions held here those the placement names here: a copy no
-    /// longer named is dropped after `INDEX_DRAIN_WAIT` (scans routed by the placement before
-    /// finish on it first); a copy named here that is missing (its build was lost) is
-    /// rebuilt from the streams — outside a rebalance, which builds its copies before it
-    /// names them.
+    /// Makes the index partitions held here those the placement names here, outside a
+    /// rebalance: a copy not named is dropped after `INDEX_DRAIN_WAIT` (scans routed by the
+    /// placement before finish on it first); a copy named here that is missing (its build
+    /// was lost) is rebuilt from the streams. A rebalance builds its copies before it names
+    /// them, so while one runs a copy not named may be one it is building: copies are
+    /// dropped once it has ended (the state that ends it comes here too).
     async fn hold_placed(
         self: &Arc<Self>,
         state: &MetaState,
@@ -304,7 +305,8 @@ impl ClusterNode {
         let Some(status) = indexes.list(coll).into_iter().find(|s| s.def.name == name) else { return Ok(()) };
         let want = index.parts_on(self.id);
         let held: Vec<u16> = status.part_items.iter().map(|(no, _)| *no).collect();
-        for &no in held.iter().filter(|no| !want.contains(no)) {
+        let settled = state.rebalance.is_none();
+        for &no in held.iter().filter(|no| settled && !want.contains(no)) {
             let key = (coll.name().to_string(), name.to_string(), no);
             if !self.applier.draining.lock().insert(key.clone()) {
                 continue;
@@ -313,11 +315,13 @@ impl ClusterNode {
             tokio::spawn(async move {
                 tokio::time::sleep(crate::index_moves::INDEX_DRAIN_WAIT).await;
                 let state = node.state();
-                let still_elsewhere = state
-                    .indexes
-                    .get(coll.name())
-                    .and_then(|by_name| by_name.get(&name))
-                    .is_some_and(|d| d.id == id && d.is_placed() && !d.parts_on(node.id).contains(&no));
+                // A rebalance begun meanwhile may be building this copy again.
+                let still_elsewhere = state.rebalance.is_none()
+                    && state
+                        .indexes
+                        .get(coll.name())
+                        .and_then(|by_name| by_name.get(&name))
+                        .is_some_and(|d| d.id == id && d.is_placed() && !d.parts_on(node.id).contains(&no));
                 if still_elsewhere {
                     if let Err(e) = node.engine.indexes().drop_part(&coll, &name, no).await {
                         tracing::warn!(index = %name, part = no, error = %e, "dropping an index partition placed elsewhere");
@@ -326,7 +330,7 @@ impl ClusterNode {
                 node.applier.draining.lock().remove(&key);
             });
         }
-        if state.rebalance.is_none() {
+        if settled {
             for &no in want.iter().filter(|no| !held.contains(no)) {
                 tracing::warn!(index = %name, part = no, "an index partition placed here is missing; rebuilding it from the streams");
                 let (indexes, coll, name) = (Arc::clone(&indexes), Arc::clone(coll), name.to_string());
