@@ -85,7 +85,7 @@ impl IndexManager {
         let stats = shoal_storage::import_small_keyspace(&self.db, &ks, manifest, records)?;
         let part = load_part(no, ks, usize::from(coll.partition_count()))?;
         // Under the collection's round lock: a round that read a document's `located`
-        // record before `locate_parts` wrote it would write it back without the parts (their
+        // record before `locate_adopted` wrote it would write it back without the parts (their
         // entries there would then never be removed), and two parts of one index adopted
         // at once would each write their own over the other's.
         let round = self.round_of(coll);
