@@ -143,6 +143,34 @@ fn jitter(id: u64) -> f64 {
     (xxhash_rust::xxh3::xxh3_64(&bytes) >> 11) as f64 / (1u64 << 53) as f64
 }
 
+/// One pre-vote round of member `id`: asks every other voter at once and returns the grants
+/// (its own included). A voter that does not answer within [`PRE_VOTE_TIMEOUT`], or answers
+/// with an error, counts as refusing. The round ends once a majority granted (or can no
+/// longer): a voter that does not answer (a stopped leader) would otherwise hold it up to
+/// `PRE_VOTE_TIMEOUT`, and the other followers' timers meanwhile run out too.
+async fn pre_vote_round<T: MetaTransport>(transport: &Arc<T>, id: u64, voters: &[(u64, String)], body: Vec<u8>) -> usize {
+    let mut asks = tokio::task::JoinSet::new();
+    for (v, address) in voters.iter().filter(|(v, _)| *v != id).cloned() {
+        let (transport, body) = (Arc::clone(transport), body.clone());
+        asks.spawn(async move {
+            let sent = tokio::time::timeout(PRE_VOTE_TIMEOUT, transport.send(v, &address, RpcKind::PreVote, body)).await;
+            matches!(sent, Ok(Ok(b)) if serde_json::from_slice::<PreVoteResponse>(&b).is_ok_and(|r| r.granted))
+        });
+    }
+    let in_group = usize::from(voters.iter().any(|(v, _)| *v == id));
+    let (mut grants, mut left) = (in_group, asks.len());
+    while !majority(grants, voters.len()) && majority(grants + left, voters.len()) {
+        match asks.join_next().await {
+            Some(answer) => {
+                left -= 1;
+                grants += usize::from(answer.unwrap_or(false));
+            }
+            None => break,
+        }
+    }
+    grants
+}
+
 /// This member's answer to a pre-vote request, from its Raft's view now.
 pub(crate) fn answer(raft: &Raft<TypeConfig>, heard: &Heard, req: &PreVoteRequest) -> PreVoteResponse {
     let (leading, since_ack, follows, my_log) = {
@@ -183,28 +211,7 @@ pub(crate) async fn drive<T: MetaTransport>(raft: Raft<TypeConfig>, id: u64, tra
             Ok(b) => b,
             Err(_) => continue,
         };
-        let mut asks = tokio::task::JoinSet::new();
-        for (v, address) in voters.iter().filter(|(v, _)| *v != id).cloned() {
-            let (transport, body) = (Arc::clone(&transport), body.clone());
-            asks.spawn(async move {
-                let sent = tokio::time::timeout(PRE_VOTE_TIMEOUT, transport.send(v, &address, RpcKind::PreVote, body)).await;
-                matches!(sent, Ok(Ok(b)) if serde_json::from_slice::<PreVoteResponse>(&b).is_ok_and(|r| r.granted))
-            });
-        }
-        // The round ends once a majority granted (or can no longer): a voter that does not
-        // answer (a stopped leader) would otherwise hold it up to PRE_VOTE_TIMEOUT, and the
-        // other followers' timers meanwhile run out too.
-        let (mut grants, mut left) = (1, voters.len() - 1);
-        while !majority(grants, voters.len()) && majority(grants + left, voters.len()) {
-            match asks.join_next().await {
-                Some(answer) => {
-                    left -= 1;
-                    grants += usize::from(answer.unwrap_or(false));
-                }
-                None => break,
-            }
-        }
-        drop(asks);
+        let grants = pre_vote_round(&transport, id, &voters, body).await;
         // A new timeout either way: the next attempt waits a whole one.
         heard.touch();
         jitter_now = jitter(id);
@@ -301,5 +308,69 @@ mod tests {
 
     fn lease_ms() -> u64 {
         LEADER_LEASE.as_millis() as u64
+    }
+
+    /// How each voter of a pre-vote round answers.
+    #[derive(Clone, Copy)]
+    enum Voter {
+        Grants,
+        Refuses,
+        /// An error from the transport (unreachable).
+        Fails,
+        /// Never answers: a stopped (`SIGSTOP`) leader.
+        Silent,
+    }
+
+    struct Voters(Vec<Voter>);
+
+    impl MetaTransport for Voters {
+        async fn send(&self, target: u64, address: &str, kind: RpcKind, _body: Vec<u8>) -> Result<Vec<u8>, crate::network::TransportError> {
+            assert_eq!(kind, RpcKind::PreVote);
+            let answer = |granted| Ok(serde_json::to_vec(&PreVoteResponse { granted }).unwrap_or_default());
+            match self.0[target as usize] {
+                Voter::Grants => answer(true),
+                Voter::Refuses => answer(false),
+                Voter::Fails => Err(crate::network::TransportError::Unreachable { address: address.to_string(), why: "refused".into() }),
+                Voter::Silent => std::future::pending().await,
+            }
+        }
+    }
+
+    /// Runs a round of member 0 among `others` (members 1..) under tokio's paused clock;
+    /// returns the grants and how long the round took on that clock.
+    async fn round(others: &[Voter]) -> (usize, Duration) {
+        let mut all = vec![Voter::Grants];
+        all.extend_from_slice(others);
+        let voters: Vec<(u64, String)> = (0..all.len() as u64).map(|v| (v, format!("member-{v}"))).collect();
+        let start = tokio::time::Instant::now();
+        let grants = pre_vote_round(&Arc::new(Voters(all)), 0, &voters, b"{}".to_vec()).await;
+        (grants, start.elapsed())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_voter_that_does_not_answer_counts_as_refusing_after_the_pre_vote_timeout() {
+        use Voter::*;
+        // (the other voters, grants, whether the round waits out PRE_VOTE_TIMEOUT)
+        let table: [(&[Voter], usize, bool); 8] = [
+            // A majority without the silent one: the round does not wait for it.
+            (&[Grants, Silent], 2, false),
+            (&[Grants, Grants, Silent, Silent], 3, false),
+            // The silent voter could still make a majority: the round waits it out, and it
+            // refuses.
+            (&[Refuses, Silent], 1, true),
+            (&[Grants, Refuses, Silent, Silent], 2, true),
+            (&[Silent, Silent], 1, true),
+            (&[Refuses, Refuses, Silent, Silent], 1, true),
+            // No majority is possible any more: the round does not wait.
+            (&[Refuses, Refuses, Refuses, Silent], 1, false),
+            // An unreachable voter refuses at once.
+            (&[Fails, Fails], 1, false),
+        ];
+        for (others, grants, waits) in table {
+            let (got, took) = round(others).await;
+            assert_eq!(got, grants, "{} voters", others.len() + 1);
+            assert_eq!(took >= PRE_VOTE_TIMEOUT, waits, "{} voters: took {took:?}", others.len() + 1);
+            assert!(took <= PRE_VOTE_TIMEOUT + MS(1), "never longer than the timeout: {took:?}");
+        }
     }
 }
