@@ -104,3 +104,100 @@ async fn an_index_move_whose_target_or_source_is_killed_leaves_the_scans_exact()
     }
     drop(b);
 }
+
+/// Issue 41: a rebalance adopts its new index copies (as files) before it names them in the
+/// placement. State changes while it does — its own data waves' maps, a DDL — must not make
+/// the new node drop those copies as "placed elsewhere" (and rebuild them from the streams
+/// once named): every copy moves by files, none is rebuilt, and scans stay exact. The new
+/// node holds each adopted copy unnamed for 4 s (fault injection), past the 2 s drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn copies_a_rebalance_adopts_are_kept_through_state_changes_until_it_names_them() {
+    let IndexCluster { first, second, a, b, join, http } = index_cluster().await;
+    let def = json!({"name": "by_v", "keys": ["v"], "partitions": 8, "replicas": 1});
+    assert_eq!(http.post(first.u("/v1/collections/c/indexes")).json(&def).send().await.unwrap().status(), 201);
+    let mut want: Vec<(i64, String)> = Vec::new();
+    for i in 0..120i64 {
+        let key = format!("k{i:03}");
+        let r = http.put(first.u(&format!("/v1/collections/c/docs/{key}"))).json(&json!({"v": i % 5})).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        want.push((i % 5, key));
+    }
+    want.sort();
+    let scan = || {
+        let (http, url) = (http.clone(), first.u("/v1/collections/c/indexes/by_v/scan"));
+        async move {
+            let r = http.post(url).json(&json!({"consistency": "request_plus", "timeout_ms": 30_000})).send().await.unwrap();
+            let status = r.status().as_u16();
+            let v: Value = r.json().await.unwrap_or(Value::Null);
+            let rows: Option<Vec<(i64, String)>> = v["rows"]
+                .as_array()
+                .map(|rows| rows.iter().map(|r| (r["key"][0].as_i64().unwrap(), r["id"].as_str().unwrap().to_string())).collect());
+            (status, rows, v)
+        }
+    };
+    let (status, rows, v) = scan().await;
+    assert_eq!((status, rows.as_ref()), (200, Some(&want)), "{v}");
+
+    let mut args = index_node_args();
+    args.push("--fault-injection");
+    let joiner = joined(&args, &join);
+    wait_for(&http, &first.u("/v1/cluster"), "the new member", |v| member_states(v).len() == 5).await;
+    let r = http
+        .post(joiner.u("/v1/_internal/faults"))
+        .header("x-shoal-cluster-secret", common::cluster::SECRET)
+        .json(&json!({"cut": [], "index_adopt_delay_ms": 4_000}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200, "{}", r.text().await.unwrap_or_default());
+    let r = http
+        .post(joiner.u("/v1/_internal/faults"))
+        .header("x-shoal-cluster-secret", common::cluster::SECRET)
+        .json(&json!({"cut": [], "index_adopt_delay_ms": 3_600_000}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400, "a delay past the bound is refused");
+    // The refused call changed nothing: the 4 s delay holds.
+    let started = http.post(first.u("/v1/cluster/rebalance")).json(&json!({})).send().await.unwrap();
+    assert_eq!(started.status().as_u16(), 202);
+    // State changes while the new node holds its adopted copies unnamed: one DDL a second.
+    let mut ddl = 0;
+    let status = loop {
+        let (_, status) = get_json(&http, &first.u("/v1/cluster/rebalance")).await;
+        if status["state"] != "running" {
+            break status;
+        }
+        let r = http.put(first.u(&format!("/v1/collections/ddl{ddl}"))).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 201, "{}", r.text().await.unwrap_or_default());
+        ddl += 1;
+        let (status, rows, v) = scan().await;
+        match status {
+            200 => assert_eq!(rows.as_ref(), Some(&want), "a scan during the rebalance"),
+            503 => {}
+            other => panic!("{other} {v}"),
+        }
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+    };
+    assert_eq!(status["state"], "done", "{status}");
+    assert!(ddl >= 3, "the DDLs ran while copies were held unnamed ({ddl})");
+    let index_moves: Vec<&Value> = status["moves"].as_array().unwrap().iter().filter(|m| m["kind"] == "index").collect();
+    assert!(!index_moves.is_empty(), "index copies moved to the new node: {status}");
+    assert!(index_moves.iter().all(|m| m["method"] == "files"), "every index copy moved by files: {status}");
+    // Past the drain of anything dropped by mistake, and the state that ended the rebalance
+    // applied everywhere: nothing rebuilt from the streams.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    for node in [&first, &second, &a, &b, &joiner] {
+        let rebuilt = common::metric(&http, node, "shoal_index_partitions_rebuilt_total").await.unwrap_or(0.0);
+        assert_eq!(rebuilt, 0.0, "{}: index partitions rebuilt from the streams", node.addr());
+    }
+    let (status, rows, v) = scan().await;
+    assert_eq!((status, rows.as_ref()), (200, Some(&want)), "{v}");
+    let (_, listed) = get_json(&http, &first.u("/v1/collections/c/indexes")).await;
+    let info = get_json(&http, &first.u("/v1/cluster")).await.1;
+    let joiner_id = node_id(&info, &joiner).unwrap();
+    assert!(
+        listed[0]["placement"].as_array().unwrap().iter().flat_map(|c| c.as_array().unwrap()).any(|n| *n == json!(joiner_id)),
+        "the new node holds copies: {listed}"
+    );
+}

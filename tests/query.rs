@@ -4,6 +4,7 @@
 
 mod common;
 
+use common::cluster::SECRET;
 use common::Node;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
@@ -379,4 +380,57 @@ async fn a_full_scan_reads_the_shadow_only_when_it_answers_the_same_rows() {
     assert_eq!((s, &v["rows"], &v["metrics"]["engine"]), (StatusCode::OK, &json!([[1]]), &json!("rows")), "{v}");
     let plan = rows(&off, &c, "EXPLAIN SELECT sum(x) FROM c", json!([])).await;
     assert!(json!(plan).to_string().contains("rows: analytics is off on this node"), "{plan:?}");
+}
+
+/// At `request_plus` a full scan waits for the shadow at most `COLUMNAR_WAIT` (500 ms) and
+/// then reads the documents: a shadow that lags (held by fault injection, as a slow disk
+/// would make it) never makes `/v1/query` answer fewer rows nor fail, `EXPLAIN` says why
+/// the documents were read, and `/v1/analytics` (which reads only the shadow) answers
+/// `504` at the statement's timeout instead of a short count. Released, the shadow
+/// catches up and is read again.
+#[tokio::test]
+async fn a_full_scan_reads_the_documents_when_the_shadow_lags_past_the_columnar_wait() {
+    let node = Node::start(&["--partitions", "8", "--analytics-partitions", "2", "--cluster-secret", SECRET, "--fault-injection"]);
+    let c = node.client();
+    c.put(node.u("/v1/collections/c")).send().await.unwrap();
+    let faults = |hold: Value| {
+        let (c, url) = (c.clone(), node.u("/v1/_internal/faults"));
+        async move {
+            let r =
+                c.post(url).header("x-shoal-cluster-secret", SECRET).json(&json!({"cut": [], "hold_shadows": hold})).send().await.unwrap();
+            (r.status(), r.text().await.unwrap_or_default())
+        }
+    };
+    let mut sum = 0;
+    for i in 0..10 {
+        put(&node, &c, "c", &format!("k{i}"), json!({"x": i})).await;
+        sum += i;
+    }
+    let statement = json!({"sql": "SELECT count(*), sum(x) FROM c", "consistency": "request_plus"});
+    let (s, v) = sql_with(&node, &c, statement.clone()).await;
+    assert_eq!((s, &v["rows"], &v["metrics"]["engine"]), (StatusCode::OK, &json!([[10, sum]]), &json!("columnar")), "{v}");
+
+    // An unknown collection is a clear error, and holds nothing.
+    let (s, body) = faults(json!(["nope"])).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(faults(json!(["c"])).await.0, StatusCode::OK);
+    for i in 10..15 {
+        put(&node, &c, "c", &format!("k{i}"), json!({"x": i})).await;
+        sum += i;
+    }
+    let (s, v) = sql_with(&node, &c, statement.clone()).await;
+    assert_eq!((s, &v["rows"], &v["metrics"]["engine"]), (StatusCode::OK, &json!([[15, sum]]), &json!("rows")), "{v}");
+    let (s, v) = sql_with(&node, &c, json!({"sql": "EXPLAIN SELECT sum(x) FROM c", "consistency": "request_plus"})).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert!(v.to_string().contains("rows: the analytics shadow did not catch up within 500ms"), "{v}");
+    let (s, v) =
+        sql_at(&node, &c, "/v1/analytics", json!({"sql": "SELECT count(*) FROM c", "consistency": "request_plus", "timeout_ms": 1000}))
+            .await;
+    assert_eq!((s, v["error"].as_str()), (StatusCode::GATEWAY_TIMEOUT, Some("timeout")), "never a short count: {v}");
+
+    assert_eq!(faults(json!([])).await.0, StatusCode::OK);
+    let (s, v) = sql_at(&node, &c, "/v1/analytics", json!({"sql": "SELECT count(*) FROM c", "consistency": "request_plus"})).await;
+    assert_eq!((s, &v["rows"]), (StatusCode::OK, &json!([[15]])), "{v}");
+    let (s, v) = sql_with(&node, &c, statement).await;
+    assert_eq!((s, &v["rows"], &v["metrics"]["engine"]), (StatusCode::OK, &json!([[15, sum]]), &json!("columnar")), "{v}");
 }

@@ -279,6 +279,42 @@ pub fn repair_indexes(previous: &IndexPlacement, nodes: &[NodeId]) -> IndexPlace
     out
 }
 
+/// What a node does with its copies of one index when its placement is applied there.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CopiesToReconcile {
+    /// Copies held and not placed here: each is dropped after a drain, if the placement
+    /// still does not name it then ([`drops_after_drain`]).
+    pub drain: Vec<u16>,
+    /// Copies placed here and missing (their build was lost): rebuilt from the streams.
+    pub rebuild: Vec<u16>,
+}
+
+/// A node's copies of one index against its placement: `placed` the partitions the
+/// placement names on this node, `held` the ones it holds, `rebalancing` whether a
+/// rebalance runs. Outside a rebalance, copies not named drain and named ones missing are
+/// rebuilt. During one, nothing: a rebalance adopts its new copies (as files, on their
+/// nodes) before it names them in the placement, so a copy not named may be one being
+/// adopted, and a named one missing is one it builds (dropping the first meant rebuilding
+/// it from the streams once named). The state that ends the rebalance comes to every node
+/// and reconciles them then. Pure.
+pub fn copies_to_reconcile(placed: &[u16], held: &[u16], rebalancing: bool) -> CopiesToReconcile {
+    if rebalancing {
+        return CopiesToReconcile::default();
+    }
+    CopiesToReconcile {
+        drain: held.iter().copied().filter(|p| !placed.contains(p)).collect(),
+        rebuild: placed.iter().copied().filter(|p| !held.contains(p)).collect(),
+    }
+}
+
+/// Whether a copy that began to drain is dropped once its drain is over, from the state
+/// then: only if no rebalance runs (one begun meanwhile may be adopting it again) and the
+/// index still exists as the one that began (`same_index`: same id), placed, and not here.
+/// Pure.
+pub fn drops_after_drain(rebalancing: bool, same_index: bool, placed_here: bool) -> bool {
+    !rebalancing && same_index && !placed_here
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -293,6 +329,35 @@ mod tests {
             *out.entry(*n).or_default() += 1;
         }
         out
+    }
+
+    #[test]
+    fn copies_not_placed_are_dropped_and_missing_ones_rebuilt_only_outside_a_rebalance() {
+        type Parts<'a> = &'a [u16];
+        let none: Parts = &[];
+        // (placed here, held, rebalancing, drained, rebuilt)
+        let table: [(Parts, Parts, bool, Parts, Parts); 8] = [
+            (&[0, 1], &[0, 1], false, none, none),
+            // A copy moved away: drained then dropped; one placed and lost: rebuilt.
+            (&[0], &[0, 1], false, &[1], none),
+            (&[0, 1], &[0], false, none, &[1]),
+            (&[2], &[0, 1], false, &[0, 1], &[2]),
+            (none, none, false, none, none),
+            // During a rebalance: copies being adopted before the placement names them are
+            // kept, and named ones it is building are not rebuilt from the streams.
+            (&[0], &[0, 1], true, none, none),
+            (&[0, 1], &[0], true, none, none),
+            (&[2], &[0, 1], true, none, none),
+        ];
+        for (placed, held, rebalancing, drain, rebuild) in table {
+            let got = copies_to_reconcile(placed, held, rebalancing);
+            assert_eq!(got, CopiesToReconcile { drain: drain.to_vec(), rebuild: rebuild.to_vec() }, "{placed:?} {held:?} {rebalancing}");
+        }
+        // After the drain: (rebalancing, same index, placed here again, dropped)
+        let after = [(false, true, false, true), (true, true, false, false), (false, false, false, false), (false, true, true, false)];
+        for (rebalancing, same, placed_here, dropped) in after {
+            assert_eq!(drops_after_drain(rebalancing, same, placed_here), dropped, "{rebalancing} {same} {placed_here}");
+        }
     }
 
     #[test]

@@ -291,9 +291,11 @@ impl ClusterNode {
     /// Makes the index partitions held here those the placement names here, outside a
     /// rebalance: a copy not named is dropped after `INDEX_DRAIN_WAIT` (scans routed by the
     /// placement before finish on it first); a copy named here that is missing (its build
-    /// was lost) is rebuilt from the streams. A rebalance builds its copies before it names
-    /// them, so while one runs a copy not named may be one it is building: copies are
-    /// dropped once it has ended (the state that ends it comes here too).
+    /// was lost) is rebuilt from the streams (counted in `PLACED_MISSING_REBUILDS_METRIC`).
+    /// A rebalance builds its copies before it names them, so while one runs a copy not
+    /// named may be one it is building: copies are dropped once it has ended (the state that
+    /// ends it comes here too). The decisions are `shoal_cluster::index_placement`'s
+    /// (`copies_to_reconcile`, `drops_after_drain`).
     async fn hold_placed(
         self: &Arc<Self>,
         state: &MetaState,
@@ -305,8 +307,8 @@ impl ClusterNode {
         let Some(status) = indexes.list(coll).into_iter().find(|s| s.def.name == name) else { return Ok(()) };
         let want = index.parts_on(self.id);
         let held: Vec<u16> = status.part_items.iter().map(|(no, _)| *no).collect();
-        let settled = state.rebalance.is_none();
-        for &no in held.iter().filter(|no| settled && !want.contains(no)) {
+        let reconcile = shoal_cluster::index_placement::copies_to_reconcile(&want, &held, state.rebalance.is_some());
+        for no in reconcile.drain {
             let key = (coll.name().to_string(), name.to_string(), no);
             if !self.applier.draining.lock().insert(key.clone()) {
                 continue;
@@ -315,14 +317,13 @@ impl ClusterNode {
             tokio::spawn(async move {
                 tokio::time::sleep(crate::index_moves::INDEX_DRAIN_WAIT).await;
                 let state = node.state();
-                // A rebalance begun meanwhile may be building this copy again.
-                let still_elsewhere = state.rebalance.is_none()
-                    && state
-                        .indexes
-                        .get(coll.name())
-                        .and_then(|by_name| by_name.get(&name))
-                        .is_some_and(|d| d.id == id && d.is_placed() && !d.parts_on(node.id).contains(&no));
-                if still_elsewhere {
+                let def = state.indexes.get(coll.name()).and_then(|by_name| by_name.get(&name)).filter(|d| d.id == id && d.is_placed());
+                let drops = shoal_cluster::index_placement::drops_after_drain(
+                    state.rebalance.is_some(),
+                    def.is_some(),
+                    def.is_some_and(|d| d.parts_on(node.id).contains(&no)),
+                );
+                if drops {
                     if let Err(e) = node.engine.indexes().drop_part(&coll, &name, no).await {
                         tracing::warn!(index = %name, part = no, error = %e, "dropping an index partition placed elsewhere");
                     }
@@ -330,12 +331,11 @@ impl ClusterNode {
                 node.applier.draining.lock().remove(&key);
             });
         }
-        if settled {
-            for &no in want.iter().filter(|no| !held.contains(no)) {
-                tracing::warn!(index = %name, part = no, "an index partition placed here is missing; rebuilding it from the streams");
-                let (indexes, coll, name) = (Arc::clone(&indexes), Arc::clone(coll), name.to_string());
-                blocking(move || indexes.add_part(&coll, &name, no)).await??;
-            }
+        for no in reconcile.rebuild {
+            tracing::warn!(index = %name, part = no, "an index partition placed here is missing; rebuilding it from the streams");
+            metrics::counter!(crate::index_moves::PLACED_MISSING_REBUILDS_METRIC).increment(1);
+            let (indexes, coll, name) = (Arc::clone(&indexes), Arc::clone(coll), name.to_string());
+            blocking(move || indexes.add_part(&coll, &name, no)).await??;
         }
         Ok(())
     }

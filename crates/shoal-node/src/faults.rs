@@ -1,6 +1,7 @@
 //! Fault injection (`serve --fault-injection`, for tests): a replica that leaves one
-//! collection's replicated changes unapplied, and maps whose partition states follow late,
-//! as a slow fsync would. Nothing here runs unless a test asks for it.
+//! collection's replicated changes unapplied, maps whose partition states follow late, as a
+//! slow fsync would, and index copies adopted here that answer late, as a slow disk would
+//! make them. Nothing here runs unless a test asks for it.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -10,7 +11,8 @@ use parking_lot::Mutex;
 use crate::node::ClusterNode;
 use crate::ClusterError;
 
-/// The longest map delay fault injection takes (`ClusterNode::delay_maps`).
+/// The longest map or adoption delay fault injection takes (`ClusterNode::delay_maps`,
+/// `ClusterNode::delay_index_adoptions`).
 pub const MAP_DELAY_MAX: Duration = Duration::from_secs(30);
 
 /// The faults asked for; none by default.
@@ -21,6 +23,9 @@ pub(crate) struct Faults {
     held: Mutex<HashSet<u32>>,
     /// How long each map waits before the partition states follow it.
     map_delay: Mutex<Duration>,
+    /// How long an index copy adopted here waits, once built, before it answers the leader
+    /// (a rebalance holds its copies unnamed in the placement that long).
+    adopt_delay: Mutex<Duration>,
 }
 
 impl Faults {
@@ -32,6 +37,11 @@ impl Faults {
     /// How long a map waits before the partition states follow it.
     pub(crate) fn map_delay(&self) -> Duration {
         *self.map_delay.lock()
+    }
+
+    /// How long an index copy adopted here waits before it answers.
+    pub(crate) fn adopt_delay(&self) -> Duration {
+        *self.adopt_delay.lock()
     }
 }
 
@@ -53,5 +63,12 @@ impl ClusterNode {
     pub fn delay_maps(&self, delay: Duration) {
         debug_assert!(delay <= MAP_DELAY_MAX, "the caller checks the bound");
         *self.faults.map_delay.lock() = delay.min(MAP_DELAY_MAX);
+    }
+
+    /// Every index copy adopted here waits `delay` (at most [`MAP_DELAY_MAX`]) once built
+    /// before it answers the rebalance that asked for it.
+    pub fn delay_index_adoptions(&self, delay: Duration) {
+        debug_assert!(delay <= MAP_DELAY_MAX, "the caller checks the bound");
+        *self.faults.adopt_delay.lock() = delay.min(MAP_DELAY_MAX);
     }
 }

@@ -41,6 +41,10 @@ const INDEX_DEFINITION_WAIT: Duration = Duration::from_secs(30);
 /// scans routed by the placement before finish on it.
 pub const INDEX_DRAIN_WAIT: Duration = Duration::from_secs(2);
 
+/// Counter of index partitions a node found placed on it and missing outside a rebalance,
+/// and rebuilt from the change streams (a lost build; never a rebalance's move).
+pub const PLACED_MISSING_REBUILDS_METRIC: &str = "shoal_index_partitions_rebuilt_total";
+
 /// A holder's export of one index partition.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct IndexExportRequest {
@@ -112,19 +116,17 @@ pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> R
     let indexes = Arc::clone(node.engine.indexes());
     // A node that joined lately may not have applied the collection's and the index's
     // definitions yet: they are in the log the leader placed the index by, so they come.
-    let deadline = Instant::now() + INDEX_DEFINITION_WAIT;
-    let (coll, held) = loop {
-        let coll = node.engine.store().collection(&req.collection);
-        let held = coll.as_ref().and_then(|c| {
-            indexes.list(c).into_iter().find(|s| s.def.name == req.index).map(|s| s.part_items.iter().any(|(no, _)| *no == req.part))
-        });
-        match (coll, held) {
-            (Some(coll), Some(held)) => break (coll, Some(held)),
-            (Some(coll), None) if Instant::now() >= deadline => break (coll, None),
-            (None, _) if Instant::now() >= deadline => return Err(ClusterError::Refused(format!("no collection {}", req.collection))),
-            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+    let (coll, held) = definition_within(INDEX_DEFINITION_WAIT, || {
+        let Some(coll) = node.engine.store().collection(&req.collection) else { return Known::Nothing };
+        let held =
+            indexes.list(&coll).into_iter().find(|s| s.def.name == req.index).map(|s| s.part_items.iter().any(|(no, _)| *no == req.part));
+        match held {
+            Some(held) => Known::Index(coll, held),
+            None => Known::Collection(coll),
         }
-    };
+    })
+    .await
+    .map_err(|()| ClusterError::Refused(format!("no collection {}", req.collection)))?;
     // The files come a few copies at a time (more towards a node that holds no index
     // partition yet); catching up from the streams, after, is not counted: a copy waits
     // for its collection's next rounds, which every copy waiting here shares.
@@ -155,21 +157,14 @@ pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> R
         },
     };
     drop(transfer);
-    let copied = Instant::now();
-    // Caught up with the actives' positions now. While a partition is frozen for a
-    // hand-over (or its active is out of reach) the actives cannot all say how far they
-    // are, and the wait asks again.
-    let deadline = Instant::now() + INDEX_ADOPT_TIMEOUT;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match indexes.wait_parts(&coll, &req.index, &[req.part], left).await {
-            Err(shoal_index::IndexError::Unavailable(why)) if Instant::now() + INDEX_ADOPT_RETRY < deadline => {
-                tracing::debug!(index = %req.index, part = req.part, %why, "an adopted index partition waits for the actives");
-                tokio::time::sleep(INDEX_ADOPT_RETRY).await;
-            }
-            other => break other?,
-        }
+    let delay = node.faults.adopt_delay();
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
     }
+    let copied = Instant::now();
+    // Caught up with the actives' positions now.
+    let parts = [req.part];
+    caught_up_within(INDEX_ADOPT_TIMEOUT, |left| indexes.wait_parts(&coll, &req.index, &parts, left)).await?;
     tracing::debug!(
         index = %req.index,
         part = req.part,
@@ -181,8 +176,58 @@ pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> R
     Ok(answer)
 }
 
+/// What a node asked to adopt a copy knows of its index: nothing, its collection, or the
+/// index too (and whether it holds the copy already).
+enum Known<C> {
+    Nothing,
+    Collection(C),
+    Index(C, bool),
+}
+
+/// How often a node asked to adopt a copy looks again for the index's definition.
+const DEFINITION_POLL: Duration = Duration::from_millis(50);
+
+/// Waits, within `wait`, until `look` finds the index: its collection and whether the copy
+/// is held here already. At the bound: the collection alone (`None`: the index is not
+/// known here; the caller refuses) or `Err` (not even the collection).
+async fn definition_within<C>(wait: Duration, look: impl Fn() -> Known<C>) -> Result<(C, Option<bool>), ()> {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let over = tokio::time::Instant::now() >= deadline;
+        match look() {
+            Known::Index(coll, held) => return Ok((coll, Some(held))),
+            Known::Collection(coll) if over => return Ok((coll, None)),
+            Known::Nothing if over => return Err(()),
+            _ => tokio::time::sleep(DEFINITION_POLL).await,
+        }
+    }
+}
+
 /// How soon an adopted copy asks again how far the actives are, when they could not all say.
 const INDEX_ADOPT_RETRY: Duration = Duration::from_millis(200);
+
+/// Waits, within `timeout`, until `wait` (given the time left) says a copy caught up with
+/// the actives. While a partition is frozen for a hand-over (or its active is out of reach)
+/// the actives cannot all say how far they are (`Unavailable`): asked again after
+/// [`INDEX_ADOPT_RETRY`] while time is left; any other answer is the copy's. The adoption's
+/// bound ([`INDEX_ADOPT_TIMEOUT`]) holds however often the actives cannot say.
+async fn caught_up_within<F, Fut>(timeout: Duration, mut wait: F) -> Result<(), shoal_index::IndexError>
+where
+    F: FnMut(Duration) -> Fut,
+    Fut: std::future::Future<Output = Result<(), shoal_index::IndexError>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        match wait(left).await {
+            Err(shoal_index::IndexError::Unavailable(why)) if tokio::time::Instant::now() + INDEX_ADOPT_RETRY < deadline => {
+                tracing::debug!(%why, "an adopted index partition waits for the actives");
+                tokio::time::sleep(INDEX_ADOPT_RETRY).await;
+            }
+            other => return other,
+        }
+    }
+}
 
 /// Permits of [`TRANSFERS`]: the whole of them is [`shoal_meta::state::REBALANCE_MOVES_PER_NODE_MAX`]
 /// copies at once.
@@ -386,7 +431,100 @@ pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> R
 
 #[cfg(test)]
 mod tests {
-    use super::{transfer_share, TRANSFER_PERMITS};
+    use super::{
+        caught_up_within, definition_within, transfer_share, Known, INDEX_ADOPT_RETRY, INDEX_ADOPT_TIMEOUT, INDEX_DEFINITION_WAIT,
+        TRANSFER_PERMITS,
+    };
+    use shoal_index::IndexError;
+    use std::cell::Cell;
+    use std::time::Duration;
+    use tokio::time::Instant;
+
+    /// A node that joined lately is asked to adopt a copy before it applied the index's
+    /// definition: it waits for it at most `INDEX_DEFINITION_WAIT`, then refuses (no
+    /// collection) or answers that it does not know the index. Under tokio's paused clock.
+    #[tokio::test(start_paused = true)]
+    async fn a_copy_asked_before_its_definition_came_waits_for_it_within_the_definition_wait() {
+        let start = Instant::now();
+        // (seconds after which the collection, then the index, is known here; what comes back)
+        type Found = Result<(u8, Option<bool>), ()>;
+        let table: [(Option<u64>, Option<u64>, Found, Duration); 4] = [
+            (Some(0), Some(0), Ok((1, Some(false))), Duration::ZERO),
+            // The definitions come within the wait: adopted as soon as they are here.
+            (Some(3), Some(12), Ok((1, Some(false))), Duration::from_secs(12)),
+            // Never: at the bound, the collection alone, or nothing.
+            (Some(1), None, Ok((1, None)), INDEX_DEFINITION_WAIT),
+            (None, None, Err(()), INDEX_DEFINITION_WAIT),
+        ];
+        for (coll_at, index_at, want, took) in table {
+            let start_row = Instant::now();
+            let known = |at: Option<u64>| at.is_some_and(|s| start_row.elapsed() >= Duration::from_secs(s));
+            let got = definition_within(INDEX_DEFINITION_WAIT, || match (known(coll_at), known(index_at)) {
+                (true, true) => Known::Index(1u8, false),
+                (true, false) => Known::Collection(1u8),
+                _ => Known::Nothing,
+            })
+            .await;
+            assert_eq!(got, want, "{coll_at:?} {index_at:?}");
+            let elapsed = start_row.elapsed();
+            assert!(elapsed >= took && elapsed < took + Duration::from_millis(100), "{coll_at:?} {index_at:?}: {elapsed:?}");
+        }
+        assert!(start.elapsed() >= INDEX_DEFINITION_WAIT * 2);
+    }
+
+    /// An adopted copy waits for the actives at most `INDEX_ADOPT_TIMEOUT` however often they
+    /// cannot say how far they are, retrying every `INDEX_ADOPT_RETRY`; a wait that runs out
+    /// on its own or fails otherwise ends it at once. Under tokio's paused clock: the 600 s
+    /// bound is reached without waiting for it.
+    #[tokio::test(start_paused = true)]
+    async fn an_adopted_copy_waits_for_the_actives_within_the_adopt_timeout() {
+        let unavailable = || IndexError::Unavailable("partition 3's active did not answer".into());
+        // The actives never can say: asked again and again, then their answer at the bound.
+        let (start, calls) = (Instant::now(), Cell::new(0u32));
+        let got = caught_up_within(INDEX_ADOPT_TIMEOUT, |_| {
+            calls.set(calls.get() + 1);
+            async { Err(unavailable()) }
+        })
+        .await;
+        let took = start.elapsed();
+        assert!(matches!(got, Err(IndexError::Unavailable(_))), "{got:?}");
+        assert!(took <= INDEX_ADOPT_TIMEOUT && took + INDEX_ADOPT_RETRY >= INDEX_ADOPT_TIMEOUT, "{took:?}");
+        let rounds = (INDEX_ADOPT_TIMEOUT.as_millis() / INDEX_ADOPT_RETRY.as_millis()) as u32;
+        assert!((rounds - 1..=rounds).contains(&calls.get()), "{} calls", calls.get());
+        // A wait given the time left that runs it out: its timeout, once, at the bound.
+        let (start, calls) = (Instant::now(), Cell::new(0u32));
+        let got = caught_up_within(INDEX_ADOPT_TIMEOUT, |left| {
+            calls.set(calls.get() + 1);
+            async move {
+                tokio::time::sleep(left).await;
+                Err(IndexError::Timeout)
+            }
+        })
+        .await;
+        assert!(matches!(got, Err(IndexError::Timeout)), "{got:?}");
+        assert_eq!((start.elapsed(), calls.get()), (INDEX_ADOPT_TIMEOUT, 1));
+        // Unavailable twice, then caught up: two retries.
+        let (start, calls) = (Instant::now(), Cell::new(0u32));
+        let got = caught_up_within(INDEX_ADOPT_TIMEOUT, |_| {
+            calls.set(calls.get() + 1);
+            let n = calls.get();
+            async move {
+                if n < 3 {
+                    Err(unavailable())
+                } else {
+                    Ok(())
+                }
+            }
+        })
+        .await;
+        assert!(got.is_ok(), "{got:?}");
+        assert_eq!(start.elapsed(), INDEX_ADOPT_RETRY * 2);
+        // Any other error is the copy's, at once.
+        let start = Instant::now();
+        let got = caught_up_within(INDEX_ADOPT_TIMEOUT, |_| async { Err(IndexError::NotFound("by_v".into())) }).await;
+        assert!(matches!(got, Err(IndexError::NotFound(_))), "{got:?}");
+        assert_eq!(start.elapsed(), Duration::ZERO);
+    }
 
     /// Index copies taking in their files at once: as many as the copy slots say, each with
     /// an equal share of the permits, never more than the permits and never none.

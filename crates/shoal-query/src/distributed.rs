@@ -760,6 +760,35 @@ mod tests {
         assert!(!Arc::ptr_eq(&second, &memo.decode(&enc[1]).unwrap()));
     }
 
+    /// A member whose address takes no connection (its accept queue full: a stopped
+    /// process's fills once its backlog does) fails a call to it at
+    /// `WORKER_CONNECT_TIMEOUT`, never later: the statement answers `503` instead of
+    /// hanging. Under tokio's paused clock: the timeout is reached without waiting for it.
+    #[tokio::test(start_paused = true)]
+    async fn a_worker_that_takes_no_connection_fails_the_call_at_the_connect_timeout() {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = socket.listen(0).unwrap();
+        let addr = listener.local_addr().unwrap();
+        // Fill the accept queue with connections the listener never accepts, until the
+        // kernel drops the next one's handshake.
+        let mut queued = Vec::new();
+        while let Ok(s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(300)) {
+            queued.push(s);
+            assert!(queued.len() < 64, "the accept queue never filled");
+        }
+        let channel = Channels::new(Vec::new(), None).channel(&worker_url(&addr.to_string()).unwrap()).unwrap();
+        let start = tokio::time::Instant::now();
+        let call = tower::ServiceExt::oneshot(channel, http::Request::new(tonic::body::Body::empty()));
+        let failed = tokio::time::timeout(WORKER_CONNECT_TIMEOUT * 3, call)
+            .await
+            .expect("the call ends by the connect timeout, never hangs")
+            .expect_err("no connection was taken");
+        let took = start.elapsed();
+        assert!(took >= WORKER_CONNECT_TIMEOUT && took < WORKER_CONNECT_TIMEOUT + Duration::from_secs(1), "{took:?}: {failed:?}");
+        drop(listener);
+    }
+
     #[test]
     fn error_kinds_survive_the_text_they_cross_in() {
         for k in [Kind::Unavailable, Kind::Timeout, Kind::NotPlaced] {

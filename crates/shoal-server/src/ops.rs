@@ -145,6 +145,10 @@ fn describe_metrics() {
     describe_gauge!("shoal_analytics_rows", "Live rows of a collection's analytics shadow on this node (its active and replica copies)");
     describe_counter!("shoal_fsyncs_total", "Journal fsyncs done since the node started");
     describe_counter!("shoal_index_rebuilds_total", "Indexes rebuilt from the documents because their storage was found damaged");
+    describe_counter!(
+        shoal_node::index_moves::PLACED_MISSING_REBUILDS_METRIC,
+        "Index partitions placed on this node and found missing outside a rebalance, rebuilt from the change streams"
+    );
     describe_gauge!("shoal_uptime_seconds", Unit::Seconds, "Seconds since the node started");
     describe_gauge!("shoal_storage_writable", "1 when the storage takes writes, 0 when it is full or failed");
     describe_gauge!("shoal_queries_running", "SQL statements running now, by path");

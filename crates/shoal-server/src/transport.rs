@@ -64,13 +64,21 @@ struct FaultsBody {
     /// replica lagging in one collection would; empty releases them.
     #[serde(default)]
     hold: Vec<String>,
+    /// Collections (names) whose analytics shadows here apply no change, as a shadow on a
+    /// slow disk would lag; empty releases them.
+    #[serde(default)]
+    hold_shadows: Vec<String>,
     /// Milliseconds each partition map waits here before the partition states follow it
     /// (the metadata has it at once); 0 or absent: none.
     #[serde(default)]
     map_delay_ms: u64,
+    /// Milliseconds each index copy adopted here waits once built before it answers (a
+    /// rebalance holds its copies unnamed that long); 0 or absent: none.
+    #[serde(default)]
+    index_adopt_delay_ms: u64,
 }
 
-/// `POST /v1/_internal/faults {"cut": [address, ...], "hold"?: [collection, ...], "map_delay_ms"?: n}` (with the
+/// `POST /v1/_internal/faults {"cut": [address, ...], "hold"?: [collection, ...], "hold_shadows"?: [collection, ...], "map_delay_ms"?: n, "index_adopt_delay_ms"?: n}` (with the
 /// cluster secret, on a node started with `--fault-injection`).
 async fn set_faults(state: &AppState, body: &[u8]) -> Result<Response, ApiError> {
     if !state.faults.enabled {
@@ -78,12 +86,23 @@ async fn set_faults(state: &AppState, body: &[u8]) -> Result<Response, ApiError>
     }
     let req: FaultsBody = extract::json_body(body)?;
     let delay = Duration::from_millis(req.map_delay_ms);
-    if delay > shoal_node::faults::MAP_DELAY_MAX {
-        return Err(ApiError::bad_request(format!("map_delay_ms is over {} ms", shoal_node::faults::MAP_DELAY_MAX.as_millis())));
+    let adopt_delay = Duration::from_millis(req.index_adopt_delay_ms);
+    for (field, d) in [("map_delay_ms", delay), ("index_adopt_delay_ms", adopt_delay)] {
+        if d > shoal_node::faults::MAP_DELAY_MAX {
+            return Err(ApiError::bad_request(format!("{field} is over {} ms", shoal_node::faults::MAP_DELAY_MAX.as_millis())));
+        }
     }
+    let store = state.engine.store();
+    let shadows_held = req
+        .hold_shadows
+        .iter()
+        .map(|n| store.collection(n).map(|c| c.id()).ok_or_else(|| ApiError::bad_request(format!("no collection {n}"))))
+        .collect::<Result<std::collections::HashSet<u32>, ApiError>>()?;
     state.cluster.hold_collections(&req.hold).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    state.engine.shadows().hold(shadows_held);
     state.cluster.delay_maps(delay);
-    tracing::warn!(cut = ?req.cut, hold = ?req.hold, ?delay, "fault injection: calls to these members fail, replicated changes of these collections wait, maps wait");
+    state.cluster.delay_index_adoptions(adopt_delay);
+    tracing::warn!(cut = ?req.cut, hold = ?req.hold, hold_shadows = ?req.hold_shadows, ?delay, ?adopt_delay, "fault injection: calls to these members fail, replicated changes of these collections wait, these shadows wait, maps and index adoptions wait");
     *state.faults.cut.write() = req.cut.into_iter().collect();
     Ok(json_response(StatusCode::OK, b"{}".to_vec()))
 }

@@ -141,6 +141,13 @@ pub(super) async fn maintain(mgr: Arc<ShadowManager>, shadow: Arc<Shadow>, mut s
             let _ = tokio::task::spawn_blocking(move || s.remove_files()).await;
             return;
         }
+        if mgr.is_held(shadow.coll.id()) {
+            tokio::select! {
+                _ = tokio::time::sleep(IDLE_POLL) => {}
+                _ = stop.changed() => {}
+            }
+            continue;
+        }
         changed.borrow_and_update();
         let rounds: Vec<_> = (0..shadow.aps.len())
             .map(|i| {

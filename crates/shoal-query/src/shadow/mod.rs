@@ -348,6 +348,10 @@ pub struct ShadowManager {
     loaded: watch::Sender<bool>,
     loader: Mutex<Option<tokio::task::JoinHandle<()>>>,
     incoming: Arc<transfer::Incoming>,
+    /// Collections (by id) whose shadows apply no change until released: fault injection
+    /// (`serve --fault-injection`), a shadow lagging as a slow disk would make it. Empty
+    /// unless a test asks.
+    held: Mutex<std::collections::HashSet<u32>>,
 }
 
 impl ShadowManager {
@@ -368,6 +372,7 @@ impl ShadowManager {
             loaded: watch::channel(false).0,
             loader: Mutex::new(None),
             incoming: Arc::default(),
+            held: Mutex::default(),
         });
         let live: std::collections::HashSet<String> =
             store.list_collections().iter().filter_map(|c| store.collection(&c.name)).map(|c| c.id().to_string()).collect();
@@ -411,6 +416,16 @@ impl ShadowManager {
             Ok(_) => Ok(()),
             Err(_) => Err(ShadowError::Timeout(timeout)),
         }
+    }
+
+    /// Fault injection: the shadows of these collections (by id) apply no change until
+    /// called again without them.
+    pub fn hold(&self, collection_ids: std::collections::HashSet<u32>) {
+        *self.held.lock() = collection_ids;
+    }
+
+    fn is_held(&self, collection_id: u32) -> bool {
+        self.held.lock().contains(&collection_id)
     }
 
     /// Analytics partitions per collection (0: analytics is off).
