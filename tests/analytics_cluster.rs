@@ -211,8 +211,8 @@ async fn a_member_killed_mid_statement_ends_it_with_503_never_a_partial_answer()
 /// A member stopped (`SIGSTOP`: its kernel still accepts connections, the process answers
 /// nothing, as behind a partition) while statements run through another: a statement
 /// waiting on it ends with `503` once the member is failed over, not at its own (long)
-/// timeout; later ones answer every group or refuse clearly (`503`, `504` at their
-/// `timeout_ms`), never a partial answer or a hang; once the member resumes, statements
+/// timeout (one whose own timeout comes first ends with `504` then); later ones answer every
+/// group or refuse clearly (`503`, `504` at their `timeout_ms`), never a partial answer or a hang; once the member resumes, statements
 /// answer whole again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_member_stopped_mid_statement_ends_it_with_503_never_a_partial_answer() {
@@ -242,6 +242,10 @@ async fn a_member_stopped_mid_statement_ends_it_with_503_never_a_partial_answer(
         }
     };
     nodes[2].signal(libc::SIGSTOP);
+    // A statement whose timeout comes before the failover: the stopped member never answers
+    // its preparation or its tasks, and the statement ends at its own timeout.
+    let (status, v) = ask(1_000).await;
+    assert_eq!((status, v["error"].as_str()), (504, Some("timeout")), "{v}");
     // Its tasks never answer; the member is failed over after `auto_failover_timeout_s` (5 s),
     // and that ends the statement, well before its 10 minutes.
     let (status, v) = ask(600_000).await;
