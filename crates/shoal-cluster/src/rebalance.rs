@@ -154,6 +154,51 @@ pub fn revert_map(current: &PartitionMap, from: &PartitionMap, target: &Partitio
     Some(back)
 }
 
+/// How one of a rebalance's two side-by-side stages (the data partitions' waves, the index
+/// partitions' moves) has ended, or not yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StageEnd {
+    Running,
+    /// Every partition of the stage is at its target copies.
+    Moved,
+    /// The data stage stopped as asked (what had not moved reverted).
+    Stopped,
+    Failed,
+}
+
+/// What the leader does with its two stages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stages {
+    /// Wait for the data stage; an index stage that ends meanwhile is kept for after it.
+    WaitData,
+    /// The data stage moved everything: wait for the index stage.
+    WaitIndex,
+    /// The data stage stopped or failed: the rebalance ends as it did, the index stage is
+    /// dropped (its new copies, never named in the placement, are dropped by their nodes).
+    EndAsData,
+    /// The data stage moved everything and the index stage failed: the rebalance fails
+    /// with the index stage's error (the placement stays).
+    FailAsIndex,
+    /// Both moved everything: on to the finish (eject, settle).
+    Finish,
+}
+
+/// The data and the index stage run side by side (an index partition is fed by every data
+/// partition's active wherever it is, so its moves need no data move first). The data stage
+/// decides first: it is never left in the middle of a hand-over, so an index stage that
+/// fails waits for it to end, and a data stage that stops or fails ends the rebalance
+/// whatever the index stage is doing. Pure.
+pub fn stages_next(data: StageEnd, index: StageEnd) -> Stages {
+    debug_assert!(index != StageEnd::Stopped, "the index stage stops only with the data stage");
+    match (data, index) {
+        (StageEnd::Running, _) => Stages::WaitData,
+        (StageEnd::Stopped | StageEnd::Failed, _) => Stages::EndAsData,
+        (StageEnd::Moved, StageEnd::Running) => Stages::WaitIndex,
+        (StageEnd::Moved, StageEnd::Failed) => Stages::FailAsIndex,
+        (StageEnd::Moved, StageEnd::Moved | StageEnd::Stopped) => Stages::Finish,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -168,6 +213,26 @@ mod tests {
 
     fn set<T: Ord + Copy>(items: &[T]) -> BTreeSet<T> {
         items.iter().copied().collect()
+    }
+
+    #[test]
+    fn the_data_stage_decides_first_and_a_failed_index_stage_waits_for_it() {
+        use StageEnd::*;
+        let table = [
+            (Running, Running, Stages::WaitData),
+            (Running, Moved, Stages::WaitData),
+            (Running, Failed, Stages::WaitData),
+            (Moved, Running, Stages::WaitIndex),
+            (Moved, Moved, Stages::Finish),
+            (Moved, Failed, Stages::FailAsIndex),
+            (Stopped, Running, Stages::EndAsData),
+            (Stopped, Moved, Stages::EndAsData),
+            (Failed, Running, Stages::EndAsData),
+            (Failed, Failed, Stages::EndAsData),
+        ];
+        for (data, index, next) in table {
+            assert_eq!(stages_next(data, index), next, "{data:?} {index:?}");
+        }
     }
 
     #[test]

@@ -501,23 +501,39 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
     // one, then the placement switched at once.
     let index_stage = crate::index_moves::move_indexes(node, &eject);
     let data_stage = move_partitions(node, plan, map, &new_copies);
-    // A data stage that stops or fails ends the index stage (its copies not yet named are
-    // dropped by their nodes); an index stage that fails lets the data stage end first,
-    // never leaving it in the middle of a hand-over.
+    // How the two end it is `stages::stages_next`'s: the data stage decides first.
     tokio::pin!(index_stage, data_stage);
-    let mut index_ended = None;
-    let data_ended = loop {
-        tokio::select! {
-            ended = &mut data_stage => break ended,
-            ended = &mut index_stage, if index_ended.is_none() => index_ended = Some(ended),
+    let (mut data_ended, mut index_ended) = (None, None);
+    let index_moves = loop {
+        let data = match &data_ended {
+            None => stages::StageEnd::Running,
+            Some(Ok(None)) => stages::StageEnd::Moved,
+            Some(Ok(Some(_))) => stages::StageEnd::Stopped,
+            Some(Err(_)) => stages::StageEnd::Failed,
+        };
+        let index = match &index_ended {
+            None => stages::StageEnd::Running,
+            Some(Ok(_)) => stages::StageEnd::Moved,
+            Some(Err(_)) => stages::StageEnd::Failed,
+        };
+        match (stages::stages_next(data, index), data_ended.take(), index_ended.take()) {
+            (stages::Stages::WaitData, d, i) => {
+                (data_ended, index_ended) = (d, i);
+                tokio::select! {
+                    ended = &mut data_stage => data_ended = Some(ended),
+                    ended = &mut index_stage, if index_ended.is_none() => index_ended = Some(ended),
+                }
+            }
+            (stages::Stages::WaitIndex, d, _) => {
+                data_ended = d;
+                index_ended = Some((&mut index_stage).await);
+            }
+            (stages::Stages::EndAsData, Some(Ok(Some(finish))), _) => return Ok(finish),
+            (stages::Stages::EndAsData, Some(Err(e)), _) | (stages::Stages::FailAsIndex, _, Some(Err(e))) => return Err(e),
+            (stages::Stages::Finish, _, Some(Ok(moves))) => break moves,
+            // Not reached: `stages_next` answers each only from the ends matched above.
+            (next, _, _) => return Err(ClusterError::Refused(format!("rebalance stages: {next:?} out of turn"))),
         }
-    };
-    if let Some(finish) = data_ended? {
-        return Ok(finish);
-    }
-    let index_moves = match index_ended {
-        Some(ended) => ended?,
-        None => index_stage.await?,
     };
     if !index_moves.is_empty() {
         tracing::info!(moves = index_moves.len(), "index partitions moved");
