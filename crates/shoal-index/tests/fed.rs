@@ -607,3 +607,51 @@ fn documents_of_parts_adopted_as_files_keep_exact_entries_before_and_after_the_r
         my.close().unwrap();
     });
 }
+
+/// A wait for a part that is dropped here while it waits (the placement moved the part
+/// away, a stopped rebalance's copy is dropped) ends at once with `Unavailable`, not at its
+/// timeout: the part will not catch up here, and the adoption or the scan waiting on it
+/// hears so. Before, both went on as if it had caught up: the wait answered `Ok`, and the
+/// scan answered without the part's rows.
+#[test]
+fn a_wait_for_a_part_dropped_meanwhile_ends_at_once() {
+    let nodes = two_index_nodes();
+    let fx = fetcher(&nodes.data);
+    let def = IndexDef { partitions: Some(4), ..common::def("by_a", "a", false) };
+    fed_life(&nodes.x, &fx, |mgr| {
+        let (here, fx) = (Arc::clone(&nodes.here_x), Arc::clone(&fx));
+        async move {
+            mgr.create_as(&here, def.clone(), None, Some(every_part(&def))).await.unwrap();
+            mgr.wait_parts(&here, "by_a", &[0, 1, 2, 3], Duration::from_secs(60)).await.unwrap();
+            // The part holding the entries of `a = 3`, and one other.
+            let part = shoal_index::partition::part_of_value(Some(&json!(3)), 4);
+            let other = (part + 1) % 4;
+            assert_eq!(ids(mgr.scan(&here, "by_a", eq(3)).await.unwrap()), expected_a3());
+            // The actives now answer from another history than the index followed: a wait
+            // at request_plus cannot be satisfied, and would last its whole timeout.
+            fx.skew.store(1, Ordering::Relaxed);
+            let waiting = {
+                let (mgr, here) = (Arc::clone(&mgr), Arc::clone(&here));
+                tokio::spawn(async move { mgr.wait_parts(&here, "by_a", &[part], Duration::from_secs(600)).await })
+            };
+            // And a scan at request_plus of a value whose entries are in that part.
+            let scanning = {
+                let (mgr, here) = (Arc::clone(&mgr), Arc::clone(&here));
+                let req = ScanRequest { timeout: Duration::from_secs(600), ..eq(3) };
+                tokio::spawn(async move { mgr.scan(&here, "by_a", req).await })
+            };
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            assert!(!waiting.is_finished() && !scanning.is_finished(), "the wait and the scan wait");
+            mgr.drop_part(&here, "by_a", part).await.unwrap();
+            // A liveness bound, far under their own 600 s.
+            let ended =
+                tokio::time::timeout(Duration::from_secs(60), waiting).await.expect("the wait ends once its part is dropped").unwrap();
+            assert!(matches!(ended, Err(IndexError::Unavailable(_))), "{ended:?}");
+            let scanned = tokio::time::timeout(Duration::from_secs(60), scanning).await.expect("the scan ends too").unwrap();
+            assert!(matches!(scanned, Err(IndexError::Unavailable(_))), "never a short answer: {scanned:?}");
+            fx.skew.store(0, Ordering::Relaxed);
+            // The parts still held answer as before.
+            mgr.wait_parts(&here, "by_a", &[other], Duration::from_secs(60)).await.unwrap();
+        }
+    });
+}

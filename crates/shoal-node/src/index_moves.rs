@@ -164,7 +164,20 @@ pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> R
     let copied = Instant::now();
     // Caught up with the actives' positions now.
     let parts = [req.part];
-    caught_up_within(INDEX_ADOPT_TIMEOUT, |left| indexes.wait_parts(&coll, &req.index, &parts, left)).await?;
+    caught_up_within(INDEX_ADOPT_TIMEOUT, |left| {
+        let (indexes, coll, req, parts) = (&indexes, &coll, &req, &parts);
+        async move {
+            match indexes.wait_parts(coll, &req.index, parts, left).await {
+                // Dropped here while it caught up (a stopped rebalance's copies are): the
+                // adoption failed, there is nothing to wait for.
+                Err(shoal_index::IndexError::Unavailable(_)) if !holds_part(indexes, coll, &req.index, req.part) => Err(
+                    shoal_index::IndexError::NotFound(format!("{} partition {} (dropped here while it caught up)", req.index, req.part)),
+                ),
+                other => other,
+            }
+        }
+    })
+    .await?;
     tracing::debug!(
         index = %req.index,
         part = req.part,
@@ -174,6 +187,11 @@ pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> R
         "index partition adopted"
     );
     Ok(answer)
+}
+
+/// Whether this node holds part `part` of index `name` of `coll`.
+fn holds_part(indexes: &shoal_index::IndexManager, coll: &shoal_storage::Collection, name: &str, part: u16) -> bool {
+    indexes.list(coll).into_iter().any(|s| s.def.name == name && s.part_items.iter().any(|(no, _)| *no == part))
 }
 
 /// What a node asked to adopt a copy knows of its index: nothing, its collection, or the

@@ -33,7 +33,7 @@ impl IndexManager {
         drop(found);
         let index = self.ready(coll, name, req.consistency, req.timeout, &read).await?;
         let (limit, descending, keep) = (req.limit, req.descending, req.keep);
-        let parts = part_keyspaces(&index, &read);
+        let parts = part_keyspaces(&index, &read)?;
         let rows = tokio::task::spawn_blocking(move || read_range(&parts, lo, hi, limit, descending, n, keep.as_ref()))
             .await
             .map_err(|e| IndexError::Invalid(format!("scan task: {e}")))?;
@@ -59,7 +59,7 @@ impl IndexManager {
         drop(found);
         let index = self.ready(coll, name, consistency, timeout, &read).await?;
         let empty = matches!((&lo, &hi), (Bound::Included(l) | Bound::Excluded(l), Bound::Included(h) | Bound::Excluded(h)) if l > h);
-        let parts = part_keyspaces(&index, &read)
+        let parts = part_keyspaces(&index, &read)?
             .into_iter()
             .map(|ks| PartCursor { ks, next: lo.clone(), buffered: VecDeque::new(), done: empty })
             .collect();
@@ -119,6 +119,10 @@ impl IndexManager {
                             // rebuild (the next look finds the new index).
                             break;
                         }
+                        // A part dropped here while this waits (the placement moved it) will
+                        // not catch up here: said now, not at the timeout (a drop bumps the
+                        // progress this waits on).
+                        index.holds(read)?;
                         let reached = at.as_ref().is_none_or(|at| index.reaches_parts(at, read));
                         let caught_up = index.caught_up_parts(&highs, read);
                         if caught_up && reached && index.state() == IndexState::Ready {
@@ -236,9 +240,16 @@ pub(super) fn byte_bounds(bounds: &ScanBounds, n: usize) -> Result<ByteRange, In
 }
 
 /// The keyspaces of parts `read` of `index`.
-fn part_keyspaces(index: &Index, read: &[u16]) -> Vec<fjall::Keyspace> {
+/// The keyspaces of the parts `read`, every one of them: a part dropped here since the read
+/// looked (the placement moved it) is `Unavailable`, never left out of the answer.
+fn part_keyspaces(index: &Index, read: &[u16]) -> Result<Vec<fjall::Keyspace>, IndexError> {
+    index.holds(read)?;
     let parts = index.parts();
-    read.iter().filter_map(|&no| parts.part(no)).map(|p| p.ks.clone()).collect()
+    let keyspaces: Vec<fjall::Keyspace> = read.iter().filter_map(|&no| parts.part(no)).map(|p| p.ks.clone()).collect();
+    if keyspaces.len() != read.len() {
+        return Err(IndexError::Unavailable(format!("index {}: a partition read was dropped here meanwhile", index.def.name)));
+    }
+    Ok(keyspaces)
 }
 
 /// Rows a part's cursor reads ahead of the merge at a time, at least.
