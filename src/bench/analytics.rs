@@ -417,18 +417,6 @@ fn same_rows(a: &Value, b: &Value) -> bool {
         })
 }
 
-/// A metric of `node` (0 when it is not there yet).
-async fn metric(http: &reqwest::Client, node: &Node, name: &str) -> Result<f64, CliError> {
-    let metrics = |e: reqwest::Error| CliError::Bench(format!("{}/metrics: {e}", node.url));
-    let text = http.get(format!("{}/metrics", node.url)).send().await.map_err(metrics)?.text().await.map_err(metrics)?;
-    Ok(text
-        .lines()
-        .find(|l| l.split_whitespace().next() == Some(name))
-        .and_then(|l| l.split_whitespace().last())
-        .and_then(|v| v.parse::<f64>().ok())
-        .unwrap_or(0.0))
-}
-
 /// One scale-out measured: how the new node's analytics rows came, and what it took.
 struct ScaleOut {
     method: &'static str,
@@ -483,8 +471,8 @@ async fn scale_out(args: &AnalyticsArgs) -> Result<(), CliError> {
         let ready_secs = start.elapsed().as_secs_f64();
         let cpu = |n: &Node, t: u64| n.cpu_ticks().unwrap_or(0).saturating_sub(t) as f64 / 100.0;
         let (old_cpu, new_cpu) = (cpu(&first, ticks.0), cpu(&second, ticks.1));
-        let adopted = metric(&http, &second, "shoal_analytics_rows_adopted_total").await?;
-        let applied = metric(&http, &second, "shoal_analytics_changes_applied_total").await?;
+        let adopted = second.metric(&http, "shoal_analytics_rows_adopted_total").await?;
+        let applied = second.metric(&http, "shoal_analytics_changes_applied_total").await?;
         let same = same_rows(&answer["rows"], &want["rows"]);
         println!(
             "{method}: rebalance {rebalance_secs:.1}s, query 3 on the new node at {ready_secs:.1}s, {adopted} rows adopted, \

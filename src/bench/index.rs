@@ -88,6 +88,18 @@ impl Node {
         start.elapsed().as_secs_f64()
     }
 
+    /// A metric of the node (0 when it is not there yet).
+    pub(crate) async fn metric(&self, http: &reqwest::Client, name: &str) -> Result<f64, CliError> {
+        let metrics = |e: reqwest::Error| CliError::Bench(format!("{}/metrics: {e}", self.url));
+        let text = http.get(format!("{}/metrics", self.url)).send().await.map_err(metrics)?.text().await.map_err(metrics)?;
+        Ok(text
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0))
+    }
+
     /// CPU time the node has used (user + system), in clock ticks (100 per second on
     /// Linux); `None` where `/proc` does not have it.
     pub(crate) fn cpu_ticks(&self) -> Option<u64> {

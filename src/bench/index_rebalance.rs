@@ -485,13 +485,24 @@ async fn scale_out(args: &IndexRebalanceArgs, method: &str) -> Result<Outcome, C
         during.iter().filter(|w| !w.ok).count(),
         during.iter().map(|w| w.ms).fold(0.0, f64::max)
     );
+    // Copies rebuilt from the streams besides the moves: ones a node found placed on it and
+    // missing (a copy dropped by mistake and built again shows only there).
+    let http =
+        crate::bench::http_builder().timeout(Duration::from_secs(30)).no_proxy().build().map_err(|e| CliError::Bench(e.to_string()))?;
+    let mut rebuilt_placed = 0.0;
+    for node in data_nodes.iter().chain(index_nodes.iter()).chain(newcomers.iter()) {
+        rebuilt_placed += node.metric(&http, "shoal_index_partitions_rebuilt_total").await?;
+    }
+    if rebuilt_placed > 0.0 {
+        println!("{method}: index partitions found placed and missing, rebuilt from the streams: {rebuilt_placed}");
+    }
     drop(newcomers);
     Ok(Outcome {
         method: method.to_string(),
         secs,
         index_moves: index_moves.len(),
         by_files: index_moves.iter().filter(|m| m["method"] == "files").count(),
-        rebuilt: index_moves.iter().filter(|m| m["method"] == "stream").count(),
+        rebuilt: index_moves.iter().filter(|m| m["method"] == "stream").count() + rebuilt_placed as usize,
         index_bytes: index_moves.iter().map(|m| m["bytes_done"].as_u64().unwrap_or(0)).sum(),
         data_moves: moves.len() - index_moves.len(),
         before: percentiles(ms_in(0.0, start)),
