@@ -10,6 +10,31 @@ use std::time::{Duration, Instant};
 use common::cluster::{get_json, index_cluster, index_node_args, joined, member_states, node_id, rebalance, wait_for, IndexCluster};
 use serde_json::{json, Value};
 
+/// A whole scan of index `by_v` of `c` through `node` at `request_plus`: its status, its
+/// rows as (key, id) when it answered them, and its body.
+async fn whole_scan(http: &reqwest::Client, node: &common::Node) -> (u16, Option<Vec<(i64, String)>>, Value) {
+    let url = node.u("/v1/collections/c/indexes/by_v/scan");
+    let r = http.post(url).json(&json!({"consistency": "request_plus", "timeout_ms": 30_000})).send().await.unwrap();
+    let status = r.status().as_u16();
+    let v: Value = r.json().await.unwrap_or(Value::Null);
+    let rows: Option<Vec<(i64, String)>> = v["rows"]
+        .as_array()
+        .map(|rows| rows.iter().map(|r| (r["key"][0].as_i64().unwrap(), r["id"].as_str().unwrap().to_string())).collect());
+    (status, rows, v)
+}
+
+/// Sets `node`'s injected faults (`POST /v1/_internal/faults`); answers the status.
+async fn set_faults(http: &reqwest::Client, node: &common::Node, faults: Value) -> u16 {
+    let r = http
+        .post(node.u("/v1/_internal/faults"))
+        .header("x-shoal-cluster-secret", common::cluster::SECRET)
+        .json(&faults)
+        .send()
+        .await
+        .unwrap();
+    r.status().as_u16()
+}
+
 /// Issue 41: a kill -9 of an index move's target, then of a source, mid-rebalance. The
 /// rebalance ends (done, or failed with the placement unchanged); scans stay exact or `503`
 /// throughout; once the dead node is failed over and ejected, the next rebalance places its
@@ -28,19 +53,7 @@ async fn an_index_move_whose_target_or_source_is_killed_leaves_the_scans_exact()
     }
     let mut want: Vec<(i64, String)> = model.iter().map(|(k, v)| (*v, k.clone())).collect();
     want.sort();
-    // A whole scan through the first node: the model's rows, or a 503 (counted).
-    let scan = || {
-        let (http, url) = (http.clone(), first.u("/v1/collections/c/indexes/by_v/scan"));
-        async move {
-            let r = http.post(url).json(&json!({"consistency": "request_plus", "timeout_ms": 30_000})).send().await.unwrap();
-            let status = r.status().as_u16();
-            let v: Value = r.json().await.unwrap_or(Value::Null);
-            let rows: Option<Vec<(i64, String)>> = v["rows"]
-                .as_array()
-                .map(|rows| rows.iter().map(|r| (r["key"][0].as_i64().unwrap(), r["id"].as_str().unwrap().to_string())).collect());
-            (status, rows, v)
-        }
-    };
+    let scan = || whole_scan(&http, &first);
     let exact_eventually = |what: &'static str| {
         let scan = &scan;
         let want = &want;
@@ -123,18 +136,7 @@ async fn copies_a_rebalance_adopts_are_kept_through_state_changes_until_it_names
         want.push((i % 5, key));
     }
     want.sort();
-    let scan = || {
-        let (http, url) = (http.clone(), first.u("/v1/collections/c/indexes/by_v/scan"));
-        async move {
-            let r = http.post(url).json(&json!({"consistency": "request_plus", "timeout_ms": 30_000})).send().await.unwrap();
-            let status = r.status().as_u16();
-            let v: Value = r.json().await.unwrap_or(Value::Null);
-            let rows: Option<Vec<(i64, String)>> = v["rows"]
-                .as_array()
-                .map(|rows| rows.iter().map(|r| (r["key"][0].as_i64().unwrap(), r["id"].as_str().unwrap().to_string())).collect());
-            (status, rows, v)
-        }
-    };
+    let scan = || whole_scan(&http, &first);
     let (status, rows, v) = scan().await;
     assert_eq!((status, rows.as_ref()), (200, Some(&want)), "{v}");
 
@@ -142,22 +144,9 @@ async fn copies_a_rebalance_adopts_are_kept_through_state_changes_until_it_names
     args.push("--fault-injection");
     let joiner = joined(&args, &join);
     wait_for(&http, &first.u("/v1/cluster"), "the new member", |v| member_states(v).len() == 5).await;
-    let r = http
-        .post(joiner.u("/v1/_internal/faults"))
-        .header("x-shoal-cluster-secret", common::cluster::SECRET)
-        .json(&json!({"cut": [], "index_adopt_delay_ms": 4_000}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200, "{}", r.text().await.unwrap_or_default());
-    let r = http
-        .post(joiner.u("/v1/_internal/faults"))
-        .header("x-shoal-cluster-secret", common::cluster::SECRET)
-        .json(&json!({"cut": [], "index_adopt_delay_ms": 3_600_000}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 400, "a delay past the bound is refused");
+    assert_eq!(set_faults(&http, &joiner, json!({"cut": [], "index_adopt_delay_ms": 4_000})).await, 200);
+    let refused = set_faults(&http, &joiner, json!({"cut": [], "index_adopt_delay_ms": 3_600_000})).await;
+    assert_eq!(refused, 400, "a delay past the bound is refused");
     // The refused call changed nothing: the 4 s delay holds.
     let started = http.post(first.u("/v1/cluster/rebalance")).json(&json!({})).send().await.unwrap();
     assert_eq!(started.status().as_u16(), 202);
