@@ -190,3 +190,83 @@ async fn copies_a_rebalance_adopts_are_kept_through_state_changes_until_it_names
         "the new node holds copies: {listed}"
     );
 }
+
+/// A stop asked while a rebalance's index stage runs, its data moves all done, stops it: the
+/// rebalance ends `stopped` (not `done` after the index copies land), the data moves stay,
+/// the index placement stays as it was, nothing is rebuilt, scans stay exact; the next
+/// rebalance moves the index copies. The new node holds each adopted copy 4 s (fault
+/// injection), so the stop lands while they are adopted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stop_during_the_index_stage_stops_the_rebalance_and_the_next_one_moves_the_copies() {
+    let IndexCluster { first, second, a, b, join, http } = index_cluster().await;
+    let def = json!({"name": "by_v", "keys": ["v"], "partitions": 8, "replicas": 1});
+    assert_eq!(http.post(first.u("/v1/collections/c/indexes")).json(&def).send().await.unwrap().status(), 201);
+    let mut want: Vec<(i64, String)> = Vec::new();
+    for i in 0..120i64 {
+        let key = format!("k{i:03}");
+        let r = http.put(first.u(&format!("/v1/collections/c/docs/{key}"))).json(&json!({"v": i % 5})).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        want.push((i % 5, key));
+    }
+    want.sort();
+    let scan = || whole_scan(&http, &first);
+    let (status, rows, v) = scan().await;
+    assert_eq!((status, rows.as_ref()), (200, Some(&want)), "{v}");
+    let (_, listed) = get_json(&http, &first.u("/v1/collections/c/indexes")).await;
+    let placement_before = listed[0]["placement"].clone();
+
+    let mut args = index_node_args();
+    args.push("--fault-injection");
+    let joiner = joined(&args, &join);
+    wait_for(&http, &first.u("/v1/cluster"), "the new member", |v| member_states(v).len() == 5).await;
+    assert_eq!(set_faults(&http, &joiner, json!({"cut": [], "index_adopt_delay_ms": 4_000})).await, 200);
+    let started = http.post(first.u("/v1/cluster/rebalance")).json(&json!({})).send().await.unwrap();
+    assert_eq!(started.status().as_u16(), 202);
+    // Until the data moves are done and the index copies are being adopted.
+    let moves_of = |status: &Value, kind: &str| -> Vec<Value> {
+        status["moves"].as_array().map(|m| m.iter().filter(|m| m["kind"] == kind).cloned().collect()).unwrap_or_default()
+    };
+    let status = wait_for(&http, &first.u("/v1/cluster/rebalance"), "data moves done, index copies adopted", |s| {
+        s["state"] != "running" || (moves_of(s, "partition").iter().all(|m| m["state"] == "done") && !moves_of(s, "index").is_empty())
+    })
+    .await;
+    assert_eq!(status["state"], "running", "the index stage outlasts the data stage by the adoptions' 4 s: {status}");
+    let r = http.delete(first.u("/v1/cluster/rebalance")).send().await.unwrap();
+    assert!(r.status().is_success(), "stop: {}", r.text().await.unwrap_or_default());
+    let status = loop {
+        let (_, status) = get_json(&http, &first.u("/v1/cluster/rebalance")).await;
+        let (code, rows, v) = scan().await;
+        match code {
+            200 => assert_eq!(rows.as_ref(), Some(&want), "a scan while the rebalance stops"),
+            503 => {}
+            other => panic!("{other} {v}"),
+        }
+        if status["state"] != "running" {
+            break status;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(status["state"], "stopped", "{status}");
+    assert!(moves_of(&status, "partition").iter().all(|m| m["state"] == "done"), "the data moves stay: {status}");
+    let (_, listed) = get_json(&http, &first.u("/v1/collections/c/indexes")).await;
+    assert_eq!(listed[0]["placement"], placement_before, "the index placement stays as it was");
+    let (code, rows, v) = scan().await;
+    assert_eq!((code, rows.as_ref()), (200, Some(&want)), "{v}");
+
+    // The next rebalance moves the index copies.
+    assert_eq!(set_faults(&http, &joiner, json!({"cut": []})).await, 200);
+    rebalance(&http, &first, &[]).await;
+    let info = get_json(&http, &first.u("/v1/cluster")).await.1;
+    let joiner_id = node_id(&info, &joiner).unwrap();
+    let (_, listed) = get_json(&http, &first.u("/v1/collections/c/indexes")).await;
+    assert!(
+        listed[0]["placement"].as_array().unwrap().iter().flat_map(|c| c.as_array().unwrap()).any(|n| *n == json!(joiner_id)),
+        "the new node holds copies: {listed}"
+    );
+    let (code, rows, v) = scan().await;
+    assert_eq!((code, rows.as_ref()), (200, Some(&want)), "{v}");
+    for node in [&first, &second, &a, &b, &joiner] {
+        let rebuilt = common::metric(&http, node, "shoal_index_partitions_rebuilt_total").await.unwrap_or(0.0);
+        assert_eq!(rebuilt, 0.0, "{}: index partitions rebuilt from the streams", node.addr());
+    }
+}

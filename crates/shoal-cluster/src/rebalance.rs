@@ -176,6 +176,9 @@ pub enum Stages {
     /// The data stage stopped or failed: the rebalance ends as it did, the index stage is
     /// dropped (its new copies, never named in the placement, are dropped by their nodes).
     EndAsData,
+    /// A stop asked once the data stage moved everything: the rebalance ends stopped, the
+    /// data moves done stay, the index stage is dropped as above (the placement stays).
+    EndStopped,
     /// The data stage moved everything and the index stage failed: the rebalance fails
     /// with the index stage's error (the placement stays).
     FailAsIndex,
@@ -187,12 +190,14 @@ pub enum Stages {
 /// partition's active wherever it is, so its moves need no data move first). The data stage
 /// decides first: it is never left in the middle of a hand-over, so an index stage that
 /// fails waits for it to end, and a data stage that stops or fails ends the rebalance
-/// whatever the index stage is doing. Pure.
-pub fn stages_next(data: StageEnd, index: StageEnd) -> Stages {
+/// whatever the index stage is doing. A stop (`stop_asked`) the data stage took care of
+/// while it ran; once it has moved everything, a stop ends the index stage. Pure.
+pub fn stages_next(data: StageEnd, index: StageEnd, stop_asked: bool) -> Stages {
     debug_assert!(index != StageEnd::Stopped, "the index stage stops only with the data stage");
     match (data, index) {
         (StageEnd::Running, _) => Stages::WaitData,
         (StageEnd::Stopped | StageEnd::Failed, _) => Stages::EndAsData,
+        (StageEnd::Moved, StageEnd::Running) if stop_asked => Stages::EndStopped,
         (StageEnd::Moved, StageEnd::Running) => Stages::WaitIndex,
         (StageEnd::Moved, StageEnd::Failed) => Stages::FailAsIndex,
         (StageEnd::Moved, StageEnd::Moved | StageEnd::Stopped) => Stages::Finish,
@@ -216,22 +221,30 @@ mod tests {
     }
 
     #[test]
-    fn the_data_stage_decides_first_and_a_failed_index_stage_waits_for_it() {
+    fn the_data_stage_decides_first_a_failed_index_stage_waits_for_it_and_a_stop_ends_it() {
         use StageEnd::*;
+        // (data stage, index stage, stop asked, next)
         let table = [
-            (Running, Running, Stages::WaitData),
-            (Running, Moved, Stages::WaitData),
-            (Running, Failed, Stages::WaitData),
-            (Moved, Running, Stages::WaitIndex),
-            (Moved, Moved, Stages::Finish),
-            (Moved, Failed, Stages::FailAsIndex),
-            (Stopped, Running, Stages::EndAsData),
-            (Stopped, Moved, Stages::EndAsData),
-            (Failed, Running, Stages::EndAsData),
-            (Failed, Failed, Stages::EndAsData),
+            (Running, Running, false, Stages::WaitData),
+            (Running, Moved, false, Stages::WaitData),
+            (Running, Failed, false, Stages::WaitData),
+            // A stop while the data stage runs is the data stage's to carry out (it reverts
+            // what has not moved and ends stopped).
+            (Running, Running, true, Stages::WaitData),
+            (Moved, Running, false, Stages::WaitIndex),
+            (Moved, Running, true, Stages::EndStopped),
+            (Moved, Moved, false, Stages::Finish),
+            // The index stage ended before the stop was seen: the rebalance is done.
+            (Moved, Moved, true, Stages::Finish),
+            (Moved, Failed, false, Stages::FailAsIndex),
+            (Moved, Failed, true, Stages::FailAsIndex),
+            (Stopped, Running, true, Stages::EndAsData),
+            (Stopped, Moved, true, Stages::EndAsData),
+            (Failed, Running, false, Stages::EndAsData),
+            (Failed, Failed, false, Stages::EndAsData),
         ];
-        for (data, index, next) in table {
-            assert_eq!(stages_next(data, index), next, "{data:?} {index:?}");
+        for (data, index, stop, next) in table {
+            assert_eq!(stages_next(data, index, stop), next, "{data:?} {index:?} {stop}");
         }
     }
 

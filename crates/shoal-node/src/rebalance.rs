@@ -330,8 +330,9 @@ pub async fn start(node: &Arc<ClusterNode>, eject: Vec<NodeId>) -> Result<usize,
     Ok(moves)
 }
 
-/// Asks the rebalance under way to stop (leader only): before its final map, the new copies
-/// are given up and the map goes back to the copies it started from.
+/// Asks the rebalance under way to stop (leader only): the data partitions not moved yet
+/// give up their new copies and go back to the copies they started from (the moved ones
+/// stay); index copies still being adopted are given up (the placement stays as it was).
 pub async fn stop(node: &Arc<ClusterNode>) -> Result<(), ClusterError> {
     match node.propose(MetaCommand::StopRebalance).await {
         Err(ClusterError::Rejected(MetaReject::NoRebalance)) => Err(ClusterError::Refused("no rebalance is under way".into())),
@@ -516,7 +517,8 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
             Some(Ok(_)) => stages::StageEnd::Moved,
             Some(Err(_)) => stages::StageEnd::Failed,
         };
-        match (stages::stages_next(data, index), data_ended.take(), index_ended.take()) {
+        let stop_asked = node.state().rebalance.as_ref().is_some_and(|p| p.stop);
+        match (stages::stages_next(data, index, stop_asked), data_ended.take(), index_ended.take()) {
             (stages::Stages::WaitData, d, i) => {
                 (data_ended, index_ended) = (d, i);
                 tokio::select! {
@@ -526,7 +528,17 @@ async fn run(node: &Arc<ClusterNode>, plan: &RebalancePlan) -> Result<Finish, Cl
             }
             (stages::Stages::WaitIndex, d, _) => {
                 data_ended = d;
-                index_ended = Some((&mut index_stage).await);
+                // Until the index stage ends or a stop is asked (looked at again above).
+                tokio::select! {
+                    ended = &mut index_stage => index_ended = Some(ended),
+                    () = tokio::time::sleep(PROGRESS_POLL) => {}
+                }
+            }
+            (stages::Stages::EndStopped, _, _) => {
+                // Every data move is done and stays; the index stage's copies, never named
+                // in the placement, are dropped by their nodes once the plan ends.
+                revert(node, plan).await?;
+                return Ok(Finish::Stopped);
             }
             (stages::Stages::EndAsData, Some(Ok(Some(finish))), _) => return Ok(finish),
             (stages::Stages::EndAsData, Some(Err(e)), _) | (stages::Stages::FailAsIndex, _, Some(Err(e))) => return Err(e),
