@@ -35,6 +35,35 @@ async fn set_faults(http: &reqwest::Client, node: &common::Node, faults: Value) 
     r.status().as_u16()
 }
 
+/// The index service's test cluster with index `by_v` (8 partitions, a replica each) over
+/// 120 documents of `c`, and the rows a whole scan must answer (checked once).
+async fn indexed_cluster() -> (IndexCluster, Vec<(i64, String)>) {
+    let cluster = index_cluster().await;
+    let (http, first) = (&cluster.http, &cluster.first);
+    let def = json!({"name": "by_v", "keys": ["v"], "partitions": 8, "replicas": 1});
+    assert_eq!(http.post(first.u("/v1/collections/c/indexes")).json(&def).send().await.unwrap().status(), 201);
+    let mut want: Vec<(i64, String)> = Vec::new();
+    for i in 0..120i64 {
+        let key = format!("k{i:03}");
+        let r = http.put(first.u(&format!("/v1/collections/c/docs/{key}"))).json(&json!({"v": i % 5})).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        want.push((i % 5, key));
+    }
+    want.sort();
+    let (status, rows, v) = whole_scan(http, first).await;
+    assert_eq!((status, rows.as_ref()), (200, Some(&want)), "{v}");
+    (cluster, want)
+}
+
+/// A fifth node running the index service, with fault injection, joined through `join`.
+async fn fault_injected_joiner(http: &reqwest::Client, first: &common::Node, join: &str) -> common::Node {
+    let mut args = index_node_args();
+    args.push("--fault-injection");
+    let joiner = joined(&args, join);
+    wait_for(http, &first.u("/v1/cluster"), "the new member", |v| member_states(v).len() == 5).await;
+    joiner
+}
+
 /// Issue 41: a kill -9 of an index move's target, then of a source, mid-rebalance. The
 /// rebalance ends (done, or failed with the placement unchanged); scans stay exact or `503`
 /// throughout; once the dead node is failed over and ejected, the next rebalance places its
@@ -125,25 +154,10 @@ async fn an_index_move_whose_target_or_source_is_killed_leaves_the_scans_exact()
 /// node holds each adopted copy unnamed for 4 s (fault injection), past the 2 s drain.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn copies_a_rebalance_adopts_are_kept_through_state_changes_until_it_names_them() {
-    let IndexCluster { first, second, a, b, join, http } = index_cluster().await;
-    let def = json!({"name": "by_v", "keys": ["v"], "partitions": 8, "replicas": 1});
-    assert_eq!(http.post(first.u("/v1/collections/c/indexes")).json(&def).send().await.unwrap().status(), 201);
-    let mut want: Vec<(i64, String)> = Vec::new();
-    for i in 0..120i64 {
-        let key = format!("k{i:03}");
-        let r = http.put(first.u(&format!("/v1/collections/c/docs/{key}"))).json(&json!({"v": i % 5})).send().await.unwrap();
-        assert_eq!(r.status(), 200);
-        want.push((i % 5, key));
-    }
-    want.sort();
+    let (IndexCluster { first, second, a, b, join, http }, want) = indexed_cluster().await;
     let scan = || whole_scan(&http, &first);
-    let (status, rows, v) = scan().await;
-    assert_eq!((status, rows.as_ref()), (200, Some(&want)), "{v}");
 
-    let mut args = index_node_args();
-    args.push("--fault-injection");
-    let joiner = joined(&args, &join);
-    wait_for(&http, &first.u("/v1/cluster"), "the new member", |v| member_states(v).len() == 5).await;
+    let joiner = fault_injected_joiner(&http, &first, &join).await;
     assert_eq!(set_faults(&http, &joiner, json!({"cut": [], "index_adopt_delay_ms": 4_000})).await, 200);
     let refused = set_faults(&http, &joiner, json!({"cut": [], "index_adopt_delay_ms": 3_600_000})).await;
     assert_eq!(refused, 400, "a delay past the bound is refused");
@@ -198,27 +212,12 @@ async fn copies_a_rebalance_adopts_are_kept_through_state_changes_until_it_names
 /// injection), so the stop lands while they are adopted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_stop_during_the_index_stage_stops_the_rebalance_and_the_next_one_moves_the_copies() {
-    let IndexCluster { first, second, a, b, join, http } = index_cluster().await;
-    let def = json!({"name": "by_v", "keys": ["v"], "partitions": 8, "replicas": 1});
-    assert_eq!(http.post(first.u("/v1/collections/c/indexes")).json(&def).send().await.unwrap().status(), 201);
-    let mut want: Vec<(i64, String)> = Vec::new();
-    for i in 0..120i64 {
-        let key = format!("k{i:03}");
-        let r = http.put(first.u(&format!("/v1/collections/c/docs/{key}"))).json(&json!({"v": i % 5})).send().await.unwrap();
-        assert_eq!(r.status(), 200);
-        want.push((i % 5, key));
-    }
-    want.sort();
+    let (IndexCluster { first, second, a, b, join, http }, want) = indexed_cluster().await;
     let scan = || whole_scan(&http, &first);
-    let (status, rows, v) = scan().await;
-    assert_eq!((status, rows.as_ref()), (200, Some(&want)), "{v}");
     let (_, listed) = get_json(&http, &first.u("/v1/collections/c/indexes")).await;
     let placement_before = listed[0]["placement"].clone();
 
-    let mut args = index_node_args();
-    args.push("--fault-injection");
-    let joiner = joined(&args, &join);
-    wait_for(&http, &first.u("/v1/cluster"), "the new member", |v| member_states(v).len() == 5).await;
+    let joiner = fault_injected_joiner(&http, &first, &join).await;
     assert_eq!(set_faults(&http, &joiner, json!({"cut": [], "index_adopt_delay_ms": 4_000})).await, 200);
     let started = http.post(first.u("/v1/cluster/rebalance")).json(&json!({})).send().await.unwrap();
     assert_eq!(started.status().as_u16(), 202);
