@@ -118,9 +118,7 @@ pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> R
     // definitions yet: they are in the log the leader placed the index by, so they come.
     let (coll, held) = definition_within(INDEX_DEFINITION_WAIT, || {
         let Some(coll) = node.engine.store().collection(&req.collection) else { return Known::Nothing };
-        let held =
-            indexes.list(&coll).into_iter().find(|s| s.def.name == req.index).map(|s| s.part_items.iter().any(|(no, _)| *no == req.part));
-        match held {
+        match held_here(&indexes, &coll, &req.index, req.part) {
             Some(held) => Known::Index(coll, held),
             None => Known::Collection(coll),
         }
@@ -170,7 +168,7 @@ pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> R
             match indexes.wait_parts(coll, &req.index, parts, left).await {
                 // Dropped here while it caught up (a stopped rebalance's copies are): the
                 // adoption failed, there is nothing to wait for.
-                Err(shoal_index::IndexError::Unavailable(_)) if !holds_part(indexes, coll, &req.index, req.part) => Err(
+                Err(shoal_index::IndexError::Unavailable(_)) if held_here(indexes, coll, &req.index, req.part) != Some(true) => Err(
                     shoal_index::IndexError::NotFound(format!("{} partition {} (dropped here while it caught up)", req.index, req.part)),
                 ),
                 other => other,
@@ -189,9 +187,10 @@ pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> R
     Ok(answer)
 }
 
-/// Whether this node holds part `part` of index `name` of `coll`.
-fn holds_part(indexes: &shoal_index::IndexManager, coll: &shoal_storage::Collection, name: &str, part: u16) -> bool {
-    indexes.list(coll).into_iter().any(|s| s.def.name == name && s.part_items.iter().any(|(no, _)| *no == part))
+/// Whether this node holds part `part` of index `name` of `coll`; `None` when it does not
+/// know the index.
+fn held_here(indexes: &shoal_index::IndexManager, coll: &shoal_storage::Collection, name: &str, part: u16) -> Option<bool> {
+    indexes.list(coll).into_iter().find(|s| s.def.name == name).map(|s| s.part_items.iter().any(|(no, _)| *no == part))
 }
 
 /// What a node asked to adopt a copy knows of its index: nothing, its collection, or the

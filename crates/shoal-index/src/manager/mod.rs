@@ -434,13 +434,15 @@ impl Index {
     /// other nodes, and reading only the others would answer short.
     fn holds(&self, read: &[u16]) -> Result<(), IndexError> {
         let parts = self.parts();
-        if let Some(no) = read.iter().find(|&&no| parts.slot(no).is_none()) {
-            return Err(IndexError::Unavailable(format!(
-                "index {}: partition {no} is held by other index nodes, not this one",
-                self.def.name
-            )));
+        match read.iter().find(|&&no| parts.slot(no).is_none()) {
+            Some(&no) => Err(self.not_held(no)),
+            None => Ok(()),
         }
-        Ok(())
+    }
+
+    /// What a read of part `no`, not held here, answers.
+    fn not_held(&self, no: u16) -> IndexError {
+        IndexError::Unavailable(format!("index {}: partition {no} is held by other index nodes, not this one", self.def.name))
     }
 
     /// Refuses a read of parts still rebuilt from the streams (see [`Part::serving`]),

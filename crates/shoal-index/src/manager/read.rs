@@ -239,17 +239,11 @@ pub(super) fn byte_bounds(bounds: &ScanBounds, n: usize) -> Result<ByteRange, In
     })
 }
 
-/// The keyspaces of parts `read` of `index`.
 /// The keyspaces of the parts `read`, every one of them: a part dropped here since the read
 /// looked (the placement moved it) is `Unavailable`, never left out of the answer.
 fn part_keyspaces(index: &Index, read: &[u16]) -> Result<Vec<fjall::Keyspace>, IndexError> {
-    index.holds(read)?;
     let parts = index.parts();
-    let keyspaces: Vec<fjall::Keyspace> = read.iter().filter_map(|&no| parts.part(no)).map(|p| p.ks.clone()).collect();
-    if keyspaces.len() != read.len() {
-        return Err(IndexError::Unavailable(format!("index {}: a partition read was dropped here meanwhile", index.def.name)));
-    }
-    Ok(keyspaces)
+    read.iter().map(|&no| parts.part(no).map(|p| p.ks.clone()).ok_or_else(|| index.not_held(no))).collect()
 }
 
 /// Rows a part's cursor reads ahead of the merge at a time, at least.
