@@ -69,11 +69,16 @@ pub fn member_states(cluster: &Value) -> Vec<String> {
 }
 
 /// Starts a rebalance through `node` and waits until it is done.
+/// The status's `elapsed_s` is the leader's measure of it: more than nothing, and within the
+/// time from the ask to the answer that it was done.
 pub async fn rebalance(http: &reqwest::Client, node: &Node, eject: &[u64]) {
+    let asked = Instant::now();
     let r = http.post(node.u("/v1/cluster/rebalance")).json(&json!({"eject": eject})).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 202, "rebalance: {}", r.text().await.unwrap_or_default());
     let status = wait_for(http, &node.u("/v1/cluster/rebalance"), "rebalance done", |v| v["state"] != "running").await;
     assert_eq!(status["state"], "done", "{status}");
+    let elapsed = status["elapsed_s"].as_f64().unwrap_or(0.0);
+    assert!(elapsed > 0.0 && elapsed <= asked.elapsed().as_secs_f64(), "elapsed_s {elapsed} against {:?}: {status}", asked.elapsed());
 }
 
 /// The node id of `node` as `GET /v1/cluster` lists it.

@@ -31,6 +31,7 @@
 
 pub mod failover;
 pub mod index_placement;
+pub mod index_sim;
 pub mod map;
 pub mod placement;
 pub mod plan;

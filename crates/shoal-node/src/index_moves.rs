@@ -25,6 +25,7 @@ use shoal_meta::{IndexPlacementChange, MemberState, MetaCommand, MetaState};
 use shoal_storage::copy_stream::{CopyHeader, FrameDecoder};
 use shoal_storage::{ExportHeader, PartitionError};
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 use crate::copy::{background, next_chunk, read_header, send_export, CopyMethod, Outgoing, Records, COPY_IDLE_TIMEOUT};
 use crate::node::ClusterNode;
@@ -62,6 +63,14 @@ pub struct AdoptRequest {
     /// A live copy's node address: the files come from there. `None`: rebuilt from the
     /// change streams.
     pub source: Option<String>,
+    /// How far the leader had applied the metadata log when it asked (the rebalance's start
+    /// included): the node applies that far before it takes the copy, so that every state
+    /// it reconciles its copies with afterwards keeps the copy until the rebalance ends. A
+    /// node lagging in the log would otherwise reconcile an older state after it adopted
+    /// (the end of the rebalance before, say) and drop the copy after its drain: found by
+    /// `shoal_cluster::index_sim` (`adopt_after_begin`).
+    #[serde(default)]
+    pub applied: u64,
 }
 
 /// How a copy was built.
@@ -114,6 +123,12 @@ pub(crate) fn serve_index_export(
 /// from the streams), then waits until it holds what the actives hold now.
 pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> Result<AdoptAnswer, ClusterError> {
     let indexes = Arc::clone(node.engine.indexes());
+    node.wait_applied(|s| s.applied.0 >= req.applied).await.map_err(|e| match e {
+        ClusterError::NoLeader(wait) => {
+            ClusterError::Refused(format!("this node did not apply the metadata log as far as the rebalance's start within {wait:?}"))
+        }
+        other => other,
+    })?;
     // A node that joined lately may not have applied the collection's and the index's
     // definitions yet: they are in the log the leader placed the index by, so they come.
     let (coll, held) = definition_within(INDEX_DEFINITION_WAIT, || {
@@ -165,16 +180,11 @@ pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> R
     caught_up_within(INDEX_ADOPT_TIMEOUT, |left| {
         let (indexes, coll, req, parts) = (&indexes, &coll, &req, &parts);
         async move {
-            match indexes.wait_parts(coll, &req.index, parts, left).await {
-                // Dropped here while it caught up (a stopped rebalance's copies are): the
-                // adoption failed, there is nothing to wait for.
-                Err(shoal_index::IndexError::Unavailable(_)) if held_here(indexes, coll, &req.index, req.part) != Some(true) => Err(
-                    shoal_index::IndexError::NotFound(format!("{} partition {} (dropped here while it caught up)", req.index, req.part)),
-                ),
-                other => other,
-            }
+            let waited = indexes.wait_parts(coll, &req.index, parts, left).await;
+            adopt_wait_outcome(waited, || held_here(indexes, coll, &req.index, req.part), &req.index, req.part)
         }
     })
+    .instrument(tracing::debug_span!("index_adopt", index = %req.index, part = req.part))
     .await?;
     tracing::debug!(
         index = %req.index,
@@ -185,6 +195,25 @@ pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> R
         "index partition adopted"
     );
     Ok(answer)
+}
+
+/// What an adopted copy's wait to catch up answers, given whether the copy is still
+/// `held` here (asked only when the wait ended `Unavailable`): a copy dropped here while it
+/// caught up (a stopped rebalance's copies are) failed its adoption, `NotFound`, and is not
+/// asked about again (`caught_up_within` retries `Unavailable`); any other answer is the
+/// wait's.
+fn adopt_wait_outcome(
+    waited: Result<(), shoal_index::IndexError>,
+    held: impl FnOnce() -> Option<bool>,
+    index: &str,
+    part: u16,
+) -> Result<(), shoal_index::IndexError> {
+    match waited {
+        Err(shoal_index::IndexError::Unavailable(_)) if held() != Some(true) => {
+            Err(shoal_index::IndexError::NotFound(format!("{index} partition {part} (dropped here while it caught up)")))
+        }
+        other => other,
+    }
 }
 
 /// Whether this node holds part `part` of index `name` of `coll`; `None` when it does not
@@ -367,6 +396,8 @@ pub(crate) fn plan_index_moves(
 /// none), then commits the placement. Answers the moves as the rebalance's status shows them.
 pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> Result<Vec<MoveStatus>, ClusterError> {
     let state = node.state();
+    // The adopt calls carry `state.applied`: their nodes apply as far, the start included.
+    debug_assert!(state.rebalance.is_some(), "the index stage runs within a rebalance whose start is applied");
     let down: BTreeSet<NodeId> =
         node.member_health().unwrap_or_default().into_iter().filter(|(_, up)| !up).map(|(id, _)| NodeId(id)).collect();
     let (target, moves) = plan_index_moves(&state, eject, &down)?;
@@ -390,7 +421,13 @@ pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> R
     for ((part, to), source) in &moves {
         let (collection, index) = names.get(&part.index).cloned().ok_or_else(|| ClusterError::Refused("an index went away".into()))?;
         let to_address = address(to).ok_or(ClusterError::NodeNotFound(*to))?;
-        let req = AdoptRequest { collection, index: index.clone(), part: part.partition, source: source.as_ref().and_then(address) };
+        let req = AdoptRequest {
+            collection,
+            index: index.clone(),
+            part: part.partition,
+            source: source.as_ref().and_then(address),
+            applied: state.applied.0,
+        };
         statuses.push(MoveStatus {
             kind: MoveKind::Index,
             id: part.partition,
@@ -449,7 +486,7 @@ pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> R
 #[cfg(test)]
 mod tests {
     use super::{
-        caught_up_within, definition_within, transfer_share, Known, INDEX_ADOPT_RETRY, INDEX_ADOPT_TIMEOUT, INDEX_DEFINITION_WAIT,
+        adopt_wait_outcome, caught_up_within, definition_within, transfer_share, Known, INDEX_ADOPT_RETRY, INDEX_ADOPT_TIMEOUT, INDEX_DEFINITION_WAIT,
         TRANSFER_PERMITS,
     };
     use shoal_index::IndexError;
@@ -541,6 +578,46 @@ mod tests {
         let got = caught_up_within(INDEX_ADOPT_TIMEOUT, |_| async { Err(IndexError::NotFound("by_v".into())) }).await;
         assert!(matches!(got, Err(IndexError::NotFound(_))), "{got:?}");
         assert_eq!(start.elapsed(), Duration::ZERO);
+    }
+
+    /// A copy dropped here while it caught up (a stopped rebalance's) ends its adoption at
+    /// once as not found, rather than being asked about every `INDEX_ADOPT_RETRY` until the
+    /// adopt timeout; a copy still held whose actives cannot say waits on.
+    #[tokio::test(start_paused = true)]
+    async fn an_adopted_copy_dropped_while_it_catches_up_fails_its_adoption_at_once() {
+        let unavailable = || Err(IndexError::Unavailable("index by_v: partition 2 is not held here".into()));
+        // (what the wait answered, whether the copy is held here then, what the adoption sees)
+        type Row = (Result<(), IndexError>, Option<bool>, &'static str);
+        let table: [Row; 6] = [
+            (Ok(()), Some(true), "ok"),
+            (unavailable(), Some(true), "unavailable"),
+            // Dropped here, or its whole index dropped.
+            (unavailable(), Some(false), "not found"),
+            (unavailable(), None, "not found"),
+            (Err(IndexError::Timeout), Some(false), "timeout"),
+            (Err(IndexError::NotFound("by_v".into())), Some(true), "not found"),
+        ];
+        let kind = |r: &Result<(), IndexError>| match r {
+            Ok(()) => "ok",
+            Err(IndexError::Unavailable(_)) => "unavailable",
+            Err(IndexError::NotFound(_)) => "not found",
+            Err(IndexError::Timeout) => "timeout",
+            Err(_) => "other",
+        };
+        for (waited, held, want) in table {
+            let before = kind(&waited);
+            let got = adopt_wait_outcome(waited, || held, "by_v", 2);
+            assert_eq!(kind(&got), want, "{before} with the copy held {held:?}");
+        }
+        // Through the retrying wait: one call, no retry, at once.
+        let (start, calls) = (Instant::now(), Cell::new(0u32));
+        let got = caught_up_within(INDEX_ADOPT_TIMEOUT, |_| {
+            calls.set(calls.get() + 1);
+            async { adopt_wait_outcome(unavailable(), || Some(false), "by_v", 2) }
+        })
+        .await;
+        assert!(matches!(&got, Err(IndexError::NotFound(why)) if why.contains("dropped here")), "{got:?}");
+        assert_eq!((start.elapsed(), calls.get()), (Duration::ZERO, 1));
     }
 
     /// Index copies taking in their files at once: as many as the copy slots say, each with

@@ -158,6 +158,12 @@ pub struct RebalanceStatus {
     #[serde(default)]
     pub eta_s: Option<f64>,
     pub message: String,
+    /// Seconds since this node began driving the rebalance, to its end once it ended.
+    #[serde(default)]
+    pub elapsed_s: f64,
+    /// When this node began driving it (for `elapsed_s`).
+    #[serde(skip)]
+    began: Option<Instant>,
     pub moves: Vec<MoveStatus>,
 }
 
@@ -235,7 +241,11 @@ impl Rebalancer {
     }
 
     pub fn status(&self) -> RebalanceStatus {
-        self.status.lock().clone()
+        let mut status = self.status.lock().clone();
+        if let (RebalanceState::Running, Some(began)) = (status.state, status.began) {
+            status.elapsed_s = began.elapsed().as_secs_f64();
+        }
+        status
     }
 }
 
@@ -351,7 +361,13 @@ pub(crate) fn drive(node: &Arc<ClusterNode>) {
             return;
         }
         let moves = moves(&plan.from, &plan.target);
-        *status = RebalanceStatus { state: RebalanceState::Running, moves_total: moves.len(), moves, ..RebalanceStatus::default() };
+        *status = RebalanceStatus {
+            state: RebalanceState::Running,
+            moves_total: moves.len(),
+            moves,
+            began: Some(Instant::now()),
+            ..RebalanceStatus::default()
+        };
     }
     let n = Arc::clone(node);
     tokio::spawn(async move {
@@ -378,6 +394,7 @@ pub(crate) fn drive(node: &Arc<ClusterNode>) {
             }
         }
         let mut status = n.rebalancer.status.lock();
+        status.elapsed_s = status.began.map_or(0.0, |b| b.elapsed().as_secs_f64());
         match outcome {
             Ok(Finish::Done) => {
                 status.state = RebalanceState::Done;
