@@ -366,7 +366,10 @@ impl World {
             self.stats.rebuilt += 1;
         }
         let what = match &event {
-            Event::Placement(p) => format!("placement {:?}", p.iter().map(|(k, c)| (k.partition, c.iter().map(|n| n.0).collect::<Vec<_>>())).collect::<Vec<_>>()),
+            Event::Placement(p) => format!(
+                "placement {:?}",
+                p.iter().map(|(k, c)| (k.partition, c.iter().map(|n| n.0).collect::<Vec<_>>())).collect::<Vec<_>>()
+            ),
             other => format!("{other:?}"),
         };
         self.note(format_args!("node {} applies {what}: drains {:?}, rebuilds {:?}", id.0, todo.drain, todo.rebuild));
@@ -402,20 +405,20 @@ impl World {
         let ends = self.ends();
         let outcome = match a.until {
             // Not applied the log as far as the leader had when it asked: the adoption waits.
-            None if self.protocol.adopt_after_begin && !self.nodes.get(&a.to).is_some_and(|n| n.applied >= a.asked_at) => return,
+            None if self.protocol.adopt_after_begin && self.nodes.get(&a.to).is_none_or(|n| n.applied < a.asked_at) => return,
             None => {
                 let source = a.source.and_then(|s| self.nodes.get(&s)).and_then(|n| n.held.get(&a.part)).cloned();
                 let Some(to) = self.nodes.get_mut(&a.to) else { return };
                 // Held already (a resumed or repeated rebalance): nothing to copy.
-                if !to.held.contains_key(&a.part) {
+                if let std::collections::btree_map::Entry::Vacant(held) = to.held.entry(a.part) {
                     match source {
                         Some(copy) => {
-                            to.held.insert(a.part, copy);
+                            held.insert(copy);
                             self.stats.adopted += 1;
                         }
                         // The source no longer holds it: built from the logs instead.
                         None => {
-                            to.held.insert(a.part, Copy { at: [0; DATA_LOGS] });
+                            held.insert(Copy { at: [0; DATA_LOGS] });
                             self.stats.rebuilt += 1;
                         }
                     }
@@ -597,7 +600,7 @@ impl World {
         let Some(at) = answer else { return Ok(()) };
         // Every entry of this partition written before the scan began must be in the answer.
         for l in 0..DATA_LOGS {
-            let missing = self.logs[l][at[l].min(highs[l])..highs[l]].iter().any(|p| *p == read.part);
+            let missing = self.logs[l][at[l].min(highs[l])..highs[l]].contains(&read.part);
             if missing {
                 return Err(IndexViolation::ShortScan {
                     seed: self.seed,

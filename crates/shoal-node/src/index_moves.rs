@@ -486,8 +486,8 @@ pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> R
 #[cfg(test)]
 mod tests {
     use super::{
-        adopt_wait_outcome, caught_up_within, definition_within, transfer_share, Known, INDEX_ADOPT_RETRY, INDEX_ADOPT_TIMEOUT, INDEX_DEFINITION_WAIT,
-        TRANSFER_PERMITS,
+        adopt_wait_outcome, caught_up_within, definition_within, transfer_share, Known, INDEX_ADOPT_RETRY, INDEX_ADOPT_TIMEOUT,
+        INDEX_DEFINITION_WAIT, TRANSFER_PERMITS,
     };
     use shoal_index::IndexError;
     use std::cell::Cell;
