@@ -269,3 +269,69 @@ async fn a_stop_during_the_index_stage_stops_the_rebalance_and_the_next_one_move
         assert_eq!(rebuilt, 0.0, "{}: index partitions rebuilt from the streams", node.addr());
     }
 }
+
+/// A failover while a rebalance's index stage runs takes the failed node's copies out of the
+/// placement (its replicas serve). The stage's target was planned before: committed, it
+/// would name the failed node's copies again, and their scans would go to a dead node. The
+/// stage commits only over the placement it started from, so it fails instead: the
+/// rebalance ends `failed`, the placement does not name the failed node, scans stay exact,
+/// and the next rebalance (ejecting it) moves the copies. Found by `shoal_cluster::index_sim`.
+/// The new node holds each adopted copy 12 s (fault injection), so the failover lands while
+/// the stage runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failover_during_the_index_stage_fails_the_rebalance_rather_than_name_the_failed_node() {
+    let (IndexCluster { first, second: _second, a: _a, mut b, join, http }, want) = indexed_cluster().await;
+    let scan = || whole_scan(&http, &first);
+    let joiner = fault_injected_joiner(&http, &first, &join).await;
+    assert_eq!(set_faults(&http, &joiner, json!({"cut": [], "index_adopt_delay_ms": 12_000})).await, 200);
+    let info = get_json(&http, &first.u("/v1/cluster")).await.1;
+    let b_id = node_id(&info, &b).unwrap();
+    let named = |listed: &Value, id: u64| {
+        listed[0]["placement"].as_array().unwrap().iter().flat_map(|c| c.as_array().unwrap()).any(|n| *n == json!(id))
+    };
+    let started = http.post(first.u("/v1/cluster/rebalance")).json(&json!({})).send().await.unwrap();
+    assert_eq!(started.status().as_u16(), 202);
+    let moves_of = |status: &Value, kind: &str| -> Vec<Value> {
+        status["moves"].as_array().map(|m| m.iter().filter(|m| m["kind"] == kind).cloned().collect()).unwrap_or_default()
+    };
+    wait_for(&http, &first.u("/v1/cluster/rebalance"), "index copies being adopted", |s| {
+        s["state"] != "running" || !moves_of(s, "index").is_empty()
+    })
+    .await;
+    b.kill9();
+    let r = http.post(first.u("/v1/cluster/failover")).json(&json!({"node": b_id})).send().await.unwrap();
+    assert!(r.status().is_success(), "failover: {}", r.text().await.unwrap_or_default());
+    let (_, status) = get_json(&http, &first.u("/v1/cluster/rebalance")).await;
+    assert_eq!(status["state"], "running", "the failover landed before the index stage's end: {status}");
+    let (_, listed) = get_json(&http, &first.u("/v1/collections/c/indexes")).await;
+    assert!(!named(&listed, b_id), "the failover took node {b_id}'s copies out: {listed}");
+    let status = loop {
+        let (_, status) = get_json(&http, &first.u("/v1/cluster/rebalance")).await;
+        let (code, rows, v) = scan().await;
+        match code {
+            200 => assert_eq!(rows.as_ref(), Some(&want), "a scan while the rebalance ends"),
+            503 => {}
+            other => panic!("{other} {v}"),
+        }
+        if status["state"] != "running" {
+            break status;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(status["state"], "failed", "{status}");
+    assert!(status["message"].as_str().unwrap_or("").contains("placed anew"), "{status}");
+    let (_, listed) = get_json(&http, &first.u("/v1/collections/c/indexes")).await;
+    assert!(!named(&listed, b_id), "the failed node is not named again: {listed}");
+    let (code, rows, v) = scan().await;
+    assert_eq!((code, rows.as_ref()), (200, Some(&want)), "{v}");
+
+    // The next rebalance, ejecting the failed node, moves the copies.
+    assert_eq!(set_faults(&http, &joiner, json!({"cut": []})).await, 200);
+    rebalance(&http, &first, &[b_id]).await;
+    let info = get_json(&http, &first.u("/v1/cluster")).await.1;
+    let (_, listed) = get_json(&http, &first.u("/v1/collections/c/indexes")).await;
+    assert!(named(&listed, node_id(&info, &joiner).unwrap()), "the new node holds copies: {listed}");
+    assert!(!named(&listed, b_id), "{listed}");
+    let (code, rows, v) = scan().await;
+    assert_eq!((code, rows.as_ref()), (200, Some(&want)), "{v}");
+}

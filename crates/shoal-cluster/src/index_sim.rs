@@ -15,15 +15,19 @@
 //!   reconciles its copies with [`copies_to_reconcile`]: a copy not named drains, and once
 //!   its drain is over is dropped if [`drops_after_drain`] says so then; a copy named and
 //!   missing is rebuilt from the logs (counted: a rebalance must never cause one).
-//! - Rebalances: a node joins or leaves (never below 3 nor above 4), the leader plans the
-//!   target with [`place_indexes`], the copies to build with [`index_moves`] and their
-//!   sources with [`index_sources`], commits the start, and asks each new copy's node to
-//!   adopt it: a snapshot of the source's copy (its entries and positions), then caught up
-//!   with the logs' ends at the time of the ask; a copy dropped meanwhile fails the
-//!   adoption. The data stage runs beside it (a countdown; it may stop when asked, or
-//!   fail), and the leader ends the rebalance as [`stages_next`] says: the target
-//!   placement committed on `Finish`, nothing placed otherwise. An operator asks for
-//!   stops now and then.
+//! - Rebalances: a node joins or leaves (never above 4 members; below 3 only after a
+//!   failover), the leader plans the target with [`place_indexes`], the copies to build with
+//!   [`index_moves`] and their sources with [`index_sources`], commits the start, and asks
+//!   each new copy's node to adopt it — once the node applied the log as far as the leader
+//!   had when it asked: a snapshot of the source's copy (its entries and positions), then
+//!   caught up with the logs' ends at the time of the ask; a copy dropped meanwhile fails
+//!   the adoption. Once every adoption ended the index stage commits its target (checked:
+//!   over the placement its plan started from, naming no failed node). The data stage runs
+//!   beside it (a countdown; it may stop when asked, or fail), and the leader ends the
+//!   rebalance as [`stages_next`] says. An operator asks for stops now and then.
+//! - Failovers: a member dies (its copies are gone; it may come back later, empty, as a new
+//!   node) and the leader commits the placement [`repair_indexes`] makes without it; a
+//!   rebalance under way sees its data stage fail and the adoptions to or from the node fail.
 //! - Scans at `request_plus`: a client asks some node, which routes each index partition
 //!   to one of its copies by the placement it has applied (pinned for the scan; possibly
 //!   stale); the logs' ends at the start are what every partition must reach. A copy's node
@@ -31,21 +35,25 @@
 //!   not hold the copy — checked each time it looks, as `IndexManager::ready` does — and
 //!   gives up after a timeout. An answer must hold, from every partition, every entry
 //!   written before the scan began.
+//! - Checked besides: no committed placement names a failed node; no copy is rebuilt and
+//!   no adoption fails by a drop before the run's first failover; at the end, every state
+//!   applied and every drain over, each node holds exactly the copies placed on it.
 //! - [`IndexProtocol::SAFE`] runs every rule; the other protocols each drop one, to show
 //!   what it prevents: the read's check that the copy is still held (a scan waiting on a
-//!   copy dropped meanwhile answered without its entries, found in `4ac584b`) and the rule
+//!   copy dropped meanwhile answered without its entries, found in `4ac584b`); the rule
 //!   that keeps copies not named while a rebalance runs (a state change during the index
-//!   stage dropped copies being adopted, which were then rebuilt; `6929352`).
+//!   stage dropped copies being adopted, which were then rebuilt; `6929352`); and two this
+//!   simulation found: the adoption's wait for the log, and the commit's checks.
 //!
-//! What is simplified: no crash, no failover and no lost message (the data stage's and the
-//! metadata's own simulations, [`crate::sim`], cover those); the leader never changes; an
-//! index's definition is on every node from the start; a scan's partition requests are
-//! answered one at a time, at random.
+//! What is simplified: no lost or reordered message and no recovery of a failed node within
+//! a rebalance (the data stage's and the metadata's own simulations, [`crate::sim`], cover
+//! the protocol's messages); the leader never changes; an index's definition is on every
+//! node from the start; a scan's partition requests are answered one at a time, at random.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::index_placement::{
-    copies_to_reconcile, drops_after_drain, index_moves, index_sources, place_indexes, IndexPart, IndexPlacement, IndexSpec,
+    copies_to_reconcile, drops_after_drain, index_moves, index_sources, place_indexes, repair_indexes, IndexPart, IndexPlacement, IndexSpec,
 };
 use crate::map::NodeId;
 use crate::placement::Node;
@@ -80,10 +88,17 @@ pub struct IndexProtocol {
     /// rebalance before, say), drains the copy and drops it: the adoption fails, or the
     /// copy is rebuilt once named.
     pub adopt_after_begin: bool,
+    /// The index stage's commit of its target is refused when the placement is no longer
+    /// the one its plan started from (`SetIndexPlacements`' `from`: a failover meanwhile
+    /// took the failed node's copies out of it, and the target, planned before, names them
+    /// again) or when it names a failed node (one that adopted its copies, then failed over
+    /// before the commit: the placement it started from did not name it).
+    pub commit_checked: bool,
 }
 
 impl IndexProtocol {
-    pub const SAFE: IndexProtocol = IndexProtocol { wait_checks_held: true, keep_unnamed_while_rebalancing: true, adopt_after_begin: true };
+    pub const SAFE: IndexProtocol =
+        IndexProtocol { wait_checks_held: true, keep_unnamed_while_rebalancing: true, adopt_after_begin: true, commit_checked: true };
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -112,8 +127,13 @@ pub struct IndexRunStats {
     pub adoptions_failed: u64,
     /// Copies dropped after their drain.
     pub dropped: u64,
-    /// Copies a node found placed on it and missing, and rebuilt from the logs.
+    /// Copies a node found placed on it and missing, and rebuilt from the logs, before any
+    /// failover in the run (a rebalance's doing: never, safely).
     pub rebuilt: u64,
+    pub failovers: u64,
+    /// Copies rebuilt once a failover happened (a failover's repair places a copy of a
+    /// partition left with none, rebuilt from the logs: there are no files left).
+    pub rebuilt_after_failover: u64,
 }
 
 impl std::ops::AddAssign for IndexRunStats {
@@ -129,6 +149,8 @@ impl std::ops::AddAssign for IndexRunStats {
         self.adoptions_failed += o.adoptions_failed;
         self.dropped += o.dropped;
         self.rebuilt += o.rebuilt;
+        self.failovers += o.failovers;
+        self.rebuilt_after_failover += o.rebuilt_after_failover;
     }
 }
 
@@ -137,6 +159,8 @@ impl std::ops::AddAssign for IndexRunStats {
 pub enum IndexViolation {
     /// A scan answered without entries of `part` written before it began.
     ShortScan { seed: u64, step: u64, part: u16, node: NodeId, answered_at: [usize; DATA_LOGS], started_at: [usize; DATA_LOGS] },
+    /// The leader committed a placement naming a node that is not a member (failed over).
+    PlacedOnFailed { seed: u64, step: u64, node: NodeId },
     /// At the end, with every state applied and every drain over, a node does not hold
     /// exactly the copies the placement names on it.
     NotAsPlaced { seed: u64, node: NodeId, placed: Vec<u16>, held: Vec<u16> },
@@ -193,7 +217,11 @@ struct Adoption {
 
 #[derive(Debug)]
 struct Rebalance {
+    /// The placement the plan started from.
+    from: IndexPlacement,
     target: IndexPlacement,
+    /// How the index stage ended (it commits its target at its end, beside the data stage).
+    index: Option<StageEnd>,
     adoptions: Vec<Adoption>,
     data: StageEnd,
     /// Steps until the data stage has moved everything.
@@ -305,7 +333,7 @@ impl World {
             45..=59 => self.apply_one(),
             60..=64 => self.drains(),
             65..=79 => self.adopt_one(),
-            80..=85 => self.lead(),
+            80..=85 => self.lead()?,
             86..=89 => self.start_scan(),
             _ => self.scan_one()?,
         }
@@ -363,8 +391,8 @@ impl World {
         }
         for p in &todo.rebuild {
             n.held.insert(*p, Copy { at: [0; DATA_LOGS] });
-            self.stats.rebuilt += 1;
         }
+        self.count_rebuilt(todo.rebuild.len() as u64);
         let what = match &event {
             Event::Placement(p) => format!(
                 "placement {:?}",
@@ -419,7 +447,7 @@ impl World {
                         // The source no longer holds it: built from the logs instead.
                         None => {
                             held.insert(Copy { at: [0; DATA_LOGS] });
-                            self.stats.rebuilt += 1;
+                            self.count_rebuilt(1);
                         }
                     }
                 }
@@ -457,15 +485,19 @@ impl World {
 
     /// The leader: starts a rebalance, or drives the one under way through `stages_next`,
     /// or commits some other state change, or asks for a stop.
-    fn lead(&mut self) {
+    fn lead(&mut self) -> Result<(), IndexViolation> {
         if self.rng.percent(15) {
             self.note(format_args!("other state change"));
             self.events.push(Event::Other);
-            return;
+            return Ok(());
+        }
+        if self.rng.percent(2) {
+            self.fail_one();
+            return Ok(());
         }
         let Some(r) = self.rebalance.as_mut() else {
             self.start_rebalance();
-            return;
+            return Ok(());
         };
         if self.rng.percent(3) {
             r.stop_asked = true;
@@ -478,20 +510,34 @@ impl World {
                 r.data = if self.rng.percent(5) { StageEnd::Failed } else { StageEnd::Moved };
             }
         }
-        let index = match r.adoptions.iter().map(|a| a.end).collect::<Vec<_>>() {
-            ends if ends.contains(&Some(false)) => StageEnd::Failed,
-            ends if ends.iter().all(|e| *e == Some(true)) => StageEnd::Moved,
-            _ => StageEnd::Running,
-        };
-        match stages_next(r.data, index, r.stop_asked) {
-            Stages::WaitData | Stages::WaitIndex => {}
-            Stages::Finish => {
-                let (target, leaving) = (r.target.clone(), r.leaving);
-                if let Some(n) = leaving.and_then(|l| self.nodes.get_mut(&l)) {
-                    n.member = false;
+        // The index stage, once every adoption ended: its target committed (production's
+        // `move_indexes`), over the placement it started from.
+        if r.index.is_none() && r.adoptions.iter().all(|a| a.end.is_some()) {
+            if r.adoptions.iter().any(|a| a.end == Some(false)) {
+                r.index = Some(StageEnd::Failed);
+            } else if self.protocol.commit_checked
+                && (self.placement != r.from || r.target.values().flatten().any(|n| !self.nodes.get(n).is_some_and(|n| n.member)))
+            {
+                r.index = Some(StageEnd::Failed);
+                self.note(format_args!("the index stage's commit is refused: the placement changed or names a failed node"));
+            } else {
+                let target = r.target.clone();
+                r.index = Some(StageEnd::Moved);
+                if let Some(node) = target.values().flatten().find(|n| !self.nodes.get(n).is_some_and(|n| n.member)) {
+                    return Err(IndexViolation::PlacedOnFailed { seed: self.seed, step: self.step, node: *node });
                 }
+                self.note(format_args!("the index stage commits its target"));
                 self.placement = target.clone();
                 self.events.push(Event::Placement(target));
+            }
+        }
+        let Some(r) = self.rebalance.as_mut() else { return Ok(()) };
+        match stages_next(r.data, r.index.unwrap_or(StageEnd::Running), r.stop_asked) {
+            Stages::WaitData | Stages::WaitIndex => {}
+            Stages::Finish => {
+                if let Some(n) = r.leaving.and_then(|l| self.nodes.get_mut(&l)) {
+                    n.member = false;
+                }
                 self.end_rebalance();
                 self.stats.rebalances_done += 1;
             }
@@ -513,6 +559,51 @@ impl World {
                 self.stats.rebalances_failed += 1;
             }
         }
+        Ok(())
+    }
+
+    fn count_rebuilt(&mut self, copies: u64) {
+        if self.stats.failovers == 0 {
+            self.stats.rebuilt += copies;
+        } else {
+            self.stats.rebuilt_after_failover += copies;
+        }
+    }
+
+    /// A member dies and is failed over: its copies are gone (it may come back later,
+    /// empty, as a new node); the placement loses them ([`repair_indexes`]); a rebalance
+    /// under way sees its data stage fail (the map changed under it) and the adoptions to
+    /// or from the node fail.
+    fn fail_one(&mut self) {
+        let members = self.members();
+        if members.len() < 3 {
+            return;
+        }
+        let Some(dead) = self.pick(&members) else { return };
+        if let Some(n) = self.nodes.get_mut(&dead) {
+            n.held.clear();
+            n.draining.clear();
+            n.member = false;
+        }
+        self.stats.failovers += 1;
+        let left: Vec<NodeId> = members.into_iter().filter(|m| *m != dead).collect();
+        let repaired = repair_indexes(&self.placement, &left);
+        self.note(format_args!("node {} fails over", dead.0));
+        self.placement = repaired.clone();
+        self.events.push(Event::Placement(repaired));
+        if let Some(r) = self.rebalance.as_mut() {
+            if r.data == StageEnd::Running {
+                r.data = StageEnd::Failed;
+            }
+            for a in r.adoptions.iter_mut().filter(|a| a.end.is_none()) {
+                if a.to == dead || (a.source == Some(dead) && a.until.is_none()) {
+                    a.end = Some(false);
+                }
+            }
+            if r.leaving == Some(dead) {
+                r.leaving = None;
+            }
+        }
     }
 
     fn end_rebalance(&mut self) {
@@ -525,7 +616,7 @@ impl World {
     fn start_rebalance(&mut self) {
         let mut members = self.members();
         let outside: Vec<NodeId> = self.nodes.iter().filter(|(_, n)| !n.member).map(|(id, _)| *id).collect();
-        let joins = members.len() < 4 && (members.len() == 3 || self.rng.percent(50));
+        let joins = members.len() < 3 || (members.len() < 4 && self.rng.percent(50));
         let changed = if joins { self.pick(&outside) } else { self.pick(&members) };
         let Some(changed) = changed else { return };
         if joins {
@@ -555,7 +646,9 @@ impl World {
         }
         let data_left = 1 + self.rng.below(20);
         let leaving = (!joins).then_some(changed);
-        self.rebalance = Some(Rebalance { target, adoptions, data: StageEnd::Running, data_left, stop_asked: false, leaving });
+        let from = self.placement.clone();
+        self.rebalance =
+            Some(Rebalance { from, target, index: None, adoptions, data: StageEnd::Running, data_left, stop_asked: false, leaving });
         self.events.push(Event::RebalanceBegin);
         self.note(format_args!("rebalance begins, {} {}", if joins { "joining" } else { "leaving" }, changed.0));
     }
@@ -636,7 +729,7 @@ impl World {
             match self.rng.below(3) {
                 0 => self.follow(),
                 1 => self.adopt_one(),
-                _ => self.lead(),
+                _ => self.lead()?,
             }
             // No new rebalance once the last one ended.
             if self.rebalance.is_none() {

@@ -35,6 +35,7 @@ fn index_moves_keep_request_plus_scans_exact_rebuild_nothing_and_end_as_placed()
     assert!(total.rebalances_failed > 200, "{total:?}");
     assert!(total.adopted > 5_000, "{total:?}");
     assert!(total.dropped > 5_000, "{total:?}");
+    assert!(total.failovers > 500 && total.rebuilt_after_failover > 50, "{total:?}");
     assert_eq!(total.rebuilt, 0, "a rebalance rebuilt copies: {total:?}");
     assert_eq!(total.adoptions_failed, 0, "a copy was dropped while it was adopted: {total:?}");
 }
@@ -62,14 +63,14 @@ fn a_scan_that_does_not_check_its_copy_is_still_held_answers_short() {
 
 /// Copies lost, over the seeds searched, under `protocol` (scans must stay exact all the
 /// same: a missing copy refuses): the stats once both a copy was rebuilt and an adoption
-/// failed, `None` if that never happened.
+/// failed (dropped while it caught up), `Err` with the stats if that never happened.
 fn copies_lost(protocol: IndexProtocol) -> Result<IndexRunStats, IndexRunStats> {
     let config = IndexSimConfig { steps: STEPS, protocol, trace: false };
     let mut total = IndexRunStats::default();
     for seed in 0..BROKEN_SEEDS_MAX {
         match run_index(seed, &config) {
             Ok(stats) => total += stats,
-            Err(v @ IndexViolation::ShortScan { .. }) => panic!("{v:?}"),
+            Err(v @ (IndexViolation::ShortScan { .. } | IndexViolation::PlacedOnFailed { .. })) => panic!("{v:?}"),
             Err(IndexViolation::NotAsPlaced { .. }) => {}
         }
         if total.rebuilt > 0 && total.adoptions_failed > 0 {
@@ -87,6 +88,17 @@ fn copies_lost(protocol: IndexProtocol) -> Result<IndexRunStats, IndexRunStats> 
 fn a_copy_adopted_before_its_node_applied_the_rebalance_is_lost_and_rebuilt() {
     let found = copies_lost(IndexProtocol { adopt_after_begin: false, ..IndexProtocol::SAFE });
     assert!(found.is_ok(), "no copy lost: {found:?}");
+}
+
+/// A failover during the index stage takes the failed node's copies out of the placement;
+/// the stage's target, planned before it, names them again — or names copies the failed
+/// node adopted before it failed. The commit is refused over another placement than the
+/// plan's start or naming a failed node, and the stage fails instead (found by this
+/// simulation).
+#[test]
+fn an_index_stage_that_commits_over_a_failover_names_the_failed_node() {
+    let (found, total) = first_violation(IndexProtocol { commit_checked: false, ..IndexProtocol::SAFE });
+    assert!(matches!(found, Some(IndexViolation::PlacedOnFailed { .. })), "no placement on a failed node: {found:?} {total:?}");
 }
 
 /// `6929352`: a node that reconciles its copies on a state change during a rebalance drops

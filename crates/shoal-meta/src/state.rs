@@ -378,6 +378,12 @@ pub struct IndexPlacementChange {
     pub name: String,
     pub id: IndexId,
     pub placement: Vec<Vec<NodeId>>,
+    /// The placement the change was planned over: refused if the index's placement is no
+    /// longer that one (a failover took a failed node's copies out of it since a rebalance
+    /// planned its moves, and the new placement would name them again). `None`: not checked
+    /// (entries written before this field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<Vec<Vec<NodeId>>>,
 }
 
 /// What an applied command answers.
@@ -418,6 +424,8 @@ pub enum MetaReject {
     IndexExists { collection: String, name: String },
     #[error("no index {name} on collection {collection}")]
     NoSuchIndex { collection: String, name: String },
+    #[error("index {name} on collection {collection} was placed anew since this placement was planned (a failover)")]
+    IndexPlacementChanged { collection: String, name: String },
     #[error("map version {got} is not the next one ({expected})")]
     MapVersion { expected: u64, got: u64 },
     #[error("the map is not well formed: {why}")]
@@ -751,6 +759,9 @@ impl MetaState {
                 .and_then(|by_name| by_name.get(&change.name))
                 .filter(|d| d.id == change.id)
                 .ok_or_else(|| MetaReject::NoSuchIndex { collection: change.collection.clone(), name: change.name.clone() })?;
+            if change.from.as_ref().is_some_and(|from| *from != def.placement) {
+                return Err(MetaReject::IndexPlacementChanged { collection: change.collection.clone(), name: change.name.clone() });
+            }
             let spec = index_spec(u64::from(def.id), &def.definition)?;
             let bad = |why: String| MetaReject::OutOfRange { what: format!("placement of index {}", change.name), why };
             if change.placement.len() != usize::from(spec.partitions) {
@@ -762,6 +773,11 @@ impl MetaState {
                 }
                 if let Some(node) = copies.iter().find(|n| !self.members.get(n).is_some_and(|m| m.services.index)) {
                     return Err(bad(format!("node {node} is not a member running the index service")));
+                }
+                // A copy on a failed member is gone (a rebalance's adoption on a node that
+                // failed over before the placement was committed).
+                if let Some(node) = copies.iter().find(|n| self.members.get(n).is_some_and(|m| m.state == MemberState::Failed)) {
+                    return Err(bad(format!("node {node} has failed over")));
                 }
             }
         }
@@ -1232,8 +1248,12 @@ mod tests {
         // A rebalance's new placement: all or nothing, and only for the index it placed.
         let id = state.indexes["c"]["j"].id;
         let moved = vec![vec![n(4)], vec![n(4)], vec![n(3)], vec![n(3)]];
-        let change = |placement: Vec<Vec<NodeId>>, id| IndexPlacementChange { collection: "c".into(), name: "j".into(), id, placement };
+        let change =
+            |placement: Vec<Vec<NodeId>>, id| IndexPlacementChange { collection: "c".into(), name: "j".into(), id, placement, from: None };
+        let planned_over = state.indexes["c"]["j"].placement.clone();
+        let over = |from: Vec<Vec<NodeId>>| IndexPlacementChange { from: Some(from), ..change(moved.clone(), id) };
         let refused = [
+            (over(vec![vec![n(3)], vec![n(3)], vec![n(4)], vec![n(4)]]), "planned over another placement (a failover since)"),
             (change(vec![vec![n(4)]], id), "too few partitions"),
             (change(vec![vec![n(4)], vec![n(4), n(4)], vec![n(3)], vec![n(3)]], id), "two copies on one node"),
             (change(vec![vec![n(4)], vec![], vec![n(3)], vec![n(3)]], id), "a partition without copies"),
@@ -1247,8 +1267,20 @@ mod tests {
             assert!(state.apply(cmd).is_err(), "{why}");
             assert_eq!(state, before, "{why}: nothing changed");
         }
-        state.apply(MetaCommand::SetIndexPlacements { placements: vec![change(moved.clone(), id)] }).expect("placed");
+        // A copy on a member that failed over is gone: refused, even over the placement
+        // the failover left.
+        let mut failed = state.clone();
+        failed.apply(MetaCommand::SetMemberState { node: n(4), state: MemberState::Failed }).expect("failed over");
+        let repaired = failed.indexes["c"]["j"].placement.clone();
+        assert!(!repaired.iter().flatten().any(|c| *c == n(4)), "the failover took node 4's copies out: {repaired:?}");
+        let before = failed.clone();
+        let named_again = MetaCommand::SetIndexPlacements { placements: vec![over(repaired)] };
+        let refused = failed.apply(named_again);
+        assert!(matches!(&refused, Err(MetaReject::OutOfRange { why, .. }) if why.contains("failed over")), "{refused:?}");
+        assert_eq!(failed, before);
+        state.apply(MetaCommand::SetIndexPlacements { placements: vec![over(planned_over)] }).expect("placed");
         assert_eq!(state.indexes["c"]["j"].placement, moved);
+        state.apply(MetaCommand::SetIndexPlacements { placements: vec![change(moved.clone(), id)] }).expect("placed, not checked");
         state.check().expect("invariants hold");
         // What an automatic failover looks at: data nodes, and index nodes with copies.
         let mut query_only = state.clone();

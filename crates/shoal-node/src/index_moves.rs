@@ -473,7 +473,16 @@ pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> R
             .map(|(_, c)| c.clone())
             .collect();
         if placement != def.placement {
-            changes.push(IndexPlacementChange { collection: def.collection.clone(), name: def.name.clone(), id: def.id, placement });
+            // Over the placement the plan started from: a failover since took a failed
+            // node's copies out of it, which this target (planned before) would name again;
+            // then the stage fails and a new rebalance plans from the repaired placement.
+            changes.push(IndexPlacementChange {
+                collection: def.collection.clone(),
+                name: def.name.clone(),
+                id: def.id,
+                placement,
+                from: Some(def.placement.clone()),
+            });
         }
     }
     if !changes.is_empty() {
