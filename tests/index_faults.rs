@@ -35,6 +35,34 @@ async fn set_faults(http: &reqwest::Client, node: &common::Node, faults: Value) 
     r.status().as_u16()
 }
 
+/// Whole scans through `node` until the rebalance ends, each exact (`want`) or `503`;
+/// answers the rebalance's last status.
+async fn scans_until_the_rebalance_ends(http: &reqwest::Client, node: &common::Node, want: &[(i64, String)], what: &str) -> Value {
+    loop {
+        let (_, status) = get_json(http, &node.u("/v1/cluster/rebalance")).await;
+        let (code, rows, v) = whole_scan(http, node).await;
+        match code {
+            200 => assert_eq!(rows.as_deref(), Some(want), "a scan while the rebalance {what}"),
+            503 => {}
+            other => panic!("{other} {v}"),
+        }
+        if status["state"] != "running" {
+            return status;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The moves of `kind` (`partition` or `index`) in a rebalance's status.
+fn moves_of(status: &Value, kind: &str) -> Vec<Value> {
+    status["moves"].as_array().map(|m| m.iter().filter(|m| m["kind"] == kind).cloned().collect()).unwrap_or_default()
+}
+
+/// Whether the placement of the first index `GET .../indexes` lists names node `id`.
+fn named(listed: &Value, id: u64) -> bool {
+    listed[0]["placement"].as_array().is_some_and(|p| p.iter().filter_map(|c| c.as_array()).flatten().any(|n| *n == json!(id)))
+}
+
 /// The index service's test cluster with index `by_v` (8 partitions, a replica each) over
 /// 120 documents of `c`, and the rows a whole scan must answer (checked once).
 async fn indexed_cluster() -> (IndexCluster, Vec<(i64, String)>) {
@@ -137,11 +165,7 @@ async fn an_index_move_whose_target_or_source_is_killed_leaves_the_scans_exact()
         rebalance(&http, &first, &[victim_id]).await;
         exact_eventually("after the dead node is ejected").await;
         let (_, listed) = get_json(&http, &first.u("/v1/collections/c/indexes")).await;
-        let placement = listed[0]["placement"].to_string();
-        assert!(
-            !listed[0]["placement"].as_array().unwrap().iter().flat_map(|c| c.as_array().unwrap()).any(|n| *n == json!(victim_id)),
-            "{placement}"
-        );
+        assert!(!named(&listed, victim_id), "{listed}");
         drop(joiner);
     }
     drop(b);
@@ -199,10 +223,7 @@ async fn copies_a_rebalance_adopts_are_kept_through_state_changes_until_it_names
     let (_, listed) = get_json(&http, &first.u("/v1/collections/c/indexes")).await;
     let info = get_json(&http, &first.u("/v1/cluster")).await.1;
     let joiner_id = node_id(&info, &joiner).unwrap();
-    assert!(
-        listed[0]["placement"].as_array().unwrap().iter().flat_map(|c| c.as_array().unwrap()).any(|n| *n == json!(joiner_id)),
-        "the new node holds copies: {listed}"
-    );
+    assert!(named(&listed, joiner_id), "the new node holds copies: {listed}");
 }
 
 /// A stop asked while a rebalance's index stage runs, its data moves all done, stops it: the
@@ -222,9 +243,6 @@ async fn a_stop_during_the_index_stage_stops_the_rebalance_and_the_next_one_move
     let started = http.post(first.u("/v1/cluster/rebalance")).json(&json!({})).send().await.unwrap();
     assert_eq!(started.status().as_u16(), 202);
     // Until the data moves are done and the index copies are being adopted.
-    let moves_of = |status: &Value, kind: &str| -> Vec<Value> {
-        status["moves"].as_array().map(|m| m.iter().filter(|m| m["kind"] == kind).cloned().collect()).unwrap_or_default()
-    };
     let status = wait_for(&http, &first.u("/v1/cluster/rebalance"), "data moves done, index copies adopted", |s| {
         s["state"] != "running" || (moves_of(s, "partition").iter().all(|m| m["state"] == "done") && !moves_of(s, "index").is_empty())
     })
@@ -232,19 +250,7 @@ async fn a_stop_during_the_index_stage_stops_the_rebalance_and_the_next_one_move
     assert_eq!(status["state"], "running", "the index stage outlasts the data stage by the adoptions' 4 s: {status}");
     let r = http.delete(first.u("/v1/cluster/rebalance")).send().await.unwrap();
     assert!(r.status().is_success(), "stop: {}", r.text().await.unwrap_or_default());
-    let status = loop {
-        let (_, status) = get_json(&http, &first.u("/v1/cluster/rebalance")).await;
-        let (code, rows, v) = scan().await;
-        match code {
-            200 => assert_eq!(rows.as_ref(), Some(&want), "a scan while the rebalance stops"),
-            503 => {}
-            other => panic!("{other} {v}"),
-        }
-        if status["state"] != "running" {
-            break status;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let status = scans_until_the_rebalance_ends(&http, &first, &want, "stops").await;
     assert_eq!(status["state"], "stopped", "{status}");
     assert!(moves_of(&status, "partition").iter().all(|m| m["state"] == "done"), "the data moves stay: {status}");
     let (_, listed) = get_json(&http, &first.u("/v1/collections/c/indexes")).await;
@@ -258,10 +264,7 @@ async fn a_stop_during_the_index_stage_stops_the_rebalance_and_the_next_one_move
     let info = get_json(&http, &first.u("/v1/cluster")).await.1;
     let joiner_id = node_id(&info, &joiner).unwrap();
     let (_, listed) = get_json(&http, &first.u("/v1/collections/c/indexes")).await;
-    assert!(
-        listed[0]["placement"].as_array().unwrap().iter().flat_map(|c| c.as_array().unwrap()).any(|n| *n == json!(joiner_id)),
-        "the new node holds copies: {listed}"
-    );
+    assert!(named(&listed, joiner_id), "the new node holds copies: {listed}");
     let (code, rows, v) = scan().await;
     assert_eq!((code, rows.as_ref()), (200, Some(&want)), "{v}");
     for node in [&first, &second, &a, &b, &joiner] {
@@ -286,14 +289,8 @@ async fn a_failover_during_the_index_stage_fails_the_rebalance_rather_than_name_
     assert_eq!(set_faults(&http, &joiner, json!({"cut": [], "index_adopt_delay_ms": 12_000})).await, 200);
     let info = get_json(&http, &first.u("/v1/cluster")).await.1;
     let b_id = node_id(&info, &b).unwrap();
-    let named = |listed: &Value, id: u64| {
-        listed[0]["placement"].as_array().unwrap().iter().flat_map(|c| c.as_array().unwrap()).any(|n| *n == json!(id))
-    };
     let started = http.post(first.u("/v1/cluster/rebalance")).json(&json!({})).send().await.unwrap();
     assert_eq!(started.status().as_u16(), 202);
-    let moves_of = |status: &Value, kind: &str| -> Vec<Value> {
-        status["moves"].as_array().map(|m| m.iter().filter(|m| m["kind"] == kind).cloned().collect()).unwrap_or_default()
-    };
     wait_for(&http, &first.u("/v1/cluster/rebalance"), "index copies being adopted", |s| {
         s["state"] != "running" || !moves_of(s, "index").is_empty()
     })
@@ -305,19 +302,7 @@ async fn a_failover_during_the_index_stage_fails_the_rebalance_rather_than_name_
     assert_eq!(status["state"], "running", "the failover landed before the index stage's end: {status}");
     let (_, listed) = get_json(&http, &first.u("/v1/collections/c/indexes")).await;
     assert!(!named(&listed, b_id), "the failover took node {b_id}'s copies out: {listed}");
-    let status = loop {
-        let (_, status) = get_json(&http, &first.u("/v1/cluster/rebalance")).await;
-        let (code, rows, v) = scan().await;
-        match code {
-            200 => assert_eq!(rows.as_ref(), Some(&want), "a scan while the rebalance ends"),
-            503 => {}
-            other => panic!("{other} {v}"),
-        }
-        if status["state"] != "running" {
-            break status;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let status = scans_until_the_rebalance_ends(&http, &first, &want, "ends").await;
     assert_eq!(status["state"], "failed", "{status}");
     assert!(status["message"].as_str().unwrap_or("").contains("placed anew"), "{status}");
     let (_, listed) = get_json(&http, &first.u("/v1/collections/c/indexes")).await;
