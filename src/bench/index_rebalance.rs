@@ -8,7 +8,8 @@
 //! streams), bytes, scan p50/p95/p99 before and during, wrong answers; the same scale-out
 //! with every index copy rebuilt from the streams (`--copy-by-stream` on the index nodes),
 //! and with no index, for the ratios. Then seed 002 at cluster scale: `eq` scan latency
-//! with 1, 3 and 4 index nodes, and with 16, 64 and 256 data partitions.
+//! with 1 and 4 index nodes, and with 16, 64 and 256 data partitions on 3 (the shapes compared
+//! run at once, their scans interleaved in turns).
 //!
 //! Every node shares this machine's cores and disk: the figures compare runs of one bench,
 //! not clusters of separate machines.
@@ -588,45 +589,66 @@ async fn foreground(
     }
 }
 
+/// Scans per shape in one turn of the interleaved eq measurement.
+const EQ_TURN_SCANS: usize = 50;
+
 /// Seed 002 at cluster scale: `eq` scan latency (closed loop, through the first data node)
-/// with 1, 3 and 4 index nodes, and with 16, 64 and 256 data partitions on 3.
+/// with 1 and 4 index nodes, and with 16, 64 and 256 data partitions on 3; the shapes
+/// compared run at once, their scans interleaved.
 async fn eq_latency(args: &IndexRebalanceArgs) -> Result<(), CliError> {
     println!(
         "\n--- eq scan latency by cluster shape ({} scans each, one index of {} partitions, {} documents)",
         args.eq_scans, args.index_partitions, args.docs
     );
-    let shapes: [(usize, u16); 5] = [(1, 64), (3, 64), (4, 64), (3, 16), (3, 256)];
+    // The shapes compared run side by side, their scans interleaved in turns of
+    // `EQ_TURN_SCANS` (the order rotating each turn), so that the machine's drift on these
+    // shared cores weighs on each alike: index nodes (1 and 4), then data partitions (16,
+    // 64 and 256 on 3 index nodes).
+    let groups: [&[(usize, u16)]; 2] = [&[(1, 64), (4, 64)], &[(3, 16), (3, 64), (3, 256)]];
     let mut rows = Vec::new();
-    for (index_nodes, partitions) in shapes {
-        let label = format!("eq-{index_nodes}-{partitions}");
-        let (data_nodes, idx, _) = start_cluster(&label, (1, false), index_nodes, partitions, &[]).await?;
-        let client = Client::new(&data_nodes[0].url)?;
-        prepare(&client, &data_nodes[0].url, 1, args.index_partitions, args.docs, args.writers).await?;
+    for group in groups {
+        let mut clusters = Vec::new();
+        for &(index_nodes, partitions) in group {
+            let label = format!("eq-{index_nodes}-{partitions}");
+            let (data_nodes, idx, _) = start_cluster(&label, (1, false), index_nodes, partitions, &[]).await?;
+            let client = Client::new(&data_nodes[0].url)?;
+            prepare(&client, &data_nodes[0].url, 1, args.index_partitions, args.docs, args.writers).await?;
+            clusters.push((index_nodes, partitions, data_nodes, idx, Vec::with_capacity(args.eq_scans), 0usize));
+        }
         let http =
             crate::bench::http_builder().timeout(Duration::from_secs(30)).no_proxy().build().map_err(|e| CliError::Bench(e.to_string()))?;
         let expected = expected(args.docs);
-        let mut ms = Vec::with_capacity(args.eq_scans);
-        let mut wrong = 0;
-        for s in 0..args.eq_scans {
-            let value = s as u64 % VALUES;
-            let sent = Instant::now();
-            let v: Value = http
-                .post(format!("{}/v1/collections/bench/indexes/i000/scan", data_nodes[0].url))
-                .json(&json!({"eq": [value], "limit": 100_000}))
-                .send()
-                .await
-                .map_err(|e| CliError::Bench(e.to_string()))?
-                .json()
-                .await
-                .map_err(|e| CliError::Bench(e.to_string()))?;
-            ms.push(sent.elapsed().as_secs_f64() * 1000.0);
-            wrong += usize::from(v["rows"].as_array().map_or(0, Vec::len) != expected[0][value as usize]);
+        let turns = args.eq_scans.div_ceil(EQ_TURN_SCANS);
+        for turn in 0..turns {
+            let n = clusters.len();
+            for k in 0..n {
+                let (_, _, data_nodes, _, ms, wrong) = &mut clusters[(turn + k) % n];
+                let from = turn * EQ_TURN_SCANS;
+                for s in from..(from + EQ_TURN_SCANS).min(args.eq_scans) {
+                    let value = s as u64 % VALUES;
+                    let sent = Instant::now();
+                    let v: Value = http
+                        .post(format!("{}/v1/collections/bench/indexes/i000/scan", data_nodes[0].url))
+                        .json(&json!({"eq": [value], "limit": 100_000}))
+                        .send()
+                        .await
+                        .map_err(|e| CliError::Bench(e.to_string()))?
+                        .json()
+                        .await
+                        .map_err(|e| CliError::Bench(e.to_string()))?;
+                    ms.push(sent.elapsed().as_secs_f64() * 1000.0);
+                    *wrong += usize::from(v["rows"].as_array().map_or(0, Vec::len) != expected[0][value as usize]);
+                }
+            }
         }
-        let p = percentiles(ms);
-        println!("{index_nodes} index nodes, {partitions} data partitions: eq p50 {:.2} ms, p99 {:.2} ms, {wrong} wrong", p.p50, p.p99);
-        rows.push((index_nodes, partitions, p, wrong));
-        drop((data_nodes, idx));
+        for (index_nodes, partitions, data_nodes, idx, ms, wrong) in clusters {
+            let p = percentiles(ms);
+            println!("{index_nodes} index nodes, {partitions} data partitions: eq p50 {:.2} ms, p99 {:.2} ms, {wrong} wrong", p.p50, p.p99);
+            rows.push((index_nodes, partitions, p, wrong));
+            drop((data_nodes, idx));
+        }
     }
+    rows.sort_by_key(|r| (r.0, r.1));
     println!("\n| index nodes | data partitions | eq p50 ms | eq p99 ms | wrong |");
     println!("|---|---|---|---|---|");
     for (n, parts, p, wrong) in &rows {
