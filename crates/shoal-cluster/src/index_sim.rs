@@ -45,9 +45,14 @@
 //!   stage dropped copies being adopted, which were then rebuilt; `6929352`); and two this
 //!   simulation found: the adoption's wait for the log, and the commit's checks.
 //!
+//! - Leader changes: the new leader takes up the rebalance; its index stage, unless it
+//!   committed already, plans again over the placement and asks every adoption again (a
+//!   copy held already is not copied again).
+//!
 //! What is simplified: no lost or reordered message and no recovery of a failed node within
 //! a rebalance (the data stage's and the metadata's own simulations, [`crate::sim`], cover
-//! the protocol's messages); the leader never changes; an index's definition is on every
+//! the protocol's messages); an old leader's adoptions still under way when a new one takes
+//! over are not modelled (they end when their node answers, as the new ones do); an index's definition is on every
 //! node from the start; a scan's partition requests are answered one at a time, at random.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -131,6 +136,8 @@ pub struct IndexRunStats {
     /// failover in the run (a rebalance's doing: never, safely).
     pub rebuilt: u64,
     pub failovers: u64,
+    /// Leader changes while an index stage ran (it planned again and asked again).
+    pub leader_changes: u64,
     /// Copies rebuilt once a failover happened (a failover's repair places a copy of a
     /// partition left with none, rebuilt from the logs: there are no files left).
     pub rebuilt_after_failover: u64,
@@ -150,6 +157,7 @@ impl std::ops::AddAssign for IndexRunStats {
         self.dropped += o.dropped;
         self.rebuilt += o.rebuilt;
         self.failovers += o.failovers;
+        self.leader_changes += o.leader_changes;
         self.rebuilt_after_failover += o.rebuilt_after_failover;
     }
 }
@@ -220,6 +228,8 @@ struct Rebalance {
     /// The placement the plan started from.
     from: IndexPlacement,
     target: IndexPlacement,
+    /// The index nodes the target was planned on.
+    members: Vec<NodeId>,
     /// How the index stage ended (it commits its target at its end, beside the data stage).
     index: Option<StageEnd>,
     adoptions: Vec<Adoption>,
@@ -495,6 +505,10 @@ impl World {
             self.fail_one();
             return Ok(());
         }
+        if self.rng.percent(3) {
+            self.change_leader();
+            return Ok(());
+        }
         let Some(r) = self.rebalance.as_mut() else {
             self.start_rebalance();
             return Ok(());
@@ -625,11 +639,35 @@ impl World {
             members.retain(|m| *m != changed);
         }
         members.sort();
-        let Ok(target) = place_indexes(&[self.spec], &as_nodes(&members), &self.placement) else { return };
+        let Some((target, adoptions)) = self.plan_index_stage(&members, self.events.len() + 1) else { return };
+        if let (true, Some(n)) = (joins, self.nodes.get_mut(&changed)) {
+            n.member = true;
+        }
+        let data_left = 1 + self.rng.below(20);
+        let leaving = (!joins).then_some(changed);
+        let from = self.placement.clone();
+        self.rebalance = Some(Rebalance {
+            from,
+            target,
+            members,
+            index: None,
+            adoptions,
+            data: StageEnd::Running,
+            data_left,
+            stop_asked: false,
+            leaving,
+        });
+        self.events.push(Event::RebalanceBegin);
+        self.note(format_args!("rebalance begins, {} {}", if joins { "joining" } else { "leaving" }, changed.0));
+    }
+
+    /// The index stage's plan over the placement now (production's `plan_index_moves`): the
+    /// target on `members`, the copies to build and their sources among the live members;
+    /// each adoption asked once the log is `asked_at` long.
+    fn plan_index_stage(&self, members: &[NodeId], asked_at: usize) -> Option<(IndexPlacement, Vec<Adoption>)> {
+        let target = place_indexes(&[self.spec], &as_nodes(members), &self.placement).ok()?;
         let (build, _) = index_moves(&self.placement, &target);
         let alive: BTreeSet<NodeId> = self.members().into_iter().collect();
-        // The adoptions are asked once the start is committed.
-        let asked_at = self.events.len() + 1;
         let adoptions = index_sources(&self.placement, &build, &alive)
             .into_iter()
             .map(|((part, to), source): ((IndexPart, NodeId), Option<NodeId>)| Adoption {
@@ -641,16 +679,30 @@ impl World {
                 end: None,
             })
             .collect();
-        if let (true, Some(n)) = (joins, self.nodes.get_mut(&changed)) {
-            n.member = true;
+        Some((target, adoptions))
+    }
+
+    /// The metadata leader changes: a rebalance under way is taken up by the new one, whose
+    /// index stage (unless it committed already) plans again over the placement and asks
+    /// every adoption again — a copy its node holds already is not copied again.
+    fn change_leader(&mut self) {
+        let Some(r) = self.rebalance.as_ref() else { return };
+        if r.index.is_some() {
+            return;
         }
-        let data_left = 1 + self.rng.below(20);
-        let leaving = (!joins).then_some(changed);
-        let from = self.placement.clone();
-        self.rebalance =
-            Some(Rebalance { from, target, index: None, adoptions, data: StageEnd::Running, data_left, stop_asked: false, leaving });
-        self.events.push(Event::RebalanceBegin);
-        self.note(format_args!("rebalance begins, {} {}", if joins { "joining" } else { "leaving" }, changed.0));
+        let members: Vec<NodeId> = r.members.iter().copied().filter(|m| self.nodes.get(m).is_some_and(|n| n.member)).collect();
+        let planned = self.plan_index_stage(&members, self.events.len());
+        let Some(r) = self.rebalance.as_mut() else { return };
+        match planned {
+            Some((target, adoptions)) => {
+                r.from = self.placement.clone();
+                r.target = target;
+                r.adoptions = adoptions;
+            }
+            None => r.index = Some(StageEnd::Failed),
+        }
+        self.stats.leader_changes += 1;
+        self.note(format_args!("the leader changes; the index stage plans again"));
     }
 
     /// A client asks a node to scan the whole index at `request_plus`.

@@ -36,6 +36,7 @@ fn index_moves_keep_request_plus_scans_exact_rebuild_nothing_and_end_as_placed()
     assert!(total.adopted > 5_000, "{total:?}");
     assert!(total.dropped > 5_000, "{total:?}");
     assert!(total.failovers > 500 && total.rebuilt_after_failover > 50, "{total:?}");
+    assert!(total.leader_changes > 1_000, "{total:?}");
     assert_eq!(total.rebuilt, 0, "a rebalance rebuilt copies: {total:?}");
     assert_eq!(total.adoptions_failed, 0, "a copy was dropped while it was adopted: {total:?}");
 }
