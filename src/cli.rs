@@ -851,7 +851,9 @@ pub async fn cluster(url: &str, output: Output, cmd: ClusterCmd) -> Result<(), C
             if status["state"] != "done" {
                 return Err(CliError::Usage(format!("rebalance {}: {}", status["state"], status["message"].as_str().unwrap_or(""))));
             }
-            println!("rebalance done: {total} copies built");
+            let took = status["elapsed_s"].as_f64().map_or_else(String::new, |s| format!(" in {s:.2} s"));
+            let moves = status["moves_total"].as_u64().unwrap_or(total);
+            println!("rebalance done: {moves} copies built{took}");
             return Ok(());
         }
     };

@@ -1915,7 +1915,13 @@ async fn cluster_add_brings_in_a_lone_empty_node() {
     })
     .await;
 
-    rebalance(&http, a, &[]).await;
+    // Brought in by the command line's rebalance, which draws its progress and says how long
+    // it took.
+    let (ok, out, err) = a.cli(&["cluster", "rebalance"]);
+    assert!(ok, "cluster rebalance: {out} {err}");
+    let done = out.lines().find(|l| l.starts_with("rebalance done: ")).unwrap_or_default();
+    let secs: Option<f64> = done.rsplit_once(" in ").and_then(|(_, t)| t.strip_suffix(" s")).and_then(|t| t.parse().ok());
+    assert!(secs.is_some_and(|s| s > 0.0) && done.contains("copies built"), "{out}");
     let (_, map) = get_json(&http, &b.u("/v1/cluster/map")).await;
     assert!(map["partitions"].as_array().unwrap().iter().any(|p| p["active"].as_u64() == Some(b_id)), "b holds actives: {map}");
     for i in 0..KEYS {
