@@ -403,14 +403,16 @@ impl World {
             n.held.insert(*p, Copy { at: [0; DATA_LOGS] });
         }
         self.count_rebuilt(todo.rebuild.len() as u64);
-        let what = match &event {
-            Event::Placement(p) => format!(
-                "placement {:?}",
-                p.iter().map(|(k, c)| (k.partition, c.iter().map(|n| n.0).collect::<Vec<_>>())).collect::<Vec<_>>()
-            ),
-            other => format!("{other:?}"),
-        };
-        self.note(format_args!("node {} applies {what}: drains {:?}, rebuilds {:?}", id.0, todo.drain, todo.rebuild));
+        if self.trace {
+            let what = match &event {
+                Event::Placement(p) => format!(
+                    "placement {:?}",
+                    p.iter().map(|(k, c)| (k.partition, c.iter().map(|n| n.0).collect::<Vec<_>>())).collect::<Vec<_>>()
+                ),
+                other => format!("{other:?}"),
+            };
+            self.note(format_args!("node {} applies {what}: drains {:?}, rebuilds {:?}", id.0, todo.drain, todo.rebuild));
+        }
     }
 
     /// Drains that are over: each copy dropped if the state then says so.
