@@ -415,7 +415,12 @@ where
     }
     let tables = ks.path().join(fjall::TABLES_FOLDER);
     let blobs = ks.path().join(fjall::BLOBS_FOLDER);
-    std::fs::create_dir_all(&tables).and_then(|()| std::fs::create_dir_all(&blobs)).map_err(io)?;
+    std::fs::create_dir_all(&tables).map_err(io)?;
+    // Only a copy with blob files needs their folder: a new folder is an inode, and most
+    // copies (every small index partition's) have none.
+    if files.iter().any(|(_, blob)| *blob) {
+        std::fs::create_dir_all(&blobs).map_err(io)?;
+    }
 
     let mut stats = IngestStats::default();
     let mut items = Vec::new();

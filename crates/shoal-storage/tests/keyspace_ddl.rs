@@ -3,7 +3,9 @@
 //! a partition drop does not stall the writes of every other partition. These tests check
 //! that nothing that lock used to guarantee was lost: one keyspace per name however many
 //! threads ask at once, and a database that reopens with exactly the keyspaces left and
-//! the data written, after creations and deletions raced writes to other keyspaces.
+//! the data written, after creations and deletions raced writes to other keyspaces. And a
+//! new keyspace persists no version until its first flush: what it holds until then is in
+//! the journal, and a reopen, or a crash mid-flush, loses none of it.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -124,4 +126,71 @@ fn keyspaces_created_at_once_are_recorded_together_and_all_reopen() {
             assert_eq!(ks.get("who").unwrap().as_deref(), Some(name.as_bytes()), "{name}");
         }
     }
+}
+
+/// A new keyspace's tree persists no version until it has one to persist (a flush, an
+/// ingest, an import; `vendor/fjall/SHOAL-PATCH.md`): its creation writes no version file
+/// and no `current` marker, which were two new files and four fsyncs per keyspace. What
+/// the journal holds for it reopens, before and after its first flush.
+#[test]
+fn a_new_keyspace_writes_no_version_until_its_first_flush_and_reopens_with_its_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path;
+    {
+        let db = open(dir.path());
+        let ks = db.keyspace("new", fjall::KeyspaceCreateOptions::default).unwrap();
+        path = ks.path().to_path_buf();
+        let files: Vec<String> = std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        assert_eq!(files, ["tables"], "a new tree's folder holds only its tables folder");
+        for i in 0..100u32 {
+            ks.insert(i.to_be_bytes(), i.to_le_bytes()).unwrap();
+        }
+        db.persist(fjall::PersistMode::SyncAll).unwrap();
+    }
+    // Dropped with no flush: the writes are only in the journal.
+    {
+        let db = open(dir.path());
+        let ks = db.keyspace("new", fjall::KeyspaceCreateOptions::default).unwrap();
+        assert_eq!(ks.path(), path);
+        assert_eq!(ks.len().unwrap(), 100, "the journal's writes reopen into the keyspace that never persisted a version");
+        ks.rotate_memtable_and_wait().unwrap();
+        assert!(path.join("current").exists(), "the first flush persists the tree's version");
+        ks.insert(1000u32.to_be_bytes(), b"after").unwrap();
+        db.persist(fjall::PersistMode::SyncAll).unwrap();
+    }
+    let db = open(dir.path());
+    let ks = db.keyspace("new", fjall::KeyspaceCreateOptions::default).unwrap();
+    assert_eq!(ks.len().unwrap(), 101);
+    assert_eq!(ks.get(1000u32.to_be_bytes()).unwrap().as_deref(), Some(&b"after"[..]));
+}
+
+/// A tree whose first version's persist was cut short (its table written, no `current`
+/// marker yet: a crash mid-flush) reopens empty of that table: the journal, which the flush
+/// had not yet released, replays the writes, and the stray file does not stop the tree
+/// from writing its own first table.
+#[test]
+fn a_first_flush_cut_short_by_a_crash_leaves_nothing_that_stops_the_next() {
+    let dir = tempfile::tempdir().unwrap();
+    let path;
+    {
+        let db = open(dir.path());
+        let ks = db.keyspace("cut", fjall::KeyspaceCreateOptions::default).unwrap();
+        path = ks.path().to_path_buf();
+        ks.insert(b"k", b"v").unwrap();
+        db.persist(fjall::PersistMode::SyncAll).unwrap();
+    }
+    // What a flush that crashed before its version would leave: the tree's first table.
+    std::fs::write(path.join("tables").join("0"), b"a table no version names").unwrap();
+    std::fs::write(path.join("v1"), b"a version never made current").unwrap();
+    {
+        let db = open(dir.path());
+        let ks = db.keyspace("cut", fjall::KeyspaceCreateOptions::default).unwrap();
+        assert_eq!(ks.get(b"k").unwrap().as_deref(), Some(&b"v"[..]));
+        assert!(!path.join("v1").exists(), "what no version names is removed");
+        ks.rotate_memtable_and_wait().unwrap();
+        assert_eq!(ks.table_count(), 1, "the tree wrote its own first table");
+    }
+    let db = open(dir.path());
+    let ks = db.keyspace("cut", fjall::KeyspaceCreateOptions::default).unwrap();
+    assert_eq!(ks.get(b"k").unwrap().as_deref(), Some(&b"v"[..]));
 }

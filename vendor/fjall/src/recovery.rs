@@ -61,14 +61,20 @@ pub fn recover_keyspaces(db: &Database, meta_keyspace: &MetaKeyspace) -> crate::
 
         log::trace!("Recovering keyspace with id={keyspace_id}");
 
-        // NOTE: Check for marker, maybe the keyspace is not fully initialized
+        // SHOAL-PATCH: a keyspace the meta keyspace names but whose tree has no version
+        // marker is a created tree that never persisted a version (lsm-tree no longer
+        // persists a new tree's empty first version): it opens empty, and the journal
+        // replays its writes into it. Upstream deleted the folder as uninitialized (its
+        // trees wrote their marker before the meta keyspace named them), which would now
+        // drop those writes. Files a first version's persist left without the marker
+        // (a crash mid-flush or mid-ingest: nothing points at them) are removed first, so
+        // that the tree's new files do not collide with them.
         if !keyspace_path
             .join(LSM_CURRENT_VERSION_MARKER)
             .try_exists()?
         {
-            log::debug!("Deleting uninitialized keyspace {keyspace_name:?}");
-            std::fs::remove_dir_all(keyspace_path)?;
-            continue;
+            log::debug!("Opening keyspace {keyspace_name:?} empty: it never persisted a version");
+            remove_unversioned_files(&keyspace_path)?;
         }
 
         let path = keyspaces_folder.join(keyspace_id.to_string());
@@ -118,6 +124,22 @@ pub fn recover_keyspaces(db: &Database, meta_keyspace: &MetaKeyspace) -> crate::
         db.keyspace_id_counter.get(),
     );
 
+    Ok(())
+}
+
+/// SHOAL-PATCH: removes the files in a tree's folder and its subfolders (a cut-short first
+/// version's table, blob and version files), keeping the folders. Each folder is listed
+/// whole before anything in it is removed.
+fn remove_unversioned_files(folder: &std::path::Path) -> crate::Result<()> {
+    let entries = std::fs::read_dir(folder)?.collect::<std::io::Result<Vec<_>>>()?;
+    for entry in entries {
+        if entry.file_type()?.is_dir() {
+            remove_unversioned_files(&entry.path())?;
+        } else {
+            log::debug!("Removing {}: no version of its tree names it", entry.path().display());
+            std::fs::remove_file(entry.path())?;
+        }
+    }
     Ok(())
 }
 

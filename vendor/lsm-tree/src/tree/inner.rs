@@ -6,7 +6,7 @@ use crate::{
     compaction::state::CompactionState,
     config::Config,
     stop_signal::StopSignal,
-    version::{persist_version, SuperVersions, Version},
+    version::{SuperVersions, Version},
     SequenceNumberCounter, TableId,
 };
 use std::sync::{atomic::AtomicU64, Arc, Mutex, RwLock};
@@ -81,8 +81,13 @@ impl TreeInner {
                 crate::TreeType::Standard
             },
         );
-        persist_version(&config.path, &version)?;
-
+        // SHOAL-PATCH: the empty first version is not persisted (upstream wrote `v0`, then
+        // rewrote `CURRENT` to point at it: two new files and four fsyncs per tree). A tree
+        // without `CURRENT` opens as this same empty tree (`Tree::open`), so nothing is
+        // lost by leaving it unwritten; the first real version (a flush, an ingest, an
+        // import) persists itself and `CURRENT` as before. fjall's recovery opens a
+        // keyspace whose folder has no `CURRENT` as a new, empty tree rather than deleting
+        // it (`fjall/src/recovery.rs`), and its journal replays into it.
         Ok(Self {
             id: get_next_tree_id(),
             memtable_id_counter: SequenceNumberCounter::new(1),

@@ -1021,9 +1021,10 @@ impl Tree {
         create_dir_all(&table_folder_path)?;
 
         // SHOAL-PATCH: the folders are not fsynced here (upstream fsynced both): the first
-        // version's persist, next, fsyncs `path` twice before `CURRENT` exists, which makes
-        // the `tables` entry durable; the empty `tables` folder has no entry of its own to
-        // sync. Until `CURRENT` is durable the tree does not exist for a recovery.
+        // version's persist (the first flush, ingest or import: the empty version is not
+        // persisted, see `TreeInner::create_new`) fsyncs `path` before `CURRENT` exists,
+        // which makes the `tables` entry durable; the empty `tables` folder has no entry of
+        // its own to sync. Until `CURRENT` is durable the tree opens empty.
         let inner = TreeInner::create_new(config)?;
         Ok(Self(Arc::new(inner)))
     }
