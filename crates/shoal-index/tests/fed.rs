@@ -293,6 +293,52 @@ fn an_index_partition_moves_as_files_and_goes_on_from_the_positions_they_carry()
     });
 }
 
+/// A node about to adopt several parts makes their keyspaces first, as one group
+/// (`prepare_parts`; a scale-out's new node adopts hundreds): a part adopted afterwards
+/// goes into its prepared keyspace and answers exactly; parts of an index not known here,
+/// out of range or held already are left out; and a prepared keyspace never adopted is
+/// empty storage no index uses, which the next open removes.
+#[test]
+fn keyspaces_made_ahead_take_their_adoptions_and_the_unadopted_go_at_the_next_open() {
+    let Nodes { _dirs, data, x, y, here_x, here_y, .. } = two_index_nodes();
+    let (fx, fy) = (fetcher(&data), fetcher(&data));
+    let (def, p, q) = moved_index();
+    let dir = _dirs[2].path().join("data").join("index").join("keyspaces");
+    let index_keyspaces = || std::fs::read_dir(&dir).unwrap().count();
+    let (y2, fy2, here_y2) = (Arc::clone(&y), Arc::clone(&fy), Arc::clone(&here_y));
+    let before = fed_life(&x, &fx, |mx| async move {
+        let my = all_on_x_none_on_y(&mx, &here_x, (&y2, &fy2, &here_y2), def).await;
+        let before = index_keyspaces();
+        let asked = vec![("by_a".to_string(), p), ("by_a".to_string(), q), ("nope".to_string(), 0), ("by_a".to_string(), 99)];
+        let (my2, here) = (Arc::clone(&my), Arc::clone(&here_y2));
+        let made = tokio::task::spawn_blocking(move || my2.prepare_parts(&here, &asked)).await.unwrap().unwrap();
+        assert_eq!(made, 2, "the two parts of the known index in its range");
+        assert_eq!(index_keyspaces(), before + 2);
+        let files = mx.export_part(&here_x, "by_a", p).unwrap();
+        let manifest = files.manifest().clone();
+        let (my2, here) = (Arc::clone(&my), Arc::clone(&here_y2));
+        tokio::task::spawn_blocking(move || my2.import_part(&here, "by_a", p, &manifest, files)).await.unwrap().unwrap();
+        assert_eq!(index_keyspaces(), before + 2, "adopted into the keyspace made for it");
+        assert_eq!(ids(my.scan(&here_y2, "by_a", eq(3)).await.unwrap()), expected_a3());
+        // Held now: asked again, it is left out.
+        let (my2, here) = (Arc::clone(&my), Arc::clone(&here_y2));
+        let again = tokio::task::spawn_blocking(move || my2.prepare_parts(&here, &[("by_a".to_string(), p)])).await.unwrap().unwrap();
+        assert_eq!(again, 0);
+        my.stop().await;
+        my.close().unwrap();
+        before
+    });
+    fed_life(&y, &fy, |my| {
+        let here_y = Arc::clone(&here_y);
+        async move {
+            let status = my.list(&here_y).remove(0);
+            assert_eq!(status.part_items.iter().map(|(no, _)| *no).collect::<Vec<_>>(), vec![p]);
+            assert_eq!(ids(my.scan(&here_y, "by_a", eq(3)).await.unwrap()), expected_a3());
+        }
+    });
+    assert_eq!(index_keyspaces(), before + 1, "the keyspace made for part {q} and never adopted is gone");
+}
+
 /// A node holding one part of an index follows every document but records where entries
 /// lie only for the parts it holds: a document whose entries move out of the part, in again
 /// from a part held elsewhere, and out again leaves exactly the part's entries at each

@@ -9,6 +9,9 @@
 //! nothing is served half-built.
 //!
 //! - [`move_indexes`]: the leader's side, one stage of the rebalance.
+//! - `Op::IndexPrepare` ([`serve_prepare`]): before the adoptions, each new node makes the
+//!   keyspaces of all the copies it is to build as one group (one fsynced record of them
+//!   all, where each adoption would write its own behind the others').
 //! - `Op::IndexAdopt` ([`serve_adopt`]): the new copy's node builds it and waits until it
 //!   caught up.
 //! - `Op::IndexExport` ([`serve_index_export`]): a holder sends the part's files in the
@@ -38,6 +41,10 @@ pub const INDEX_ADOPT_TIMEOUT: Duration = Duration::from_secs(600);
 /// How long a node asked to build a copy waits for the index's definition to be applied
 /// here (a node that joined lately).
 const INDEX_DEFINITION_WAIT: Duration = Duration::from_secs(30);
+/// How long a node asked to make the keyspaces of the copies it is to build may take (the
+/// prepare call's bound): the metadata log applied as far as the rebalance's start, then
+/// one group of keyspaces.
+const INDEX_PREPARE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a node keeps an index copy the placement no longer names before dropping it:
 /// scans routed by the placement before finish on it.
 pub const INDEX_DRAIN_WAIT: Duration = Duration::from_secs(2);
@@ -71,6 +78,24 @@ pub struct AdoptRequest {
     /// `shoal_cluster::index_sim` (`adopt_after_begin`).
     #[serde(default)]
     pub applied: u64,
+}
+
+/// The leader asks a node to make, as one group, the keyspaces of the copies of `collection`'s
+/// index partitions it is about to build (`Op::IndexPrepare`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PrepareRequest {
+    pub collection: String,
+    /// (index name, partition) of each copy.
+    pub parts: Vec<(String, u16)>,
+    /// As [`AdoptRequest::applied`]: the node applies the log that far first, so that it
+    /// knows the indexes.
+    pub applied: u64,
+}
+
+/// What a node answers `Op::IndexPrepare`: how many keyspaces it made or found.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct PrepareAnswer {
+    pub keyspaces: usize,
 }
 
 /// How a copy was built.
@@ -117,6 +142,25 @@ pub(crate) fn serve_index_export(
         send_export(&node, &tx, &header, Box::new(pieces));
     })?;
     Ok(rx)
+}
+
+/// A new copies' node's side of `Op::IndexPrepare`: applies the log as far as the leader
+/// had, then makes the copies' keyspaces as one group
+/// ([`shoal_index::IndexManager::prepare_parts`]; parts it cannot make are left to their
+/// adoption, which says why).
+pub(crate) async fn serve_prepare(node: &Arc<ClusterNode>, req: PrepareRequest) -> Result<PrepareAnswer, ClusterError> {
+    node.wait_applied(|s| s.applied.0 >= req.applied).await?;
+    // The state applied is not yet the engine in step with it: a node that joined lately
+    // makes the indexes' definitions as it reconciles. Parts of indexes still unknown here
+    // at the bound are left to their adoptions (which wait for their definitions).
+    let mut reconciled = node.applier.reconciled();
+    let _ = tokio::time::timeout(INDEX_DEFINITION_WAIT, reconciled.wait_for(|r| *r >= req.applied)).await;
+    let Some(coll) = node.engine.store().collection(&req.collection) else {
+        return Err(ClusterError::Refused(format!("no collection {}", req.collection)));
+    };
+    let indexes = Arc::clone(node.engine.indexes());
+    let keyspaces = crate::node::blocking(move || indexes.prepare_parts(&coll, &req.parts)).await??;
+    Ok(PrepareAnswer { keyspaces })
 }
 
 /// The new copy's side of `Op::IndexAdopt`: builds the copy (from the source's files, or
@@ -346,6 +390,54 @@ async fn adopt_files(node: &Arc<ClusterNode>, source: &str, req: &AdoptRequest) 
     Ok(imported?.bytes)
 }
 
+/// A node's prepare call, awaited by each of its adopt calls (and run once).
+type Prepared = futures::future::Shared<futures::future::BoxFuture<'static, ()>>;
+
+/// Asks each node that is to build copies to make their keyspaces first, as one group per
+/// collection (`Op::IndexPrepare`): one call per node, which that node's adopt calls await
+/// (a node slow to answer holds up only its own). Its own work only: a node that could not
+/// (unreachable, an old version) makes each keyspace as it adopts the copy, so a failure
+/// here is logged and the adoptions go on.
+fn prepare_receivers(
+    node: &Arc<ClusterNode>,
+    state: &MetaState,
+    moves: &[SourcedCopy],
+    names: &BTreeMap<u64, (String, String)>,
+) -> BTreeMap<NodeId, Prepared> {
+    use futures::FutureExt;
+    // Per node, per collection: (index name, partition) of each copy.
+    type Asks<'a> = BTreeMap<NodeId, BTreeMap<&'a str, Vec<(String, u16)>>>;
+    let mut asks: Asks = BTreeMap::new();
+    for ((part, to), _) in moves {
+        if let Some((collection, index)) = names.get(&part.index) {
+            asks.entry(*to).or_default().entry(collection.as_str()).or_default().push((index.clone(), part.partition));
+        }
+    }
+    let mut prepared = BTreeMap::new();
+    for (to, by_collection) in asks {
+        let Some(address) = state.members.get(&to).map(|m| m.address.clone()) else { continue };
+        let reqs: Vec<PrepareRequest> = by_collection
+            .into_iter()
+            .map(|(collection, parts)| PrepareRequest { collection: collection.to_string(), parts, applied: state.applied.0 })
+            .collect();
+        let node = Arc::clone(node);
+        let call = async move {
+            for req in reqs {
+                let asked = async {
+                    let body = serde_json::to_vec(&req).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+                    node.peers.call(&address, Op::IndexPrepare, body, INDEX_PREPARE_TIMEOUT).await?;
+                    Ok::<(), ClusterError>(())
+                };
+                if let Err(e) = asked.await {
+                    tracing::warn!(node = to.0, error = %e, "a node could not make its index copies' keyspaces ahead; it makes each as it adopts it");
+                }
+            }
+        };
+        prepared.insert(to, call.boxed().shared());
+    }
+    prepared
+}
+
 /// The index nodes a rebalance ejecting `eject` leaves: active members running the index
 /// service.
 fn staying_index_nodes(state: &MetaState, eject: &[NodeId]) -> Vec<NodeId> {
@@ -415,6 +507,7 @@ pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> R
     // their copies to catch up together, up to the most moves one node may run.
     let slots: BTreeMap<NodeId, Arc<tokio::sync::Semaphore>> =
         moves.iter().map(|((_, to), _)| (*to, Arc::new(tokio::sync::Semaphore::new(TRANSFER_PERMITS as usize)))).collect();
+    let prepared = prepare_receivers(node, &state, &moves, &names);
     let started = Instant::now();
     let mut statuses: Vec<MoveStatus> = Vec::with_capacity(moves.len());
     let mut calls = Vec::with_capacity(moves.len());
@@ -445,8 +538,12 @@ pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> R
             analytics_rows: None,
         });
         let slot = Arc::clone(&slots[to]);
+        let prepare = prepared.get(to).cloned();
         let node = Arc::clone(node);
         calls.push(async move {
+            if let Some(prepare) = prepare {
+                prepare.await;
+            }
             let _slot = slot.acquire_owned().await.map_err(|_| ClusterError::Refused("index moves stopped".into()))?;
             let body = serde_json::to_vec(&req).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
             let answer = node.peers.call(&to_address, Op::IndexAdopt, body, INDEX_ADOPT_TIMEOUT).await?;

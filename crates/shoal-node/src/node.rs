@@ -528,6 +528,11 @@ impl ClusterNode {
                 let answer = crate::index_moves::serve_adopt(self, req).await?;
                 serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
             }
+            Op::IndexPrepare => {
+                let req = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+                let answer = crate::index_moves::serve_prepare(self, req).await?;
+                serde_json::to_vec(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
+            }
             Op::Applied => {
                 let req = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
                 let answer = self.serve_applied(req).await;

@@ -50,6 +50,9 @@ pub enum Op {
     IndexExport,
     /// The metadata leader asks a node to build a copy of an index partition (`index_moves`).
     IndexAdopt,
+    /// The metadata leader asks a node to make the keyspaces of the index partitions it is
+    /// about to adopt, as one group (`index_moves`).
+    IndexPrepare,
     /// A node asks a holder of index partitions for its part of a scan (`index_scan`).
     IndexScan,
     /// A coordinator of an analytics statement asks a member for its shadow's fields (`sql`).
@@ -92,6 +95,7 @@ impl Op {
             Op::Highs => "highs",
             Op::IndexExport => "index-export",
             Op::IndexAdopt => "index-adopt",
+            Op::IndexPrepare => "index-prepare",
             Op::IndexScan => "index-scan",
             Op::ShadowFields => "shadow-fields",
             Op::ShadowExport => "shadow-export",
@@ -120,6 +124,7 @@ impl Op {
             "highs" => Op::Highs,
             "index-export" => Op::IndexExport,
             "index-adopt" => Op::IndexAdopt,
+            "index-prepare" => Op::IndexPrepare,
             "index-scan" => Op::IndexScan,
             "shadow-fields" => Op::ShadowFields,
             "shadow-export" => Op::ShadowExport,
@@ -202,6 +207,7 @@ mod tests {
             Op::Highs,
             Op::IndexExport,
             Op::IndexAdopt,
+            Op::IndexPrepare,
             Op::IndexScan,
             Op::ShadowFields,
             Op::ShadowExport,

@@ -128,6 +128,93 @@ fn keyspaces_created_at_once_are_recorded_together_and_all_reopen() {
     }
 }
 
+/// Keyspaces opened as a group (`Database::keyspaces`, how a node makes the keyspaces of the
+/// index partitions it is about to adopt) are recorded in the meta keyspace by one write:
+/// one table there for fifty keyspaces. Names that exist already, a name listed twice and
+/// names other threads create at the same moment each come back as one keyspace, in the
+/// order asked, and everything reopens.
+#[test]
+fn keyspaces_opened_as_a_group_are_recorded_at_once_and_share_no_name() {
+    const GROUP: usize = 50;
+    let dir = tempfile::tempdir().unwrap();
+    let meta_tables = |path: &std::path::Path| std::fs::read_dir(path.join("keyspaces").join("0").join("tables")).map_or(0, |d| d.count());
+    {
+        let db = Arc::new(open(dir.path()));
+        let names: Vec<String> = (0..GROUP).map(|i| format!("g{i}")).collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let before = meta_tables(dir.path());
+        let group = db.keyspaces(&refs, fjall::KeyspaceCreateOptions::default).unwrap();
+        assert_eq!(meta_tables(dir.path()), before + 1, "fifty keyspaces, one record");
+        let got: Vec<String> = group.iter().map(|ks| ks.name().to_string()).collect();
+        assert_eq!(got, names, "in the order asked");
+        assert_eq!(group.iter().map(|ks| ks.id()).collect::<BTreeSet<_>>().len(), GROUP);
+
+        // Raced: other threads create some of the same names one by one while a group asks
+        // for them, an existing name and a name listed twice.
+        let barrier = Arc::new(std::sync::Barrier::new(THREADS));
+        let singles: Vec<std::thread::JoinHandle<Vec<(String, u64)>>> = (1..THREADS)
+            .map(|t| {
+                let (db, barrier) = (db.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    (0..GROUP)
+                        .filter(|i| i % THREADS == t)
+                        .map(|i| {
+                            let name = format!("r{i}");
+                            let id = db.keyspace(&name, fjall::KeyspaceCreateOptions::default).unwrap().id();
+                            (name, id)
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        let mut asked: Vec<String> = (0..GROUP).map(|i| format!("r{i}")).collect();
+        asked.extend(["g0".to_string(), "r0".to_string()]);
+        let refs: Vec<&str> = asked.iter().map(String::as_str).collect();
+        barrier.wait();
+        let raced = db.keyspaces(&refs, fjall::KeyspaceCreateOptions::default).unwrap();
+        let by_name: std::collections::BTreeMap<String, u64> = raced.iter().map(|ks| (ks.name().to_string(), ks.id())).collect();
+        assert_eq!(raced.iter().map(|ks| ks.name().to_string()).collect::<Vec<_>>(), asked);
+        assert_eq!(by_name["g0"], group[0].id(), "an existing name is opened, not made");
+        assert_eq!(raced[GROUP + 1].id(), raced[0].id(), "a name listed twice is one keyspace");
+        for single in singles {
+            for (name, id) in single.join().unwrap() {
+                assert_eq!(by_name[&name], id, "{name}: the group and a single creation got two keyspaces");
+            }
+        }
+        for ks in group.iter().chain(&raced) {
+            ks.insert("who", ks.name().to_string()).unwrap();
+        }
+        db.persist(fjall::PersistMode::SyncAll).unwrap();
+    }
+    let db = open(dir.path());
+    assert_eq!(db.keyspace_count(), 2 * GROUP);
+    for name in (0..GROUP).flat_map(|i| [format!("g{i}"), format!("r{i}")]) {
+        let ks = db.keyspace(&name, fjall::KeyspaceCreateOptions::default).unwrap();
+        assert_eq!(ks.get("who").unwrap().as_deref(), Some(name.as_bytes()), "{name}");
+    }
+}
+
+/// A keyspace deleted before its first flush has no version file to remove first, and
+/// its folder goes when its last handle does (it stayed until the next open found it
+/// unreferenced; a node drops every small index partition it gives away this way).
+#[test]
+fn a_keyspace_deleted_before_its_first_flush_leaves_no_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let folders = || std::fs::read_dir(dir.path().join("keyspaces")).unwrap().count();
+    let db = open(dir.path());
+    let before = folders();
+    let ks = db.keyspace("brief", fjall::KeyspaceCreateOptions::default).unwrap();
+    ks.insert("k", "v").unwrap();
+    assert_eq!(folders(), before + 1);
+    db.delete_keyspace(ks).unwrap();
+    assert_eq!(folders(), before, "the folder of a keyspace never flushed goes with its last handle");
+    drop(db);
+    let db = open(dir.path());
+    assert!(!db.keyspace_exists("brief"));
+    assert_eq!(folders(), before);
+}
+
 /// A new keyspace's tree persists no version until it has one to persist (a flush, an
 /// ingest, an import; `vendor/fjall/SHOAL-PATCH.md`): its creation writes no version file
 /// and no `current` marker, which were two new files and four fsyncs per keyspace. What

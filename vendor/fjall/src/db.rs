@@ -9,7 +9,7 @@ use crate::{
     file::{fsync_directory, KEYSPACES_FOLDER, LOCK_FILE, VERSION_MARKER},
     flush::manager::FlushManager,
     journal::{manager::JournalManager, writer::PersistMode, Journal},
-    keyspace::{name::is_valid_keyspace_name, KeyspaceKey},
+    keyspace::{name::is_valid_keyspace_name, InternalKeyspaceId, KeyspaceKey},
     locked_file::LockedFileGuard,
     meta_keyspace::MetaKeyspace,
     poison::{PoisonDart, PoisonSignal},
@@ -526,7 +526,7 @@ impl Database {
 
         // SHOAL-PATCH: the keyspace map is only read here; creation is serialized by the
         // meta keyspace's DDL lock and inserts into the map at its very end (see
-        // `MetaKeyspace::create_keyspace`). Upstream held the map's write lock throughout.
+        // `MetaKeyspace::create_keyspaces`). Upstream held the map's write lock throughout.
         let existing = |name: &str| {
             self.supervisor
                 .keyspaces
@@ -542,7 +542,7 @@ impl Database {
         // SHOAL-PATCH: the name is claimed (one creator per name; others wait for it to
         // appear), the tree is created without any lock, and only its record in the meta
         // keyspace takes the DDL lock, group-committed with other creations'
-        // (`MetaKeyspace::create_keyspace`). Upstream created the tree under the lock too,
+        // (`MetaKeyspace::create_keyspaces`). Upstream created the tree under the lock too,
         // so keyspaces created at once (a node adopting many index partitions) queued
         // behind one another's fsyncs.
         let _claim = loop {
@@ -560,6 +560,93 @@ impl Database {
             std::thread::sleep(std::time::Duration::from_millis(1));
         };
 
+        let (keyspace_id, handle) = self.create_tree(name, create_options)?;
+
+        self.meta_keyspace.create_keyspaces(vec![(keyspace_id, handle.clone())])?;
+
+        #[cfg(feature = "__internal_whitebox")]
+        crate::drop::increment_drop_counter();
+
+        Ok(handle)
+    }
+
+    /// SHOAL-PATCH: opens the keyspaces `names` (in their order), creating those that do
+    /// not exist as one group: their trees are made, then all their records go into the meta
+    /// keyspace by one fsynced ingestion, where [`Database::keyspace`] writes one per
+    /// creation (grouped only with creations that wait at the same moment). A node adopting
+    /// many index partitions makes their keyspaces this way. A name another thread is
+    /// creating at the same moment, or one listed twice, is opened as `keyspace` opens it,
+    /// after the group.
+    ///
+    /// # Errors
+    ///
+    /// Will return `Err` if an IO error occurs.
+    ///
+    /// # Panics
+    ///
+    /// Panics if a name is not a valid keyspace name.
+    pub fn keyspaces(
+        &self,
+        names: &[&str],
+        create_options: impl Fn() -> KeyspaceCreateOptions,
+    ) -> crate::Result<Vec<Keyspace>> {
+        let existing = |name: &str| {
+            self.supervisor
+                .keyspaces
+                .read()
+                .expect("lock is poisoned")
+                .get(name)
+                .cloned()
+        };
+        let mut found: Vec<Option<Keyspace>> = vec![None; names.len()];
+        let mut claims = Vec::new();
+        let mut created = Vec::new();
+        for (at, name) in names.iter().enumerate() {
+            assert!(is_valid_keyspace_name(name));
+            if let Some(keyspace) = existing(name) {
+                found[at] = Some(keyspace);
+                continue;
+            }
+            {
+                let mut creating = self.creating.lock().expect("lock is poisoned");
+                if let Some(keyspace) = existing(name) {
+                    found[at] = Some(keyspace);
+                    continue;
+                }
+                if !creating.insert((*name).to_string()) {
+                    continue; // being created elsewhere (or here, listed twice): opened after
+                }
+            }
+            claims.push(NameClaim { creating: &self.creating, name: (*name).to_string() });
+            let (keyspace_id, handle) = self.create_tree(name, &create_options)?;
+            created.push((at, keyspace_id, handle));
+        }
+        self.meta_keyspace
+            .create_keyspaces(created.iter().map(|(_, id, handle)| (*id, handle.clone())).collect())?;
+        for (at, _, handle) in created {
+            #[cfg(feature = "__internal_whitebox")]
+            crate::drop::increment_drop_counter();
+            found[at] = Some(handle);
+        }
+        drop(claims);
+        names
+            .iter()
+            .zip(found)
+            .map(|(name, keyspace)| match keyspace {
+                Some(keyspace) => Ok(keyspace),
+                None => self.keyspace(name, &create_options),
+            })
+            .collect()
+    }
+
+    /// SHOAL-PATCH: a new keyspace's tree, not yet in the meta keyspace (its creator holds
+    /// the name's claim): a fresh id, the options (with the compaction filter factory if
+    /// one is assigned), the tree.
+    fn create_tree(
+        &self,
+        name: &str,
+        create_options: impl FnOnce() -> KeyspaceCreateOptions,
+    ) -> crate::Result<(InternalKeyspaceId, Keyspace)> {
         let keyspace_id = self.allocate_keyspace_id()?;
 
         let name: KeyspaceKey = name.into();
@@ -576,13 +663,7 @@ impl Database {
         }
 
         let handle = Keyspace::create_new(keyspace_id, self, name, opts)?;
-
-        self.meta_keyspace.create_keyspace(keyspace_id, handle.clone())?;
-
-        #[cfg(feature = "__internal_whitebox")]
-        crate::drop::increment_drop_counter();
-
-        Ok(handle)
+        Ok((keyspace_id, handle))
     }
 
     /// Returns the number of keyspaces.

@@ -127,19 +127,26 @@ impl MetaKeyspace {
             .map_err(Into::into)
     }
 
-    /// SHOAL-PATCH: records a keyspace whose tree `keyspace` already exists (created
-    /// outside the DDL lock by `Database::keyspace`) in this keyspace, and makes it visible
-    /// in the keyspace map. Creations group-commit: each creator queues its keyspace, then
-    /// takes the DDL lock; the first to get it writes every queued keyspace's names and
-    /// configs in one fsynced ingestion (upstream wrote one ingestion, and ran maintenance,
-    /// per keyspace, all under the lock), and the others find theirs written. A creation is
-    /// durable when this returns, as upstream.
-    pub(crate) fn create_keyspace(&self, keyspace_id: InternalKeyspaceId, keyspace: Keyspace) -> crate::Result<()> {
+    /// SHOAL-PATCH: records keyspaces whose trees `created` already exist (made outside
+    /// the DDL lock by `Database::keyspace` or `Database::keyspaces`) in this keyspace, and
+    /// makes them visible in the keyspace map. Creations group-commit: each creator queues
+    /// its keyspaces, then takes the DDL lock; the first to get it writes every queued
+    /// keyspace's names and configs in one fsynced ingestion (upstream wrote one ingestion,
+    /// and ran maintenance, per keyspace, all under the lock), and the others find theirs
+    /// written. A creation is durable when this returns, as upstream.
+    pub(crate) fn create_keyspaces(&self, created: Vec<(InternalKeyspaceId, Keyspace)>) -> crate::Result<()> {
+        if created.is_empty() {
+            return Ok(());
+        }
+        // One outcome for all of this creator's keyspaces: they are queued under one lock,
+        // so whoever writes the queue writes them all.
         let done = Arc::new(Mutex::new(None));
-        self.pending
-            .lock()
-            .expect("lock is poisoned")
-            .push(PendingCreate { keyspace_id, keyspace, done: Arc::clone(&done) });
+        {
+            let mut pending = self.pending.lock().expect("lock is poisoned");
+            for (keyspace_id, keyspace) in created {
+                pending.push(PendingCreate { keyspace_id, keyspace, done: Arc::clone(&done) });
+            }
+        }
 
         let _ddl = self.lock_ddl();
         // Written by an earlier holder of the lock (it took the queue after our push).

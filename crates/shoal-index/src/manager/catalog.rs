@@ -245,7 +245,17 @@ pub(super) fn open_located(db: &fjall::Database, id: u32) -> Result<fjall::Keysp
 
 /// Opens (creating if new) keyspace `name` of the index database.
 pub(super) fn open_index_keyspace(db: &fjall::Database, name: &str) -> Result<fjall::Keyspace, IndexError> {
-    Ok(db.keyspace(name, || fjall::KeyspaceCreateOptions::default().max_memtable_size(INDEX_MEMTABLE_MAX_BYTES))?)
+    Ok(db.keyspace(name, index_keyspace_options)?)
+}
+
+/// Opens keyspaces `names` of the index database, creating those that are new as one group
+/// (one fsynced record of them all; `fjall::Database::keyspaces`).
+pub(super) fn open_index_keyspaces(db: &fjall::Database, names: &[&str]) -> Result<Vec<fjall::Keyspace>, IndexError> {
+    Ok(db.keyspaces(names, index_keyspace_options)?)
+}
+
+fn index_keyspace_options() -> fjall::KeyspaceCreateOptions {
+    fjall::KeyspaceCreateOptions::default().max_memtable_size(INDEX_MEMTABLE_MAX_BYTES)
 }
 
 /// Opens (creating if new) the keyspaces of parts `parts` of index `id`.

@@ -25,8 +25,8 @@ use bytes::Bytes;
 use shoal_storage::{Collection, FileManifest, KeyspaceFiles, PartitionError};
 
 use super::{
-    back_prefix, cursor_key, decode_parts, encode_cursor, encode_parts, load_part, open_index_keyspace, part_keyspace_name, Consistency,
-    Index, IndexManager, Part, Parts, LOCATE_PARTS_MIN,
+    back_prefix, cursor_key, decode_parts, encode_cursor, encode_parts, load_part, open_index_keyspace, open_index_keyspaces,
+    part_keyspace_name, Consistency, Index, IndexManager, Part, Parts, LOCATE_PARTS_MIN,
 };
 use crate::IndexError;
 
@@ -99,6 +99,24 @@ impl IndexManager {
         drop(located);
         tracing::info!(index = %name, part = no, files = manifest.files().count(), bytes = stats.bytes, "index partition adopted from files");
         Ok(stats)
+    }
+
+    /// Makes, as one group, the keyspaces of the parts `parts` (index name, part number) of
+    /// `coll` that this node is about to adopt: their records in the index database's
+    /// catalog of keyspaces take one fsynced write for them all, where each adoption would
+    /// write its own behind the others' (a scale-out's new node adopts hundreds at once).
+    /// [`IndexManager::import_part`] then finds its keyspace made and empty. Parts of an
+    /// index not known here, out of its range or held already are left out (their
+    /// adoption says why). A keyspace made here and never adopted stays empty, and the
+    /// next open removes it as storage no index uses. Blocking. Answers how many keyspaces
+    /// it made or found.
+    pub fn prepare_parts(&self, coll: &Collection, parts: &[(String, u16)]) -> Result<usize, IndexError> {
+        let names: Vec<String> = parts
+            .iter()
+            .filter_map(|(name, no)| self.writable_part(coll, name, *no).ok().map(|index| part_keyspace_name(index.id, *no)))
+            .collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        Ok(open_index_keyspaces(&self.db, &names)?.len())
     }
 
     /// Adds part `no` of index `name` empty: its maintainer builds it from every data
