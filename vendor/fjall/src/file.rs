@@ -13,6 +13,21 @@ pub const VERSION_MARKER: &str = "version";
 
 pub const LSM_CURRENT_VERSION_MARKER: &str = "current";
 
+/// SHOAL-PATCH: removes `folder` and everything in it, each folder listed whole before
+/// anything in it is removed. `std::fs::remove_dir_all`, which unlinks while it lists, spun
+/// without end in `getdents64` on the FUSE fault filesystem of Shoal's power-cut tests.
+pub fn remove_folder(folder: &Path) -> std::io::Result<()> {
+    let entries = std::fs::read_dir(folder)?.collect::<std::io::Result<Vec<_>>>()?;
+    for entry in entries {
+        if entry.file_type()?.is_dir() {
+            remove_folder(&entry.path())?;
+        } else {
+            std::fs::remove_file(entry.path())?;
+        }
+    }
+    std::fs::remove_dir(folder)
+}
+
 #[cfg(not(target_os = "windows"))]
 pub fn fsync_directory<P: AsRef<Path>>(path: P) -> std::io::Result<()> {
     let path = path.as_ref();

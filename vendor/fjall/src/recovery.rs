@@ -55,7 +55,8 @@ pub fn recover_keyspaces(db: &Database, meta_keyspace: &MetaKeyspace) -> crate::
 
         let Some(keyspace_name) = meta_keyspace.resolve_id(keyspace_id)? else {
             log::debug!("Deleting unreferenced keyspace id={keyspace_id}");
-            std::fs::remove_dir_all(keyspace_path)?;
+            // SHOAL-PATCH: listed before removed (`file::remove_folder`).
+            crate::file::remove_folder(&keyspace_path)?;
             continue;
         };
 

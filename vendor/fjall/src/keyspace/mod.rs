@@ -116,7 +116,7 @@ impl Drop for KeyspaceInner {
                 // resurrect, and its folder goes whole. Upstream kept it until the next
                 // recovery found it unreferenced.
                 Ok(false) => {
-                    if let Err(e) = remove_unversioned_folder(path) {
+                    if let Err(e) = crate::file::remove_folder(path) {
                         log::error!(
                             "Failed to cleanup deleted keyspace's folder at {}: {e}",
                             path.display(),
@@ -131,7 +131,8 @@ impl Drop for KeyspaceInner {
                                 path.display(),
                             );
                         } else {
-                            if let Err(e) = std::fs::remove_dir_all(path) {
+                            // SHOAL-PATCH: listed before removed (`file::remove_folder`).
+                            if let Err(e) = crate::file::remove_folder(path) {
                                 log::error!(
                                     "Failed to cleanup deleted keyspace's folder at {}: {e}",
                                     path.display(),
@@ -152,21 +153,6 @@ impl Drop for KeyspaceInner {
         #[cfg(feature = "__internal_whitebox")]
         crate::drop::decrement_drop_counter();
     }
-}
-
-/// SHOAL-PATCH: removes a deleted tree's folder that holds no version: its files, then its
-/// folders, each folder listed whole before anything in it is removed (`remove_dir_all`
-/// spun without end on the FUSE fault filesystem of Shoal's power-cut tests).
-fn remove_unversioned_folder(folder: &std::path::Path) -> std::io::Result<()> {
-    let entries = std::fs::read_dir(folder)?.collect::<std::io::Result<Vec<_>>>()?;
-    for entry in entries {
-        if entry.file_type()?.is_dir() {
-            remove_unversioned_folder(&entry.path())?;
-        } else {
-            std::fs::remove_file(entry.path())?;
-        }
-    }
-    std::fs::remove_dir(folder)
 }
 
 /// Handle to a keyspace
