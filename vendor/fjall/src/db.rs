@@ -527,14 +527,7 @@ impl Database {
         // SHOAL-PATCH: the keyspace map is only read here; creation is serialized by the
         // meta keyspace's DDL lock and inserts into the map at its very end (see
         // `MetaKeyspace::create_keyspaces`). Upstream held the map's write lock throughout.
-        let existing = |name: &str| {
-            self.supervisor
-                .keyspaces
-                .read()
-                .expect("lock is poisoned")
-                .get(name)
-                .cloned()
-        };
+        let existing = |name: &str| self.existing_keyspace(name);
         if let Some(keyspace) = existing(name) {
             log::trace!("Opening existing keyspace {name:?}");
             return Ok(keyspace);
@@ -590,14 +583,7 @@ impl Database {
         names: &[&str],
         create_options: impl Fn() -> KeyspaceCreateOptions,
     ) -> crate::Result<Vec<Keyspace>> {
-        let existing = |name: &str| {
-            self.supervisor
-                .keyspaces
-                .read()
-                .expect("lock is poisoned")
-                .get(name)
-                .cloned()
-        };
+        let existing = |name: &str| self.existing_keyspace(name);
         let mut found: Vec<Option<Keyspace>> = vec![None; names.len()];
         let mut claims = Vec::new();
         let mut created = Vec::new();
@@ -637,6 +623,16 @@ impl Database {
                 None => self.keyspace(name, &create_options),
             })
             .collect()
+    }
+
+    /// SHOAL-PATCH: the keyspace named `name` if the keyspace map has it (read-locked only).
+    fn existing_keyspace(&self, name: &str) -> Option<Keyspace> {
+        self.supervisor
+            .keyspaces
+            .read()
+            .expect("lock is poisoned")
+            .get(name)
+            .cloned()
     }
 
     /// SHOAL-PATCH: a new keyspace's tree, not yet in the meta keyspace (its creator holds
