@@ -29,6 +29,14 @@ pub use manager::{
 pub const SCAN_ROWS_MAX: usize = 100_000;
 /// Longest a `request_plus` scan may wait for an index to catch up.
 pub const SCAN_TIMEOUT_MAX: std::time::Duration = std::time::Duration::from_secs(300);
+/// How much lower than the request threads the index workers run (Linux `nice` units, as
+/// the server's CPU pool): when writes and index maintenance both want the cores, the
+/// kernel runs the writes first and the indexes catch up in the gaps — a nice-10 thread
+/// still gets about a tenth of a contended core, so an index under a write load that keeps
+/// every core busy trails but never stops. On a default 3-node cluster sharing 2 cores,
+/// writes with 5 indexes went from 0.58–0.69× of none at nice 0 to 0.84–0.92×, every index
+/// caught up as early (`bench/results/2026-12-05-issue41-index-workers-below-writes.md`).
+pub const INDEX_WORKER_NICE: i32 = 10;
 /// Most changes read from one partition per batch.
 pub const BATCH_CHANGES: usize = 1024;
 /// How far (in seqnos of one data partition) a part's stored cursor may lag its applied

@@ -560,6 +560,7 @@ impl IndexManager {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(workers.max(1))
             .thread_name(|i| format!("shoal-index-{i}"))
+            .start_handler(|_| shoal_storage::threads::lower_this_thread(crate::INDEX_WORKER_NICE))
             .build()
             .map_err(|e| IndexError::Invalid(format!("index worker pool: {e}")))?;
         let health = shoal_storage::TaskHealth::default();

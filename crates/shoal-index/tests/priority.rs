@@ -1,0 +1,53 @@
+//! Index maintenance runs below the threads that serve requests (`INDEX_WORKER_NICE`): when
+//! writes and the indexes both want the cores, the kernel runs the writes first.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+use shoal_index::INDEX_WORKER_NICE;
+
+/// The name and nice value of the thread whose `/proc` folder is `dir` (`stat`, field 19).
+fn thread_nice(dir: &str) -> Option<(String, i32)> {
+    let name = std::fs::read_to_string(format!("{dir}/comm")).ok()?;
+    let stat = std::fs::read_to_string(format!("{dir}/stat")).ok()?;
+    // The command name (field 2) may hold spaces; the fields after it are space-separated.
+    let (_, rest) = stat.rsplit_once(')')?;
+    Some((name.trim().to_string(), rest.split_whitespace().nth(16)?.parse().ok()?))
+}
+
+fn index_workers() -> Vec<(String, i32)> {
+    let tasks = std::fs::read_dir("/proc/self/task").map(|d| d.flatten().collect::<Vec<_>>()).unwrap_or_default();
+    tasks.iter().filter_map(|t| thread_nice(&t.path().to_string_lossy())).filter(|(name, _)| name.starts_with("shoal-index-")).collect()
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn index_workers_run_below_the_threads_that_serve_requests() {
+    let (_dir, store, coll) = filled_store();
+    let own = thread_nice("/proc/thread-self").map(|(_, n)| n).expect("this thread's nice value");
+    let want = (own + INDEX_WORKER_NICE).min(19);
+    let seen = life(&store, |mgr| {
+        let coll = Arc::clone(&coll);
+        async move {
+            mgr.create(&coll, def("by_a", "a", false)).await.unwrap();
+            // The workers built the index; each lowered itself as it started.
+            assert_eq!(scan_ids(&mgr, &coll, "by_a", json!(3)).await, expected_a3());
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let workers = index_workers();
+                if (!workers.is_empty() && workers.iter().all(|(_, n)| *n == want)) || Instant::now() > deadline {
+                    return workers;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    });
+    assert!(!seen.is_empty(), "no index worker thread found");
+    for (name, nice) in &seen {
+        assert_eq!(*nice, want, "{name} runs at nice {nice}; the test's threads at {own}");
+    }
+}
