@@ -153,8 +153,7 @@ pub(crate) async fn serve_prepare(node: &Arc<ClusterNode>, req: PrepareRequest) 
     // The state applied is not yet the engine in step with it: a node that joined lately
     // makes the indexes' definitions as it reconciles. Parts of indexes still unknown here
     // at the bound are left to their adoptions (which wait for their definitions).
-    let mut reconciled = node.applier.reconciled();
-    let _ = tokio::time::timeout(INDEX_DEFINITION_WAIT, reconciled.wait_for(|r| *r >= req.applied)).await;
+    node.wait_reconciled(req.applied, INDEX_DEFINITION_WAIT).await;
     let Some(coll) = node.engine.store().collection(&req.collection) else {
         return Err(ClusterError::Refused(format!("no collection {}", req.collection)));
     };

@@ -433,10 +433,17 @@ impl ClusterNode {
     /// Answers once this node's engine is in step with the metadata log up to the asked
     /// index, or after [`DDL_SPREAD_WAIT`], with how far it is.
     pub(crate) async fn serve_applied(&self, req: AppliedRequest) -> AppliedAnswer {
+        AppliedAnswer { applied: self.wait_reconciled(req.index, DDL_SPREAD_WAIT).await }
+    }
+
+    /// Waits up to `bound` until the engine is in step with the metadata log as far as
+    /// entry `index` (the applier reconciled it: collections and indexes made or dropped);
+    /// answers how far it is, which is short of `index` when the bound ran out.
+    pub(crate) async fn wait_reconciled(&self, index: u64, bound: Duration) -> u64 {
         let mut rx = self.applier.reconciled();
-        let _ = tokio::time::timeout(DDL_SPREAD_WAIT, rx.wait_for(|r| *r >= req.index)).await;
-        let applied = *rx.borrow();
-        AppliedAnswer { applied }
+        let _ = tokio::time::timeout(bound, rx.wait_for(|r| *r >= index)).await;
+        let reconciled = *rx.borrow();
+        reconciled
     }
 
     /// Answers a call from another member (the server checked the cluster secret).
