@@ -17,15 +17,29 @@ pub const LSM_CURRENT_VERSION_MARKER: &str = "current";
 /// anything in it is removed. `std::fs::remove_dir_all`, which unlinks while it lists, spun
 /// without end in `getdents64` on the FUSE fault filesystem of Shoal's power-cut tests.
 pub fn remove_folder(folder: &Path) -> std::io::Result<()> {
+    remove_under(folder, true)
+}
+
+/// SHOAL-PATCH: removes every file in `folder` and its subfolders, keeping the folders;
+/// listed as [`remove_folder`] lists.
+pub fn remove_files(folder: &Path) -> std::io::Result<()> {
+    remove_under(folder, false)
+}
+
+fn remove_under(folder: &Path, folders_too: bool) -> std::io::Result<()> {
     let entries = std::fs::read_dir(folder)?.collect::<std::io::Result<Vec<_>>>()?;
     for entry in entries {
         if entry.file_type()?.is_dir() {
-            remove_folder(&entry.path())?;
+            remove_under(&entry.path(), folders_too)?;
         } else {
+            log::trace!("Removing {}", entry.path().display());
             std::fs::remove_file(entry.path())?;
         }
     }
-    std::fs::remove_dir(folder)
+    if folders_too {
+        std::fs::remove_dir(folder)?;
+    }
+    Ok(())
 }
 
 #[cfg(not(target_os = "windows"))]

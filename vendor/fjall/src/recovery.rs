@@ -74,8 +74,10 @@ pub fn recover_keyspaces(db: &Database, meta_keyspace: &MetaKeyspace) -> crate::
             .join(LSM_CURRENT_VERSION_MARKER)
             .try_exists()?
         {
-            log::debug!("Opening keyspace {keyspace_name:?} empty: it never persisted a version");
-            remove_unversioned_files(&keyspace_path)?;
+            log::debug!("Opening keyspace {keyspace_name:?} empty: it never persisted a version; removing the files no version names");
+            // SHOAL-PATCH: a cut-short first version's table, blob and version files go,
+            // the folders stay (`file::remove_files`).
+            crate::file::remove_files(&keyspace_path)?;
         }
 
         let path = keyspaces_folder.join(keyspace_id.to_string());
@@ -125,22 +127,6 @@ pub fn recover_keyspaces(db: &Database, meta_keyspace: &MetaKeyspace) -> crate::
         db.keyspace_id_counter.get(),
     );
 
-    Ok(())
-}
-
-/// SHOAL-PATCH: removes the files in a tree's folder and its subfolders (a cut-short first
-/// version's table, blob and version files), keeping the folders. Each folder is listed
-/// whole before anything in it is removed.
-fn remove_unversioned_files(folder: &std::path::Path) -> crate::Result<()> {
-    let entries = std::fs::read_dir(folder)?.collect::<std::io::Result<Vec<_>>>()?;
-    for entry in entries {
-        if entry.file_type()?.is_dir() {
-            remove_unversioned_files(&entry.path())?;
-        } else {
-            log::debug!("Removing {}: no version of its tree names it", entry.path().display());
-            std::fs::remove_file(entry.path())?;
-        }
-    }
     Ok(())
 }
 
