@@ -527,8 +527,7 @@ impl Database {
         // SHOAL-PATCH: the keyspace map is only read here; creation is serialized by the
         // meta keyspace's DDL lock and inserts into the map at its very end (see
         // `MetaKeyspace::create_keyspaces`). Upstream held the map's write lock throughout.
-        let existing = |name: &str| self.existing_keyspace(name);
-        if let Some(keyspace) = existing(name) {
+        if let Some(keyspace) = self.existing_keyspace(name) {
             log::trace!("Opening existing keyspace {name:?}");
             return Ok(keyspace);
         }
@@ -542,7 +541,7 @@ impl Database {
             let mut creating = self.creating.lock().expect("lock is poisoned");
             // Checked again under the claim lock: a creator inserts into the map before
             // it gives up its claim.
-            if let Some(keyspace) = existing(name) {
+            if let Some(keyspace) = self.existing_keyspace(name) {
                 log::trace!("Opening existing keyspace {name:?}");
                 return Ok(keyspace);
             }
@@ -583,19 +582,18 @@ impl Database {
         names: &[&str],
         create_options: impl Fn() -> KeyspaceCreateOptions,
     ) -> crate::Result<Vec<Keyspace>> {
-        let existing = |name: &str| self.existing_keyspace(name);
         let mut found: Vec<Option<Keyspace>> = vec![None; names.len()];
         let mut claims = Vec::new();
         let mut created = Vec::new();
         for (at, name) in names.iter().enumerate() {
             assert!(is_valid_keyspace_name(name));
-            if let Some(keyspace) = existing(name) {
+            if let Some(keyspace) = self.existing_keyspace(name) {
                 found[at] = Some(keyspace);
                 continue;
             }
             {
                 let mut creating = self.creating.lock().expect("lock is poisoned");
-                if let Some(keyspace) = existing(name) {
+                if let Some(keyspace) = self.existing_keyspace(name) {
                     found[at] = Some(keyspace);
                     continue;
                 }
