@@ -193,44 +193,56 @@ pub fn encode_fields(fields: &[(Field, u64)], rows: u64) -> Result<Vec<u8>, Data
 /// for as long as its shadow's fields and row count do not change, and every statement
 /// asks each member for each table it reads (decoding them was about a tenth of a
 /// coordinator's CPU in query 3 on 3 nodes). Keyed by content, so it is never stale.
-static DECODED_FIELDS: std::sync::LazyLock<FieldsMemo> = std::sync::LazyLock::new(|| FieldsMemo::new(DECODED_FIELDS_MAX));
-/// Most distinct encodings [`DECODED_FIELDS`] keeps; past it, it starts over.
-const DECODED_FIELDS_MAX: usize = 256;
+static DECODED_FIELDS: std::sync::LazyLock<Memo<Vec<u8>, Arc<DecodedFields>>> = std::sync::LazyLock::new(|| Memo::new(FIELDS_MEMO_MAX));
+/// This member's fields kept encoded, by the fields and rows encoded: the other side of
+/// [`DECODED_FIELDS`] (encoding them was about a twentieth of a member's CPU in query 3 on
+/// 3 nodes). Keyed by content, so it is never stale.
+static ENCODED_FIELDS: std::sync::LazyLock<Memo<(Vec<(Field, u64)>, u64), Arc<Vec<u8>>>> =
+    std::sync::LazyLock::new(|| Memo::new(FIELDS_MEMO_MAX));
+/// Most distinct entries [`DECODED_FIELDS`] and [`ENCODED_FIELDS`] each keep; past it, a
+/// memo starts over.
+const FIELDS_MEMO_MAX: usize = 256;
 
 /// A member's fields of a table with their weights, and its rows ([`encode_fields`]).
 pub type DecodedFields = (Vec<(Field, u64)>, u64);
 
-/// Decoded fields by their encoding, up to `max` encodings; past it, it starts over (the
-/// encodings in use are a few per table and member, so starting over is rare and cheap).
-struct FieldsMemo {
-    decoded: Mutex<HashMap<Vec<u8>, Arc<DecodedFields>>>,
+/// Answers by their question, up to `max` of them; past it, it starts over (the questions
+/// in use are a few per table and member, so starting over is rare and cheap).
+struct Memo<K, V> {
+    answers: Mutex<HashMap<K, V>>,
     max: usize,
 }
 
-impl FieldsMemo {
-    fn new(max: usize) -> FieldsMemo {
-        FieldsMemo { decoded: Mutex::default(), max }
+impl<K: std::hash::Hash + Eq + Clone, V: Clone> Memo<K, V> {
+    fn new(max: usize) -> Memo<K, V> {
+        Memo { answers: Mutex::default(), max }
     }
 
-    /// [`decode_fields`], answered without decoding for bytes decoded before.
-    fn decode(&self, bytes: &[u8]) -> Result<Arc<DecodedFields>, DataFusionError> {
-        if let Some(d) = self.decoded.lock().get(bytes) {
-            return Ok(Arc::clone(d));
+    /// `answer(key)`, or what it answered before for the same key; an error is not kept.
+    fn get_or<E>(&self, key: &K, answer: impl FnOnce(&K) -> Result<V, E>) -> Result<V, E> {
+        if let Some(v) = self.answers.lock().get(key) {
+            return Ok(v.clone());
         }
-        let decoded = Arc::new(decode_fields(bytes)?);
-        let mut memo = self.decoded.lock();
+        let v = answer(key)?;
+        let mut memo = self.answers.lock();
         if memo.len() >= self.max {
             memo.clear();
         }
-        memo.insert(bytes.to_vec(), Arc::clone(&decoded));
+        memo.insert(key.clone(), v.clone());
         debug_assert!(memo.len() <= self.max);
-        Ok(decoded)
+        Ok(v)
     }
 }
 
 /// [`decode_fields`], answered without decoding for bytes decoded before (see [`DECODED_FIELDS`]).
 pub fn decode_fields_cached(bytes: &[u8]) -> Result<Arc<DecodedFields>, DataFusionError> {
-    DECODED_FIELDS.decode(bytes)
+    DECODED_FIELDS.get_or(&bytes.to_vec(), |b| decode_fields(b).map(Arc::new))
+}
+
+/// [`encode_fields`], answered without encoding for fields and rows encoded before (see
+/// [`ENCODED_FIELDS`]).
+pub fn encode_fields_cached(fields: Vec<(Field, u64)>, rows: u64) -> Result<Arc<Vec<u8>>, DataFusionError> {
+    ENCODED_FIELDS.get_or(&(fields, rows), |(f, r)| encode_fields(f, *r).map(Arc::new))
 }
 
 /// The fields and rows [`encode_fields`] wrote.
@@ -739,25 +751,42 @@ mod tests {
         assert!(decode_fields_cached(b"\xff not a schema").is_err(), "bad bytes are refused, not kept");
     }
 
-    /// The memo is bounded: past its most encodings it starts over, and what it held is
-    /// decoded again when asked (the process-wide one keeps `DECODED_FIELDS_MAX`).
     #[test]
-    fn the_fields_memo_starts_over_past_its_most_encodings() {
-        assert_eq!(DECODED_FIELDS.max, DECODED_FIELDS_MAX);
-        let memo = FieldsMemo::new(2);
+    fn this_member_s_fields_seen_before_are_not_encoded_again_and_changed_ones_are() {
+        let fields = vec![(Field::new("memo_enc", DataType::Utf8, true), 5)];
+        let first = encode_fields_cached(fields.clone(), 7).unwrap();
+        assert_eq!(*first, encode_fields(&fields, 7).unwrap());
+        assert!(Arc::ptr_eq(&first, &encode_fields_cached(fields.clone(), 7).unwrap()), "the same fields: the same bytes");
+        // A field's weight changed: encoded afresh, and decodes to the change.
+        let changed = vec![(Field::new("memo_enc", DataType::Utf8, true), 6)];
+        let again = encode_fields_cached(changed.clone(), 7).unwrap();
+        assert!(!Arc::ptr_eq(&first, &again));
+        assert_eq!(decode_fields(&again).unwrap(), (changed, 7));
+        // Another row count: other bytes too.
+        assert_eq!(decode_fields(&encode_fields_cached(fields.clone(), 8).unwrap()).unwrap(), (fields, 8));
+    }
+
+    /// A memo is bounded: past its most entries it starts over, and what it held is
+    /// answered afresh when asked (the process-wide ones keep `FIELDS_MEMO_MAX`).
+    #[test]
+    fn the_fields_memo_starts_over_past_its_most_entries() {
+        assert_eq!(DECODED_FIELDS.max, FIELDS_MEMO_MAX);
+        assert_eq!(ENCODED_FIELDS.max, FIELDS_MEMO_MAX);
+        let memo: Memo<Vec<u8>, Arc<DecodedFields>> = Memo::new(2);
+        let decode = |b: &Vec<u8>| decode_fields(b).map(Arc::new);
         let fields = vec![(Field::new("memo_b", DataType::Utf8, true), 1)];
         let enc: Vec<Vec<u8>> = (0..3).map(|rows| encode_fields(&fields, rows).unwrap()).collect();
-        let first = memo.decode(&enc[0]).unwrap();
-        let second = memo.decode(&enc[1]).unwrap();
-        assert!(Arc::ptr_eq(&first, &memo.decode(&enc[0]).unwrap()), "held: not decoded again");
-        assert_eq!(memo.decoded.lock().len(), 2);
-        // A third encoding: the memo starts over and holds it alone.
-        assert_eq!(*memo.decode(&enc[2]).unwrap(), (fields.clone(), 2));
-        assert_eq!(memo.decoded.lock().len(), 1);
-        let again = memo.decode(&enc[0]).unwrap();
+        let first = memo.get_or(&enc[0], decode).unwrap();
+        let second = memo.get_or(&enc[1], decode).unwrap();
+        assert!(Arc::ptr_eq(&first, &memo.get_or(&enc[0], decode).unwrap()), "held: not decoded again");
+        assert_eq!(memo.answers.lock().len(), 2);
+        // A third entry: the memo starts over and holds it alone.
+        assert_eq!(*memo.get_or(&enc[2], decode).unwrap(), (fields.clone(), 2));
+        assert_eq!(memo.answers.lock().len(), 1);
+        let again = memo.get_or(&enc[0], decode).unwrap();
         assert!(!Arc::ptr_eq(&first, &again), "decoded again after the start over");
         assert_eq!(*again, *first);
-        assert!(!Arc::ptr_eq(&second, &memo.decode(&enc[1]).unwrap()));
+        assert!(!Arc::ptr_eq(&second, &memo.get_or(&enc[1], decode).unwrap()));
     }
 
     /// A member whose address takes no connection (its accept queue full: a stopped

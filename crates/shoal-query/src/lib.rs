@@ -530,7 +530,7 @@ impl QueryEngine {
             return Err(QueryError::Unavailable(shadow::ShadowError::Off.to_string()));
         }
         let (fields, rows) = analytics::fields_here(&self.store, &self.shadows, collection, consistency, timeout, current).await?;
-        Ok(distributed::encode_fields(&fields, rows)?)
+        Ok(distributed::encode_fields_cached(fields, rows)?.as_ref().clone())
     }
 
     /// Runs one statement (queries and `EXPLAIN`; no DDL, DML or `SET`) on the
