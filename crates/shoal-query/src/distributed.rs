@@ -197,8 +197,7 @@ static DECODED_FIELDS: std::sync::LazyLock<Memo<Vec<u8>, Arc<DecodedFields>>> = 
 /// This member's fields kept encoded, by the fields and rows encoded: the other side of
 /// [`DECODED_FIELDS`] (encoding them was about a twentieth of a member's CPU in query 3 on
 /// 3 nodes). Keyed by content, so it is never stale.
-static ENCODED_FIELDS: std::sync::LazyLock<Memo<(Vec<(Field, u64)>, u64), Arc<Vec<u8>>>> =
-    std::sync::LazyLock::new(|| Memo::new(FIELDS_MEMO_MAX));
+static ENCODED_FIELDS: std::sync::LazyLock<Memo<DecodedFields, Arc<Vec<u8>>>> = std::sync::LazyLock::new(|| Memo::new(FIELDS_MEMO_MAX));
 /// Most distinct entries [`DECODED_FIELDS`] and [`ENCODED_FIELDS`] each keep; past it, a
 /// memo starts over.
 const FIELDS_MEMO_MAX: usize = 256;
