@@ -23,6 +23,7 @@ pub use def::IndexDef;
 pub use filter::FilterError;
 pub use manager::{
     ChangeFetcher, Consistency, FetchFuture, IndexCursor, IndexManager, IndexState, IndexStatus, KeepRow, ScanBounds, ScanRequest, ScanRow,
+    INDEX_MEMTABLES_MAX_BYTES,
 };
 
 /// Most rows one scan returns.

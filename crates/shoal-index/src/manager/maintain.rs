@@ -31,6 +31,9 @@ pub(super) async fn maintain(
         if *stop.borrow_and_update() {
             return;
         }
+        if let Err(e) = mgr.bound_memtables(super::INDEX_MEMTABLES_MAX_BYTES) {
+            tracing::warn!(error = %e, "flushing the index memtables over their budget");
+        }
         // Published from here too: rebuilds counted while the node opened came before the
         // metrics recorder was installed.
         metrics::counter!(REBUILDS_METRIC).absolute(mgr.rebuilds());
@@ -112,6 +115,53 @@ pub(super) async fn maintain(
                 _ = stop.changed() => {}
             }
         }
+    }
+}
+
+impl IndexManager {
+    /// Bytes the index database's memtables hold (active and sealed, not yet flushed).
+    pub fn memtable_bytes(&self) -> u64 {
+        self.db.write_buffer_size()
+    }
+
+    /// Keeps the index partitions' active memtables within `budget` bytes together: past
+    /// it, the largest are sealed and handed to the engine's flush workers, largest first,
+    /// until those left hold at most half the budget (so that flushes come in batches, not
+    /// one per round). A part's memtable otherwise flushes only at its own limit, which
+    /// hundreds of small parts never reach, and the engine bounds its journal only as
+    /// memtables flush. Cheap below the budget (one counter read). Answers how many
+    /// memtables it sealed.
+    pub fn bound_memtables(&self, budget: u64) -> Result<usize, IndexError> {
+        if self.db.write_buffer_size() <= budget {
+            return Ok(0);
+        }
+        let mut held: Vec<(u64, fjall::Keyspace)> = {
+            let colls = self.colls.lock();
+            colls
+                .values()
+                .flat_map(|e| e.indexes.iter())
+                .flat_map(|i| i.parts().iter().map(|p| (p.ks.active_memtable_size(), p.ks.clone())).collect::<Vec<_>>())
+                .filter(|(size, _)| *size > 0)
+                .collect()
+        };
+        let mut left: u64 = held.iter().map(|(size, _)| size).sum();
+        // Sealed memtables still being flushed count in the database's figure, not here.
+        if left <= budget {
+            return Ok(0);
+        }
+        held.sort_by_key(|(size, _)| std::cmp::Reverse(*size));
+        let mut sealed = 0;
+        for (size, ks) in held {
+            if left <= budget / 2 {
+                break;
+            }
+            if ks.rotate_memtable()? {
+                sealed += 1;
+            }
+            left = left.saturating_sub(size);
+        }
+        tracing::debug!(sealed, budget, "index memtables over their budget handed to the flush workers");
+        Ok(sealed)
     }
 }
 

@@ -58,6 +58,13 @@ const REBUILD_RETRY: Duration = Duration::from_secs(5);
 const CLOSE_FLUSH_WAIT: Duration = Duration::from_secs(30);
 /// Memtable of each index partition's keyspace, as the storage crate's indexes.
 const INDEX_MEMTABLE_MAX_BYTES: u64 = 16 * 1024 * 1024;
+/// Most bytes the index database's active memtables hold together before the largest are
+/// flushed ([`IndexManager::bound_memtables`]). One part's memtable flushes by itself only
+/// at [`INDEX_MEMTABLE_MAX_BYTES`], and the engine bounds its journal only when some
+/// memtable flushes: a node holding hundreds of small parts otherwise keeps every entry in
+/// memory and in the journal (measured: 600 MB of memtables and 1.4 GB of journal for
+/// 100,000 documents in 100 indexes of 8 parts).
+pub const INDEX_MEMTABLES_MAX_BYTES: u64 = 128 * 1024 * 1024;
 /// Block cache of the index database.
 const INDEX_CACHE_BYTES: u64 = 64 * 1024 * 1024;
 /// Parts from which an index keeps where each document's entries are (see

@@ -759,6 +759,13 @@ impl Keyspace {
         matches!(self.tree, crate::AnyTree::Blob(_))
     }
 
+    /// SHOAL-PATCH: bytes held by the active memtable, which [`Keyspace::rotate_memtable`]
+    /// would seal and have flushed (vendor/fjall/SHOAL-PATCH.md).
+    #[must_use]
+    pub fn active_memtable_size(&self) -> u64 {
+        self.tree.active_memtable().size()
+    }
+
     // NOTE: Used in tests
     #[doc(hidden)]
     pub fn rotate_memtable_and_wait(&self) -> crate::Result<()> {
