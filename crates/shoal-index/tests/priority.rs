@@ -51,3 +51,40 @@ fn index_workers_run_below_the_threads_that_serve_requests() {
         assert_eq!(*nice, want, "{name} runs at nice {nice}; the test's threads at {own}");
     }
 }
+
+/// The index database's own background threads (fjall's flush and compaction workers) run
+/// below the request threads too: a bulk load's flushes of the index memtables otherwise
+/// took the cores from scans. The data store's workers keep the process's priority.
+#[cfg(target_os = "linux")]
+#[test]
+fn index_flushes_and_compactions_run_below_the_threads_that_serve_requests() {
+    let (_dir, store, coll) = filled_store();
+    let own = thread_nice("/proc/thread-self").map(|(_, n)| n).expect("this thread's nice value");
+    let want = (own + INDEX_WORKER_NICE).min(19);
+    let engine_workers = || -> Vec<i32> {
+        let tasks = std::fs::read_dir("/proc/self/task").map(|d| d.flatten().collect::<Vec<_>>()).unwrap_or_default();
+        tasks
+            .iter()
+            .filter_map(|t| thread_nice(&t.path().to_string_lossy()))
+            .filter(|(name, _)| name == "fjall:worker")
+            .map(|(_, n)| n)
+            .collect()
+    };
+    let seen = life(&store, |mgr| {
+        let coll = Arc::clone(&coll);
+        async move {
+            mgr.create(&coll, def("by_a", "a", false)).await.unwrap();
+            assert_eq!(scan_ids(&mgr, &coll, "by_a", json!(3)).await, expected_a3());
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let workers = engine_workers();
+                if workers.contains(&want) || Instant::now() > deadline {
+                    return workers;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    });
+    assert!(seen.contains(&want), "no engine worker at nice {want}: {seen:?}");
+    assert!(seen.contains(&own), "the data store's engine workers keep nice {own}: {seen:?}");
+}

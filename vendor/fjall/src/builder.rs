@@ -83,6 +83,16 @@ impl<O: Openable> Builder<O> {
         self.worker_threads_unchecked(n)
     }
 
+    /// SHOAL-PATCH: runs `f` on each worker thread (flushes, compactions) as it starts,
+    /// before any work: for instance to lower the threads' scheduling priority, so that a
+    /// database's background work gives way to the process's foreground
+    /// (vendor/fjall/SHOAL-PATCH.md).
+    #[must_use]
+    pub fn worker_thread_start(mut self, f: impl Fn() + Send + Sync + 'static) -> Self {
+        self.inner.worker_thread_start = Some(std::sync::Arc::new(f));
+        self
+    }
+
     #[doc(hidden)]
     #[must_use]
     pub fn worker_threads_unchecked(mut self, n: usize) -> Self {

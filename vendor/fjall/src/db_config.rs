@@ -48,7 +48,14 @@ pub struct Config {
     // pub(crate) journal_recovery_mode: RecoveryMode,
     //
     pub(crate) compaction_filter_factory_assigner: Option<CompactionFilterAssigner>,
+
+    /// SHOAL-PATCH: run by each worker thread (flushes, compactions) as it starts, before
+    /// any work: how a caller lowers a database's background work below its foreground.
+    pub(crate) worker_thread_start: Option<WorkerThreadStart>,
 }
+
+/// SHOAL-PATCH: see [`Config::worker_thread_start`].
+pub type WorkerThreadStart = Arc<dyn Fn() + Send + Sync>;
 
 const DEFAULT_CPU_CORES: usize = 4;
 
@@ -90,6 +97,8 @@ impl Config {
             cache: Arc::new(Cache::with_capacity_bytes(/* 32 MiB */ 32 * 1_024 * 1_024)),
 
             compaction_filter_factory_assigner: None,
+
+            worker_thread_start: None,
         }
     }
 }

@@ -89,8 +89,13 @@ impl WorkerPool {
 
                     let thread_counter = thread_counter.clone();
                     let poison_dart = poison_dart.clone();
+                    let on_start = supervisor.db_config.worker_thread_start.clone();
 
                     move || {
+                        // SHOAL-PATCH: the caller's hook, before any work.
+                        if let Some(on_start) = &on_start {
+                            on_start();
+                        }
                         // The counter must drop on *every* way out of this
                         // thread, not just the graceful one: `Database::drop`
                         // spins on it (`while counter > 0`), so a worker that

@@ -85,9 +85,17 @@ pub(super) fn quarantine(path: &Path) -> Result<PathBuf, IndexError> {
 /// panics (a configuration entry that must exist, say); a damaged file must not take the
 /// node down, so a panic while opening counts as damage.
 pub(super) fn open_fjall(path: &Path) -> Result<fjall::Database, IndexError> {
-    std::panic::catch_unwind(|| fjall::Database::builder(path).cache_size(INDEX_CACHE_BYTES).open())
-        .map_err(|_| IndexError::Corrupt("the storage engine failed a check opening the index database".into()))?
-        .map_err(IndexError::from)
+    std::panic::catch_unwind(|| {
+        fjall::Database::builder(path)
+            .cache_size(INDEX_CACHE_BYTES)
+            // Flushes and compactions of the index keyspaces run below the request threads,
+            // as the index workers do: a bulk load's flushes otherwise took the cores from
+            // scans for seconds (`bench/results/2026-12-05-issue41-index-memtables-bounded.md`).
+            .worker_thread_start(|| shoal_storage::threads::lower_this_thread(crate::INDEX_WORKER_NICE))
+            .open()
+    })
+    .map_err(|_| IndexError::Corrupt("the storage engine failed a check opening the index database".into()))?
+    .map_err(IndexError::from)
 }
 
 /// Reads the definitions in the store's catalog. One that does not decode is left out and
