@@ -19,14 +19,19 @@ fn thread_nice(dir: &str) -> Option<(String, i32)> {
     Some((name.trim().to_string(), rest.split_whitespace().nth(16)?.parse().ok()?))
 }
 
-fn index_workers() -> Vec<(String, i32)> {
+/// This process's threads whose name `named` accepts, with their nice values.
+fn threads(named: impl Fn(&str) -> bool) -> Vec<(String, i32)> {
     let tasks = std::fs::read_dir("/proc/self/task").map(|d| d.flatten().collect::<Vec<_>>()).unwrap_or_default();
-    tasks.iter().filter_map(|t| thread_nice(&t.path().to_string_lossy())).filter(|(name, _)| name.starts_with("shoal-index-")).collect()
+    tasks.iter().filter_map(|t| thread_nice(&t.path().to_string_lossy())).filter(|(name, _)| named(name)).collect()
 }
 
-#[cfg(target_os = "linux")]
-#[test]
-fn index_workers_run_below_the_threads_that_serve_requests() {
+/// This test thread's nice value and the one index background threads must run at; and the
+/// threads `named` accepts once an index was built and `settled` says they are as expected
+/// (or after 10 s, for the test to say what it found).
+fn threads_after_a_build(
+    named: impl Fn(&str) -> bool + Send + 'static,
+    settled: impl Fn(&[(String, i32)], i32) -> bool + Send + 'static,
+) -> (i32, i32, Vec<(String, i32)>) {
     let (_dir, store, coll) = filled_store();
     let own = thread_nice("/proc/thread-self").map(|(_, n)| n).expect("this thread's nice value");
     let want = (own + INDEX_WORKER_NICE).min(19);
@@ -34,18 +39,28 @@ fn index_workers_run_below_the_threads_that_serve_requests() {
         let coll = Arc::clone(&coll);
         async move {
             mgr.create(&coll, def("by_a", "a", false)).await.unwrap();
-            // The workers built the index; each lowered itself as it started.
+            // The threads built the index; each lowered itself as it started.
             assert_eq!(scan_ids(&mgr, &coll, "by_a", json!(3)).await, expected_a3());
             let deadline = Instant::now() + Duration::from_secs(10);
             loop {
-                let workers = index_workers();
-                if (!workers.is_empty() && workers.iter().all(|(_, n)| *n == want)) || Instant::now() > deadline {
-                    return workers;
+                let found = threads(&named);
+                if settled(&found, want) || Instant::now() > deadline {
+                    return found;
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         }
     });
+    (own, want, seen)
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn index_workers_run_below_the_threads_that_serve_requests() {
+    let (own, want, seen) = threads_after_a_build(
+        |name| name.starts_with("shoal-index-"),
+        |found, want| !found.is_empty() && found.iter().all(|(_, n)| *n == want),
+    );
     assert!(!seen.is_empty(), "no index worker thread found");
     for (name, nice) in &seen {
         assert_eq!(*nice, want, "{name} runs at nice {nice}; the test's threads at {own}");
@@ -58,33 +73,8 @@ fn index_workers_run_below_the_threads_that_serve_requests() {
 #[cfg(target_os = "linux")]
 #[test]
 fn index_flushes_and_compactions_run_below_the_threads_that_serve_requests() {
-    let (_dir, store, coll) = filled_store();
-    let own = thread_nice("/proc/thread-self").map(|(_, n)| n).expect("this thread's nice value");
-    let want = (own + INDEX_WORKER_NICE).min(19);
-    let engine_workers = || -> Vec<i32> {
-        let tasks = std::fs::read_dir("/proc/self/task").map(|d| d.flatten().collect::<Vec<_>>()).unwrap_or_default();
-        tasks
-            .iter()
-            .filter_map(|t| thread_nice(&t.path().to_string_lossy()))
-            .filter(|(name, _)| name == "fjall:worker")
-            .map(|(_, n)| n)
-            .collect()
-    };
-    let seen = life(&store, |mgr| {
-        let coll = Arc::clone(&coll);
-        async move {
-            mgr.create(&coll, def("by_a", "a", false)).await.unwrap();
-            assert_eq!(scan_ids(&mgr, &coll, "by_a", json!(3)).await, expected_a3());
-            let deadline = Instant::now() + Duration::from_secs(10);
-            loop {
-                let workers = engine_workers();
-                if workers.contains(&want) || Instant::now() > deadline {
-                    return workers;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        }
-    });
-    assert!(seen.contains(&want), "no engine worker at nice {want}: {seen:?}");
-    assert!(seen.contains(&own), "the data store's engine workers keep nice {own}: {seen:?}");
+    let (own, want, seen) = threads_after_a_build(|name| name == "fjall:worker", |found, want| found.iter().any(|(_, n)| *n == want));
+    let nices: Vec<i32> = seen.iter().map(|(_, n)| *n).collect();
+    assert!(nices.contains(&want), "no engine worker at nice {want}: {nices:?}");
+    assert!(nices.contains(&own), "the data store's engine workers keep nice {own}: {nices:?}");
 }
