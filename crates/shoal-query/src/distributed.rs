@@ -212,13 +212,18 @@ struct Memo<K, V> {
     max: usize,
 }
 
-impl<K: std::hash::Hash + Eq + Clone, V: Clone> Memo<K, V> {
+impl<K: std::hash::Hash + Eq, V: Clone> Memo<K, V> {
     fn new(max: usize) -> Memo<K, V> {
         Memo { answers: Mutex::default(), max }
     }
 
     /// `answer(key)`, or what it answered before for the same key; an error is not kept.
-    fn get_or<E>(&self, key: &K, answer: impl FnOnce(&K) -> Result<V, E>) -> Result<V, E> {
+    /// The key is looked up borrowed (bytes as a slice): only a new answer owns a copy.
+    fn get_or<Q, E>(&self, key: &Q, answer: impl FnOnce(&Q) -> Result<V, E>) -> Result<V, E>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: std::hash::Hash + Eq + ToOwned<Owned = K> + ?Sized,
+    {
         if let Some(v) = self.answers.lock().get(key) {
             return Ok(v.clone());
         }
@@ -227,7 +232,7 @@ impl<K: std::hash::Hash + Eq + Clone, V: Clone> Memo<K, V> {
         if memo.len() >= self.max {
             memo.clear();
         }
-        memo.insert(key.clone(), v.clone());
+        memo.insert(key.to_owned(), v.clone());
         debug_assert!(memo.len() <= self.max);
         Ok(v)
     }
@@ -235,7 +240,7 @@ impl<K: std::hash::Hash + Eq + Clone, V: Clone> Memo<K, V> {
 
 /// [`decode_fields`], answered without decoding for bytes decoded before (see [`DECODED_FIELDS`]).
 pub fn decode_fields_cached(bytes: &[u8]) -> Result<Arc<DecodedFields>, DataFusionError> {
-    DECODED_FIELDS.get_or(&bytes.to_vec(), |b| decode_fields(b).map(Arc::new))
+    DECODED_FIELDS.get_or(bytes, |b| decode_fields(b).map(Arc::new))
 }
 
 /// [`encode_fields`], answered without encoding for fields and rows encoded before (see
@@ -772,20 +777,20 @@ mod tests {
         assert_eq!(DECODED_FIELDS.max, FIELDS_MEMO_MAX);
         assert_eq!(ENCODED_FIELDS.max, FIELDS_MEMO_MAX);
         let memo: Memo<Vec<u8>, Arc<DecodedFields>> = Memo::new(2);
-        let decode = |b: &Vec<u8>| decode_fields(b).map(Arc::new);
+        let decode = |b: &[u8]| decode_fields(b).map(Arc::new);
         let fields = vec![(Field::new("memo_b", DataType::Utf8, true), 1)];
         let enc: Vec<Vec<u8>> = (0..3).map(|rows| encode_fields(&fields, rows).unwrap()).collect();
-        let first = memo.get_or(&enc[0], decode).unwrap();
-        let second = memo.get_or(&enc[1], decode).unwrap();
-        assert!(Arc::ptr_eq(&first, &memo.get_or(&enc[0], decode).unwrap()), "held: not decoded again");
+        let first = memo.get_or(&*enc[0], decode).unwrap();
+        let second = memo.get_or(&*enc[1], decode).unwrap();
+        assert!(Arc::ptr_eq(&first, &memo.get_or(&*enc[0], decode).unwrap()), "held: not decoded again");
         assert_eq!(memo.answers.lock().len(), 2);
         // A third entry: the memo starts over and holds it alone.
-        assert_eq!(*memo.get_or(&enc[2], decode).unwrap(), (fields.clone(), 2));
+        assert_eq!(*memo.get_or(&*enc[2], decode).unwrap(), (fields.clone(), 2));
         assert_eq!(memo.answers.lock().len(), 1);
-        let again = memo.get_or(&enc[0], decode).unwrap();
+        let again = memo.get_or(&*enc[0], decode).unwrap();
         assert!(!Arc::ptr_eq(&first, &again), "decoded again after the start over");
         assert_eq!(*again, *first);
-        assert!(!Arc::ptr_eq(&second, &memo.get_or(&enc[1], decode).unwrap()));
+        assert!(!Arc::ptr_eq(&second, &memo.get_or(&*enc[1], decode).unwrap()));
     }
 
     /// A member whose address takes no connection (its accept queue full: a stopped
