@@ -364,14 +364,20 @@ fn write(h: &Harness, m: &mut Model, items: &[(u8, Kind)], persist: bool, many: 
     // through a persist: a write after that meets a failed engine (a CI run saw
     // `Engine(Poisoned)` for a `persist: false` write), and the store must be failed from
     // then on. What was acknowledged before is checked as ever.
+    // The engine's failure shows as the engine's error, or, once the store has turned
+    // read-only over it (at an earlier item or in the background), as `ReadOnly` — for an
+    // item the model would have refused too (a CI run saw `ReadOnly(Poisoned)` for a
+    // `ReplaceCas` of a missing key, after `FailFsync`).
+    let failed_engine = |e: &WriteError| m.fail_fsync && (engine_failure(e) || matches!(e, WriteError::ReadOnly(_)));
     let mut committed = false;
     let mut engine_failed = false;
     for &i in &order {
         match (&predicted[i], &results[i]) {
-            (Ok(s), Err(e)) if m.fail_fsync && engine_failure(e) => {
+            (Ok(s), Err(e)) if failed_engine(e) => {
                 engine_failed = true;
                 m.maybe.push((items[i].0, *s));
             }
+            (Err(_), Err(e)) if failed_engine(e) => engine_failed = true,
             (Ok(new), Ok(outcome)) => {
                 let key = items[i].0;
                 m.applied.push((key, *new));
