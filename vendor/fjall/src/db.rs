@@ -199,41 +199,17 @@ impl Database {
     // TODO: refactor: accessor to stats(), so we don't have that many methods in DB
 
     /// SHOAL-PATCH: drops every keyspace's tree versions that no snapshot can read any
-    /// more, and with them the memtables only those versions hold. A flushed memtable stays
-    /// in the version made when it was sealed until a later version GC; upstream runs one
+    /// more, and with them the memtables only those versions hold: the version GC each
+    /// rotation runs (`Supervisor::release_versions`), on demand. A flushed memtable stays
+    /// in the version made when it was sealed until a later version GC, which upstream runs
     /// only in a flush or compaction of the same keyspace (with the watermark read before
     /// it) or at a rotation. So a keyspace flushed once and then quiet (an index partition
     /// after a bulk load, the last batch of a database's rotations) held its flushed
     /// memtable for good: 1.3 GB on a node of 800 index partitions whose write buffer read
-    /// 27 MB. The watermark is the snapshot tracker's, as for the GC a flush runs. Answers
-    /// how many versions were dropped.
-    ///
-    /// # Errors
-    ///
-    /// Will return `Err` if an old version's file could not be removed.
-    pub fn release_versions(&self) -> crate::Result<usize> {
-        self.supervisor.snapshot_tracker.gc();
-        let watermark = self.supervisor.snapshot_tracker.get_seqno_safe_to_gc();
-        #[expect(clippy::expect_used)]
-        let keyspaces: Vec<Keyspace> = self
-            .supervisor
-            .keyspaces
-            .read()
-            .expect("lock is poisoned")
-            .values()
-            .cloned()
-            .collect();
-        let mut dropped = 0;
-        for keyspace in keyspaces {
-            if keyspace.tree.version_free_list_len() == 0 {
-                continue;
-            }
-            let mut history = keyspace.tree.get_version_history_lock();
-            let before = history.len();
-            history.maintenance(keyspace.path(), watermark)?;
-            dropped += before - history.len();
-        }
-        Ok(dropped)
+    /// 27 MB. A keyspace whose GC fails is logged and skipped. Answers how many versions
+    /// were dropped.
+    pub fn release_versions(&self) -> usize {
+        self.supervisor.release_versions()
     }
 
     /// Returns the current write buffer size (active + sealed memtables).

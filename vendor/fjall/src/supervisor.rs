@@ -70,4 +70,37 @@ impl Supervisor {
 
         seqnos
     }
+
+    /// SHOAL-PATCH: the version GC every rotation runs, for every keyspace (moved here from
+    /// `Keyspace::inner_rotate_memtable` so that `Database::release_versions` runs the
+    /// same): pulls the snapshot watermark up, then drops each keyspace's tree versions no
+    /// snapshot can read any more, and with them the memtables only those versions hold.
+    /// A failure for one keyspace is logged and the others go on. Answers how many
+    /// versions were dropped.
+    pub(crate) fn release_versions(&self) -> usize {
+        use crate::AbstractTree;
+
+        // NOTE: If the difference between watermark is too large, and
+        // we never opened a snapshot, we need to pull the watermark up
+        //
+        // https://github.com/fjall-rs/fjall/discussions/85
+        self.snapshot_tracker.pullup();
+        self.snapshot_tracker.gc();
+        let watermark = self.snapshot_tracker.get_seqno_safe_to_gc();
+
+        let mut dropped = 0;
+        #[expect(clippy::expect_used)]
+        for keyspace in self.keyspaces.read().expect("lock is poisoned").values() {
+            if keyspace.tree.version_free_list_len() == 0 {
+                continue;
+            }
+            let mut history = keyspace.tree.get_version_history_lock();
+            let before = history.len();
+            if let Err(e) = history.maintenance(keyspace.path(), watermark) {
+                log::warn!("Version history GC failed for keyspace {:?}: {e:?}", keyspace.name);
+            }
+            dropped += before - history.len();
+        }
+        dropped
+    }
 }

@@ -818,32 +818,8 @@ impl Keyspace {
         // each flush sends the next message while tasks wait (`worker_pool.rs`).
         self.worker_messager.try_send(WorkerMessage::Flush).ok();
 
-        {
-            // NOTE: If the difference between watermark is too large, and
-            // we never opened a snapshot, we need to pull the watermark up
-            //
-            // https://github.com/fjall-rs/fjall/discussions/85
-            self.supervisor.snapshot_tracker.pullup();
-            self.supervisor.snapshot_tracker.gc();
-
-            for keyspace in self
-                .supervisor
-                .keyspaces
-                .read()
-                .expect("lock is poisoned")
-                .values()
-            {
-                if let Err(e) = keyspace.tree.get_version_history_lock().maintenance(
-                    keyspace.path(),
-                    self.supervisor.snapshot_tracker.get_seqno_safe_to_gc(),
-                ) {
-                    log::warn!(
-                        "Version history GC failed for keyspace {:?}: {e:?}",
-                        keyspace.name,
-                    );
-                }
-            }
-        }
+        // SHOAL-PATCH: the version GC, shared with `Database::release_versions`.
+        self.supervisor.release_versions();
 
         #[expect(clippy::expect_used)]
         self.supervisor
