@@ -83,3 +83,55 @@ fn a_flushed_memtable_held_by_an_old_version_is_released() {
     assert_eq!(ks.get(5u32.to_be_bytes()).unwrap().as_deref(), Some(&[7u8; 64][..]));
     assert_eq!(ks.get(b"later").unwrap().as_deref(), Some(&b"x"[..]));
 }
+
+/// The engine's worker channel (1,000 messages) fills with compaction requests after a
+/// bulk load, and a memtable rotation then drops its `Flush` message (it must not block:
+/// see `vendor/fjall/SHOAL-PATCH.md`). The sealed memtable stayed queued until some later
+/// rotation sent one (151–288 MB of index memtables left unflushed on an idle node). The
+/// vendored worker runs a waiting flush at the next compaction message it takes.
+#[test]
+fn a_flush_whose_message_the_full_worker_channel_dropped_still_runs() {
+    use fjall::AbstractTree;
+    /// More keyspaces than the channel holds messages.
+    const KEYSPACES: usize = 1100;
+    let dir = tempfile::tempdir().unwrap();
+    // One worker, held at its start until released: nothing leaves the channel meanwhile.
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    let held = std::sync::Mutex::new(held);
+    let db = fjall::Database::builder(dir.path())
+        .worker_threads_unchecked(1)
+        .worker_thread_start(move || {
+            let _ = held.lock().map(|h| h.recv());
+        })
+        .open()
+        .unwrap();
+    let names: Vec<String> = (0..KEYSPACES).map(|i| format!("k{i:04}")).collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    let made = db.keyspaces(&names, fjall::KeyspaceCreateOptions::default).unwrap();
+    // Each ingest asks for its keyspace's compaction, until the channel is full.
+    let mut full = false;
+    for ks in &made {
+        let before = db.queued_worker_messages();
+        let mut ingest = ks.start_ingestion().unwrap();
+        ingest.write(b"a".as_slice(), b"a".as_slice()).unwrap();
+        ingest.finish().unwrap();
+        if db.queued_worker_messages() == before {
+            full = true;
+            break;
+        }
+    }
+    assert!(full, "the channel holds fewer than {KEYSPACES} messages");
+    let late = db.keyspace("late", fjall::KeyspaceCreateOptions::default).unwrap();
+    late.insert(b"b", b"b").unwrap();
+    let queued = db.queued_worker_messages();
+    assert!(late.rotate_memtable().unwrap());
+    assert_eq!(db.queued_worker_messages(), queued, "the rotation's flush message was dropped");
+    release.send(()).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while late.tree.table_count() == 0 || late.tree.sealed_memtable_count() > 0 {
+        assert!(Instant::now() < deadline, "the sealed memtable was never flushed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(db.write_buffer_size(), 0);
+    assert_eq!(late.get(b"b").unwrap().as_deref(), Some(&b"b"[..]));
+}

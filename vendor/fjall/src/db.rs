@@ -198,6 +198,14 @@ impl Database {
 
     // TODO: refactor: accessor to stats(), so we don't have that many methods in DB
 
+    /// SHOAL-PATCH: how many messages wait in the background workers' channel (bounded;
+    /// a rotation's flush message is dropped when it is full). For tests.
+    #[doc(hidden)]
+    #[must_use]
+    pub fn queued_worker_messages(&self) -> usize {
+        self.worker_pool.rx.len()
+    }
+
     /// SHOAL-PATCH: drops every keyspace's tree versions that no snapshot can read any
     /// more, and with them the memtables only those versions hold: the version GC each
     /// rotation runs (`Supervisor::release_versions`), on demand. A flushed memtable stays

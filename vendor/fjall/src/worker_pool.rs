@@ -182,6 +182,21 @@ fn worker_tick(ctx: &WorkerState) -> crate::Result<bool> {
 
     log::trace!("Worker #{} got message: {item:?}", ctx.worker_id);
 
+    // SHOAL-PATCH: a rotation's `Flush` message is dropped when the channel is full
+    // (`Keyspace::inner_rotate_memtable` uses `try_send`), and a flush's own request for the
+    // next runs only while some flush runs: with the channel full of compaction messages, a
+    // rotation's sealed memtable then waited for some later rotation (measured: 151–288 MB of
+    // index memtables left unflushed on an idle node after a bulk load of 100 indexes). A
+    // compaction message taken while flush tasks wait runs a flush first and hands the
+    // compaction back.
+    let item = match item {
+        WorkerMessage::Compact(keyspace) if ctx.supervisor.flush_manager.len() > 0 => {
+            ctx.sender.try_send(WorkerMessage::Compact(keyspace)).ok();
+            WorkerMessage::Flush
+        }
+        item => item,
+    };
+
     match item {
         WorkerMessage::Close => {
             return Ok(true);
