@@ -233,7 +233,14 @@ async fn every_route_is_counted_under_its_name_and_metrics_pass_promlint() {
     assert_eq!(label(other_requests[0].0, "status"), Some("4xx"), "{other:?}");
     assert_eq!(*other_requests[0].1, 1.0, "only the unknown path is other: {other:?}");
     assert_eq!(samples.get("shoal_request_duration_seconds_count{op=\"other\"}"), Some(&1.0), "{other:?}");
-    for family in ["shoal_connections_refused_total", "shoal_subdoc_parsed_cache_total", "shoal_connections", "shoal_documents"] {
+    for family in [
+        "shoal_connections_refused_total",
+        "shoal_subdoc_parsed_cache_total",
+        "shoal_connections",
+        "shoal_documents",
+        "shoal_index_memtable_bytes",
+        "shoal_index_memtables_held_bytes",
+    ] {
         assert!(samples.keys().any(|s| s == family || s.starts_with(&format!("{family}{{"))), "{family} missing from /metrics");
     }
     assert!(samples["shoal_connections_refused_total"] >= 1.0);

@@ -145,6 +145,16 @@ fn describe_metrics() {
     describe_gauge!("shoal_analytics_rows", "Live rows of a collection's analytics shadow on this node (its active and replica copies)");
     describe_counter!("shoal_fsyncs_total", "Journal fsyncs done since the node started");
     describe_counter!("shoal_index_rebuilds_total", "Indexes rebuilt from the documents because their storage was found damaged");
+    describe_gauge!(
+        "shoal_index_memtable_bytes",
+        Unit::Bytes,
+        "Bytes of index entries in memory not yet flushed to the index tables (active and sealed memtables)"
+    );
+    describe_gauge!(
+        "shoal_index_memtables_held_bytes",
+        Unit::Bytes,
+        "Bytes of index memtables in memory, flushed ones not yet let go of included"
+    );
     describe_counter!(
         shoal_node::index_moves::PLACED_MISSING_REBUILDS_METRIC,
         "Index partitions placed on this node and found missing outside a rebalance, rebuilt from the change streams"
@@ -243,6 +253,9 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
     }
     metrics::gauge!("shoal_disk_bytes").set(store.disk_bytes() as f64);
     metrics::counter!("shoal_fsyncs_total").absolute(store.fsync_count());
+    let indexes = state.engine.indexes();
+    metrics::gauge!("shoal_index_memtable_bytes").set(indexes.memtable_bytes() as f64);
+    metrics::gauge!("shoal_index_memtables_held_bytes").set(indexes.memtables_held_bytes() as f64);
     metrics::gauge!("shoal_storage_writable").set(if store.health().writable() { 1.0 } else { 0.0 });
     metrics::gauge!("shoal_uptime_seconds").set(state.started.elapsed().as_secs_f64());
     let cluster = state.cluster.stats();
