@@ -4,7 +4,7 @@
 use super::fed::fed_round;
 use super::{
     back_key, catch_up, cursor_key, encode_cursor, encode_list, encode_parts, entries_by_part, entry_key, scan_key, Index, IndexManager,
-    PartEntries, ScanState, IDLE_POLL, REBUILDS_METRIC,
+    PartEntries, ScanState, FLUSH_WAIT_MAX, FLUSH_WAIT_POLL, IDLE_POLL, REBUILDS_METRIC,
 };
 use crate::{IndexError, BATCH_CHANGES, GROUP_CHANGES, PART_BATCH_MIN, SCAN_BATCH_DOCS, SCAN_ROUND_DOCS};
 use parking_lot::Mutex;
@@ -137,7 +137,7 @@ impl IndexManager {
             return Ok(0);
         }
         let mut held: Vec<(u64, fjall::Keyspace)> =
-            self.part_keyspaces().into_iter().map(|ks| (ks.active_memtable_size(), ks)).filter(|(size, _)| *size > 0).collect();
+            self.index_keyspaces().into_iter().map(|ks| (ks.active_memtable_size(), ks)).filter(|(size, _)| *size > 0).collect();
         let mut left: u64 = held.iter().map(|(size, _)| size).sum();
         // Sealed memtables still being flushed count in the database's figure, not here.
         if left <= budget {
@@ -156,6 +156,44 @@ impl IndexManager {
         }
         tracing::debug!(sealed, budget, "index memtables over their budget handed to the flush workers");
         Ok(sealed)
+    }
+
+    /// Waits, up to [`FLUSH_WAIT_MAX`], until the index memtables not flushed yet hold at
+    /// most [`INDEX_WRITE_BUFFER_MAX_BYTES`], sealing the largest active ones first (only
+    /// sealed memtables flush). Called by the maintainers before each write batch (a build's
+    /// and a round's of changes), on the worker pool: indexing then goes as fast as its
+    /// entries reach the tables, and a node's memory stays bounded however many indexes
+    /// build at once. Cheap below the bound (one counter read). Answers whether it waited.
+    pub(super) fn wait_for_flushes(&self) -> bool {
+        let max = self.write_buffer_max.load(Ordering::Relaxed);
+        if self.db.write_buffer_size() <= max {
+            return false;
+        }
+        let started = std::time::Instant::now();
+        if let Err(e) = self.bound_memtables(max.min(super::INDEX_MEMTABLES_MAX_BYTES)) {
+            tracing::warn!(error = %e, "sealing index memtables to flush them");
+        }
+        // A node stopping does not wait: its close flushes everything anyway.
+        while self.db.write_buffer_size() > max && !*self.stop.borrow() {
+            if started.elapsed() >= FLUSH_WAIT_MAX {
+                tracing::warn!(
+                    unflushed = self.db.write_buffer_size(),
+                    max,
+                    "index memtables did not flush within {FLUSH_WAIT_MAX:?}; indexing goes on past the bound"
+                );
+                break;
+            }
+            std::thread::sleep(FLUSH_WAIT_POLL);
+        }
+        tracing::debug!(waited_ms = started.elapsed().as_millis() as u64, "index writes waited for the flushes");
+        true
+    }
+
+    /// Sets the bound of [`Self::wait_for_flushes`] (for tests; the node keeps
+    /// [`INDEX_WRITE_BUFFER_MAX_BYTES`]).
+    #[doc(hidden)]
+    pub fn set_write_buffer_max(&self, bytes: u64) {
+        self.write_buffer_max.store(bytes, Ordering::Relaxed);
     }
 
     /// Lets go of the memtables the index database flushed and still holds in its older
@@ -179,6 +217,16 @@ impl IndexManager {
     fn part_keyspaces(&self) -> Vec<fjall::Keyspace> {
         let colls = self.colls.lock();
         colls.values().flat_map(|e| e.indexes.iter()).flat_map(|i| i.parts().iter().map(|p| p.ks.clone()).collect::<Vec<_>>()).collect()
+    }
+
+    /// Every keyspace index writes go to: the partitions', each index's `located` records
+    /// and the index database's own (builds' positions).
+    fn index_keyspaces(&self) -> Vec<fjall::Keyspace> {
+        let mut all = self.part_keyspaces();
+        let colls = self.colls.lock();
+        all.extend(colls.values().flat_map(|e| e.indexes.iter()).map(|i| i.located.clone()));
+        all.push(self.meta.clone());
+        all
     }
 }
 
@@ -304,6 +352,7 @@ pub(super) fn scan_round(mgr: &IndexManager, coll: &Collection, scanning: &[Arc<
         let Some(state) = scanning.iter().find_map(|i| i.scan.lock().clone()) else {
             return Ok(done > 0);
         };
+        mgr.wait_for_flushes();
         let docs = coll.scan_docs(state.after.as_deref(), SCAN_BATCH_DOCS)?;
         let mut batch = mgr.db.batch();
         let Some(last) = docs.last().map(|d| d.0.clone()) else {

@@ -65,6 +65,18 @@ const INDEX_MEMTABLE_MAX_BYTES: u64 = 16 * 1024 * 1024;
 /// memory and in the journal (measured: 600 MB of memtables and 1.4 GB of journal for
 /// 100,000 documents in 100 indexes of 8 parts).
 pub const INDEX_MEMTABLES_MAX_BYTES: u64 = 128 * 1024 * 1024;
+/// Most bytes of index memtables (active, and sealed ones not flushed yet) a node holds
+/// before index writes wait for the flushes ([`IndexManager::wait_for_flushes`]). Building
+/// many indexes writes entries faster than hundreds of small memtables flush: without the
+/// wait, 200,000 documents into 100 indexes of 8 parts left 4.7 GB unflushed and the node
+/// at 9.2 GB resident, growing with the documents
+/// (`bench/results/2026-12-05-issue41-index-writes-wait-for-flushes.md`).
+pub const INDEX_WRITE_BUFFER_MAX_BYTES: u64 = 512 * 1024 * 1024;
+/// Longest one write batch waits for the flushes: a flush that cannot catch up (a disk
+/// failing slowly) must not stop indexing for good; it goes on, and says so.
+const FLUSH_WAIT_MAX: Duration = Duration::from_secs(60);
+/// How often a write batch waiting for the flushes looks again.
+const FLUSH_WAIT_POLL: Duration = Duration::from_millis(5);
 /// Block cache of the index database.
 const INDEX_CACHE_BYTES: u64 = 64 * 1024 * 1024;
 /// Parts from which an index keeps where each document's entries are (see
@@ -540,6 +552,8 @@ pub struct IndexManager {
     /// Where the indexes take their changes from when not from this node's partitions (see
     /// [`fed`]).
     fetcher: Option<Arc<dyn ChangeFetcher>>,
+    /// [`INDEX_WRITE_BUFFER_MAX_BYTES`] unless a test set another.
+    write_buffer_max: AtomicU64,
 }
 
 impl IndexManager {
@@ -612,6 +626,7 @@ impl IndexManager {
             stop: tokio::sync::watch::Sender::new(false),
             tasks: Mutex::new(Vec::new()),
             fetcher,
+            write_buffer_max: AtomicU64::new(INDEX_WRITE_BUFFER_MAX_BYTES),
         });
         for (coll, index) in indexes {
             mgr.attach(&coll, index);

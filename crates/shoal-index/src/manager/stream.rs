@@ -61,6 +61,7 @@ impl ChangeConsumer for IndexFeed<'_> {
     }
 
     fn apply(&mut self, batch: &[PartitionBatch]) -> Result<(), IndexError> {
+        self.mgr.wait_for_flushes();
         apply(self.mgr, self.active, batch)
     }
 }
