@@ -163,11 +163,11 @@ impl IndexManager {
     /// sealed memtables flush). Called by the maintainers before each write batch (a build's
     /// and a round's of changes), on the worker pool: indexing then goes as fast as its
     /// entries reach the tables, and a node's memory stays bounded however many indexes
-    /// build at once. Cheap below the bound (one counter read). Answers whether it waited.
-    pub(super) fn wait_for_flushes(&self) -> bool {
+    /// build at once. Cheap below the bound (one counter read).
+    pub(super) fn wait_for_flushes(&self) {
         let max = self.write_buffer_max.load(Ordering::Relaxed);
         if self.db.write_buffer_size() <= max {
-            return false;
+            return;
         }
         let started = std::time::Instant::now();
         if let Err(e) = self.bound_memtables(max.min(super::INDEX_MEMTABLES_MAX_BYTES)) {
@@ -186,7 +186,6 @@ impl IndexManager {
             std::thread::sleep(FLUSH_WAIT_POLL);
         }
         tracing::debug!(waited_ms = started.elapsed().as_millis() as u64, "index writes waited for the flushes");
-        true
     }
 
     /// Sets the bound of [`Self::wait_for_flushes`] (for tests; the node keeps
@@ -205,26 +204,21 @@ impl IndexManager {
         self.db.release_versions()
     }
 
-    /// Bytes of memtables the index partitions' trees hold in any of their versions: the
+    /// Bytes of memtables the index keyspaces' trees hold in any of their versions: the
     /// active and sealed ones ([`Self::memtable_bytes`]) and flushed ones an older version
     /// still holds until [`Self::release_flushed_memtables`].
     pub fn memtables_held_bytes(&self) -> u64 {
         use fjall::AbstractTree;
-        self.part_keyspaces().iter().map(|ks| ks.tree.get_version_history_lock().memtable_size_sum()).sum()
+        self.index_keyspaces().iter().map(|ks| ks.tree.get_version_history_lock().memtable_size_sum()).sum()
     }
 
-    /// The keyspaces of every index partition this node holds.
-    fn part_keyspaces(&self) -> Vec<fjall::Keyspace> {
-        let colls = self.colls.lock();
-        colls.values().flat_map(|e| e.indexes.iter()).flat_map(|i| i.parts().iter().map(|p| p.ks.clone()).collect::<Vec<_>>()).collect()
-    }
-
-    /// Every keyspace index writes go to: the partitions', each index's `located` records
-    /// and the index database's own (builds' positions).
+    /// Every keyspace index writes go to: each index partition's this node holds, each
+    /// index's `located` records, and the index database's own (builds' positions).
     fn index_keyspaces(&self) -> Vec<fjall::Keyspace> {
-        let mut all = self.part_keyspaces();
         let colls = self.colls.lock();
-        all.extend(colls.values().flat_map(|e| e.indexes.iter()).map(|i| i.located.clone()));
+        let indexes = colls.values().flat_map(|e| e.indexes.iter());
+        let mut all: Vec<fjall::Keyspace> =
+            indexes.flat_map(|i| i.parts().iter().map(|p| p.ks.clone()).chain([i.located.clone()]).collect::<Vec<_>>()).collect();
         all.push(self.meta.clone());
         all
     }
