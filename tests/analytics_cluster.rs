@@ -126,6 +126,16 @@ async fn tpch_on_three_members_answers_what_the_rows_answer() {
         assert_eq!(columnar["metrics"]["engine"], "columnar across members", "q{q}");
         assert!(same_rows(&rows["rows"], &columnar["rows"]), "q{q}: /v1/analytics {} against /v1/query {}", columnar["rows"], rows["rows"]);
     }
+    // q1's final aggregation, by its few groups (two flags by two statuses, as the
+    // shadows' column statistics estimate them), runs in one task over the members'
+    // partial aggregates gathered, not hash-shuffled between the members (its answer is
+    // compared above).
+    let sql = std::fs::read_to_string(queries.join("q01.sql")).unwrap();
+    let (s, explained) = statement(&http, &nodes[0], "analytics", &format!("EXPLAIN {sql}")).await;
+    assert_eq!(s, 200, "{explained}");
+    let plan: String = explained["rows"].as_array().unwrap().iter().filter_map(|r| r[1].as_str()).collect();
+    assert!(plan.contains("AggregateExec: mode=Final,"), "{plan}");
+    assert!(!plan.contains("FinalPartitioned"), "{plan}");
 }
 
 /// Groups of the model: `g = i % 10`, `n = i` for `i < docs`.

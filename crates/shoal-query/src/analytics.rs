@@ -10,13 +10,15 @@ use datafusion::arrow::array::{Array, AsArray, BooleanArray};
 use datafusion::arrow::array::{RecordBatch, RecordBatchOptions};
 use datafusion::arrow::buffer::BooleanBuffer;
 use datafusion::arrow::datatypes::Int64Type;
-use datafusion::arrow::datatypes::{Field, SchemaRef};
+use datafusion::arrow::datatypes::{DataType, Field, SchemaRef};
 use datafusion::catalog::{SchemaProvider, Session, TableProvider};
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::stats::Precision;
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::common::utils::project_schema;
-use datafusion::common::{DataFusionError, ScalarValue, Statistics};
+use datafusion::common::{ColumnStatistics, DataFusionError, ScalarValue, Statistics};
+
+use crate::shadow::stats::{FieldSummary, TableSummary};
 use datafusion::datasource::TableType;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::{BinaryExpr, Expr, Operator, TableProviderFilterPushDown};
@@ -84,7 +86,7 @@ pub(crate) async fn fields_here(
     consistency: Consistency,
     timeout: std::time::Duration,
     current: bool,
-) -> Result<(Vec<(Field, u64)>, u64), DataFusionError> {
+) -> Result<crate::distributed::DecodedFields, DataFusionError> {
     let shadow = if current {
         let timeout = timeout.min(crate::table::COLUMNAR_WAIT);
         let shadow = ready_shadow(store, shadows, collection, consistency, timeout).await?;
@@ -103,7 +105,16 @@ pub(crate) async fn fields_here(
         let bytes =
             |keep: &[bool]| -> u64 { keep.iter().enumerate().filter(|(_, k)| **k).map(|(p, _)| coll.partition_bytes(p as u16)).sum() };
         let share = bytes(&active) as f64 / bytes(&held).max(1) as f64;
-        (shadow.weighted_fields(), (shadow.rows() as f64 * share.min(1.0)) as u64)
+        let scaled = |n: u64| (n as f64 * share.min(1.0)) as u64;
+        // The statistics of the rows held here, the counts scaled to those active here as
+        // the rows are (the distinct counts are not: a share of the rows holds most of the
+        // values that repeat).
+        let mut summary = (*shadow.summary()).clone();
+        for s in summary.values_mut() {
+            s.values = scaled(s.values);
+            s.distinct = s.distinct.min(s.values);
+        }
+        (shadow.weighted_fields(), scaled(shadow.rows() as u64), Arc::new(summary))
     })
     .await
     .map_err(|e| DataFusionError::External(Box::new(e)))
@@ -195,7 +206,7 @@ pub(crate) async fn members_schema(
     consistency: Consistency,
     timeout: std::time::Duration,
     current: bool,
-) -> Result<(SchemaRef, usize), DataFusionError> {
+) -> Result<MembersTable, DataFusionError> {
     let asks = cluster.members.iter().map(|m| async move {
         if m == me {
             fields_here(store, shadows, name, consistency, timeout, current).await.map(Arc::new)
@@ -210,16 +221,29 @@ pub(crate) async fn members_schema(
     });
     let mut fields = Vec::new();
     let mut rows = 0;
-    for member in futures::future::try_join_all(asks).await? {
+    let members = futures::future::try_join_all(asks).await?;
+    for member in &members {
         fields.extend(member.0.iter().cloned());
         rows += member.1;
     }
+    let stats = crate::shadow::stats::union_members(members.iter().map(|m| m.2.as_ref()));
     fields.insert(0, (Field::new(crate::schema::KEY_COLUMN, datafusion::arrow::datatypes::DataType::Utf8, false), u64::MAX));
-    Ok((Arc::new(datafusion::arrow::datatypes::Schema::new(crate::merge::merge_fields(&fields))), rows as usize))
+    let schema = Arc::new(datafusion::arrow::datatypes::Schema::new(crate::merge::merge_fields(&fields)));
+    Ok(MembersTable { schema, rows: rows as usize, stats: Arc::new(stats) })
+}
+
+/// The members' shadows of a table, as [`members_schema`] merged them.
+pub(crate) struct MembersTable {
+    pub schema: SchemaRef,
+    /// About how many rows of partitions active on them they hold.
+    pub rows: usize,
+    /// Their columns' statistics, merged.
+    pub stats: Arc<TableSummary>,
 }
 
 /// A scan over the members' shadows of `name`, its schema `projected`, one task per member.
-/// `shape`: output partitions per task, and about how many rows in all.
+/// `shape`: output partitions per task, about how many rows in all, and the columns'
+/// statistics.
 pub(crate) fn members_scan(
     cluster: &ClusterAnalytics,
     name: &str,
@@ -227,7 +251,7 @@ pub(crate) fn members_scan(
     projected: SchemaRef,
     filters: &[Expr],
     limit: Option<usize>,
-    (partitions, rows): (usize, usize),
+    (partitions, rows, stats): (usize, usize, Arc<TableSummary>),
 ) -> ShadowScanExec {
     let scan = ClusterScan {
         collection: name.to_string(),
@@ -237,7 +261,7 @@ pub(crate) fn members_scan(
         member: None,
         group: filters.iter().find_map(group_of),
     };
-    ShadowScanExec::in_cluster(scan, projected, limit, partitions.max(2), rows)
+    ShadowScanExec::in_cluster(scan, projected, limit, partitions.max(2), rows).with_stats(stats)
 }
 
 impl Shadows {
@@ -250,10 +274,10 @@ impl Shadows {
         me: &str,
     ) -> Result<Arc<dyn TableProvider>, DataFusionError> {
         let env = &self.0;
-        let (schema, rows) = members_schema(&env.store, &env.shadows, (cluster, me), name, env.consistency, env.timeout, false).await?;
+        let table = members_schema(&env.store, &env.shadows, (cluster, me), name, env.consistency, env.timeout, false).await?;
         Ok(Arc::new(ShadowTable {
-            source: Source::Cluster(Arc::clone(cluster), env.partitions, rows),
-            schema,
+            source: Source::Cluster(Arc::clone(cluster), env.partitions, table.rows, table.stats),
+            schema: table.schema,
             name: name.to_string(),
             timeout: env.timeout,
         }))
@@ -265,8 +289,8 @@ enum Source {
     /// This node's shadow holds them all.
     Here(Arc<Shadow>),
     /// The members' shadows, read by a scan split into `.1` partitions per task, about `.2`
-    /// rows in all.
-    Cluster(Arc<ClusterAnalytics>, usize, usize),
+    /// rows in all, their columns' statistics `.3`.
+    Cluster(Arc<ClusterAnalytics>, usize, usize, Arc<TableSummary>),
 }
 
 struct ShadowTable {
@@ -329,9 +353,10 @@ impl TableProvider for ShadowTable {
         let projected = project_schema(&self.schema, projection)?;
         let shadow = match &self.source {
             Source::Here(shadow) => shadow,
-            Source::Cluster(cluster, partitions, rows) => {
+            Source::Cluster(cluster, partitions, rows, stats) => {
                 let timeout = self.timeout;
-                return Ok(Arc::new(members_scan(cluster, &self.name, timeout, projected, filters, limit, (*partitions, *rows))));
+                let scan = members_scan(cluster, &self.name, timeout, projected, filters, limit, (*partitions, *rows, Arc::clone(stats)));
+                return Ok(Arc::new(scan));
             }
         };
         shadow_scan(Arc::clone(shadow), projected, filters, limit, None).await
@@ -367,6 +392,7 @@ pub(crate) async fn shadow_scan(
         dynamic: Vec::new(),
         cluster: None,
         columnar,
+        stats: None,
     }))
 }
 
@@ -389,6 +415,9 @@ pub(crate) struct ShadowScanExec {
     cluster: Option<ClusterScan>,
     /// On `/v1/query`: why the shadow is read rather than the documents.
     columnar: Option<String>,
+    /// Its table's columns' statistics, for the planner's estimates (a cluster's; see
+    /// [`crate::shadow::stats`]).
+    stats: Option<Arc<TableSummary>>,
 }
 
 impl fmt::Debug for ShadowScanExec {
@@ -689,7 +718,14 @@ impl ShadowScanExec {
             dynamic: Vec::new(),
             cluster: Some(scan),
             columnar: None,
+            stats: None,
         }
+    }
+
+    /// The scan with its table's columns' statistics.
+    pub(crate) fn with_stats(mut self, stats: Arc<TableSummary>) -> ShadowScanExec {
+        self.stats = Some(stats);
+        self
     }
 
     /// In a cluster: which members' rows it reads.
@@ -785,7 +821,18 @@ impl ShadowScanExec {
             None => self.rows.iter().sum(),
         };
         let rows = self.limit.map_or(rows, |l| rows.min(l));
-        Arc::new(Statistics::new_unknown(&self.projected).with_num_rows(Precision::Inexact(rows)))
+        let mut stats = Statistics::new_unknown(&self.projected).with_num_rows(Precision::Inexact(rows));
+        if let Some(summary) = &self.stats {
+            // Each column's share of the table's, as the rows are this partition's share.
+            let total: usize = self.rows.iter().sum();
+            let share = if total == 0 { 0.0 } else { rows as f64 / total as f64 };
+            for (field, column) in self.projected.fields().iter().zip(stats.column_statistics.iter_mut()) {
+                if let Some(s) = summary.get(field.name()) {
+                    *column = column_statistics(field.data_type(), s, share, rows);
+                }
+            }
+        }
+        Arc::new(stats)
     }
 }
 
@@ -874,6 +921,28 @@ impl ExecutionPlan for ShadowScanExec {
             }
         });
         Ok(Box::pin(RecordBatchStreamAdapter::new(Arc::clone(&self.projected), futures::stream::iter(batches))))
+    }
+}
+
+/// A column's statistics for the planner from its table's summary: estimates, the counts
+/// scaled by `share` (a partition's part of the rows), the bounds only where the column is
+/// of the summary's kind (a number the planner can compare).
+fn column_statistics(data_type: &DataType, s: &FieldSummary, share: f64, rows: usize) -> ColumnStatistics {
+    let values = ((s.values as f64 * share) as usize).min(rows);
+    let bound = |v: Option<f64>| -> Precision<ScalarValue> {
+        match (data_type, v) {
+            (DataType::Int64, Some(v)) if v.fract() == 0.0 => Precision::Inexact(ScalarValue::Int64(Some(v as i64))),
+            (DataType::Float64, Some(v)) => Precision::Inexact(ScalarValue::Float64(Some(v))),
+            _ => Precision::Absent,
+        }
+    };
+    ColumnStatistics {
+        null_count: Precision::Inexact(rows - values),
+        max_value: bound(s.max),
+        min_value: bound(s.min),
+        sum_value: Precision::Absent,
+        distinct_count: Precision::Inexact((s.distinct as usize).clamp(usize::from(values > 0), values.max(1))),
+        byte_size: Precision::Absent,
     }
 }
 

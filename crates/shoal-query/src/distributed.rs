@@ -25,9 +25,16 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use datafusion::arrow::datatypes::{Field, Schema};
+use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::common::DataFusionError;
+use datafusion::config::ConfigOptions;
 use datafusion::execution::{SessionState, TaskContext};
+use datafusion::physical_optimizer::PhysicalOptimizerRule;
+use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
+use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::ExecutionPlan;
+use datafusion::physical_plan::Partitioning;
 use datafusion_distributed::{
     DesiredTaskCountEvent, DesiredTaskCountEventResponse, DistributedExt, DistributedLeafExec, RouteTasksEvent, RouteTasksEventResponse,
     ScaleUpLeafNodeEvent, ScaleUpLeafNodeEventResponse, SessionStateBuilderExt, Worker, WorkerQueryContext,
@@ -39,6 +46,7 @@ use shoal_index::Consistency;
 use shoal_storage::Store;
 
 use crate::analytics::{ClusterScan, ShadowScanExec};
+use crate::shadow::stats::TableSummary;
 use crate::shadow::{ShadowError, ShadowManager};
 use crate::spread::RemoteError;
 
@@ -49,6 +57,8 @@ pub const WORKER_PATH_PREFIX: &str = "/worker.WorkerService/";
 const WEIGHT_KEY: &str = "shoal.weight";
 /// Schema metadata carrying about how many rows of partitions active there a member holds.
 const ROWS_KEY: &str = "shoal.rows";
+/// Schema metadata carrying a member's column statistics ([`TableSummary`], JSON).
+const STATS_KEY: &str = "shoal.stats";
 /// The header each task of a distributed statement carries its statement's id in, so that
 /// a member holds all its tasks of the statement to one memory cap ([`StatementPools`]).
 const STATEMENT_HEADER: &str = "x-shoal-statement";
@@ -173,9 +183,10 @@ fn shadow_kind(e: &ShadowError) -> Kind {
     }
 }
 
-/// `fields` and `rows` as bytes for another member: an Arrow schema (protobuf), each field's
-/// weight in its metadata, the rows in the schema's.
-pub fn encode_fields(fields: &[(Field, u64)], rows: u64) -> Result<Vec<u8>, DataFusionError> {
+/// `fields`, `rows` and the columns' statistics (`stats`, a [`TableSummary`] as JSON) as
+/// bytes for another member: an Arrow schema (protobuf), each field's weight in its
+/// metadata, the rows and statistics in the schema's.
+pub fn encode_fields(fields: &[(Field, u64)], rows: u64, stats: &str) -> Result<Vec<u8>, DataFusionError> {
     let fields: Vec<Field> = fields
         .iter()
         .map(|(f, w)| {
@@ -184,7 +195,8 @@ pub fn encode_fields(fields: &[(Field, u64)], rows: u64) -> Result<Vec<u8>, Data
             f.clone().with_metadata(meta)
         })
         .collect();
-    let schema = Schema::new(fields).with_metadata([(ROWS_KEY.to_string(), rows.to_string())].into());
+    let schema =
+        Schema::new(fields).with_metadata([(ROWS_KEY.to_string(), rows.to_string()), (STATS_KEY.to_string(), stats.to_string())].into());
     let proto = datafusion_proto::protobuf::Schema::try_from(&schema)?;
     Ok(proto.encode_to_vec())
 }
@@ -197,13 +209,16 @@ static DECODED_FIELDS: std::sync::LazyLock<Memo<Vec<u8>, Arc<DecodedFields>>> = 
 /// This member's fields kept encoded, by the fields and rows encoded: the other side of
 /// [`DECODED_FIELDS`] (encoding them was about a twentieth of a member's CPU in query 3 on
 /// 3 nodes). Keyed by content, so it is never stale.
-static ENCODED_FIELDS: std::sync::LazyLock<Memo<DecodedFields, Arc<Vec<u8>>>> = std::sync::LazyLock::new(|| Memo::new(FIELDS_MEMO_MAX));
+static ENCODED_FIELDS: std::sync::LazyLock<Memo<FieldsToEncode, Arc<Vec<u8>>>> = std::sync::LazyLock::new(|| Memo::new(FIELDS_MEMO_MAX));
 /// Most distinct entries [`DECODED_FIELDS`] and [`ENCODED_FIELDS`] each keep; past it, a
 /// memo starts over.
 const FIELDS_MEMO_MAX: usize = 256;
 
-/// A member's fields of a table with their weights, and its rows ([`encode_fields`]).
-pub type DecodedFields = (Vec<(Field, u64)>, u64);
+/// A member's fields of a table with their weights, its rows and its columns' statistics
+/// ([`encode_fields`]).
+pub type DecodedFields = (Vec<(Field, u64)>, u64, Arc<TableSummary>);
+/// What [`encode_fields`] takes, the statistics as JSON (the memo's key).
+type FieldsToEncode = (Vec<(Field, u64)>, u64, String);
 
 /// Answers by their question, up to `max` of them; past it, it starts over (the questions
 /// in use are a few per table and member, so starting over is rare and cheap).
@@ -245,8 +260,9 @@ pub fn decode_fields_cached(bytes: &[u8]) -> Result<Arc<DecodedFields>, DataFusi
 
 /// [`encode_fields`], answered without encoding for fields and rows encoded before (see
 /// [`ENCODED_FIELDS`]).
-pub fn encode_fields_cached(fields: Vec<(Field, u64)>, rows: u64) -> Result<Arc<Vec<u8>>, DataFusionError> {
-    ENCODED_FIELDS.get_or(&(fields, rows), |(f, r)| encode_fields(f, *r).map(Arc::new))
+pub fn encode_fields_cached(fields: Vec<(Field, u64)>, rows: u64, stats: &TableSummary) -> Result<Arc<Vec<u8>>, DataFusionError> {
+    let stats = serde_json::to_string(stats).map_err(|e| DataFusionError::Internal(format!("column statistics: {e}")))?;
+    ENCODED_FIELDS.get_or(&(fields, rows, stats), |(f, r, s)| encode_fields(f, *r, s).map(Arc::new))
 }
 
 /// The fields and rows [`encode_fields`] wrote.
@@ -254,6 +270,8 @@ pub fn decode_fields(bytes: &[u8]) -> Result<DecodedFields, DataFusionError> {
     let proto = datafusion_proto::protobuf::Schema::decode(bytes).map_err(|e| DataFusionError::Plan(format!("a member's schema: {e}")))?;
     let schema: Schema = (&proto).try_into()?;
     let rows = schema.metadata().get(ROWS_KEY).and_then(|r| r.parse().ok()).unwrap_or(0);
+    // Statistics a member could not say are unknown: the planner estimates without them.
+    let stats: TableSummary = schema.metadata().get(STATS_KEY).and_then(|s| serde_json::from_str(s).ok()).unwrap_or_default();
     let fields = schema
         .fields()
         .iter()
@@ -263,7 +281,7 @@ pub fn decode_fields(bytes: &[u8]) -> Result<DecodedFields, DataFusionError> {
             (f.as_ref().clone().with_metadata(meta), w)
         })
         .collect();
-    Ok((fields, rows))
+    Ok((fields, rows, Arc::new(stats)))
 }
 
 /// What a worker's tasks read: this node's shadows.
@@ -406,6 +424,67 @@ impl PhysicalExtensionCodec for ScanCodec {
 fn desired_tasks(ev: DesiredTaskCountEvent) -> Option<Result<DesiredTaskCountEventResponse, DataFusionError>> {
     let scan = ev.plan.downcast_ref::<ShadowScanExec>()?.cluster()?;
     Some(Ok(DesiredTaskCountEventResponse::desired(scan.members.len())))
+}
+
+/// A distributed statement's final aggregation by groups estimated few (at most
+/// [`crate::ONE_TASK_GROUPS_MAX`]) runs in one partition over its input's partial
+/// aggregates gathered (`Final` over `CoalescePartitionsExec`, where DataFusion shuffles
+/// them by hash into `FinalPartitioned`): datafusion-distributed then runs it on the
+/// coordinator, the partial aggregates coming to it from the members, instead of a stage
+/// of one task per member and a hash shuffle between them (a stage of streams for a few
+/// rows). The estimate is DataFusion's, from the shadows' column statistics (distinct
+/// counts of the group columns, capped by the rows left after filters and joins; see
+/// [`crate::shadow::stats`]); with none, the groups are not known to be few and stay
+/// shuffled. Runs after DataFusion's own rules, before the plan is distributed.
+#[derive(Debug)]
+pub(crate) struct FewGroupsInOneTask;
+
+impl PhysicalOptimizerRule for FewGroupsInOneTask {
+    fn optimize(&self, plan: Arc<dyn ExecutionPlan>, _config: &ConfigOptions) -> Result<Arc<dyn ExecutionPlan>, DataFusionError> {
+        plan.transform_up(|p| {
+            let Some(agg) = p.downcast_ref::<AggregateExec>() else { return Ok(Transformed::no(p)) };
+            let Some(shuffle) = agg.input().downcast_ref::<RepartitionExec>() else { return Ok(Transformed::no(p)) };
+            if !matches!(shuffle.partitioning(), Partitioning::Hash(..)) || agg.limit_options().is_some() || !few_groups(agg) {
+                return Ok(Transformed::no(p));
+            }
+            let gathered = Arc::new(CoalescePartitionsExec::new(Arc::clone(shuffle.input())));
+            let one = AggregateExec::try_new(
+                AggregateMode::Final,
+                agg.group_expr().clone(),
+                agg.aggr_expr().to_vec(),
+                agg.filter_expr().to_vec(),
+                gathered,
+                agg.input_schema(),
+            )?;
+            Ok(Transformed::yes(Arc::new(one) as Arc<dyn ExecutionPlan>))
+        })
+        .map(|t| t.data)
+    }
+
+    fn name(&self) -> &str {
+        "few_groups_in_one_task"
+    }
+
+    fn schema_check(&self) -> bool {
+        true
+    }
+}
+
+/// Whether `agg` is a final aggregation by groups estimated at most
+/// [`crate::ONE_TASK_GROUPS_MAX`].
+fn few_groups(agg: &AggregateExec) -> bool {
+    if *agg.mode() != AggregateMode::FinalPartitioned || agg.group_expr().is_empty() {
+        return false;
+    }
+    let stats = datafusion::physical_plan::statistics::StatisticsContext::new()
+        .compute(agg, &datafusion::physical_plan::statistics::StatisticsArgs::new());
+    stats.is_ok_and(|s| groups_fit_one_task(s.num_rows))
+}
+
+/// Whether an aggregation estimated to answer `groups` rows runs in one task: only when
+/// the estimate is known and at most [`crate::ONE_TASK_GROUPS_MAX`].
+fn groups_fit_one_task(groups: datafusion::common::stats::Precision<usize>) -> bool {
+    matches!(groups.get_value(), Some(&n) if n <= crate::ONE_TASK_GROUPS_MAX)
 }
 
 /// The scan of task `i` reads member `i`; any other task count is refused.
@@ -736,38 +815,73 @@ mod tests {
     }
 
     #[test]
-    fn fields_cross_members_with_their_weights() {
+    fn a_final_aggregation_runs_in_one_task_only_when_its_groups_are_known_few() {
+        use datafusion::common::stats::Precision;
+        let max = crate::ONE_TASK_GROUPS_MAX;
+        for (groups, one) in [
+            (Precision::Absent, false),
+            (Precision::Inexact(3_018), true),
+            (Precision::Exact(max), true),
+            (Precision::Inexact(max + 1), false),
+            (Precision::Inexact(1_500_000), false),
+        ] {
+            assert_eq!(groups_fit_one_task(groups), one, "{groups:?}");
+        }
+    }
+
+    fn summary(distinct: u64) -> TableSummary {
+        TableSummary::from([("a".to_string(), crate::shadow::stats::FieldSummary { values: 7, distinct, min: Some(-1.5), max: Some(9.0) })])
+    }
+
+    fn json(s: &TableSummary) -> String {
+        serde_json::to_string(s).unwrap()
+    }
+
+    #[test]
+    fn fields_cross_members_with_their_weights_and_statistics() {
         let fields = vec![(Field::new("a", DataType::Int64, true), 7), (Field::new("b", DataType::Utf8, true), 1 << 40)];
-        let back = decode_fields(&encode_fields(&fields, 1234).unwrap()).unwrap();
-        assert_eq!(back, (fields, 1234));
+        let back = decode_fields(&encode_fields(&fields, 1234, &json(&summary(5))).unwrap()).unwrap();
+        assert_eq!(back, (fields.clone(), 1234, Arc::new(summary(5))));
+        // Statistics a member could not say (unreadable, or an older member's bytes) are
+        // unknown, and the fields still come.
+        let back = decode_fields(&encode_fields(&fields, 1, "not json").unwrap()).unwrap();
+        assert_eq!(back, (fields, 1, Arc::new(TableSummary::new())));
     }
 
     #[test]
     fn a_member_s_fields_seen_before_are_not_decoded_again_and_changed_ones_are() {
         let fields = vec![(Field::new("memo_a", DataType::Int64, true), 3)];
-        let bytes = encode_fields(&fields, 10).unwrap();
+        let bytes = encode_fields(&fields, 10, &json(&summary(2))).unwrap();
         let first = decode_fields_cached(&bytes).unwrap();
-        assert_eq!(*first, (fields.clone(), 10));
+        assert_eq!(*first, (fields.clone(), 10, Arc::new(summary(2))));
         assert!(Arc::ptr_eq(&first, &decode_fields_cached(&bytes).unwrap()), "the same bytes: the same decoding");
         // Another row count (the member took writes): other bytes, decoded afresh.
-        let more = decode_fields_cached(&encode_fields(&fields, 11).unwrap()).unwrap();
-        assert_eq!(*more, (fields, 11));
+        let more = decode_fields_cached(&encode_fields(&fields, 11, &json(&summary(2))).unwrap()).unwrap();
+        assert_eq!(*more, (fields, 11, Arc::new(summary(2))));
         assert!(decode_fields_cached(b"\xff not a schema").is_err(), "bad bytes are refused, not kept");
     }
 
     #[test]
     fn this_member_s_fields_seen_before_are_not_encoded_again_and_changed_ones_are() {
         let fields = vec![(Field::new("memo_enc", DataType::Utf8, true), 5)];
-        let first = encode_fields_cached(fields.clone(), 7).unwrap();
-        assert_eq!(*first, encode_fields(&fields, 7).unwrap());
-        assert!(Arc::ptr_eq(&first, &encode_fields_cached(fields.clone(), 7).unwrap()), "the same fields: the same bytes");
+        let first = encode_fields_cached(fields.clone(), 7, &summary(3)).unwrap();
+        // (The schema's metadata is a map: two encodings of it may order it differently.)
+        assert_eq!(decode_fields(&first).unwrap(), decode_fields(&encode_fields(&fields, 7, &json(&summary(3))).unwrap()).unwrap());
+        assert!(Arc::ptr_eq(&first, &encode_fields_cached(fields.clone(), 7, &summary(3)).unwrap()), "the same fields: the same bytes");
         // A field's weight changed: encoded afresh, and decodes to the change.
         let changed = vec![(Field::new("memo_enc", DataType::Utf8, true), 6)];
-        let again = encode_fields_cached(changed.clone(), 7).unwrap();
+        let again = encode_fields_cached(changed.clone(), 7, &summary(3)).unwrap();
         assert!(!Arc::ptr_eq(&first, &again));
-        assert_eq!(decode_fields(&again).unwrap(), (changed, 7));
-        // Another row count: other bytes too.
-        assert_eq!(decode_fields(&encode_fields_cached(fields.clone(), 8).unwrap()).unwrap(), (fields, 8));
+        assert_eq!(decode_fields(&again).unwrap(), (changed, 7, Arc::new(summary(3))));
+        // Another row count, or other statistics: other bytes too.
+        assert_eq!(
+            decode_fields(&encode_fields_cached(fields.clone(), 8, &summary(3)).unwrap()).unwrap(),
+            (fields.clone(), 8, Arc::new(summary(3)))
+        );
+        assert_eq!(
+            decode_fields(&encode_fields_cached(fields.clone(), 7, &summary(4)).unwrap()).unwrap(),
+            (fields, 7, Arc::new(summary(4)))
+        );
     }
 
     /// A memo is bounded: past its most entries it starts over, and what it held is
@@ -779,13 +893,13 @@ mod tests {
         let memo: Memo<Vec<u8>, Arc<DecodedFields>> = Memo::new(2);
         let decode = |b: &[u8]| decode_fields(b).map(Arc::new);
         let fields = vec![(Field::new("memo_b", DataType::Utf8, true), 1)];
-        let enc: Vec<Vec<u8>> = (0..3).map(|rows| encode_fields(&fields, rows).unwrap()).collect();
+        let enc: Vec<Vec<u8>> = (0..3).map(|rows| encode_fields(&fields, rows, "{}").unwrap()).collect();
         let first = memo.get_or(&*enc[0], decode).unwrap();
         let second = memo.get_or(&*enc[1], decode).unwrap();
         assert!(Arc::ptr_eq(&first, &memo.get_or(&*enc[0], decode).unwrap()), "held: not decoded again");
         assert_eq!(memo.answers.lock().len(), 2);
         // A third entry: the memo starts over and holds it alone.
-        assert_eq!(*memo.get_or(&*enc[2], decode).unwrap(), (fields.clone(), 2));
+        assert_eq!(*memo.get_or(&*enc[2], decode).unwrap(), (fields.clone(), 2, Arc::new(TableSummary::new())));
         assert_eq!(memo.answers.lock().len(), 1);
         let again = memo.get_or(&*enc[0], decode).unwrap();
         assert!(!Arc::ptr_eq(&first, &again), "decoded again after the start over");

@@ -66,6 +66,10 @@ pub const SPILL_DIR: &str = "tmp/query-spill";
 /// distributed statement (bytes, rows); past it both sides are shuffled by hash.
 pub const BROADCAST_BUILD_MAX_BYTES: usize = 32 * 1024 * 1024;
 pub const BROADCAST_BUILD_MAX_ROWS: usize = 1_000_000;
+/// Most groups a distributed statement's final aggregation is estimated to have for it to
+/// run in one task, on the coordinator (past it, the groups are shuffled by hash over the
+/// members).
+pub const ONE_TASK_GROUPS_MAX: usize = 100_000;
 /// Longest SQL text accepted.
 pub const SQL_MAX_BYTES: usize = 64 * 1024;
 /// Most parameters.
@@ -529,8 +533,8 @@ impl QueryEngine {
         if self.shadows.partitions() == 0 {
             return Err(QueryError::Unavailable(shadow::ShadowError::Off.to_string()));
         }
-        let (fields, rows) = analytics::fields_here(&self.store, &self.shadows, collection, consistency, timeout, current).await?;
-        Ok(distributed::encode_fields_cached(fields, rows)?.as_ref().clone())
+        let (fields, rows, stats) = analytics::fields_here(&self.store, &self.shadows, collection, consistency, timeout, current).await?;
+        Ok(distributed::encode_fields_cached(fields, rows, &stats)?.as_ref().clone())
     }
 
     /// Runs one statement (queries and `EXPLAIN`; no DDL, DML or `SET`) on the
@@ -727,7 +731,8 @@ impl QueryEngine {
                     .with_default_features()
                     .with_config(config.with_extension(Arc::clone(&member.env)))
                     .with_runtime_env(runtime)
-                    .with_physical_optimizer_rule(Arc::new(runtime::YieldingJoins));
+                    .with_physical_optimizer_rule(Arc::new(runtime::YieldingJoins))
+                    .with_physical_optimizer_rule(Arc::new(distributed::FewGroupsInOneTask));
                 // The tasks this node runs for itself share the statement's pool.
                 let statement = uuid::Uuid::new_v4().to_string();
                 member.statements.adopt(&statement, &statement_pool);

@@ -92,11 +92,10 @@ async fn members_columnar(
 ) -> Result<Arc<dyn ExecutionPlan>, String> {
     let (cluster, me) = env.cluster.as_ref().ok_or("the collection's partitions are on several members")?;
     let shadows = env.shadows.as_ref().ok_or("analytics is off on this node")?;
-    let (schema, rows) =
-        crate::analytics::members_schema(&env.store, shadows, (cluster, me), coll.name(), env.consistency, env.index_timeout, true)
-            .await
-            .map_err(|e| format!("the members' shadows: {}", e.find_root()))?;
-    typed_alike(projected, &schema, "the members' shadows")?;
+    let table = crate::analytics::members_schema(&env.store, shadows, (cluster, me), coll.name(), env.consistency, env.index_timeout, true)
+        .await
+        .map_err(|e| format!("the members' shadows: {}", e.find_root()))?;
+    typed_alike(projected, &table.schema, "the members' shadows")?;
     let scan = crate::analytics::members_scan(
         cluster,
         coll.name(),
@@ -104,7 +103,7 @@ async fn members_columnar(
         Arc::clone(projected),
         filters,
         limit,
-        (env.partitions, rows),
+        (env.partitions, table.rows, table.stats),
     );
     Ok(Arc::new(scan))
 }

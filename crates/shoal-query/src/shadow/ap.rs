@@ -359,6 +359,12 @@ impl ApState {
         Ok(out)
     }
 
+    /// The live segments by id, with their batches and the cells their statistics are kept
+    /// in (worked out by the caller, outside this partition's lock).
+    pub(super) fn stats_cells(&self) -> Vec<(u32, RecordBatch, super::stats::StatsCell)> {
+        self.segments.iter().filter(|(_, s)| s.live() > 0).map(|(&id, s)| (id, s.batch.clone(), Arc::clone(&s.stats))).collect()
+    }
+
     /// Each top-level field of the rows with the number of values it holds.
     pub(super) fn fields(&self) -> Vec<(Field, u64)> {
         let mut out = Vec::new();

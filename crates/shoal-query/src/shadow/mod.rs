@@ -34,6 +34,7 @@
 mod ap;
 mod maintain;
 mod segment;
+pub mod stats;
 mod transfer;
 
 use ap::*;
@@ -218,6 +219,10 @@ impl Part {
     }
 }
 
+/// A shadow's last column summary, by the live segments (analytics partition, id) it was
+/// merged from.
+type SummaryMemo = (Vec<(usize, u32)>, Arc<stats::TableSummary>);
+
 /// The shadow of one collection.
 pub struct Shadow {
     coll: Arc<Collection>,
@@ -230,6 +235,8 @@ pub struct Shadow {
     roots: Vec<PathBuf>,
     /// Storage partitions being copied in with their rows (the manager's).
     incoming: Arc<transfer::Incoming>,
+    /// The last [`Shadow::summary`], by the live segments it was merged from.
+    summary: Mutex<Option<SummaryMemo>>,
 }
 
 impl Shadow {
@@ -262,6 +269,26 @@ impl Shadow {
     /// across its members).
     pub fn weighted_fields(&self) -> Vec<(Field, u64)> {
         self.aps.iter().flat_map(|ap| ap.state.lock().fields()).collect()
+    }
+
+    /// The columns' statistics over the segments (rows not yet in a segment, and rows that
+    /// died since theirs was written, are not counted: estimates). A segment's are worked
+    /// out once, when first asked; the merge is kept until the segments change.
+    pub fn summary(&self) -> Arc<stats::TableSummary> {
+        let cells: Vec<(usize, Vec<_>)> = self.aps.iter().enumerate().map(|(i, ap)| (i, ap.state.lock().stats_cells())).collect();
+        let ids: Vec<(usize, u32)> = cells.iter().flat_map(|(i, segs)| segs.iter().map(move |(id, _, _)| (*i, *id))).collect();
+        if let Some((at, summary)) = self.summary.lock().as_ref() {
+            if *at == ids {
+                return Arc::clone(summary);
+            }
+        }
+        let mut all = stats::TableStats::new();
+        for (batch, cell) in cells.into_iter().flat_map(|(_, segs)| segs.into_iter().map(|(_, b, c)| (b, c))) {
+            stats::merge_into(&mut all, cell.get_or_init(|| Arc::new(stats::batch_stats(&batch))));
+        }
+        let summary = Arc::new(stats::summarize(&all));
+        *self.summary.lock() = Some((ids, Arc::clone(&summary)));
+        summary
     }
 
     /// What a scan reads, per analytics partition, as of now.
@@ -453,7 +480,15 @@ impl ShadowManager {
                 applied[usize::from(*p)].store(c.seqno, Ordering::Release);
             }
         }
-        let shadow = Arc::new(Shadow { coll, aps, applied, progress: watch::channel(0).0, roots, incoming: Arc::clone(&self.incoming) });
+        let shadow = Arc::new(Shadow {
+            coll,
+            aps,
+            applied,
+            progress: watch::channel(0).0,
+            roots,
+            incoming: Arc::clone(&self.incoming),
+            summary: Mutex::default(),
+        });
         let rows = shadow.rows();
         {
             let mut map = self.shadows.lock();

@@ -44,12 +44,22 @@ pub(super) struct Segment {
     pub(super) checksum: u64,
     /// Each row's storage partition, worked out from its key once (see [`super::Part`]).
     pub(super) partitions: super::RowPartitions,
+    /// Its columns' statistics, worked out when first asked ([`super::stats`]).
+    pub(super) stats: super::stats::StatsCell,
 }
 
 impl Segment {
     pub(super) fn new(batch: RecordBatch, group: Option<String>, checksum: u64) -> Segment {
         let words = batch.num_rows().div_ceil(64);
-        Segment { batch, group, dead: vec![0; words], dead_count: 0, checksum, partitions: super::RowPartitions::default() }
+        Segment {
+            batch,
+            group,
+            dead: vec![0; words],
+            dead_count: 0,
+            checksum,
+            partitions: super::RowPartitions::default(),
+            stats: Arc::default(),
+        }
     }
 
     pub(super) fn live(&self) -> usize {
