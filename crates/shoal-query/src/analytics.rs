@@ -17,8 +17,6 @@ use datafusion::common::stats::Precision;
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::common::utils::project_schema;
 use datafusion::common::{ColumnStatistics, DataFusionError, ScalarValue, Statistics};
-
-use crate::shadow::stats::{FieldSummary, TableSummary};
 use datafusion::datasource::TableType;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::{BinaryExpr, Expr, Operator, TableProviderFilterPushDown};
@@ -37,6 +35,7 @@ use shoal_storage::Store;
 
 use crate::distributed::{ClusterAnalytics, WorkerEnv};
 use crate::merge::adapt_batch;
+use crate::shadow::stats::{FieldSummary, TableSummary};
 use crate::shadow::{Part, Shadow, ShadowError, ShadowManager, GROUP_FIELD};
 use crate::table::leaf_properties;
 use crate::SCAN_BATCH_ROWS;
