@@ -22,8 +22,8 @@ pub mod partition;
 pub use def::IndexDef;
 pub use filter::FilterError;
 pub use manager::{
-    ChangeFetcher, Consistency, FetchFuture, IndexCursor, IndexManager, IndexState, IndexStatus, KeepRow, ScanBounds, ScanRequest, ScanRow,
-    INDEX_MEMTABLES_MAX_BYTES,
+    ChangeFetcher, Consistency, FetchFuture, IndexCursor, IndexManager, IndexState, IndexStatus, KeepRow, PartImports, ScanBounds,
+    ScanRequest, ScanRow, INDEX_MEMTABLES_MAX_BYTES,
 };
 
 /// Most rows one scan returns.

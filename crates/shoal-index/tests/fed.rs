@@ -293,6 +293,74 @@ fn an_index_partition_moves_as_files_and_goes_on_from_the_positions_they_carry()
     });
 }
 
+/// Issue 41: the parts a rebalance moves from one node to another go as one group
+/// (`export_parts` at one snapshot → `import_parts`, one commit): each answers exactly
+/// once adopted, the changes since the snapshot caught up from the streams. A group cut
+/// short — a part refused on the way — holds none of its parts.
+#[test]
+fn a_group_of_index_partitions_moves_as_one_and_is_held_whole_or_not_at_all() {
+    let Nodes { _dirs, data, docs, x, y, here_x, here_y } = two_index_nodes();
+    let (fx, fy) = (fetcher(&data), fetcher(&data));
+    let (def, p, q) = moved_index();
+    fed_life(&x, &fx, |mx| {
+        let (here_x, here_y, docs, y, fy) = (Arc::clone(&here_x), Arc::clone(&here_y), Arc::clone(&docs), Arc::clone(&y), Arc::clone(&fy));
+        async move {
+            let my = all_on_x_none_on_y(&mx, &here_x, (&y, &fy, &here_y), def).await;
+            let parts = vec![("by_a".to_string(), p), ("by_a".to_string(), q)];
+            // A group whose second part is out of the index's range: nothing is held.
+            let exports = mx.export_parts(&here_x, &parts).unwrap();
+            let (my2, here) = (Arc::clone(&my), Arc::clone(&here_y));
+            let cut = tokio::task::spawn_blocking(move || {
+                let mut group = my2.import_parts(&here);
+                let mut exports = exports.into_iter();
+                let first = exports.next().unwrap();
+                let manifest = first.manifest().clone();
+                group.add("by_a", p, &manifest, first).unwrap();
+                let second = exports.next().unwrap();
+                let manifest = second.manifest().clone();
+                group.add("by_a", 99, &manifest, second).map(|_| ())
+            })
+            .await
+            .unwrap();
+            assert!(matches!(cut, Err(IndexError::Invalid(_))), "{cut:?}");
+            assert!(my.list(&here_y).remove(0).part_items.is_empty(), "a group not committed holds nothing");
+            assert!(matches!(my.scan(&here_y, "by_a", eq(3)).await, Err(IndexError::Unavailable(_))));
+            // The whole group, with changes made after its snapshot.
+            let exports = mx.export_parts(&here_x, &parts).unwrap();
+            put(&docs, "d100", json!({"a": 3, "b": "after the snapshot"}));
+            put(&docs, "d101", json!({"a": 1, "b": "after the snapshot"}));
+            let (my2, here) = (Arc::clone(&my), Arc::clone(&here_y));
+            let held = tokio::task::spawn_blocking(move || {
+                let mut group = my2.import_parts(&here);
+                for ((name, no), files) in parts.iter().zip(exports) {
+                    let manifest = files.manifest().clone();
+                    group.add(name, *no, &manifest, files)?;
+                }
+                group.commit()
+            })
+            .await
+            .unwrap()
+            .unwrap();
+            assert_eq!(held, 2);
+            my.wait_parts(&here_y, "by_a", &[p, q], WAIT).await.unwrap();
+            let mut want_3 = expected_a3();
+            want_3.push("d100".into());
+            let mut want_1: Vec<String> = (0..DOCS).filter(|i| i % 5 == 1).map(|i| format!("d{i:03}")).collect();
+            want_1.push("d101".into());
+            assert_eq!(ids(my.scan(&here_y, "by_a", eq(3)).await.unwrap()), want_3);
+            assert_eq!(ids(my.scan(&here_y, "by_a", eq(1)).await.unwrap()), want_1);
+            let status = my.list(&here_y).remove(0);
+            assert_eq!(status.part_items.iter().map(|(no, _)| *no).collect::<Vec<_>>(), {
+                let mut v = vec![p, q];
+                v.sort_unstable();
+                v
+            });
+            my.stop().await;
+            my.close().unwrap();
+        }
+    });
+}
+
 /// A node about to adopt several parts makes their keyspaces first, as one group
 /// (`prepare_parts`; a scale-out's new node adopts hundreds): a part adopted afterwards
 /// goes into its prepared keyspace and answers exactly; parts of an index not known here,

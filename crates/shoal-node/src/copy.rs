@@ -734,6 +734,91 @@ impl Iterator for Records {
     }
 }
 
+/// Copies sent one after another in one stream (a group of index partitions from one
+/// source, `index_moves`), read as the import asks (blocking on the network side's chunks):
+/// each copy's header, then its records up to its end; after the last, the stream must
+/// end. A stream that ends early, or carries anything after the last copy, is an error.
+pub(crate) struct ChainedCopies {
+    rx: mpsc::Receiver<Result<Bytes, PartitionError>>,
+    decoder: FrameDecoder,
+    /// Headers read.
+    copies: usize,
+}
+
+impl ChainedCopies {
+    pub(crate) fn new(rx: mpsc::Receiver<Result<Bytes, PartitionError>>) -> ChainedCopies {
+        ChainedCopies { rx, decoder: FrameDecoder::chained(), copies: 0 }
+    }
+
+    /// The next chunk, into the decoder; the stream's end here is a cut copy.
+    fn pull(&mut self) -> Result<(), PartitionError> {
+        match self.rx.blocking_recv() {
+            Some(Ok(chunk)) => {
+                self.decoder.push_bytes(chunk);
+                Ok(())
+            }
+            Some(Err(e)) => Err(e),
+            None => Err(malformed(FrameError::Truncated)),
+        }
+    }
+
+    /// The next copy's header (the one before read to its end).
+    pub(crate) fn header(&mut self) -> Result<CopyHeader, PartitionError> {
+        if self.copies > 0 {
+            self.decoder.next_copy().map_err(malformed)?;
+        }
+        loop {
+            match self.decoder.next_frame().map_err(malformed)? {
+                Some(Frame::Header(h)) => {
+                    self.copies += 1;
+                    return Ok(h);
+                }
+                Some(_) => return Err(PartitionError::Malformed("a copy without its header".into())),
+                None => self.pull()?,
+            }
+        }
+    }
+
+    /// This copy's records, up to its end (an error if the stream ends first).
+    pub(crate) fn records(&mut self) -> impl Iterator<Item = Result<(Bytes, Bytes), PartitionError>> + '_ {
+        let mut done = false;
+        std::iter::from_fn(move || {
+            if done {
+                return None;
+            }
+            loop {
+                let next = match self.decoder.next_frame() {
+                    Ok(Some(Frame::Record(k, v))) => return Some(Ok((k, v))),
+                    Ok(Some(Frame::End)) => None,
+                    Ok(Some(Frame::Header(_))) => Some(Err(PartitionError::Malformed("a second header".into()))),
+                    Ok(None) => match self.pull() {
+                        Ok(()) => continue,
+                        Err(e) => Some(Err(e)),
+                    },
+                    Err(e) => Some(Err(malformed(e))),
+                };
+                done = true;
+                return next;
+            }
+        })
+    }
+
+    /// After the last copy: the stream ends, with nothing after it.
+    pub(crate) fn finish(mut self) -> Result<(), PartitionError> {
+        loop {
+            match self.rx.blocking_recv() {
+                Some(Ok(chunk)) => self.decoder.push_bytes(chunk),
+                Some(Err(e)) => return Err(e),
+                None => return self.decoder.finish().map_err(malformed),
+            }
+        }
+    }
+}
+
+fn malformed(e: FrameError) -> PartitionError {
+    PartitionError::Malformed(e.to_string())
+}
+
 /// An export's pieces, of either shape (files or records).
 pub(crate) type ExportRecords = dyn Iterator<Item = Result<FilePiece, PartitionError>> + Send;
 
@@ -791,13 +876,14 @@ pub(crate) fn check_exporter(node: &ClusterNode, from: NodeId, partition: u16) -
 
 /// Sends an export as the copy stream's chunks on `tx` (on the export's thread): the
 /// header, its pieces, the end marker, paced by the rebalance's budget. Stops when the
-/// receiver goes away; an error reaches the receiver in place of the end marker.
+/// receiver goes away; an error reaches the receiver in place of the end marker. Answers
+/// whether the whole copy went out, its end marker included.
 pub(crate) fn send_export(
     node: &ClusterNode,
     tx: &mpsc::Sender<Result<Outgoing, ClusterError>>,
     header: &CopyHeader,
     export: Box<ExportRecords>,
-) {
+) -> bool {
     let mut out = BytesMut::with_capacity(COPY_CHUNK_BYTES + 64 * 1024);
     FrameEncoder::header(&mut out, header);
     let mut encoder = FrameEncoder::default();
@@ -818,23 +904,23 @@ pub(crate) fn send_export(
             Ok(FilePiece::Record(k, v)) => {
                 encoder.record(&mut out, &k, &v);
                 if out.len() >= COPY_CHUNK_BYTES && !send(bytes(&mut out)) {
-                    return; // the receiver went away
+                    return false; // the receiver went away
                 }
                 continue;
             }
             Err(e) => {
                 // The receiver sees an error, never an end marker: it keeps nothing.
                 let _ = tx.blocking_send(Err(ClusterError::Storage(e.to_string())));
-                return;
+                return false;
             }
         };
         encoder.record_head(&mut out, &key, value.len());
         if !send(bytes(&mut out)) || !send(value) {
-            return; // the receiver went away
+            return false; // the receiver went away
         }
     }
     encoder.end(&mut out);
-    send(bytes(&mut out));
+    send(bytes(&mut out))
 }
 
 /// The export the receiver asked for: the partition's files where it asked for them and

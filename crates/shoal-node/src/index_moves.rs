@@ -25,12 +25,12 @@ use serde::{Deserialize, Serialize};
 use shoal_cluster::index_placement::{index_moves, index_sources, place_indexes, IndexPart, IndexPlacement, IndexSpec};
 use shoal_cluster::NodeId;
 use shoal_meta::{IndexPlacementChange, MemberState, MetaCommand, MetaState};
-use shoal_storage::copy_stream::{CopyHeader, FrameDecoder};
+use shoal_storage::copy_stream::CopyHeader;
 use shoal_storage::{ExportHeader, PartitionError};
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
-use crate::copy::{background, next_chunk, read_header, send_export, CopyMethod, Outgoing, Records, COPY_IDLE_TIMEOUT};
+use crate::copy::{background, next_chunk, send_export, ChainedCopies, CopyMethod, Outgoing, COPY_IDLE_TIMEOUT};
 use crate::node::ClusterNode;
 use crate::peers::Op;
 use crate::rebalance::{MoveKind, MoveState, MoveStatus};
@@ -53,20 +53,26 @@ pub const INDEX_DRAIN_WAIT: Duration = Duration::from_secs(2);
 /// and rebuilt from the change streams (a lost build; never a rebalance's move).
 pub const PLACED_MISSING_REBUILDS_METRIC: &str = "shoal_index_partitions_rebuilt_total";
 
-/// A holder's export of one index partition.
+/// Most index partitions one adoption (and the export it asks for) carries: a group moves
+/// from one source to one new node by one stream, one import batch and one durable catalog
+/// write, where each partition would take its own.
+pub const INDEX_MOVE_GROUP_PARTS: usize = 16;
+
+/// A holder's export of a group of index partitions of one collection.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct IndexExportRequest {
     pub collection: String,
-    pub index: String,
-    pub part: u16,
+    /// (index name, partition) of each copy, in the order they are sent.
+    pub parts: Vec<(String, u16)>,
 }
 
-/// The leader asks a node to build a copy of an index partition.
+/// The leader asks a node to build copies of a group of index partitions of one
+/// collection, all from one source.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct AdoptRequest {
     pub collection: String,
-    pub index: String,
-    pub part: u16,
+    /// (index name, partition) of each copy.
+    pub parts: Vec<(String, u16)>,
     /// A live copy's node address: the files come from there. `None`: rebuilt from the
     /// change streams.
     pub source: Option<String>,
@@ -78,6 +84,21 @@ pub struct AdoptRequest {
     /// `shoal_cluster::index_sim` (`adopt_after_begin`).
     #[serde(default)]
     pub applied: u64,
+}
+
+/// A group's parts, checked: at least one, at most [`INDEX_MOVE_GROUP_PARTS`], each once.
+fn checked_group(parts: &[(String, u16)]) -> Result<(), ClusterError> {
+    if parts.is_empty() || parts.len() > INDEX_MOVE_GROUP_PARTS {
+        return Err(ClusterError::BadMessage(format!(
+            "a group of index partitions holds 1 to {INDEX_MOVE_GROUP_PARTS}, not {}",
+            parts.len()
+        )));
+    }
+    let distinct: BTreeSet<&(String, u16)> = parts.iter().collect();
+    if distinct.len() != parts.len() {
+        return Err(ClusterError::BadMessage("an index partition listed twice in one group".into()));
+    }
+    Ok(())
 }
 
 /// The leader asks a node to make, as one group, the keyspaces of the copies of `collection`'s
@@ -108,14 +129,15 @@ pub struct AdoptAnswer {
     pub held_already: bool,
 }
 
-/// A holder's side of `Op::IndexExport`: the part's files, as the chunks of a copy stream
-/// whose header carries their manifest (its partition field is the index partition; the
-/// positions are in the files).
+/// A holder's side of `Op::IndexExport`: each part's files, at one snapshot, as copy
+/// streams one after another in the order asked (each header carries its files' manifest;
+/// its partition field is the index partition; the positions are in the files).
 pub(crate) fn serve_index_export(
     node: &Arc<ClusterNode>,
     body: &[u8],
 ) -> Result<mpsc::Receiver<Result<Outgoing, ClusterError>>, ClusterError> {
     let req: IndexExportRequest = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+    checked_group(&req.parts)?;
     let coll = node
         .engine
         .store()
@@ -124,22 +146,25 @@ pub(crate) fn serve_index_export(
     let (tx, rx) = mpsc::channel(8);
     let node = Arc::clone(node);
     background("shoal-index-export", move || {
-        let files = match node.engine.indexes().export_part(&coll, &req.index, req.part) {
-            Ok(files) => files,
+        let exports = match node.engine.indexes().export_parts(&coll, &req.parts) {
+            Ok(exports) => exports,
             Err(e) => {
                 let _ = tx.blocking_send(Err(ClusterError::Index(e)));
                 return;
             }
         };
-        let manifest = files.manifest().clone();
-        let header = CopyHeader {
-            export: ExportHeader { partition: req.part, collections: Vec::new() },
-            bytes_estimate: manifest.file_bytes(),
-            files: Some(manifest),
-        };
-        let mut files = files;
-        let pieces = std::iter::from_fn(move || files.next_piece());
-        send_export(&node, &tx, &header, Box::new(pieces));
+        for ((_, no), mut files) in req.parts.iter().zip(exports) {
+            let manifest = files.manifest().clone();
+            let header = CopyHeader {
+                export: ExportHeader { partition: *no, collections: Vec::new() },
+                bytes_estimate: manifest.file_bytes(),
+                files: Some(manifest),
+            };
+            let pieces = std::iter::from_fn(move || files.next_piece());
+            if !send_export(&node, &tx, &header, Box::new(pieces)) {
+                return; // the receiver went away, or the export failed (it was told)
+            }
+        }
     })?;
     Ok(rx)
 }
@@ -162,9 +187,11 @@ pub(crate) async fn serve_prepare(node: &Arc<ClusterNode>, req: PrepareRequest) 
     Ok(PrepareAnswer { keyspaces })
 }
 
-/// The new copy's side of `Op::IndexAdopt`: builds the copy (from the source's files, or
-/// from the streams), then waits until it holds what the actives hold now.
-pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> Result<AdoptAnswer, ClusterError> {
+/// The new copies' side of `Op::IndexAdopt`: builds the group's copies (from the source's
+/// files as one group, or from the streams), then waits until they hold what the actives
+/// hold now. Answers each part's adoption, in the order asked.
+pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> Result<Vec<AdoptAnswer>, ClusterError> {
+    checked_group(&req.parts)?;
     let indexes = Arc::clone(node.engine.indexes());
     node.wait_applied(|s| s.applied.0 >= req.applied).await.map_err(|e| match e {
         ClusterError::NoLeader(wait) => {
@@ -172,75 +199,127 @@ pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> R
         }
         other => other,
     })?;
-    // A node that joined lately may not have applied the collection's and the index's
-    // definitions yet: they are in the log the leader placed the index by, so they come.
-    let (coll, held) = definition_within(INDEX_DEFINITION_WAIT, || {
-        let Some(coll) = node.engine.store().collection(&req.collection) else { return Known::Nothing };
-        match held_here(&indexes, &coll, &req.index, req.part) {
-            Some(held) => Known::Index(coll, held),
-            None => Known::Collection(coll),
+    // A node that joined lately may not have applied the collection's and the indexes'
+    // definitions yet: they are in the log the leader placed the indexes by, so they come.
+    let mut coll = None;
+    let mut answers: Vec<Option<AdoptAnswer>> = Vec::with_capacity(req.parts.len());
+    for (name, part) in &req.parts {
+        let (c, held) = definition_within(INDEX_DEFINITION_WAIT, || {
+            let Some(coll) = node.engine.store().collection(&req.collection) else { return Known::Nothing };
+            match held_here(&indexes, &coll, name, *part) {
+                Some(held) => Known::Index(coll, held),
+                None => Known::Collection(coll),
+            }
+        })
+        .await
+        .map_err(|()| ClusterError::Refused(format!("no collection {}", req.collection)))?;
+        match held {
+            None => return Err(ClusterError::Index(shoal_index::IndexError::NotFound(name.clone()))),
+            Some(true) => answers.push(Some(AdoptAnswer { method: CopyMethod::Files, bytes: 0, held_already: true })),
+            Some(false) => answers.push(None),
         }
-    })
-    .await
-    .map_err(|()| ClusterError::Refused(format!("no collection {}", req.collection)))?;
-    // The files come a few copies at a time (more towards a node that holds no index
+        coll = Some(c);
+    }
+    let Some(coll) = coll else { return Err(ClusterError::BadMessage("an adoption of no index partition".into())) };
+    let missing: Vec<(String, u16)> = req.parts.iter().zip(&answers).filter(|(_, a)| a.is_none()).map(|(p, _)| p.clone()).collect();
+    // The files come a few groups at a time (more towards a node that holds no index
     // partition yet); catching up from the streams, after, is not counted: a copy waits
     // for its collection's next rounds, which every copy waiting here shares.
     let asked = Instant::now();
-    let transfer = match held {
-        Some(false) => Some(transfer_slot(node).await?),
-        _ => None,
-    };
-    let answer = match held {
-        None => return Err(ClusterError::Index(shoal_index::IndexError::NotFound(req.index.clone()))),
-        Some(true) => AdoptAnswer { method: CopyMethod::Files, bytes: 0, held_already: true },
-        // `--copy-by-stream` builds every copy here from the streams (the comparison).
-        Some(false) => match req.source.as_ref().filter(|_| !node.copies.stream_only()) {
-            Some(source) => match adopt_files(node, source, &req).await {
-                Ok(bytes) => AdoptAnswer { method: CopyMethod::Files, bytes, held_already: false },
-                Err(e) => {
-                    // The files did not come (the source died, a checksum failed): the copy is
-                    // built from the streams instead, as a partition's copy falls back.
-                    tracing::warn!(index = %req.index, part = req.part, error = %e, "index partition copy by files failed; rebuilding it");
-                    rebuild(node, &req).await?;
-                    AdoptAnswer { method: CopyMethod::Stream, bytes: 0, held_already: false }
-                }
-            },
-            None => {
-                rebuild(node, &req).await?;
-                AdoptAnswer { method: CopyMethod::Stream, bytes: 0, held_already: false }
-            }
-        },
-    };
-    drop(transfer);
+    if !missing.is_empty() {
+        let transfer = transfer_slot(node).await?;
+        let built = build_copies(node, &req, &missing).await?;
+        drop(transfer);
+        let mut built = built.into_iter();
+        for answer in answers.iter_mut().filter(|a| a.is_none()) {
+            *answer = built.next();
+        }
+    }
     let delay = node.faults.adopt_delay();
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
     }
     let copied = Instant::now();
-    // Caught up with the actives' positions now.
-    let parts = [req.part];
-    caught_up_within(INDEX_ADOPT_TIMEOUT, |left| {
-        let (indexes, coll, req, parts) = (&indexes, &coll, &req, &parts);
+    // Caught up with the actives' positions now: each index's parts of the group together.
+    let mut by_index: BTreeMap<&str, Vec<u16>> = BTreeMap::new();
+    for (name, part) in &req.parts {
+        by_index.entry(name.as_str()).or_default().push(*part);
+    }
+    let waits = by_index.into_iter().map(|(name, parts)| {
+        let (indexes, coll) = (&indexes, &coll);
         async move {
-            let waited = indexes.wait_parts(coll, &req.index, parts, left).await;
-            adopt_wait_outcome(waited, || held_here(indexes, coll, &req.index, req.part), &req.index, req.part)
+            caught_up_within(INDEX_ADOPT_TIMEOUT, |left| {
+                let parts = &parts;
+                async move {
+                    let waited = indexes.wait_parts(coll, name, parts, left).await;
+                    adopt_wait_outcome(waited, || held_all(indexes, coll, name, parts), name, parts)
+                }
+            })
+            .instrument(tracing::debug_span!("index_adopt", index = %name, parts = ?parts))
+            .await
         }
-    })
-    .instrument(tracing::debug_span!("index_adopt", index = %req.index, part = req.part))
-    .await?;
+    });
+    futures::future::try_join_all(waits).await?;
     tracing::debug!(
-        index = %req.index,
-        part = req.part,
+        parts = req.parts.len(),
         copy_ms = copied.duration_since(asked).as_millis() as u64,
         catch_up_ms = copied.elapsed().as_millis() as u64,
-        bytes = answer.bytes,
-        "index partition adopted"
+        "index partitions adopted"
     );
-    Ok(answer)
+    answers.into_iter().map(|a| a.ok_or_else(|| ClusterError::Storage("an index partition's adoption left no answer".into()))).collect()
 }
 
-/// What an adopted copy's wait to catch up answers, given whether the copy is still
+/// Builds the copies of `missing` (parts of `req`'s group not held here): from the
+/// source's files as one group; when that fails (the source died, a checksum failed), each
+/// on its own by files, and failing that from the streams, as a partition's copy falls
+/// back. `--copy-by-stream` builds every copy from the streams (the comparison). Answers
+/// each part's adoption, in order.
+async fn build_copies(node: &Arc<ClusterNode>, req: &AdoptRequest, missing: &[(String, u16)]) -> Result<Vec<AdoptAnswer>, ClusterError> {
+    let files = |bytes| AdoptAnswer { method: CopyMethod::Files, bytes, held_already: false };
+    let stream = AdoptAnswer { method: CopyMethod::Stream, bytes: 0, held_already: false };
+    let Some(source) = req.source.as_ref().filter(|_| !node.copies.stream_only()) else {
+        let mut answers = Vec::with_capacity(missing.len());
+        for (name, part) in missing {
+            rebuild(node, &req.collection, name, *part).await?;
+            answers.push(stream.clone());
+        }
+        return Ok(answers);
+    };
+    let group_error = match adopt_files(node, source, &req.collection, missing).await {
+        Ok(bytes) => return Ok(bytes.into_iter().map(files).collect()),
+        Err(e) => e,
+    };
+    tracing::warn!(parts = missing.len(), error = %group_error, "index partitions' copy by files as a group failed; copying each on its own");
+    let mut answers = Vec::with_capacity(missing.len());
+    for one in missing {
+        let (name, part) = one;
+        let coll = node.engine.store().collection(&req.collection);
+        if coll.is_some_and(|c| held_here(node.engine.indexes(), &c, name, *part) == Some(true)) {
+            answers.push(files(0)); // the group's import held it before it failed
+            continue;
+        }
+        // A group of one failed already: no second try by files.
+        let single = match missing.len() {
+            1 => None,
+            _ => Some(adopt_files(node, source, &req.collection, std::slice::from_ref(one)).await),
+        };
+        match single {
+            Some(Ok(bytes)) => answers.push(files(bytes.first().copied().unwrap_or(0))),
+            failed => {
+                let why = match failed {
+                    Some(Err(e)) => e.to_string(),
+                    _ => group_error.to_string(),
+                };
+                tracing::warn!(index = %name, part, error = %why, "index partition copy by files failed; rebuilding it");
+                rebuild(node, &req.collection, name, *part).await?;
+                answers.push(stream.clone());
+            }
+        }
+    }
+    Ok(answers)
+}
+
+/// What an adopted group's wait to catch up answers, given whether its copies are all still
 /// `held` here (asked only when the wait ended `Unavailable`): a copy dropped here while it
 /// caught up (a stopped rebalance's copies are) failed its adoption, `NotFound`, and is not
 /// asked about again (`caught_up_within` retries `Unavailable`); any other answer is the
@@ -249,14 +328,24 @@ fn adopt_wait_outcome(
     waited: Result<(), shoal_index::IndexError>,
     held: impl FnOnce() -> Option<bool>,
     index: &str,
-    part: u16,
+    parts: &[u16],
 ) -> Result<(), shoal_index::IndexError> {
     match waited {
         Err(shoal_index::IndexError::Unavailable(_)) if held() != Some(true) => {
-            Err(shoal_index::IndexError::NotFound(format!("{index} partition {part} (dropped here while it caught up)")))
+            Err(shoal_index::IndexError::NotFound(format!("{index} partitions {parts:?} (dropped here while they caught up)")))
         }
         other => other,
     }
+}
+
+/// Whether this node holds every one of parts `parts` of index `name` of `coll`; `None` when
+/// it does not know the index.
+fn held_all(indexes: &shoal_index::IndexManager, coll: &shoal_storage::Collection, name: &str, parts: &[u16]) -> Option<bool> {
+    indexes
+        .list(coll)
+        .into_iter()
+        .find(|s| s.def.name == name)
+        .map(|s| parts.iter().all(|no| s.part_items.iter().any(|(held, _)| held == no)))
 }
 
 /// Whether this node holds part `part` of index `name` of `coll`; `None` when it does not
@@ -340,36 +429,24 @@ fn transfer_share(slots: usize) -> u32 {
     (TRANSFER_PERMITS / u32::try_from(slots).unwrap_or(u32::MAX).max(1)).max(1)
 }
 
-async fn rebuild(node: &Arc<ClusterNode>, req: &AdoptRequest) -> Result<(), ClusterError> {
-    let coll = node
-        .engine
-        .store()
-        .collection(&req.collection)
-        .ok_or_else(|| ClusterError::Refused(format!("no collection {}", req.collection)))?;
-    let (indexes, name, part) = (Arc::clone(node.engine.indexes()), req.index.clone(), req.part);
+async fn rebuild(node: &Arc<ClusterNode>, collection: &str, name: &str, part: u16) -> Result<(), ClusterError> {
+    let coll = node.engine.store().collection(collection).ok_or_else(|| ClusterError::Refused(format!("no collection {collection}")))?;
+    let (indexes, name) = (Arc::clone(node.engine.indexes()), name.to_string());
     crate::node::blocking(move || indexes.add_part(&coll, &name, part)).await??;
     Ok(())
 }
 
-/// Streams the part's files from `source` into this node's index database.
-async fn adopt_files(node: &Arc<ClusterNode>, source: &str, req: &AdoptRequest) -> Result<u64, ClusterError> {
-    let coll = node
-        .engine
-        .store()
-        .collection(&req.collection)
-        .ok_or_else(|| ClusterError::Refused(format!("no collection {}", req.collection)))?;
-    let ask = IndexExportRequest { collection: req.collection.clone(), index: req.index.clone(), part: req.part };
+/// Streams the files of parts `parts` of `collection`'s indexes from `source` into this
+/// node's index database, as one group ([`shoal_index::PartImports`]): held here all, or
+/// none. Answers each part's bytes, in order.
+async fn adopt_files(node: &Arc<ClusterNode>, source: &str, collection: &str, parts: &[(String, u16)]) -> Result<Vec<u64>, ClusterError> {
+    let coll = node.engine.store().collection(collection).ok_or_else(|| ClusterError::Refused(format!("no collection {collection}")))?;
+    let ask = IndexExportRequest { collection: collection.to_string(), parts: parts.to_vec() };
     let body = serde_json::to_vec(&ask).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
     let mut stream = node.peers.stream(source, Op::IndexExport, body, COPY_IDLE_TIMEOUT).await?;
-    let mut decoder = FrameDecoder::default();
-    let header = read_header(&mut stream, &mut decoder, |_| {}).await?;
-    let manifest = header.files.ok_or_else(|| ClusterError::BadMessage("an index copy without its files' manifest".into()))?;
-    if header.export.partition != req.part {
-        return Err(ClusterError::BadMessage(format!("asked for index partition {}, got {}", req.part, header.export.partition)));
-    }
     let (tx, rx) = mpsc::channel::<Result<bytes::Bytes, PartitionError>>(8);
-    let (indexes, name, part) = (Arc::clone(node.engine.indexes()), req.index.clone(), req.part);
-    let import = background("shoal-index-import", move || indexes.import_part(&coll, &name, part, &manifest, Records::new(rx, decoder)))?;
+    let (indexes, parts) = (Arc::clone(node.engine.indexes()), parts.to_vec());
+    let import = background("shoal-index-import", move || import_group(&indexes, &coll, &parts, ChainedCopies::new(rx)))?;
     let pumped = async {
         while let Some(chunk) = next_chunk(&mut stream).await? {
             if tx.send(Ok(chunk)).await.is_err() {
@@ -380,13 +457,36 @@ async fn adopt_files(node: &Arc<ClusterNode>, source: &str, req: &AdoptRequest) 
     }
     .await;
     if let Err(e) = &pumped {
-        // The import must not finish on a part of the copy.
+        // The import must not finish on a part of the copies.
         let _ = tx.send(Err(PartitionError::Malformed(e.to_string()))).await;
     }
     drop(tx);
     let imported = import.await.map_err(|_| ClusterError::Storage("the index import thread died".into()))?;
     pumped?;
-    Ok(imported?.bytes)
+    imported
+}
+
+/// The import side of [`adopt_files`] (blocking): each copy of the stream into its part, in
+/// the order asked, then the group committed once the stream ended whole.
+fn import_group(
+    indexes: &shoal_index::IndexManager,
+    coll: &shoal_storage::Collection,
+    parts: &[(String, u16)],
+    mut copies: ChainedCopies,
+) -> Result<Vec<u64>, ClusterError> {
+    let mut group = indexes.import_parts(coll);
+    let mut bytes = Vec::with_capacity(parts.len());
+    for (name, no) in parts {
+        let header = copies.header()?;
+        let manifest = header.files.ok_or_else(|| ClusterError::BadMessage("an index copy without its files' manifest".into()))?;
+        if header.export.partition != *no {
+            return Err(ClusterError::BadMessage(format!("asked for index partition {no}, got {}", header.export.partition)));
+        }
+        bytes.push(group.add(name, *no, &manifest, copies.records())?.bytes);
+    }
+    copies.finish()?;
+    group.commit()?;
+    Ok(bytes)
 }
 
 /// A node's prepare call, awaited by each of its adopt calls (and run once).
@@ -482,6 +582,41 @@ pub(crate) fn plan_index_moves(
     Ok((target, index_sources(&previous, &build, &alive)))
 }
 
+/// One adoption: its new node, its source (`None`: rebuilt) and its copies' positions in
+/// the rebalance's moves.
+pub(crate) type MoveGroup = (NodeId, Option<NodeId>, Vec<usize>);
+
+/// The copies of `moves` as adoptions: grouped by new node, source and collection (`coll`
+/// names each part's), at most [`INDEX_MOVE_GROUP_PARTS`] copies a group, each copy's
+/// position in `moves` once. Groups of one new node take turns between sources, so that
+/// the first adoptions at once read from every source. Pure.
+pub(crate) fn move_groups<'a>(moves: &[SourcedCopy], coll: impl Fn(&IndexPart) -> Option<&'a str>) -> Vec<MoveGroup> {
+    // (new node, source, collection) → the copies' positions.
+    type Key<'c> = (NodeId, Option<NodeId>, Option<&'c str>);
+    let mut by_key: BTreeMap<Key, Vec<usize>> = BTreeMap::new();
+    for (i, ((part, to), source)) in moves.iter().enumerate() {
+        by_key.entry((*to, *source, coll(part))).or_default().push(i);
+    }
+    // Per new node, its sources' groups in turn.
+    type Queue = std::collections::VecDeque<(Option<NodeId>, Vec<usize>)>;
+    let mut by_node: BTreeMap<NodeId, Vec<Queue>> = BTreeMap::new();
+    for ((to, source, _), members) in by_key {
+        let chunks = members.chunks(INDEX_MOVE_GROUP_PARTS).map(|c| (source, c.to_vec())).collect();
+        by_node.entry(to).or_default().push(chunks);
+    }
+    let mut groups = Vec::new();
+    for (to, mut queues) in by_node {
+        while queues.iter().any(|q| !q.is_empty()) {
+            for q in &mut queues {
+                if let Some((source, members)) = q.pop_front() {
+                    groups.push((to, source, members));
+                }
+            }
+        }
+    }
+    groups
+}
+
 /// The rebalance's index stage (leader; it runs beside the data partitions' stages): builds
 /// every new copy (as many at once per node as its copy slots, more towards a node that held
 /// none), then commits the placement. Answers the moves as the rebalance's status shows them.
@@ -509,21 +644,12 @@ pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> R
     let prepared = prepare_receivers(node, &state, &moves, &names);
     let started = Instant::now();
     let mut statuses: Vec<MoveStatus> = Vec::with_capacity(moves.len());
-    let mut calls = Vec::with_capacity(moves.len());
     for ((part, to), source) in &moves {
         let (collection, index) = names.get(&part.index).cloned().ok_or_else(|| ClusterError::Refused("an index went away".into()))?;
-        let to_address = address(to).ok_or(ClusterError::NodeNotFound(*to))?;
-        let req = AdoptRequest {
-            collection,
-            index: index.clone(),
-            part: part.partition,
-            source: source.as_ref().and_then(address),
-            applied: state.applied.0,
-        };
         statuses.push(MoveStatus {
             kind: MoveKind::Index,
             id: part.partition,
-            index: Some(format!("{}.{}", req.collection, index)),
+            index: Some(format!("{collection}.{index}")),
             from: *source,
             to: *to,
             method: if source.is_some() { CopyMethod::Files } else { CopyMethod::Stream },
@@ -536,6 +662,22 @@ pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> R
             copy_finished_unix_ms: None,
             analytics_rows: None,
         });
+    }
+    // One adoption per group: the copies of one collection's indexes from one source to one
+    // node, at most `INDEX_MOVE_GROUP_PARTS` of them.
+    let groups = move_groups(&moves, |part| names.get(&part.index).map(|(c, _)| c.as_str()));
+    let mut calls = Vec::with_capacity(groups.len());
+    for (to, source, members) in &groups {
+        let to_address = address(to).ok_or(ClusterError::NodeNotFound(*to))?;
+        let mut collection = String::new();
+        let mut parts = Vec::with_capacity(members.len());
+        for &i in members {
+            let ((part, _), _) = &moves[i];
+            let (c, index) = names.get(&part.index).cloned().ok_or_else(|| ClusterError::Refused("an index went away".into()))?;
+            collection = c;
+            parts.push((index, part.partition));
+        }
+        let req = AdoptRequest { collection, parts, source: source.as_ref().and_then(address), applied: state.applied.0 };
         let slot = Arc::clone(&slots[to]);
         let prepare = prepared.get(to).cloned();
         let node = Arc::clone(node);
@@ -546,19 +688,29 @@ pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> R
             let _slot = slot.acquire_owned().await.map_err(|_| ClusterError::Refused("index moves stopped".into()))?;
             let body = serde_json::to_vec(&req).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
             let answer = node.peers.call(&to_address, Op::IndexAdopt, body, INDEX_ADOPT_TIMEOUT).await?;
-            serde_json::from_slice::<AdoptAnswer>(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))
+            let answers: Vec<AdoptAnswer> = serde_json::from_slice(&answer).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
+            if answers.len() != req.parts.len() {
+                return Err(ClusterError::BadMessage(format!(
+                    "{} answers to an adoption of {} index partitions",
+                    answers.len(),
+                    req.parts.len()
+                )));
+            }
+            Ok(answers)
         });
     }
     node.rebalancer.add_moves(&statuses);
     let answers = futures::future::join_all(calls).await;
     let mut rebuilt = 0usize;
-    for (status, answer) in statuses.iter_mut().zip(answers) {
-        let answer = answer?;
-        status.method = answer.method;
-        status.bytes_total = answer.bytes;
-        status.bytes_done = answer.bytes;
-        status.state = MoveState::Done;
-        rebuilt += usize::from(answer.method == CopyMethod::Stream);
+    for ((_, _, members), answers) in groups.iter().zip(answers) {
+        for (&i, answer) in members.iter().zip(answers?) {
+            let status = &mut statuses[i];
+            status.method = answer.method;
+            status.bytes_total = answer.bytes;
+            status.bytes_done = answer.bytes;
+            status.state = MoveState::Done;
+            rebuilt += usize::from(answer.method == CopyMethod::Stream);
+        }
     }
     node.rebalancer.update_moves(&statuses);
     // Every new copy holds what the actives held when it was asked: the placement moves.
@@ -591,9 +743,11 @@ pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> R
 #[cfg(test)]
 mod tests {
     use super::{
-        adopt_wait_outcome, caught_up_within, definition_within, transfer_share, Known, INDEX_ADOPT_RETRY, INDEX_ADOPT_TIMEOUT,
-        INDEX_DEFINITION_WAIT, TRANSFER_PERMITS,
+        adopt_wait_outcome, caught_up_within, checked_group, definition_within, move_groups, transfer_share, Known, SourcedCopy,
+        INDEX_ADOPT_RETRY, INDEX_ADOPT_TIMEOUT, INDEX_DEFINITION_WAIT, INDEX_MOVE_GROUP_PARTS, TRANSFER_PERMITS,
     };
+    use shoal_cluster::index_placement::IndexPart;
+    use shoal_cluster::NodeId;
     use shoal_index::IndexError;
     use std::cell::Cell;
     use std::time::Duration;
@@ -711,14 +865,14 @@ mod tests {
         };
         for (waited, held, want) in table {
             let before = kind(&waited);
-            let got = adopt_wait_outcome(waited, || held, "by_v", 2);
+            let got = adopt_wait_outcome(waited, || held, "by_v", &[2, 5]);
             assert_eq!(kind(&got), want, "{before} with the copy held {held:?}");
         }
         // Through the retrying wait: one call, no retry, at once.
         let (start, calls) = (Instant::now(), Cell::new(0u32));
         let got = caught_up_within(INDEX_ADOPT_TIMEOUT, |_| {
             calls.set(calls.get() + 1);
-            async { adopt_wait_outcome(unavailable(), || Some(false), "by_v", 2) }
+            async { adopt_wait_outcome(unavailable(), || Some(false), "by_v", &[2]) }
         })
         .await;
         assert!(matches!(&got, Err(IndexError::NotFound(why)) if why.contains("dropped here")), "{got:?}");
@@ -737,5 +891,57 @@ mod tests {
         // The empty node's slots (the most a node may run) fit the permits whole.
         let most = crate::copy::copy_slots(shoal_meta::state::REBALANCE_MOVES_PER_NODE_MAX, true);
         assert_eq!(at_once(most), TRANSFER_PERMITS);
+    }
+
+    /// A rebalance's copies become adoptions: one per new node, source and collection, at
+    /// most `INDEX_MOVE_GROUP_PARTS` copies each, every copy in exactly one; a node's groups
+    /// take turns between its sources.
+    #[test]
+    fn copies_move_in_groups_by_node_source_and_collection() {
+        let copy = |index: u64, partition: u16, to: u64, from: Option<u64>| -> SourcedCopy {
+            ((IndexPart { index, partition }, NodeId(to)), from.map(NodeId))
+        };
+        // Index 9 is of another collection; index 7's copy is rebuilt (no source).
+        let mut moves: Vec<SourcedCopy> = Vec::new();
+        for i in 0..40u64 {
+            moves.push(copy(i, (i % 8) as u16, 4, Some(1 + i % 2)));
+        }
+        moves.push(copy(100, 0, 4, Some(1)));
+        moves.push(copy(7, 3, 4, None));
+        moves.push(copy(5, 1, 3, Some(2)));
+        let coll = |p: &IndexPart| Some(if p.index == 100 { "other" } else { "docs" });
+        let groups = move_groups(&moves, coll);
+        let mut seen: Vec<usize> = groups.iter().flat_map(|(_, _, m)| m.clone()).collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..moves.len()).collect::<Vec<_>>(), "every copy once");
+        for (to, source, members) in &groups {
+            assert!(!members.is_empty() && members.len() <= INDEX_MOVE_GROUP_PARTS);
+            for &i in members {
+                let ((part, t), s) = &moves[i];
+                assert_eq!((t, s), (to, source));
+                assert_eq!(coll(part), coll(&moves[members[0]].0 .0));
+            }
+        }
+        // Node 4: 20 copies from each of sources 1 and 2 (two groups each), then source 1's
+        // other collection and the rebuilt one; node 3: one group.
+        let shape: Vec<(u64, Option<u64>, usize)> = groups.iter().map(|(t, s, m)| (t.0, s.map(|n| n.0), m.len())).collect();
+        assert_eq!(
+            shape,
+            vec![(3, Some(2), 1), (4, None, 1), (4, Some(1), 16), (4, Some(1), 1), (4, Some(2), 16), (4, Some(1), 4), (4, Some(2), 4)]
+        );
+        assert!(move_groups(&[], coll).is_empty());
+    }
+
+    /// A group names 1 to `INDEX_MOVE_GROUP_PARTS` parts, each once; anything else is
+    /// refused as a bad message before any work.
+    #[test]
+    fn a_group_of_no_parts_too_many_or_one_twice_is_refused() {
+        let parts = |n: usize| -> Vec<(String, u16)> { (0..n).map(|i| ("by_v".to_string(), i as u16)).collect() };
+        assert!(checked_group(&parts(1)).is_ok());
+        assert!(checked_group(&parts(INDEX_MOVE_GROUP_PARTS)).is_ok());
+        assert!(checked_group(&parts(0)).is_err());
+        assert!(checked_group(&parts(INDEX_MOVE_GROUP_PARTS + 1)).is_err());
+        assert!(checked_group(&[("a".into(), 1), ("b".into(), 1)]).is_ok());
+        assert!(checked_group(&[("a".into(), 1), ("a".into(), 1)]).is_err());
     }
 }

@@ -123,9 +123,28 @@ pub struct FrameDecoder {
     ended: bool,
     records: u64,
     bytes: u64,
+    /// Copies follow one another (see [`FrameDecoder::chained`]).
+    chained: bool,
 }
 
 impl FrameDecoder {
+    /// A decoder of copies sent one after another in one stream (a group of index
+    /// partitions from one source): each copy's end is answered as [`Frame::End`] whatever
+    /// follows it, and [`FrameDecoder::next_copy`] then reads the next copy's header. Each
+    /// copy is checked against its own end marker; [`FrameDecoder::finish`] after the last.
+    pub fn chained() -> FrameDecoder {
+        FrameDecoder { chained: true, ..FrameDecoder::default() }
+    }
+
+    /// After a chained copy's end: the next frame is the next copy's header.
+    pub fn next_copy(&mut self) -> Result<(), FrameError> {
+        if !self.chained || !self.ended {
+            return Err(FrameError::Truncated);
+        }
+        (self.started, self.ended, self.records, self.bytes) = (false, false, 0, 0);
+        Ok(())
+    }
+
     /// Adds a chunk, copied.
     pub fn push(&mut self, chunk: &[u8]) {
         self.push_bytes(Bytes::copy_from_slice(chunk));
@@ -235,7 +254,7 @@ impl FrameDecoder {
                 return Err(FrameError::Count { said, said_bytes, got: self.records, got_bytes: self.bytes });
             }
             self.ended = true;
-            return if self.len == 0 { Ok(Some(Frame::End)) } else { Err(FrameError::Trailing) };
+            return if self.len == 0 || self.chained { Ok(Some(Frame::End)) } else { Err(FrameError::Trailing) };
         }
         if key_len == 0 {
             return Err(FrameError::EmptyKey);
@@ -375,6 +394,60 @@ mod tests {
         lying.extend_from_slice(&2u64.to_le_bytes());
         lying.extend_from_slice(&2u64.to_le_bytes());
         assert!(matches!(decode_in_chunks(&lying, 4).unwrap_err(), FrameError::Count { .. }));
+    }
+
+    /// Copies chained in one stream read back each whole, whatever the chunking (a chunk
+    /// holding one copy's end and the next's start); a cut after any copy but the last, or
+    /// one altered copy, is refused; an unchained decoder refuses what follows an end.
+    #[test]
+    fn chained_copies_read_back_one_after_another_and_each_is_checked() {
+        let copies: Vec<Vec<(&[u8], &[u8])>> = vec![vec![(b"a", b"1"), (b"b", b"22")], vec![], vec![(b"c", b"333")]];
+        let whole: Vec<u8> = copies.iter().flat_map(|c| stream(c)).collect();
+        let read = |bytes: &[u8], step: usize| -> Result<Vec<Vec<(Bytes, Bytes)>>, FrameError> {
+            let mut d = FrameDecoder::chained();
+            for chunk in bytes.chunks(step) {
+                d.push(chunk);
+            }
+            let mut got = Vec::new();
+            for i in 0..copies.len() {
+                if i > 0 {
+                    d.next_copy()?;
+                }
+                match d.next_frame()? {
+                    Some(Frame::Header(_)) => {}
+                    None => return Err(FrameError::Truncated),
+                    Some(other) => panic!("{other:?} where a header was due"),
+                }
+                let mut records = Vec::new();
+                loop {
+                    match d.next_frame()? {
+                        Some(Frame::Record(k, v)) => records.push((k, v)),
+                        Some(Frame::End) => break,
+                        Some(Frame::Header(_)) => panic!("a header within a copy"),
+                        None => return Err(FrameError::Truncated),
+                    }
+                }
+                got.push(records);
+            }
+            d.finish()?;
+            Ok(got)
+        };
+        for step in [1, 3, 7, whole.len()] {
+            let got = read(&whole, step).unwrap();
+            let want: Vec<Vec<(Bytes, Bytes)>> =
+                copies.iter().map(|c| c.iter().map(|(k, v)| (Bytes::copy_from_slice(k), Bytes::copy_from_slice(v))).collect()).collect();
+            assert_eq!(got, want, "chunks of {step}");
+        }
+        let first = stream(&copies[0]).len();
+        assert_eq!(read(&whole[..first], 5), Err(FrameError::Truncated));
+        let mut altered = whole.clone();
+        altered[first + 12] ^= 0xff; // the second copy's header length
+        assert!(read(&altered, 5).is_err());
+        let mut plain = FrameDecoder::default();
+        plain.push(&whole);
+        assert!(matches!(plain.next_frame(), Ok(Some(Frame::Header(_)))));
+        while let Ok(Some(Frame::Record(..))) = plain.next_frame() {}
+        assert!(plain.next_copy().is_err());
     }
 
     #[test]

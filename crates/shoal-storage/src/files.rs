@@ -404,6 +404,88 @@ fn import_keyspace<I>(
 where
     I: IntoIterator<Item = Result<(Bytes, Bytes), PartitionError>>,
 {
+    let received = receive(ks, manifest, records)?;
+    match journal {
+        Some(db) if !received.files => {
+            let values = newest_values(ks, received.items)?;
+            write_values(db, vec![(ks.clone(), values)])?;
+        }
+        _ => ks.import_files(&received.import, received.items)?,
+    }
+    Ok(received.stats)
+}
+
+/// Copies adopted into keyspaces of one database together (a group of index partitions
+/// from one source, `shoal_index`'s `PartImports`): as [`import_small_keyspace`] each, but
+/// the copies with no file land through the journal in one batch for them all, made durable
+/// by one fsync ([`KeyspaceImports::commit`]) — where each copy would write its own behind
+/// the others'. Copies with files are adopted as they come. Staged items are held in memory
+/// until the commit, at most [`STAGED_ITEMS_MAX_BYTES`] of them: past that, what is staged
+/// is written then.
+pub struct KeyspaceImports<'db> {
+    db: &'db fjall::Database,
+    staged: Vec<(fjall::Keyspace, Vec<(fjall::UserKey, fjall::UserValue)>)>,
+    staged_bytes: u64,
+}
+
+/// Most bytes of memtable items [`KeyspaceImports`] holds before it writes them.
+pub const STAGED_ITEMS_MAX_BYTES: u64 = 64 * 1024 * 1024;
+
+impl<'db> KeyspaceImports<'db> {
+    pub fn new(db: &'db fjall::Database) -> KeyspaceImports<'db> {
+        KeyspaceImports { db, staged: Vec::new(), staged_bytes: 0 }
+    }
+
+    /// Receives one copy into `ks` (empty, of this database): its files adopted now, or its
+    /// items staged for [`KeyspaceImports::commit`]. On an error nothing of this copy is
+    /// adopted or staged.
+    pub fn add<I>(&mut self, ks: &fjall::Keyspace, manifest: &FileManifest, records: I) -> Result<IngestStats, PartitionError>
+    where
+        I: IntoIterator<Item = Result<(Bytes, Bytes), PartitionError>>,
+    {
+        let received = receive(ks, manifest, records)?;
+        if received.files {
+            ks.import_files(&received.import, received.items)?;
+            return Ok(received.stats);
+        }
+        if self.staged.iter().any(|(staged, _)| staged.name() == ks.name()) {
+            return Err(PartitionError::Malformed("two copies into one keyspace".into()));
+        }
+        let values = newest_values(ks, received.items)?;
+        self.staged_bytes += values.iter().map(|(k, v)| (k.len() + v.len()) as u64).sum::<u64>();
+        self.staged.push((ks.clone(), values));
+        if self.staged_bytes > STAGED_ITEMS_MAX_BYTES {
+            self.write_staged()?;
+        }
+        Ok(received.stats)
+    }
+
+    /// Writes every staged copy: one batch, one journal fsync. Durable when this returns.
+    pub fn commit(mut self) -> Result<(), PartitionError> {
+        self.write_staged()
+    }
+
+    fn write_staged(&mut self) -> Result<(), PartitionError> {
+        let staged = std::mem::take(&mut self.staged);
+        self.staged_bytes = 0;
+        write_values(self.db, staged)
+    }
+}
+
+/// A copy received whole and checked (see [`import_keyspace_files`]): its files written,
+/// not yet adopted.
+struct Received {
+    stats: IngestStats,
+    items: Vec<fjall::InternalValue>,
+    import: fjall::ImportManifest,
+    /// The copy has files (not only memtable items).
+    files: bool,
+}
+
+fn receive<I>(ks: &fjall::Keyspace, manifest: &FileManifest, records: I) -> Result<Received, PartitionError>
+where
+    I: IntoIterator<Item = Result<(Bytes, Bytes), PartitionError>>,
+{
     let import = manifest.to_import()?;
     let files: Vec<(&ShippedFile, bool)> = manifest.files().collect();
     if files.len() > FILES_MAX {
@@ -481,40 +563,54 @@ where
     if items_hash.hex() != manifest.items_checksum {
         return Err(PartitionError::Malformed("the memtable items do not match their checksum".into()));
     }
-    match journal {
-        Some(db) if files.is_empty() => write_items(db, ks, items)?,
-        _ => ks.import_files(&import, items)?,
-    }
-    Ok(stats)
+    Ok(Received { stats, items, import, files: !files.is_empty() })
 }
 
-/// Writes each key's newest item of `items` (in the memtable's order: key, then newest
-/// first) into the empty `ks` by one batch, durable when this returns.
-fn write_items(db: &fjall::Database, ks: &fjall::Keyspace, items: Vec<fjall::InternalValue>) -> Result<(), PartitionError> {
+/// Each key's newest item of `items` (in the memtable's order: key, then newest first) that
+/// holds a value, to be written into the empty `ks`.
+fn newest_values(
+    ks: &fjall::Keyspace,
+    items: Vec<fjall::InternalValue>,
+) -> Result<Vec<(fjall::UserKey, fjall::UserValue)>, PartitionError> {
     if !ks.is_empty()? {
         return Err(PartitionError::Malformed("only an empty keyspace adopts a copy".into()));
     }
     if !items.windows(2).all(|w| w[0].key < w[1].key) {
         return Err(PartitionError::Malformed("memtable items out of order".into()));
     }
-    if items.is_empty() {
-        return Ok(());
-    }
-    let mut batch = db.batch();
-    let mut last: Option<&[u8]> = None;
-    for item in &items {
-        let key: &[u8] = &item.key.user_key;
-        if last == Some(key) {
-            continue; // an older version of the key just written
+    let mut values = Vec::with_capacity(items.len());
+    let mut last: Option<fjall::UserKey> = None;
+    for item in items {
+        if last.as_ref() == Some(&item.key.user_key) {
+            continue; // an older version of the key just taken
         }
-        last = Some(key);
+        last = Some(item.key.user_key.clone());
         match item.key.value_type {
-            fjall::ValueType::Value => batch.insert(ks, key, &*item.value),
+            fjall::ValueType::Value => values.push((item.key.user_key, item.value)),
             fjall::ValueType::Tombstone | fjall::ValueType::WeakTombstone => {}
             fjall::ValueType::Indirection => {
                 return Err(PartitionError::Malformed("a memtable item pointing into a blob file, with no file".into()))
             }
         }
+    }
+    Ok(values)
+}
+
+/// Writes `values` into their keyspaces by one batch, durable when this returns.
+fn write_values(
+    db: &fjall::Database,
+    keyspaces: Vec<(fjall::Keyspace, Vec<(fjall::UserKey, fjall::UserValue)>)>,
+) -> Result<(), PartitionError> {
+    let mut batch = db.batch();
+    let mut any = false;
+    for (ks, values) in keyspaces {
+        for (k, v) in values {
+            batch.insert(&ks, k, v);
+            any = true;
+        }
+    }
+    if !any {
+        return Ok(());
     }
     batch.commit()?;
     db.persist(fjall::PersistMode::SyncAll)?;
@@ -865,6 +961,64 @@ mod tests {
             assert!(import_small_keyspace(&dst, &to, &manifest, records.iter().cloned().map(Ok)).is_err());
             assert_eq!(to.iter().count(), expected.len());
         }
+    }
+
+    /// Copies adopted as one group ([`KeyspaceImports`]): a copy of memtable items and a
+    /// copy with files land in their keyspaces with what each source held at its snapshot;
+    /// the items are written only at the commit; a keyspace twice in one group, or one not
+    /// empty, is refused.
+    #[test]
+    fn a_group_of_copies_lands_at_its_commit_with_what_each_snapshot_held() {
+        use fjall::Readable as _;
+        let dir = tempfile::tempdir().unwrap();
+        let open = |name: &str| fjall::Database::builder(dir.path().join(name)).open().unwrap();
+        let opts = fjall::KeyspaceCreateOptions::default;
+        let src = open("src");
+        let contents = |ks: &fjall::Keyspace| -> Vec<(Vec<u8>, Vec<u8>)> {
+            ks.iter().map(|g| g.into_inner().map(|(k, v)| (k.to_vec(), v.to_vec())).unwrap()).collect()
+        };
+        let mut exports = Vec::new();
+        for (name, flush) in [("small", false), ("tables", true), ("small2", false)] {
+            let ks = src.keyspace(name, opts).unwrap();
+            for i in 0..30u32 {
+                ks.insert(format!("{name}{i:03}"), format!("v{i}")).unwrap();
+            }
+            ks.remove(format!("{name}004")).unwrap();
+            if flush {
+                ks.rotate_memtable_and_wait().unwrap();
+            }
+            let snapshot = src.snapshot();
+            let expected: Vec<(Vec<u8>, Vec<u8>)> =
+                snapshot.iter(&ks).map(|g| g.into_inner().map(|(k, v)| (k.to_vec(), v.to_vec())).unwrap()).collect();
+            let mut files = KeyspaceFiles::export(&ks, &snapshot, Vec::new()).unwrap();
+            let manifest = files.manifest().clone();
+            let records: Vec<(Bytes, Bytes)> =
+                std::iter::from_fn(|| files.next_piece()).map(|p| p.and_then(FilePiece::into_record).unwrap()).collect();
+            exports.push((name, manifest, records, expected));
+        }
+        let dst = open("dst");
+        let mut group = KeyspaceImports::new(&dst);
+        let mut targets = Vec::new();
+        for (name, manifest, records, _) in &exports {
+            let to = dst.keyspace(name, opts).unwrap();
+            group.add(&to, manifest, records.iter().cloned().map(Ok)).unwrap();
+            targets.push(to);
+        }
+        // Staged, not written: the memtable-only copies are not there before the commit.
+        assert!(targets[0].is_empty().unwrap() && targets[2].is_empty().unwrap());
+        assert!(!targets[1].is_empty().unwrap(), "a copy with files is adopted as it comes");
+        let (_, manifest, records, _) = &exports[0];
+        assert!(group.add(&targets[0], manifest, records.iter().cloned().map(Ok)).is_err(), "one keyspace twice");
+        group.commit().unwrap();
+        for (to, (name, _, _, expected)) in targets.iter().zip(&exports) {
+            assert_eq!(&contents(to), expected, "{name}");
+            assert_eq!(expected.len(), 29);
+        }
+        // Only an empty keyspace adopts a copy.
+        let mut again = KeyspaceImports::new(&dst);
+        assert!(again.add(&targets[0], manifest, records.iter().cloned().map(Ok)).is_err());
+        again.commit().unwrap();
+        assert_eq!(contents(&targets[0]).len(), 29);
     }
 
     /// Both ways of writing a received file leave exactly its bytes, whatever the sizes of

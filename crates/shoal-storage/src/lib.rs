@@ -30,7 +30,10 @@ pub use clock::{IdSource, ManualClock, RandomIds, SeededIds, SystemClock, TimeSo
 pub use collection::{Collection, CollectionInfo};
 pub use consumer::{follow, ChangeConsumer, ChangeReader, ChangeSource, Fetched, FetchedPart, FetchedReader, FollowLimits, PartitionBatch};
 pub use error::{is_corruption, CatalogError, ChangesError, CollectionError, NotMine, OpenError, PartitionError, ReadError, WriteError};
-pub use files::{import_keyspace_files, import_small_keyspace, FileManifest, FilePiece, KeyspaceFiles, LiveDocs, PartitionFiles};
+pub use files::{
+    import_keyspace_files, import_small_keyspace, FileManifest, FilePiece, KeyspaceFiles, KeyspaceImports, LiveDocs, PartitionFiles,
+    STAGED_ITEMS_MAX_BYTES,
+};
 pub use health::{StorageHealth, StorageState, TaskHealth, TaskReport};
 pub use partition::{Document, FailoverEntry, MutationOutcome, ReadLimit, WriteOp, WriteRequest};
 pub use rollback::{is_history, rollback_seqno, RollbackReport};

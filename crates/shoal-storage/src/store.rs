@@ -480,6 +480,18 @@ impl Store {
         Ok(())
     }
 
+    /// [`Store::put_catalog`] for several keys: one batch, one fsync.
+    pub fn put_catalog_many(&self, entries: &[(String, Vec<u8>)]) -> Result<(), CatalogError> {
+        self.health.check_writable()?;
+        let mut batch = self.paths[0].db.batch();
+        for (key, value) in entries {
+            batch.insert(&self.meta, catalog_key(key)?, value.as_slice());
+        }
+        batch.commit()?;
+        self.paths[0].db.persist(fjall::PersistMode::SyncAll)?;
+        Ok(())
+    }
+
     /// Removes `key` from the catalog, durably; removing an absent key is no error. Not
     /// refused on a full disk: removing entries is how space and state are given back.
     pub fn delete_catalog(&self, key: &str) -> Result<(), CatalogError> {

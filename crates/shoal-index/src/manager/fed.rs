@@ -55,13 +55,17 @@ pub(super) const FETCH_WAIT: Duration = Duration::from_millis(500);
 
 /// One round of a fed collection's indexes: fetch what follows their positions, apply it
 /// on the worker pool, and mark ready the indexes that reached the highs of their first
-/// fetch. True if any position moved.
+/// fetch. True if any position moved, or if parts were adopted (`adopted` told) while the
+/// fetch waited for news: that fetch is given up, nothing of it applied, and the next
+/// round asks from the new parts' positions too — rather than the new parts waiting out
+/// the actives' quiet (up to [`FETCH_WAIT`]) before they can catch up.
 pub(super) async fn fed_round(
     mgr: &Arc<IndexManager>,
     fetcher: &Arc<dyn ChangeFetcher>,
     coll: &Arc<Collection>,
     active: Vec<Arc<Index>>,
     round: Arc<Mutex<()>>,
+    adopted: &tokio::sync::Notify,
 ) -> Result<bool, IndexError> {
     let live: Vec<Arc<Index>> = active.into_iter().filter(|i| !i.dropped.load(Ordering::Acquire)).collect();
     if live.is_empty() {
@@ -69,7 +73,10 @@ pub(super) async fn fed_round(
     }
     let asks: Vec<(PartitionId, StreamPosition)> = (0..coll.partition_count()).map(|p| (p, lowest(&live, p))).collect();
     let before: Vec<StreamPosition> = asks.iter().map(|a| a.1).collect();
-    let fetched = fetcher.fetch(coll, asks, FETCH_WAIT).await?;
+    let started = std::time::Instant::now();
+    let Some(fetched) = unless_adopted(fetcher.fetch(coll, asks, FETCH_WAIT), adopted).await else { return Ok(true) };
+    let fetched = fetched?;
+    let fetched_at = started.elapsed();
     let positions = shoal_storage::ChangeSource::positions(&fetched);
     let highs: Vec<SeqNo> = positions.iter().map(|p| p.seqno).collect();
     // A build's target is the highs of its first fetch that answered every partition
@@ -100,6 +107,12 @@ pub(super) async fn fed_round(
         let _ = tx.send(follow(&fetched, &fetched.partitions(), limits, &mut feed));
     });
     rx.await.map_err(|_| IndexError::Invalid("index worker pool stopped".into()))??;
+    tracing::debug!(
+        fetch_ms = fetched_at.as_millis() as u64,
+        apply_ms = started.elapsed().saturating_sub(fetched_at).as_millis() as u64,
+        indexes = live.len(),
+        "fed round"
+    );
     let moved = (0..partitions).any(|p| lowest(&live, p) != before[usize::from(p)]);
     // Parts rebuilt from the streams serve once they reach this fetch's highs.
     if whole {
@@ -116,4 +129,52 @@ pub(super) async fn fed_round(
         }
     }
     Ok(moved)
+}
+
+/// `fetch`'s answer, or `None` once parts are adopted (`adopted` told, or told before and
+/// not yet heard) while it is pending: the fetch is dropped unanswered.
+async fn unless_adopted<T>(fetch: impl Future<Output = T>, adopted: &tokio::sync::Notify) -> Option<T> {
+    tokio::select! {
+        biased;
+        answer = fetch => Some(answer),
+        () = adopted.notified() => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unless_adopted;
+    use std::time::Duration;
+    use tokio::sync::Notify;
+
+    /// A fetch waiting on quiet actives is given up as soon as parts are adopted (told
+    /// before or while it waits), so the new parts catch up by the next round; a fetch
+    /// that answers first is taken; one told adoption gives up one fetch, not the next.
+    #[tokio::test(start_paused = true)]
+    async fn a_fetch_waiting_for_news_is_given_up_when_parts_are_adopted() {
+        let adopted = Notify::new();
+        let quiet = || async {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            "news after the wait"
+        };
+        // Told while it waits.
+        let start = tokio::time::Instant::now();
+        let (got, ()) = tokio::join!(unless_adopted(quiet(), &adopted), async {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            adopted.notify_one();
+        });
+        assert_eq!((got, start.elapsed()), (None, Duration::from_millis(30)));
+        // Told before it began (between rounds): given up at once.
+        adopted.notify_one();
+        let start = tokio::time::Instant::now();
+        assert_eq!(unless_adopted(quiet(), &adopted).await, None);
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        // Nothing told: the fetch's own answer, after its wait.
+        let start = tokio::time::Instant::now();
+        assert_eq!(unless_adopted(quiet(), &adopted).await, Some("news after the wait"));
+        assert_eq!(start.elapsed(), Duration::from_millis(500));
+        // An answer ready at once is taken even when told.
+        adopted.notify_one();
+        assert_eq!(unless_adopted(async { "ready" }, &adopted).await, Some("ready"));
+    }
 }

@@ -16,15 +16,24 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::Notify;
 
+/// What wakes a collection's maintainer.
+pub(super) struct Signals {
+    /// A new index, a build, a scan waiting (`CollEntry::wake`).
+    pub wake: Arc<Notify>,
+    /// Parts adopted from files (`CollEntry::adopted`).
+    pub adopted: Arc<Notify>,
+}
+
 /// One collection's maintainer: rounds on the worker pool while there is news, then waits
 /// for a change, a wake-up (new index, build, scan) or the idle poll.
 pub(super) async fn maintain(
     mgr: Arc<IndexManager>,
     coll: Arc<Collection>,
-    wake: Arc<Notify>,
+    signals: Signals,
     round: Arc<Mutex<()>>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
+    let Signals { wake, adopted } = signals;
     let mut changed = coll.changed();
     let _running = mgr.health.running();
     loop {
@@ -77,7 +86,7 @@ pub(super) async fn maintain(
             if let Some(fetcher) = &fetched {
                 // The round fetches (waiting for news) before it applies.
                 tokio::select! {
-                    r = fed_round(&mgr, fetcher, &coll, fed, Arc::clone(&round)) => results.push(Ok(r)),
+                    r = fed_round(&mgr, fetcher, &coll, fed, Arc::clone(&round), &adopted) => results.push(Ok(r)),
                     _ = stop.changed() => continue,
                 }
             }

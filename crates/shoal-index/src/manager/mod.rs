@@ -23,6 +23,7 @@ use ddl::is_damage;
 pub use fed::{ChangeFetcher, FetchFuture};
 use layout::*;
 use maintain::*;
+pub use moves::PartImports;
 pub use read::IndexCursor;
 use stream::*;
 
@@ -522,6 +523,10 @@ fn build_target(fed: bool, coll: &Collection) -> Vec<SeqNo> {
 struct CollEntry {
     indexes: Vec<Arc<Index>>,
     wake: Arc<Notify>,
+    /// Told when parts adopted from another node's files join: a fed round waiting on the
+    /// actives for news stops waiting, and the next round fetches what the new parts lack
+    /// (their adoption waits for that).
+    adopted: Arc<Notify>,
     /// Held by a maintainer round; taken by drops before deleting keyspaces.
     round: Arc<Mutex<()>>,
 }
@@ -701,10 +706,14 @@ impl IndexManager {
                 entry.wake.notify_one();
             }
             None => {
-                let wake = Arc::new(Notify::new());
+                let (wake, adopted) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
                 let round = Arc::new(Mutex::new(()));
-                colls.insert(coll.id(), CollEntry { indexes: vec![index], wake: Arc::clone(&wake), round: Arc::clone(&round) });
-                let task = tokio::spawn(maintain(Arc::clone(self), Arc::clone(coll), wake, round, self.stop.subscribe()));
+                colls.insert(
+                    coll.id(),
+                    CollEntry { indexes: vec![index], wake: Arc::clone(&wake), adopted: Arc::clone(&adopted), round: Arc::clone(&round) },
+                );
+                let signals = Signals { wake, adopted };
+                let task = tokio::spawn(maintain(Arc::clone(self), Arc::clone(coll), signals, round, self.stop.subscribe()));
                 let mut tasks = self.tasks.lock();
                 tasks.retain(|t| !t.is_finished());
                 tasks.push(task);

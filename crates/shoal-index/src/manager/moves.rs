@@ -1,8 +1,8 @@
 //! Index partitions moved between nodes (issue 41; Couchbase 7.6's file-based rebalance):
 //! a part is one keyspace holding its entries, its back entries and its cursors, so a
-//! snapshot of its files is consistent with the positions it is at. The source exports it
-//! ([`IndexManager::export_part`]); the receiver adopts the files whole
-//! ([`IndexManager::import_part`]) — nothing is decoded, re-encoded or rebuilt — and its
+//! snapshot of its files is consistent with the positions it is at. The source exports
+//! parts a group at a time ([`IndexManager::export_parts`]); the receiver adopts the files
+//! whole ([`IndexManager::import_parts`]) — nothing is decoded, re-encoded or rebuilt — and its
 //! maintainer goes on following the change streams from those positions, so the part
 //! catches up on what happened since the snapshot. A scan of the part waits for that
 //! (`request_plus`) or the cluster routes none to it until it has ([`IndexManager::wait_parts`]).
@@ -37,38 +37,47 @@ impl IndexManager {
         self.colls.lock().get(&coll.id()).map(|e| Arc::clone(&e.round))
     }
 
-    /// Starts an export of part `no` of index `name` as its keyspace's files at a snapshot.
-    /// Refused while the index is not ready (a building index's parts have no positions to
-    /// go on from) or when the part is not held here.
-    pub fn export_part(&self, coll: &Collection, name: &str, no: u16) -> Result<KeyspaceFiles, IndexError> {
-        let index = self.find(coll, name)?;
-        if index.state() != super::IndexState::Ready || index.corrupt.load(std::sync::atomic::Ordering::Acquire) {
-            return Err(IndexError::NotReady {
-                name: name.to_string(),
-                state: index.state().as_str(),
-                progress: index.progress_fraction(),
-            });
+    /// Starts an export of parts `parts` (index name, part number) of `coll` as their
+    /// keyspaces' files, all at one snapshot (a group of copies from this node to one
+    /// other: their cursors stored by one batch, under one round lock). Refused while an
+    /// index is not ready (a building index's parts have no positions to go on from), when
+    /// a part is not held here or is still rebuilt from the streams.
+    pub fn export_parts(&self, coll: &Collection, parts: &[(String, u16)]) -> Result<Vec<KeyspaceFiles>, IndexError> {
+        let mut held = Vec::with_capacity(parts.len());
+        for (name, no) in parts {
+            let index = self.find(coll, name)?;
+            if index.state() != super::IndexState::Ready || index.corrupt.load(std::sync::atomic::Ordering::Acquire) {
+                return Err(IndexError::NotReady {
+                    name: name.to_string(),
+                    state: index.state().as_str(),
+                    progress: index.progress_fraction(),
+                });
+            }
+            let part = index
+                .parts()
+                .part(*no)
+                .cloned()
+                .ok_or_else(|| IndexError::Unavailable(format!("index {name}: partition {no} is not held here")))?;
+            // A part still rebuilt from the streams is not a state the index had.
+            index.serving(&[*no])?;
+            held.push(part);
         }
-        let parts = index.parts();
-        let part = parts.part(no).ok_or_else(|| IndexError::Unavailable(format!("index {name}: partition {no} is not held here")))?;
-        // A part still rebuilt from the streams is not a state the index had.
-        index.serving(&[no])?;
-        // The copy goes on from the cursors in its files: stored as far as the part has
+        // The copies go on from the cursors in their files: stored as far as each part has
         // applied (no round between), so the receiver does not re-apply what it holds.
         let round = self.round_of(coll);
         let _round = round.as_ref().map(|r| r.lock());
-        self.store_cursors([part.as_ref()])?;
+        self.store_cursors(held.iter().map(|p| p.as_ref()))?;
         let snapshot = self.db.snapshot();
-        Ok(KeyspaceFiles::export(&part.ks, &snapshot, Vec::new())?)
+        Ok(held.iter().map(|part| KeyspaceFiles::export(&part.ks, &snapshot, Vec::new())).collect::<Result<_, _>>()?)
     }
 
-    /// Adopts part `no` of index `name` from another node's export (`manifest`, then its
-    /// `records`): its files become the part's keyspace whole (a copy that is all memtable
-    /// items, as a small part's is, lands through the journal in one batch:
-    /// `shoal_storage::import_small_keyspace`), its cursors are the positions the maintainer
-    /// goes on from; the `located` records learn it later (see the module's doc). Refused
-    /// when the part is held here already. Blocking: call off the async threads. Answers
-    /// what arrived (records and bytes).
+    /// [`IndexManager::export_parts`] of one part.
+    pub fn export_part(&self, coll: &Collection, name: &str, no: u16) -> Result<KeyspaceFiles, IndexError> {
+        let mut exports = self.export_parts(coll, &[(name.to_string(), no)])?;
+        exports.pop().ok_or_else(|| IndexError::Invalid("an export of one part answered none".into()))
+    }
+
+    /// [`IndexManager::import_parts`] of one part: adopted whole, or not at all. Blocking.
     pub fn import_part<I>(
         &self,
         coll: &Collection,
@@ -80,25 +89,19 @@ impl IndexManager {
     where
         I: IntoIterator<Item = Result<(Bytes, Bytes), PartitionError>>,
     {
-        let index = self.writable_part(coll, name, no)?;
-        let ks = self.empty_part_keyspace(&index, no)?;
-        let stats = shoal_storage::import_small_keyspace(&self.db, &ks, manifest, records)?;
-        let part = load_part(no, ks, usize::from(coll.partition_count()))?;
-        // Under the collection's round lock: a round that read a document's `located`
-        // record before `locate_adopted` wrote it would write it back without the parts (their
-        // entries there would then never be removed), and two parts of one index adopted
-        // at once would each write their own over the other's.
-        let round = self.round_of(coll);
-        let located = round.as_ref().map(|r| r.lock());
-        self.hold(coll, &index, part, true)?;
-        // The part is adopted whatever happens here: until the records learn it, changes
-        // look in it.
-        if let Err(e) = self.locate_adopted(&index) {
-            tracing::warn!(index = %name, error = %e, "the located records did not learn the adopted index partitions; changes go on looking in them");
-        }
-        drop(located);
-        tracing::info!(index = %name, part = no, files = manifest.files().count(), bytes = stats.bytes, "index partition adopted from files");
+        let mut group = self.import_parts(coll);
+        let stats = group.add(name, no, manifest, records)?;
+        group.commit()?;
         Ok(stats)
+    }
+
+    /// Starts adopting a group of parts of `coll` from another node's exports (as
+    /// [`IndexManager::export_parts`] sends them): each is received by [`PartImports::add`]
+    /// — its files become the part's keyspace whole, nothing decoded or rebuilt — and
+    /// [`PartImports::commit`] makes them the parts this node holds. Blocking: call off the
+    /// async threads.
+    pub fn import_parts<'a>(&'a self, coll: &'a Collection) -> PartImports<'a> {
+        PartImports { manager: self, coll, keyspaces: shoal_storage::KeyspaceImports::new(&self.db), received: Vec::new() }
     }
 
     /// Makes, as one group, the keyspaces of the parts `parts` (index name, part number) of
@@ -127,7 +130,7 @@ impl IndexManager {
         let part = load_part(no, ks, usize::from(coll.partition_count()))?;
         part.serving.store(false, std::sync::atomic::Ordering::Release);
         // Empty: its documents' records name it as its entries are written.
-        self.hold(coll, &index, part, false)
+        self.hold(coll, vec![(index, part)], false)
     }
 
     /// Drops part `no` of index `name` held here (its copy moved to another node): once no
@@ -272,35 +275,124 @@ impl IndexManager {
         Ok(())
     }
 
-    /// Makes `part` one of the parts `index` holds here: recorded in the catalog, then in
-    /// the set the maintainer and scans use. `adopted`: its documents' `located` records
-    /// do not name it (see the module's doc).
-    fn hold(&self, coll: &Collection, index: &Arc<Index>, part: Part, adopted: bool) -> Result<(), IndexError> {
-        // Read and replaced under the set's lock (see `drop_part`).
-        let mut set = index.parts.write();
-        if set.part(part.no).is_some() {
-            return Err(IndexError::Exists(format!("{} partition {}", index.def.name, part.no)));
+    /// Makes `parts` parts their indexes hold here: recorded in the catalog (one durable
+    /// write for them all), then in the sets the maintainer and scans use. `adopted`: their
+    /// documents' `located` records do not name them (see the module's doc).
+    fn hold(&self, coll: &Collection, parts: Vec<(Arc<Index>, Part)>, adopted: bool) -> Result<(), IndexError> {
+        // Per index, its new parts, in index order: its set is read and replaced under its
+        // lock (see `drop_part`), each index's lock taken in that order.
+        let mut by_index: std::collections::BTreeMap<u32, (Arc<Index>, Vec<Part>)> = std::collections::BTreeMap::new();
+        for (index, part) in parts {
+            by_index.entry(index.id).or_insert_with(|| (index, Vec::new())).1.push(part);
         }
-        let no = part.no;
-        let mut parts: Vec<Arc<Part>> = set.iter().cloned().collect();
-        parts.push(Arc::new(part));
-        let held: Vec<u16> = {
-            let mut h: Vec<u16> = parts.iter().map(|p| p.no).collect();
-            h.sort_unstable();
-            h
-        };
-        *index.held.lock() = Some(held);
-        if adopted && index.locates() {
-            index.unlocated.lock().push(no);
+        // Every set checked before any index changes: a part held already refuses them all.
+        let groups: Vec<(Arc<Index>, Vec<Part>)> = by_index.into_values().collect();
+        let indexes: Vec<Arc<Index>> = groups.iter().map(|(index, _)| Arc::clone(index)).collect();
+        let mut sets = Vec::with_capacity(groups.len());
+        for (index, (_, new)) in indexes.iter().zip(&groups) {
+            let set = index.parts.write();
+            if let Some(part) = new.iter().find(|p| set.part(p.no).is_some()) {
+                return Err(IndexError::Exists(format!("{} partition {}", index.def.name, part.no)));
+            }
+            sets.push(set);
         }
-        let record = index.record();
-        self.store.put_catalog(&record.catalog_key(), &record.encode()?)?;
-        *set = Parts::new(parts);
-        drop(set);
-        index.bump();
+        let mut records = Vec::with_capacity(groups.len());
+        for ((index, new), set) in groups.iter().zip(&sets) {
+            let mut nos: Vec<u16> = set.iter().map(|p| p.no).chain(new.iter().map(|p| p.no)).collect();
+            nos.sort_unstable();
+            debug_assert!(nos.windows(2).all(|w| w[0] < w[1]), "a part is held once");
+            *index.held.lock() = Some(nos);
+            if adopted && index.locates() {
+                index.unlocated.lock().extend(new.iter().map(|p| p.no));
+            }
+            let record = index.record();
+            records.push((record.catalog_key(), record.encode()?));
+        }
+        self.store.put_catalog_many(&records)?;
+        for ((mut set, index), (_, new)) in sets.into_iter().zip(&indexes).zip(groups) {
+            let parts: Vec<Arc<Part>> = set.iter().cloned().chain(new.into_iter().map(Arc::new)).collect();
+            *set = Parts::new(parts);
+            drop(set);
+            index.bump();
+        }
         if let Some(e) = self.colls.lock().get(&coll.id()) {
             e.wake.notify_one();
+            if adopted {
+                e.adopted.notify_one();
+            }
         }
         Ok(())
+    }
+}
+
+/// Index partitions adopted as one group from one source (see
+/// [`IndexManager::import_parts`]): the copies that are all memtable items, as a small
+/// part's is, land through the journal in one batch and one fsync
+/// ([`shoal_storage::KeyspaceImports`]), and the catalog learns every part by one durable
+/// write, where each part's adoption would make its own behind the others'. Parts received
+/// and not committed are not held: their keyspaces are emptied when adopted again, or
+/// removed by the next open as storage no index uses.
+pub struct PartImports<'a> {
+    manager: &'a IndexManager,
+    coll: &'a Collection,
+    keyspaces: shoal_storage::KeyspaceImports<'a>,
+    received: Vec<(Arc<Index>, u16, fjall::Keyspace)>,
+}
+
+impl PartImports<'_> {
+    /// Receives part `no` of index `name`: `manifest`, then its `records`. Refused when the
+    /// part is held here already or was received in this group. Answers what arrived
+    /// (records and bytes).
+    pub fn add<I>(&mut self, name: &str, no: u16, manifest: &FileManifest, records: I) -> Result<shoal_storage::IngestStats, IndexError>
+    where
+        I: IntoIterator<Item = Result<(Bytes, Bytes), PartitionError>>,
+    {
+        let index = self.manager.writable_part(self.coll, name, no)?;
+        if self.received.iter().any(|(i, n, _)| i.id == index.id && *n == no) {
+            return Err(IndexError::Exists(format!("{name} partition {no} (twice in one group)")));
+        }
+        let ks = self.manager.empty_part_keyspace(&index, no)?;
+        let stats = self.keyspaces.add(&ks, manifest, records)?;
+        tracing::debug!(index = %name, part = no, files = manifest.files().count(), bytes = stats.bytes, "index partition received as files");
+        self.received.push((index, no, ks));
+        Ok(stats)
+    }
+
+    /// Makes every part received the parts this node holds, durably; their cursors are the
+    /// positions the maintainer goes on from; the `located` records learn them later (see
+    /// the module's doc). Answers how many.
+    pub fn commit(self) -> Result<usize, IndexError> {
+        let PartImports { manager, coll, keyspaces, received } = self;
+        keyspaces.commit()?;
+        let n = usize::from(coll.partition_count());
+        let parts: Vec<(Arc<Index>, Part)> =
+            received.into_iter().map(|(index, no, ks)| Ok((index, load_part(no, ks, n)?))).collect::<Result<_, IndexError>>()?;
+        let count = parts.len();
+        let indexes: Vec<Arc<Index>> = {
+            let mut seen: Vec<Arc<Index>> = Vec::new();
+            for (index, _) in &parts {
+                if !seen.iter().any(|i| i.id == index.id) {
+                    seen.push(Arc::clone(index));
+                }
+            }
+            seen
+        };
+        // Under the collection's round lock: a round that read a document's `located`
+        // record before `locate_adopted` wrote it would write it back without the parts (their
+        // entries there would then never be removed), and two parts of one index adopted
+        // at once would each write their own over the other's.
+        let round = manager.round_of(coll);
+        let located = round.as_ref().map(|r| r.lock());
+        manager.hold(coll, parts, true)?;
+        // The parts are adopted whatever happens here: until the records learn them,
+        // changes look in them.
+        for index in &indexes {
+            if let Err(e) = manager.locate_adopted(index) {
+                tracing::warn!(index = %index.def.name, error = %e, "the located records did not learn the adopted index partitions; changes go on looking in them");
+            }
+        }
+        drop(located);
+        tracing::info!(parts = count, indexes = indexes.len(), "index partitions adopted from files");
+        Ok(count)
     }
 }
