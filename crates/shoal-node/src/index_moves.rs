@@ -174,6 +174,7 @@ pub(crate) fn serve_index_export(
 /// ([`shoal_index::IndexManager::prepare_parts`]; parts it cannot make are left to their
 /// adoption, which says why).
 pub(crate) async fn serve_prepare(node: &Arc<ClusterNode>, req: PrepareRequest) -> Result<PrepareAnswer, ClusterError> {
+    let asked = Instant::now();
     node.wait_applied(|s| s.applied.0 >= req.applied).await?;
     // The state applied is not yet the engine in step with it: a node that joined lately
     // makes the indexes' definitions as it reconciles. Parts of indexes still unknown here
@@ -183,7 +184,14 @@ pub(crate) async fn serve_prepare(node: &Arc<ClusterNode>, req: PrepareRequest) 
         return Err(ClusterError::Refused(format!("no collection {}", req.collection)));
     };
     let indexes = Arc::clone(node.engine.indexes());
+    let applied = asked.elapsed();
     let keyspaces = crate::node::blocking(move || indexes.prepare_parts(&coll, &req.parts)).await??;
+    tracing::debug!(
+        keyspaces,
+        applied_ms = applied.as_millis() as u64,
+        ms = asked.elapsed().as_millis() as u64,
+        "index copies' keyspaces made ahead"
+    );
     Ok(PrepareAnswer { keyspaces })
 }
 
