@@ -306,10 +306,9 @@ async fn build_copies(node: &Arc<ClusterNode>, req: &AdoptRequest, missing: &[(S
             answers.push(files(0)); // the group's import held it before it failed
             continue;
         }
-        // A group of one failed already: no second try by files.
-        let single = match missing.len() {
-            1 => None,
-            _ => Some(adopt_files(node, source, &req.collection, std::slice::from_ref(one)).await),
+        let single = match retry_each_by_files(&group_error, missing.len()) {
+            false => None,
+            true => Some(adopt_files(node, source, &req.collection, std::slice::from_ref(one)).await),
         };
         match single {
             Some(Ok(bytes)) => answers.push(files(bytes.first().copied().unwrap_or(0))),
@@ -325,6 +324,14 @@ async fn build_copies(node: &Arc<ClusterNode>, req: &AdoptRequest, missing: &[(S
         }
     }
     Ok(answers)
+}
+
+/// Whether the parts of a group whose copy by files failed with `error` are each tried again
+/// by files before a rebuild: only when the source answered (a part it refused to send, a
+/// copy that did not check out), and the group was more than one. A source out of reach or
+/// silent would make each part wait for it again, one after another.
+fn retry_each_by_files(error: &ClusterError, parts: usize) -> bool {
+    parts > 1 && !matches!(error, ClusterError::Peer(crate::peers::PeerError::Unreachable { .. }) | ClusterError::Timeout(_))
 }
 
 /// What an adopted group's wait to catch up answers, given whether its copies are all still
@@ -751,8 +758,8 @@ pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> R
 #[cfg(test)]
 mod tests {
     use super::{
-        adopt_wait_outcome, caught_up_within, checked_group, definition_within, move_groups, transfer_share, Known, SourcedCopy,
-        INDEX_ADOPT_RETRY, INDEX_ADOPT_TIMEOUT, INDEX_DEFINITION_WAIT, INDEX_MOVE_GROUP_PARTS, TRANSFER_PERMITS,
+        adopt_wait_outcome, caught_up_within, checked_group, definition_within, move_groups, retry_each_by_files, transfer_share, Known,
+        SourcedCopy, INDEX_ADOPT_RETRY, INDEX_ADOPT_TIMEOUT, INDEX_DEFINITION_WAIT, INDEX_MOVE_GROUP_PARTS, TRANSFER_PERMITS,
     };
     use shoal_cluster::index_placement::IndexPart;
     use shoal_cluster::NodeId;
@@ -938,6 +945,35 @@ mod tests {
             vec![(3, Some(2), 1), (4, None, 1), (4, Some(1), 16), (4, Some(1), 1), (4, Some(2), 16), (4, Some(1), 4), (4, Some(2), 4)]
         );
         assert!(move_groups(&[], coll).is_empty());
+    }
+
+    /// A failed group's parts are tried again one by one by files only when its source
+    /// answered: one out of reach or silent would hold each part up again in turn.
+    #[test]
+    fn a_failed_group_retries_each_part_by_files_only_when_its_source_answered() {
+        use crate::ClusterError;
+        let timeout = || ClusterError::Timeout("the copy's source sent nothing for 30s".into());
+        use crate::peers::PeerError;
+        let table: [(ClusterError, usize, bool); 7] = [
+            (ClusterError::BadMessage("asked for index partition 3, got 4".into()), 16, true),
+            (ClusterError::Storage("the memtable items do not match their checksum".into()), 2, true),
+            (ClusterError::Index(IndexError::NotFound("by_v".into())), 16, true),
+            (ClusterError::BadMessage("cut".into()), 1, false),
+            (timeout(), 16, false),
+            (ClusterError::Peer(PeerError::Unreachable { address: "127.0.0.1:7071".into(), why: "connection refused".into() }), 16, false),
+            (
+                ClusterError::Peer(PeerError::Refused {
+                    address: "127.0.0.1:7071".into(),
+                    code: "unavailable".into(),
+                    message: "index by_v: partition 3 is not held here".into(),
+                }),
+                16,
+                true,
+            ),
+        ];
+        for (error, parts, want) in table {
+            assert_eq!(retry_each_by_files(&error, parts), want, "{error} ({parts} parts)");
+        }
     }
 
     /// A group names 1 to `INDEX_MOVE_GROUP_PARTS` parts, each once; anything else is

@@ -297,7 +297,10 @@ impl IndexManager {
             sets.push(set);
         }
         let mut records = Vec::with_capacity(groups.len());
+        // What each index recorded before: put back if the catalog does not take the new.
+        let mut before = Vec::with_capacity(groups.len());
         for ((index, new), set) in groups.iter().zip(&sets) {
+            before.push((index.held.lock().clone(), index.unlocated.lock().clone()));
             let mut nos: Vec<u16> = set.iter().map(|p| p.no).chain(new.iter().map(|p| p.no)).collect();
             nos.sort_unstable();
             debug_assert!(nos.windows(2).all(|w| w[0] < w[1]), "a part is held once");
@@ -306,9 +309,16 @@ impl IndexManager {
                 index.unlocated.lock().extend(new.iter().map(|p| p.no));
             }
             let record = index.record();
-            records.push((record.catalog_key(), record.encode()?));
+            records.push(record.encode().map(|encoded| (record.catalog_key(), encoded)));
         }
-        self.store.put_catalog_many(&records)?;
+        let written = records.into_iter().collect::<Result<Vec<_>, _>>().and_then(|r| Ok(self.store.put_catalog_many(&r)?));
+        if let Err(e) = written {
+            for (index, (held, unlocated)) in indexes.iter().zip(before) {
+                *index.held.lock() = held;
+                *index.unlocated.lock() = unlocated;
+            }
+            return Err(e);
+        }
         for ((mut set, index), (_, new)) in sets.into_iter().zip(&indexes).zip(groups) {
             let parts: Vec<Arc<Part>> = set.iter().cloned().chain(new.into_iter().map(Arc::new)).collect();
             *set = Parts::new(parts);
