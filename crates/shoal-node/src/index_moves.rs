@@ -214,7 +214,7 @@ pub(crate) async fn serve_adopt(node: &Arc<ClusterNode>, req: AdoptRequest) -> R
     for (name, part) in &req.parts {
         let (c, held) = definition_within(INDEX_DEFINITION_WAIT, || {
             let Some(coll) = node.engine.store().collection(&req.collection) else { return Known::Nothing };
-            match held_here(&indexes, &coll, name, *part) {
+            match held_all(&indexes, &coll, name, &[*part]) {
                 Some(held) => Known::Index(coll, held),
                 None => Known::Collection(coll),
             }
@@ -302,7 +302,7 @@ async fn build_copies(node: &Arc<ClusterNode>, req: &AdoptRequest, missing: &[(S
     for one in missing {
         let (name, part) = one;
         let coll = node.engine.store().collection(&req.collection);
-        if coll.is_some_and(|c| held_here(node.engine.indexes(), &c, name, *part) == Some(true)) {
+        if coll.is_some_and(|c| held_all(node.engine.indexes(), &c, name, &[*part]) == Some(true)) {
             answers.push(files(0)); // the group's import held it before it failed
             continue;
         }
@@ -361,12 +361,6 @@ fn held_all(indexes: &shoal_index::IndexManager, coll: &shoal_storage::Collectio
         .into_iter()
         .find(|s| s.def.name == name)
         .map(|s| parts.iter().all(|no| s.part_items.iter().any(|(held, _)| held == no)))
-}
-
-/// Whether this node holds part `part` of index `name` of `coll`; `None` when it does not
-/// know the index.
-fn held_here(indexes: &shoal_index::IndexManager, coll: &shoal_storage::Collection, name: &str, part: u16) -> Option<bool> {
-    indexes.list(coll).into_iter().find(|s| s.def.name == name).map(|s| s.part_items.iter().any(|(no, _)| *no == part))
 }
 
 /// What a node asked to adopt a copy knows of its index: nothing, its collection, or the
