@@ -908,6 +908,13 @@ pub(crate) fn send_export(
                 }
                 continue;
             }
+            Ok(FilePiece::Item(item)) => {
+                FilePiece::frame_item(&mut encoder, &mut out, &item);
+                if out.len() >= COPY_CHUNK_BYTES && !send(bytes(&mut out)) {
+                    return false; // the receiver went away
+                }
+                continue;
+            }
             Err(e) => {
                 // The receiver sees an error, never an end marker: it keeps nothing.
                 let _ = tx.blocking_send(Err(ClusterError::Storage(e.to_string())));

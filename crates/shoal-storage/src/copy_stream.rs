@@ -88,6 +88,22 @@ impl FrameEncoder {
         self.bytes += (key.len() + value.len()) as u64;
     }
 
+    /// A record whose key and value are each given in pieces, written one after another
+    /// into the frame (no record assembled first).
+    pub fn record_pieces(&mut self, out: &mut BytesMut, key: &[&[u8]], value: &[&[u8]]) {
+        let key_len: usize = key.iter().map(|k| k.len()).sum();
+        let value_len: usize = value.iter().map(|v| v.len()).sum();
+        debug_assert!(key_len > 0 && key_len < END as usize);
+        out.reserve(8 + key_len + value_len);
+        out.put_u32_le(key_len as u32);
+        out.put_u32_le(value_len as u32);
+        for piece in key.iter().chain(value) {
+            out.put_slice(piece);
+        }
+        self.records += 1;
+        self.bytes += (key_len + value_len) as u64;
+    }
+
     /// A record's frame without its value: the value follows as its own bytes, so a large
     /// one (a file's chunk) goes out without being copied into the frame's buffer.
     pub fn record_head(&mut self, out: &mut BytesMut, key: &[u8], value_len: usize) {

@@ -21,9 +21,10 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
 
+use crate::copy_stream::FrameEncoder;
 use crate::error::PartitionError;
 use crate::partition::LiveCount;
 use crate::store::Store;
@@ -185,6 +186,9 @@ pub struct KeyspaceFiles {
 #[derive(Debug)]
 pub enum FilePiece {
     Record(Bytes, Bytes),
+    /// A memtable item, for [`FilePiece::frame_item`] to write into the stream's buffer
+    /// as its record (no record assembled first: an index partition's copy is thousands).
+    Item(fjall::InternalValue),
     /// `len` bytes of `file` at `offset`: the value of the record keyed `key`.
     Chunk {
         key: Bytes,
@@ -199,8 +203,18 @@ impl FilePiece {
     pub fn into_record(self) -> Result<(Bytes, Bytes), PartitionError> {
         match self {
             FilePiece::Record(k, v) => Ok((k, v)),
+            FilePiece::Item(item) => Ok(encode_item(&item)),
             FilePiece::Chunk { key, file, offset, len } => Ok((key, read_chunk(&file, offset, len).map_err(io)?)),
         }
+    }
+}
+
+impl FilePiece {
+    /// Writes `item`'s record (as [`FilePiece::into_record`] makes it) into `out`.
+    pub fn frame_item(encoder: &mut FrameEncoder, out: &mut BytesMut, item: &fjall::InternalValue) {
+        let head = [u8::from(item.key.value_type)];
+        let seqno = item.key.seqno.to_le_bytes();
+        encoder.record_pieces(out, &[&[TAG_ITEM], &item.key.user_key], &[&head, &seqno, &item.value]);
     }
 }
 
@@ -263,8 +277,7 @@ impl KeyspaceFiles {
     /// [`FILE_CHUNK_BYTES`], in order (the file's bytes are not read here).
     pub fn next_piece(&mut self) -> Option<Result<FilePiece, PartitionError>> {
         if let Some(item) = self.items.next() {
-            let (k, v) = encode_item(&item);
-            return Some(Ok(FilePiece::Record(k, v)));
+            return Some(Ok(FilePiece::Item(item)));
         }
         loop {
             if let Some((index, file, offset, left)) = &mut self.open {
@@ -505,7 +518,9 @@ where
     }
 
     let mut stats = IngestStats::default();
-    let mut items = Vec::new();
+    // As many as the manifest says, within what a copy may hold (the smallest item record
+    // is 11 bytes): a hostile count reserves no more than a real copy could fill.
+    let mut items = Vec::with_capacity(usize::try_from(manifest.items.min(ITEMS_MAX_BYTES / 64)).unwrap_or(0));
     let mut items_bytes = 0u64;
     let mut items_hash = ItemsHash::default();
     let mut writing: Option<FileWriter> = None;
@@ -681,7 +696,8 @@ fn decode_item(key: &[u8], v: &[u8]) -> Result<fjall::InternalValue, PartitionEr
     }
     let value_type = fjall::ValueType::try_from(v[0]).map_err(|()| bad())?;
     let seqno = u64::from_le_bytes(v[1..9].try_into().map_err(|_| bad())?);
-    Ok(fjall::InternalValue::from_components(key.to_vec(), v[9..].to_vec(), seqno, value_type))
+    // Each slice copied once, straight into the key's and the value's own storage.
+    Ok(fjall::InternalValue::from_components(key, &v[9..], seqno, value_type))
 }
 
 /// One file being received: written as its chunks come, hashed, fsynced at its end.
@@ -912,6 +928,37 @@ mod tests {
         let mut fewer = ItemsHash::default();
         items[..2].iter().for_each(|i| fewer.add_item(i));
         assert_ne!(fewer.hex(), records.hex());
+    }
+
+    /// An item framed in place ([`FilePiece::frame_item`], as a copy sends it) is read back
+    /// as the record [`encode_item`] makes, and counted as one, for every kind of item.
+    #[test]
+    fn an_item_framed_in_place_reads_back_as_its_record() {
+        use crate::copy_stream::{CopyHeader, Frame, FrameDecoder};
+        let items = [
+            fjall::InternalValue::from_components(b"k".to_vec(), b"v".to_vec(), 7, fjall::ValueType::Value),
+            fjall::InternalValue::from_components(b"gone".to_vec(), Vec::new(), u64::MAX >> 1, fjall::ValueType::Tombstone),
+            fjall::InternalValue::from_components(vec![0xff; 300], vec![1; 5000], 0, fjall::ValueType::Value),
+        ];
+        let mut out = BytesMut::new();
+        let header = CopyHeader { export: ExportHeader { partition: 0, collections: Vec::new() }, bytes_estimate: 0, files: None };
+        FrameEncoder::header(&mut out, &header);
+        let mut encoder = FrameEncoder::default();
+        for item in &items {
+            FilePiece::frame_item(&mut encoder, &mut out, item);
+        }
+        encoder.end(&mut out);
+        let mut decoder = FrameDecoder::default();
+        decoder.push(&out);
+        assert!(matches!(decoder.next_frame(), Ok(Some(Frame::Header(_)))));
+        for item in &items {
+            match decoder.next_frame() {
+                Ok(Some(Frame::Record(k, v))) => assert_eq!((k, v), encode_item(item)),
+                other => panic!("{other:?} in place of an item's record"),
+            }
+        }
+        assert!(matches!(decoder.next_frame(), Ok(Some(Frame::End))), "the end marker counts each item once, with its bytes");
+        decoder.finish().unwrap();
     }
 
     /// A copy with no file lands through the journal ([`import_small_keyspace`]); with

@@ -244,6 +244,11 @@ fn an_exports_pieces_cover_each_file_in_order_in_bounded_chunks_and_read_as_its_
                 items += usize::from(item);
                 read.push((k, v));
             }
+            item @ FilePiece::Item(_) => {
+                assert!(chunks == 0, "an item after a file's chunk");
+                items += 1;
+                read.push(item.into_record().unwrap());
+            }
             FilePiece::Chunk { key, file, offset, len } => {
                 chunks += 1;
                 assert!(len > 0 && len <= shoal_storage::files::FILE_CHUNK_BYTES, "a chunk of {len} bytes");
