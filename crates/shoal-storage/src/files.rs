@@ -50,6 +50,9 @@ pub const WRITEBACK_BYTES: u64 = 8 * 1024 * 1024;
 /// Most bytes of memtable items one copy may carry (they are held in memory until the
 /// files are adopted; a keyspace's memtables hold a few tens of MB).
 pub const ITEMS_MAX_BYTES: u64 = 512 * 1024 * 1024;
+/// Most memtable items a receiver makes room for before they arrive (a few MiB of item
+/// handles; a copy with more grows as they come).
+const ITEMS_RESERVED_MAX: u64 = 65_536;
 
 /// One file of a [`FileManifest`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -518,9 +521,9 @@ where
     }
 
     let mut stats = IngestStats::default();
-    // As many as the manifest says, within what a copy may hold (the smallest item record
-    // is 11 bytes): a hostile count reserves no more than a real copy could fill.
-    let mut items = Vec::with_capacity(usize::try_from(manifest.items.min(ITEMS_MAX_BYTES / 64)).unwrap_or(0));
+    // Room for as many as the manifest says, up to [`ITEMS_RESERVED_MAX`]: a count in a
+    // peer's manifest does not make this node set memory aside before the items come.
+    let mut items = Vec::with_capacity(usize::try_from(manifest.items.min(ITEMS_RESERVED_MAX)).unwrap_or(0));
     let mut items_bytes = 0u64;
     let mut items_hash = ItemsHash::default();
     let mut writing: Option<FileWriter> = None;
@@ -906,15 +909,21 @@ fn start_writeback(_file: &File, _offset: u64, _len: u64) {}
 mod tests {
     use super::*;
 
+    /// An item of each kind a copy carries: a value, a tombstone of an empty value, a long
+    /// key with a long value.
+    fn items_of_every_kind() -> [fjall::InternalValue; 3] {
+        [
+            fjall::InternalValue::from_components(b"k".to_vec(), b"v".to_vec(), 7, fjall::ValueType::Value),
+            fjall::InternalValue::from_components(b"gone".to_vec(), Vec::new(), u64::MAX >> 1, fjall::ValueType::Tombstone),
+            fjall::InternalValue::from_components(vec![0xff; 300], vec![1; 5000], 0, fjall::ValueType::Value),
+        ]
+    }
+
     /// The source hashes its memtable items in place; the receiver hashes the records they
     /// travel as. Both must agree, for every kind of item (empty value, tombstone, long key).
     #[test]
     fn an_item_hashes_in_place_as_its_record_does() {
-        let items = [
-            fjall::InternalValue::from_components(b"k".to_vec(), b"v".to_vec(), 7, fjall::ValueType::Value),
-            fjall::InternalValue::from_components(b"gone".to_vec(), Vec::new(), u64::MAX >> 1, fjall::ValueType::Tombstone),
-            fjall::InternalValue::from_components(vec![0xff; 300], vec![1; 5000], 0, fjall::ValueType::Value),
-        ];
+        let items = items_of_every_kind();
         let (mut in_place, mut records) = (ItemsHash::default(), ItemsHash::default());
         for item in &items {
             in_place.add_item(item);
@@ -935,11 +944,7 @@ mod tests {
     #[test]
     fn an_item_framed_in_place_reads_back_as_its_record() {
         use crate::copy_stream::{CopyHeader, Frame, FrameDecoder};
-        let items = [
-            fjall::InternalValue::from_components(b"k".to_vec(), b"v".to_vec(), 7, fjall::ValueType::Value),
-            fjall::InternalValue::from_components(b"gone".to_vec(), Vec::new(), u64::MAX >> 1, fjall::ValueType::Tombstone),
-            fjall::InternalValue::from_components(vec![0xff; 300], vec![1; 5000], 0, fjall::ValueType::Value),
-        ];
+        let items = items_of_every_kind();
         let mut out = BytesMut::new();
         let header = CopyHeader { export: ExportHeader { partition: 0, collections: Vec::new() }, bytes_estimate: 0, files: None };
         FrameEncoder::header(&mut out, &header);
