@@ -210,9 +210,7 @@ impl FilePiece {
             FilePiece::Chunk { key, file, offset, len } => Ok((key, read_chunk(&file, offset, len).map_err(io)?)),
         }
     }
-}
 
-impl FilePiece {
     /// Writes `item`'s record (as [`FilePiece::into_record`] makes it) into `out`.
     pub fn frame_item(encoder: &mut FrameEncoder, out: &mut BytesMut, item: &fjall::InternalValue) {
         let head = [u8::from(item.key.value_type)];
