@@ -213,9 +213,7 @@ impl FilePiece {
 
     /// Writes `item`'s record (as [`FilePiece::into_record`] makes it) into `out`.
     pub fn frame_item(encoder: &mut FrameEncoder, out: &mut BytesMut, item: &fjall::InternalValue) {
-        let head = [u8::from(item.key.value_type)];
-        let seqno = item.key.seqno.to_le_bytes();
-        encoder.record_pieces(out, &[&[TAG_ITEM], &item.key.user_key], &[&head, &seqno, &item.value]);
+        item_record(item, |key, value| encoder.record_pieces(out, key, value));
     }
 }
 
@@ -644,16 +642,19 @@ fn io(e: std::io::Error) -> PartitionError {
     PartitionError::Engine(fjall::Error::Io(e))
 }
 
-/// A memtable item as a record of a copy by files (see the module's doc).
+/// A memtable item as a record of a copy by files (see the module's doc), given to `f` as
+/// the pieces of its key and of its value: the one place the layout is written, for the
+/// record assembled ([`encode_item`]), framed in place ([`FilePiece::frame_item`]) and
+/// hashed in place ([`ItemsHash::add_item`]).
+fn item_record<R>(item: &fjall::InternalValue, f: impl FnOnce(&[&[u8]], &[&[u8]]) -> R) -> R {
+    let head = [u8::from(item.key.value_type)];
+    let seqno = item.key.seqno.to_le_bytes();
+    f(&[&[TAG_ITEM], &item.key.user_key], &[&head, &seqno, &item.value])
+}
+
+/// A memtable item as a record of a copy by files, assembled.
 fn encode_item(item: &fjall::InternalValue) -> (Bytes, Bytes) {
-    let mut key = Vec::with_capacity(1 + item.key.user_key.len());
-    key.push(TAG_ITEM);
-    key.extend_from_slice(&item.key.user_key);
-    let mut value = Vec::with_capacity(9 + item.value.len());
-    value.push(u8::from(item.key.value_type));
-    value.extend_from_slice(&item.key.seqno.to_le_bytes());
-    value.extend_from_slice(&item.value);
-    (Bytes::from(key), Bytes::from(value))
+    item_record(item, |key, value| (Bytes::from(key.concat()), Bytes::from(value.concat())))
 }
 
 /// XXH3-128 over item records: each key's and value's length (`u64` LE) and bytes.
@@ -662,22 +663,21 @@ struct ItemsHash(xxhash_rust::xxh3::Xxh3);
 
 impl ItemsHash {
     fn add(&mut self, k: &[u8], v: &[u8]) {
-        self.0.update(&(k.len() as u64).to_le_bytes());
-        self.0.update(k);
-        self.0.update(&(v.len() as u64).to_le_bytes());
-        self.0.update(v);
+        self.add_pieces(&[k], &[v]);
     }
 
     /// Adds `item` as [`ItemsHash::add`] adds its record ([`encode_item`]), piece by piece.
     fn add_item(&mut self, item: &fjall::InternalValue) {
-        let (k, v) = (&item.key.user_key, &item.value);
-        self.0.update(&(1 + k.len() as u64).to_le_bytes());
-        self.0.update(&[TAG_ITEM]);
-        self.0.update(k);
-        self.0.update(&(9 + v.len() as u64).to_le_bytes());
-        self.0.update(&[u8::from(item.key.value_type)]);
-        self.0.update(&item.key.seqno.to_le_bytes());
-        self.0.update(v);
+        item_record(item, |k, v| self.add_pieces(k, v));
+    }
+
+    /// Adds a record given as the pieces of its key and of its value.
+    fn add_pieces(&mut self, key: &[&[u8]], value: &[&[u8]]) {
+        for pieces in [key, value] {
+            let len: usize = pieces.iter().map(|p| p.len()).sum();
+            self.0.update(&(len as u64).to_le_bytes());
+            pieces.iter().for_each(|p| self.0.update(p));
+        }
     }
 
     fn hex(&self) -> String {
