@@ -2,9 +2,10 @@
 //! never yields a record over the limit, and a stream it accepts whole re-encodes to the
 //! same bytes.
 #![no_main]
-use bytes::BytesMut;
 use libfuzzer_sys::fuzz_target;
-use shoal_storage::copy_stream::{Frame, FrameDecoder, FrameEncoder, COPY_RECORD_MAX_BYTES};
+use shoal_storage::copy_stream::FrameDecoder;
+
+mod common;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&chunk, data)) = data.split_first() else { return };
@@ -32,24 +33,5 @@ fuzz_target!(|data: &[u8]| {
     if decoder.finish().is_err() {
         return;
     }
-    let mut out = BytesMut::new();
-    let mut encoder = FrameEncoder::default();
-    for frame in &frames {
-        match frame {
-            Frame::Header(h) => FrameEncoder::header(&mut out, h),
-            Frame::Record(k, v) => {
-                assert!(k.len() + v.len() <= COPY_RECORD_MAX_BYTES);
-                encoder.record(&mut out, k, v);
-            }
-            Frame::End => encoder.end(&mut out),
-        }
-    }
-    // JSON headers may be re-spelled (whitespace, key order); the records never are.
-    let mut again = FrameDecoder::default();
-    again.push(&out);
-    let mut frames_again = Vec::new();
-    while let Ok(Some(f)) = again.next_frame() {
-        frames_again.push(f);
-    }
-    assert_eq!(frames, frames_again);
+    common::assert_re_encodes(&frames);
 });

@@ -3,9 +3,10 @@
 //! a record over the limit, never reads a second copy before its first has ended, and a
 //! group it accepts whole re-encodes, copy by copy, to the same records.
 #![no_main]
-use bytes::BytesMut;
 use libfuzzer_sys::fuzz_target;
-use shoal_storage::copy_stream::{Frame, FrameDecoder, FrameEncoder, COPY_RECORD_MAX_BYTES};
+use shoal_storage::copy_stream::{Frame, FrameDecoder, COPY_RECORD_MAX_BYTES};
+
+mod common;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&chunk, data)) = data.split_first() else { return };
@@ -46,21 +47,6 @@ fuzz_target!(|data: &[u8]| {
     for frames in copies {
         assert!(matches!(frames.first(), Some(Frame::Header(_))), "a copy begins with its header");
         assert!(matches!(frames.last(), Some(Frame::End)), "a copy ends with its end");
-        let mut out = BytesMut::new();
-        let mut encoder = FrameEncoder::default();
-        for frame in &frames {
-            match frame {
-                Frame::Header(h) => FrameEncoder::header(&mut out, h),
-                Frame::Record(k, v) => encoder.record(&mut out, k, v),
-                Frame::End => encoder.end(&mut out),
-            }
-        }
-        let mut again = FrameDecoder::default();
-        again.push(&out);
-        let mut frames_again = Vec::new();
-        while let Ok(Some(f)) = again.next_frame() {
-            frames_again.push(f);
-        }
-        assert_eq!(frames, frames_again);
+        common::assert_re_encodes(&frames);
     }
 });
