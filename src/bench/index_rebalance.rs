@@ -77,6 +77,10 @@ pub struct IndexRebalanceArgs {
     /// Where the chart of scan latency over the rebalance goes (PNG).
     #[arg(long)]
     chart: Option<PathBuf>,
+    /// The scale-outs' indexes are created once the documents are loaded (each built over
+    /// them), where by default they are created first and the load indexed as it comes.
+    #[arg(long)]
+    indexes_after_load: bool,
 }
 
 const SECRET: &str = "bench-index-rebalance-secret";
@@ -182,9 +186,14 @@ pub async fn run(args: IndexRebalanceArgs) -> Result<(), CliError> {
         false => format!("{} data + {} index nodes, then one more of each", args.data_nodes, args.index_nodes),
     };
     println!(
-        "bench index-rebalance: {shape}; {} indexes of {} partitions over {} documents, \
+        "bench index-rebalance: {shape}; {} indexes of {} partitions over {} documents ({}), \
          {} data partitions; foreground {} ops/s; every node on this machine's {cores} cores and one disk",
-        args.indexes, args.index_partitions, args.docs, args.partitions, args.rate
+        args.indexes,
+        args.index_partitions,
+        args.docs,
+        if args.indexes_after_load { "indexes created after the load" } else { "indexes created before the load" },
+        args.partitions,
+        args.rate
     );
     let mut outcomes = Vec::new();
     for method in &args.methods {
@@ -326,15 +335,21 @@ async fn start_cluster(
 async fn prepare(
     client: &Client,
     url: &str,
-    indexes: usize,
-    index_partitions: u16,
+    (indexes, index_partitions): (usize, u16),
     docs: usize,
     writers: usize,
+    indexes_after_load: bool,
 ) -> Result<(f64, f64), CliError> {
     use futures::{StreamExt, TryStreamExt};
     client.create_collection("bench", None).await?;
-    for n in 0..indexes {
-        client.create_index("bench", &index_def(n, index_partitions)).await?;
+    let create_indexes = || async {
+        for n in 0..indexes {
+            client.create_index("bench", &index_def(n, index_partitions)).await?;
+        }
+        Ok::<(), CliError>(())
+    };
+    if !indexes_after_load {
+        create_indexes().await?;
     }
     let loaded = Instant::now();
     // `writers` slices in flight at once, each a `_bulk` of LOAD_SLICE documents.
@@ -362,6 +377,9 @@ async fn prepare(
     };
     futures::stream::iter((0..docs).step_by(LOAD_SLICE)).map(slice).buffer_unordered(writers.max(1)).try_collect::<Vec<()>>().await?;
     let acked = loaded.elapsed().as_secs_f64();
+    if indexes_after_load {
+        create_indexes().await?;
+    }
     let http = crate::bench::http_builder().timeout(WAIT_MAX).no_proxy().build().map_err(|e| CliError::Bench(e.to_string()))?;
     for n in 0..indexes {
         let name = format!("i{n:03}");
@@ -400,7 +418,8 @@ async fn write_ratio(args: &IndexRebalanceArgs) -> Result<(), CliError> {
             start_cluster(&format!("writes-{indexes}"), (args.data_nodes, args.default_services), index_nodes(args), args.partitions, &[])
                 .await?;
         let client = Client::new(&data_nodes[0].url)?;
-        let (acked, indexed) = prepare(&client, &data_nodes[0].url, indexes, args.index_partitions, args.docs, args.writers).await?;
+        let (acked, indexed) =
+            prepare(&client, &data_nodes[0].url, (indexes, args.index_partitions), args.docs, args.writers, false).await?;
         rows.push((indexes, acked, indexed));
         drop((data_nodes, idx));
     }
@@ -421,7 +440,7 @@ async fn scale_out(args: &IndexRebalanceArgs, method: &str) -> Result<Outcome, C
         start_cluster(method, (args.data_nodes, args.default_services), self::index_nodes(args), args.partitions, &extra).await?;
     let client = Client::new(&data_nodes[0].url)?;
     let indexes = if method == "none" { 0 } else { args.indexes };
-    prepare(&client, &data_nodes[0].url, indexes, args.index_partitions, args.docs, args.writers).await?;
+    prepare(&client, &data_nodes[0].url, (indexes, args.index_partitions), args.docs, args.writers, args.indexes_after_load).await?;
     let expected = Arc::new(expected(args.docs));
     let targets: Vec<String> = data_nodes.iter().chain(&index_nodes).map(|n| n.url.clone()).collect();
     let log: Arc<Mutex<Vec<Scan>>> = Arc::default();
@@ -612,7 +631,7 @@ async fn eq_latency(args: &IndexRebalanceArgs) -> Result<(), CliError> {
             let label = format!("eq-{index_nodes}-{partitions}");
             let (data_nodes, idx, _) = start_cluster(&label, (1, false), index_nodes, partitions, &[]).await?;
             let client = Client::new(&data_nodes[0].url)?;
-            prepare(&client, &data_nodes[0].url, 1, args.index_partitions, args.docs, args.writers).await?;
+            prepare(&client, &data_nodes[0].url, (1, args.index_partitions), args.docs, args.writers, false).await?;
             clusters.push((index_nodes, partitions, data_nodes, idx, Vec::with_capacity(args.eq_scans), 0usize));
         }
         let http =
