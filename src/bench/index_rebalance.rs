@@ -328,7 +328,8 @@ async fn start_cluster(
     Ok((data_nodes, index_nodes, join))
 }
 
-/// Creates the collection and `indexes` indexes, loads the documents, and waits until every
+/// Creates the collection and `indexes` indexes, loads the documents (the indexes created
+/// before the load, or after it with `indexes_after_load`), and waits until every
 /// index answers at `request_plus` for all its partitions (the foreground's scans are
 /// `not_bounded`, exact only once each partition has every document). Answers the seconds
 /// until every write was acknowledged, and until every index had them.
