@@ -897,29 +897,30 @@ pub(crate) fn send_export(
     let bytes = |b: &mut BytesMut| Outgoing::Bytes(b.split().freeze());
     for piece in export {
         // A file's chunk (from the file itself) or a long value goes out as it is, behind
-        // its frame's head; shorter values are copied into the chunk being filled.
-        let (key, value) = match piece {
-            Ok(FilePiece::Chunk { key, file, offset, len }) => (key, Outgoing::File { file, offset, len }),
-            Ok(FilePiece::Record(k, v)) if v.len() >= COPY_UNCOPIED_BYTES => (k, Outgoing::Bytes(v)),
+        // its frame's head; shorter values and memtable items are framed into the chunk
+        // being filled, sent once it is full.
+        let apart = match piece {
+            Ok(FilePiece::Chunk { key, file, offset, len }) => Some((key, Outgoing::File { file, offset, len })),
+            Ok(FilePiece::Record(k, v)) if v.len() >= COPY_UNCOPIED_BYTES => Some((k, Outgoing::Bytes(v))),
             Ok(FilePiece::Record(k, v)) => {
                 encoder.record(&mut out, &k, &v);
-                if out.len() >= COPY_CHUNK_BYTES && !send(bytes(&mut out)) {
-                    return false; // the receiver went away
-                }
-                continue;
+                None
             }
             Ok(FilePiece::Item(item)) => {
                 FilePiece::frame_item(&mut encoder, &mut out, &item);
-                if out.len() >= COPY_CHUNK_BYTES && !send(bytes(&mut out)) {
-                    return false; // the receiver went away
-                }
-                continue;
+                None
             }
             Err(e) => {
                 // The receiver sees an error, never an end marker: it keeps nothing.
                 let _ = tx.blocking_send(Err(ClusterError::Storage(e.to_string())));
                 return false;
             }
+        };
+        let Some((key, value)) = apart else {
+            if out.len() >= COPY_CHUNK_BYTES && !send(bytes(&mut out)) {
+                return false; // the receiver went away
+            }
+            continue;
         };
         encoder.record_head(&mut out, &key, value.len());
         if !send(bytes(&mut out)) || !send(value) {

@@ -79,13 +79,7 @@ impl FrameEncoder {
     }
 
     pub fn record(&mut self, out: &mut BytesMut, key: &[u8], value: &[u8]) {
-        debug_assert!(!key.is_empty() && key.len() < END as usize);
-        out.put_u32_le(key.len() as u32);
-        out.put_u32_le(value.len() as u32);
-        out.put_slice(key);
-        out.put_slice(value);
-        self.records += 1;
-        self.bytes += (key.len() + value.len()) as u64;
+        self.record_pieces(out, &[key], &[value]);
     }
 
     /// A record whose key and value are each given in pieces, written one after another
