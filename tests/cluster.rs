@@ -909,6 +909,9 @@ async fn a_rebalance_copies_large_partitions_as_files_and_loses_nothing() {
     // The index is placed on the nodes (all run the index service): its partitions moved
     // as files too, and moving data partitions moved no index entry.
     assert!(moves.iter().any(|m| m["kind"] == "index"), "index partitions moved to the new nodes: {status}");
+    // The index stage's own length, within the rebalance's (it runs beside the data moves).
+    let (stage, whole) = (status["index_stage_s"].as_f64(), status["elapsed_s"].as_f64().unwrap_or(0.0));
+    assert!(stage.is_some_and(|s| s > 0.0 && s <= whole), "the index stage's length within the rebalance's {whole} s: {status}");
     assert!(status["bytes_done"].as_u64().unwrap() > 12_000 * 20, "the copies' bytes are counted: {status}");
     // One kind of byte, so a finished rebalance is at 100 % (it showed 13 % when compressed
     // file bytes were counted against document bytes).

@@ -630,6 +630,7 @@ pub(crate) fn move_groups<'a>(moves: &[SourcedCopy], coll: impl Fn(&IndexPart) -
 /// every new copy (as many at once per node as its copy slots, more towards a node that held
 /// none), then commits the placement. Answers the moves as the rebalance's status shows them.
 pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> Result<Vec<MoveStatus>, ClusterError> {
+    let began = Instant::now();
     let state = node.state();
     // The adopt calls carry `state.applied`: their nodes apply as far, the start included.
     debug_assert!(state.rebalance.is_some(), "the index stage runs within a rebalance whose start is applied");
@@ -745,6 +746,7 @@ pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> R
     if !changes.is_empty() {
         node.propose(MetaCommand::SetIndexPlacements { placements: changes }).await?;
     }
+    node.rebalancer.index_stage_ended(began.elapsed().as_secs_f64());
     tracing::info!(moves = statuses.len(), rebuilt, secs = started.elapsed().as_secs_f64(), "index partitions placed");
     Ok(statuses)
 }

@@ -161,6 +161,11 @@ pub struct RebalanceStatus {
     /// Seconds since this node began driving the rebalance, to its end once it ended.
     #[serde(default)]
     pub elapsed_s: f64,
+    /// Seconds the index stage took on this node (it runs beside the data partitions'
+    /// stages): from its plan to the new index placement committed, every index copy built
+    /// and caught up. `None` until it ended, and in a rebalance that moved no index.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index_stage_s: Option<f64>,
     /// When this node began driving it (for `elapsed_s`).
     #[serde(skip)]
     began: Option<Instant>,
@@ -238,6 +243,12 @@ impl Rebalancer {
             }
         }
         status.moves_done = status.moves.iter().filter(|m| m.state == MoveState::Done).count();
+    }
+
+    /// The index stage ended, its copies built and its placement committed, `secs` after it
+    /// began.
+    pub(crate) fn index_stage_ended(&self, secs: f64) {
+        self.status.lock().index_stage_s = Some(secs);
     }
 
     pub fn status(&self) -> RebalanceStatus {
