@@ -163,7 +163,7 @@ pub struct RebalanceStatus {
     pub elapsed_s: f64,
     /// Seconds the index stage took on this node (it runs beside the data partitions'
     /// stages): from its plan to the new index placement committed, every index copy built
-    /// and caught up. `None` until it ended, and in a rebalance that moved no index.
+    /// and caught up. `None` until it ended, and in a cluster with no index to place.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub index_stage_s: Option<f64>,
     /// When this node began driving it (for `elapsed_s`).
