@@ -652,7 +652,6 @@ pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> R
     let slots: BTreeMap<NodeId, Arc<tokio::sync::Semaphore>> =
         moves.iter().map(|((_, to), _)| (*to, Arc::new(tokio::sync::Semaphore::new(TRANSFER_PERMITS as usize)))).collect();
     let prepared = prepare_receivers(node, &state, &moves, &names);
-    let started = Instant::now();
     let mut statuses: Vec<MoveStatus> = Vec::with_capacity(moves.len());
     for ((part, to), source) in &moves {
         let (collection, index) = names.get(&part.index).cloned().ok_or_else(|| ClusterError::Refused("an index went away".into()))?;
@@ -746,8 +745,9 @@ pub(crate) async fn move_indexes(node: &Arc<ClusterNode>, eject: &[NodeId]) -> R
     if !changes.is_empty() {
         node.propose(MetaCommand::SetIndexPlacements { placements: changes }).await?;
     }
-    node.rebalancer.index_stage_ended(began.elapsed().as_secs_f64());
-    tracing::info!(moves = statuses.len(), rebuilt, secs = started.elapsed().as_secs_f64(), "index partitions placed");
+    let secs = began.elapsed().as_secs_f64();
+    node.rebalancer.index_stage_ended(secs);
+    tracing::info!(moves = statuses.len(), rebuilt, secs, "index partitions placed");
     Ok(statuses)
 }
 
