@@ -7,12 +7,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use datafusion::arrow::array::RecordBatch;
-use datafusion::arrow::datatypes::Field;
 use datafusion::arrow::error::ArrowError;
 use parking_lot::Mutex;
 use shoal_storage::{PartitionId, StreamPosition};
 
-use crate::merge::{adapt_batch, merge_fields, weighted_fields};
+use crate::merge::{adapt_batch, merge_fields, weighted_fields, FieldWeights};
 use crate::rows::{ColumnBuffer, ParsedDoc};
 
 use super::{
@@ -366,15 +365,15 @@ impl ApState {
     }
 
     /// Each top-level field of the rows with the number of values it holds.
-    pub(super) fn fields(&self) -> Vec<(Field, u64)> {
-        let mut out = Vec::new();
+    pub(super) fn fields(&self, into: &mut FieldWeights) {
         for s in self.segments.values().filter(|s| s.live() > 0) {
-            out.extend(weighted_fields(&s.batch));
+            into.add_batch(&s.batch);
         }
         for b in self.buffers.iter().filter(|b| !b.rows.is_empty()) {
-            out.extend(b.rows.weighted_fields());
+            for (f, w) in b.rows.weighted_fields() {
+                into.add(&f, w);
+            }
         }
-        out
     }
 }
 
@@ -550,6 +549,30 @@ mod tests {
                 prop_assert_eq!(&*kept, &*fresh);
             }
         }
+    }
+
+    /// What a member sends for each table a statement opens does not grow with its
+    /// segments: equal fields are summed.
+    #[test]
+    fn segments_of_one_shape_answer_each_field_once_with_all_its_values() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut st = ApState::fresh(vec![(0, StreamPosition::default())], 1);
+        st.segment_rows = 8;
+        for i in 0..100 {
+            let text = serde_json::json!({"n": i, "s": "x"}).to_string();
+            st.upsert(format!("k{i}"), ParsedDoc::parse(text.as_bytes()), dir.path()).unwrap();
+        }
+        st.checkpoint(dir.path(), 1).unwrap();
+        assert!(st.segments.len() > 1, "the rows span several segments");
+        let mut summed = FieldWeights::default();
+        st.fields(&mut summed);
+        let fields = summed.into_vec();
+        let mut names: Vec<&str> = fields.iter().map(|(f, _)| f.name().as_str()).collect();
+        let all = names.len();
+        names.dedup();
+        assert_eq!(names.len(), all, "each field once: {names:?}");
+        let n = fields.iter().find(|(f, _)| f.name() == "n").map(|(_, w)| *w);
+        assert_eq!(n, Some(100), "the weights of the segments' fields are summed");
     }
 
     #[test]

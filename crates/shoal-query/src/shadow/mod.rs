@@ -256,19 +256,20 @@ impl Shadow {
     /// The table's columns: the key, then every field of the rows, each typed by the kind
     /// most of its values have.
     pub fn schema(&self) -> SchemaRef {
-        let mut fields = Vec::new();
-        for ap in &self.aps {
-            fields.extend(ap.state.lock().fields());
-        }
+        let mut fields = self.weighted_fields();
         fields.insert(0, (Field::new(crate::schema::KEY_COLUMN, datafusion::arrow::datatypes::DataType::Utf8, false), u64::MAX));
         Arc::new(datafusion::arrow::datatypes::Schema::new(merge_fields(&fields)))
     }
 
     /// Each top-level field of the rows (the key column aside) with the number of values it
-    /// holds, per analytics partition: what [`Shadow::schema`] merges (and a cluster merges
-    /// across its members).
+    /// holds, equal fields of the segments summed ([`crate::merge::FieldWeights`]): what
+    /// [`Shadow::schema`] merges (and a cluster merges across its members).
     pub fn weighted_fields(&self) -> Vec<(Field, u64)> {
-        self.aps.iter().flat_map(|ap| ap.state.lock().fields()).collect()
+        let mut summed = crate::merge::FieldWeights::default();
+        for ap in &self.aps {
+            ap.state.lock().fields(&mut summed);
+        }
+        summed.into_vec()
     }
 
     /// The columns' statistics over the segments (rows not yet in a segment, and rows that
