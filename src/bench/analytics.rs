@@ -379,30 +379,6 @@ async fn scanned_bytes(http: &reqwest::Client, node: &Node) -> Result<u64, CliEr
         .map_or(0, |v| v as u64))
 }
 
-/// Runs `sql` `runs` times through the first node; answers the times, the last answer and
-/// each node's scanned bytes and CPU seconds over the runs.
-async fn per_node_runs(
-    http: &reqwest::Client,
-    nodes: &[Node],
-    sql: &str,
-    runs: usize,
-    label: &str,
-) -> Result<(Vec<f64>, Value, Vec<(u64, f64)>), CliError> {
-    let client = Client::new(&nodes[0].url)?;
-    let mut before = Vec::new();
-    for n in nodes {
-        before.push((scanned_bytes(http, n).await?, n.cpu_ticks().unwrap_or(0)));
-    }
-    let (times, answer) = timed_runs(&client, true, sql, runs, label).await?;
-    let mut per = Vec::new();
-    for (n, (bytes, ticks)) in nodes.iter().zip(before) {
-        let b = scanned_bytes(http, n).await?.saturating_sub(bytes);
-        let t = n.cpu_ticks().unwrap_or(0).saturating_sub(ticks);
-        per.push((b, t as f64 / 100.0));
-    }
-    Ok((times, answer, per))
-}
-
 /// Rows equal, numbers within a relative 1e-9 (engines add floats in different orders).
 fn same_rows(a: &Value, b: &Value) -> bool {
     let (Some(a), Some(b)) = (a.as_array(), b.as_array()) else { return false };
@@ -519,45 +495,112 @@ async fn scale_out(args: &AnalyticsArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-/// Seed 004 on clusters of each size in `--nodes`.
+/// The pause before each timed statement of [`interleaved_runs`].
+const STATEMENT_GAP: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// A cluster of the bench, loaded and idle.
+struct Loaded {
+    size: usize,
+    nodes: Vec<Node>,
+    client: Client,
+    load_secs: f64,
+}
+
+/// Starts a cluster of `size` nodes, rebalances it and loads seed 004's tables.
+async fn loaded_cluster(args: &AnalyticsArgs, size: usize) -> Result<Loaded, CliError> {
+    println!("\n--- {size} node(s)");
+    let mut base = vec!["--cluster-secret".to_string(), "bench-analytics".to_string()];
+    base.extend(args.node_args.iter().cloned());
+    let first = Node::start_named(&format!("analytics-{size}-0"), args.partitions, &base)?;
+    let mut joining = base.clone();
+    joining.extend(["--join".to_string(), crate::bench::host_port(&first.url)]);
+    let mut nodes = vec![first];
+    for i in 1..size {
+        nodes.push(Node::start_named(&format!("analytics-{size}-{i}"), args.partitions, &joining)?);
+    }
+    let client = Client::new(&nodes[0].url)?;
+    if size > 1 {
+        crate::bench::rebalance::wait_members(&client, size).await?;
+        crate::bench::rebalance::rebalance(&client, &[], None).await?;
+    }
+    let (_, load_secs) = load(&client, args.sf).await?;
+    Ok(Loaded { size, nodes, client, load_secs })
+}
+
+/// One cluster's runs of a statement: the times, the last answer, and each node's scanned
+/// bytes and CPU seconds over them.
+type ClusterRuns = (Vec<f64>, Value, Vec<(u64, f64)>);
+
+/// `sql` `runs` times on each cluster, one statement on each in turn (so that the machine's
+/// drift falls on every size alike); per cluster, the times, the last answer, and each
+/// node's scanned bytes and CPU seconds over the runs.
+async fn interleaved_runs(
+    http: &reqwest::Client,
+    clusters: &[Loaded],
+    sql: &str,
+    runs: usize,
+    what: &str,
+) -> Result<Vec<ClusterRuns>, CliError> {
+    let mut before = Vec::new();
+    for c in clusters {
+        let mut of = Vec::new();
+        for n in &c.nodes {
+            of.push((scanned_bytes(http, n).await?, n.cpu_ticks().unwrap_or(0)));
+        }
+        before.push(of);
+    }
+    let mut out: Vec<ClusterRuns> = clusters.iter().map(|_| (Vec::new(), Value::Null, Vec::new())).collect();
+    for run in 0..runs {
+        for (c, o) in clusters.iter().zip(out.iter_mut()) {
+            // What the statement before left running (its tasks' streams and state being
+            // dropped on the members) ends before the next one, on whichever cluster.
+            tokio::time::sleep(STATEMENT_GAP).await;
+            let label = format!("{what}, {} node(s), run {}", c.size, run + 1);
+            let (times, answer) = timed_runs(&c.client, true, sql, 1, &label).await?;
+            o.0.extend(times);
+            o.1 = answer;
+        }
+    }
+    for ((c, of), o) in clusters.iter().zip(before).zip(out.iter_mut()) {
+        for (n, (bytes, ticks)) in c.nodes.iter().zip(of) {
+            let b = scanned_bytes(http, n).await?.saturating_sub(bytes);
+            let t = n.cpu_ticks().unwrap_or(0).saturating_sub(ticks);
+            o.2.push((b, t as f64 / 100.0));
+        }
+    }
+    Ok(out)
+}
+
+/// Seed 004 on clusters of each size in `--nodes`: every cluster started and loaded first,
+/// then the statements run on them in turn.
 async fn on_clusters(args: &AnalyticsArgs, cores: usize) -> Result<(), CliError> {
     let http = crate::bench::http_builder().build().unwrap_or_default();
-    let mut measured = Vec::new();
+    let mut clusters = Vec::new();
     for &size in &args.nodes {
-        let size = size.max(1);
-        println!("\n--- {size} node(s)");
-        let mut base = vec!["--cluster-secret".to_string(), "bench-analytics".to_string()];
-        base.extend(args.node_args.iter().cloned());
-        let first = Node::start_named(&format!("analytics-{size}-0"), args.partitions, &base)?;
-        let mut joining = base.clone();
-        joining.extend(["--join".to_string(), crate::bench::host_port(&first.url)]);
-        let mut nodes = vec![first];
-        for i in 1..size {
-            nodes.push(Node::start_named(&format!("analytics-{size}-{i}"), args.partitions, &joining)?);
-        }
-        let client = Client::new(&nodes[0].url)?;
-        if size > 1 {
-            crate::bench::rebalance::wait_members(&client, size).await?;
-            crate::bench::rebalance::rebalance(&client, &[], None).await?;
-        }
-        let (_, load_secs) = load(&client, args.sf).await?;
-        for n in &nodes {
+        clusters.push(loaded_cluster(args, size.max(1)).await?);
+    }
+    for c in &clusters {
+        for n in &c.nodes {
             n.wait_idle(std::time::Duration::from_secs(120));
         }
-        let label = format!("query 3, {size} node(s)");
-        timed_runs(&client, true, tpcds::QUERY_3, 1, &format!("{label}, warm-up")).await?;
-        let (q3, answer, q3_nodes) = per_node_runs(&http, &nodes, tpcds::QUERY_3, args.runs.max(1), &label).await?;
-        let (scan, _, scan_nodes) =
-            per_node_runs(&http, &nodes, SCAN_QUERY, args.runs.max(1), &format!("scan query, {size} node(s)")).await?;
-        let engine = answer["metrics"]["engine"].as_str().unwrap_or("?").to_string();
-        measured.push(OnCluster { nodes: size, load_secs, q3, scan, q3_nodes, scan_nodes, engine, answer });
+        timed_runs(&c.client, true, tpcds::QUERY_3, 1, &format!("query 3, {} node(s), warm-up", c.size)).await?;
     }
+    let runs = args.runs.max(1);
+    let q3 = interleaved_runs(&http, &clusters, tpcds::QUERY_3, runs, "query 3").await?;
+    let scan = interleaved_runs(&http, &clusters, SCAN_QUERY, runs, "scan query").await?;
+    let mut measured = Vec::new();
+    for ((c, (q3, answer, q3_nodes)), (scan, _, scan_nodes)) in clusters.iter().zip(q3).zip(scan) {
+        let engine = answer["metrics"]["engine"].as_str().unwrap_or("?").to_string();
+        measured.push(OnCluster { nodes: c.size, load_secs: c.load_secs, q3, scan, q3_nodes, scan_nodes, engine, answer });
+    }
+    drop(clusters);
     let duck = if args.no_duckdb { json!({"error": "skipped (--no-duckdb)"}) } else { duckdb(args, cores)? };
     let one = measured.first().map(|m| median(&m.q3));
     let mut report = format!(
         "Seed 004 on a cluster: TPC-DS query 3 and a scan query (`SCAN_QUERY`) at scale factor {} on `/v1/analytics`, \
          asked of the first node of fresh clusters of {:?} nodes ({} partitions; median of {} runs after one warm-up, once \
-         the nodes are idle after the load). **Every node of every cluster runs on this machine's {cores} cores**, so wall \
+         the nodes are idle after the load; every cluster is loaded first, then each run asks every cluster in turn, so that \
+         the machine's drift falls on every size alike). **Every node of every cluster runs on this machine's {cores} cores**, so wall \
          time cannot fall with more nodes here: the scale-out shows in the work per node (each node's share of the bytes \
          scanned and its CPU seconds). Bytes scanned: `shoal_analytics_scanned_bytes_total`, the column values each node's \
          shadow scans produced. CPU: each node process's user + system seconds over the runs.{}\n\n\
