@@ -111,7 +111,12 @@ fn merge_one(name: &str, cands: &[(&Field, u64)]) -> Field {
 /// [`merge_fields`] takes).
 pub fn weighted_fields(batch: &RecordBatch) -> Vec<(Field, u64)> {
     let schema = batch.schema();
-    schema.fields().iter().zip(batch.columns()).map(|(f, c)| (f.as_ref().clone(), (c.len() - c.logical_null_count()) as u64)).collect()
+    schema.fields().iter().zip(batch.columns()).map(|(f, c)| (f.as_ref().clone(), values_held(c.as_ref()))).collect()
+}
+
+/// The non-null values of `column`: a field's weight, and its statistics' value count.
+pub fn values_held(column: &dyn Array) -> u64 {
+    (column.len() - column.logical_null_count()) as u64
 }
 
 /// Fields with their weights, equal fields summed into one entry, in first-seen order:
@@ -141,7 +146,7 @@ impl FieldWeights {
     pub fn add_batch(&mut self, batch: &RecordBatch) {
         let schema = batch.schema();
         for (f, c) in schema.fields().iter().zip(batch.columns()) {
-            self.add(f, (c.len() - c.logical_null_count()) as u64);
+            self.add(f, values_held(c.as_ref()));
         }
     }
 

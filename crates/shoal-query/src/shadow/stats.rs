@@ -120,7 +120,7 @@ pub fn batch_stats(batch: &RecordBatch) -> TableStats {
         {
             continue;
         }
-        let mut stats = ColumnStats { values: (column.len() - column.logical_null_count()) as u64, ..ColumnStats::default() };
+        let mut stats = ColumnStats { values: crate::merge::values_held(column.as_ref()), ..ColumnStats::default() };
         for (row, h) in hashes.iter().enumerate() {
             if column.is_valid(row) {
                 stats.sketch.add(*h);
