@@ -328,6 +328,12 @@ async fn a_rebalance_moves_each_partitions_analytics_rows_with_its_files() {
     let want = model_groups(&docs);
     let (s, v) = statement(&http, &first, "analytics", sql).await;
     assert_eq!((s, &v["rows"]), (200, &want), "{v}");
+    // A join whose small build side is broadcast: on two members, gathered from them while
+    // the statement is planned (`shoal_query::gather`).
+    let join = "SELECT a.g, count(*), sum(b.n) FROM c a JOIN c b ON a.n = b.n WHERE a.n < 100 GROUP BY a.g ORDER BY a.g";
+    let want_join = model_groups(&docs.iter().filter(|(_, (_, n))| *n < 100).map(|(k, v)| (k.clone(), *v)).collect());
+    let (s, v) = statement(&http, &first, "analytics", join).await;
+    assert_eq!((s, &v["rows"]), (200, &want_join), "{v}");
 
     let mut second = Node::start(&[&FEW[..], &["--join", &first.addr()][..]].concat());
     second.pin_port();
@@ -341,7 +347,8 @@ async fn a_rebalance_moves_each_partitions_analytics_rows_with_its_files() {
         tokio::spawn(async move {
             let mut i = 0;
             while !stop.load(Ordering::Relaxed) {
-                let r = http.post(&urls[i % 2]).json(&json!({"sql": sql, "consistency": "request_plus"})).send().await.unwrap();
+                let asked = if i % 4 < 2 { sql } else { join };
+                let r = http.post(&urls[i % 2]).json(&json!({"sql": asked, "consistency": "request_plus"})).send().await.unwrap();
                 let status = r.status().as_u16();
                 let v: Value = r.json().await.unwrap_or(Value::Null);
                 seen.lock().unwrap().push((status, v));
@@ -356,8 +363,9 @@ async fn a_rebalance_moves_each_partitions_analytics_rows_with_its_files() {
     stop.store(true, Ordering::Relaxed);
     runner.await.unwrap();
     for (i, (status, v)) in seen.lock().unwrap().iter().enumerate() {
+        let want = if i % 4 < 2 { &want } else { &want_join };
         match status {
-            200 => assert_eq!(v["rows"], want, "statement {i} during the rebalance: {v}"),
+            200 => assert_eq!(&v["rows"], want, "statement {i} during the rebalance: {v}"),
             503 => assert_eq!(v["error"], "unavailable", "{v}"),
             other => panic!("statement {i} during the rebalance: {other} {v}"),
         }
@@ -381,6 +389,12 @@ async fn a_rebalance_moves_each_partitions_analytics_rows_with_its_files() {
         "the new member's shadow did not read the moved documents again: {applied} changes applied, {adopted} rows adopted"
     );
 
+    // The join's build side is gathered, not broadcast through a stage of its own.
+    let (s, v) = statement(&http, &first, "analytics", &format!("EXPLAIN ANALYZE {join}")).await;
+    assert_eq!(s, 200, "{v}");
+    let plan = v["rows"][0][1].as_str().unwrap_or_default();
+    assert!(plan.contains("GatheredExec: table=c, rows=100") && !plan.contains("NetworkBroadcastExec"), "{plan}");
+
     // What is written after lands on the moved rows, wherever they are read.
     let mut body = String::new();
     for i in (0..DOCS).step_by(7) {
@@ -397,10 +411,13 @@ async fn a_rebalance_moves_each_partitions_analytics_rows_with_its_files() {
     assert_eq!(r.status(), 200);
     assert!(!r.text().await.unwrap().contains("\"error\""), "every line written");
     let want = model_groups(&docs);
+    let want_join = model_groups(&docs.iter().filter(|(_, (_, n))| *n < 100).map(|(k, v)| (k.clone(), *v)).collect());
     for node in [&first, &second] {
         for endpoint in ["analytics", "query"] {
             let (s, v) = statement(&http, node, endpoint, sql).await;
             assert_eq!((s, &v["rows"]), (200, &want), "{endpoint} on {}: {v}", node.url);
+            let (s, v) = statement(&http, node, endpoint, join).await;
+            assert_eq!((s, &v["rows"]), (200, &want_join), "{endpoint} on {}: {v}", node.url);
         }
     }
 }

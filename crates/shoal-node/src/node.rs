@@ -530,6 +530,7 @@ impl ClusterNode {
                 let req = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
                 crate::sql::serve_shadow_fields(self, req).await
             }
+            Op::ShadowRows => crate::sql::serve_shadow_rows(self, body).await,
             Op::IndexAdopt => {
                 let req = serde_json::from_slice(body).map_err(|e| ClusterError::BadMessage(e.to_string()))?;
                 let answer = crate::index_moves::serve_adopt(self, req).await?;

@@ -57,6 +57,9 @@ pub enum Op {
     IndexScan,
     /// A coordinator of an analytics statement asks a member for its shadow's fields (`sql`).
     ShadowFields,
+    /// A coordinator of an analytics statement asks a member for its rows of a small table
+    /// (`sql`, `shoal_query::gather`).
+    ShadowRows,
     /// A replica being built by files asks the active for the partition's analytics rows
     /// (`shadow_move`; streamed).
     ShadowExport,
@@ -98,6 +101,7 @@ impl Op {
             Op::IndexPrepare => "index-prepare",
             Op::IndexScan => "index-scan",
             Op::ShadowFields => "shadow-fields",
+            Op::ShadowRows => "shadow-rows",
             Op::ShadowExport => "shadow-export",
             Op::Applied => "applied",
         }
@@ -127,6 +131,7 @@ impl Op {
             "index-prepare" => Op::IndexPrepare,
             "index-scan" => Op::IndexScan,
             "shadow-fields" => Op::ShadowFields,
+            "shadow-rows" => Op::ShadowRows,
             "shadow-export" => Op::ShadowExport,
             "applied" => Op::Applied,
             "catch-up" => Op::CatchUp,
@@ -210,6 +215,7 @@ mod tests {
             Op::IndexPrepare,
             Op::IndexScan,
             Op::ShadowFields,
+            Op::ShadowRows,
             Op::ShadowExport,
         ];
         for op in ops {

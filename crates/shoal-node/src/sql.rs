@@ -210,6 +210,11 @@ impl ShadowMembers for Members {
         answer.map_err(|e| RemoteError(format!("a member's shadow of {collection}: {e}")))
     }
 
+    async fn rows(&self, member: &str, request: Vec<u8>, timeout: Duration) -> Result<Vec<u8>, RemoteError> {
+        let answer = self.node.peers.call(member, Op::ShadowRows, request, timeout + FIELDS_CALL_SLACK).await;
+        answer.map_err(|e| RemoteError(format!("a member's rows of a small table: {e}")))
+    }
+
     async fn member_gone(&self, members: &[String]) -> String {
         loop {
             let state = self.node.state();
@@ -244,6 +249,16 @@ pub(crate) async fn serve_shadow_fields(node: &Arc<ClusterNode>, req: ShadowFiel
     let consistency = if req.request_plus { shoal_index::Consistency::RequestPlus } else { shoal_index::Consistency::NotBounded };
     let timeout = Duration::from_millis(req.timeout_ms).min(shoal_query::QUERY_TIMEOUT_MAX);
     node.engine.query().shadow_fields(&req.collection, consistency, timeout, req.current).await.map_err(|e| match e {
+        shoal_query::QueryError::Timeout(_) => ClusterError::Timeout(e.to_string()),
+        e => ClusterError::Refused(e.to_string()),
+    })
+}
+
+/// The asked side of [`ShadowMembers::rows`]: this member's rows of a small table, under
+/// the map the statement pinned (`shoal_query::gather`).
+pub(crate) async fn serve_shadow_rows(node: &Arc<ClusterNode>, body: &[u8]) -> Result<Vec<u8>, ClusterError> {
+    node.engine.query().shadow_rows(body).await.map_err(|e| match e {
+        shoal_query::QueryError::Invalid(why) => ClusterError::BadMessage(why),
         shoal_query::QueryError::Timeout(_) => ClusterError::Timeout(e.to_string()),
         e => ClusterError::Refused(e.to_string()),
     })

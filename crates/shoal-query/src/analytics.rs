@@ -292,7 +292,7 @@ enum Source {
     Cluster(Arc<ClusterAnalytics>, usize, usize, Arc<TableSummary>),
 }
 
-struct ShadowTable {
+pub(crate) struct ShadowTable {
     source: Source,
     schema: SchemaRef,
     name: String,
@@ -306,6 +306,33 @@ impl fmt::Debug for ShadowTable {
             Source::Here(_) => write!(f, "ShadowTable({})", self.name),
             Source::Cluster(..) => write!(f, "ShadowTable({}, members)", self.name),
         }
+    }
+}
+
+impl ShadowTable {
+    /// What gathering this table would read ([`crate::gather`]): a table over the members
+    /// estimated at most [`crate::gather::GATHER_ROWS_MAX`] rows, read whole (no limit)
+    /// for some column. `None` for any other.
+    pub(crate) fn small_read(
+        &self,
+        projection: Option<&Vec<usize>>,
+        filters: &[Expr],
+        limit: Option<usize>,
+    ) -> Result<Option<crate::gather::SmallRead>, DataFusionError> {
+        let Source::Cluster(cluster, _, rows, _) = &self.source else { return Ok(None) };
+        let projected = project_schema(&self.schema, projection)?;
+        if *rows > crate::gather::GATHER_ROWS_MAX || limit.is_some() || projected.fields().is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(crate::gather::SmallRead {
+            collection: self.name.clone(),
+            map_version: cluster.map_version,
+            timeout: self.timeout,
+            members: cluster.members.clone().into(),
+            group: filters.iter().find_map(group_of),
+            projected,
+            filters: filters.to_vec(),
+        }))
     }
 }
 
@@ -354,8 +381,9 @@ impl TableProvider for ShadowTable {
             Source::Here(shadow) => shadow,
             Source::Cluster(cluster, partitions, rows, stats) => {
                 let timeout = self.timeout;
+                let small = self.small_read(projection, filters, limit)?.is_some();
                 let scan = members_scan(cluster, &self.name, timeout, projected, filters, limit, (*partitions, *rows, Arc::clone(stats)));
-                return Ok(Arc::new(scan));
+                return Ok(Arc::new(if small { scan.with_small(filters) } else { scan }));
             }
         };
         shadow_scan(Arc::clone(shadow), projected, filters, limit, None).await
@@ -392,6 +420,7 @@ pub(crate) async fn shadow_scan(
         cluster: None,
         columnar,
         stats: None,
+        small: None,
     }))
 }
 
@@ -417,6 +446,9 @@ pub(crate) struct ShadowScanExec {
     /// Its table's columns' statistics, for the planner's estimates (a cluster's; see
     /// [`crate::shadow::stats`]).
     stats: Option<Arc<TableSummary>>,
+    /// In a cluster, a table small enough to be gathered if it is a broadcast's build side
+    /// ([`crate::gather`]): the filters DataFusion pushed to it.
+    small: Option<Arc<[Expr]>>,
 }
 
 impl fmt::Debug for ShadowScanExec {
@@ -718,7 +750,24 @@ impl ShadowScanExec {
             cluster: Some(scan),
             columnar: None,
             stats: None,
+            small: None,
         }
+    }
+
+    /// The scan of a table small enough to be gathered, with the filters pushed to it.
+    pub(crate) fn with_small(mut self, filters: &[Expr]) -> ShadowScanExec {
+        self.small = Some(filters.into());
+        self
+    }
+
+    /// A small table's filters: `Some` if it may be gathered.
+    pub(crate) fn small(&self) -> Option<&[Expr]> {
+        self.small.as_deref()
+    }
+
+    /// The projected columns.
+    pub(crate) fn projected(&self) -> &SchemaRef {
+        &self.projected
     }
 
     /// The scan with its table's columns' statistics.

@@ -46,6 +46,7 @@ use shoal_index::Consistency;
 use shoal_storage::Store;
 
 use crate::analytics::{ClusterScan, ShadowScanExec};
+use crate::gather::GatheredExec;
 use crate::shadow::stats::TableSummary;
 use crate::shadow::{ShadowError, ShadowManager};
 use crate::spread::RemoteError;
@@ -107,6 +108,10 @@ pub trait ShadowMembers: Send + Sync {
         timeout: Duration,
         current: bool,
     ) -> Result<Vec<u8>, RemoteError>;
+
+    /// `member`'s rows of a small table, read while a statement is planned
+    /// ([`crate::gather`]): the request and the answer are that module's encodings.
+    async fn rows(&self, member: &str, request: Vec<u8>, timeout: Duration) -> Result<Vec<u8>, RemoteError>;
 
     /// Resolves, with the reason, once one of `members` (a statement's, by the map it
     /// pinned) holds no partition active under this node's newest map: it was failed over
@@ -358,6 +363,9 @@ struct ScanProto {
     /// them (so that on a worker they are the same filters its joins fill).
     #[prost(message, repeated, tag = "10")]
     dynamic: Vec<datafusion_proto::protobuf::PhysicalExprNode>,
+    /// A gathered table's rows ([`GatheredExec`], an Arrow IPC stream) instead of a scan.
+    #[prost(bytes = "vec", optional, tag = "11")]
+    gathered: Option<Vec<u8>>,
 }
 
 impl PhysicalExtensionCodec for ScanCodec {
@@ -374,6 +382,9 @@ impl PhysicalExtensionCodec for ScanCodec {
         let p = ScanProto::decode(buf).map_err(|e| DataFusionError::Internal(format!("a shadow scan's encoding: {e}")))?;
         let schema: Schema =
             p.schema.as_ref().ok_or_else(|| DataFusionError::Internal("a shadow scan without its schema".into()))?.try_into()?;
+        if let Some(rows) = &p.gathered {
+            return Ok(Arc::new(GatheredExec::from_ipc(p.collection, Arc::new(schema), rows)?));
+        }
         let scan = ClusterScan {
             collection: p.collection,
             map_version: p.map_version,
@@ -398,6 +409,15 @@ impl PhysicalExtensionCodec for ScanCodec {
     ) -> Result<(), DataFusionError> {
         // A plan whose stage sent to a worker holds another leaf (a `/v1/query` read of the
         // documents by key) runs on the rows instead.
+        if let Some(g) = node.downcast_ref::<GatheredExec>() {
+            let proto = ScanProto {
+                schema: Some(node.schema().as_ref().try_into()?),
+                collection: g.table().to_string(),
+                gathered: Some(g.ipc()?.to_vec()),
+                ..ScanProto::default()
+            };
+            return proto.encode(buf).map_err(|e| DataFusionError::Internal(format!("encoding gathered rows: {e}")));
+        }
         let Some(exec) = node.downcast_ref::<ShadowScanExec>() else {
             return Err(tag(Kind::NotPlaced, format!("a stage sent to a worker reads {}", node.name())));
         };
@@ -415,6 +435,7 @@ impl PhysicalExtensionCodec for ScanCodec {
             limit: exec.limit().map(|l| l as u64),
             partitions: exec.properties().partitioning.partition_count() as u64,
             dynamic: exec.dynamic().iter().map(|d| proto_converter.physical_expr_to_proto(d, self)).collect::<Result<Vec<_>, _>>()?,
+            gathered: None,
         };
         proto.encode(buf).map_err(|e| DataFusionError::Internal(format!("encoding a shadow scan: {e}")))
     }
@@ -693,7 +714,7 @@ impl datafusion_distributed::ChannelResolver for Channels {
 /// Adds what a distributed statement needs to a coordinating session.
 pub(crate) fn coordinating(
     builder: datafusion::execution::SessionStateBuilder,
-    cluster: &ClusterAnalytics,
+    cluster: &Arc<ClusterAnalytics>,
     worker: &Worker,
     me: &str,
     channels: Channels,
@@ -703,7 +724,7 @@ pub(crate) fn coordinating(
     let mut headers = http::HeaderMap::new();
     let id = http::HeaderValue::try_from(statement).map_err(|e| DataFusionError::Plan(format!("statement id {statement}: {e}")))?;
     headers.insert(http::HeaderName::from_static(STATEMENT_HEADER), id);
-    Ok(builder
+    let builder = builder
         .with_distributed_passthrough_headers(headers)?
         .with_physical_optimizer_rule(Arc::new(GatherSingleTaskJoins))
         .with_distributed_worker_resolver(Members(urls))
@@ -716,7 +737,16 @@ pub(crate) fn coordinating(
         .with_distributed_user_codec(ScanCodec)
         .with_distributed_desired_task_count_handler(desired_tasks)
         .with_distributed_scale_up_leaf_node_handler(scale_up)
-        .with_distributed_route_tasks_handler(route))
+        .with_distributed_route_tasks_handler(route);
+    // Broadcasts of gathered tables are inlined once datafusion-distributed has planned.
+    let mut builder = builder;
+    let distributed = builder.query_planner().take();
+    Ok(match distributed {
+        Some(planner) => {
+            builder.with_query_planner(Arc::new(crate::gather::InlineGatheredBroadcasts { planner, cluster: Arc::clone(cluster) }))
+        }
+        None => builder,
+    })
 }
 
 /// `df` with its tasks' metrics collected if it is an `EXPLAIN ANALYZE`, which shows them

@@ -12,6 +12,7 @@ mod bounded;
 pub mod convert;
 pub mod distributed;
 mod fsum;
+pub mod gather;
 mod merge;
 mod pool;
 pub mod rows;
@@ -66,6 +67,9 @@ pub const SPILL_DIR: &str = "tmp/query-spill";
 /// distributed statement (bytes, rows); past it both sides are shuffled by hash.
 pub const BROADCAST_BUILD_MAX_BYTES: usize = 32 * 1024 * 1024;
 pub const BROADCAST_BUILD_MAX_ROWS: usize = 1_000_000;
+/// Tables of a distributed statement planned at once (a small one is read from the members
+/// as it is planned, see [`gather`]).
+const PLANNING_CONCURRENCY: usize = 16;
 /// Most groups a distributed statement's final aggregation is estimated to have for it to
 /// run in one task, on the coordinator (past it, the groups are shuffled by hash over the
 /// members).
@@ -537,6 +541,16 @@ impl QueryEngine {
         Ok(distributed::encode_fields_cached(fields, rows, &stats)?.as_ref().clone())
     }
 
+    /// This member's rows of a small table a distributed statement reads while it is
+    /// planned ([`gather`]): the asked side of [`distributed::ShadowMembers::rows`].
+    pub async fn shadow_rows(&self, request: &[u8]) -> Result<Vec<u8>, QueryError> {
+        let request = gather::parse(request)?;
+        let Some(member) = self.member.get() else {
+            return Err(QueryError::Unavailable("this node is not a worker of the cluster yet".into()));
+        };
+        gather::serve(&member.env, request).await
+    }
+
     /// Runs one statement (queries and `EXPLAIN`; no DDL, DML or `SET`) on the
     /// operational path.
     pub async fn query(&self, req: QueryRequest, format: RowFormat) -> Result<QueryAnswer, QueryError> {
@@ -726,6 +740,9 @@ impl QueryEngine {
                 // rows are rather than shuffled between the members by hash.
                 let mut config = config;
                 distributed::broadcast_builds_up_to_limits(&mut config);
+                // Every table is planned at once: a small one is read from the members then
+                // (`gather`), not one after another.
+                config.options_mut().execution.planning_concurrency = PLANNING_CONCURRENCY;
                 // Tasks this node runs for itself read its shadows as a worker's do.
                 let builder = datafusion::execution::SessionStateBuilder::new()
                     .with_default_features()
