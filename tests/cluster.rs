@@ -389,19 +389,7 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
     // An oversized call is refused before it is read whole: the pull, and the index
     // service's calls (feeds, highs, copies of index partitions, routed scans).
     let huge = bytes::Bytes::from(vec![b'x'; 64 * 1024 * 1024 + 1]);
-    for op in [
-        "pull",
-        "feed",
-        "highs",
-        "index-export",
-        "index-adopt",
-        "index-prepare",
-        "index-scan",
-        "shadow-fields",
-        "shadow-rows",
-        "shadow-export",
-        "applied",
-    ] {
+    for op in std::iter::once("pull").chain(common::INTERNAL_BODY_CALLS) {
         let r = http.post(first.u(&format!("/v1/_internal/{op}"))).header("x-shoal-cluster-secret", SECRET).body(huge.clone()).send().await;
         if let Ok(r) = r {
             // (The node may close the connection before the client has sent everything.)

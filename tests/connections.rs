@@ -259,35 +259,24 @@ fn slow_request(
 fn trickled_internal_index_calls_time_out() {
     let node = Node::start(&["--body-read-timeout-secs", "2", "--cluster-secret", "trickle-secret"]);
     let a = addr(&node);
-    let calls: Vec<_> = [
-        "feed",
-        "highs",
-        "index-export",
-        "index-adopt",
-        "index-prepare",
-        "index-scan",
-        "shadow-fields",
-        "shadow-rows",
-        "shadow-export",
-        "applied",
-    ]
-    .into_iter()
-    .map(|op| {
-        let head = format!(
-            "POST /v1/_internal/{op} HTTP/1.1\r\nHost: shoal\r\nx-shoal-cluster-secret: trickle-secret\r\nContent-Length: 64\r\n\r\n"
-        );
-        std::thread::spawn(move || {
-            let answer = slow_request(a, op, &head, |w| {
-                for b in br#"{"collection":"c","index":"i","part":0,"source":null,"pad":"xyz"}"#.iter() {
-                    w.write_all(&[*b])?;
-                    std::thread::sleep(Duration::from_secs(1));
-                }
-                Ok(())
-            });
-            (op, answer)
+    let calls: Vec<_> = common::INTERNAL_BODY_CALLS
+        .into_iter()
+        .map(|op| {
+            let head = format!(
+                "POST /v1/_internal/{op} HTTP/1.1\r\nHost: shoal\r\nx-shoal-cluster-secret: trickle-secret\r\nContent-Length: 64\r\n\r\n"
+            );
+            std::thread::spawn(move || {
+                let answer = slow_request(a, op, &head, |w| {
+                    for b in br#"{"collection":"c","index":"i","part":0,"source":null,"pad":"xyz"}"#.iter() {
+                        w.write_all(&[*b])?;
+                        std::thread::sleep(Duration::from_secs(1));
+                    }
+                    Ok(())
+                });
+                (op, answer)
+            })
         })
-    })
-    .collect();
+        .collect();
     for t in calls {
         let (op, (answer, closed, _)) = t.join().expect("slow call");
         assert_eq!(answer.status, 408, "{op}: {answer:?}");

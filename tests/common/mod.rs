@@ -10,6 +10,23 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+/// The internal calls between members that read their bodies as client requests do (size
+/// cap, read timeout): the index service's, the analytics preparation's, the shadow's
+/// copies, a DDL's wait. Every such call belongs here, so the oversized and trickled-body
+/// tests try each of them.
+pub const INTERNAL_BODY_CALLS: [&str; 10] = [
+    "feed",
+    "highs",
+    "index-export",
+    "index-adopt",
+    "index-prepare",
+    "index-scan",
+    "shadow-fields",
+    "shadow-rows",
+    "shadow-export",
+    "applied",
+];
+
 /// The password every test node gives its first admin (`SHOAL_ADMIN_PASSWORD`).
 pub const ADMIN_PASSWORD: &str = "test-admin-password";
 

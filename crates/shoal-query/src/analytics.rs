@@ -310,6 +310,13 @@ impl fmt::Debug for ShadowTable {
 }
 
 impl ShadowTable {
+    /// The members, if this table may be gathered: over the members, estimated at most
+    /// [`crate::gather::GATHER_ROWS_MAX`] rows, read whole (no limit) for some column.
+    fn small(&self, projected: &SchemaRef, limit: Option<usize>) -> Option<&Arc<ClusterAnalytics>> {
+        let Source::Cluster(cluster, _, rows, _) = &self.source else { return None };
+        (*rows <= crate::gather::GATHER_ROWS_MAX && limit.is_none() && !projected.fields().is_empty()).then_some(cluster)
+    }
+
     /// What gathering this table would read ([`crate::gather`]): a table over the members
     /// estimated at most [`crate::gather::GATHER_ROWS_MAX`] rows, read whole (no limit)
     /// for some column. `None` for any other.
@@ -319,11 +326,8 @@ impl ShadowTable {
         filters: &[Expr],
         limit: Option<usize>,
     ) -> Result<Option<crate::gather::SmallRead>, DataFusionError> {
-        let Source::Cluster(cluster, _, rows, _) = &self.source else { return Ok(None) };
         let projected = project_schema(&self.schema, projection)?;
-        if *rows > crate::gather::GATHER_ROWS_MAX || limit.is_some() || projected.fields().is_empty() {
-            return Ok(None);
-        }
+        let Some(cluster) = self.small(&projected, limit) else { return Ok(None) };
         Ok(Some(crate::gather::SmallRead {
             collection: self.name.clone(),
             map_version: cluster.map_version,
@@ -381,7 +385,7 @@ impl TableProvider for ShadowTable {
             Source::Here(shadow) => shadow,
             Source::Cluster(cluster, partitions, rows, stats) => {
                 let timeout = self.timeout;
-                let small = self.small_read(projection, filters, limit)?.is_some();
+                let small = self.small(&projected, limit).is_some();
                 let scan = members_scan(cluster, &self.name, timeout, projected, filters, limit, (*partitions, *rows, Arc::clone(stats)));
                 return Ok(Arc::new(if small { scan.with_small(filters) } else { scan }));
             }

@@ -282,12 +282,13 @@ async fn gather(cluster: &ClusterAnalytics, env: &Arc<WorkerEnv>, read: &SmallRe
     let body = req.encode_to_vec();
     let me = env.local.address();
     let asks = read.members.iter().map(|m| {
-        let (body, req) = (body.clone(), req.clone());
         let me = &me;
+        let body = &body;
         async move {
             let answer = if m == me {
-                answer(env, Parsed::of_read(read, req)).await?
+                answer(env, Parsed::of_read(read)).await?
             } else {
+                let body = body.clone();
                 cluster.remote.rows(m, body, read.timeout).await.map_err(|e| tag(Kind::Unavailable, e))?
             };
             GatherAnswer::decode(answer.as_slice())
@@ -339,12 +340,12 @@ pub struct Parsed {
 
 impl Parsed {
     /// This node's own part of `read`: nothing to decode.
-    fn of_read(read: &SmallRead, req: GatherRequest) -> Parsed {
+    fn of_read(read: &SmallRead) -> Parsed {
         Parsed {
-            collection: req.collection,
-            map_version: req.map_version,
+            collection: read.collection.clone(),
+            map_version: read.map_version,
             timeout: read.timeout,
-            group: req.group,
+            group: read.group.clone(),
             schema: Arc::clone(&read.projected),
             filters: read.filters.iter().map(unqualified).collect(),
         }
