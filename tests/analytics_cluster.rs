@@ -144,7 +144,8 @@ fn groups(docs: usize) -> Value {
     json!((0..10).map(|g| json!([g, m, 10 * (m * (m - 1) / 2) + g * m])).collect::<Vec<_>>())
 }
 
-/// A member killed with `kill -9` while statements run through another: each statement
+/// A member killed with `kill -9` while statements run through another, a group-by and a
+/// join whose small build side is gathered while it is planned, in turn: each statement
 /// answers the model's groups or `503`; none answers short, fails otherwise or hangs. A
 /// statement whose answer would be huge is refused with a clear error, not gathered on the
 /// coordinator.
@@ -173,17 +174,27 @@ async fn a_member_killed_mid_statement_ends_it_with_503_never_a_partial_answer()
     assert_eq!(s, 413, "{v}");
     assert!(v["reason"].as_str().unwrap_or("").contains("LIMIT"), "{v}");
 
+    // The join's build side is gathered from the members while it is planned.
+    let (join, want_join) = (GATHERED_JOIN, groups(100));
+    let (s, v) = statement(&http, &nodes[0], "analytics", &format!("EXPLAIN ANALYZE {join}")).await;
+    assert_eq!(s, 200, "{v}");
+    let plan = v["rows"][0][1].as_str().unwrap_or_default();
+    assert!(plan.contains("GatheredExec: table=c, rows=100"), "{plan}");
+
     let stop = Arc::new(AtomicBool::new(false));
     let seen: Arc<Mutex<Vec<(u16, Value)>>> = Arc::default();
     let asked = nodes[0].u("/v1/analytics");
     let runner = {
         let (stop, seen, http) = (Arc::clone(&stop), Arc::clone(&seen), http.clone());
         tokio::spawn(async move {
+            let mut i = 0;
             while !stop.load(Ordering::Relaxed) {
-                let r = http.post(&asked).json(&json!({"sql": sql, "consistency": "request_plus"})).send().await.unwrap();
+                let asked_sql = if i % 2 == 0 { sql } else { join };
+                let r = http.post(&asked).json(&json!({"sql": asked_sql, "consistency": "request_plus"})).send().await.unwrap();
                 let status = r.status().as_u16();
                 let v: Value = r.json().await.unwrap_or(Value::Null);
                 seen.lock().unwrap().push((status, v));
+                i += 1;
             }
         })
     };
@@ -204,19 +215,24 @@ async fn a_member_killed_mid_statement_ends_it_with_503_never_a_partial_answer()
     stop.store(true, Ordering::Relaxed);
     tokio::time::timeout(Duration::from_secs(130), runner).await.expect("the last statement ends").unwrap();
     let seen = seen.lock().unwrap().clone();
-    let mut refused = 0;
+    let mut refused = [0, 0];
     for (i, (status, v)) in seen.iter().enumerate() {
+        let want = if i % 2 == 0 { &want } else { &want_join };
         match status {
-            200 => assert_eq!(v["rows"], want, "statement {i}: a 200 answers every group whole: {v}"),
+            200 => assert_eq!(&v["rows"], want, "statement {i}: a 200 answers every group whole: {v}"),
             503 => {
-                refused += 1;
+                refused[i % 2] += 1;
                 assert_eq!(v["error"], "unavailable", "{v}");
             }
             other => panic!("statement {i}: {other} {v}"),
         }
     }
-    assert!(refused >= 1, "statements needing a dead member's rows are refused: {seen:?}");
+    assert!(refused[0] >= 1 && refused[1] >= 1, "statements needing a dead member's rows are refused, joins too ({refused:?}): {seen:?}");
 }
+
+/// A join whose build side (100 rows of `c`) is gathered from the members while it is
+/// planned; over `groups`' documents it answers `groups(100)`.
+const GATHERED_JOIN: &str = "SELECT a.g, count(*), sum(b.n) FROM c a JOIN c b ON a.n = b.n WHERE a.n < 100 GROUP BY a.g ORDER BY a.g";
 
 /// A member stopped (`SIGSTOP`: its kernel still accepts connections, the process answers
 /// nothing, as behind a partition) while statements run through another: a statement
@@ -238,7 +254,8 @@ async fn a_member_stopped_mid_statement_ends_it_with_503_never_a_partial_answer(
     assert_eq!((s, &v["rows"]), (200, &want), "{v}");
     assert_eq!(v["metrics"]["engine"], "columnar across members");
 
-    let ask = |timeout_ms: u64| {
+    let want_join = groups(100);
+    let ask = |timeout_ms: u64, sql: &str| {
         let asked =
             http.post(nodes[0].u("/v1/analytics")).json(&json!({"sql": sql, "consistency": "request_plus", "timeout_ms": timeout_ms}));
         async move {
@@ -254,17 +271,19 @@ async fn a_member_stopped_mid_statement_ends_it_with_503_never_a_partial_answer(
     nodes[2].signal(libc::SIGSTOP);
     // A statement whose timeout comes before the failover: the stopped member never answers
     // its preparation or its tasks, and the statement ends at its own timeout.
-    let (status, v) = ask(1_000).await;
+    let (status, v) = ask(1_000, sql).await;
     assert_eq!((status, v["error"].as_str()), (504, Some("timeout")), "{v}");
     // Its tasks never answer; the member is failed over after `auto_failover_timeout_s` (5 s),
     // and that ends the statement, well before its 10 minutes.
-    let (status, v) = ask(600_000).await;
+    let (status, v) = ask(600_000, sql).await;
     assert_eq!((status, v["error"].as_str()), (503, Some("unavailable")), "{v}");
     assert!(v["reason"].as_str().unwrap_or("").contains("failed over"), "{v}");
-    for i in 0..3 {
-        let (status, v) = ask(3_000).await;
+    for i in 0..4 {
+        // A group-by, then a join whose build side is gathered while it is planned.
+        let (status, v) = if i % 2 == 0 { ask(3_000, sql).await } else { ask(3_000, GATHERED_JOIN).await };
+        let want = if i % 2 == 0 { &want } else { &want_join };
         match status {
-            200 => assert_eq!(v["rows"], want, "statement {i}: a 200 answers every group whole: {v}"),
+            200 => assert_eq!(&v["rows"], want, "statement {i}: a 200 answers every group whole: {v}"),
             503 | 504 => {
                 assert!(["unavailable", "timeout"].contains(&v["error"].as_str().unwrap_or("")), "{v}");
                 assert!(!v["reason"].as_str().unwrap_or("").is_empty(), "a refusal says why: {v}");
@@ -275,7 +294,7 @@ async fn a_member_stopped_mid_statement_ends_it_with_503_never_a_partial_answer(
     nodes[2].signal(libc::SIGCONT);
     let deadline = std::time::Instant::now() + Duration::from_secs(90);
     loop {
-        let (status, v) = ask(3_000).await;
+        let (status, v) = ask(3_000, sql).await;
         if status == 200 {
             assert_eq!(v["rows"], want, "{v}");
             break;
@@ -283,6 +302,8 @@ async fn a_member_stopped_mid_statement_ends_it_with_503_never_a_partial_answer(
         assert!(std::time::Instant::now() < deadline, "statements answer again once the member resumes: {status} {v}");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    let (status, v) = ask(3_000, GATHERED_JOIN).await;
+    assert_eq!((status, &v["rows"]), (200, &want_join), "{v}");
 }
 
 /// `[g, count, sum(n)]` per group of `docs` (key → (g, n)), as the group-by answers.
@@ -330,7 +351,7 @@ async fn a_rebalance_moves_each_partitions_analytics_rows_with_its_files() {
     assert_eq!((s, &v["rows"]), (200, &want), "{v}");
     // A join whose small build side is broadcast: on two members, gathered from them while
     // the statement is planned (`shoal_query::gather`).
-    let join = "SELECT a.g, count(*), sum(b.n) FROM c a JOIN c b ON a.n = b.n WHERE a.n < 100 GROUP BY a.g ORDER BY a.g";
+    let join = GATHERED_JOIN;
     let want_join = model_groups(&docs.iter().filter(|(_, (_, n))| *n < 100).map(|(k, v)| (k.clone(), *v)).collect());
     let (s, v) = statement(&http, &first, "analytics", join).await;
     assert_eq!((s, &v["rows"]), (200, &want_join), "{v}");

@@ -314,7 +314,7 @@ impl ShadowTable {
     /// [`crate::gather::GATHER_ROWS_MAX`] rows, read whole (no limit) for some column.
     fn small(&self, projected: &SchemaRef, limit: Option<usize>) -> Option<&Arc<ClusterAnalytics>> {
         let Source::Cluster(cluster, _, rows, _) = &self.source else { return None };
-        (*rows <= crate::gather::GATHER_ROWS_MAX && limit.is_none() && !projected.fields().is_empty()).then_some(cluster)
+        crate::gather::gatherable(*rows, limit, projected.fields().len()).then_some(cluster)
     }
 
     /// What gathering this table would read ([`crate::gather`]): a table over the members

@@ -404,18 +404,30 @@ async fn answer(env: &Arc<WorkerEnv>, req: Parsed) -> Result<Vec<u8>, DataFusion
         let predicate = state.create_physical_expr(predicate, &df_schema)?;
         plan = Arc::new(FilterExec::try_new(predicate, plan)?);
     }
-    let mut stream = plan.execute(0, task)?;
+    let rows = ipc_capped(&schema, plan.execute(0, task)?).await?;
+    Ok(GatherAnswer { rows }.encode_to_vec())
+}
+
+/// The rows of `stream` as an Arrow IPC stream, or `None` once they pass
+/// [`GATHER_BYTES_MAX`] (checked after every batch, so a member stops reading there).
+async fn ipc_capped(schema: &SchemaRef, mut stream: SendableRecordBatchStream) -> Result<Option<Vec<u8>>, DataFusionError> {
     let mut out = Vec::new();
-    let mut w = datafusion::arrow::ipc::writer::StreamWriter::try_new(&mut out, &schema)?;
+    let mut w = datafusion::arrow::ipc::writer::StreamWriter::try_new(&mut out, schema)?;
     while let Some(batch) = futures::StreamExt::next(&mut stream).await {
         w.write(&batch?)?;
         if w.get_ref().len() > GATHER_BYTES_MAX {
-            return Ok(GatherAnswer { rows: None }.encode_to_vec());
+            return Ok(None);
         }
     }
     w.finish()?;
     drop(w);
-    Ok(GatherAnswer { rows: Some(out) }.encode_to_vec())
+    Ok(Some(out))
+}
+
+/// Whether a table over the members may be gathered: estimated at most
+/// [`GATHER_ROWS_MAX`] rows, read whole (no limit), for some column.
+pub(crate) fn gatherable(estimated_rows: usize, limit: Option<usize>, columns: usize) -> bool {
+    estimated_rows <= GATHER_ROWS_MAX && limit.is_none() && columns > 0
 }
 
 /// The functions a member decodes a request's filters with and plans them by: built once
@@ -733,5 +745,77 @@ mod tests {
         }
         let good = GatherRequest { filters: vec![col("n").eq(lit(1)).to_bytes().unwrap().to_vec()], ..named };
         assert_eq!(parse(&good.encode_to_vec()).unwrap().filters, vec![col("n").eq(lit(1))]);
+    }
+
+    #[test]
+    fn only_a_table_within_the_row_limit_read_whole_for_some_column_is_gathered() {
+        // (estimated rows, limit, columns) → gathered
+        let cases = [
+            ((0, None, 1), true),
+            ((GATHER_ROWS_MAX, None, 3), true),
+            ((GATHER_ROWS_MAX + 1, None, 3), false),
+            ((10, Some(5), 1), false),
+            ((10, None, 0), false),
+        ];
+        for ((rows, limit, columns), want) in cases {
+            assert_eq!(gatherable(rows, limit, columns), want, "{rows} rows, limit {limit:?}, {columns} columns");
+        }
+    }
+
+    fn text_stream(batches: usize, bytes_each: usize) -> (SchemaRef, SendableRecordBatchStream) {
+        use datafusion::arrow::array::StringArray;
+        let schema = Arc::new(Schema::new(vec![Field::new("s", DataType::Utf8, false)]));
+        let value = "x".repeat(bytes_each);
+        let batch = RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(StringArray::from(vec![value.as_str()]))]).unwrap();
+        let stream = futures::stream::iter(std::iter::repeat_n(batch, batches).map(Ok));
+        let adapter = datafusion::physical_plan::stream::RecordBatchStreamAdapter::new(Arc::clone(&schema), stream);
+        (schema, Box::pin(adapter))
+    }
+
+    #[tokio::test]
+    async fn a_member_s_rows_past_the_byte_limit_are_not_sent_and_rows_within_it_are_whole() {
+        let mib = 1024 * 1024;
+        assert!(GATHER_BYTES_MAX >= 2 * mib, "the cases below straddle the limit");
+        // Within: one MiB short of the limit, sent whole and read back as they were.
+        let within = GATHER_BYTES_MAX / mib - 1;
+        let (schema, stream) = text_stream(within, mib);
+        let ipc = ipc_capped(&schema, stream).await.unwrap().expect("rows within the limit are sent");
+        let back = decode(&schema, &ipc).unwrap();
+        assert_eq!(back.iter().map(RecordBatch::num_rows).sum::<usize>(), within);
+        // Past it by a MiB: none sent (the broadcast stays), whatever follows unread.
+        let (schema, stream) = text_stream(GATHER_BYTES_MAX / mib + 1, mib);
+        assert!(ipc_capped(&schema, stream).await.unwrap().is_none());
+        let (schema, stream) = text_stream(usize::MAX, mib);
+        assert!(ipc_capped(&schema, stream).await.unwrap().is_none(), "an endless table stops at the limit");
+    }
+
+    proptest::proptest! {
+        /// Any bytes, or a valid request with bytes flipped, decode or are the caller's
+        /// error; decoding never panics.
+        #[test]
+        fn any_request_for_rows_decodes_or_is_the_caller_s_error(
+            noise in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200),
+            flips in proptest::collection::vec((proptest::prelude::any::<usize>(), proptest::prelude::any::<u8>()), 0..6),
+        ) {
+            use datafusion::logical_expr::{col, lit};
+            let valid = GatherRequest {
+                collection: "c".into(),
+                schema: Some(schema().as_ref().try_into().unwrap()),
+                filters: vec![col("n").gt(lit(3)).to_bytes().unwrap().to_vec()],
+                ..Default::default()
+            }
+            .encode_to_vec();
+            let mut flipped = valid.clone();
+            for (at, byte) in flips {
+                let i = at % flipped.len();
+                flipped[i] ^= byte;
+            }
+            for bytes in [noise, flipped] {
+                match parse(&bytes) {
+                    Ok(_) | Err(QueryError::Invalid(_)) => {}
+                    Err(other) => proptest::prop_assert!(false, "{other:?}"),
+                }
+            }
+        }
     }
 }
