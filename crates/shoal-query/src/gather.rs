@@ -355,7 +355,11 @@ impl Parsed {
 /// The asked side of [`gather`]: this member's rows of a small table, read as a task of the
 /// statement reads them, its filters applied.
 pub(crate) async fn serve(env: &Arc<WorkerEnv>, request: Parsed) -> Result<Vec<u8>, QueryError> {
-    Ok(answer(env, request).await?)
+    let t0 = std::time::Instant::now();
+    let table = request.collection.clone();
+    let answer = answer(env, request).await?;
+    tracing::debug!(%table, bytes = answer.len(), answered_us = t0.elapsed().as_micros(), "this member's rows of a small table");
+    Ok(answer)
 }
 
 /// Decodes a request for a member's rows: its columns and filters too. Whatever does not
@@ -475,7 +479,9 @@ impl QueryPlanner for InlineGatheredBroadcasts {
                 slot.insert(AbortOnDrop(tokio::spawn(async move { gather(&cluster, &env, &read).await })));
             }
         }
+        let t0 = std::time::Instant::now();
         let plan = self.planner.create_physical_plan(logical, state).await?;
+        let planned = t0.elapsed();
         let scans = broadcast_small_scans(&plan);
         if scans.is_empty() {
             return Ok(plan);
@@ -498,6 +504,7 @@ impl QueryPlanner for InlineGatheredBroadcasts {
             }
         });
         let gathered = futures::future::try_join_all(gathers).await?;
+        let waited = t0.elapsed();
         let by_leaf: HashMap<usize, GatheredExec> = scans.iter().zip(gathered).filter_map(|((leaf, _), g)| g.map(|g| (*leaf, g))).collect();
         // Each build side is computed once, here, from its gathered rows (its filters and
         // projections included): the fact tasks' plans carry only the rows they join.
@@ -512,6 +519,14 @@ impl QueryPlanner for InlineGatheredBroadcasts {
             }
         });
         let built: HashMap<usize, GatheredExec> = futures::future::try_join_all(builds).await?.into_iter().collect();
+        // Where planning's time went (`SHOAL_LOG=shoal_query=debug`): the statement planned,
+        // its small tables' rows in, their build sides computed.
+        tracing::debug!(
+            planned_us = planned.as_micros(),
+            gathered_us = waited.as_micros(),
+            built_us = t0.elapsed().as_micros(),
+            "build sides gathered"
+        );
         replace_broadcasts(plan, &built)
     }
 }
