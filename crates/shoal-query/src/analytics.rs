@@ -242,7 +242,8 @@ pub(crate) struct MembersTable {
 
 /// A scan over the members' shadows of `name`, its schema `projected`, one task per member.
 /// `shape`: output partitions per task, about how many rows in all, and the columns'
-/// statistics.
+/// statistics. A small table's scan is marked so that a join broadcasting it gathers it
+/// while the statement is planned ([`crate::gather`]).
 pub(crate) fn members_scan(
     cluster: &ClusterAnalytics,
     name: &str,
@@ -260,7 +261,13 @@ pub(crate) fn members_scan(
         member: None,
         group: filters.iter().find_map(group_of),
     };
-    ShadowScanExec::in_cluster(scan, projected, limit, partitions.max(2), rows).with_stats(stats)
+    let small = crate::gather::gatherable(rows, limit, projected.fields().len());
+    let scan = ShadowScanExec::in_cluster(scan, projected, limit, partitions.max(2), rows).with_stats(stats);
+    if small {
+        scan.with_small(filters)
+    } else {
+        scan
+    }
 }
 
 impl Shadows {
@@ -310,13 +317,6 @@ impl fmt::Debug for ShadowTable {
 }
 
 impl ShadowTable {
-    /// The members, if this table may be gathered: over the members, estimated at most
-    /// [`crate::gather::GATHER_ROWS_MAX`] rows, read whole (no limit) for some column.
-    fn small(&self, projected: &SchemaRef, limit: Option<usize>) -> Option<&Arc<ClusterAnalytics>> {
-        let Source::Cluster(cluster, _, rows, _) = &self.source else { return None };
-        crate::gather::gatherable(*rows, limit, projected.fields().len()).then_some(cluster)
-    }
-
     /// What gathering this table would read ([`crate::gather`]): a table over the members
     /// estimated at most [`crate::gather::GATHER_ROWS_MAX`] rows, read whole (no limit)
     /// for some column. `None` for any other.
@@ -326,8 +326,11 @@ impl ShadowTable {
         filters: &[Expr],
         limit: Option<usize>,
     ) -> Result<Option<crate::gather::SmallRead>, DataFusionError> {
+        let Source::Cluster(cluster, _, rows, _) = &self.source else { return Ok(None) };
         let projected = project_schema(&self.schema, projection)?;
-        let Some(cluster) = self.small(&projected, limit) else { return Ok(None) };
+        if !crate::gather::gatherable(*rows, limit, projected.fields().len()) {
+            return Ok(None);
+        }
         Ok(Some(crate::gather::SmallRead {
             collection: self.name.clone(),
             map_version: cluster.map_version,
@@ -385,9 +388,8 @@ impl TableProvider for ShadowTable {
             Source::Here(shadow) => shadow,
             Source::Cluster(cluster, partitions, rows, stats) => {
                 let timeout = self.timeout;
-                let small = self.small(&projected, limit).is_some();
                 let scan = members_scan(cluster, &self.name, timeout, projected, filters, limit, (*partitions, *rows, Arc::clone(stats)));
-                return Ok(Arc::new(if small { scan.with_small(filters) } else { scan }));
+                return Ok(Arc::new(scan));
             }
         };
         shadow_scan(Arc::clone(shadow), projected, filters, limit, None).await

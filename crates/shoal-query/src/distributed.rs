@@ -724,7 +724,7 @@ pub(crate) fn coordinating(
     let mut headers = http::HeaderMap::new();
     let id = http::HeaderValue::try_from(statement).map_err(|e| DataFusionError::Plan(format!("statement id {statement}: {e}")))?;
     headers.insert(http::HeaderName::from_static(STATEMENT_HEADER), id);
-    let builder = builder
+    let mut builder = builder
         .with_distributed_passthrough_headers(headers)?
         .with_physical_optimizer_rule(Arc::new(GatherSingleTaskJoins))
         .with_distributed_worker_resolver(Members(urls))
@@ -739,7 +739,6 @@ pub(crate) fn coordinating(
         .with_distributed_scale_up_leaf_node_handler(scale_up)
         .with_distributed_route_tasks_handler(route);
     // Broadcasts of gathered tables are inlined once datafusion-distributed has planned.
-    let mut builder = builder;
     let distributed = builder.query_planner().take();
     Ok(match distributed {
         Some(planner) => {

@@ -120,6 +120,11 @@ impl GatheredExec {
         self.batches.iter().map(RecordBatch::num_rows).sum()
     }
 
+    /// The exact row count, so that a join builds on the smaller side.
+    fn exact_rows(&self) -> Arc<Statistics> {
+        Arc::new(Statistics::new_unknown(&self.schema).with_num_rows(Precision::Exact(self.rows())))
+    }
+
     /// The rows as an Arrow IPC stream.
     pub(crate) fn ipc(&self) -> Result<&[u8], DataFusionError> {
         if let Some(bytes) = self.ipc.get() {
@@ -174,14 +179,13 @@ impl ExecutionPlan for GatheredExec {
         self.replace_children(children, ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute))
     }
 
-    /// The exact row count, so that a join builds on the smaller side.
     fn statistics_from_inputs(&self, _input_stats: &[Arc<Statistics>], _args: &StatisticsArgs) -> Result<Arc<Statistics>, DataFusionError> {
-        Ok(Arc::new(Statistics::new_unknown(&self.schema).with_num_rows(Precision::Exact(self.rows()))))
+        Ok(self.exact_rows())
     }
 
     #[allow(deprecated)]
     fn partition_statistics(&self, _partition: Option<usize>) -> Result<Arc<Statistics>, DataFusionError> {
-        Ok(Arc::new(Statistics::new_unknown(&self.schema).with_num_rows(Precision::Exact(self.rows()))))
+        Ok(self.exact_rows())
     }
 
     fn execute(&self, partition: usize, _context: Arc<TaskContext>) -> Result<SendableRecordBatchStream, DataFusionError> {

@@ -105,10 +105,7 @@ async fn members_columnar(
         limit,
         (env.partitions, table.rows, table.stats),
     );
-    // A small table a join broadcasts is gathered while the statement is planned, as on
-    // `/v1/analytics` (`crate::gather`).
-    let small = crate::gather::gatherable(table.rows, limit, projected.fields().len());
-    Ok(Arc::new(if small { scan.with_small(filters) } else { scan }))
+    Ok(Arc::new(scan))
 }
 
 /// A full scan of `coll` over its columnar shadow, when that answers exactly what reading
