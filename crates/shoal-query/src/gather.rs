@@ -480,7 +480,7 @@ impl QueryPlanner for InlineGatheredBroadcasts {
             let key = read.key();
             if let std::collections::hash_map::Entry::Vacant(slot) = early.entry(key) {
                 let (cluster, env) = (Arc::clone(&self.cluster), Arc::clone(&env));
-                slot.insert(AbortOnDrop(tokio::spawn(async move { gather(&cluster, &env, &read).await })));
+                slot.insert(crate::runtime::spawn_started(async move { gather(&cluster, &env, &read).await }));
             }
         }
         let t0 = std::time::Instant::now();

@@ -50,6 +50,24 @@ pub fn query_handle() -> tokio::runtime::Handle {
     }
 }
 
+/// Spawns `future` so that an idle worker of the current runtime starts it now, not once
+/// the spawning task yields.
+///
+/// tokio puts a task spawned from one of its workers in that worker's next-task slot, which
+/// no other worker takes from: the task waits until its spawner yields. A statement's
+/// planning does not yield for milliseconds, and the small tables it asks the members for
+/// while it plans ([`crate::gather`]) waited for it to end. A second, empty task spawned
+/// after moves the first to the worker's queue, and tokio wakes an idle worker to take it.
+pub fn spawn_started<F>(future: F) -> AbortOnDrop<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let task = AbortOnDrop(tokio::spawn(future));
+    drop(tokio::spawn(async {}));
+    task
+}
+
 /// A spawned task aborted when its handle is dropped (its caller went away): a statement,
 /// or a call made for one.
 pub struct AbortOnDrop<T>(pub tokio::task::JoinHandle<T>);
@@ -102,6 +120,29 @@ impl PhysicalOptimizerRule for YieldingJoins {
 mod tests {
     use super::*;
     use datafusion::prelude::SessionContext;
+
+    #[test]
+    fn a_task_spawned_by_one_that_holds_its_worker_starts_on_another() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).build().unwrap();
+        rt.block_on(async {
+            tokio::spawn(async {
+                let started = Arc::new(AtomicBool::new(false));
+                let flag = Arc::clone(&started);
+                let task = spawn_started(async move { flag.store(true, Ordering::SeqCst) });
+                // The spawner holds its worker, as planning does, until the task has run (or
+                // gives up: a task left in the spawner's next-task slot would not run).
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                while !started.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                assert!(started.load(Ordering::SeqCst), "the task waited for its spawner to yield");
+                task.join().await.unwrap();
+            })
+            .await
+            .unwrap();
+        });
+    }
 
     #[tokio::test]
     async fn every_join_yields_through_a_cooperative_wrapper() {
