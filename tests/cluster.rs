@@ -310,6 +310,8 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
     }
     // With it, a malformed message is a clear error, not a crash.
     // ("faults" is there only on nodes started with --fault-injection.)
+    let names: Vec<String> = (0..=shoal_query::distributed::FIELDS_TABLES_MAX).map(|i| format!("c{i}")).collect();
+    let many_collections = serde_json::json!({"collections": names, "map_version": 1, "request_plus": false, "timeout_ms": 10}).to_string();
     for (op, body) in [
         ("propose", "{"),
         ("pull", "\u{0}\u{1}garbage"),
@@ -327,6 +329,8 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
         ("index-prepare", "{\"collection\": \"c\", \"parts\": \"all\", \"applied\": 1}"),
         ("index-scan", "{\"collection\": \"c\", \"index\": \"i\", \"parts\": \"all\"}"),
         ("shadow-fields", "{\"collection\": 5}"),
+        ("shadow-fields", "{\"collections\": [], \"map_version\": 1, \"request_plus\": false, \"timeout_ms\": 10}"),
+        ("shadow-fields", many_collections.as_str()),
         ("shadow-rows", "\u{ff}\u{ff}garbage"),
         ("shadow-export", "\u{ff}\u{ff}garbage"),
         ("applied", "{\"index\": \"ten\"}"),
@@ -336,7 +340,7 @@ async fn wrong_secrets_and_bad_cluster_calls_are_refused() {
             .header("x-shoal-cluster-secret", SECRET)
             .header("connection", "upgrade")
             .header("upgrade", "shoal-copy")
-            .body(body)
+            .body(body.to_string())
             .send()
             .await
             .unwrap();

@@ -34,11 +34,12 @@ const FIELDS_CALL_SLACK: Duration = Duration::from_secs(5);
 /// members was failed over ([`ShadowMembers::member_gone`]).
 const MEMBER_CHECK_INTERVAL: Duration = Duration::from_millis(250);
 
-/// A coordinator of an analytics statement asks a member for its shadow's fields, once its
-/// shadow can be read (`shoal_query::distributed`).
+/// A coordinator of a distributed statement asks a member for its shadows' fields, once
+/// they can be read (`shoal_query::distributed`): every table of the statement in one call.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ShadowFieldsRequest {
-    pub collection: String,
+    /// One to `shoal_query::distributed::FIELDS_TABLES_MAX` collections, answered in order.
+    pub collections: Vec<String>,
     pub map_version: u64,
     pub request_plus: bool,
     pub timeout_ms: u64,
@@ -193,21 +194,21 @@ impl ShadowMembers for Members {
     async fn fields(
         &self,
         member: &str,
-        collection: &str,
+        collections: &[String],
         consistency: shoal_index::Consistency,
         timeout: Duration,
         current: bool,
     ) -> Result<Vec<u8>, RemoteError> {
         let req = ShadowFieldsRequest {
             current,
-            collection: collection.to_string(),
+            collections: collections.to_vec(),
             map_version: self.map_version,
             request_plus: consistency == shoal_index::Consistency::RequestPlus,
             timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
         };
         let body = serde_json::to_vec(&req).map_err(|e| RemoteError(e.to_string()))?;
         let answer = self.node.peers.call(member, Op::ShadowFields, body, timeout + FIELDS_CALL_SLACK).await;
-        answer.map_err(|e| RemoteError(format!("a member's shadow of {collection}: {e}")))
+        answer.map_err(|e| RemoteError(format!("a member's shadows of {}: {e}", collections.join(", "))))
     }
 
     async fn rows(&self, member: &str, request: Vec<u8>, timeout: Duration) -> Result<Vec<u8>, RemoteError> {
@@ -242,13 +243,15 @@ fn gone_member<'a>(members: &'a [String], owners: Result<Vec<Option<String>>, u1
 /// The asked side of [`ShadowFieldsRequest`]: this node's shadow fields, under the map the
 /// statement pinned.
 pub(crate) async fn serve_shadow_fields(node: &Arc<ClusterNode>, req: ShadowFieldsRequest) -> Result<Vec<u8>, ClusterError> {
+    shoal_query::distributed::fields_tables_allowed(req.collections.len()).map_err(ClusterError::BadMessage)?;
     if req.map_version > node.state().map_version() {
         node.wait_map_after(req.map_version - 1, SAME_MAP_WAIT).await;
     }
     node.actives_at(req.map_version).map_err(ClusterError::Refused)?;
     let consistency = if req.request_plus { shoal_index::Consistency::RequestPlus } else { shoal_index::Consistency::NotBounded };
     let timeout = Duration::from_millis(req.timeout_ms).min(shoal_query::QUERY_TIMEOUT_MAX);
-    node.engine.query().shadow_fields(&req.collection, consistency, timeout, req.current).await.map_err(|e| match e {
+    node.engine.query().shadow_fields(&req.collections, consistency, timeout, req.current).await.map_err(|e| match e {
+        shoal_query::QueryError::Invalid(why) => ClusterError::BadMessage(why),
         shoal_query::QueryError::Timeout(_) => ClusterError::Timeout(e.to_string()),
         e => ClusterError::Refused(e.to_string()),
     })

@@ -206,29 +206,52 @@ pub(crate) async fn members_schema(
     timeout: std::time::Duration,
     current: bool,
 ) -> Result<MembersTable, DataFusionError> {
+    let mut tables = members_schemas(store, shadows, (cluster, me), &[name.to_string()], consistency, timeout, current).await?;
+    tables.pop().ok_or_else(|| DataFusionError::Internal(format!("no schema of {name} over the members")))
+}
+
+/// [`members_schema`] of each of `names` (at most [`crate::distributed::FIELDS_TABLES_MAX`]),
+/// in order: one call per member for them all.
+pub(crate) async fn members_schemas(
+    store: &Store,
+    shadows: &ShadowManager,
+    (cluster, me): (&ClusterAnalytics, &str),
+    names: &[String],
+    consistency: Consistency,
+    timeout: std::time::Duration,
+    current: bool,
+) -> Result<Vec<MembersTable>, DataFusionError> {
     let asks = cluster.members.iter().map(|m| async move {
         if m == me {
-            fields_here(store, shadows, name, consistency, timeout, current).await.map(Arc::new)
+            let here = names
+                .iter()
+                .map(|name| async move { fields_here(store, shadows, name, consistency, timeout, current).await.map(Arc::new) });
+            futures::future::try_join_all(here).await
         } else {
             let bytes = cluster
                 .remote
-                .fields(m, name, consistency, timeout, current)
+                .fields(m, names, consistency, timeout, current)
                 .await
                 .map_err(|e| crate::distributed::tag(crate::distributed::Kind::Unavailable, e))?;
-            crate::distributed::decode_fields_cached(&bytes)
+            crate::distributed::decode_fields_list(&bytes, names.len())
         }
     });
+    let members = futures::future::try_join_all(asks).await?;
+    Ok((0..names.len()).map(|t| merged(members.iter().map(|m| m[t].as_ref()))).collect())
+}
+
+/// One table's schema, rows and statistics, merged from each member's.
+fn merged<'a>(members: impl Iterator<Item = &'a crate::distributed::DecodedFields> + Clone) -> MembersTable {
     let mut fields = Vec::new();
     let mut rows = 0;
-    let members = futures::future::try_join_all(asks).await?;
-    for member in &members {
+    for member in members.clone() {
         fields.extend(member.0.iter().cloned());
         rows += member.1;
     }
-    let stats = crate::shadow::stats::union_members(members.iter().map(|m| m.2.as_ref()));
+    let stats = crate::shadow::stats::union_members(members.map(|m| m.2.as_ref()));
     fields.insert(0, (Field::new(crate::schema::KEY_COLUMN, datafusion::arrow::datatypes::DataType::Utf8, false), u64::MAX));
     let schema = Arc::new(datafusion::arrow::datatypes::Schema::new(crate::merge::merge_fields(&fields)));
-    Ok(MembersTable { schema, rows: rows as usize, stats: Arc::new(stats) })
+    MembersTable { schema, rows: rows as usize, stats: Arc::new(stats) }
 }
 
 /// The members' shadows of a table, as [`members_schema`] merged them.
@@ -281,12 +304,39 @@ impl Shadows {
     ) -> Result<Arc<dyn TableProvider>, DataFusionError> {
         let env = &self.0;
         let table = members_schema(&env.store, &env.shadows, (cluster, me), name, env.consistency, env.timeout, false).await?;
-        Ok(Arc::new(ShadowTable {
+        Ok(self.over_members(name, cluster, table))
+    }
+
+    fn over_members(&self, name: &str, cluster: &Arc<ClusterAnalytics>, table: MembersTable) -> Arc<dyn TableProvider> {
+        let env = &self.0;
+        Arc::new(ShadowTable {
             source: Source::Cluster(Arc::clone(cluster), env.partitions, table.rows, table.stats),
             schema: table.schema,
             name: name.to_string(),
             timeout: env.timeout,
-        }))
+        })
+    }
+
+    /// Opens the collections among `names` over the members before the statement is
+    /// planned: one call per member for them all ([`members_schemas`]), where the planner
+    /// would open them one at a time, each with a call per member. It then finds them open.
+    /// Nothing to do on a single node.
+    pub(crate) async fn open_all(&self, names: &[String]) -> Result<(), DataFusionError> {
+        let env = &self.0;
+        let Some((cluster, me)) = &env.cluster else { return Ok(()) };
+        let mut names: Vec<String> = names.iter().filter(|n| env.store.collection(n).is_some()).cloned().collect();
+        names.sort_unstable();
+        names.dedup();
+        let opens = names.chunks(crate::distributed::FIELDS_TABLES_MAX).map(|names| async move {
+            let tables = members_schemas(&env.store, &env.shadows, (cluster, me), names, env.consistency, env.timeout, false).await?;
+            for (name, table) in names.iter().zip(tables) {
+                let cell = Arc::clone(env.opened.lock().entry(name.clone()).or_default());
+                // Already open (it cannot be: the planner runs after) is as good.
+                let _ = cell.set(self.over_members(name, cluster, table));
+            }
+            Ok::<_, DataFusionError>(())
+        });
+        futures::future::try_join_all(opens).await.map(|_| ())
     }
 }
 

@@ -70,6 +70,10 @@ const WORKER_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// before it is read (datafusion-distributed takes any size).
 pub const WORKER_MESSAGE_MAX_BYTES: usize = 64 * 1024 * 1024;
 
+/// Most tables one call for a member's shadow fields names (a statement naming more asks
+/// for them in several calls).
+pub const FIELDS_TABLES_MAX: usize = 64;
+
 /// Why a distributed statement could not run as planned.
 #[derive(Debug, thiserror::Error)]
 pub enum DistError {
@@ -97,13 +101,14 @@ pub trait LocalMember: Send + Sync {
 /// The asking side of a statement's preparation on the members.
 #[async_trait]
 pub trait ShadowMembers: Send + Sync {
-    /// The fields of `member`'s shadow of `collection` ([`encode_fields`]), once it is ready
-    /// to be read at `consistency`; `current`: only if it holds every write made so far
-    /// (waiting at most `COLUMNAR_WAIT` at `request_plus`), as `/v1/query` reads it.
+    /// The fields of `member`'s shadows of `collections` ([`encode_fields_list`]), once
+    /// each is ready to be read at `consistency`; `current`: only if it holds every write
+    /// made so far (waiting at most `COLUMNAR_WAIT` at `request_plus`), as `/v1/query` reads
+    /// it. At most [`FIELDS_TABLES_MAX`] collections.
     async fn fields(
         &self,
         member: &str,
-        collection: &str,
+        collections: &[String],
         consistency: Consistency,
         timeout: Duration,
         current: bool,
@@ -268,6 +273,37 @@ pub fn decode_fields_cached(bytes: &[u8]) -> Result<Arc<DecodedFields>, DataFusi
 pub fn encode_fields_cached(fields: Vec<(Field, u64)>, rows: u64, stats: &TableSummary) -> Result<Arc<Vec<u8>>, DataFusionError> {
     let stats = serde_json::to_string(stats).map_err(|e| DataFusionError::Internal(format!("column statistics: {e}")))?;
     ENCODED_FIELDS.get_or(&(fields, rows, stats), |(f, r, s)| encode_fields(f, *r, s).map(Arc::new))
+}
+
+/// Whether a call for shadow fields may name `tables` collections (1 to
+/// [`FIELDS_TABLES_MAX`]), and why not.
+pub fn fields_tables_allowed(tables: usize) -> Result<(), String> {
+    if tables == 0 || tables > FIELDS_TABLES_MAX {
+        return Err(format!("a call for shadow fields names {tables} collections, not 1 to {FIELDS_TABLES_MAX}"));
+    }
+    Ok(())
+}
+
+/// Several tables' [`encode_fields`], in one answer.
+#[derive(Clone, PartialEq, prost::Message)]
+struct FieldsList {
+    #[prost(bytes = "vec", repeated, tag = "1")]
+    tables: Vec<Vec<u8>>,
+}
+
+/// One answer for several tables' fields, each [`encode_fields`]' bytes, in order.
+pub fn encode_fields_list(tables: &[Arc<Vec<u8>>]) -> Vec<u8> {
+    FieldsList { tables: tables.iter().map(|t| t.as_ref().clone()).collect() }.encode_to_vec()
+}
+
+/// The tables [`encode_fields_list`] wrote, decoded ([`decode_fields_cached`]); an error
+/// unless there are `expected` of them.
+pub fn decode_fields_list(bytes: &[u8], expected: usize) -> Result<Vec<Arc<DecodedFields>>, DataFusionError> {
+    let list = FieldsList::decode(bytes).map_err(|e| DataFusionError::Plan(format!("a member's schemas: {e}")))?;
+    if list.tables.len() != expected {
+        return Err(DataFusionError::Plan(format!("a member answered {} schemas for {expected} tables", list.tables.len())));
+    }
+    list.tables.iter().map(|t| decode_fields_cached(t)).collect()
 }
 
 /// The fields and rows [`encode_fields`] wrote.
@@ -875,6 +911,24 @@ mod tests {
         // unknown, and the fields still come.
         let back = decode_fields(&encode_fields(&fields, 1, "not json").unwrap()).unwrap();
         assert_eq!(back, (fields, 1, Arc::new(TableSummary::new())));
+    }
+
+    #[test]
+    fn one_call_s_tables_come_back_in_order_and_a_short_or_bad_answer_is_refused() {
+        let a = vec![(Field::new("list_a", DataType::Int64, true), 2)];
+        let b = vec![(Field::new("list_b", DataType::Utf8, true), 9)];
+        let tables = [Arc::new(encode_fields(&a, 4, &json(&summary(1))).unwrap()), Arc::new(encode_fields(&b, 8, "{}").unwrap())];
+        let back = decode_fields_list(&encode_fields_list(&tables), 2).unwrap();
+        assert_eq!(back.iter().map(|t| (t.0.clone(), t.1)).collect::<Vec<_>>(), vec![(a, 4), (b, 8)]);
+        // An answer for fewer (or more) tables than asked, or not a list at all.
+        assert!(decode_fields_list(&encode_fields_list(&tables[..1]), 2).is_err());
+        assert!(decode_fields_list(&encode_fields_list(&tables), 1).is_err());
+        assert!(decode_fields_list(b"\xff\xff not a list", 2).is_err());
+        // A call names 1 to FIELDS_TABLES_MAX tables.
+        assert!(fields_tables_allowed(0).is_err());
+        assert!(fields_tables_allowed(1).is_ok());
+        assert!(fields_tables_allowed(FIELDS_TABLES_MAX).is_ok());
+        assert!(fields_tables_allowed(FIELDS_TABLES_MAX + 1).is_err());
     }
 
     #[test]

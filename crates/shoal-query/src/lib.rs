@@ -524,21 +524,25 @@ impl QueryEngine {
         member.worker.clone()
     }
 
-    /// The fields of this node's shadow of `collection` ([`distributed::encode_fields`]),
-    /// once it can be read at `consistency`: a member's part of preparing a distributed
-    /// analytics statement.
+    /// The fields of this node's shadows of `collections` ([`distributed::encode_fields_list`]),
+    /// once each can be read at `consistency`: a member's part of preparing a distributed
+    /// statement. One to [`distributed::FIELDS_TABLES_MAX`] collections.
     pub async fn shadow_fields(
         &self,
-        collection: &str,
+        collections: &[String],
         consistency: Consistency,
         timeout: Duration,
         current: bool,
     ) -> Result<Vec<u8>, QueryError> {
+        distributed::fields_tables_allowed(collections.len()).map_err(QueryError::Invalid)?;
         if self.shadows.partitions() == 0 {
             return Err(QueryError::Unavailable(shadow::ShadowError::Off.to_string()));
         }
-        let (fields, rows, stats) = analytics::fields_here(&self.store, &self.shadows, collection, consistency, timeout, current).await?;
-        Ok(distributed::encode_fields_cached(fields, rows, &stats)?.as_ref().clone())
+        let tables = collections.iter().map(|c| async move {
+            let (fields, rows, stats) = analytics::fields_here(&self.store, &self.shadows, c, consistency, timeout, current).await?;
+            Ok::<_, QueryError>(distributed::encode_fields_cached(fields, rows, &stats)?)
+        });
+        Ok(distributed::encode_fields_list(&futures::future::try_join_all(tables).await?))
     }
 
     /// This member's rows of a small table a distributed statement reads while it is
@@ -629,13 +633,18 @@ impl QueryEngine {
         let run = async move {
             let t0 = Instant::now();
             // Over the members, opening a table asks each member for its shadow's fields:
-            // every table the statement names is opened at once, not one after another as
-            // the planner would (it then finds them open).
+            // every table the statement names is opened at once, with one call per member,
+            // not one after another as the planner would (it then finds them open).
             if prefetch {
                 let state = ctx.state();
                 let dialect = state.config().options().sql_parser.dialect;
-                if let Ok(refs) = state.sql_to_statement(&sql, &dialect).and_then(|s| state.resolve_table_references(&s)) {
-                    let _ = futures::future::join_all(refs.into_iter().map(|r| ctx.table_provider(r))).await;
+                let shadows = ctx.catalog("datafusion").and_then(|c| c.schema("public"));
+                let shadows = shadows.as_deref().and_then(|s| s.downcast_ref::<analytics::Shadows>());
+                if let (Some(shadows), Ok(refs)) =
+                    (shadows, state.sql_to_statement(&sql, &dialect).and_then(|s| state.resolve_table_references(&s)))
+                {
+                    let names: Vec<String> = refs.iter().filter(|r| r.schema().is_none()).map(|r| r.table().to_string()).collect();
+                    shadows.open_all(&names).await?;
                 }
             }
             let t1 = Instant::now();
