@@ -415,17 +415,18 @@ async fn a_rebalance_moves_each_partitions_analytics_rows_with_its_files() {
     // (`/v1/query` reads the shadows once they hold every write, waiting at most
     // `COLUMNAR_WAIT` for them, and the documents otherwise: asked again until it does.)
     for endpoint in ["analytics", "query"] {
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        loop {
+        let plan = Mutex::new(String::new());
+        common::eventually(30, &format!("{endpoint} gathers the join's build side"), || async {
             let (s, v) = statement(&http, &first, endpoint, &format!("EXPLAIN ANALYZE {join}")).await;
             assert_eq!(s, 200, "{v}");
-            let plan = v["rows"][0][1].as_str().unwrap_or_default().to_string();
-            if plan.contains("GatheredExec") || std::time::Instant::now() > deadline {
-                assert!(plan.contains("GatheredExec: table=c, rows=100") && !plan.contains("NetworkBroadcastExec"), "{endpoint}: {plan}");
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+            let text = v["rows"][0][1].as_str().unwrap_or_default().to_string();
+            let gathered = text.contains("GatheredExec");
+            *plan.lock().unwrap() = text;
+            gathered
+        })
+        .await;
+        let plan = plan.into_inner().unwrap();
+        assert!(plan.contains("GatheredExec: table=c, rows=100") && !plan.contains("NetworkBroadcastExec"), "{endpoint}: {plan}");
     }
 
     // What is written after lands on the moved rows, wherever they are read.

@@ -251,7 +251,6 @@ pub(crate) async fn serve_shadow_fields(node: &Arc<ClusterNode>, req: ShadowFiel
     let consistency = if req.request_plus { shoal_index::Consistency::RequestPlus } else { shoal_index::Consistency::NotBounded };
     let timeout = Duration::from_millis(req.timeout_ms).min(shoal_query::QUERY_TIMEOUT_MAX);
     node.engine.query().shadow_fields(&req.collections, consistency, timeout, req.current).await.map_err(|e| match e {
-        shoal_query::QueryError::Invalid(why) => ClusterError::BadMessage(why),
         shoal_query::QueryError::Timeout(_) => ClusterError::Timeout(e.to_string()),
         e => ClusterError::Refused(e.to_string()),
     })
