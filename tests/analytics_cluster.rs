@@ -456,6 +456,97 @@ async fn a_rebalance_moves_each_partitions_analytics_rows_with_its_files() {
     }
 }
 
+/// The join of [`GATHERED_JOIN`] by the model: `[a.g, count, sum(b.n)]` per group of the
+/// documents with `n < 100`, each joined to those of the same `n`.
+fn model_join(docs: &std::collections::BTreeMap<String, (i64, i64)>) -> Value {
+    let mut by_n: std::collections::BTreeMap<i64, Vec<i64>> = std::collections::BTreeMap::new();
+    for (g, n) in docs.values() {
+        by_n.entry(*n).or_default().push(*g);
+    }
+    let mut by: std::collections::BTreeMap<i64, (i64, i64)> = std::collections::BTreeMap::new();
+    for (n, gs) in by_n.range(..100) {
+        for g in gs {
+            let e = by.entry(*g).or_default();
+            e.0 += gs.len() as i64;
+            e.1 += n * gs.len() as i64;
+        }
+    }
+    json!(by.into_iter().map(|(g, (c, s))| json!([g, c, s])).collect::<Vec<_>>())
+}
+
+/// A coordinator plans a statement on the tables the members last answered the same twice
+/// while it asks them again (`shoal_query`'s `KnownTables`), and runs that plan only if
+/// they answer the same. Writes between statements — rows moved between groups, rows and
+/// a field added — are read by the very next statement at `request_plus`: a statement
+/// naming the new field, planned first on the tables without it, is planned again on the
+/// members' answers; a gathered join answers the model every time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn statements_planned_on_tables_as_last_found_read_what_was_written_since() {
+    const DOCS: i64 = 2_000;
+    let http = http();
+    let nodes = loaded_cluster(&http, DOCS as usize, "majority").await;
+    let mut docs: std::collections::BTreeMap<String, (i64, i64)> = (0..DOCS).map(|i| (format!("k{i:05}"), (i % 10, i))).collect();
+    let early = |outcome: &'static str| {
+        let (http, node) = (&http, &nodes[0]);
+        async move { common::metric(http, node, &format!("shoal_analytics_planned_early_total{{outcome=\"{outcome}\"}}")).await.unwrap_or(0.0) }
+    };
+    // Asked until a statement runs as planned early (the tables answered the same twice).
+    let until_planned_early = |docs: std::collections::BTreeMap<String, (i64, i64)>| {
+        let (http, node, early) = (&http, &nodes[0], &early);
+        async move {
+            let before = early("ran").await;
+            common::eventually(60, "a statement planned on the tables as last found runs", || async {
+                let (s, v) = statement(http, node, "analytics", GATHERED_JOIN).await;
+                assert_eq!((s, &v["rows"]), (200, &model_join(&docs)), "{v}");
+                early("ran").await > before
+            })
+            .await;
+        }
+    };
+    until_planned_early(docs.clone()).await;
+    let write = |lines: Vec<Value>| {
+        let (http, node) = (&http, &nodes[1]);
+        async move {
+            let body: String = lines.iter().map(|l| l.to_string() + "\n").collect();
+            let r = http.post(node.u("/v1/collections/c/_bulk?durability=majority")).body(body).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            assert!(!r.text().await.unwrap().contains("\"error\""), "every line written");
+        }
+    };
+    // Rows of the gathered side move between groups (the table's rows and columns stay).
+    for round in 0..4 {
+        let moved: Vec<Value> = (0..DOCS)
+            .map(|i| {
+                let (key, n) = (format!("k{i:05}"), i);
+                let g = (i + round + 1) % 10;
+                docs.insert(key.clone(), (g, n));
+                json!({"op": "upsert", "key": key, "value": {"g": g, "n": n}})
+            })
+            .collect();
+        write(moved).await;
+        for node in &nodes {
+            let (s, v) = statement(&http, node, "analytics", GATHERED_JOIN).await;
+            assert_eq!((s, &v["rows"]), (200, &model_join(&docs)), "round {round} on {}: {v}", node.url);
+        }
+    }
+    // Rows and a field added: the next statement names the field.
+    until_planned_early(docs.clone()).await;
+    let (ran, again) = (early("ran").await, early("planned_again").await);
+    let added: Vec<Value> = (0..100)
+        .map(|i| {
+            let (key, n) = (format!("x{i:03}"), -i);
+            docs.insert(key.clone(), (i % 10, n));
+            json!({"op": "upsert", "key": key, "value": {"g": i % 10, "n": n, "extra": 2}})
+        })
+        .collect();
+    write(added).await;
+    let (s, v) = statement(&http, &nodes[0], "analytics", "SELECT count(*), sum(extra) FROM c").await;
+    assert_eq!((s, &v["rows"]), (200, &json!([[DOCS + 100, 200]])), "{v}");
+    assert_eq!((early("ran").await, early("planned_again").await), (ran, again + 1.0), "planned early on the old tables, then again");
+    let (s, v) = statement(&http, &nodes[0], "analytics", GATHERED_JOIN).await;
+    assert_eq!((s, &v["rows"]), (200, &model_join(&docs)), "{v}");
+}
+
 /// CPU seconds (user + system) `pid` has used so far.
 fn cpu_secs(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();

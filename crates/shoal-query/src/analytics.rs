@@ -52,6 +52,8 @@ pub(crate) struct AnalyticsEnv {
     pub partitions: usize,
     /// Tables opened over the members, by name: each opened once per statement.
     pub opened: parking_lot::Mutex<HashMap<String, Arc<Opening>>>,
+    /// The tables over the members that this node's statements last found.
+    pub known: Arc<KnownTables>,
 }
 
 /// A table being opened over the members, or opened.
@@ -255,6 +257,7 @@ fn merged<'a>(members: impl Iterator<Item = &'a crate::distributed::DecodedField
 }
 
 /// The members' shadows of a table, as [`members_schema`] merged them.
+#[derive(Clone, Debug, PartialEq)]
 pub(crate) struct MembersTable {
     pub schema: SchemaRef,
     /// About how many rows of partitions active on them they hold.
@@ -320,23 +323,151 @@ impl Shadows {
     /// Opens the collections among `names` over the members before the statement is
     /// planned: one call per member for them all ([`members_schemas`]), where the planner
     /// would open them one at a time, each with a call per member. It then finds them open.
-    /// Nothing to do on a single node.
-    pub(crate) async fn open_all(&self, names: &[String]) -> Result<(), DataFusionError> {
+    ///
+    /// When every one of them is as the last two statements found it ([`KnownTables`]),
+    /// they are opened as they were, and the members are asked again while the statement
+    /// is planned: the [`Speculation`] returned says, once they answer, whether the plan
+    /// may run. Nothing to do on a single node.
+    pub(crate) async fn open_all(&self, names: &[String]) -> Result<Option<Speculation>, DataFusionError> {
         let env = &self.0;
-        let Some((cluster, me)) = &env.cluster else { return Ok(()) };
+        let Some((cluster, _)) = &env.cluster else { return Ok(None) };
         let mut names: Vec<String> = names.iter().filter(|n| env.store.collection(n).is_some()).cloned().collect();
         names.sort_unstable();
         names.dedup();
-        let opens = names.chunks(crate::distributed::FIELDS_TABLES_MAX).map(|names| async move {
-            let tables = members_schemas(&env.store, &env.shadows, (cluster, me), names, env.consistency, env.timeout, false).await?;
-            for (name, table) in names.iter().zip(tables) {
-                let cell = Arc::clone(env.opened.lock().entry(name.clone()).or_default());
+        if names.is_empty() {
+            return Ok(None);
+        }
+        if let Some(known) = env.known.unchanged(&names, cluster.map_version, &cluster.members) {
+            self.set_open(&names, cluster, known.clone(), false);
+            let (env, asked) = (Arc::clone(env), names.clone());
+            let task = crate::runtime::spawn_started(async move { fetch_tables(&env, &asked).await });
+            let fresh: Fresh = futures::FutureExt::shared(futures::FutureExt::boxed(async move {
+                match task.join().await {
+                    Ok(tables) => tables.map(Arc::new).map_err(Arc::new),
+                    Err(e) => Err(Arc::new(DataFusionError::External(Box::new(e)))),
+                }
+            }));
+            return Ok(Some(Speculation { shadows: Shadows(Arc::clone(&self.0)), names, known, fresh }));
+        }
+        let tables = fetch_tables(env, &names).await?;
+        env.known.learn(&names, cluster.map_version, &cluster.members, &tables);
+        self.set_open(&names, cluster, tables, false);
+        Ok(None)
+    }
+
+    /// Sets each of `names` open as `tables` over the members; `again`: in place of how it
+    /// was opened before (a statement planned again on the members' answers).
+    fn set_open(&self, names: &[String], cluster: &Arc<ClusterAnalytics>, tables: Vec<MembersTable>, again: bool) {
+        debug_assert_eq!(names.len(), tables.len());
+        for (name, table) in names.iter().zip(tables) {
+            let provider = self.over_members(name, cluster, table);
+            let mut opened = self.0.opened.lock();
+            if again {
+                opened.insert(name.clone(), Arc::new(Opening::new_with(Some(provider))));
+            } else {
                 // Already open (it cannot be: the planner runs after) is as good.
-                let _ = cell.set(self.over_members(name, cluster, table));
+                let _ = opened.entry(name.clone()).or_default().set(provider);
             }
-            Ok::<_, DataFusionError>(())
-        });
-        futures::future::try_join_all(opens).await.map(|_| ())
+        }
+    }
+}
+
+/// [`members_schemas`] of each of `names`, in order, with one call per member for every
+/// [`crate::distributed::FIELDS_TABLES_MAX`] of them.
+async fn fetch_tables(env: &AnalyticsEnv, names: &[String]) -> Result<Vec<MembersTable>, DataFusionError> {
+    let Some((cluster, me)) = &env.cluster else { return Ok(Vec::new()) };
+    let asks = names
+        .chunks(crate::distributed::FIELDS_TABLES_MAX)
+        .map(|names| members_schemas(&env.store, &env.shadows, (cluster, me), names, env.consistency, env.timeout, false));
+    Ok(futures::future::try_join_all(asks).await?.into_iter().flatten().collect())
+}
+
+/// The members' answers to a statement's fields calls, shared by whatever waits for them.
+pub(crate) type Fresh = futures::future::Shared<futures::future::BoxFuture<'static, Result<Arc<Vec<MembersTable>>, Arc<DataFusionError>>>>;
+
+/// A statement planned on the tables as they were known, while the members are asked again.
+pub(crate) struct Speculation {
+    shadows: Shadows,
+    names: Vec<String>,
+    known: Vec<MembersTable>,
+    fresh: Fresh,
+}
+
+impl Speculation {
+    /// The members' answers, for the reads that must wait for them ([`crate::gather`]):
+    /// each member answers once its shadows hold the statement's `request_plus` positions.
+    pub(crate) fn fresh(&self) -> Fresh {
+        self.fresh.clone()
+    }
+
+    /// Waits for the members' answers: whether they are the tables the statement was
+    /// planned on, so that its plan is the one they would have made. If not, the tables
+    /// are opened again as the members answered, for the statement to be planned again.
+    /// Their error is the statement's.
+    pub(crate) async fn confirmed(self) -> Result<bool, DataFusionError> {
+        let fresh = self.fresh.await.map_err(DataFusionError::Shared)?;
+        let env = &self.shadows.0;
+        let Some((cluster, _)) = &env.cluster else { return Ok(true) };
+        env.known.learn(&self.names, cluster.map_version, &cluster.members, &fresh);
+        let same = *fresh == self.known;
+        if !same {
+            self.shadows.set_open(&self.names, cluster, fresh.to_vec(), true);
+        }
+        Ok(same)
+    }
+}
+
+/// Most tables over the members whose schemas a coordinator keeps ([`KnownTables`]); past
+/// it, it forgets them all and starts again.
+pub const KNOWN_TABLES_MAX: usize = 1024;
+
+/// The tables over the members (schemas, rows, statistics) this node's statements last
+/// found, by collection.
+///
+/// Opening a table over the members asks each member for its fields (which also waits
+/// for its shadow to hold the statement's `request_plus` positions): a round trip before
+/// planning can start. A statement whose tables were found the same by the last two
+/// statements under the same map is planned on them while the members are asked again
+/// ([`Shadows::open_all`]); reads wait for the answers, and the plan runs only if they
+/// are the tables it was planned on: the plan is the one the answers would have made.
+/// Otherwise it is planned again on them. Tables that change between statements are never
+/// planned on before the members answer, so that no statement plans twice in a row.
+#[derive(Default)]
+pub struct KnownTables(parking_lot::Mutex<HashMap<String, Known>>);
+
+struct Known {
+    map_version: u64,
+    members: Vec<String>,
+    table: MembersTable,
+    /// Found the same by the last two statements that asked.
+    unchanged: bool,
+}
+
+impl KnownTables {
+    /// `names`' tables under map `map_version` over `members`, if every one of them was
+    /// found the same by the last two statements that asked.
+    fn unchanged(&self, names: &[String], map_version: u64, members: &[String]) -> Option<Vec<MembersTable>> {
+        let known = self.0.lock();
+        names
+            .iter()
+            .map(|name| {
+                let k = known.get(name)?;
+                (k.unchanged && k.map_version == map_version && k.members == members).then(|| k.table.clone())
+            })
+            .collect()
+    }
+
+    /// The members answered `tables` for `names`.
+    fn learn(&self, names: &[String], map_version: u64, members: &[String], tables: &[MembersTable]) {
+        debug_assert_eq!(names.len(), tables.len());
+        let mut known = self.0.lock();
+        for (name, table) in names.iter().zip(tables) {
+            let unchanged = known.get(name).is_some_and(|k| k.map_version == map_version && k.members == members && k.table == *table);
+            if !unchanged && !known.contains_key(name) && known.len() >= KNOWN_TABLES_MAX {
+                known.clear();
+            }
+            known.insert(name.clone(), Known { map_version, members: members.to_vec(), table: table.clone(), unchanged });
+        }
     }
 }
 
@@ -1089,5 +1220,81 @@ mod tests {
             let kept = |a: &BooleanArray| (0..a.len()).map(|i| a.is_valid(i) && a.value(i)).collect::<Vec<_>>();
             prop_assert_eq!(kept(&got), kept(&want));
         }
+    }
+
+    fn table(column: &str, rows: usize) -> MembersTable {
+        let schema = Arc::new(Schema::new(vec![Field::new(column, DataType::Int64, true)]));
+        MembersTable { schema, rows, stats: Arc::default() }
+    }
+
+    fn members(names: &[&str]) -> Vec<String> {
+        names.iter().map(|n| n.to_string()).collect()
+    }
+
+    /// A statement is planned before the members answer only on tables the last two
+    /// answers found the same, under the same map and members: any change (a column, the
+    /// row count, the statistics, the map, the members) waits for the members again.
+    #[test]
+    fn only_tables_found_the_same_twice_are_planned_on_before_the_members_answer() {
+        let ab = members(&["a", "b"]);
+        let mut stats = TableSummary::new();
+        stats.insert("x".into(), crate::shadow::stats::FieldSummary { values: 3, distinct: 3, min: Some(1.0), max: Some(3.0) });
+        let with_stats = MembersTable { stats: Arc::new(stats), ..table("x", 10) };
+        // (answers learnt under (map, members), then asked under (map, members): planned on)
+        type Answer<'a> = (u64, &'a [String], MembersTable);
+        type Case<'a> = (&'a str, Vec<Answer<'a>>, (u64, &'a [String]), Option<MembersTable>);
+        let cases: Vec<Case> = vec![
+            ("never asked", vec![], (1, &ab), None),
+            ("asked once", vec![(1, &ab, table("x", 10))], (1, &ab), None),
+            ("the same twice", vec![(1, &ab, table("x", 10)), (1, &ab, table("x", 10))], (1, &ab), Some(table("x", 10))),
+            ("the same three times", vec![(1, &ab, table("x", 10)); 3], (1, &ab), Some(table("x", 10))),
+            ("a new column", vec![(1, &ab, table("x", 10)), (1, &ab, table("x", 10)), (1, &ab, table("y", 10))], (1, &ab), None),
+            ("a row more", vec![(1, &ab, table("x", 10)), (1, &ab, table("x", 11))], (1, &ab), None),
+            ("other statistics", vec![(1, &ab, table("x", 10)), (1, &ab, with_stats.clone())], (1, &ab), None),
+            (
+                "the same twice after a change",
+                vec![(1, &ab, table("x", 11)), (1, &ab, table("x", 10)), (1, &ab, table("x", 10))],
+                (1, &ab),
+                Some(table("x", 10)),
+            ),
+            ("asked under a newer map", vec![(1, &ab, table("x", 10)); 2], (2, &ab), None),
+            ("asked over other members", vec![(1, &ab, table("x", 10)); 2], (1, &ab[..1]), None),
+            ("the same under two maps", vec![(1, &ab, table("x", 10)), (2, &ab, table("x", 10))], (2, &ab), None),
+        ];
+        for (case, answers, (map, over), want) in cases {
+            let known = KnownTables::default();
+            for (map, over, t) in answers {
+                known.learn(&["t".to_string()], map, over, &[t]);
+            }
+            assert_eq!(known.unchanged(&["t".to_string()], map, over), want.map(|t| vec![t]), "{case}");
+        }
+    }
+
+    /// A statement naming several tables is planned before the members answer only when
+    /// every one of them is unchanged.
+    #[test]
+    fn a_statement_is_planned_early_only_when_all_its_tables_are_unchanged() {
+        let (ab, names) = (members(&["a", "b"]), vec!["s".to_string(), "t".to_string()]);
+        let known = KnownTables::default();
+        known.learn(&names, 1, &ab, &[table("x", 1), table("y", 2)]);
+        known.learn(&names, 1, &ab, &[table("x", 1), table("y", 3)]);
+        assert_eq!(known.unchanged(&names, 1, &ab), None, "t changed");
+        assert_eq!(known.unchanged(&names[..1], 1, &ab), Some(vec![table("x", 1)]), "s alone did not");
+        known.learn(&names[1..], 1, &ab, &[table("y", 3)]);
+        assert_eq!(known.unchanged(&names, 1, &ab), Some(vec![table("x", 1), table("y", 3)]));
+    }
+
+    /// The tables known are bounded: past the bound they are forgotten and learnt again.
+    #[test]
+    fn known_tables_are_bounded() {
+        let ab = members(&["a", "b"]);
+        let known = KnownTables::default();
+        for i in 0..=KNOWN_TABLES_MAX {
+            known.learn(&[format!("t{i}")], 1, &ab, &[table("x", i)]);
+            assert!(known.0.lock().len() <= KNOWN_TABLES_MAX);
+        }
+        assert_eq!(known.0.lock().len(), 1, "forgotten all, then the last learnt");
+        known.learn(&["t0".to_string()], 1, &ab, &[table("x", 0)]);
+        assert_eq!(known.unchanged(&["t0".to_string()], 1, &ab), None, "forgotten: asked once since");
     }
 }

@@ -473,14 +473,18 @@ impl QueryPlanner for InlineGatheredBroadcasts {
         let Some(env) = state.config().get_extension::<WorkerEnv>() else {
             return self.planner.create_physical_plan(logical, state).await;
         };
+        let gate = state.config().get_extension::<OpenGate>();
         // The small tables a join reads are asked for at once, while the statement is
         // planned; those no broadcast reads are cancelled (dropped) after.
         let mut early: HashMap<String, Early> = HashMap::new();
         for read in joined_small_reads(logical) {
             let key = read.key();
             if let std::collections::hash_map::Entry::Vacant(slot) = early.entry(key) {
-                let (cluster, env) = (Arc::clone(&self.cluster), Arc::clone(&env));
-                slot.insert(crate::runtime::spawn_started(async move { gather(&cluster, &env, &read).await }));
+                let (cluster, env, gate) = (Arc::clone(&self.cluster), Arc::clone(&env), gate.clone());
+                slot.insert(crate::runtime::spawn_started(async move {
+                    OpenGate::passed(gate.as_deref()).await?;
+                    gather(&cluster, &env, &read).await
+                }));
             }
         }
         let t0 = std::time::Instant::now();
@@ -499,11 +503,14 @@ impl QueryPlanner for InlineGatheredBroadcasts {
         );
         let gathers = scans.iter().map(|(_, read)| {
             let started = early.remove(&read.key());
-            let (cluster, env) = (&self.cluster, &env);
+            let (cluster, env, gate) = (&self.cluster, &env, gate.as_deref());
             async move {
                 match started {
                     Some(task) => task.join().await.map_err(|e| DataFusionError::External(Box::new(e)))?,
-                    None => gather(cluster, env, read).await,
+                    None => {
+                        OpenGate::passed(gate).await?;
+                        gather(cluster, env, read).await
+                    }
                 }
             }
         });
@@ -532,6 +539,36 @@ impl QueryPlanner for InlineGatheredBroadcasts {
             "build sides gathered"
         );
         replace_broadcasts(plan, &built)
+    }
+}
+
+/// What a statement's gathers wait for before they read: the members' answers to the
+/// fields calls that opened its tables, when it is planned before they answer
+/// ([`crate::analytics::KnownTables`]). A member reads a gathered table as its shadow is
+/// then; its answer to the fields call is what says its shadow holds the statement's
+/// `request_plus` positions. Open (nothing to wait for) unless closed.
+#[derive(Default)]
+pub(crate) struct OpenGate(OnceLock<crate::analytics::Fresh>);
+
+impl fmt::Debug for OpenGate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "OpenGate(closed: {})", self.0.get().is_some())
+    }
+}
+
+impl OpenGate {
+    /// Gathers wait for `fresh` from now on (once per statement).
+    pub(crate) fn close_until(&self, fresh: crate::analytics::Fresh) {
+        let set = self.0.set(fresh);
+        debug_assert!(set.is_ok(), "a statement's tables are opened once");
+    }
+
+    /// Waits until the members have answered; their error, if they failed.
+    async fn passed(gate: Option<&OpenGate>) -> Result<(), DataFusionError> {
+        match gate.and_then(|g| g.0.get()) {
+            Some(fresh) => fresh.clone().await.map(|_| ()).map_err(DataFusionError::Shared),
+            None => Ok(()),
+        }
     }
 }
 
@@ -667,6 +704,49 @@ mod tests {
             group: None,
         };
         ShadowScanExec::in_cluster(on, schema(), None, 2, 10)
+    }
+
+    /// A gather of a statement planned before the members answered its fields calls waits
+    /// for their answers (which say each shadow holds the statement's `request_plus`
+    /// positions), and fails with their error; an open gate does not wait.
+    #[tokio::test]
+    async fn gathers_wait_for_the_members_answers_when_planned_before_them() {
+        use futures::FutureExt;
+        assert!(OpenGate::passed(None).now_or_never().is_some_and(|r| r.is_ok()), "no gate");
+        assert!(OpenGate::passed(Some(&OpenGate::default())).now_or_never().is_some_and(|r| r.is_ok()), "an open gate");
+
+        let (answer, answered) = tokio::sync::oneshot::channel::<Result<(), String>>();
+        let fresh: crate::analytics::Fresh = async move {
+            match answered.await {
+                Ok(Ok(())) => Ok(Arc::new(Vec::new())),
+                Ok(Err(why)) => Err(Arc::new(DataFusionError::Execution(why))),
+                Err(_) => Err(Arc::new(DataFusionError::Execution("dropped".into()))),
+            }
+        }
+        .boxed()
+        .shared();
+        let gate = Arc::new(OpenGate::default());
+        gate.close_until(fresh.clone());
+        let mut waiting = Box::pin(OpenGate::passed(Some(&gate)));
+        assert!((&mut waiting).now_or_never().is_none(), "waits while the members have not answered");
+        answer.send(Ok(())).unwrap();
+        assert!(waiting.await.is_ok(), "passes once they have");
+
+        let (answer, answered) = tokio::sync::oneshot::channel::<Result<(), String>>();
+        let failed: crate::analytics::Fresh = async move {
+            let why = answered.await.unwrap_or(Ok(())).err().unwrap_or_default();
+            Err(Arc::new(tag(Kind::Unavailable, why)))
+        }
+        .boxed()
+        .shared();
+        let gate = OpenGate::default();
+        gate.close_until(failed);
+        answer.send(Err("member b:1 is down".into())).unwrap();
+        let e = OpenGate::passed(Some(&gate)).await.unwrap_err();
+        assert!(
+            matches!(QueryError::from(e), QueryError::Unavailable(why) if why.contains("member b:1 is down")),
+            "their error, its kind kept"
+        );
     }
 
     fn broadcast(leaf: Arc<dyn ExecutionPlan>) -> Arc<dyn ExecutionPlan> {

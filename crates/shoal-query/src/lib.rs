@@ -455,6 +455,8 @@ pub struct QueryEngine {
     query_memory_bytes: usize,
     /// In a cluster: this node as a worker of distributed statements.
     member: std::sync::OnceLock<Member>,
+    /// The tables over the members its statements last found.
+    known: Arc<analytics::KnownTables>,
 }
 
 /// This node as a worker of distributed statements.
@@ -497,6 +499,7 @@ impl QueryEngine {
             runtime,
             query_memory_bytes: config.query_memory_bytes.min(config.node_memory_bytes),
             member: std::sync::OnceLock::new(),
+            known: Arc::default(),
         })
     }
 
@@ -633,9 +636,11 @@ impl QueryEngine {
         let distributed = req.cluster.is_some() && self.member.get().is_some();
         let run = async move {
             let t0 = Instant::now();
-            // Over the members, opening a table asks each member for its shadow's fields:
+            // Over the members, opening a table asks each member for its fields:
             // every table the statement names is opened at once, with one call per member,
-            // not one after another as the planner would (it then finds them open).
+            // not one after another as the planner would (it then finds them open). Tables
+            // found unchanged are planned on while the members are asked again.
+            let mut speculation = None;
             if prefetch {
                 let state = ctx.state();
                 let dialect = state.config().options().sql_parser.dialect;
@@ -645,22 +650,28 @@ impl QueryEngine {
                     (shadows, state.sql_to_statement(&sql, &dialect).and_then(|s| state.resolve_table_references(&s)))
                 {
                     let names: Vec<String> = refs.iter().filter(|r| r.schema().is_none()).map(|r| r.table().to_string()).collect();
-                    shadows.open_all(&names).await?;
+                    speculation = shadows.open_all(&names).await?;
                 }
             }
+            if let (Some(s), Some(gate)) = (&speculation, ctx.state().config().get_extension::<gather::OpenGate>()) {
+                gate.close_until(s.fresh());
+            }
+            let speculated = speculation.is_some();
             let t1 = Instant::now();
-            let options =
-                datafusion::execution::context::SQLOptions::new().with_allow_ddl(false).with_allow_dml(false).with_allow_statements(false);
-            let mut df = ctx.sql_with_options(&sql, options).await?;
-            if distributed {
-                df = distributed::analyzed(df)?;
+            let mut planned = plan(&ctx, &sql, &params, distributed).await;
+            // Planned on tables as they were: it runs only if the members answer the same.
+            let mut replanned = false;
+            if let Some(s) = speculation {
+                replanned = !s.confirmed().await?;
+                let outcome = if replanned { "planned_again" } else { "ran" };
+                metrics::counter!("shoal_analytics_planned_early_total", "outcome" => outcome).increment(1);
+                if replanned {
+                    planned = plan(&ctx, &sql, &params, distributed).await;
+                }
             }
+            let Planned { columns, plan, task } = planned?;
             let t2 = Instant::now();
-            if !params.is_empty() {
-                df = df.with_param_values(params)?;
-            }
-            let columns: Vec<String> = df.schema().fields().iter().map(|f| f.name().clone()).collect();
-            let mut stream = df.execute_stream().await?;
+            let mut stream = datafusion::physical_plan::execute_stream(plan, task)?;
             let t3 = Instant::now();
             let mut answer = QueryAnswer { columns, ..QueryAnswer::default() };
             let mut first = None;
@@ -670,12 +681,15 @@ impl QueryEngine {
             }
             let t4 = Instant::now();
             // Where a statement's time went (`SHOAL_LOG=shoal_query=debug`): opening its
-            // tables (over the members: asking each for its fields), logical and physical
-            // planning (over the members: the tasks sent), its first batch, the whole.
+            // tables (over the members: asking each for its fields, unless planned on them
+            // as they were known), its planning (waiting for the members' fields too, then),
+            // starting it, its first batch, the whole.
             tracing::debug!(
                 open_us = micros(t1 - t0),
+                speculated,
+                replanned,
                 plan_us = micros(t2 - t1),
-                physical_us = micros(t3 - t2),
+                execute_us = micros(t3 - t2),
                 first_batch_us = first.map_or(0, |f| micros(f - t3)),
                 total_us = micros(t4 - t0),
                 "statement phases"
@@ -756,7 +770,7 @@ impl QueryEngine {
                 // Tasks this node runs for itself read its shadows as a worker's do.
                 let builder = datafusion::execution::SessionStateBuilder::new()
                     .with_default_features()
-                    .with_config(config.with_extension(Arc::clone(&member.env)))
+                    .with_config(config.with_extension(Arc::clone(&member.env)).with_extension(Arc::new(gather::OpenGate::default())))
                     .with_runtime_env(runtime)
                     .with_physical_optimizer_rule(Arc::new(runtime::YieldingJoins))
                     .with_physical_optimizer_rule(Arc::new(distributed::FewGroupsInOneTask));
@@ -796,11 +810,35 @@ impl QueryEngine {
                     cluster: cluster.map(|(c, m)| (c, m.local.address())),
                     partitions,
                     opened: parking_lot::Mutex::default(),
+                    known: Arc::clone(&self.known),
                 }))),
             )?,
         };
         Ok((ctx, env))
     }
+}
+
+/// `sql` planned (logically and physically, gathering its small tables over the members).
+async fn plan(ctx: &SessionContext, sql: &str, params: &[ScalarValue], distributed: bool) -> Result<Planned, QueryError> {
+    let options =
+        datafusion::execution::context::SQLOptions::new().with_allow_ddl(false).with_allow_dml(false).with_allow_statements(false);
+    let mut df = ctx.sql_with_options(sql, options).await?;
+    if distributed {
+        df = distributed::analyzed(df)?;
+    }
+    if !params.is_empty() {
+        df = df.with_param_values(params.to_vec())?;
+    }
+    let columns: Vec<String> = df.schema().fields().iter().map(|f| f.name().clone()).collect();
+    let task = Arc::new(df.task_ctx());
+    Ok(Planned { columns, plan: df.create_physical_plan().await?, task })
+}
+
+/// A statement planned: its columns, its plan and what runs it.
+struct Planned {
+    columns: Vec<String>,
+    plan: Arc<dyn datafusion::physical_plan::ExecutionPlan>,
+    task: Arc<datafusion::execution::TaskContext>,
 }
 
 fn micros(d: std::time::Duration) -> u64 {

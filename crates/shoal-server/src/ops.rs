@@ -133,6 +133,10 @@ fn describe_metrics() {
         Unit::Bytes,
         "Bytes of column values this node's shadow scans produced (its own statements and its tasks of others')"
     );
+    describe_counter!(
+        "shoal_analytics_planned_early_total",
+        "Distributed statements planned on their tables as last found, while the members were asked again: by whether the plan ran or the members' answers differed and it was planned again"
+    );
     describe_histogram!(
         "shoal_analytics_lag_seconds",
         Unit::Seconds,
