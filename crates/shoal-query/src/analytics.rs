@@ -324,11 +324,16 @@ impl Shadows {
     /// planned: one call per member for them all ([`members_schemas`]), where the planner
     /// would open them one at a time, each with a call per member. It then finds them open.
     ///
-    /// When every one of them is as the last two statements found it ([`KnownTables`]),
-    /// they are opened as they were, and the members are asked again while the statement
-    /// is planned: the [`Speculation`] returned says, once they answer, whether the plan
-    /// may run. Nothing to do on a single node.
-    pub(crate) async fn open_all(&self, names: &[String]) -> Result<Option<Speculation>, DataFusionError> {
+    /// When every one of them is as the last two statements found it ([`KnownTables`]) and
+    /// the statement's reads can be made to wait for the members (`gate`), they are opened
+    /// as they were, the gate is closed until the members answer again, and the statement
+    /// is planned meanwhile: the [`Speculation`] returned says, once they answer, whether
+    /// the plan may run. Nothing to do on a single node.
+    pub(crate) async fn open_all(
+        &self,
+        names: &[String],
+        gate: Option<&crate::gather::OpenGate>,
+    ) -> Result<Option<Speculation>, DataFusionError> {
         let env = &self.0;
         let Some((cluster, _)) = &env.cluster else { return Ok(None) };
         let mut names: Vec<String> = names.iter().filter(|n| env.store.collection(n).is_some()).cloned().collect();
@@ -337,7 +342,7 @@ impl Shadows {
         if names.is_empty() {
             return Ok(None);
         }
-        if let Some(known) = env.known.unchanged(&names, cluster.map_version, &cluster.members) {
+        if let (Some(gate), Some(known)) = (gate, env.known.unchanged(&names, cluster.map_version, &cluster.members)) {
             self.set_open(&names, cluster, known.clone(), false);
             let (env, asked) = (Arc::clone(env), names.clone());
             let task = crate::runtime::spawn_started(async move { fetch_tables(&env, &asked).await });
@@ -347,6 +352,7 @@ impl Shadows {
                     Err(e) => Err(Arc::new(DataFusionError::External(Box::new(e)))),
                 }
             }));
+            gate.close_until(fresh.clone());
             return Ok(Some(Speculation { shadows: Shadows(Arc::clone(&self.0)), names, known, fresh }));
         }
         let tables = fetch_tables(env, &names).await?;
@@ -382,7 +388,8 @@ async fn fetch_tables(env: &AnalyticsEnv, names: &[String]) -> Result<Vec<Member
     Ok(futures::future::try_join_all(asks).await?.into_iter().flatten().collect())
 }
 
-/// The members' answers to a statement's fields calls, shared by whatever waits for them.
+/// The members' answers to a statement's fields calls, shared by whatever waits for them:
+/// each member answers once its shadows hold the statement's `request_plus` positions.
 pub(crate) type Fresh = futures::future::Shared<futures::future::BoxFuture<'static, Result<Arc<Vec<MembersTable>>, Arc<DataFusionError>>>>;
 
 /// A statement planned on the tables as they were known, while the members are asked again.
@@ -394,12 +401,6 @@ pub(crate) struct Speculation {
 }
 
 impl Speculation {
-    /// The members' answers, for the reads that must wait for them ([`crate::gather`]):
-    /// each member answers once its shadows hold the statement's `request_plus` positions.
-    pub(crate) fn fresh(&self) -> Fresh {
-        self.fresh.clone()
-    }
-
     /// Waits for the members' answers: whether they are the tables the statement was
     /// planned on, so that its plan is the one they would have made. If not, the tables
     /// are opened again as the members answered, for the statement to be planned again.

@@ -650,11 +650,9 @@ impl QueryEngine {
                     (shadows, state.sql_to_statement(&sql, &dialect).and_then(|s| state.resolve_table_references(&s)))
                 {
                     let names: Vec<String> = refs.iter().filter(|r| r.schema().is_none()).map(|r| r.table().to_string()).collect();
-                    speculation = shadows.open_all(&names).await?;
+                    let gate = state.config().get_extension::<gather::OpenGate>();
+                    speculation = shadows.open_all(&names, gate.as_deref()).await?;
                 }
-            }
-            if let (Some(s), Some(gate)) = (&speculation, ctx.state().config().get_extension::<gather::OpenGate>()) {
-                gate.close_until(s.fresh());
             }
             let speculated = speculation.is_some();
             let t1 = Instant::now();
