@@ -547,6 +547,72 @@ async fn statements_planned_on_tables_as_last_found_read_what_was_written_since(
     assert_eq!((s, &v["rows"]), (200, &model_join(&docs)), "{v}");
 }
 
+/// A small table (within `GATHER_ROWS_MAX` rows) whose rows on a member would pass
+/// `GATHER_BYTES_MAX` (8 MiB) is not gathered while the statement is planned: the member
+/// says so, and the join's build side is broadcast through a stage of its own, answering
+/// the same. The same rows read without the wide column are gathered, until the table
+/// passes `GATHER_ROWS_MAX` rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_build_side_past_the_gather_limits_is_broadcast_through_a_stage() {
+    // 50,000 rows of 400-byte strings over two members: about 9 MB of them on each.
+    const DOCS: i64 = 50_000;
+    let http = http();
+    let nodes = cluster(&http, 2).await;
+    assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
+    for chunk in (0..DOCS).collect::<Vec<_>>().chunks(5_000) {
+        let body: String = chunk
+            .iter()
+            .map(|i| {
+                json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"g": i % 10, "n": i, "s": format!("{i:0>400}")}}).to_string()
+                    + "\n"
+            })
+            .collect();
+        let r = http.post(nodes[0].u("/v1/collections/c/_bulk?durability=none")).body(body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(!r.text().await.unwrap().contains("\"error\""), "every line written");
+    }
+    // The documents with n < 45,000 by group: [g, count, sum(n)].
+    let groups: Vec<(i64, i64, i64)> = (0..10)
+        .map(|g| {
+            let ns = (0..45_000i64).filter(|n| n % 10 == g);
+            (g, ns.clone().count() as i64, ns.sum())
+        })
+        .collect();
+    // The same table, rows and filter; only the columns read differ: with the strings, each
+    // member's rows pass the limit.
+    let wide =
+        "SELECT a.g, count(*), sum(b.n), max(length(a.s)) FROM c a JOIN c b ON a.n = b.n WHERE a.n < 45000 GROUP BY a.g ORDER BY a.g";
+    let narrow = "SELECT a.g, count(*), sum(b.n) FROM c a JOIN c b ON a.n = b.n WHERE a.n < 45000 GROUP BY a.g ORDER BY a.g";
+    let want_wide = json!(groups.iter().map(|(g, c, s)| json!([g, c, s, 400])).collect::<Vec<_>>());
+    let want_narrow = json!(groups.iter().map(|(g, c, s)| json!([g, c, s])).collect::<Vec<_>>());
+    for (sql, want, gathered) in [(wide, want_wide, false), (narrow, want_narrow.clone(), true)] {
+        let (s, v) = statement(&http, &nodes[0], "analytics", sql).await;
+        assert_eq!((s, &v["rows"]), (200, &want), "{sql}: {v}");
+        let (s, v) = statement(&http, &nodes[0], "analytics", &format!("EXPLAIN ANALYZE {sql}")).await;
+        assert_eq!(s, 200, "{v}");
+        let plan = v["rows"][0][1].as_str().unwrap_or_default();
+        assert_eq!(plan.contains("GatheredExec: table=c, rows=45000"), gathered, "{sql}: {plan}");
+        assert_eq!(plan.contains("NetworkBroadcastExec"), !gathered, "{sql}: {plan}");
+    }
+    // Past `GATHER_ROWS_MAX` (100,000) rows in the table, the narrow read is not gathered
+    // either.
+    for chunk in (DOCS..110_000).collect::<Vec<_>>().chunks(10_000) {
+        let body: String = chunk
+            .iter()
+            .map(|i| json!({"op": "upsert", "key": format!("k{i:06}"), "value": {"g": i % 10, "n": i}}).to_string() + "\n")
+            .collect();
+        let r = http.post(nodes[0].u("/v1/collections/c/_bulk?durability=none")).body(body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(!r.text().await.unwrap().contains("\"error\""), "every line written");
+    }
+    let (s, v) = statement(&http, &nodes[0], "analytics", narrow).await;
+    assert_eq!((s, &v["rows"]), (200, &want_narrow), "{narrow}: {v}");
+    let (s, v) = statement(&http, &nodes[0], "analytics", &format!("EXPLAIN ANALYZE {narrow}")).await;
+    assert_eq!(s, 200, "{v}");
+    let plan = v["rows"][0][1].as_str().unwrap_or_default();
+    assert!(!plan.contains("GatheredExec") && plan.contains("NetworkBroadcastExec"), "{narrow}: {plan}");
+}
+
 /// CPU seconds (user + system) `pid` has used so far.
 fn cpu_secs(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
