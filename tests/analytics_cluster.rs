@@ -513,7 +513,10 @@ async fn statements_planned_on_tables_as_last_found_read_what_was_written_since(
             assert!(!r.text().await.unwrap().contains("\"error\""), "every line written");
         }
     };
-    // Rows of the gathered side move between groups (the table's rows and columns stay).
+    // Rows of the gathered side move between groups (the table's rows and columns stay, and
+    // so, mostly, do its statistics: a statement after such a write is planned early, its
+    // gathers waiting for the members' answers, in some round at least).
+    let ran_before = early("ran").await;
     for round in 0..4 {
         let moved: Vec<Value> = (0..DOCS)
             .map(|i| {
@@ -529,6 +532,7 @@ async fn statements_planned_on_tables_as_last_found_read_what_was_written_since(
             assert_eq!((s, &v["rows"]), (200, &model_join(&docs)), "round {round} on {}: {v}", node.url);
         }
     }
+    assert!(early("ran").await > ran_before, "a statement after a write ran as planned early");
     // Rows and a field added: the next statement names the field.
     until_planned_early(docs.clone()).await;
     let (ran, again) = (early("ran").await, early("planned_again").await);

@@ -352,7 +352,7 @@ impl Shadows {
                     Err(e) => Err(Arc::new(DataFusionError::External(Box::new(e)))),
                 }
             }));
-            gate.close_until(fresh.clone());
+            gate.close_until(fresh.clone())?;
             return Ok(Some(Speculation { shadows: Shadows(Arc::clone(&self.0)), names, known, fresh }));
         }
         let tables = fetch_tables(env, &names).await?;

@@ -557,10 +557,10 @@ impl fmt::Debug for OpenGate {
 }
 
 impl OpenGate {
-    /// Gathers wait for `fresh` from now on (once per statement).
-    pub(crate) fn close_until(&self, fresh: crate::analytics::Fresh) {
-        let set = self.0.set(fresh);
-        debug_assert!(set.is_ok(), "a statement's tables are opened once");
+    /// Gathers wait for `fresh` from now on. Once per statement: a second time is refused
+    /// (its gathers would wait for the first answers only).
+    pub(crate) fn close_until(&self, fresh: crate::analytics::Fresh) -> Result<(), DataFusionError> {
+        self.0.set(fresh).map_err(|_| DataFusionError::Internal("a statement's tables are opened once".into()))
     }
 
     /// Waits until the members have answered; their error, if they failed.
@@ -726,7 +726,8 @@ mod tests {
         .boxed()
         .shared();
         let gate = Arc::new(OpenGate::default());
-        gate.close_until(fresh.clone());
+        gate.close_until(fresh.clone()).unwrap();
+        assert!(gate.close_until(fresh.clone()).is_err(), "closed once");
         let mut waiting = Box::pin(OpenGate::passed(Some(&gate)));
         assert!((&mut waiting).now_or_never().is_none(), "waits while the members have not answered");
         answer.send(Ok(())).unwrap();
@@ -740,7 +741,7 @@ mod tests {
         .boxed()
         .shared();
         let gate = OpenGate::default();
-        gate.close_until(failed);
+        gate.close_until(failed).unwrap();
         answer.send(Err("member b:1 is down".into())).unwrap();
         let e = OpenGate::passed(Some(&gate)).await.unwrap_err();
         assert!(
