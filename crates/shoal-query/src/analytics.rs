@@ -343,7 +343,7 @@ impl Shadows {
             return Ok(None);
         }
         if let (Some(gate), Some(known)) = (gate, env.known.unchanged(&names, cluster.map_version, &cluster.members)) {
-            self.set_open(&names, cluster, known.clone(), false);
+            self.set_open(&names, cluster, known.clone());
             let (env, asked) = (Arc::clone(env), names.clone());
             let task = crate::runtime::spawn_started(async move { fetch_tables(&env, &asked).await });
             let fresh: Fresh = futures::FutureExt::shared(futures::FutureExt::boxed(async move {
@@ -353,27 +353,22 @@ impl Shadows {
                 }
             }));
             gate.close_until(fresh.clone())?;
-            return Ok(Some(Speculation { shadows: Shadows(Arc::clone(&self.0)), names, known, fresh }));
+            let (shadows, cluster) = (Shadows(Arc::clone(&self.0)), Arc::clone(cluster));
+            return Ok(Some(Speculation { shadows, cluster, names, known, fresh }));
         }
         let tables = fetch_tables(env, &names).await?;
         env.known.learn(&names, cluster.map_version, &cluster.members, &tables);
-        self.set_open(&names, cluster, tables, false);
+        self.set_open(&names, cluster, tables);
         Ok(None)
     }
 
-    /// Sets each of `names` open as `tables` over the members; `again`: in place of how it
-    /// was opened before (a statement planned again on the members' answers).
-    fn set_open(&self, names: &[String], cluster: &Arc<ClusterAnalytics>, tables: Vec<MembersTable>, again: bool) {
+    /// Sets each of `names` open as `tables` over the members, in place of how it was opened
+    /// before, if it was (a statement planned again on the members' answers).
+    fn set_open(&self, names: &[String], cluster: &Arc<ClusterAnalytics>, tables: Vec<MembersTable>) {
         debug_assert_eq!(names.len(), tables.len());
+        let mut opened = self.0.opened.lock();
         for (name, table) in names.iter().zip(tables) {
-            let provider = self.over_members(name, cluster, table);
-            let mut opened = self.0.opened.lock();
-            if again {
-                opened.insert(name.clone(), Arc::new(Opening::new_with(Some(provider))));
-            } else {
-                // Already open (it cannot be: the planner runs after) is as good.
-                let _ = opened.entry(name.clone()).or_default().set(provider);
-            }
+            opened.insert(name.clone(), Arc::new(Opening::new_with(Some(self.over_members(name, cluster, table)))));
         }
     }
 }
@@ -395,6 +390,7 @@ pub(crate) type Fresh = futures::future::Shared<futures::future::BoxFuture<'stat
 /// A statement planned on the tables as they were known, while the members are asked again.
 pub(crate) struct Speculation {
     shadows: Shadows,
+    cluster: Arc<ClusterAnalytics>,
     names: Vec<String>,
     known: Vec<MembersTable>,
     fresh: Fresh,
@@ -407,12 +403,11 @@ impl Speculation {
     /// Their error is the statement's.
     pub(crate) async fn confirmed(self) -> Result<bool, DataFusionError> {
         let fresh = self.fresh.await.map_err(DataFusionError::Shared)?;
-        let env = &self.shadows.0;
-        let Some((cluster, _)) = &env.cluster else { return Ok(true) };
-        env.known.learn(&self.names, cluster.map_version, &cluster.members, &fresh);
+        let cluster = &self.cluster;
+        self.shadows.0.known.learn(&self.names, cluster.map_version, &cluster.members, &fresh);
         let same = *fresh == self.known;
         if !same {
-            self.shadows.set_open(&self.names, cluster, fresh.to_vec(), true);
+            self.shadows.set_open(&self.names, cluster, fresh.to_vec());
         }
         Ok(same)
     }

@@ -266,8 +266,14 @@ fn unqualified(e: &Expr) -> Expr {
 
 /// A small table's rows over the members (its filters applied where the rows are), or
 /// `None` when a filter cannot be sent or a member holds more than [`GATHER_BYTES_MAX`] of
-/// them.
-async fn gather(cluster: &ClusterAnalytics, env: &Arc<WorkerEnv>, read: &SmallRead) -> Result<Option<GatheredExec>, DataFusionError> {
+/// them. Nothing is asked of a member before the statement's `gate` opens.
+async fn gather(
+    cluster: &ClusterAnalytics,
+    env: &Arc<WorkerEnv>,
+    gate: Option<&OpenGate>,
+    read: &SmallRead,
+) -> Result<Option<GatheredExec>, DataFusionError> {
+    OpenGate::passed(gate).await?;
     let mut encoded = Vec::with_capacity(read.filters.len());
     for f in &read.filters {
         match unqualified(f).to_bytes() {
@@ -481,10 +487,7 @@ impl QueryPlanner for InlineGatheredBroadcasts {
             let key = read.key();
             if let std::collections::hash_map::Entry::Vacant(slot) = early.entry(key) {
                 let (cluster, env, gate) = (Arc::clone(&self.cluster), Arc::clone(&env), gate.clone());
-                slot.insert(crate::runtime::spawn_started(async move {
-                    OpenGate::passed(gate.as_deref()).await?;
-                    gather(&cluster, &env, &read).await
-                }));
+                slot.insert(crate::runtime::spawn_started(async move { gather(&cluster, &env, gate.as_deref(), &read).await }));
             }
         }
         let t0 = std::time::Instant::now();
@@ -507,10 +510,7 @@ impl QueryPlanner for InlineGatheredBroadcasts {
             async move {
                 match started {
                     Some(task) => task.join().await.map_err(|e| DataFusionError::External(Box::new(e)))?,
-                    None => {
-                        OpenGate::passed(gate).await?;
-                        gather(cluster, env, read).await
-                    }
+                    None => gather(cluster, env, gate, read).await,
                 }
             }
         });
