@@ -53,16 +53,23 @@ async fn loaded_cluster(http: &reqwest::Client, docs: usize, durability: &str) -
     let nodes = cluster(http, 3).await;
     assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
     for chunk in (0..docs).collect::<Vec<_>>().chunks(2_000) {
-        let body: String = chunk
-            .iter()
-            .map(|i| json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"g": i % 10, "n": i}}).to_string() + "\n")
-            .collect();
-        let url = nodes[0].u(&format!("/v1/collections/c/_bulk?durability={durability}"));
-        let r = http.post(url).body(body).send().await.unwrap();
-        assert_eq!(r.status(), 200);
-        assert!(!r.text().await.unwrap().contains("\"error\""), "every line written");
+        let lines = chunk.iter().map(|i| json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"g": i % 10, "n": i}}));
+        bulk(http, &nodes[0], lines, Some(durability)).await;
     }
     nodes
+}
+
+/// Writes `lines` (`_bulk` operations) to collection `c` through `node` in one request, at
+/// `durability` (`None`: the default); every line must succeed.
+async fn bulk(http: &reqwest::Client, node: &Node, lines: impl IntoIterator<Item = Value>, durability: Option<&str>) {
+    let body: String = lines.into_iter().map(|l| l.to_string() + "\n").collect();
+    let path = match durability {
+        Some(d) => format!("/v1/collections/c/_bulk?durability={d}"),
+        None => "/v1/collections/c/_bulk".to_string(),
+    };
+    let r = http.post(node.u(&path)).body(body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(!r.text().await.unwrap().contains("\"error\""), "every line written");
 }
 
 /// Rows equal, numbers within a relative 1e-9 (the engines add floats in different orders).
@@ -333,16 +340,11 @@ async fn a_rebalance_moves_each_partitions_analytics_rows_with_its_files() {
     assert_eq!(http.put(first.u("/v1/collections/c")).send().await.unwrap().status(), 201);
     let mut docs = std::collections::BTreeMap::new();
     for chunk in (0..DOCS).collect::<Vec<_>>().chunks(3_000) {
-        let body: String = chunk
-            .iter()
-            .map(|i| {
-                let table = format!("t{}", i % 3);
-                json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"g": i % 10, "n": i, "table_name": table}}).to_string() + "\n"
-            })
-            .collect();
-        let r = http.post(first.u("/v1/collections/c/_bulk")).body(body).send().await.unwrap();
-        assert_eq!(r.status(), 200);
-        assert!(!r.text().await.unwrap().contains("\"error\""), "every line written");
+        let lines = chunk.iter().map(|i| {
+            let table = format!("t{}", i % 3);
+            json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"g": i % 10, "n": i, "table_name": table}})
+        });
+        bulk(&http, &first, lines, None).await;
         docs.extend(chunk.iter().map(|i| (format!("k{i:05}"), (i % 10, *i))));
     }
     let sql = "SELECT g, count(*), sum(n) FROM c GROUP BY g ORDER BY g";
@@ -430,20 +432,18 @@ async fn a_rebalance_moves_each_partitions_analytics_rows_with_its_files() {
     }
 
     // What is written after lands on the moved rows, wherever they are read.
-    let mut body = String::new();
+    let mut lines = Vec::new();
     for i in (0..DOCS).step_by(7) {
         let key = format!("k{i:05}");
         if i % 2 == 0 {
-            body += &(json!({"op": "upsert", "key": key, "value": {"g": 3, "n": -i, "table_name": "t9"}}).to_string() + "\n");
+            lines.push(json!({"op": "upsert", "key": key, "value": {"g": 3, "n": -i, "table_name": "t9"}}));
             docs.insert(key, (3, -i));
         } else {
-            body += &(json!({"op": "remove", "key": key}).to_string() + "\n");
+            lines.push(json!({"op": "remove", "key": key}));
             docs.remove(&key);
         }
     }
-    let r = http.post(second.u("/v1/collections/c/_bulk")).body(body).send().await.unwrap();
-    assert_eq!(r.status(), 200);
-    assert!(!r.text().await.unwrap().contains("\"error\""), "every line written");
+    bulk(&http, &second, lines, None).await;
     let want = model_groups(&docs);
     let want_join = model_groups(&docs.iter().filter(|(_, (_, n))| *n < 100).map(|(k, v)| (k.clone(), *v)).collect());
     for node in [&first, &second] {
@@ -504,15 +504,6 @@ async fn statements_planned_on_tables_as_last_found_read_what_was_written_since(
         }
     };
     until_planned_early(docs.clone()).await;
-    let write = |lines: Vec<Value>| {
-        let (http, node) = (&http, &nodes[1]);
-        async move {
-            let body: String = lines.iter().map(|l| l.to_string() + "\n").collect();
-            let r = http.post(node.u("/v1/collections/c/_bulk?durability=majority")).body(body).send().await.unwrap();
-            assert_eq!(r.status(), 200);
-            assert!(!r.text().await.unwrap().contains("\"error\""), "every line written");
-        }
-    };
     // Rows of the gathered side move between groups (the table's rows and columns stay, and
     // so, mostly, do its statistics: a statement after such a write is planned early, its
     // gathers waiting for the members' answers, in some round at least).
@@ -526,7 +517,7 @@ async fn statements_planned_on_tables_as_last_found_read_what_was_written_since(
                 json!({"op": "upsert", "key": key, "value": {"g": g, "n": n}})
             })
             .collect();
-        write(moved).await;
+        bulk(&http, &nodes[1], moved, Some("majority")).await;
         for node in &nodes {
             let (s, v) = statement(&http, node, "analytics", GATHERED_JOIN).await;
             assert_eq!((s, &v["rows"]), (200, &model_join(&docs)), "round {round} on {}: {v}", node.url);
@@ -543,7 +534,7 @@ async fn statements_planned_on_tables_as_last_found_read_what_was_written_since(
             json!({"op": "upsert", "key": key, "value": {"g": i % 10, "n": n, "extra": 2}})
         })
         .collect();
-    write(added).await;
+    bulk(&http, &nodes[1], added, Some("majority")).await;
     let (s, v) = statement(&http, &nodes[0], "analytics", "SELECT count(*), sum(extra) FROM c").await;
     assert_eq!((s, &v["rows"]), (200, &json!([[DOCS + 100, 200]])), "{v}");
     assert_eq!((early("ran").await, early("planned_again").await), (ran, again + 1.0), "planned early on the old tables, then again");
@@ -564,16 +555,10 @@ async fn a_build_side_past_the_gather_limits_is_broadcast_through_a_stage() {
     let nodes = cluster(&http, 2).await;
     assert_eq!(http.put(nodes[0].u("/v1/collections/c")).send().await.unwrap().status(), 201);
     for chunk in (0..DOCS).collect::<Vec<_>>().chunks(5_000) {
-        let body: String = chunk
+        let lines = chunk
             .iter()
-            .map(|i| {
-                json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"g": i % 10, "n": i, "s": format!("{i:0>400}")}}).to_string()
-                    + "\n"
-            })
-            .collect();
-        let r = http.post(nodes[0].u("/v1/collections/c/_bulk?durability=none")).body(body).send().await.unwrap();
-        assert_eq!(r.status(), 200);
-        assert!(!r.text().await.unwrap().contains("\"error\""), "every line written");
+            .map(|i| json!({"op": "upsert", "key": format!("k{i:05}"), "value": {"g": i % 10, "n": i, "s": format!("{i:0>400}")}}));
+        bulk(&http, &nodes[0], lines, Some("none")).await;
     }
     // The documents with n < 45,000 by group: [g, count, sum(n)].
     let groups: Vec<(i64, i64, i64)> = (0..10)
@@ -601,13 +586,8 @@ async fn a_build_side_past_the_gather_limits_is_broadcast_through_a_stage() {
     // Past `GATHER_ROWS_MAX` (100,000) rows in the table, the narrow read is not gathered
     // either.
     for chunk in (DOCS..110_000).collect::<Vec<_>>().chunks(10_000) {
-        let body: String = chunk
-            .iter()
-            .map(|i| json!({"op": "upsert", "key": format!("k{i:06}"), "value": {"g": i % 10, "n": i}}).to_string() + "\n")
-            .collect();
-        let r = http.post(nodes[0].u("/v1/collections/c/_bulk?durability=none")).body(body).send().await.unwrap();
-        assert_eq!(r.status(), 200);
-        assert!(!r.text().await.unwrap().contains("\"error\""), "every line written");
+        let lines = chunk.iter().map(|i| json!({"op": "upsert", "key": format!("k{i:06}"), "value": {"g": i % 10, "n": i}}));
+        bulk(&http, &nodes[0], lines, Some("none")).await;
     }
     let (s, v) = statement(&http, &nodes[0], "analytics", narrow).await;
     assert_eq!((s, &v["rows"]), (200, &want_narrow), "{narrow}: {v}");
